@@ -1,0 +1,10 @@
+// The one Python binding file of the CPU extension fedfast._C (ops are registered with torch.library
+// on the Python side, in fedfast/ops/*.py, which call these functions).
+#include "fedfast_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fedfast CPU kernels";
+  m.def("distill_rows", &fedfast::distill_rows_cpu, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
+  m.def("teacher_mixture", &fedfast::teacher_mixture_cpu, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
+  m.def("asd_weights", &fedfast::asd_weights_cpu, "ASD alphahat [R]");
+}

@@ -1,0 +1,37 @@
+// CPU kernels of fedfast (one op per .cpp); bound to Python in bindings.cpp.
+#pragma once
+#include <torch/extension.h>
+
+#include <tuple>
+
+namespace fedfast {
+
+std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
+    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
+    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
+    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
+    const c10::optional<at::Tensor>& segments, double tau, double ce_weight, double kd_weight,
+    int64_t ignore_index, bool not_true, bool soft_ce);
+
+std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers, const at::Tensor& weights,
+                                                       const at::Tensor& target, double tau, bool not_true,
+                                                       int64_t ignore_index);
+
+at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
+                           const c10::optional<at::Tensor>& segments, double entropy_tau, int64_t ignore_index);
+
+// Helpers shared by the ops.
+inline int64_t row_target(const at::Tensor& target, int64_t i, int64_t C, int64_t ignore_index) {
+  int64_t y = target.scalar_type() == at::kLong ? target.data_ptr<int64_t>()[i]
+                                                : static_cast<int64_t>(target.data_ptr<int32_t>()[i]);
+  return (y == ignore_index || y < 0 || y >= C) ? -1 : y;
+}
+inline int64_t row_segment(const c10::optional<at::Tensor>& segments, int64_t i, int64_t S) {
+  if (!segments.has_value() || S <= 1) return 0;
+  const at::Tensor& s = *segments;
+  int64_t v = s.scalar_type() == at::kLong ? s.data_ptr<int64_t>()[i]
+                                           : static_cast<int64_t>(s.data_ptr<int32_t>()[i]);
+  return v < 0 ? 0 : (v >= S ? S - 1 : v);
+}
+
+}  // namespace fedfast

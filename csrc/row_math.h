@@ -1,0 +1,49 @@
+// Row-wise math shared by the CPU kernels: a branch-free, auto-vectorisable expf and helpers.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// Compiled twice (AVX2+FMA and baseline x86-64), chosen at load time by the CPU (gcc ifunc).
+#define FEDFAST_MULTIVERSION __attribute__((target_clones("avx2,fma", "default")))
+#else
+#define FEDFAST_MULTIVERSION
+#endif
+
+namespace fedfast {
+
+// exp(x) for x <= 0 (all callers subtract the row max first). Cephes-style range reduction
+// x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial; ~1 ulp. exp(x) = 0 for x < -87.3 (incl. -inf).
+static inline float fexp(float x) {
+  const float lo = -87.3f;
+  bool under = !(x >= lo);  // also true for NaN? no: NaN stays NaN below via the polynomial
+  float xc = x < lo ? lo : x;
+  xc = xc > 88.0f ? 88.0f : xc;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest integer
+  float t = xc * 1.44269504088896341f + magic;
+  float n = t - magic;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float e = p * r * r + r + 1.0f;
+  int32_t ti;
+  std::memcpy(&ti, &t, 4);
+  int32_t bits = (ti - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  float res = e * scale;
+  return (under && !(x != x)) ? 0.0f : res;
+}
+static inline double fexp(double x) { return std::exp(x); }
+
+template <typename A>
+inline A neg_inf() { return -std::numeric_limits<A>::infinity(); }
+
+}  // namespace fedfast

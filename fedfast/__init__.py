@@ -1,0 +1,6 @@
+"""fedfast: fused knowledge-distillation losses and kernels for federated learning simulation."""
+__version__ = "0.1.0"
+
+from . import nn, ops  # noqa: E402
+
+__all__ = ["nn", "ops", "__version__"]

@@ -1,0 +1,175 @@
+"""Drop-in fused distillation losses (``torch.nn.Module``s), thin wrappers over :func:`fedfast.ops.distill`.
+
+Every module takes ``reduction="mean"|"sum"|"none"|"segment"``, ``ignore_index=-100``, ``backend=None``
+(auto by device, or ``FEDFAST_BACKEND``) and ``validate=None`` (see :mod:`fedfast.ops._validate`), and
+every ``forward`` takes ``segments=None`` (an int tensor [R] of sorted client ids: "mean" is taken within
+each client's rows and the client means are summed) and ``num_segments=None``. Student logits [R, C]
+need grad; teachers are detached; fp32, bf16 and fp16 inputs all work, with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .ops import _validate
+
+
+class _DistillBase(nn.Module):
+    def __init__(self, tau: float, reduction: str, ignore_index: int, backend: str | None, validate: str | None):
+        super().__init__()
+        _validate.check_tau("tau", tau)
+        if reduction not in ("mean", "sum", "none", "segment"):
+            raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
+        self.tau, self.reduction, self.ignore_index = float(tau), reduction, int(ignore_index)
+        self.backend, self.validate = backend, validate
+
+    def _common(self, segments, num_segments):
+        return dict(tau=self.tau, reduction=self.reduction, ignore_index=self.ignore_index, segments=segments,
+                    num_segments=num_segments, backend=self.backend, validate=self.validate)
+
+    def extra_repr(self) -> str:
+        keys = [k for k in ("tau", "ce_weight", "kd_weight", "beta", "lam", "gamma", "not_true", "entropy_tau",
+                            "tau_squared") if hasattr(self, k)]
+        return ", ".join(f"{k}={getattr(self, k)}" for k in keys) + f", reduction={self.reduction!r}"
+
+
+class KDLoss(_DistillBase):
+    """Hinton KD: ``ce_weight * CE(z, y) + kd_weight * s * KL(softmax(t/tau) || softmax(z/tau))``, ``s = tau^2``
+    if ``tau_squared`` else 1 (Hinton et al. 2015; FedNTD Eq. 3 without the (1-beta)). FedGKD with one
+    averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``."""
+
+    def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
+                 reduction: str = "mean", ignore_index: int = -100, backend=None, validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        self.ce_weight, self.kd_weight, self.tau_squared = float(ce_weight), float(kd_weight), bool(tau_squared)
+
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
+                num_segments: int | None = None) -> Tensor:
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teacher, target, kind="full", ce_weight=self.ce_weight,
+                           kd_weight=self.kd_weight * s, **self._common(segments, num_segments))
+
+
+class NTDLoss(_DistillBase):
+    """FedNTD (Lee et al. 2022, Eq. 10-11): ``CE(z, y) + beta * s * KL(pt || qt)`` where pt, qt are the
+    tau-softmaxes over the C-1 not-true classes (column y removed from teacher and student before the
+    softmax), ``s = tau^2`` if ``tau_squared`` (official code HEAD) else 1 (paper). No (1-beta) on CE."""
+
+    def __init__(self, tau: float = 1.0, beta: float = 1.0, tau_squared: bool = True, reduction: str = "mean",
+                 ignore_index: int = -100, backend=None, validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        self.beta, self.tau_squared = float(beta), bool(tau_squared)
+
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
+                num_segments: int | None = None) -> Tensor:
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teacher, target, kind="not_true", kd_weight=self.beta * s,
+                           **self._common(segments, num_segments))
+
+
+class ASDLoss(_DistillBase):
+    """ASD (Yashwanth et al., Eq. 2-11, official-code scaling): ``CE_mean + lam * sum_i alpha_i KL_i`` with
+    ``alpha_i ∝ exp(-H(softmax(t_i/entropy_tau))) / class_prior[y_i]`` normalised to sum 1 within each
+    segment (client minibatch). ``not_true=True`` is FedNTD+ASD (KL over the not-true classes; weights
+    from the full teacher softmax). No tau^2 (paper); ``tau_squared=True`` multiplies the KD term by tau^2.
+    ``class_prior`` is the client's label distribution, [C] or [num_segments, C].
+
+    With ``reduction="none"`` row i returns ``CE_i + lam * n_seg * alpha_i * KL_i`` (its segment mean is
+    the paper's loss); "sum" sums those rows."""
+
+    def __init__(self, tau: float = 2.0, lam: float = 10.0, not_true: bool = False, entropy_tau: float | None = None,
+                 tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100, backend=None,
+                 validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        self.lam, self.not_true, self.tau_squared = float(lam), bool(not_true), bool(tau_squared)
+        self.entropy_tau = self.tau if entropy_tau is None else float(entropy_tau)
+        _validate.check_tau("entropy_tau", self.entropy_tau)
+
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None,
+                num_segments: int | None = None) -> Tensor:
+        _validate.check_logits("student", student)
+        ahat = ops.asd_weights(teacher, target, class_prior, segments, entropy_tau=self.entropy_tau,
+                               ignore_index=self.ignore_index, backend=self.backend, validate=self.validate)
+        rw = ops.asd_row_weight(ahat, target, student.shape[1], segments, self.ignore_index)
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teacher, target, kind="not_true" if self.not_true else "full",
+                           kd_weight=self.lam * s, row_weight=rw, **self._common(segments, num_segments))
+
+
+class GKDLoss(_DistillBase):
+    """FedGKD (Yao et al., Eq. 3-5): ``CE + (gamma/2) * s * sum_m w_m KL(softmax(t_m/tau) || softmax(z/tau))``.
+
+    ``teachers`` is [R, C] (the parameter-averaged teacher, M=1) or [M, R, C] with ``teacher_weights`` [M]
+    (FedGKD-VOTE: pass ``softmax(-M * val_loss)``; default uniform 1/M). ``s = tau^2`` if ``tau_squared``.
+    """
+
+    def __init__(self, tau: float = 1.0, gamma: float = 0.2, tau_squared: bool = True, reduction: str = "mean",
+                 ignore_index: int = -100, backend=None, validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        self.gamma, self.tau_squared = float(gamma), bool(tau_squared)
+
+    def forward(self, student: Tensor, teachers: Tensor, target: Tensor, teacher_weights=None,
+                segments: Tensor | None = None, num_segments: int | None = None) -> Tensor:
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teachers, target, kind="full", kd_weight=self.gamma / 2 * s,
+                           teacher_weights=teacher_weights, **self._common(segments, num_segments))
+
+
+class CADLoss(_DistillBase):
+    """FedCAD (He et al., Eq. 2-5): per row ``(1 - a_y) CE(z, y) + a_y * s * softCE(softmax(t/tau), softmax(z/tau))``
+    with ``a = class_alpha`` [C] in [0, 1] (server-estimated per-class weights), ``s = tau^2`` if
+    ``tau_squared`` (default off, as in the paper). softCE = -sum_c p_c log q_c (= KL + H(p))."""
+
+    def __init__(self, tau: float = 2.0, tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100,
+                 backend=None, validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        self.tau_squared = bool(tau_squared)
+
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_alpha, segments: Tensor | None = None,
+                num_segments: int | None = None) -> Tensor:
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teacher, target, kind="full", soft_ce=True, kd_weight=s, class_alpha=class_alpha,
+                           **self._common(segments, num_segments))
+
+
+def confidence_from_freq(class_freq, C: int, device) -> Tensor:
+    """FedADC+ confidence ``rho_c = gamma_c / max_c gamma_c`` per row of a label histogram [C] or [S, C]."""
+    f = torch.as_tensor(class_freq, device=device)
+    if not f.is_floating_point():
+        f = f.float()
+    if f.dim() == 1:
+        f = f[None]
+    if f.dim() != 2 or f.shape[1] != C:
+        raise ValueError(f"class_freq: expected shape [{C}] or [num_segments, {C}], got {tuple(f.shape)}")
+    f = f.float() if f.dtype != torch.float64 else f
+    mx = f.amax(dim=1, keepdim=True)
+    return f / mx.clamp_min(torch.finfo(f.dtype).tiny), f, mx
+
+
+class ADCLoss(_DistillBase):
+    """FedADC+ (Ozfatura et al., Eq. 6-9): ``(1 - lam) CE + lam * s * KL(phat || softmax(z/tau))`` with the
+    self-confidence target ``phat_c = (1 - rho_c) p_c`` (c != y), ``phat_y = p_y + sum_{c != y} rho_c p_c``,
+    ``p = softmax(t/tau)``, ``rho = class_freq / max(class_freq)`` per client; ``s = tau^2`` (CS-KD)."""
+
+    def __init__(self, tau: float = 4.0, lam: float = 0.35, tau_squared: bool = True, reduction: str = "mean",
+                 ignore_index: int = -100, backend=None, validate=None):
+        super().__init__(tau, reduction, ignore_index, backend, validate)
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam: must lie in [0, 1], got {lam!r}")
+        self.lam, self.tau_squared = float(lam), bool(tau_squared)
+
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_freq, segments: Tensor | None = None,
+                num_segments: int | None = None) -> Tensor:
+        _validate.check_logits("student", student)
+        rho, f, mx = confidence_from_freq(class_freq, student.shape[1], student.device)
+        mode = _validate.mode_for(student.device, self.validate)
+        if mode != "off":
+            _validate.check("class_freq", ((f < 0) | ~torch.isfinite(f)).any() | ~(mx > 0).all(),
+                            "label histogram must be finite, >= 0 and not all zero", mode)
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.distill(student, teacher, target, kind="full", ce_weight=1.0 - self.lam, kd_weight=self.lam * s,
+                           rho=rho, **self._common(segments, num_segments))
+
+
+__all__ = ["KDLoss", "NTDLoss", "ASDLoss", "GKDLoss", "CADLoss", "ADCLoss", "confidence_from_freq"]

@@ -1,0 +1,19 @@
+"""fedfast's functional core: fused ops with a ``backend=`` argument.
+
+* :func:`distill` - CE + (not-true / full / mixture / FedADC+ / FedCAD) distillation, loss and gradient
+  in one pass (:mod:`fedfast.ops.distill_reference` is the spec).
+* :func:`teacher_mixture` - FedGKD-VOTE: M teachers -> one target distribution.
+* :func:`asd_weights`, :func:`asd_row_weight` - ASD entropy x inverse-prior weights.
+* :func:`raise_if_invalid` - read the deferred (no-sync) validation flags of GPU calls.
+"""
+from ._backend import BACKENDS, resolve as resolve_backend
+from ._validate import raise_if_invalid
+from .asd_weights import asd_row_weight, asd_weights
+from .distill import distill, reduce_rows
+from .distill_reference import (asd_weights_reference, distill_reference, distill_rows_reference,
+                                teacher_mixture_reference)
+from .teacher_mixture import teacher_mixture
+
+__all__ = ["BACKENDS", "resolve_backend", "raise_if_invalid", "distill", "reduce_rows", "teacher_mixture",
+           "asd_weights", "asd_row_weight", "distill_reference", "distill_rows_reference",
+           "teacher_mixture_reference", "asd_weights_reference"]

@@ -1,0 +1,89 @@
+"""ASD per-sample weights (Yashwanth et al., "Adaptive Self-Distillation", Eq. 9-11).
+
+``alphahat_i = exp(-H(softmax(t_i / entropy_tau))) / prior[s_i, y_i]`` (H: entropy of the full teacher
+softmax, natural log; ``prior`` the client's label distribution, row ``s_i = segments[i]``), then
+``alpha_i = alphahat_i / sum_{j in segment(i)} alphahat_j`` (normalised within each client's minibatch,
+Eq. 20). The KD row weight handed to the fused loss is ``n_seg(i) * alpha_i`` so that the segment mean of
+``CE_i + lam * n_seg * alpha_i * KL_i`` is the paper's ``CE_mean + lam * sum_i alpha_i KL_i``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _backend, _validate
+from .distill import segment_counts, valid_rows
+from .distill_reference import asd_weights_reference
+
+
+@torch.library.custom_op("fedfast::asd_weights", mutates_args=())
+def asd_weights_op(teacher: Tensor, target: Tensor, class_prior: Tensor, segments: Tensor | None,
+                   entropy_tau: float, ignore_index: int, backend: str) -> Tensor:
+    if backend == "reference":
+        return asd_weights_reference(teacher, target, class_prior, segments, entropy_tau=entropy_tau,
+                                     ignore_index=ignore_index)
+    args = (teacher, target, class_prior, segments, float(entropy_tau), int(ignore_index))
+    if backend == "cpu":
+        return _backend.cpu_ext().asd_weights(*args)
+    if backend == "cuda":
+        return _backend.cuda_ext().asd_weights(*args)
+    from ..triton.asd_weights import asd_weights_triton
+    return asd_weights_triton(*args)
+
+
+@asd_weights_op.register_fake
+def _(teacher, target, class_prior, segments, entropy_tau, ignore_index, backend):
+    dt = torch.float64 if teacher.dtype == torch.float64 else torch.float32
+    return teacher.new_empty((teacher.shape[0],), dtype=dt)
+
+
+def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None, *,
+                entropy_tau: float = 2.0, ignore_index: int = -100, backend: str | None = None,
+                validate: str | None = None) -> Tensor:
+    """Un-normalised ASD weights ``alphahat`` [R] (0 on ignored rows). ``class_prior`` [C] or [S, C]."""
+    _validate.check_logits("teacher", teacher)
+    _validate.check_tau("entropy_tau", entropy_tau)
+    R, C = teacher.shape
+    dev = teacher.device
+    mode = _validate.mode_for(dev, validate)
+    _validate.check_target(target, R, C, ignore_index, dev, mode)
+    if segments is not None:
+        _validate.check_segments(segments, R, dev, mode, None)
+        segments = segments.contiguous()
+    prior = torch.as_tensor(class_prior, device=dev)
+    if not prior.is_floating_point():
+        prior = prior.float()
+    if prior.dim() == 1:
+        prior = prior[None]
+    if prior.dim() != 2 or prior.shape[1] != C:
+        raise ValueError(f"class_prior: expected shape [{C}] or [num_segments, {C}], got {tuple(prior.shape)}")
+    if prior.shape[0] > 1 and segments is None:
+        raise ValueError(f"class_prior: a per-client table [{prior.shape[0]}, {C}] needs `segments`")
+    prior = prior.to(torch.float64 if teacher.dtype == torch.float64 else torch.float32).contiguous()
+    if mode != "off":
+        S = prior.shape[0]
+        valid = valid_rows(target, C, ignore_index)
+        s = torch.zeros_like(target) if (segments is None or S == 1) else segments.long().clamp(0, S - 1)
+        py = prior[s.long(), torch.where(valid, target, torch.zeros_like(target)).long()]
+        bad = (valid & ~(py > 0)).any() | (prior < 0).any() | ~torch.isfinite(prior).all()
+        _validate.check("class_prior", bad, "must be finite, >= 0 and > 0 for every class present in target", mode)
+    be = _backend.resolve(backend, dev.type)
+    return asd_weights_op(teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau),
+                          int(ignore_index), be)
+
+
+def asd_row_weight(alphahat: Tensor, target: Tensor, C: int, segments: Tensor | None = None,
+                   ignore_index: int = -100) -> Tensor:
+    """``n_seg(i) * alpha_i`` with ``alpha`` normalised to sum 1 over each segment's valid rows (no host sync)."""
+    valid = valid_rows(target, C, ignore_index)
+    R = alphahat.shape[0]
+    if segments is None:
+        total = alphahat.sum()
+        n = valid.sum().to(alphahat.dtype)
+        return torch.where(valid, alphahat * n / total.clamp_min(torch.finfo(alphahat.dtype).tiny),
+                           torch.zeros_like(alphahat))
+    seg = segments.long().clamp(0, max(R - 1, 0))
+    sums = torch.zeros(R, dtype=alphahat.dtype, device=alphahat.device).index_add_(0, seg, alphahat)[seg]
+    n = segment_counts(segments, valid).to(alphahat.dtype)
+    return torch.where(valid, alphahat * n / sums.clamp_min(torch.finfo(alphahat.dtype).tiny),
+                       torch.zeros_like(alphahat))

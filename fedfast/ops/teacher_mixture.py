@@ -1,0 +1,57 @@
+"""FedGKD-VOTE teacher mixture (Yao et al., Eq. 5): M teachers -> one target distribution.
+
+``P_i = sum_m w_m softmax(t_mi / tau)`` and ``negent_i = sum_m w_m sum_c p_mic log p_mic`` so that
+``sum_m w_m KL(p_mi || q_i) = negent_i - sum_c P_ic log q_ic`` exactly (same loss value and gradient as
+M separate KL terms). With ``not_true`` each p_m is the softmax over the not-true classes (FedNTD).
+In the engine it is computed once per round per cached teacher table.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _backend, _validate
+from .distill_reference import teacher_mixture_reference
+
+
+@torch.library.custom_op("fedfast::teacher_mixture", mutates_args=())
+def teacher_mixture_op(teachers: Tensor, weights: Tensor, target: Tensor, tau: float, not_true: bool,
+                       ignore_index: int, backend: str) -> tuple[Tensor, Tensor]:
+    if backend == "reference":
+        return teacher_mixture_reference(teachers, weights, target, tau=tau, not_true=not_true,
+                                         ignore_index=ignore_index)
+    args = (teachers, weights, target, float(tau), bool(not_true), int(ignore_index))
+    if backend == "cpu":
+        return tuple(_backend.cpu_ext().teacher_mixture(*args))
+    if backend == "cuda":
+        return tuple(_backend.cuda_ext().teacher_mixture(*args))
+    from ..triton.teacher_mixture import teacher_mixture_triton
+    return teacher_mixture_triton(*args)
+
+
+@teacher_mixture_op.register_fake
+def _(teachers, weights, target, tau, not_true, ignore_index, backend):
+    dt = torch.float64 if teachers.dtype == torch.float64 else torch.float32
+    M, R, C = teachers.shape
+    return teachers.new_empty((R, C), dtype=dt), teachers.new_empty((R,), dtype=dt)
+
+
+def teacher_mixture(teachers: Tensor, weights, target: Tensor, *, tau: float = 1.0, not_true: bool = False,
+                    ignore_index: int = -100, backend: str | None = None, validate: str | None = None):
+    """Return ``(P [R, C], negent [R])`` (fp32; fp64 for fp64 teachers). See the module docstring."""
+    _validate.check_logits("teachers", teachers, ndim=3)
+    _validate.check_tau("tau", tau)
+    M, R, C = teachers.shape
+    dev = teachers.device
+    mode = _validate.mode_for(dev, validate)
+    w = torch.as_tensor(weights, device=dev)
+    if w.shape != (M,):
+        raise ValueError(f"teacher_weights: expected shape ({M},) (one weight per teacher), got {tuple(w.shape)}")
+    w = w.to(torch.float64 if teachers.dtype == torch.float64 else torch.float32).contiguous()
+    if mode != "off":
+        _validate.check("teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(),
+                        "weights must be finite and >= 0", mode)
+    _validate.check_target(target, R, C, ignore_index, dev, mode)
+    be = _backend.resolve(backend, dev.type)
+    return teacher_mixture_op(teachers.detach().contiguous(), w, target.contiguous(), float(tau), bool(not_true),
+                              int(ignore_index), be)

@@ -1,0 +1,245 @@
+"""Triton kernel of the fused CE + distillation row op (forward writes loss and gradient together).
+
+Formula and papers: :mod:`fedfast.ops.distill_reference`. Each program owns BLOCK_R rows; columns are
+walked in BLOCK_C chunks: pass 1 keeps online (max, sum-exp) statistics of z, z/tau and t/tau (masked
+at y for not-true), pass 2 writes ``dL/dz`` and accumulates the loss terms. When C fits one chunk
+(``SINGLE``) the tile is loaded once and stays in registers.
+Bytes moved: R*C*(s + t + g) + 12R (s, t, g: element sizes of student, teacher, gradient).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _online(m, s, x):
+    """Merge a [BR, BC] tile x into running (max m, sum-exp s); safe for all -inf."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE: tl.constexpr, PROB: tl.constexpr):
+    cm = cols < C
+    m2 = rmask[:, None] & cm[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    z = tl.load(z_ptr + offs, mask=m2, other=float("-inf")).to(tl.float32)
+    t = tl.load(t_ptr + offs, mask=m2, other=0.0 if PROB else float("-inf")).to(tl.float32)
+    is_y = cols[None, :] == y[:, None]
+    zq = z * inv_tau
+    if PROB:
+        tt = t
+        if NOT_TRUE:
+            tt = tl.where(is_y, 0.0, tt)
+    else:
+        tt = t * inv_tau
+        if NOT_TRUE:
+            tt = tl.where(is_y, float("-inf"), tt)
+    if NOT_TRUE:
+        zq = tl.where(is_y, float("-inf"), zq)
+    return z, zq, tt, is_y, m2, offs
+
+
+@triton.jit
+def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
+           PROB: tl.constexpr, RHO: tl.constexpr):
+    m1, s1 = _online(m1, s1, z)
+    mq, sq = _online(mq, sq, zq)
+    zy += tl.sum(tl.where(is_y, z, 0.0), axis=1)
+    if PROB:
+        W += tl.sum(tt, axis=1)
+        ty += tl.sum(tl.where(is_y, tt, 0.0), axis=1)
+    else:
+        ty += tl.sum(tl.where(is_y, tt, 0.0), axis=1)
+        m_new = tl.maximum(mt, tl.max(tt, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(mt - m_safe)
+        e = tl.exp(tt - m_safe[:, None])
+        st = st * scale + tl.sum(e, axis=1)
+        if RHO:
+            mv = mv * scale + tl.sum(tl.where(is_y, 0.0, rho * e), axis=1)
+        mt = m_new
+    return m1, s1, mq, sq, mt, st, W, mv, zy, ty
+
+
+@triton.jit
+def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W, Py, a, kb, valid,
+          cross, negent, PROB: tl.constexpr, RHO: tl.constexpr):
+    m1s = tl.where(m1 == float("-inf"), 0.0, m1)
+    logq = zq - lq[:, None]
+    q = tl.exp(zq - lq[:, None])
+    sm = tl.exp(z - m1s[:, None]) * inv_s1[:, None]
+    if PROB:
+        P = tt
+        logP = tt * 0.0
+    else:
+        mts = tl.where(mt == float("-inf"), 0.0, mt)
+        p = tl.exp(tt - mts[:, None]) * inv_st[:, None]
+        logp = tt - lt[:, None]
+        if RHO:  # FedADC+ target: (1 - rho_c) p_c off the true class, P_y = p_y + moved mass on it
+            P = tl.where(is_y, Py[:, None], (1.0 - rho) * p)
+            logP = tl.where(is_y, tl.log(tl.maximum(Py, 1e-38))[:, None], l1p + logp)
+        else:
+            P = p
+            logP = logp
+    pos = P > 0
+    cross += tl.sum(tl.where(pos, -P * tl.where(pos, logq, 0.0), 0.0), axis=1)
+    if not PROB:
+        negent += tl.sum(tl.where(pos, P * tl.where(pos, logP, 0.0), 0.0), axis=1)
+    g = a[:, None] * (sm - tl.where(is_y, 1.0, 0.0)) + kb[:, None] * (W[:, None] * q - P)
+    g = tl.where(valid[:, None], g, 0.0)
+    tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=m2)
+    return cross, negent
+
+
+@triton.jit
+def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1p_ptr, seg_ptr, loss_ptr, g_ptr,
+                    R, C, S, inv_tau, ce_w, kd_w, ignore_index,
+                    NOT_TRUE: tl.constexpr, SOFT_CE: tl.constexpr, PROB: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                    HAS_RW: tl.constexpr, RHO: tl.constexpr, HAS_SEG: tl.constexpr, SINGLE: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    y_raw = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
+    valid = rmask & (y_raw != ignore_index) & (y_raw >= 0) & (y_raw < C)
+    y = tl.where(valid, y_raw, 0)
+    seg = tl.zeros([BLOCK_R], dtype=tl.int64)
+    if HAS_SEG:
+        seg = tl.load(seg_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        seg = tl.minimum(tl.maximum(seg, 0), S - 1)
+    zero = tl.zeros([BLOCK_R], dtype=tl.float32)
+    ninf = zero + float("-inf")
+    m1, s1, mq, sq, mt, st, W, mv, zy, ty = ninf, zero, ninf, zero, ninf, zero, zero, zero, zero, zero
+    cols0 = tl.arange(0, BLOCK_C)
+    if SINGLE:
+        z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols0, C, rmask, y, inv_tau, NOT_TRUE, PROB)
+        rho = tt * 0.0
+        l1p = tt * 0.0
+        if RHO:
+            roffs = seg[:, None] * C + cols0[None, :]
+            rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
+            l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
+        m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
+                                                       PROB, RHO)
+    else:
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + cols0
+            z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
+            rho = tt * 0.0
+            if RHO:
+                rho = tl.load(rho_ptr + seg[:, None] * C + cols[None, :], mask=m2, other=0.0)
+            m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv,
+                                                           zy, ty, PROB, RHO)
+    if not PROB:
+        W = zero + 1.0
+    m1s = tl.where(m1 == float("-inf"), 0.0, m1)
+    mqs = tl.where(mq == float("-inf"), 0.0, mq)
+    mts = tl.where(mt == float("-inf"), 0.0, mt)
+    inv_s1 = 1.0 / s1
+    lq = mqs + tl.log(sq)
+    inv_st = tl.where(st > 0, 1.0 / st, 0.0)
+    lt = mts + tl.log(tl.where(st > 0, st, 1.0))
+    # true-class target probability P_y
+    if NOT_TRUE:
+        Py = zero
+    elif PROB:
+        Py = ty
+    else:
+        Py = tl.exp(ty - mts) * inv_st
+        if RHO:
+            Py = Py + mv * inv_st
+    a = zero + ce_w
+    b = zero + kd_w
+    if HAS_ALPHA:
+        al = tl.load(alpha_ptr + y, mask=valid, other=0.0)
+        a = a * (1.0 - al)
+        b = b * al
+    if HAS_RW:
+        b = b * tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    kb = b * inv_tau
+    cross = zero
+    negent = zero
+    if SINGLE:
+        cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W, Py,
+                              a, kb, valid, cross, negent, PROB, RHO)
+    else:
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + cols0
+            z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
+            rho = tt * 0.0
+            l1p = tt * 0.0
+            if RHO:
+                roffs = seg[:, None] * C + cols[None, :]
+                rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
+                l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
+            cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W,
+                                  Py, a, kb, valid, cross, negent, PROB, RHO)
+    if PROB:
+        negent = tl.load(neg_ptr + rows, mask=rmask, other=0.0)
+    ce = m1s + tl.log(s1) - zy
+    D = cross
+    if not SOFT_CE:
+        D = D + negent
+    loss = tl.where(valid, a * ce + b * D, 0.0)
+    tl.store(loss_ptr + rows, loss, mask=rmask)
+
+
+def launch_config(C: int, elem_budget: int = 4096, max_block_c: int = 4096):
+    """(BLOCK_R, BLOCK_C, SINGLE, num_warps) for a row length C."""
+    block_c = min(triton.next_power_of_2(C), max_block_c)
+    block_r = max(1, min(64, elem_budget // block_c))
+    single = C <= block_c
+    num_warps = 4 if block_r * block_c <= 2048 else 8
+    return block_r, block_c, single, num_warps
+
+
+def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weight, rho, segments, tau, ce_weight,
+                        kd_weight, ignore_index, not_true, soft_ce):
+    R, C = student.shape
+    if student.dtype == torch.float64:
+        raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
+    student, teacher, target = student.contiguous(), teacher.contiguous(), target.contiguous()
+    loss = torch.empty(R, dtype=torch.float32, device=student.device)
+    grad = torch.empty_like(student)
+    if R == 0:
+        return loss, grad
+    f32 = lambda x: x.to(torch.float32).contiguous() if x is not None else loss  # noqa: E731
+    l1p = torch.log1p(-rho.float()).contiguous() if rho is not None else None
+    S = rho.shape[0] if rho is not None else 1
+    BR, BC, single, nw = launch_config(C)
+    _distill_kernel[(triton.cdiv(R, BR),)](
+        student, teacher, target, f32(negent), f32(class_alpha), f32(row_weight), f32(rho), f32(l1p),
+        segments if segments is not None else target, loss, grad,
+        R, C, S, 1.0 / tau, ce_weight, kd_weight, ignore_index,
+        NOT_TRUE=not_true, SOFT_CE=soft_ce, PROB=negent is not None, HAS_ALPHA=class_alpha is not None,
+        HAS_RW=row_weight is not None, RHO=rho is not None, HAS_SEG=(segments is not None and S > 1),
+        SINGLE=single, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
+    return loss, grad
+
+
+@triton.jit
+def _scale_rows_kernel(g_ptr, s_ptr, out_ptr, N, C, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + offs // C, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g * s).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def scale_rows_triton(grad, grad_loss):
+    """Backward: ``grad_loss[:, None] * grad`` in fp32, stored in grad.dtype. Bytes: 2*R*C*g + 4R."""
+    grad = grad.contiguous()
+    out = torch.empty_like(grad)
+    N = grad.numel()
+    if N:
+        BLOCK = 4096
+        _scale_rows_kernel[(triton.cdiv(N, BLOCK),)](grad, grad_loss.contiguous(), out, N, grad.shape[1],
+                                                     BLOCK=BLOCK, num_warps=8)
+    return out
