@@ -35,7 +35,7 @@ if torch.version.cuda is not None and (shutil.which("nvcc") or os.environ.get("C
             sources=sorted(glob.glob("kernels/*.cu")) + ["csrc/bindings_cuda.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")],
             extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+                                "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
         )
     )
 

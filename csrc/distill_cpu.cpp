@@ -51,7 +51,8 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   if (m1 == ninf) m1 = 0;
   if (mq == ninf) mq = 0;
   if (mt == ninf) mt = 0;  // teacher row all -inf: p = 0 everywhere, D_i = 0
-  A s1 = 0, sq = 0, st = 0;
+  using D = double;  // row sums accumulate in fp64: exact enough for C = 32000 at fp32 inputs
+  D s1 = 0, sq = 0, st = 0;
 #pragma omp simd reduction(+ : s1, sq)
   for (int64_t j = 0; j < C; ++j) {
     E1[j] = fexp(Z[j] - m1);
@@ -66,20 +67,22 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
       st += ET[j];
     }
   }
-  const A inv_s1 = A(1) / s1, inv_sq = A(1) / sq, lq = mq + std::log(sq);
-  const A inv_st = st > 0 ? A(1) / st : A(0), lt = mt + (st > 0 ? std::log(st) : A(0));
-  A moved = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
+  // log q_j = (zq_j - mq) - log(sq): never form mq + log(sq) (loses digits for |logits| ~ 1e4)
+  const A inv_s1 = A(1 / s1), inv_sq = A(1 / sq), lsq = A(std::log(sq));
+  const A inv_st = st > 0 ? A(1 / st) : A(0), lst = st > 0 ? A(std::log(st)) : A(0);
+  D moved = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
   if (RHO) {
     const A* rho = r.rho;
 #pragma omp simd reduction(+ : moved)
     for (int64_t j = 0; j < C; ++j) moved += (j == y) ? A(0) : rho[j] * ET[j];
     moved *= inv_st;
   }
+  const A mvd = A(moved);
   const A a = r.a, kb = r.b * r.inv_tau;
-  A cross = 0, negent = 0;
+  D cross = 0, negent = 0;
 #pragma omp simd reduction(+ : cross, negent)
   for (int64_t j = 0; j < C; ++j) {
-    const A logq = ZQ[j] - lq;
+    const A logq = (ZQ[j] - mq) - lsq;
     const A q = EQ[j] * inv_sq;
     A P, logP;
     if (PROB) {
@@ -87,7 +90,7 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
       logP = 0;
     } else {
       const A p = ET[j] * inv_st;
-      const A logp = TT[j] - lt;
+      const A logp = (TT[j] - mt) - lst;
       if (RHO) {
         P = (j == y) ? A(0) : (A(1) - r.rho[j]) * p;
         logP = r.l1p[j] + logp;
@@ -111,18 +114,18 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     logPy = 0;
   } else {
     const A py = ET[y] * inv_st;
-    Py = RHO ? py + moved : py;
-    logPy = RHO ? std::log(Py) : TT[y] - lt;
+    Py = RHO ? py + mvd : py;
+    logPy = RHO ? std::log(Py) : (TT[y] - mt) - lst;
   }
-  const A logqy = ZQ[y] - lq;
+  const A logqy = (ZQ[y] - mq) - lsq;
   if (Py > 0) {
     cross -= Py * logqy;
     if (!PROB) negent += Py * logPy;
   }
   G[y] = a * (E1[y] * inv_s1 - A(1)) + kb * (W * (EQ[y] * inv_sq) - Py);
-  const A ce = m1 + std::log(s1) - Z[y];
-  const A D = cross + (r.soft_ce ? A(0) : (PROB ? r.negent_in : negent));
-  return a * ce + r.b * D;
+  const A ce = (m1 - Z[y]) + A(std::log(s1));
+  const A Dv = A(cross) + (r.soft_ce ? A(0) : (PROB ? r.negent_in : A(negent)));
+  return a * ce + r.b * Dv;
 }
 
 template <typename A>

@@ -24,12 +24,12 @@ __attribute__((always_inline)) inline A mix_core(int64_t C, A* X, A* E, A* P, A 
     E[j] = fexp(X[j] - m);
     s += E[j];
   }
-  const A inv = A(1) / s, l = m + std::log(s);
+  const A inv = A(1) / s, ls = std::log(s);  // log p = (x - m) - log s (no m + log s cancellation)
   A ne = 0;
 #pragma omp simd reduction(+ : ne)
   for (int64_t j = 0; j < C; ++j) {
     const A p = E[j] * inv;
-    ne += p > 0 ? p * (X[j] - l) : A(0);
+    ne += p > 0 ? p * ((X[j] - m) - ls) : A(0);
     P[j] += w * p;
   }
   return w * ne;

@@ -43,7 +43,9 @@ def _xlogy_safe(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 
 def _seg_rows(table: torch.Tensor, segments: torch.Tensor | None, R: int) -> torch.Tensor:
-    """Row s of ``table`` [S, C] for each row i (s = segments[i], or 0 when S == 1)."""
+    """Row s of ``table`` [S, C] (or [C]) for each row i (s = segments[i], or 0 when S == 1)."""
+    if table.dim() == 1:
+        table = table[None]
     if table.shape[0] == 1 or segments is None:
         return table[:1].expand(R, -1)
     return table[segments.long().clamp(0, table.shape[0] - 1)]

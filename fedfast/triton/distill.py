@@ -69,11 +69,13 @@ def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
 
 
 @triton.jit
-def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W, Py, a, kb, valid,
-          cross, negent, PROB: tl.constexpr, RHO: tl.constexpr):
+def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst, inv_st, W, Py, a, kb,
+          valid, cross, negent, PROB: tl.constexpr, RHO: tl.constexpr):
+    # log q = (zq - mq) - log(sq), q = exp(zq - mq) / sq: never form mq + log(sq) (digits lost at |z| ~ 1e4)
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
-    logq = zq - lq[:, None]
-    q = tl.exp(zq - lq[:, None])
+    mqs = tl.where(mq == float("-inf"), 0.0, mq)
+    logq = (zq - mqs[:, None]) - lsq[:, None]
+    q = tl.exp(zq - mqs[:, None]) * inv_sq[:, None]
     sm = tl.exp(z - m1s[:, None]) * inv_s1[:, None]
     if PROB:
         P = tt
@@ -81,7 +83,7 @@ def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt
     else:
         mts = tl.where(mt == float("-inf"), 0.0, mt)
         p = tl.exp(tt - mts[:, None]) * inv_st[:, None]
-        logp = tt - lt[:, None]
+        logp = (tt - mts[:, None]) - lst[:, None]
         if RHO:  # FedADC+ target: (1 - rho_c) p_c off the true class, P_y = p_y + moved mass on it
             P = tl.where(is_y, Py[:, None], (1.0 - rho) * p)
             logP = tl.where(is_y, tl.log(tl.maximum(Py, 1e-38))[:, None], l1p + logp)
@@ -143,9 +145,10 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1
     mqs = tl.where(mq == float("-inf"), 0.0, mq)
     mts = tl.where(mt == float("-inf"), 0.0, mt)
     inv_s1 = 1.0 / s1
-    lq = mqs + tl.log(sq)
+    inv_sq = 1.0 / sq
+    lsq = tl.log(sq)
     inv_st = tl.where(st > 0, 1.0 / st, 0.0)
-    lt = mts + tl.log(tl.where(st > 0, st, 1.0))
+    lst = tl.log(tl.where(st > 0, st, 1.0))
     # true-class target probability P_y
     if NOT_TRUE:
         Py = zero
@@ -167,8 +170,8 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1
     cross = zero
     negent = zero
     if SINGLE:
-        cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W, Py,
-                              a, kb, valid, cross, negent, PROB, RHO)
+        cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst, inv_st,
+                              W, Py, a, kb, valid, cross, negent, PROB, RHO)
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
@@ -179,11 +182,11 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1
                 roffs = seg[:, None] * C + cols[None, :]
                 rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
                 l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
-            cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lq, mt, lt, inv_st, W,
-                                  Py, a, kb, valid, cross, negent, PROB, RHO)
+            cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst,
+                                  inv_st, W, Py, a, kb, valid, cross, negent, PROB, RHO)
     if PROB:
         negent = tl.load(neg_ptr + rows, mask=rmask, other=0.0)
-    ce = m1s + tl.log(s1) - zy
+    ce = (m1s - zy) + tl.log(s1)
     D = cross
     if not SOFT_CE:
         D = D + negent

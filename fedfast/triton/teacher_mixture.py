@@ -41,7 +41,8 @@ def _mixture_kernel(t_ptr, w_ptr, y_ptr, P_ptr, neg_ptr, M, R, C, inv_tau, ignor
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
             m = m_new
         ms = tl.where(m == float("-inf"), 0.0, m)
-        lse = ms + tl.log(tl.where(s > 0, s, 1.0))
+        ls = tl.log(tl.where(s > 0, s, 1.0))  # log p = (x - m) - log s (no m + log s cancellation)
+        inv_s = tl.where(s > 0, 1.0 / s, 0.0)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             m2 = rmask[:, None] & (cols < C)[None, :]
@@ -49,8 +50,9 @@ def _mixture_kernel(t_ptr, w_ptr, y_ptr, P_ptr, neg_ptr, M, R, C, inv_tau, ignor
             x = tl.load(base + offs, mask=m2, other=float("-inf")).to(tl.float32) * inv_tau
             if NOT_TRUE:
                 x = tl.where(cols[None, :] == y[:, None], float("-inf"), x)
-            p = tl.where(s[:, None] > 0, tl.exp(x - lse[:, None]), 0.0)
-            negent += w * tl.sum(tl.where(p > 0, p * tl.where(p > 0, x - lse[:, None], 0.0), 0.0), axis=1)
+            p = tl.exp(x - ms[:, None]) * inv_s[:, None]
+            lp = (x - ms[:, None]) - ls[:, None]
+            negent += w * tl.sum(tl.where(p > 0, p * tl.where(p > 0, lp, 0.0), 0.0), axis=1)
             acc = tl.load(P_ptr + offs, mask=m2, other=0.0)
             tl.store(P_ptr + offs, acc + w * p, mask=m2)
         base += R * C  # next teacher (pointer increments: no 32-bit overflow of M*R*C)

@@ -1,0 +1,127 @@
+// The one Python binding file of the CUDA extension fedfast._C_cuda: checks tensors and forwards raw
+// pointers and the current stream to the torch-free launchers in kernels/*.cu.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <tuple>
+
+#include "fedfast_kernels.h"
+
+namespace {
+
+int dtype_code(const at::Tensor& x, const char* name) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return FEDFAST_F32;
+    case at::kBFloat16: return FEDFAST_BF16;
+    case at::kHalf: return FEDFAST_F16;
+    default: TORCH_CHECK(false, name, ": the cuda backend takes fp32, bf16 or fp16, got ", x.scalar_type());
+  }
+  return -1;
+}
+void check_cuda(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_cuda(), name, ": expected a CUDA tensor");
+}
+const float* fptr(const c10::optional<at::Tensor>& x, at::Tensor& keep) {
+  if (!x.has_value()) return nullptr;
+  keep = x->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+void check_launch(int err, const char* op) {
+  TORCH_CHECK(err == 0, "fedfast ", op, " kernel launch failed: ", cudaGetErrorString((cudaError_t)err));
+}
+
+std::tuple<at::Tensor, at::Tensor> distill_rows_cuda(
+    const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& target_in,
+    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
+    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
+    const c10::optional<at::Tensor>& segments_in, double tau, double ce_weight, double kd_weight,
+    int64_t ignore_index, bool not_true, bool soft_ce) {
+  check_cuda(student_in, "student");
+  check_cuda(teacher_in, "teacher");
+  check_cuda(target_in, "target");
+  TORCH_CHECK(student_in.dim() == 2 && teacher_in.sizes() == student_in.sizes(), "student/teacher shape mismatch");
+  c10::cuda::CUDAGuard guard(student_in.device());
+  const at::Tensor student = student_in.contiguous(), teacher = teacher_in.contiguous();
+  const at::Tensor target = target_in.contiguous();
+  at::Tensor segments;
+  if (segments_in.has_value()) segments = segments_in->contiguous();
+  const int64_t R = student.size(0), C = student.size(1);
+  auto loss = at::empty({R}, student.options().dtype(at::kFloat));
+  auto grad = at::empty_like(student);
+  at::Tensor k_neg, k_al, k_rw, k_rho, l1p;
+  const float* neg = fptr(teacher_negent, k_neg);
+  const float* al = fptr(class_alpha, k_al);
+  const float* rw = fptr(row_weight, k_rw);
+  const float* rh = fptr(rho, k_rho);
+  if (rh) l1p = at::log1p(-k_rho).contiguous();
+  check_launch(fedfast_distill_rows(
+                   student.data_ptr(), dtype_code(student, "student"), teacher.data_ptr(),
+                   neg ? FEDFAST_F32 : dtype_code(teacher, "teacher"), target.data_ptr(),
+                   target.scalar_type() == at::kLong, neg, al, rw, rh, rh ? l1p.data_ptr<float>() : nullptr,
+                   segments.defined() ? segments.data_ptr() : nullptr,
+                   segments.defined() && segments.scalar_type() == at::kLong, rh ? k_rho.size(0) : 1,
+                   loss.data_ptr<float>(), grad.data_ptr(), R, C, (float)(1.0 / tau), (float)ce_weight,
+                   (float)kd_weight, ignore_index, not_true, soft_ce, c10::cuda::getCurrentCUDAStream().stream()),
+               "distill_rows");
+  return {loss, grad};
+}
+
+at::Tensor scale_rows_cuda(const at::Tensor& grad_in, const at::Tensor& grad_loss_in) {
+  check_cuda(grad_in, "grad");
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const at::Tensor grad = grad_in.contiguous(), gl = grad_loss_in.to(at::kFloat).contiguous();
+  auto out = at::empty_like(grad);
+  check_launch(fedfast_scale_rows(grad.data_ptr(), dtype_code(grad, "grad"), gl.data_ptr<float>(), out.data_ptr(),
+                                  grad.size(0), grad.size(1), c10::cuda::getCurrentCUDAStream().stream()),
+               "scale_rows");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> teacher_mixture_cuda(const at::Tensor& teachers_in, const at::Tensor& weights,
+                                                        const at::Tensor& target_in, double tau, bool not_true,
+                                                        int64_t ignore_index) {
+  check_cuda(teachers_in, "teachers");
+  c10::cuda::CUDAGuard guard(teachers_in.device());
+  const at::Tensor teachers = teachers_in.contiguous(), target = target_in.contiguous();
+  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  const int64_t M = teachers.size(0), R = teachers.size(1), C = teachers.size(2);
+  auto P = at::empty({R, C}, teachers.options().dtype(at::kFloat));
+  auto neg = at::empty({R}, teachers.options().dtype(at::kFloat));
+  check_launch(fedfast_teacher_mixture(teachers.data_ptr(), dtype_code(teachers, "teachers"), w.data_ptr<float>(), M,
+                                       target.data_ptr(), target.scalar_type() == at::kLong, P.data_ptr<float>(),
+                                       neg.data_ptr<float>(), R, C, (float)(1.0 / tau), ignore_index, not_true,
+                                       c10::cuda::getCurrentCUDAStream().stream()),
+               "teacher_mixture");
+  return {P, neg};
+}
+
+at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& target_in, const at::Tensor& prior_in,
+                            const c10::optional<at::Tensor>& segments_in, double entropy_tau, int64_t ignore_index) {
+  check_cuda(teacher_in, "teacher");
+  c10::cuda::CUDAGuard guard(teacher_in.device());
+  const at::Tensor teacher = teacher_in.contiguous(), target = target_in.contiguous();
+  const at::Tensor prior = prior_in.to(at::kFloat).contiguous();
+  at::Tensor segments;
+  if (segments_in.has_value()) segments = segments_in->contiguous();
+  const int64_t R = teacher.size(0), C = teacher.size(1);
+  auto out = at::empty({R}, teacher.options().dtype(at::kFloat));
+  check_launch(fedfast_asd_weights(teacher.data_ptr(), dtype_code(teacher, "teacher"), target.data_ptr(),
+                                   target.scalar_type() == at::kLong, prior.data_ptr<float>(),
+                                   segments.defined() ? segments.data_ptr() : nullptr,
+                                   segments.defined() && segments.scalar_type() == at::kLong, prior.size(0),
+                                   out.data_ptr<float>(), R, C, (float)(1.0 / entropy_tau), ignore_index,
+                                   c10::cuda::getCurrentCUDAStream().stream()),
+               "asd_weights");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fedfast CUDA kernels";
+  m.def("distill_rows", &distill_rows_cuda, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
+  m.def("scale_rows", &scale_rows_cuda, "grad * grad_loss[:, None]");
+  m.def("teacher_mixture", &teacher_mixture_cuda, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
+  m.def("asd_weights", &asd_weights_cuda, "ASD alphahat [R]");
+}

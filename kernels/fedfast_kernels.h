@@ -1,0 +1,40 @@
+// fedfast CUDA kernels: torch-free extern "C" launchers (raw pointers + cudaStream_t), so each .cu
+// compiles with plain `nvcc -c`. The torch-side wrappers live in csrc/bindings_cuda.cpp.
+// Dtype codes: 0 = fp32, 1 = bf16, 2 = fp16. Index tensors: int64 if *_i64 else int32.
+// Every launcher returns a cudaError_t (cudaSuccess = 0) from the launch.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { FEDFAST_F32 = 0, FEDFAST_BF16 = 1, FEDFAST_F16 = 2 };
+
+// Fused CE + distillation rows (see fedfast/ops/distill_reference.py):
+// loss[i] = a_i CE_i + b_i D_i and grad[i, :] = dL_i/dz_i, one warp per row.
+// teacher: [R, C] logits, or (negent != NULL) a [R, C] fp32 target distribution.
+int fedfast_distill_rows(const void* student, int s_dtype, const void* teacher, int t_dtype, const void* target,
+                         int target_i64, const float* negent, const float* class_alpha, const float* row_weight,
+                         const float* rho, const float* l1p, const void* segments, int seg_i64, int64_t S,
+                         float* loss, void* grad, int64_t R, int64_t C, float inv_tau, float ce_weight,
+                         float kd_weight, int64_t ignore_index, int not_true, int soft_ce, cudaStream_t stream);
+
+// out[i, j] = grad[i, j] * grad_loss[i] (fp32 math, stored in the grad dtype).
+int fedfast_scale_rows(const void* grad, int g_dtype, const float* grad_loss, void* out, int64_t R, int64_t C,
+                       cudaStream_t stream);
+
+// FedGKD-VOTE: P[i] = sum_m w_m softmax(t_m[i]/tau), negent[i] = sum_m w_m sum_c p log p.
+int fedfast_teacher_mixture(const void* teachers, int t_dtype, const float* weights, int64_t M, const void* target,
+                            int target_i64, float* P, float* negent, int64_t R, int64_t C, float inv_tau,
+                            int64_t ignore_index, int not_true, cudaStream_t stream);
+
+// ASD: out[i] = exp(-H(softmax(t[i]/entropy_tau))) / prior[s_i, y_i], 0 on ignored rows.
+int fedfast_asd_weights(const void* teacher, int t_dtype, const void* target, int target_i64, const float* prior,
+                        const void* segments, int seg_i64, int64_t S, float* out, int64_t R, int64_t C,
+                        float inv_tau, int64_t ignore_index, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
