@@ -40,7 +40,8 @@ def status(device: torch.device) -> torch.Tensor:
 
 def raise_if_invalid(device: torch.device | str | None = None) -> None:
     """Read the deferred-validation flags (one host sync) and raise ``ValueError`` if any is set."""
-    devs = list(_status) if device is None else [torch.device(device)]
+    want = None if device is None else torch.device(device)
+    devs = [d for d in _status if want is None or (d.type == want.type and want.index in (None, d.index))]
     for d in devs:
         st = _status.get(d)
         if st is None:

@@ -1,0 +1,87 @@
+"""GPU tests: triton and cuda backends against the float64 reference on a CUDA device.
+
+Run on a GPU machine with: FEDFAST_GPU_TESTS=1 python -m pytest -m gpu tests/test_gpu.py
+"""
+import pytest
+import torch
+
+from fedfast import nn as ffnn
+from fedfast import ops
+from fedfast.ops import _backend
+
+from helpers import make_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+GPU_BACKENDS = ["triton", "cuda"]
+SHAPES = [(1, 2), (5, 3), (17, 10), (500, 10), (333, 100), (64, 1000), (7, 1023), (9, 32000), (4096, 100)]
+
+
+def _need(backend):
+    if not _backend.available(backend, "cuda"):
+        pytest.skip(f"backend {backend} not available on this machine")
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("R,C", SHAPES)
+@pytest.mark.parametrize("kind", ["full", "not_true"])
+def test_gpu_distill_matches_reference(backend, R, C, kind):
+    _need(backend)
+    z, t, y = make_inputs(R, C)
+    rho = torch.rand(C)
+    for extra in (dict(), dict(rho=rho) if kind == "full" else dict(row_weight=torch.rand(R))):
+        zz = z.cuda().requires_grad_(True)
+        ex = {k: v.cuda() for k, v in extra.items()}
+        l1 = ops.distill(zz, t.cuda(), y.cuda(), kind=kind, tau=2.0, kd_weight=1.3, reduction="none",
+                         backend=backend, validate="eager", **ex)
+        l1.sum().backward()
+        z64 = z.double().requires_grad_(True)
+        l0 = ops.distill_reference(z64, t.double(), y, tau=2.0, kd_weight=1.3, not_true=kind == "not_true",
+                                   **{k: v.double() for k, v in extra.items()})
+        (g0,) = torch.autograd.grad(l0.sum(), z64)
+        assert rel_err(l1.cpu(), l0.detach()) <= 1e-5
+        assert rel_err(zz.grad.cpu(), g0) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gpu_low_precision(backend, dt):
+    _need(backend)
+    z, t, y = make_inputs(257, 100)
+    zz = z.cuda().to(dt).requires_grad_(True)
+    l1 = ffnn.NTDLoss(tau=2.0, backend=backend)(zz, t.cuda().to(dt), y.cuda())
+    l1.backward()
+    z64 = z.to(dt).double().requires_grad_(True)
+    l0 = ffnn.NTDLoss(tau=2.0, backend="reference")(z64, t.to(dt).double(), y)
+    l0.backward()
+    assert zz.grad.dtype == dt
+    assert rel_err(l1.cpu(), l0.detach()) <= 1e-5
+    assert rel_err(zz.grad.cpu(), z64.grad) <= (8e-3 if dt == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_mixture_and_asd(backend):
+    _need(backend)
+    M, R, C = 4, 300, 100
+    T = torch.randn(M, R, C) * 3
+    w = torch.rand(M)
+    y = torch.randint(0, C, (R,))
+    y[0] = -100
+    P0, n0 = ops.teacher_mixture_reference(T.double(), w.double(), y, tau=2.0, not_true=True)
+    P1, n1 = ops.teacher_mixture(T.cuda(), w.cuda(), y.cuda(), tau=2.0, not_true=True, backend=backend)
+    assert rel_err(P1.cpu(), P0) <= 1e-5 and rel_err(n1.cpu(), n0) <= 1e-5
+    seg = torch.sort(torch.randint(0, 5, (R,))).values
+    prior = torch.rand(5, C) + 0.05
+    a0 = ops.asd_weights_reference(T[0].double(), y, prior.double(), seg, entropy_tau=2.0)
+    a1 = ops.asd_weights(T[0].cuda(), y.cuda(), prior.cuda(), seg.cuda(), entropy_tau=2.0, backend=backend)
+    assert rel_err(a1.cpu(), a0) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_deferred_validation(backend):
+    _need(backend)
+    z, t, y = make_inputs(8, 10)
+    y[3] = 99
+    out = ffnn.KDLoss(backend=backend)(z.cuda(), t.cuda(), y.cuda())  # default on GPU: defer, no sync
+    assert torch.isfinite(out).item()
+    with pytest.raises(ValueError, match="target"):
+        ops.raise_if_invalid("cuda")
