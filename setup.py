@@ -14,7 +14,7 @@ from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno"]
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"]
 
 ext_modules = [
     cpp_extension.CppExtension(

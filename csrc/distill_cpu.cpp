@@ -18,69 +18,54 @@ namespace {
 template <typename A>
 struct RowArgs {
   int64_t C, y;
-  A *Z, *ZQ, *TT, *E1, *EQ, *ET, *G;  // scratch rows
-  const A *rho, *l1p;                  // FedADC+: rho_c and log(1 - rho_c) for this row's segment, or null
+  A *Z, *ZQ, *TT, *E1, *EQ, *ET, *G, *U, *V;  // scratch rows
+  const A *rho, *l1p;                         // FedADC+: rho_c and log(1 - rho_c) for this row's segment, or null
   A negent_in, a, b, inv_tau;
   bool not_true, soft_ce;
 };
 
 // Returns L_i; writes dL_i/dz_i into G. Z = z, ZQ = z/tau, TT = t/tau (or P in prob mode).
+// Every loop is an elementwise map or a max (both vectorise); sums go through dsum (fp64).
 template <typename A, bool PROB, bool RHO>
 __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   const int64_t C = r.C, y = r.y;
-  A *Z = r.Z, *ZQ = r.ZQ, *TT = r.TT, *E1 = r.E1, *EQ = r.EQ, *ET = r.ET, *G = r.G;
+  A *__restrict Z = r.Z, *__restrict ZQ = r.ZQ, *__restrict TT = r.TT, *__restrict E1 = r.E1;
+  A *__restrict EQ = r.EQ, *__restrict ET = r.ET, *__restrict G = r.G, *__restrict U = r.U, *__restrict V = r.V;
   const A ninf = neg_inf<A>();
   if (r.not_true) {
     ZQ[y] = ninf;
     TT[y] = PROB ? A(0) : ninf;
   }
-  A m1 = ninf, mq = ninf, mt = ninf, W = 0;
+  A m1 = ninf, mq = ninf, mt = ninf;
 #pragma omp simd reduction(max : m1, mq)
   for (int64_t j = 0; j < C; ++j) {
     m1 = Z[j] > m1 ? Z[j] : m1;
     mq = ZQ[j] > mq ? ZQ[j] : mq;
   }
-  if (PROB) {
-#pragma omp simd reduction(+ : W)
-    for (int64_t j = 0; j < C; ++j) W += TT[j];
-  } else {
+  if (!PROB) {
 #pragma omp simd reduction(max : mt)
     for (int64_t j = 0; j < C; ++j) mt = TT[j] > mt ? TT[j] : mt;
-    W = 1;
   }
   if (m1 == ninf) m1 = 0;
   if (mq == ninf) mq = 0;
   if (mt == ninf) mt = 0;  // teacher row all -inf: p = 0 everywhere, D_i = 0
-  using D = double;  // row sums accumulate in fp64: exact enough for C = 32000 at fp32 inputs
-  D s1 = 0, sq = 0, st = 0;
-#pragma omp simd reduction(+ : s1, sq)
-  for (int64_t j = 0; j < C; ++j) {
-    E1[j] = fexp(Z[j] - m1);
-    EQ[j] = fexp(ZQ[j] - mq);
-    s1 += E1[j];
-    sq += EQ[j];
-  }
-  if (!PROB) {
-#pragma omp simd reduction(+ : st)
-    for (int64_t j = 0; j < C; ++j) {
-      ET[j] = fexp(TT[j] - mt);
-      st += ET[j];
-    }
-  }
+  for (int64_t j = 0; j < C; ++j) E1[j] = fexp(Z[j] - m1);
+  for (int64_t j = 0; j < C; ++j) EQ[j] = fexp(ZQ[j] - mq);
+  if (!PROB)
+    for (int64_t j = 0; j < C; ++j) ET[j] = fexp(TT[j] - mt);
+  const double s1 = dsum(E1, C), sq = dsum(EQ, C), st = PROB ? 0.0 : dsum(ET, C);
+  const A W = PROB ? A(dsum(TT, C)) : A(1);
   // log q_j = (zq_j - mq) - log(sq): never form mq + log(sq) (loses digits for |logits| ~ 1e4)
   const A inv_s1 = A(1 / s1), inv_sq = A(1 / sq), lsq = A(std::log(sq));
   const A inv_st = st > 0 ? A(1 / st) : A(0), lst = st > 0 ? A(std::log(st)) : A(0);
-  D moved = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
+  A mvd = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
   if (RHO) {
     const A* rho = r.rho;
-#pragma omp simd reduction(+ : moved)
-    for (int64_t j = 0; j < C; ++j) moved += (j == y) ? A(0) : rho[j] * ET[j];
-    moved *= inv_st;
+    for (int64_t j = 0; j < C; ++j) U[j] = rho[j] * ET[j];
+    U[y] = 0;
+    mvd = A(dsum(U, C)) * inv_st;
   }
-  const A mvd = A(moved);
   const A a = r.a, kb = r.b * r.inv_tau;
-  D cross = 0, negent = 0;
-#pragma omp simd reduction(+ : cross, negent)
   for (int64_t j = 0; j < C; ++j) {
     const A logq = (ZQ[j] - mq) - lsq;
     const A q = EQ[j] * inv_sq;
@@ -91,20 +76,14 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     } else {
       const A p = ET[j] * inv_st;
       const A logp = (TT[j] - mt) - lst;
-      if (RHO) {
-        P = (j == y) ? A(0) : (A(1) - r.rho[j]) * p;
-        logP = r.l1p[j] + logp;
-      } else {
-        P = (j == y) ? A(0) : p;
-        logP = logp;
-      }
+      P = RHO ? (A(1) - r.rho[j]) * p : p;
+      logP = RHO ? r.l1p[j] + logp : logp;
     }
-    P = (j == y) ? A(0) : P;  // the true-class term is added below
-    cross += P > 0 ? -P * logq : A(0);
-    if (!PROB) negent += P > 0 ? P * logP : A(0);
+    U[j] = P > 0 ? -P * logq : A(0);                 // cross-entropy terms
+    if (!PROB) V[j] = P > 0 ? P * logP : A(0);       // negative-entropy terms
     G[j] = a * (E1[j] * inv_s1) + kb * (W * q - P);
   }
-  // True class y: P_y (teacher prob; FedADC+ adds the moved mass; 0 for not-true).
+  // True class y: P_y (teacher prob; FedADC+ adds the moved mass; 0 for not-true). Redo its terms.
   A Py, logPy;
   if (r.not_true) {
     Py = 0;
@@ -118,14 +97,12 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     logPy = RHO ? std::log(Py) : (TT[y] - mt) - lst;
   }
   const A logqy = (ZQ[y] - mq) - lsq;
-  if (Py > 0) {
-    cross -= Py * logqy;
-    if (!PROB) negent += Py * logPy;
-  }
+  U[y] = Py > 0 ? -Py * logqy : A(0);
+  if (!PROB) V[y] = Py > 0 ? Py * logPy : A(0);
   G[y] = a * (E1[y] * inv_s1 - A(1)) + kb * (W * (EQ[y] * inv_sq) - Py);
+  const A cross = A(dsum(U, C)), negent = PROB ? r.negent_in : A(dsum(V, C));
   const A ce = (m1 - Z[y]) + A(std::log(s1));
-  const A Dv = A(cross) + (r.soft_ce ? A(0) : (PROB ? r.negent_in : A(negent)));
-  return a * ce + r.b * Dv;
+  return a * ce + r.b * (cross + (r.soft_ce ? A(0) : negent));
 }
 
 template <typename A>
@@ -153,11 +130,13 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
   const A inv_tau = A(1) / tau;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> buf(7 * C);
+    std::vector<A> buf(9 * C);
     RowArgs<A> r;
     r.C = C;
     r.Z = buf.data(); r.ZQ = r.Z + C; r.TT = r.ZQ + C; r.E1 = r.TT + C; r.EQ = r.E1 + C; r.ET = r.EQ + C;
     r.G = r.ET + C;
+    r.U = r.G + C;
+    r.V = r.U + C;
     r.inv_tau = inv_tau;
     r.not_true = not_true;
     r.soft_ce = soft_ce;
