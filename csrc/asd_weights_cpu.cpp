@@ -11,23 +11,18 @@
 namespace fedfast {
 namespace {
 
+// Entropy of softmax(X): H = log s - sum_c e_c (x_c - m) / s. E and U are scratch rows.
 template <typename A>
-__attribute__((always_inline)) inline A entropy_core(int64_t C, A* X, A* E) {
+__attribute__((always_inline)) inline A entropy_core(int64_t C, A* __restrict X, A* __restrict E) {
   A m = neg_inf<A>();
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < C; ++j) m = X[j] > m ? X[j] : m;
   if (m == neg_inf<A>()) return A(0);
-  A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < C; ++j) {
-    E[j] = fexp(X[j] - m);
-    s += E[j];
-  }
-  A px = 0;  // sum_c e_c (x_c - m)
-#pragma omp simd reduction(+ : px)
-  for (int64_t j = 0; j < C; ++j) px += E[j] > 0 ? E[j] * (X[j] - m) : A(0);
-  const A H = std::log(s) - px / s;
-  return H > 0 ? H : A(0);
+  for (int64_t j = 0; j < C; ++j) E[j] = fexp(X[j] - m);
+  const double s = dsum(E, C);
+  for (int64_t j = 0; j < C; ++j) X[j] = E[j] > 0 ? E[j] * (X[j] - m) : A(0);
+  const double H = std::log(s) - dsum(X, C) / s;
+  return H > 0 ? A(H) : A(0);
 }
 FEDFAST_MULTIVERSION float entropy_f32(int64_t C, float* X, float* E) { return entropy_core<float>(C, X, E); }
 inline float entropy_any(int64_t C, float* X, float* E) { return entropy_f32(C, X, E); }

@@ -66,24 +66,8 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     mvd = A(dsum(U, C)) * inv_st;
   }
   const A a = r.a, kb = r.b * r.inv_tau;
-  for (int64_t j = 0; j < C; ++j) {
-    const A logq = (ZQ[j] - mq) - lsq;
-    const A q = EQ[j] * inv_sq;
-    A P, logP;
-    if (PROB) {
-      P = TT[j];
-      logP = 0;
-    } else {
-      const A p = ET[j] * inv_st;
-      const A logp = (TT[j] - mt) - lst;
-      P = RHO ? (A(1) - r.rho[j]) * p : p;
-      logP = RHO ? r.l1p[j] + logp : logp;
-    }
-    U[j] = P > 0 ? -P * logq : A(0);                 // cross-entropy terms
-    if (!PROB) V[j] = P > 0 ? P * logP : A(0);       // negative-entropy terms
-    G[j] = a * (E1[j] * inv_s1) + kb * (W * q - P);
-  }
-  // True class y: P_y (teacher prob; FedADC+ adds the moved mass; 0 for not-true). Redo its terms.
+  // True class y first (its terms are overwritten after the elementwise loops): P_y is the teacher prob,
+  // plus the moved mass for FedADC+, and 0 for not-true.
   A Py, logPy;
   if (r.not_true) {
     Py = 0;
@@ -96,10 +80,30 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     Py = RHO ? py + mvd : py;
     logPy = RHO ? std::log(Py) : (TT[y] - mt) - lst;
   }
-  const A logqy = (ZQ[y] - mq) - lsq;
+  const A logqy = (ZQ[y] - mq) - lsq, qy = EQ[y] * inv_sq, smy = E1[y] * inv_s1;
+  // In place: ZQ <- log q, EQ <- q, E1 <- softmax(z), and (logit teacher) ET <- P, TT <- log P.
+  for (int64_t j = 0; j < C; ++j) ZQ[j] = (ZQ[j] - mq) - lsq;
+  for (int64_t j = 0; j < C; ++j) EQ[j] *= inv_sq;
+  for (int64_t j = 0; j < C; ++j) E1[j] *= inv_s1;
+  if (!PROB) {
+    if (RHO) {
+      const A *__restrict rho = r.rho, *__restrict l1p = r.l1p;
+      for (int64_t j = 0; j < C; ++j) ET[j] = (A(1) - rho[j]) * (ET[j] * inv_st);
+      for (int64_t j = 0; j < C; ++j) TT[j] = l1p[j] + ((TT[j] - mt) - lst);
+    } else {
+      for (int64_t j = 0; j < C; ++j) ET[j] *= inv_st;
+      for (int64_t j = 0; j < C; ++j) TT[j] = (TT[j] - mt) - lst;
+    }
+  }
+  const A* __restrict P = PROB ? TT : ET;
+  // 0 * log 0 = 0: select the log (not the product) so the loops stay branch-free selects.
+  for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] > 0 ? ZQ[j] : A(0));  // cross-entropy terms
+  if (!PROB)
+    for (int64_t j = 0; j < C; ++j) V[j] = ET[j] * (ET[j] > 0 ? TT[j] : A(0));  // negative-entropy terms
+  for (int64_t j = 0; j < C; ++j) G[j] = a * E1[j] + kb * (W * EQ[j] - P[j]);
   U[y] = Py > 0 ? -Py * logqy : A(0);
   if (!PROB) V[y] = Py > 0 ? Py * logPy : A(0);
-  G[y] = a * (E1[y] * inv_s1 - A(1)) + kb * (W * (EQ[y] * inv_sq) - Py);
+  G[y] = a * (smy - A(1)) + kb * (W * qy - Py);
   const A cross = A(dsum(U, C)), negent = PROB ? r.negent_in : A(dsum(V, C));
   const A ce = (m1 - Z[y]) + A(std::log(s1));
   return a * ce + r.b * (cross + (r.soft_ce ? A(0) : negent));

@@ -12,35 +12,33 @@ namespace fedfast {
 namespace {
 
 // Adds w * softmax(X) into P (X = t/tau, X[y] = -inf when masked); returns w * sum p log p.
+// Elementwise maps (vectorised) + dsum row sums; U is scratch.
 template <typename A>
-__attribute__((always_inline)) inline A mix_core(int64_t C, A* X, A* E, A* P, A w) {
+__attribute__((always_inline)) inline A mix_core(int64_t C, A* __restrict X, A* __restrict E, A* __restrict P,
+                                                 A* __restrict U, A w) {
   A m = neg_inf<A>();
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < C; ++j) m = X[j] > m ? X[j] : m;
   if (m == neg_inf<A>()) return A(0);
-  A s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < C; ++j) {
-    E[j] = fexp(X[j] - m);
-    s += E[j];
-  }
-  const A inv = A(1) / s, ls = std::log(s);  // log p = (x - m) - log s (no m + log s cancellation)
-  A ne = 0;
-#pragma omp simd reduction(+ : ne)
+  for (int64_t j = 0; j < C; ++j) E[j] = fexp(X[j] - m);
+  const double s = dsum(E, C);
+  const A inv = A(1 / s), ls = A(std::log(s));  // log p = (x - m) - log s (no m + log s cancellation)
   for (int64_t j = 0; j < C; ++j) {
     const A p = E[j] * inv;
-    ne += p > 0 ? p * ((X[j] - m) - ls) : A(0);
+    U[j] = p > 0 ? p * ((X[j] - m) - ls) : A(0);
     P[j] += w * p;
   }
-  return w * ne;
+  return w * A(dsum(U, C));
 }
-FEDFAST_MULTIVERSION float mix_f32(int64_t C, float* X, float* E, float* P, float w) {
-  return mix_core<float>(C, X, E, P, w);
+FEDFAST_MULTIVERSION float mix_f32(int64_t C, float* X, float* E, float* P, float* U, float w) {
+  return mix_core<float>(C, X, E, P, U, w);
 }
-inline double mix_any(int64_t C, double* X, double* E, double* P, double w) {
-  return mix_core<double>(C, X, E, P, w);
+inline double mix_any(int64_t C, double* X, double* E, double* P, double* U, double w) {
+  return mix_core<double>(C, X, E, P, U, w);
 }
-inline float mix_any(int64_t C, float* X, float* E, float* P, float w) { return mix_f32(C, X, E, P, w); }
+inline float mix_any(int64_t C, float* X, float* E, float* P, float* U, float w) {
+  return mix_f32(C, X, E, P, U, w);
+}
 
 }  // namespace
 
@@ -65,8 +63,8 @@ std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teacher
       A* np = neg.data_ptr<A>();
       const A inv_tau = A(1) / A(tau);
       at::parallel_for(0, R, std::max<int64_t>(1, 16384 / (C * M)), [&](int64_t b, int64_t e) {
-        std::vector<A> buf(2 * C);
-        A *X = buf.data(), *E = X + C;
+        std::vector<A> buf(3 * C);
+        A *X = buf.data(), *E = X + C, *U = E + C;
         for (int64_t i = b; i < e; ++i) {
           const int64_t y = row_target(target, i, C, ignore_index);
           A* Pi = Pp + i * C;
@@ -76,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teacher
             const T* ti = tp + (m * R + i) * C;
             for (int64_t j = 0; j < C; ++j) X[j] = static_cast<A>(ti[j]) * inv_tau;
             if (not_true && y >= 0) X[y] = neg_inf<A>();
-            ne += mix_any(C, X, E, Pi, wp[m]);
+            ne += mix_any(C, X, E, Pi, U, wp[m]);
           }
           np[i] = ne;
         }
