@@ -35,7 +35,8 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cuda(
     const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& target_in,
     const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
     const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments_in, double tau, double ce_weight, double kd_weight,
+    const c10::optional<at::Tensor>& segments_in, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight,
     int64_t ignore_index, bool not_true, bool soft_ce) {
   check_cuda(student_in, "student");
   check_cuda(teacher_in, "teacher");
@@ -49,16 +50,17 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cuda(
   const int64_t R = student.size(0), C = student.size(1);
   auto loss = at::empty({R}, student.options().dtype(at::kFloat));
   auto grad = at::empty_like(student);
-  at::Tensor k_neg, k_al, k_rw, k_rho, l1p;
+  at::Tensor k_neg, k_al, k_rw, k_rs, k_rho, l1p;
   const float* neg = fptr(teacher_negent, k_neg);
   const float* al = fptr(class_alpha, k_al);
   const float* rw = fptr(row_weight, k_rw);
+  const float* rs = fptr(row_scale, k_rs);
   const float* rh = fptr(rho, k_rho);
   if (rh) l1p = at::log1p(-k_rho).contiguous();
   check_launch(fedfast_distill_rows(
                    student.data_ptr(), dtype_code(student, "student"), teacher.data_ptr(),
                    neg ? FEDFAST_F32 : dtype_code(teacher, "teacher"), target.data_ptr(),
-                   target.scalar_type() == at::kLong, neg, al, rw, rh, rh ? l1p.data_ptr<float>() : nullptr,
+                   target.scalar_type() == at::kLong, neg, al, rw, rs, rh, rh ? l1p.data_ptr<float>() : nullptr,
                    segments.defined() ? segments.data_ptr() : nullptr,
                    segments.defined() && segments.scalar_type() == at::kLong, rh ? k_rho.size(0) : 1,
                    loss.data_ptr<float>(), grad.data_ptr(), R, C, (float)(1.0 / tau), (float)ce_weight,

@@ -123,7 +123,8 @@ inline double row_any(const RowArgs<double>& r, bool prob) { return row_f64(r, p
 
 template <typename S, typename T, typename A>
 void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-                  const A* negent, const A* alpha, const A* roww, const A* rho, const A* l1p, int64_t S_rows,
+                  const A* negent, const A* alpha, const A* roww, const A* rscale, const A* rho, const A* l1p,
+                  int64_t S_rows,
                   const c10::optional<at::Tensor>& segments, A tau, A ce_w, A kd_w, int64_t ignore_index,
                   bool not_true, bool soft_ce, bool prob, at::Tensor& loss, at::Tensor& grad) {
   const int64_t R = student.size(0), C = student.size(1);
@@ -169,8 +170,9 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
       r.rho = rho ? rho + s * C : nullptr;
       r.l1p = rho ? l1p + s * C : nullptr;
       const A al = alpha ? alpha[y] : A(0);
-      r.a = alpha ? ce_w * (A(1) - al) : ce_w;
-      r.b = (alpha ? kd_w * al : kd_w) * (roww ? roww[i] : A(1));
+      const A sc = rscale ? rscale[i] : A(1);  // reduction weight: scales the loss row and its gradient
+      r.a = (alpha ? ce_w * (A(1) - al) : ce_w) * sc;
+      r.b = (alpha ? kd_w * al : kd_w) * (roww ? roww[i] : A(1)) * sc;
       r.negent_in = prob ? negent[i] : A(0);
       lp[i] = row_any(r, prob);
       for (int64_t j = 0; j < C; ++j) gi[j] = static_cast<S>(r.G[j]);
@@ -184,8 +186,8 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& target_in,
     const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
     const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments_in, double tau, double ce_weight, double kd_weight,
-    int64_t ignore_index, bool not_true, bool soft_ce) {
+    const c10::optional<at::Tensor>& segments_in, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
   TORCH_CHECK(student_in.dim() == 2 && teacher_in.sizes() == student_in.sizes(), "student/teacher shape mismatch");
   TORCH_CHECK(target_in.dim() == 1 && target_in.size(0) == student_in.size(0), "target shape mismatch");
   TORCH_CHECK(student_in.size(1) >= 2, "need C >= 2");
@@ -201,6 +203,7 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     return x.has_value() ? x->to(acc).contiguous() : at::Tensor();
   };
   at::Tensor neg = as_acc(teacher_negent), al = as_acc(class_alpha), rw = as_acc(row_weight), rh = as_acc(rho);
+  at::Tensor rs = as_acc(row_scale);
   at::Tensor l1p = rh.defined() ? at::log1p(-rh) : at::Tensor();
   const int64_t S_rows = rh.defined() ? rh.size(0) : 1;
   const bool prob = neg.defined();
@@ -212,7 +215,8 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
       auto run = [&](auto zero) {
         using A = decltype(zero);
         auto ptr = [](const at::Tensor& x) -> const A* { return x.defined() ? x.data_ptr<A>() : nullptr; };
-        distill_impl<S, T, A>(student, teacher, target, ptr(neg), ptr(al), ptr(rw), ptr(rh), ptr(l1p), S_rows,
+        distill_impl<S, T, A>(student, teacher, target, ptr(neg), ptr(al), ptr(rw), ptr(rs), ptr(rh), ptr(l1p),
+                              S_rows,
                               segments, A(tau), A(ce_weight), A(kd_weight), ignore_index, not_true, soft_ce, prob,
                               loss, grad);
       };

@@ -10,8 +10,8 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
     const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
     const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments, double tau, double ce_weight, double kd_weight,
-    int64_t ignore_index, bool not_true, bool soft_ce);
+    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce);
 
 std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers, const at::Tensor& weights,
                                                        const at::Tensor& target, double tau, bool not_true,
@@ -19,6 +19,9 @@ std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teacher
 
 at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
                            const c10::optional<at::Tensor>& segments, double entropy_tau, int64_t ignore_index);
+
+std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c10::optional<at::Tensor>& segments,
+                                              int64_t C, int64_t ignore_index, int64_t mode, int64_t limit);
 
 // Helpers shared by the ops.
 inline int64_t row_target(const at::Tensor& target, int64_t i, int64_t C, int64_t ignore_index) {

@@ -11,7 +11,7 @@ template <typename S, typename T, bool PROB, bool RHO>
 __global__ void __launch_bounds__(kWarp * kRowsPerBlock)
 distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void* __restrict__ target, int target_i64,
                     const float* __restrict__ negent_in, const float* __restrict__ alpha,
-                    const float* __restrict__ roww, const float* __restrict__ rho_tab,
+                    const float* __restrict__ roww, const float* __restrict__ rscale, const float* __restrict__ rho_tab,
                     const float* __restrict__ l1p_tab, const void* __restrict__ segments, int seg_i64, int64_t S_rows,
                     float* __restrict__ loss, S* __restrict__ grad, int64_t R, int64_t C, float inv_tau, float ce_w,
                     float kd_w, int64_t ignore_index, bool not_true, bool soft_ce) {
@@ -79,6 +79,7 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
   float a = ce_w, b = kd_w;
   if (alpha) { const float al = alpha[y]; a *= 1.f - al; b *= al; }
   if (roww) b *= roww[row];
+  if (rscale) { a *= rscale[row]; b *= rscale[row]; }
   const float kb = b * inv_tau;
   // pass 3: gradient and loss terms
   float cross = 0.f, negent = 0.f;
@@ -118,7 +119,8 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
 
 extern "C" int fedfast_distill_rows(const void* student, int s_dtype, const void* teacher, int t_dtype,
                                     const void* target, int target_i64, const float* negent, const float* class_alpha,
-                                    const float* row_weight, const float* rho, const float* l1p, const void* segments,
+                                    const float* row_weight, const float* row_scale, const float* rho,
+                                    const float* l1p, const void* segments,
                                     int seg_i64, int64_t S, float* loss, void* grad, int64_t R, int64_t C,
                                     float inv_tau, float ce_weight, float kd_weight, int64_t ignore_index,
                                     int not_true, int soft_ce, cudaStream_t stream) {
@@ -128,7 +130,8 @@ extern "C" int fedfast_distill_rows(const void* student, int s_dtype, const void
   FEDFAST_DISPATCH_DTYPE(s_dtype, SD, FEDFAST_DISPATCH_DTYPE(t_dtype, TD, {
     auto args = [&](auto kern) {
       kern<<<grid, block, 0, stream>>>(static_cast<const SD*>(student), static_cast<const TD*>(teacher), target,
-                                       target_i64, negent, class_alpha, row_weight, rho, l1p, segments, seg_i64, S,
+                                       target_i64, negent, class_alpha, row_weight, row_scale, rho, l1p, segments,
+                                       seg_i64, S,
                                        loss, static_cast<SD*>(grad), R, C, inv_tau, ce_weight, kd_weight,
                                        ignore_index, not_true != 0, soft_ce != 0);
     };

@@ -14,10 +14,11 @@ enum { FEDFAST_F32 = 0, FEDFAST_BF16 = 1, FEDFAST_F16 = 2 };
 
 // Fused CE + distillation rows (see fedfast/ops/distill_reference.py):
 // loss[i] = a_i CE_i + b_i D_i and grad[i, :] = dL_i/dz_i, one warp per row.
-// teacher: [R, C] logits, or (negent != NULL) a [R, C] fp32 target distribution.
+// teacher: [R, C] logits, or (negent != NULL) a [R, C] fp32 target distribution. row_scale (nullable):
+// per-row reduction weight multiplying both the loss row and its gradient.
 int fedfast_distill_rows(const void* student, int s_dtype, const void* teacher, int t_dtype, const void* target,
                          int target_i64, const float* negent, const float* class_alpha, const float* row_weight,
-                         const float* rho, const float* l1p, const void* segments, int seg_i64, int64_t S,
+                         const float* row_scale, const float* rho, const float* l1p, const void* segments, int seg_i64, int64_t S,
                          float* loss, void* grad, int64_t R, int64_t C, float inv_tau, float ce_weight,
                          float kd_weight, int64_t ignore_index, int not_true, int soft_ce, cudaStream_t stream);
 

@@ -40,5 +40,5 @@ def test_opcheck_distill_rows():
     z = torch.randn(R, C, requires_grad=True)
     t = torch.randn(R, C)
     y = torch.randint(0, C, (R,))
-    torch.library.opcheck(distill_rows_op, (z, t, y, None, None, None, None, None, 2.0, 1.0, 1.0, -100, True, False,
-                                            "reference"))
+    torch.library.opcheck(distill_rows_op, (z, t, y, None, None, None, None, None, torch.rand(R), 2.0, 1.0, 1.0, -100,
+                                            True, False, "reference"))

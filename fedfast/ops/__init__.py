@@ -9,11 +9,11 @@
 from ._backend import BACKENDS, resolve as resolve_backend
 from ._validate import raise_if_invalid
 from .asd_weights import asd_row_weight, asd_weights
-from .distill import distill, reduce_rows
+from .distill import distill, row_scale_torch
 from .distill_reference import (asd_weights_reference, distill_reference, distill_rows_reference,
                                 teacher_mixture_reference)
 from .teacher_mixture import teacher_mixture
 
-__all__ = ["BACKENDS", "resolve_backend", "raise_if_invalid", "distill", "reduce_rows", "teacher_mixture",
+__all__ = ["BACKENDS", "resolve_backend", "raise_if_invalid", "distill", "row_scale_torch", "teacher_mixture",
            "asd_weights", "asd_row_weight", "distill_reference", "distill_rows_reference",
            "teacher_mixture_reference", "asd_weights_reference"]

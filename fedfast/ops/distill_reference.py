@@ -14,6 +14,7 @@ Row op (one row ``i`` of student logits ``z``, teacher ``t``, label ``y``, tempe
     L_i   = a_i * CE_i + b_i * D_i
     a_i   = ce_weight * (1 - alpha[y_i]) if class_alpha else ce_weight        (FedCAD Eq. 5)
     b_i   = kd_weight * (alpha[y_i] if class_alpha else 1) * (row_weight_i or 1)
+    (both a_i and b_i are multiplied by row_scale_i, the reduction weight, when given)
     dL_i/dz_i = a_i (softmax(z_i) - e_y) + (b_i / tau) (W q_i - P_i)  on K_i, 0 off K_i
 
 FedADC+ (Ozfatura et al., Eq. 8-9): with ``rho`` [S, C] the target is
@@ -53,7 +54,7 @@ def _seg_rows(table: torch.Tensor, segments: torch.Tensor | None, R: int) -> tor
 
 def distill_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_weight=1.0, not_true=False,
                       soft_ce=False, ignore_index=-100, class_alpha=None, row_weight=None, rho=None,
-                      segments=None, teacher_negent=None):
+                      segments=None, teacher_negent=None, row_scale=None):
     """Per-row loss ``L_i`` [R] (see module docstring). Differentiable in ``student``.
 
     ``teacher`` is [R, C] logits, or - when ``teacher_negent`` [R] is given - a [R, C] target
@@ -93,6 +94,8 @@ def distill_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_we
         b = b * al
     if row_weight is not None:
         b = b * row_weight.to(acc)
+    if row_scale is not None:  # reduction weight s_i: L_i -> s_i L_i
+        a, b = a * row_scale.to(acc), b * row_scale.to(acc)
     loss = torch.where(valid, a * ce + b * D, torch.zeros_like(ce))
     return loss
 
@@ -137,7 +140,7 @@ def asd_weights_reference(teacher, target, class_prior, segments=None, *, entrop
 
 def distill_rows_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_weight=1.0, not_true=False,
                            soft_ce=False, ignore_index=-100, class_alpha=None, row_weight=None, rho=None,
-                           segments=None, teacher_negent=None):
+                           segments=None, teacher_negent=None, row_scale=None):
     """The ``reference`` backend: ``(L [R], dL_i/dz_i [R, C])`` with the closed-form gradient.
 
     ``dL_i/dz_i = a_i (softmax(z_i) - e_y) + (b_i / tau) (W_i q_i - P_i)`` with ``W_i = sum_c P_ic``;
@@ -145,7 +148,7 @@ def distill_rows_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, 
     """
     kw = dict(tau=tau, ce_weight=ce_weight, kd_weight=kd_weight, not_true=not_true, soft_ce=soft_ce,
               ignore_index=ignore_index, class_alpha=class_alpha, row_weight=row_weight, rho=rho,
-              segments=segments, teacher_negent=teacher_negent)
+              segments=segments, teacher_negent=teacher_negent, row_scale=row_scale)
     with torch.no_grad():
         loss = distill_reference(student, teacher, target, **kw)
         acc = _acc(student)
@@ -174,6 +177,8 @@ def distill_rows_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, 
             a, b = a * (1 - al), b * al
         if row_weight is not None:
             b = b * row_weight.to(acc)[:, None]
+        if row_scale is not None:
+            a, b = a * row_scale.to(acc)[:, None], b * row_scale.to(acc)[:, None]
         g = a * (torch.softmax(z, dim=1) - onehot.to(acc)) + (b / tau) * (W * q - P)
         g = torch.where(valid[:, None], g, torch.zeros_like(g))
     return loss, g.to(student.dtype)

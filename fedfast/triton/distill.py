@@ -101,10 +101,11 @@ def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_s
 
 
 @triton.jit
-def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1p_ptr, seg_ptr, loss_ptr, g_ptr,
+def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho_ptr, l1p_ptr, seg_ptr, loss_ptr, g_ptr,
                     R, C, S, inv_tau, ce_w, kd_w, ignore_index,
                     NOT_TRUE: tl.constexpr, SOFT_CE: tl.constexpr, PROB: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                    HAS_RW: tl.constexpr, RHO: tl.constexpr, HAS_SEG: tl.constexpr, SINGLE: tl.constexpr,
+                    HAS_RW: tl.constexpr, HAS_RS: tl.constexpr, RHO: tl.constexpr, HAS_SEG: tl.constexpr,
+                    SINGLE: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -166,6 +167,10 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rho_ptr, l1
         b = b * al
     if HAS_RW:
         b = b * tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    if HAS_RS:  # reduction weight: scales the loss row and its gradient
+        sc = tl.load(rs_ptr + rows, mask=rmask, other=0.0)
+        a = a * sc
+        b = b * sc
     kb = b * inv_tau
     cross = zero
     negent = zero
@@ -203,8 +208,8 @@ def launch_config(C: int, elem_budget: int = 4096, max_block_c: int = 4096):
     return block_r, block_c, single, num_warps
 
 
-def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weight, rho, segments, tau, ce_weight,
-                        kd_weight, ignore_index, not_true, soft_ce):
+def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
+                        ce_weight, kd_weight, ignore_index, not_true, soft_ce):
     R, C = student.shape
     if student.dtype == torch.float64:
         raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
@@ -218,11 +223,11 @@ def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weigh
     S = rho.shape[0] if rho is not None else 1
     BR, BC, single, nw = launch_config(C)
     _distill_kernel[(triton.cdiv(R, BR),)](
-        student, teacher, target, f32(negent), f32(class_alpha), f32(row_weight), f32(rho), f32(l1p),
+        student, teacher, target, f32(negent), f32(class_alpha), f32(row_weight), f32(row_scale), f32(rho), f32(l1p),
         segments if segments is not None else target, loss, grad,
         R, C, S, 1.0 / tau, ce_weight, kd_weight, ignore_index,
         NOT_TRUE=not_true, SOFT_CE=soft_ce, PROB=negent is not None, HAS_ALPHA=class_alpha is not None,
-        HAS_RW=row_weight is not None, RHO=rho is not None, HAS_SEG=(segments is not None and S > 1),
+        HAS_RW=row_weight is not None, HAS_RS=row_scale is not None, RHO=rho is not None, HAS_SEG=(segments is not None and S > 1),
         SINGLE=single, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
     return loss, grad
 

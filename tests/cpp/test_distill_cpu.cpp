@@ -41,7 +41,7 @@ int main() {
       auto z = at::randn({R, C}) * 3, t = at::randn({R, C}) * 3;
       auto y = at::randint(0, C, {R}, at::kLong);
       y[2] = -100;
-      auto out = fedfast::distill_rows_cpu(z, t, y, {}, {}, {}, {}, {}, 2.0, 0.7, 1.3, -100, not_true, false);
+      auto out = fedfast::distill_rows_cpu(z, t, y, {}, {}, {}, {}, {}, {}, 2.0, 0.7, 1.3, -100, not_true, false);
       auto loss = std::get<0>(out), grad = std::get<1>(out);
       auto zd = z.to(at::kDouble), td = t.to(at::kDouble);
       double max_err = 0, max_ref = 1e-30;
