@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .ops import _validate
+from .ops.distill import class_table
 
 
 class _DistillBase(nn.Module):
@@ -133,16 +134,9 @@ class CADLoss(_DistillBase):
                            **self._common(segments, num_segments))
 
 
-def confidence_from_freq(class_freq, C: int, device) -> Tensor:
+def confidence_from_freq(class_freq, C: int, device, segments: Tensor | None = None):
     """FedADC+ confidence ``rho_c = gamma_c / max_c gamma_c`` per row of a label histogram [C] or [S, C]."""
-    f = torch.as_tensor(class_freq, device=device)
-    if not f.is_floating_point():
-        f = f.float()
-    if f.dim() == 1:
-        f = f[None]
-    if f.dim() != 2 or f.shape[1] != C:
-        raise ValueError(f"class_freq: expected shape [{C}] or [num_segments, {C}], got {tuple(f.shape)}")
-    f = f.float() if f.dtype != torch.float64 else f
+    f = class_table("class_freq", class_freq, C, device, segments)
     mx = f.amax(dim=1, keepdim=True)
     return f / mx.clamp_min(torch.finfo(f.dtype).tiny), f, mx
 
@@ -162,7 +156,7 @@ class ADCLoss(_DistillBase):
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_freq, segments: Tensor | None = None,
                 num_segments: int | None = None) -> Tensor:
         _validate.check_logits("student", student)
-        rho, f, mx = confidence_from_freq(class_freq, student.shape[1], student.device)
+        rho, f, mx = confidence_from_freq(class_freq, student.shape[1], student.device, segments)
         mode = _validate.mode_for(student.device, self.validate)
         if mode != "off":
             _validate.check("class_freq", ((f < 0) | ~torch.isfinite(f)).any() | ~(mx > 0).all(),

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from .distill import segment_counts, valid_rows
+from .distill import class_table, segment_counts, valid_rows
 from .distill_reference import asd_weights_reference
 
 
@@ -50,16 +50,7 @@ def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor |
     if segments is not None:
         _validate.check_segments(segments, R, dev, mode, None)
         segments = segments.contiguous()
-    prior = torch.as_tensor(class_prior, device=dev)
-    if not prior.is_floating_point():
-        prior = prior.float()
-    if prior.dim() == 1:
-        prior = prior[None]
-    if prior.dim() != 2 or prior.shape[1] != C:
-        raise ValueError(f"class_prior: expected shape [{C}] or [num_segments, {C}], got {tuple(prior.shape)}")
-    if prior.shape[0] > 1 and segments is None:
-        raise ValueError(f"class_prior: a per-client table [{prior.shape[0]}, {C}] needs `segments`")
-    prior = prior.to(torch.float64 if teacher.dtype == torch.float64 else torch.float32).contiguous()
+    prior = class_table("class_prior", class_prior, C, dev, segments)
     if mode != "off":
         S = prior.shape[0]
         valid = valid_rows(target, C, ignore_index)

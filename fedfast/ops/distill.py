@@ -122,16 +122,15 @@ def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weig
     return _DistillRowsFn.apply(*args)
 
 
-def _as_table(name: str, x, C: int, device, n_seg_rows: int | None) -> Tensor:
-    """A per-class table as a contiguous fp32 [S, C] tensor on ``device``."""
+def class_table(name: str, x, C: int, device, segments: Tensor | None) -> Tensor:
+    """A per-class table ([C], or [num_segments, C] with ``segments``) as a contiguous [S, C] tensor on
+    ``device``: fp64 if given fp64, else fp32."""
     t = torch.as_tensor(x, device=device)
-    if not t.is_floating_point():
-        t = t.float()
     if t.dim() == 1:
         t = t[None]
     if t.dim() != 2 or t.shape[1] != C:
         raise ValueError(f"{name}: expected shape [{C}] or [num_segments, {C}], got {tuple(t.shape)}")
-    if t.shape[0] > 1 and n_seg_rows is None:
+    if t.shape[0] > 1 and segments is None:
         raise ValueError(f"{name}: a per-segment table [{t.shape[0]}, {C}] needs `segments`")
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).contiguous()
 
@@ -237,12 +236,12 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     if teacher_in.stride(-1) != 1:
         teacher_in = teacher_in.contiguous()
     if class_alpha is not None:
-        class_alpha = _as_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
+        class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
         if mode != "off":
             _validate.check("class_alpha", ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
                             "per-class weights must lie in [0, 1]", mode)
     if rho is not None:
-        rho = _as_table("rho", rho, C, dev, segments)
+        rho = class_table("rho", rho, C, dev, segments)
     if row_weight is not None:
         if row_weight.shape != (R,):
             raise ValueError(f"row_weight: expected shape ({R},), got {tuple(row_weight.shape)}")

@@ -52,6 +52,45 @@ def _seg_rows(table: torch.Tensor, segments: torch.Tensor | None, R: int) -> tor
     return table[segments.long().clamp(0, table.shape[0] - 1)]
 
 
+def _setup(student, target, ignore_index, not_true):
+    """Accumulation dtype, student in it, valid rows, safe labels, one-hot and the not-true drop mask."""
+    acc = _acc(student)
+    C = student.shape[1]
+    valid = _valid(target, C, ignore_index)
+    y = torch.where(valid, target, torch.zeros_like(target)).long()
+    onehot = F.one_hot(y, C).bool()
+    drop = onehot if not_true else torch.zeros_like(onehot)
+    return acc, student.to(acc), valid, y, onehot, drop
+
+
+def _target(teacher, acc, tau, drop, onehot, rho, segments, teacher_negent):
+    """Teacher target ``P`` [R, C] and ``log P`` (None for a given mixture distribution)."""
+    if teacher_negent is not None:
+        return teacher.to(acc).masked_fill(drop, 0.0), None
+    logp = torch.log_softmax((teacher.to(acc) / tau).masked_fill(drop, float("-inf")), dim=1)
+    p = torch.exp(logp)
+    if rho is None:
+        return p, logp
+    r = _seg_rows(rho.to(acc), segments, p.shape[0]).masked_fill(onehot, 0.0)
+    p_y = p.masked_fill(~onehot, 0.0).sum(1, keepdim=True)
+    P = torch.where(onehot, p_y + (r * p).sum(1, keepdim=True), (1 - r) * p)  # FedADC+ Eq. 8-9
+    return P, torch.where(onehot, torch.log(P), torch.log1p(-r) + logp)
+
+
+def _weights(acc, R, device, y, ce_weight, kd_weight, class_alpha, row_weight, row_scale):
+    """Per-row CE weight ``a`` and KD weight ``b`` [R]."""
+    a = torch.full((R,), float(ce_weight), dtype=acc, device=device)
+    b = torch.full((R,), float(kd_weight), dtype=acc, device=device)
+    if class_alpha is not None:
+        al = class_alpha.to(acc)[y]
+        a, b = a * (1 - al), b * al
+    if row_weight is not None:
+        b = b * row_weight.to(acc)
+    if row_scale is not None:  # reduction weight s_i: L_i -> s_i L_i
+        a, b = a * row_scale.to(acc), b * row_scale.to(acc)
+    return a, b
+
+
 def distill_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_weight=1.0, not_true=False,
                       soft_ce=False, ignore_index=-100, class_alpha=None, row_weight=None, rho=None,
                       segments=None, teacher_negent=None, row_scale=None):
@@ -60,44 +99,15 @@ def distill_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_we
     ``teacher`` is [R, C] logits, or - when ``teacher_negent`` [R] is given - a [R, C] target
     distribution (a VOTE mixture). Computation is in float64 for float64 students, else float32.
     """
-    acc = _acc(student)
-    R, C = student.shape
-    z = student.to(acc)
-    valid = _valid(target, C, ignore_index)
-    y = torch.where(valid, target, torch.zeros_like(target)).long()
-    onehot = F.one_hot(y, C).bool()
+    acc, z, valid, y, onehot, drop = _setup(student, target, ignore_index, not_true)
     ce = torch.logsumexp(z, dim=1) - z.gather(1, y[:, None]).squeeze(1)
-    drop = onehot if not_true else torch.zeros_like(onehot)
     logq = torch.log_softmax((z / tau).masked_fill(drop, float("-inf")), dim=1)
-    if teacher_negent is not None:
-        P = teacher.to(acc).masked_fill(drop, 0.0)
-        negent = teacher_negent.to(acc)
-    else:
-        logp = torch.log_softmax((teacher.to(acc) / tau).masked_fill(drop, float("-inf")), dim=1)
-        p = torch.exp(logp)
-        if rho is not None:
-            r = _seg_rows(rho.to(acc), segments, R).masked_fill(onehot, 0.0)
-            moved = (r * p).sum(1)
-            p_y = p.gather(1, y[:, None]).squeeze(1)
-            P = torch.where(onehot, (p_y + moved)[:, None], (1 - r) * p)
-            logP = torch.where(onehot, torch.log(P), torch.log1p(-r) + logp)
-        else:
-            P, logP = p, logp
-        negent = _xlogy_safe(P, logP).sum(1)
+    P, logP = _target(teacher, acc, tau, drop, onehot, rho, segments, teacher_negent)
+    negent = teacher_negent.to(acc) if logP is None else _xlogy_safe(P, logP).sum(1)
     cross = -_xlogy_safe(P, logq).sum(1)
     D = cross if soft_ce else cross + negent
-    a = torch.full((R,), float(ce_weight), dtype=acc, device=z.device)
-    b = torch.full((R,), float(kd_weight), dtype=acc, device=z.device)
-    if class_alpha is not None:
-        al = class_alpha.to(acc)[y]
-        a = a * (1 - al)
-        b = b * al
-    if row_weight is not None:
-        b = b * row_weight.to(acc)
-    if row_scale is not None:  # reduction weight s_i: L_i -> s_i L_i
-        a, b = a * row_scale.to(acc), b * row_scale.to(acc)
-    loss = torch.where(valid, a * ce + b * D, torch.zeros_like(ce))
-    return loss
+    a, b = _weights(acc, z.shape[0], z.device, y, ce_weight, kd_weight, class_alpha, row_weight, row_scale)
+    return torch.where(valid, a * ce + b * D, torch.zeros_like(ce))
 
 
 def teacher_mixture_reference(teachers, weights, target, *, tau=1.0, not_true=False, ignore_index=-100):
@@ -146,39 +156,16 @@ def distill_rows_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, 
     ``dL_i/dz_i = a_i (softmax(z_i) - e_y) + (b_i / tau) (W_i q_i - P_i)`` with ``W_i = sum_c P_ic``;
     the tests check it against autograd through :func:`distill_reference`.
     """
-    kw = dict(tau=tau, ce_weight=ce_weight, kd_weight=kd_weight, not_true=not_true, soft_ce=soft_ce,
-              ignore_index=ignore_index, class_alpha=class_alpha, row_weight=row_weight, rho=rho,
-              segments=segments, teacher_negent=teacher_negent, row_scale=row_scale)
     with torch.no_grad():
-        loss = distill_reference(student, teacher, target, **kw)
-        acc = _acc(student)
-        R, C = student.shape
-        z = student.to(acc)
-        valid = _valid(target, C, ignore_index)
-        y = torch.where(valid, target, torch.zeros_like(target)).long()
-        onehot = F.one_hot(y, C).bool()
-        drop = onehot if not_true else torch.zeros_like(onehot)
+        loss = distill_reference(student, teacher, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
+                                 not_true=not_true, soft_ce=soft_ce, ignore_index=ignore_index,
+                                 class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
+                                 teacher_negent=teacher_negent, row_scale=row_scale)
+        acc, z, valid, y, onehot, drop = _setup(student, target, ignore_index, not_true)
         q = torch.softmax((z / tau).masked_fill(drop, float("-inf")), dim=1)
-        if teacher_negent is not None:
-            P = teacher.to(acc).masked_fill(drop, 0.0)
-        else:
-            p = torch.softmax((teacher.to(acc) / tau).masked_fill(drop, float("-inf")), dim=1)
-            if rho is not None:
-                r = _seg_rows(rho.to(acc), segments, R).masked_fill(onehot, 0.0)
-                p_y = p.gather(1, y[:, None])
-                P = torch.where(onehot, p_y + (r * p).sum(1, keepdim=True), (1 - r) * p)
-            else:
-                P = p
+        P, _ = _target(teacher, acc, tau, drop, onehot, rho, segments, teacher_negent)
         W = P.sum(1, keepdim=True)
-        a = torch.full((R, 1), float(ce_weight), dtype=acc, device=z.device)
-        b = torch.full((R, 1), float(kd_weight), dtype=acc, device=z.device)
-        if class_alpha is not None:
-            al = class_alpha.to(acc)[y][:, None]
-            a, b = a * (1 - al), b * al
-        if row_weight is not None:
-            b = b * row_weight.to(acc)[:, None]
-        if row_scale is not None:
-            a, b = a * row_scale.to(acc)[:, None], b * row_scale.to(acc)[:, None]
-        g = a * (torch.softmax(z, dim=1) - onehot.to(acc)) + (b / tau) * (W * q - P)
+        a, b = _weights(acc, z.shape[0], z.device, y, ce_weight, kd_weight, class_alpha, row_weight, row_scale)
+        g = a[:, None] * (torch.softmax(z, dim=1) - onehot.to(acc)) + (b / tau)[:, None] * (W * q - P)
         g = torch.where(valid[:, None], g, torch.zeros_like(g))
     return loss, g.to(student.dtype)

@@ -47,6 +47,18 @@ def _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE: tl.constexpr
 
 
 @triton.jit
+def _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, like, RHO: tl.constexpr):
+    """FedADC+ confidences rho_c and log(1 - rho_c) of each row's segment (zeros when unused)."""
+    rho = like * 0.0
+    l1p = like * 0.0
+    if RHO:
+        roffs = seg[:, None] * C + cols[None, :]
+        rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
+        l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
+    return rho, l1p
+
+
+@triton.jit
 def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
            PROB: tl.constexpr, RHO: tl.constexpr):
     m1, s1 = _online(m1, s1, z)
@@ -123,21 +135,14 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
     cols0 = tl.arange(0, BLOCK_C)
     if SINGLE:
         z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols0, C, rmask, y, inv_tau, NOT_TRUE, PROB)
-        rho = tt * 0.0
-        l1p = tt * 0.0
-        if RHO:
-            roffs = seg[:, None] * C + cols0[None, :]
-            rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
-            l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
+        rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols0, C, m2, tt, RHO)
         m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
                                                        PROB, RHO)
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
-            rho = tt * 0.0
-            if RHO:
-                rho = tl.load(rho_ptr + seg[:, None] * C + cols[None, :], mask=m2, other=0.0)
+            rho, _ = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
             m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv,
                                                            zy, ty, PROB, RHO)
     if not PROB:
@@ -181,12 +186,7 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
-            rho = tt * 0.0
-            l1p = tt * 0.0
-            if RHO:
-                roffs = seg[:, None] * C + cols[None, :]
-                rho = tl.load(rho_ptr + roffs, mask=m2, other=0.0)
-                l1p = tl.load(l1p_ptr + roffs, mask=m2, other=0.0)
+            rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
             cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst,
                                   inv_st, W, Py, a, kb, valid, cross, negent, PROB, RHO)
     if PROB:
