@@ -1,0 +1,241 @@
+"""Flat client state: N copies of a model's parameters in one contiguous buffer.
+
+``ClientStack`` holds the parameters of N clients as one fp32 tensor ``[N, P]`` (and the floating-point
+buffers, e.g. BatchNorm statistics, as ``[N, B]``), with zero-copy per-parameter views ``[N, *shape]``
+that ``torch.func.functional_call`` + ``torch.func.vmap`` accept, so every whole-model operation of a
+federated round (broadcast of the global model, a client step, aggregation) is one op over a flat buffer
+instead of a Python loop over clients and ``state_dict`` entries (pfl-research keeps one model and
+updates it in place; fedfast keeps one buffer for all clients).
+
+``ClientState`` is per-client state of the methods that keep it (FedDyn ``h_k``, SCAFFOLD ``c_k``, MOON's
+previous model) for up to all K clients, on the device or in pinned host memory, fp32 or bf16; the
+rows of the participating clients are gathered into / scattered from a ``[n, P]`` working buffer.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class _Slot:
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+def _layout(named) -> tuple[list[_Slot], int]:
+    slots, off = [], 0
+    for name, t in named:
+        n = t.numel()
+        slots.append(_Slot(name, t.shape, off, n))
+        off += n
+    return slots, off
+
+
+def _float_buffers(module: nn.Module):
+    """Floating-point buffers (BatchNorm running statistics, ...); integer ones (num_batches_tracked) are
+    model bookkeeping, not state to average, and stay in the module."""
+    return [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+
+
+class FlatLayout:
+    """Where each parameter (and float buffer) of a module lives inside a flat vector."""
+
+    def __init__(self, module: nn.Module):
+        self.params, self.P = _layout(module.named_parameters())
+        self.buffers, self.B = _layout(_float_buffers(module))
+
+    @staticmethod
+    def _views(flat: Tensor, slots: list[_Slot]) -> "OrderedDict[str, Tensor]":
+        lead = flat.shape[:-1]
+        return OrderedDict((s.name, flat[..., s.offset:s.offset + s.numel].view(*lead, *s.shape)) for s in slots)
+
+    def param_views(self, flat: Tensor) -> "OrderedDict[str, Tensor]":
+        """Zero-copy views ``[*lead, *shape]`` of a ``[*lead, P]`` parameter buffer."""
+        return self._views(flat, self.params)
+
+    def buffer_views(self, flat: Tensor) -> "OrderedDict[str, Tensor]":
+        return self._views(flat, self.buffers)
+
+    def flatten_params(self, module: nn.Module, out: Tensor | None = None) -> Tensor:
+        """The module's parameters as one ``[P]`` vector (exact copy)."""
+        return self._flatten([p for _, p in module.named_parameters()], self.P, out)
+
+    def flatten_buffers(self, module: nn.Module, out: Tensor | None = None) -> Tensor:
+        return self._flatten([b for _, b in _float_buffers(module)], self.B, out)
+
+    @staticmethod
+    def _flatten(tensors, n, out):
+        if out is None:
+            dev = tensors[0].device if tensors else "cpu"
+            out = torch.empty(n, dtype=torch.float32, device=dev)
+        if tensors:
+            torch.cat([t.detach().reshape(-1).to(out.dtype) for t in tensors], out=out)
+        return out
+
+    def check_module(self, module: nn.Module) -> None:
+        names = [n for n, _ in module.named_parameters()]
+        if names != [s.name for s in self.params] or \
+                [p.shape for _, p in module.named_parameters()] != [s.shape for s in self.params]:
+            raise ValueError("module: its parameters do not match this layout (names or shapes differ)")
+
+
+class ClientStack:
+    """N copies of ``module``'s parameters in one contiguous ``[N, P]`` fp32 buffer (plus ``[N, B]`` float
+    buffers), with zero-copy views.
+
+    >>> stack = ClientStack(model, 100)            # all rows = model's weights
+    >>> out = stack.vmap_forward(x)                 # x: [N, batch, ...] -> [N, batch, C]
+    >>> stack.broadcast_(global_flat)               # one copy into all rows
+    >>> stack.load_into(model, k)                   # client k back into an nn.Module (exact)
+
+    ``module`` itself is used as the stateless template for ``torch.func.functional_call``.
+    """
+
+    def __init__(self, module: nn.Module, num_clients: int, *, device=None, dtype: torch.dtype = torch.float32):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
+        if int(num_clients) < 1:
+            raise ValueError(f"num_clients: must be >= 1, got {num_clients}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype: client parameters are kept in fp32 (or fp64), got {dtype}")
+        self.module = module
+        self.layout = FlatLayout(module)
+        self.N = int(num_clients)
+        dev = torch.device(device) if device is not None else next(module.parameters()).device
+        self.params = torch.empty(self.N, self.layout.P, dtype=dtype, device=dev)
+        self.buffers = torch.empty(self.N, self.layout.B, dtype=dtype, device=dev)
+        self.broadcast_module_(module)
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def P(self) -> int:
+        return self.layout.P
+
+    @property
+    def device(self) -> torch.device:
+        return self.params.device
+
+    def param_views(self, rows: slice | None = None) -> "OrderedDict[str, Tensor]":
+        """``{name: [n, *shape]}`` zero-copy views of rows ``rows`` (default all)."""
+        return self.layout.param_views(self.params if rows is None else self.params[rows])
+
+    def buffer_views(self, rows: slice | None = None) -> "OrderedDict[str, Tensor]":
+        return self.layout.buffer_views(self.buffers if rows is None else self.buffers[rows])
+
+    # -- whole-model operations ----------------------------------------------------------------------
+    def broadcast_(self, flat_params: Tensor, flat_buffers: Tensor | None = None, rows: slice | None = None):
+        """Copy one model ``[P]`` (and ``[B]`` buffers) into all rows (or ``rows``): one op each."""
+        if flat_params.shape != (self.P,):
+            raise ValueError(f"flat_params: expected shape ({self.P},), got {tuple(flat_params.shape)}")
+        dst = self.params if rows is None else self.params[rows]
+        dst.copy_(flat_params.to(dst.dtype).expand_as(dst))
+        if flat_buffers is not None and self.layout.B:
+            if flat_buffers.shape != (self.layout.B,):
+                raise ValueError(f"flat_buffers: expected shape ({self.layout.B},), got {tuple(flat_buffers.shape)}")
+            dstb = self.buffers if rows is None else self.buffers[rows]
+            dstb.copy_(flat_buffers.to(dstb.dtype).expand_as(dstb))
+        return self
+
+    def broadcast_module_(self, module: nn.Module, rows: slice | None = None):
+        """Broadcast an ``nn.Module``'s parameters and float buffers into all rows (or ``rows``)."""
+        self.layout.check_module(module)
+        flat = self.layout.flatten_params(module).to(self.device)
+        fb = self.layout.flatten_buffers(module).to(self.device) if self.layout.B else None
+        return self.broadcast_(flat, fb, rows)
+
+    def load_into(self, module: nn.Module, k: int) -> nn.Module:
+        """Write client ``k``'s parameters and buffers into ``module`` (exact)."""
+        self.layout.check_module(module)
+        with torch.no_grad():
+            for (name, p), v in zip(module.named_parameters(), self.param_views(slice(k, k + 1)).values()):
+                p.copy_(v[0])
+            for (name, b), v in zip(_float_buffers(module), self.buffer_views(slice(k, k + 1)).values()):
+                b.copy_(v[0])
+        return module
+
+    def state_dict(self, k: int) -> "OrderedDict[str, Tensor]":
+        """Client ``k`` as a ``state_dict``-style mapping of views (parameters and float buffers)."""
+        sd = OrderedDict((n, v[0]) for n, v in self.param_views(slice(k, k + 1)).items())
+        sd.update((n, v[0]) for n, v in self.buffer_views(slice(k, k + 1)).items())
+        return sd
+
+    def load_state_dict(self, k: int, state: dict) -> None:
+        """Write a ``state_dict`` (names as in the module) into row ``k`` (exact)."""
+        missing = [s.name for s in self.layout.params + self.layout.buffers if s.name not in state]
+        if missing:
+            raise ValueError(f"state: missing entries {missing[:5]}")
+        for n, v in self.param_views(slice(k, k + 1)).items():
+            v[0].copy_(state[n])
+        for n, v in self.buffer_views(slice(k, k + 1)).items():
+            v[0].copy_(state[n])
+
+    # -- batched forward ------------------------------------------------------------------------------
+    def vmap_forward(self, x: Tensor, rows: slice | None = None, *, params: dict | None = None) -> Tensor:
+        """``f(theta_k, x_k)`` for every row k at once: ``x`` is ``[n, batch, ...]``, returns ``[n, batch, ...]``.
+
+        ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted."""
+        from torch.func import functional_call, vmap
+
+        p = self.param_views(rows) if params is None else params
+        b = self.buffer_views(rows)
+
+        def f(pp, bb, xx):
+            return functional_call(self.module, {**pp, **bb}, (xx,))
+
+        return vmap(f, in_dims=(0, 0, 0))(p, b, x)
+
+
+class ClientState:
+    """Per-client state ``[K, P]`` for all K clients (FedDyn h_k, SCAFFOLD c_k, MOON's previous model).
+
+    ``dtype`` fp32 or bf16 (storage; gathered rows are returned in fp32), ``pin_memory=True`` keeps it in
+    pinned host memory (rows are copied to ``device`` asynchronously). Rows are addressed by client id.
+    """
+
+    def __init__(self, num_clients: int, P: int, *, device=None, dtype: torch.dtype = torch.float32,
+                 pin_memory: bool = False, fill: float = 0.0):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"dtype: per-client state is fp32 or bf16, got {dtype}")
+        if int(num_clients) < 1 or int(P) < 1:
+            raise ValueError(f"num_clients and P: must be >= 1, got {num_clients}, {P}")
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        store_dev = torch.device("cpu") if pin_memory else self.device
+        self.data = torch.full((int(num_clients), int(P)), float(fill), dtype=dtype, device=store_dev)
+        if pin_memory and torch.cuda.is_available():
+            self.data = self.data.pin_memory()
+
+    @property
+    def K(self) -> int:
+        return self.data.shape[0]
+
+    def _ids(self, ids) -> Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.data.device)
+        if ids.dim() != 1:
+            raise ValueError(f"ids: expected a 1-d list of client ids, got shape {tuple(ids.shape)}")
+        return ids
+
+    def gather(self, ids, out: Tensor | None = None) -> Tensor:
+        """Rows of clients ``ids`` as fp32 ``[n, P]`` on ``self.device``."""
+        rows = self.data.index_select(0, self._ids(ids))
+        rows = rows.to(self.device, non_blocking=True).float()
+        if out is not None:
+            out.copy_(rows)
+            return out
+        return rows
+
+    def scatter_(self, ids, rows: Tensor) -> None:
+        """Write fp32 rows ``[n, P]`` back for clients ``ids`` (rounded to the storage dtype)."""
+        ids = self._ids(ids)
+        if rows.shape != (ids.numel(), self.data.shape[1]):
+            raise ValueError(f"rows: expected shape ({ids.numel()}, {self.data.shape[1]}), got {tuple(rows.shape)}")
+        self.data.index_copy_(0, ids, rows.to(self.data.device, self.data.dtype))
+
+    def mean(self) -> Tensor:
+        """Mean over all K clients in fp32 (FedDyn's server correction)."""
+        return self.data.float().mean(0).to(self.device)
