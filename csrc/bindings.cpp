@@ -9,5 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("distill_rows", &fedfast::distill_rows_cpu, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
   m.def("teacher_mixture", &fedfast::teacher_mixture_cpu, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
   m.def("asd_weights", &fedfast::asd_weights_cpu, "ASD alphahat [R]");
+  m.def("aggregate", &fedfast::aggregate_cpu, "fused server update (see fedfast/ops/aggregate_reference.py)");
+  m.def("client_step", &fedfast::client_step_cpu, "fused all-client optimizer step, in place");
   m.def("row_scale", &fedfast::row_scale_cpu, "reduction weights + target/segment validation: (scale, status)");
 }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
 
 namespace fedfast {
 
@@ -22,6 +23,24 @@ at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, 
 
 std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c10::optional<at::Tensor>& segments,
                                               int64_t C, int64_t ignore_index, int64_t mode, int64_t limit);
+
+std::vector<at::Tensor> aggregate_cpu(const at::Tensor& X, const at::Tensor& rows, const at::Tensor& g,
+                                      const at::Tensor& w, double beta, double scale, double lr,
+                                      const c10::optional<at::Tensor>& momentum,
+                                      const c10::optional<at::Tensor>& dyn_h,
+                                      const c10::optional<at::Tensor>& dyn_hbar, double dyn_K,
+                                      const c10::optional<at::Tensor>& scaffold_c,
+                                      const c10::optional<at::Tensor>& scaffold_ck,
+                                      const c10::optional<at::Tensor>& scaffold_coef, double sc_K,
+                                      const c10::optional<at::Tensor>& teacher_buffer, int64_t slot,
+                                      int64_t count);
+
+void client_step_cpu(at::Tensor& theta, const at::Tensor& grad, const at::Tensor& lr, double momentum,
+                     const c10::optional<at::Tensor>& buf, const at::Tensor& wd, double prox_mu,
+                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
+                     const c10::optional<at::Tensor>& scaffold_c, const c10::optional<at::Tensor>& scaffold_ck,
+                     const c10::optional<at::Tensor>& drift, double max_norm,
+                     const c10::optional<at::Tensor>& active);
 
 // Helpers shared by the ops.
 inline int64_t row_target(const at::Tensor& target, int64_t i, int64_t C, int64_t ignore_index) {

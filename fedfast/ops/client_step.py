@@ -1,0 +1,76 @@
+"""Fused all-client optimizer step over a flat ``[n, P]`` parameter buffer, in place.
+
+Formulas and order (FedProx, FedDyn, clipping, coupled weight decay, SCAFFOLD, SGD momentum, FedADC
+drift, masking): :mod:`fedfast.ops.client_step_reference`. Backends: ``cpu`` (C++) and ``reference``;
+on other devices the reference runs (Triton/CUDA kernels for this op are not written yet).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _backend
+from .client_step_reference import client_step_reference
+
+
+def _per_client(name, v, n, dev):
+    t = torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(-1)
+    if t.numel() not in (1, n):
+        raise ValueError(f"{name}: expected a scalar or one value per client ({n}), got {t.numel()} values")
+    return t
+
+
+def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
+                weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
+                dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
+                scaffold_ck: Tensor | None = None, drift: Tensor | None = None, max_norm: float | None = None,
+                active: Tensor | None = None, backend: str | None = None) -> None:
+    """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
+
+    ``lr`` and ``weight_decay``: scalars or per client [n]. ``anchor`` [P]: the round's global model (FedProx).
+    ``dyn_linear`` [n, P]: FedDyn's gradient term. ``scaffold_c`` [P] / ``scaffold_ck`` [n, P]: SCAFFOLD
+    controls. ``drift`` [P]: FedADC's ``beta_l m_t / H``. ``max_norm``: per-client gradient-norm clipping.
+    ``active`` [n] bool: rows that take this step (others are untouched, momentum included).
+    """
+    if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
+        raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
+    n, P = theta.shape
+    dev = theta.device
+    if grad.shape != (n, P):
+        raise ValueError(f"grad: expected shape ({n}, {P}), got {tuple(grad.shape)}")
+    for name, t, shp in (("momentum_buf", momentum_buf, (n, P)), ("anchor", anchor, (P,)),
+                         ("dyn_linear", dyn_linear, (n, P)), ("scaffold_c", scaffold_c, (P,)),
+                         ("scaffold_ck", scaffold_ck, (n, P)), ("drift", drift, (P,)), ("active", active, (n,))):
+        if t is not None and t.shape != shp:
+            raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
+    if prox_mu and anchor is None:
+        raise ValueError("anchor: FedProx (prox_mu > 0) needs the round's global model")
+    if (scaffold_c is None) != (scaffold_ck is None):
+        raise ValueError("scaffold_c and scaffold_ck: SCAFFOLD needs both controls")
+    if momentum_buf is not None and not (momentum_buf.dtype == torch.float32 and momentum_buf.is_contiguous()):
+        raise TypeError("momentum_buf: expected a contiguous fp32 tensor (it is updated in place)")
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm: must be > 0, got {max_norm}")
+    lr_t = _per_client("lr", lr, n, dev)
+    wd_t = _per_client("weight_decay", weight_decay, n, dev)
+    be = _backend.resolve(backend, dev.type)
+    if be == "cpu":
+        _backend.cpu_ext().client_step(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor,
+                                       dyn_linear, scaffold_c, scaffold_ck, drift,
+                                       float(max_norm) if max_norm is not None else 0.0, active)
+        return
+    new, buf = client_step_reference(theta, grad, lr=lr_t if lr_t.numel() == n else float(lr_t),
+                                     momentum=momentum, momentum_buf=momentum_buf,
+                                     weight_decay=wd_t if wd_t.numel() == n else float(wd_t), prox_mu=prox_mu,
+                                     anchor=anchor, dyn_linear=dyn_linear, scaffold_c=scaffold_c,
+                                     scaffold_ck=scaffold_ck, drift=drift, max_norm=max_norm, active=active)
+    theta.copy_(new)
+    if momentum_buf is not None:
+        momentum_buf.copy_(buf)
+
+
+def drift_shift_(theta: Tensor, drift: Tensor, lr, sign: float = -1.0) -> None:
+    """``theta += sign * lr * drift`` for every row: FedADC's Nesterov ordering is the heavy-ball step on the
+    sequence shifted by one drift half-step (``sign=-1`` before the first step, ``+1`` after the last)."""
+    lr_t = _per_client("lr", lr, theta.shape[0], theta.device).reshape(-1, 1)
+    theta.add_(sign * lr_t * drift.to(theta.dtype)[None, :])

@@ -1,0 +1,128 @@
+"""Fused server update vs the reference and vs a literal per-client state_dict loop."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedfast import ops
+from fedfast.flat import ClientStack
+from fedfast.ops import _backend
+
+from helpers import rel_err
+
+BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else [])
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def _clients(N, seed=0):
+    torch.manual_seed(seed)
+    base = _mlp()
+    stack = ClientStack(base, N)
+    with torch.no_grad():
+        stack.params.add_(torch.randn_like(stack.params) * 0.1)
+    modules = [stack.load_into(copy.deepcopy(base), k) for k in range(N)]
+    return base, stack, modules
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedavg_and_fedavgm_match_state_dict_loop(backend):
+    N = 6
+    base, stack, modules = _clients(N)
+    g = stack.layout.flatten_params(base)
+    sizes = torch.tensor([10.0, 50, 20, 5, 5, 10])
+    ids = [0, 2, 3, 5]  # partial participation
+    w = sizes[ids] / sizes[ids].sum()
+    # literal loop (what research code does)
+    sd = {k: sum(float(w[i]) * modules[c].state_dict()[k] for i, c in enumerate(ids)) for k in base.state_dict()}
+    avg_loop = torch.cat([sd[k].reshape(-1) for k in sd])
+    out = ops.aggregate(stack.params, g, weights=sizes[ids], rows=torch.tensor(ids), backend=backend)
+    assert rel_err(out["global"], avg_loop) <= 1e-6 and rel_err(out["average"], avg_loop) <= 1e-6
+    # FedAvgM: v = beta v + (g - avg); g' = g - eta_s v
+    v0 = torch.randn(stack.P) * 0.01
+    out = ops.aggregate(stack.params, g, weights=sizes[ids], rows=torch.tensor(ids), beta=0.9, lr=1.5,
+                        momentum=v0, backend=backend)
+    v1 = 0.9 * v0 + (g - avg_loop)
+    assert rel_err(out["momentum"], v1) <= 1e-5 and rel_err(out["global"], g - 1.5 * v1) <= 1e-5
+    # prefix participation == rows 0..n-1, uniform weights
+    out = ops.aggregate(stack.params, g, rows=3, backend=backend)
+    assert rel_err(out["global"], stack.params[:3].mean(0)) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedadc_server_rule(backend):
+    """m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m' (FedADC Alg. 3). With beta_g = beta_l and
+    alpha = 1 the server step is plain averaging (spec 2.3)."""
+    N, P = 5, 33
+    X = torch.randn(N, P)
+    g = torch.randn(P)
+    m = torch.randn(P)
+    eta = 0.05
+    out = ops.aggregate(X, g, beta=0.0, scale=1 / eta, lr=1.0 * eta, momentum=m, backend=backend)
+    assert rel_err(out["global"], X.mean(0)) <= 1e-5
+    assert rel_err(out["momentum"], (g - X.mean(0)) / eta) <= 1e-5
+    out = ops.aggregate(X, g, beta=0.9 - 0.5, scale=1 / eta, lr=0.7 * eta, momentum=m, backend=backend)
+    m1 = (g - X.mean(0)) / eta + 0.4 * m
+    assert rel_err(out["momentum"], m1) <= 1e-5 and rel_err(out["global"], g - 0.7 * eta * m1) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_feddyn_scaffold_and_teacher_buffer(backend):
+    N, P, K = 4, 1000, 100
+    X = torch.randn(N, P)
+    g = torch.randn(P)
+    h = torch.randn(N, P)
+    hbar = torch.randn(P)
+    out = ops.aggregate(X, g, dyn_h=h, dyn_hbar=hbar, dyn_num_clients=K, backend=backend)
+    hbar1 = hbar + (X - g).sum(0) / K
+    assert rel_err(out["dyn_h"], h + X - g) <= 1e-6 and rel_err(out["dyn_hbar"], hbar1) <= 1e-6
+    assert rel_err(out["global"], X.mean(0) + hbar1) <= 1e-6 and rel_err(out["average"], X.mean(0)) <= 1e-6
+    c, ck = torch.randn(P), torch.randn(N, P)
+    coef = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    out = ops.aggregate(X, g, scaffold_c=c, scaffold_ck=ck, scaffold_coef=coef, scaffold_num_clients=K,
+                        backend=backend)
+    ck1 = ck - c + coef[:, None] * (g - X)
+    assert rel_err(out["scaffold_ck"], ck1) <= 1e-6 and rel_err(out["scaffold_c"], c + (ck1 - ck).sum(0) / K) <= 1e-6
+    B = torch.randn(5, P)
+    out = ops.aggregate(X, g, teacher_buffer=B, teacher_slot=2, teacher_count=3, backend=backend)
+    B1 = B.clone()
+    B1[2] = X.mean(0)
+    assert torch.equal(out["teacher_buffer"][[0, 1, 3, 4]], B[[0, 1, 3, 4]])
+    assert rel_err(out["teacher_buffer"][2], X.mean(0)) <= 1e-6
+    assert rel_err(out["teacher"], B1[:3].mean(0)) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_client_rows(backend):
+    X = torch.randn(8, 3001)
+    g = torch.randn(3001)
+    out = ops.aggregate(X.to(torch.bfloat16), g, backend=backend)
+    assert out["global"].dtype == torch.float32
+    assert rel_err(out["global"], X.to(torch.bfloat16).float().mean(0)) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_row_is_refused_and_bad_input(backend):
+    X = torch.randn(4, 50)
+    g = torch.randn(50)
+    X[2, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"clients: rows \[2\]"):
+        ops.aggregate(X, g, backend=backend)
+    X[2, 7] = float("inf")
+    with pytest.raises(ValueError, match="clients"):
+        ops.aggregate(X, g, rows=torch.tensor([1, 2]), backend=backend)
+    ops.aggregate(X, g, rows=torch.tensor([0, 1, 3]), backend=backend)  # the bad row is not read
+    X[2, 7] = 0
+    with pytest.raises(ValueError, match="weights"):
+        ops.aggregate(X, g, weights=torch.zeros(4), backend=backend)
+    with pytest.raises(ValueError, match="weights"):
+        ops.aggregate(X, g, weights=torch.ones(3), backend=backend)
+    with pytest.raises(ValueError, match="global_params"):
+        ops.aggregate(X, torch.randn(49), backend=backend)
+    with pytest.raises(ValueError, match="rows"):
+        ops.aggregate(X, g, rows=torch.tensor([0, 4]), backend=backend)
+    with pytest.raises(ValueError, match="dyn_h"):
+        ops.aggregate(X, g, dyn_h=torch.randn(3, 50), dyn_hbar=g, dyn_num_clients=10, backend=backend)

@@ -1,0 +1,131 @@
+"""Fused all-client optimizer step vs the reference and vs torch.optim.SGD on per-client nn.Modules."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedfast import ops
+from fedfast.flat import ClientStack
+from fedfast.ops import _backend
+from fedfast.ops.client_step import drift_shift_
+from fedfast.ops.client_step_reference import client_step_reference
+
+from helpers import rel_err
+
+BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else [])
+
+
+def _setup(N=4, seed=0):
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    stack = ClientStack(base, N)
+    with torch.no_grad():
+        stack.params.add_(torch.randn_like(stack.params) * 0.1)
+    mods = [stack.load_into(copy.deepcopy(base), k) for k in range(N)]
+    return base, stack, mods
+
+
+def _flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def _set_grads(m, flat):
+    off = 0
+    for p in m.parameters():
+        p.grad = flat[off:off + p.numel()].view_as(p).clone()
+        off += p.numel()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_sgd_momentum_wd_prox_clip_match_torch_optim(backend, clip):
+    N = 4
+    base, stack, mods = _setup(N)
+    anchor = stack.layout.flatten_params(base).clone()
+    lrs = [0.1, 0.05, 0.2, 0.01]
+    opts = [torch.optim.SGD(m.parameters(), lr=lrs[k], momentum=0.9, weight_decay=1e-3) for k, m in enumerate(mods)]
+    theta = stack.params
+    buf = torch.zeros_like(theta)
+    mu = 0.1
+    for step in range(3):
+        G = torch.randn_like(theta)
+        for k, m in enumerate(mods):  # literal: loss gradient + prox, clip, SGD(momentum, wd)
+            _set_grads(m, G[k] + mu * (_flat(m) - anchor))
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            opts[k].step()
+        ops.client_step(theta, G, lr=torch.tensor(lrs), momentum=0.9, momentum_buf=buf, weight_decay=1e-3,
+                        prox_mu=mu, anchor=anchor, max_norm=clip, backend=backend)
+        for k, m in enumerate(mods):
+            assert rel_err(theta[k], _flat(m)) <= 1e-6, (step, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scaffold_feddyn_mask_and_drift(backend):
+    n, P = 5, 2000
+    theta0 = torch.randn(n, P)
+    G = torch.randn(n, P)
+    c, ck = torch.randn(P), torch.randn(n, P)
+    dyn = torch.randn(n, P) * 0.1
+    drift = torch.randn(P) * 0.01
+    active = torch.tensor([True, False, True, True, False])
+    buf0 = torch.randn(n, P)
+    wd = torch.tensor([0.0, 1e-3, 0.1, 1e-2, 0.0])
+    kw = dict(lr=0.05, momentum=0.5, weight_decay=wd, dyn_linear=dyn, scaffold_c=c, scaffold_ck=ck, drift=drift,
+              active=active)
+    ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
+    theta, buf = theta0.clone(), buf0.clone()
+    ops.client_step(theta, G, momentum_buf=buf, backend=backend, **kw)
+    assert rel_err(theta, ref) <= 1e-6 and rel_err(buf, rbuf) <= 1e-6
+    assert torch.equal(theta[1], theta0[1]) and torch.equal(buf[4], buf0[4])  # masked rows untouched
+    # explicit formula for one active row
+    k = 2
+    g = G[k] + dyn[k] + wd[k] * theta0[k] + (c - ck[k])
+    b = 0.5 * buf0[k] + g
+    assert rel_err(theta[k], theta0[k] - 0.05 * (b + drift)) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fedadc_nesterov_ordering_equals_literal_loop(backend):
+    """Red (Nesterov-like) FedADC: theta_half = theta - lr d; g = grad f(theta_half); theta = theta_half - lr g.
+    Engine form: drift_shift_(-1), H heavy-ball steps with drift at the shifted point, drift_shift_(+1)."""
+    torch.manual_seed(3)
+    n, P, H, lr = 3, 20, 4, 0.1
+    A = torch.randn(n, P, P) / P ** 0.5
+    bvec = torch.randn(n, P)
+    grad_f = lambda th: torch.einsum("kij,kj->ki", A.transpose(1, 2), torch.einsum("kij,kj->ki", A, th) - bvec)  # noqa
+    d = torch.randn(P) * 0.05
+    theta0 = torch.randn(n, P)
+    lit = theta0.clone()
+    for _ in range(H):
+        half = lit - lr * d
+        lit = half - lr * grad_f(half)
+    th = theta0.clone()
+    drift_shift_(th, d, lr, sign=-1.0)
+    for _ in range(H):
+        ops.client_step(th, grad_f(th), lr=lr, drift=d, backend=backend)
+    drift_shift_(th, d, lr, sign=+1.0)
+    assert rel_err(th, lit) <= 1e-5
+    # heavy-ball (blue): theta = theta - lr (g(theta) + d)
+    lit = theta0.clone()
+    for _ in range(H):
+        lit = lit - lr * (grad_f(lit) + d)
+    th = theta0.clone()
+    for _ in range(H):
+        ops.client_step(th, grad_f(th), lr=lr, drift=d, backend=backend)
+    assert rel_err(th, lit) <= 1e-5
+
+
+def test_bad_input():
+    th = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="grad"):
+        ops.client_step(th, torch.randn(3, 9), lr=0.1)
+    with pytest.raises(ValueError, match="lr"):
+        ops.client_step(th, torch.randn(3, 10), lr=torch.ones(2))
+    with pytest.raises(ValueError, match="anchor"):
+        ops.client_step(th, torch.randn(3, 10), lr=0.1, prox_mu=0.1)
+    with pytest.raises(TypeError, match="theta"):
+        ops.client_step(th.double(), torch.randn(3, 10), lr=0.1)
+    with pytest.raises(ValueError, match="max_norm"):
+        ops.client_step(th, torch.randn(3, 10), lr=0.1, max_norm=0.0)
