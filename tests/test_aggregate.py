@@ -11,7 +11,8 @@ from fedfast.ops import _backend
 
 from helpers import rel_err
 
-BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else [])
+BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
+    (["triton"] if _backend.available("triton", "cpu") else [])
 
 
 def _mlp():

@@ -13,7 +13,8 @@ from fedfast.ops.client_step_reference import client_step_reference
 
 from helpers import rel_err
 
-BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else [])
+BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
+    (["triton"] if _backend.available("triton", "cpu") else [])
 
 
 def _setup(N=4, seed=0):

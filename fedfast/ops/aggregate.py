@@ -1,8 +1,9 @@
 """Fused server update: one pass over the participating clients' rows of a flat ``[N, P]`` buffer.
 
 Formulas (FedAvg, FedAvgM, SlowMo, FedADC's server rule, FedDyn, SCAFFOLD, the FedGKD teacher buffer):
-:mod:`fedfast.ops.aggregate_reference`. Backends: ``cpu`` (C++, fp32/bf16/fp16 client rows) and
-``reference``; on other devices the reference runs (Triton/CUDA kernels for this op are not written yet).
+:mod:`fedfast.ops.aggregate_reference`.
+
+Backends: ``cpu`` (C++), ``triton`` (also used for CUDA tensors until a CUDA kernel exists), ``reference``.
 
 NaN policy: a client row containing NaN or inf is detected in the same pass; the update is refused with
 a ``ValueError`` naming the rows (nothing is returned, so the caller's global model and state are
@@ -105,11 +106,17 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         if not (0 <= teacher_slot < M and 1 <= teacher_count <= M):
             raise ValueError(f"teacher_slot/teacher_count: need 0 <= slot < {M} and 1 <= count <= {M}")
     be = _backend.resolve(backend, dev.type)
-    if be == "cpu" and clients.dtype != torch.float64:
-        res = _backend.cpu_ext().aggregate(clients, idx, global_params, w, float(beta), float(scale), float(lr),
-                                           momentum, dyn_h, dyn_hbar, float(dyn_num_clients or 1), scaffold_c,
-                                           scaffold_ck, scaffold_coef, float(scaffold_num_clients or 1),
-                                           teacher_buffer, int(teacher_slot), int(teacher_count))
+    if be == "cuda":  # no CUDA kernel for this op yet: Triton serves CUDA tensors
+        be = "triton" if _backend.triton_available() else "reference"
+    if be in ("cpu", "triton") and clients.dtype != torch.float64:
+        args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, dyn_h, dyn_hbar,
+                float(dyn_num_clients or 1), scaffold_c, scaffold_ck, scaffold_coef, float(scaffold_num_clients or 1),
+                teacher_buffer, int(teacher_slot), int(teacher_count))
+        if be == "cpu":
+            res = _backend.cpu_ext().aggregate(*args)
+        else:
+            from ..triton.aggregate import aggregate_triton
+            res = aggregate_triton(*args)
         keys = ("global", "average", "momentum", "dyn_h", "dyn_hbar", "scaffold_c", "scaffold_ck", "teacher_buffer",
                 "teacher", "_bad")
         out = {k: v for k, v in zip(keys, res) if v is not None and (k != "teacher" or teacher_buffer is not None)}
