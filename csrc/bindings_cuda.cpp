@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 #include "fedfast_kernels.h"
 
@@ -118,6 +119,89 @@ at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& targ
   return out;
 }
 
+
+std::vector<at::Tensor> aggregate_cuda(const at::Tensor& X_in, const at::Tensor& rows_in, const at::Tensor& g_in,
+                                       const at::Tensor& w_in, double beta, double scale, double lr,
+                                       const c10::optional<at::Tensor>& momentum,
+                                       const c10::optional<at::Tensor>& dyn_h,
+                                       const c10::optional<at::Tensor>& dyn_hbar, double dyn_K,
+                                       const c10::optional<at::Tensor>& scaffold_c,
+                                       const c10::optional<at::Tensor>& scaffold_ck,
+                                       const c10::optional<at::Tensor>& scaffold_coef, double sc_K,
+                                       const c10::optional<at::Tensor>& teacher_buffer, int64_t slot, int64_t count) {
+  check_cuda(X_in, "clients");
+  c10::cuda::CUDAGuard guard(X_in.device());
+  const at::Tensor X = X_in.contiguous(), rows = rows_in.to(at::kLong).contiguous();
+  const at::Tensor g = g_in.to(at::kFloat).contiguous(), w = w_in.to(at::kFloat).contiguous();
+  const int64_t n = rows.size(0), P = X.size(1);
+  auto opts = g.options();
+  at::Tensor km, kh, khb, kc, kck, kcoef;
+  const float* m = fptr(momentum, km);
+  const float* h = fptr(dyn_h, kh);
+  const float* hb = fptr(dyn_hbar, khb);
+  const float* c = fptr(scaffold_c, kc);
+  const float* ck = fptr(scaffold_ck, kck);
+  const float* coef = fptr(scaffold_coef, kcoef);
+  at::Tensor g_out = at::empty({P}, opts), avg_out = at::empty({P}, opts);
+  const bool keep_m = m != nullptr || beta != 0.0;
+  at::Tensor m_out = keep_m ? at::empty({P}, opts) : at::Tensor();
+  at::Tensor h_out = h ? at::empty_like(kh) : at::Tensor(), hb_out = h ? at::empty_like(khb) : at::Tensor();
+  at::Tensor c_out = c ? at::empty_like(kc) : at::Tensor(), ck_out = c ? at::empty_like(kck) : at::Tensor();
+  at::Tensor tb = teacher_buffer.has_value() ? teacher_buffer->to(at::kFloat).clone() : at::Tensor();
+  at::Tensor bad = at::zeros({n + 1}, opts.dtype(at::kInt));
+  auto mp = [](at::Tensor& t) -> float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  check_launch(fedfast_aggregate(X.data_ptr(), dtype_code(X, "clients"), rows.data_ptr<int64_t>(), n, P,
+                                 w.data_ptr<float>(), g.data_ptr<float>(), (float)beta, (float)scale, (float)lr, m,
+                                 mp(m_out), h, mp(h_out), hb, mp(hb_out), (float)(1.0 / dyn_K), c, mp(c_out), ck,
+                                 mp(ck_out), coef, (float)(1.0 / sc_K), mp(tb), slot, g_out.data_ptr<float>(),
+                                 avg_out.data_ptr<float>(), bad.data_ptr<int>(),
+                                 c10::cuda::getCurrentCUDAStream().stream()),
+               "aggregate");
+  at::Tensor teacher = tb.defined() ? tb.narrow(0, 0, count).mean(0) : at::Tensor();
+  return {g_out, avg_out, m_out, h_out, hb_out, c_out, ck_out, tb, teacher, bad.to(at::kBool)};
+}
+
+void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Tensor& lr_in, double momentum,
+                      const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
+                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
+                      const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& ck,
+                      const c10::optional<at::Tensor>& drift, double max_norm,
+                      const c10::optional<at::Tensor>& active_opt) {
+  check_cuda(theta, "theta");
+  TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
+  c10::cuda::CUDAGuard guard(theta.device());
+  const int64_t n = theta.size(0), P = theta.size(1);
+  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
+  const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
+  at::Tensor ka, kd, kc, kck, kdr;
+  const float* a = fptr(anchor, ka);
+  const float* d = fptr(dyn, kd);
+  const float* cp = fptr(c, kc);
+  const float* ckp = fptr(ck, kck);
+  const float* dr = fptr(drift, kdr);
+  float* buf = nullptr;
+  if (buf_opt.has_value()) {
+    TORCH_CHECK(buf_opt->is_contiguous() && buf_opt->scalar_type() == at::kFloat, "momentum_buf must be contiguous fp32");
+    buf = buf_opt->data_ptr<float>();
+  }
+  at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor clip;
+  if (max_norm > 0) {
+    at::Tensor sq = at::zeros({n}, theta.options());
+    check_launch(fedfast_client_grad_sqnorm(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, (float)prox_mu,
+                                            prox_mu != 0.0 ? a : nullptr, d, sq.data_ptr<float>(), stream),
+                 "client_grad_sqnorm");
+    clip = at::clamp_max(max_norm / (sq.sqrt() + 1e-6), 1.0).contiguous();
+  }
+  check_launch(fedfast_client_step(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, lr.data_ptr<float>(),
+                                   lr.numel() == n && n > 1, wd.data_ptr<float>(), wd.numel() == n && n > 1,
+                                   (float)prox_mu, prox_mu != 0.0 ? a : nullptr, d,
+                                   clip.defined() ? clip.data_ptr<float>() : nullptr, cp, ckp, (float)momentum, buf, dr,
+                                   active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),
+               "client_step");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -126,4 +210,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows", &scale_rows_cuda, "grad * grad_loss[:, None]");
   m.def("teacher_mixture", &teacher_mixture_cuda, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
   m.def("asd_weights", &asd_weights_cuda, "ASD alphahat [R]");
+  m.def("aggregate", &aggregate_cuda, "fused server update");
+  m.def("client_step", &client_step_cuda, "fused all-client optimizer step, in place");
 }

@@ -36,6 +36,29 @@ int fedfast_asd_weights(const void* teacher, int t_dtype, const void* target, in
                         const void* segments, int seg_i64, int64_t S, float* out, int64_t R, int64_t C,
                         float inv_tau, int64_t ignore_index, cudaStream_t stream);
 
+// Fused server update (fedfast/ops/aggregate_reference.py), one thread per column, rows streamed once:
+// X [*, P] client rows (x_dtype), rows [n] int64 indices, w [n] normalised weights, g [P]. Optional (NULL):
+// m/m_out (momentum), h/h_out [n, P] + hbar/hbar_out (FedDyn), c/c_out + ck/ck_out [n, P] + coef [n]
+// (SCAFFOLD), tb [M, P] (teacher buffer, row `slot` overwritten in place). bad [n + 1] int32 flags (zeroed by
+// the caller): row k holds NaN/inf. Writes g_out, avg_out [P].
+int fedfast_aggregate(const void* X, int x_dtype, const int64_t* rows, int64_t n, int64_t P, const float* w,
+                      const float* g, float beta, float scale, float lr, const float* m, float* m_out,
+                      const float* h, float* h_out, const float* hbar, float* hbar_out, float inv_dynK,
+                      const float* c, float* c_out, const float* ck, float* ck_out, const float* coef, float inv_scK,
+                      float* tb, int64_t slot, float* g_out, float* avg_out, int* bad, cudaStream_t stream);
+
+// Fused all-client optimizer step, in place (fedfast/ops/client_step_reference.py). clip [n] per-row factors
+// (NULL: none; computed by the caller from fedfast_client_grad_sqnorm). lr, wd: [n] if *_row else [1].
+int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, const float* lr, int lr_row,
+                        const float* wd, int wd_row, float prox_mu, const float* anchor, const float* dyn,
+                        const float* clip, const float* c, const float* ck, float momentum, float* buf,
+                        const float* drift, const int8_t* active, cudaStream_t stream);
+
+// Per-row squared norm of the loss-side gradient grad + mu (theta - anchor) + dyn, into sqnorm [n]
+// (zeroed by the caller), for per-client clipping.
+int fedfast_client_grad_sqnorm(const float* theta, const float* grad, int64_t n, int64_t P, float prox_mu,
+                               const float* anchor, const float* dyn, float* sqnorm, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

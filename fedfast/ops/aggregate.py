@@ -3,7 +3,7 @@
 Formulas (FedAvg, FedAvgM, SlowMo, FedADC's server rule, FedDyn, SCAFFOLD, the FedGKD teacher buffer):
 :mod:`fedfast.ops.aggregate_reference`.
 
-Backends: ``cpu`` (C++), ``triton`` (also used for CUDA tensors until a CUDA kernel exists), ``reference``.
+Backends: ``cpu`` (C++), ``cuda`` (kernels/aggregate.cu), ``triton``, ``reference``.
 
 NaN policy: a client row containing NaN or inf is detected in the same pass; the update is refused with
 a ``ValueError`` naming the rows (nothing is returned, so the caller's global model and state are
@@ -106,14 +106,15 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         if not (0 <= teacher_slot < M and 1 <= teacher_count <= M):
             raise ValueError(f"teacher_slot/teacher_count: need 0 <= slot < {M} and 1 <= count <= {M}")
     be = _backend.resolve(backend, dev.type)
-    if be == "cuda":  # no CUDA kernel for this op yet: Triton serves CUDA tensors
-        be = "triton" if _backend.triton_available() else "reference"
-    if be in ("cpu", "triton") and clients.dtype != torch.float64:
+
+    if be in ("cpu", "triton", "cuda") and clients.dtype != torch.float64:
         args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, dyn_h, dyn_hbar,
                 float(dyn_num_clients or 1), scaffold_c, scaffold_ck, scaffold_coef, float(scaffold_num_clients or 1),
                 teacher_buffer, int(teacher_slot), int(teacher_count))
         if be == "cpu":
             res = _backend.cpu_ext().aggregate(*args)
+        elif be == "cuda":
+            res = _backend.cuda_ext().aggregate(*args)
         else:
             from ..triton.aggregate import aggregate_triton
             res = aggregate_triton(*args)

@@ -1,8 +1,8 @@
 """Fused all-client optimizer step over a flat ``[n, P]`` parameter buffer, in place.
 
 Formulas and order (FedProx, FedDyn, clipping, coupled weight decay, SCAFFOLD, SGD momentum, FedADC
-drift, masking): :mod:`fedfast.ops.client_step_reference`. Backends: ``cpu`` (C++), ``triton`` (also used
-for CUDA tensors until a CUDA kernel exists) and ``reference``.
+drift, masking): :mod:`fedfast.ops.client_step_reference`. Backends: ``cpu`` (C++), ``cuda``
+(kernels/client_step.cu), ``triton`` and ``reference``.
 """
 from __future__ import annotations
 
@@ -54,15 +54,15 @@ def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momen
     lr_t = _per_client("lr", lr, n, dev)
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
     be = _backend.resolve(backend, dev.type)
-    if be == "cuda":  # no CUDA kernel for this op yet: Triton serves CUDA tensors
-        be = "triton" if _backend.triton_available() else "reference"
+
     if be == "triton":
         from ..triton.client_step import client_step_triton
         client_step_triton(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, dyn_linear,
                            scaffold_c, scaffold_ck, drift, float(max_norm) if max_norm is not None else 0.0, active)
         return
-    if be == "cpu":
-        _backend.cpu_ext().client_step(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor,
+    if be in ("cpu", "cuda"):
+        ext = _backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()
+        ext.client_step(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor,
                                        dyn_linear, scaffold_c, scaffold_ck, drift,
                                        float(max_norm) if max_norm is not None else 0.0, active)
         return

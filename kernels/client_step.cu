@@ -1,0 +1,76 @@
+// Fused all-client optimizer step on the GPU, in place (formulas and order:
+// fedfast/ops/client_step_reference.py): grid-stride over the n*P elements, one thread per element.
+// Bytes: 20*n*P with momentum (theta r/w, grad r, buffer r/w) + 4nP per optional per-row input.
+#include "common.cuh"
+#include "fedfast_kernels.h"
+
+using namespace fedfast_cuda;
+
+__device__ __forceinline__ float loss_grad(const float* theta, const float* grad, int64_t i, int64_t j,
+                                           float prox_mu, const float* anchor, const float* dyn) {
+  float gv = grad[i];
+  if (anchor) gv += prox_mu * (theta[i] - anchor[j]);
+  if (dyn) gv += dyn[i];
+  return gv;
+}
+
+__global__ void client_step_kernel(float* __restrict__ theta, const float* __restrict__ grad, int64_t n, int64_t P,
+                                   const float* __restrict__ lr, int lr_row, const float* __restrict__ wd, int wd_row,
+                                   float prox_mu, const float* __restrict__ anchor, const float* __restrict__ dyn,
+                                   const float* __restrict__ clip, const float* __restrict__ c,
+                                   const float* __restrict__ ck, float momentum, float* __restrict__ buf,
+                                   const float* __restrict__ drift, const int8_t* __restrict__ active) {
+  const int64_t total = n * P;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t k = i / P, j = i - k * P;
+    if (active && !active[k]) continue;
+    const float t = theta[i];
+    float gv = loss_grad(theta, grad, i, j, prox_mu, anchor, dyn);
+    if (clip) gv *= clip[k];
+    gv += (wd_row ? wd[k] : wd[0]) * t;
+    if (c) gv += c[j] - ck[i];
+    if (buf) {
+      gv = momentum * buf[i] + gv;
+      buf[i] = gv;
+    }
+    if (drift) gv += drift[j];
+    theta[i] = t - (lr_row ? lr[k] : lr[0]) * gv;
+  }
+}
+
+__global__ void sqnorm_kernel(const float* __restrict__ theta, const float* __restrict__ grad, int64_t P,
+                              float prox_mu, const float* __restrict__ anchor, const float* __restrict__ dyn,
+                              float* __restrict__ sqnorm) {
+  const int64_t k = blockIdx.y;
+  float s = 0.f;
+  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < P; j += (int64_t)gridDim.x * blockDim.x) {
+    const float gv = loss_grad(theta, grad, k * P + j, j, prox_mu, anchor, dyn);
+    s += gv * gv;
+  }
+  s = warp_sum(s);
+  if ((threadIdx.x % kWarp) == 0) atomicAdd(sqnorm + k, s);
+}
+
+static unsigned grid_for(int64_t total, int threads) {
+  int64_t b = (total + threads - 1) / threads;
+  return (unsigned)(b > 65535LL * 32 ? 65535LL * 32 : (b < 1 ? 1 : b));
+}
+
+extern "C" int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, const float* lr, int lr_row,
+                                   const float* wd, int wd_row, float prox_mu, const float* anchor, const float* dyn,
+                                   const float* clip, const float* c, const float* ck, float momentum, float* buf,
+                                   const float* drift, const int8_t* active, cudaStream_t stream) {
+  if (n * P == 0) return 0;
+  client_step_kernel<<<grid_for(n * P, 256), 256, 0, stream>>>(theta, grad, n, P, lr, lr_row, wd, wd_row, prox_mu,
+                                                               anchor, dyn, clip, c, ck, momentum, buf, drift, active);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int fedfast_client_grad_sqnorm(const float* theta, const float* grad, int64_t n, int64_t P, float prox_mu,
+                                          const float* anchor, const float* dyn, float* sqnorm, cudaStream_t stream) {
+  if (n * P == 0) return 0;
+  unsigned bx = grid_for(P, 256);
+  if (bx > 1024) bx = 1024;
+  sqnorm_kernel<<<dim3(bx, (unsigned)n), 256, 0, stream>>>(theta, grad, P, prox_mu, anchor, dyn, sqnorm);
+  return (int)cudaGetLastError();
+}
