@@ -29,12 +29,26 @@ void aggregate_impl(const X* xp, const int64_t* rows, int64_t n, int64_t P, cons
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kBlock, len = std::min(kBlock, P - j0);
       for (int64_t j = 0; j < len; ++j) avg[j] = 0.f, sum[j] = 0.f, dc[j] = 0.f;
-      for (int64_t k = 0; k < n; ++k) {
+      float* __restrict a = avg.data();
+      int64_t k = 0;
+      for (; k + 4 <= n; k += 4) {  // four rows per pass: a quarter of the accumulator traffic, 4 streams
+        const X* __restrict x0 = xp + rows[k] * P + j0;
+        const X* __restrict x1 = xp + rows[k + 1] * P + j0;
+        const X* __restrict x2 = xp + rows[k + 2] * P + j0;
+        const X* __restrict x3 = xp + rows[k + 3] * P + j0;
+        const float w0 = w[k], w1 = w[k + 1], w2 = w[k + 2], w3 = w[k + 3];
+        for (int64_t j = 0; j < len; ++j)
+          a[j] += (w0 * static_cast<float>(x0[j]) + w1 * static_cast<float>(x1[j])) +
+                  (w2 * static_cast<float>(x2[j]) + w3 * static_cast<float>(x3[j]));
+      }
+      for (; k < n; ++k) {
         const X* __restrict xr = xp + rows[k] * P + j0;
         const float wk = w[k];
-        float* __restrict a = avg.data();
         for (int64_t j = 0; j < len; ++j) a[j] += wk * static_cast<float>(xr[j]);
-        if (h_in) {  // FedDyn needs the unweighted sum too
+      }
+      for (int64_t k = 0; k < n && h_in; ++k) {
+        const X* __restrict xr = xp + rows[k] * P + j0;
+        {  // FedDyn needs the unweighted sum too
           float* __restrict sm = sum.data();
           for (int64_t j = 0; j < len; ++j) sm[j] += static_cast<float>(xr[j]);
         }
