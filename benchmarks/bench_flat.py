@@ -1,7 +1,8 @@
 """Fused aggregation and all-client step over flat [N, P] buffers vs the usual baselines.
 
 Run: python -m pytest benchmarks/bench_flat.py --benchmark-only   (FEDFAST_BENCH_DEVICE=cuda on a GPU)
-Model: the FedAvg MNIST CNN (McMahan et al.; 1,663,370 parameters in 8 tensors), N clients.
+Models: the FedAvg MNIST CNN (McMahan et al.; 1,663,370 parameters in 8 tensors) and, on a GPU, an 11.0M
+MLP (ResNet-18's size); N clients (CPU: 50; GPU: 10, 100, 1000; FEDFAST_BENCH_N / FEDFAST_BENCH_MODELS).
 
 Bytes each op must move (fp32):
   aggregate (FedAvg)            4*P*(n + 1)        read n client rows, write the global
@@ -24,12 +25,18 @@ from fedfast.ops import _backend
 
 DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
 N_LIST = [int(v) for v in os.environ.get("FEDFAST_BENCH_N", "50" if DEVICE == "cpu" else "10,100,1000").split(",")]
+MODELS = os.environ.get("FEDFAST_BENCH_MODELS", "cnn1.6M" if DEVICE == "cpu" else "cnn1.6M,mlp11M").split(",")
 
 
 def fedavg_cnn():
     return nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5, padding=2),
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
                          nn.Linear(512, 10))
+
+
+def mlp11m():
+    """An 11.0M-parameter stand-in for ResNet-18's size (11.2M) without BatchNorm buffers."""
+    return nn.Sequential(nn.Linear(3072, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 256))
 
 
 def _sync():
@@ -40,15 +47,15 @@ def _sync():
 _CACHE = {}
 
 
-def _stack(N):
-    if N not in _CACHE:
+def _stack(N, model="cnn1.6M"):
+    if (N, model) not in _CACHE:
         _CACHE.clear()
         torch.manual_seed(0)
-        m = fedavg_cnn().to(DEVICE)
+        m = (fedavg_cnn() if model == "cnn1.6M" else mlp11m()).to(DEVICE)
         st = ClientStack(m, N)
         st.params.add_(torch.randn_like(st.params) * 0.01)
-        _CACHE[N] = (m, st)
-    return _CACHE[N]
+        _CACHE[(N, model)] = (m, st)
+    return _CACHE[(N, model)]
 
 
 def _info(benchmark, op, impl, N, P, nbytes):
@@ -60,10 +67,11 @@ def _info(benchmark, op, impl, N, P, nbytes):
 AGG_IMPLS = ["state_dict_loop", "foreach", "stacked_matmul", "fedfast"]
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("N", N_LIST)
 @pytest.mark.parametrize("impl", AGG_IMPLS)
-def test_aggregate_fedavg(benchmark, impl, N):
-    m, st = _stack(N)
+def test_aggregate_fedavg(benchmark, impl, N, model):
+    m, st = _stack(N, model)
     P = st.P
     w = torch.rand(N, device=DEVICE)
     wn = w / w.sum()
@@ -110,17 +118,18 @@ def test_aggregate_fedavg(benchmark, impl, N):
     _info(benchmark, "aggregate", impl, N, P, 4 * P * (N + 1))
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("N", N_LIST)
 @pytest.mark.parametrize("impl", ["torch_optim_sgd_sequential", "fedfast"])
-def test_client_step_sgd_momentum(benchmark, impl, N):
-    m, st = _stack(N)
+def test_client_step_sgd_momentum(benchmark, impl, N, model):
+    m, st = _stack(N, model)
     P = st.P
     torch.manual_seed(1)
     grads = torch.randn(N, P, device=DEVICE) * 0.01
     if impl == "torch_optim_sgd_sequential":
         models = []
         for k in range(N):
-            mk = st.load_into(fedavg_cnn().to(DEVICE), k)
+            mk = st.load_into((fedavg_cnn() if model == "cnn1.6M" else mlp11m()).to(DEVICE), k)
             gv = st.layout.param_views(grads[k])
             for p, gk in zip(mk.parameters(), gv.values()):
                 p.grad = gk.clone()

@@ -10,10 +10,12 @@ mkdir -p "$OUT_DIR"
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
 MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace 2>&1 | tail -3
 python -c "import fedfast._C, fedfast._C_cuda; print('extensions OK')"
-FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -15
+FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -20
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-').lower())")
   FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_distill.py --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT_DIR/$name.json" 2>&1 | tail -3
   python benchmarks/summarize.py "$OUT_DIR/$name.json"
+  FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_flat.py --benchmark-only -q -p no:cacheprovider \
+    --benchmark-json "$OUT_DIR/$name-flat.json" 2>&1 | tail -3
 fi
