@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .distill import launch_config
+from .distill import _row_targets, launch_config
 
 
 @triton.jit
@@ -18,13 +18,7 @@ def _asd_kernel(t_ptr, y_ptr, prior_ptr, seg_ptr, out_ptr, R, C, S, inv_tau, ign
                 HAS_SEG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    y = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
-    valid = rmask & (y != ignore_index) & (y >= 0) & (y < C)
-    y = tl.where(valid, y, 0)
-    seg = tl.zeros([BLOCK_R], dtype=tl.int64)
-    if HAS_SEG:
-        seg = tl.load(seg_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        seg = tl.minimum(tl.maximum(seg, 0), S - 1)
+    y, valid, seg = _row_targets(y_ptr, seg_ptr, rows, rmask, C, S, ignore_index, HAS_SEG)
     m = tl.zeros([BLOCK_R], dtype=tl.float32) + float("-inf")
     s = tl.zeros([BLOCK_R], dtype=tl.float32)
     u = tl.zeros([BLOCK_R], dtype=tl.float32)

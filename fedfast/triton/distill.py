@@ -16,6 +16,18 @@ NEG_INF = float("-inf")
 
 
 @triton.jit
+def _row_targets(y_ptr, seg_ptr, rows, rmask, C, S, ignore_index, HAS_SEG: tl.constexpr):
+    """Labels of BLOCK_R rows (0 where ignored/out of range), their validity, and segment ids clamped to [0, S)."""
+    y = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
+    valid = rmask & (y != ignore_index) & (y >= 0) & (y < C)
+    seg = tl.zeros_like(y)
+    if HAS_SEG:
+        seg = tl.load(seg_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        seg = tl.minimum(tl.maximum(seg, 0), S - 1)
+    return tl.where(valid, y, 0), valid, seg
+
+
+@triton.jit
 def _online(m, s, x):
     """Merge a [BR, BC] tile x into running (max m, sum-exp s); safe for all -inf."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
@@ -122,13 +134,7 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    y_raw = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
-    valid = rmask & (y_raw != ignore_index) & (y_raw >= 0) & (y_raw < C)
-    y = tl.where(valid, y_raw, 0)
-    seg = tl.zeros([BLOCK_R], dtype=tl.int64)
-    if HAS_SEG:
-        seg = tl.load(seg_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        seg = tl.minimum(tl.maximum(seg, 0), S - 1)
+    y, valid, seg = _row_targets(y_ptr, seg_ptr, rows, rmask, C, S, ignore_index, HAS_SEG)
     zero = tl.zeros([BLOCK_R], dtype=tl.float32)
     ninf = zero + float("-inf")
     m1, s1, mq, sq, mt, st, W, mv, zy, ty = ninf, zero, ninf, zero, ninf, zero, zero, zero, zero, zero

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .distill import launch_config
+from .distill import _row_targets, launch_config
 
 
 @triton.jit
@@ -19,9 +19,8 @@ def _mixture_kernel(t_ptr, w_ptr, y_ptr, P_ptr, neg_ptr, M, R, C, inv_tau, ignor
                     NOT_TRUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    y = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
-    valid = (y != ignore_index) & (y >= 0) & (y < C)
-    y = tl.where(valid, y, -1)
+    y, valid, _ = _row_targets(y_ptr, y_ptr, rows, rmask, C, 1, ignore_index, False)
+    y = tl.where(valid, y, -1)  # ignored rows mask no column
     cols0 = tl.arange(0, BLOCK_C)
     negent = tl.zeros([BLOCK_R], dtype=tl.float32)
     base = t_ptr
