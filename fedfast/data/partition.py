@@ -1,0 +1,254 @@
+"""Non-IID partitioners, all deterministic by seed (numpy ``default_rng(seed)``).
+
+* :func:`iid` - shuffle and split into equal parts.
+* :func:`shards` - FedNTD's sharding (Lee et al., App. B.5; spec I.9): sort by label, cut each class into
+  ``s*K/C`` shards, shuffle the list of shard labels, client k takes one unused shard of each label in
+  its row; all clients equal size, at most ``s`` classes.
+* :func:`dirichlet_lda` - FedNTD's / NIID-Bench LDA (per class ``p ~ Dir(alpha 1_K)``, clients above
+  N/K stop receiving, redraw until every client has >= ``min_size`` samples).
+* :func:`dirichlet_balanced` - the FedDyn/ASD scheme (a): client prior ``pi_k ~ Dir(delta 1_C)``, every
+  client the same size, quotas filled one sample at a time from not-yet-exhausted classes.
+* :func:`dirichlet_fedgkd` - FedDF's ``build_non_iid_by_dirichlet`` used by FedGKD: groups of 10 clients
+  over contiguous data chunks, redraw until min size >= 0.5 * chunk/10.
+* :func:`quantity_skew` - IID labels, client sizes ~ Dir(alpha) (at least ``min_size`` each).
+
+Each returns a :class:`Partition`: per-client index tensors, the [K, C] class histogram, sizes, and
+``heatmap_png(path)`` to draw the class-by-client matrix.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Partition:
+    indices: list[Tensor]
+    num_classes: int
+    labels: Tensor = field(repr=False)
+    method: str = ""
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.indices)
+
+    @property
+    def sizes(self) -> Tensor:
+        return torch.tensor([len(i) for i in self.indices])
+
+    @property
+    def histogram(self) -> Tensor:
+        """[K, C] number of samples of each class held by each client."""
+        h = torch.zeros(self.num_clients, self.num_classes, dtype=torch.long)
+        for k, idx in enumerate(self.indices):
+            h[k] = torch.bincount(self.labels[idx], minlength=self.num_classes)
+        return h
+
+    def summary(self) -> dict:
+        h = self.histogram
+        sizes = h.sum(1)
+        classes = (h > 0).sum(1).float()
+        return {"method": self.method, "num_clients": self.num_clients, "num_samples": int(sizes.sum()),
+                "size_min": int(sizes.min()), "size_max": int(sizes.max()), "size_mean": float(sizes.float().mean()),
+                "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
+                "classes_per_client_max": int(classes.max())}
+
+    def heatmap_png(self, path: str, cell: int = 4) -> None:
+        """Class-by-client heatmap (rows: classes, columns: clients; white = 0, dark = the largest count)."""
+        h = self.histogram.t().float()
+        v = (255 - (h / h.max().clamp_min(1) * 255)).round().to(torch.uint8).numpy()
+        img = np.repeat(np.repeat(v, cell, axis=0), cell, axis=1)
+        _write_png_gray(path, img)
+
+
+def _write_png_gray(path: str, img: np.ndarray) -> None:
+    """Minimal 8-bit grayscale PNG writer (no Pillow/matplotlib needed)."""
+    H, W = img.shape
+    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(H))
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 0, 0, 0, 0)) + \
+        chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+def _labels(labels) -> np.ndarray:
+    y = labels.cpu().numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    if y.ndim != 1 or y.size == 0:
+        raise ValueError("labels: expected a non-empty 1-d array of class ids")
+    return y.astype(np.int64)
+
+
+def _check_K(K: int, n: int):
+    if not 1 <= K <= n:
+        raise ValueError(f"num_clients: must lie in [1, {n}] (number of samples), got {K}")
+
+
+def _make(parts, y, method) -> Partition:
+    C = int(y.max()) + 1
+    return Partition([torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts], C, torch.from_numpy(y), method)
+
+
+def iid(labels, num_clients: int, seed: int = 0) -> Partition:
+    y = _labels(labels)
+    _check_K(num_clients, len(y))
+    perm = np.random.default_rng(seed).permutation(len(y))
+    return _make(np.array_split(perm, num_clients), y, "iid")
+
+
+def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) -> Partition:
+    """FedNTD's sharding (spec I.9)."""
+    y = _labels(labels)
+    K, s = num_clients, shards_per_client
+    _check_K(K, len(y))
+    C = int(y.max()) + 1
+    if (s * K) % C:
+        raise ValueError(f"shards_per_client: s*K = {s * K} must be a multiple of the number of classes {C}")
+    rng = np.random.default_rng(seed)
+    per_class = s * K // C
+    class_shards = []
+    for c in range(C):
+        idx = np.flatnonzero(y == c)
+        idx = idx[rng.permutation(len(idx))]
+        size = len(idx) // per_class
+        if size == 0:
+            raise ValueError(f"shards_per_client: class {c} has {len(idx)} samples, fewer than its {per_class} shards")
+        pieces = [list(idx[i * size:(i + 1) * size]) for i in range(per_class)]
+        for j, extra in enumerate(idx[per_class * size:]):  # leftovers: one each to the first shards
+            pieces[j].append(extra)
+        class_shards.append(pieces)
+    shard_labels = np.array(list(range(C)) * per_class)
+    rng.shuffle(shard_labels)
+    shard_labels = shard_labels.reshape(K, s)
+    parts = []
+    for k in range(K):
+        got = []
+        for c in shard_labels[k]:
+            got.extend(class_shards[c].pop(rng.integers(len(class_shards[c]))))
+        parts.append(rng.permutation(np.array(got, dtype=np.int64)))
+    return _make(parts, y, f"shards(s={s})")
+
+
+def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10,
+                  max_tries: int = 1000) -> Partition:
+    """FedNTD's LDA / NIID-Bench per-class Dirichlet with the N/K size cap and the min-size redraw."""
+    y = _labels(labels)
+    K, N = num_clients, len(y)
+    _check_K(K, N)
+    if not alpha > 0:
+        raise ValueError(f"alpha: must be > 0, got {alpha}")
+    C = int(y.max()) + 1
+    rng = np.random.default_rng(seed)
+    for _ in range(max_tries):
+        parts = [[] for _ in range(K)]
+        for c in range(C):
+            idx = np.flatnonzero(y == c)
+            idx = idx[rng.permutation(len(idx))]
+            p = rng.dirichlet(alpha * np.ones(K))
+            p = p * np.array([len(b) < N / K for b in parts])
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for k, piece in enumerate(np.split(idx, cuts)):
+                parts[k].extend(piece.tolist())
+        if min(len(b) for b in parts) >= min_size:
+            return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"lda(alpha={alpha})")
+    raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} tries")
+
+
+def dirichlet_balanced(labels, num_clients: int, delta: float, seed: int = 0) -> Partition:
+    """FedDyn/ASD scheme (a): equal client sizes, client class mix ~ Dir(delta)."""
+    y = _labels(labels)
+    K, N = num_clients, len(y)
+    _check_K(K, N)
+    if not delta > 0:
+        raise ValueError(f"delta: must be > 0, got {delta}")
+    C = int(y.max()) + 1
+    rng = np.random.default_rng(seed)
+    priors = rng.dirichlet(delta * np.ones(C), size=K)
+    cum = np.cumsum(priors, axis=1)
+    quota = np.full(K, N // K)  # every client exactly N // K (FedDyn code); N mod K samples stay unassigned
+    pools = [list(np.flatnonzero(y == c)[rng.permutation(int((y == c).sum()))]) for c in range(C)]
+    left = np.array([len(p) for p in pools])
+    parts = [[] for _ in range(K)]
+    open_clients = list(range(K))
+    while open_clients:
+        j = rng.integers(len(open_clients))
+        k = open_clients[j]
+        # first class with U <= cumsum(pi_k), among classes not yet exhausted (renormalised rejection)
+        while True:
+            c = int(np.searchsorted(cum[k], rng.random() * cum[k][-1], side="left"))
+            c = min(c, C - 1)
+            if left[c] > 0:
+                break
+            if left.sum() == 0:
+                raise ValueError("labels: ran out of samples while filling quotas")
+            pk = priors[k] * (left > 0)
+            if pk.sum() <= 0:  # the client's prior has no mass on remaining classes: fall back to them
+                pk = (left > 0).astype(float)
+            cum[k] = np.cumsum(pk)
+        left[c] -= 1
+        parts[k].append(pools[c][left[c]])
+        quota[k] -= 1
+        if quota[k] == 0:
+            open_clients.pop(j)
+    return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"balanced_dirichlet(delta={delta})")
+
+
+def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, group: int = 10,
+                     max_tries: int = 1000) -> Partition:
+    """FedDF's build_non_iid_by_dirichlet (FedGKD): groups of ``group`` clients over contiguous chunks."""
+    y = _labels(labels)
+    K, N = num_clients, len(y)
+    _check_K(K, N)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(N)
+    n_groups = int(np.ceil(K / group))
+    chunks = np.array_split(order, n_groups)
+    C = int(y.max()) + 1
+    parts = []
+    for gi, chunk in enumerate(chunks):
+        kg = min(group, K - gi * group)
+        target = len(chunk) / kg
+        for _ in range(max_tries):
+            batch = [[] for _ in range(kg)]
+            for c in range(C):
+                idx = chunk[y[chunk] == c]
+                p = rng.dirichlet(alpha * np.ones(kg))
+                p = p * np.array([len(b) < target for b in batch])
+                p = p / p.sum()
+                cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+                for k, piece in enumerate(np.split(idx, cuts)):
+                    batch[k].extend(piece.tolist())
+            if min(len(b) for b in batch) >= 0.5 * target:
+                break
+        else:
+            raise ValueError(f"alpha: no draw met FedGKD's size floor in {max_tries} tries")
+        parts.extend(rng.permutation(np.array(b, dtype=np.int64)) for b in batch)
+    return _make(parts, y, f"fedgkd_dirichlet(alpha={alpha})")
+
+
+def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10) -> Partition:
+    """IID labels, client sizes proportional to Dir(alpha) (each at least ``min_size``)."""
+    y = _labels(labels)
+    K, N = num_clients, len(y)
+    _check_K(K, N)
+    if K * min_size > N:
+        raise ValueError(f"min_size: {K} clients x {min_size} exceeds the {N} samples")
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(alpha * np.ones(K))
+    sizes = min_size + np.floor(p * (N - K * min_size)).astype(int)
+    sizes[: N - sizes.sum()] += 1
+    perm = rng.permutation(N)
+    return _make(np.split(perm, np.cumsum(sizes)[:-1]), y, f"quantity_skew(alpha={alpha})")
+
+
+PARTITIONERS = {"iid": iid, "shards": shards, "dirichlet": dirichlet_lda, "dirichlet_balanced": dirichlet_balanced,
+                "dirichlet_fedgkd": dirichlet_fedgkd, "quantity_skew": quantity_skew}

