@@ -188,7 +188,7 @@ class ClientStack:
         def f(pp, bb, xx):
             return functional_call(self.module, {**pp, **bb}, (xx,))
 
-        return vmap(f, in_dims=(0, 0, 0))(p, b, x)
+        return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client
 
 
 class ClientState:

@@ -47,3 +47,25 @@ def test_deterministic_and_batched_shapes():
     assert (r != 0).float().mean() > 0.99  # reflect padding never introduces zeros
     with pytest.raises(ValueError, match="padding_mode"):
         augment(x, padding_mode="edge")
+
+
+def test_paper_pipelines_pad_in_the_right_space():
+    from fedfast.data import ArrayDataset, augmented_batch
+    ds = ArrayDataset(torch.full((8, 3, 8, 8), 200, dtype=torch.uint8), torch.zeros(8, dtype=torch.long), 10,
+                      (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    idx = torch.arange(8).reshape(2, 4)
+    x, y = augmented_batch(ds, idx, torch.Generator().manual_seed(0), "fedgkd")
+    assert x.shape == (2, 4, 3, 8, 8) and y.shape == (2, 4)
+    img, black = (200 / 255 - 0.5) / 0.25, (0 - 0.5) / 0.25  # raw black borders normalise to -2
+
+    def only(t, allowed):
+        d = torch.stack([(t - a).abs() for a in allowed]).min(0).values
+        return bool((d < 1e-5).all())
+
+    assert only(x, [img, black]) and ((x - black).abs() < 1e-5).any()
+    x, _ = augmented_batch(ds, idx, torch.Generator().manual_seed(0), "asd")
+    assert only(x, [img, 0.0])  # ASD pads in normalised space
+    x, _ = augmented_batch(ds, idx, torch.Generator().manual_seed(0), "fedntd")
+    assert (x == 0).any()  # Cutout zeroes in normalised space
+    with pytest.raises(ValueError, match="pipeline"):
+        augmented_batch(ds, idx, None, "cutmix")

@@ -49,3 +49,10 @@ def test_vmap_over_stacked_clients(name, shape):
     for k in range(N):
         ref = st.load_into(copy.deepcopy(m), k)(x[k])
         assert torch.allclose(out[k], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_model_under_vmap_trains_per_client():
+    m = models.SimpleCNN(10, dropout=0.25)
+    st = ClientStack(m, 2)
+    out = st.vmap_forward(torch.randn(2, 3, 3, 32, 32))
+    assert out.shape == (2, 3, 10) and torch.isfinite(out).all()

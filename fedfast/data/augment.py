@@ -20,7 +20,7 @@ from torch import Tensor
 
 
 def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding: int = 4, flip: bool = True,
-            cutout: int = 0, padding_mode: str = "zeros") -> Tensor:
+            cutout: int = 0, padding_mode: str = "zeros", crop_prob: float = 1.0) -> Tensor:
     if x.dim() < 3:
         raise ValueError(f"x: expected [..., C, H, W], got shape {tuple(x.shape)}")
     lead = x.shape[:-3]
@@ -42,6 +42,9 @@ def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding
         mode = "constant" if padding_mode == "zeros" else "reflect"
         imgs = F.pad(imgs, (p, p, p, p), mode=mode)
         oy, ox = rand_int(2 * p + 1, (n, 1)), rand_int(2 * p + 1, (n, 1))
+        if crop_prob < 1.0:  # ASD: crop only with probability crop_prob (else the centred window = identity)
+            keep = torch.rand((n, 1), generator=generator, device=gen_dev).to(dev) >= crop_prob
+            oy, ox = torch.where(keep, p, oy), torch.where(keep, p, ox)
         rows, cols = rows + oy, cols + ox
     if flip:
         f = rand_int(2, (n, 1)).bool()
@@ -57,3 +60,32 @@ def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding
         mask = (yy >= cy - half) & (yy < cy - half + cutout) & (xx >= cx - half) & (xx < cx - half + cutout)
         out = out.masked_fill(mask[:, None], 0.0)
     return out.reshape(*lead, C, H, W)
+
+
+# The papers' training pipelines: where the crop padding lives (raw pixels = black borders, as torchvision's
+# RandomCrop before Normalize; or normalised space = 0), and Cutout always after normalisation.
+PIPELINES = {
+    "fedntd": dict(crop_padding=4, flip=True, cutout=16, pad_in="raw"),            # CIFAR / MNIST (spec I.9)
+    "fedntd_cinic": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw", padding_mode="reflect"),
+    "fedgkd": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw"),            # spec II.8
+    "asd": dict(crop_padding=4, flip=True, cutout=0, pad_in="normalized", crop_prob=0.5),  # spec 1.3
+    "none": dict(crop_padding=0, flip=False, cutout=0, pad_in="raw"),
+}
+
+
+def augmented_batch(ds, idx: Tensor, generator: torch.Generator | None = None, pipeline: str = "fedntd",
+                    dtype=torch.float32) -> tuple[Tensor, Tensor]:
+    """Gather rows ``idx`` (e.g. [clients, B]) of an :class:`~fedfast.data.ArrayDataset` and apply a paper's
+    pipeline on the device: crop/flip in raw or normalised space, normalise, then Cutout."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline: one of {sorted(PIPELINES)}, got {pipeline!r}")
+    cfg = dict(PIPELINES[pipeline])
+    pad_in, cut = cfg.pop("pad_in"), cfg.pop("cutout")
+    y = ds.y[idx]
+    if pad_in == "raw":
+        x = ds.normalize(augment(ds.x[idx], generator, **cfg), dtype)
+    else:
+        x = augment(ds.normalize(ds.x[idx], dtype), generator, **cfg)
+    if cut:
+        x = augment(x, generator, crop_padding=0, flip=False, cutout=cut)
+    return x, y
