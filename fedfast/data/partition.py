@@ -58,10 +58,12 @@ class Partition:
                 "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
                 "classes_per_client_max": int(classes.max())}
 
-    def heatmap_png(self, path: str, cell: int = 4) -> None:
-        """Class-by-client heatmap (rows: classes, columns: clients; white = 0, dark = the largest count)."""
+    def heatmap_png(self, path: str, cell: int = 6) -> None:
+        """Class-by-client heatmap (rows: classes, columns: clients); a cell's darkness is the class's share of
+        that client's data (white = absent, black = all of it)."""
         h = self.histogram.t().float()
-        v = (255 - (h / h.max().clamp_min(1) * 255)).round().to(torch.uint8).numpy()
+        share = h / h.sum(0, keepdim=True).clamp_min(1)
+        v = (255 - share * 255).round().to(torch.uint8).numpy()
         img = np.repeat(np.repeat(v, cell, axis=0), cell, axis=1)
         _write_png_gray(path, img)
 
