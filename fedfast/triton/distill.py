@@ -154,7 +154,6 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
     if not PROB:
         W = zero + 1.0
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
-    mqs = tl.where(mq == float("-inf"), 0.0, mq)
     mts = tl.where(mt == float("-inf"), 0.0, mt)
     inv_s1 = 1.0 / s1
     inv_sq = 1.0 / sq
