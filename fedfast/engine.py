@@ -1,0 +1,218 @@
+"""Batched-client simulation engine (first slice): every sampled client trains at once on one device.
+
+One round (``Simulation.round``), following ../shared/spec/architecture.md:
+
+1. sample ``clients_per_round`` clients (seeded by ``(seed, round)``) and sort them by local step count, so
+   the clients still training at any step are a prefix of the stack;
+2. broadcast the global model into the first rows of a :class:`~fedfast.flat.ClientStack`;
+3. teacher logits of the global model for the union of the sampled clients' data, once per round, in large
+   batches (KD-family losses; no augmentation in this slice, so caching is exact);
+4. for each local step: gather every active client's minibatch (``[n_active, B]`` index table, the last
+   partial batch padded and masked with ``ignore_index``), one ``vmap`` forward/backward over the stacked
+   parameters, the fused loss with per-client segments (each client's gradient is that of its own minibatch
+   mean), the fused client step on the active prefix;
+5. fused aggregation (size-weighted FedAvg) into the new global model; test accuracy.
+
+Methods in this slice: ``fedavg``, ``fedprox`` (``mu``), ``kd`` (Hinton KD to the global model),
+``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``; the averaged-teacher buffer, VOTE, ASD,
+CAD, ADC, FedDyn, SCAFFOLD, FedADC, MOON, the CLI and the config file are not wired yet).
+Models must not use BatchNorm batch statistics (padding rows would enter them).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import ops
+from .data.datasets import ArrayDataset
+from .data.partition import Partition
+from .flat import ClientStack
+
+_LOSSES = {
+    # algorithm: (kind, uses a teacher)
+    "fedavg": ("full", False), "fedprox": ("full", False), "kd": ("full", True), "fedntd": ("not_true", True),
+    "fedgkd": ("full", True),
+}
+
+
+@dataclass
+class SimConfig:
+    algorithm: str = "fedavg"
+    clients_per_round: int = 10
+    rounds: int = 1
+    local_epochs: int = 1
+    batch_size: int = 50
+    lr: float = 0.01
+    lr_decay: float = 1.0
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+    seed: int = 0
+    tau: float = 1.0
+    beta: float = 1.0          # FedNTD
+    kd_weight: float = 1.0     # plain KD
+    gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
+    mu: float = 0.0            # FedProx
+    tau_squared: bool = True
+    eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
+    backend: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.algorithm not in _LOSSES:
+            raise ValueError(f"algorithm: one of {sorted(_LOSSES)} in this engine slice, got {self.algorithm!r}")
+        for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+
+
+def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:
+    """The seeded shuffle of a client's local indices for one epoch (shared with reference loops)."""
+    return np.random.default_rng([seed, rnd, client, epoch]).permutation(n)
+
+
+def sample_clients(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
+    return np.sort(np.random.default_rng([seed, rnd, 10**6]).choice(K, size=m, replace=False))
+
+
+class Simulation:
+    """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps."""
+
+    def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
+                 partition: Partition, device=None):
+        self.cfg = config
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device)
+        self.train = train.to(self.device)
+        self.test = test.to(self.device)
+        self.partition = partition
+        self.K = partition.num_clients
+        if config.clients_per_round > self.K:
+            raise ValueError(f"clients_per_round: {config.clients_per_round} > {self.K} clients")
+        self.client_idx = [i.to(self.device) for i in partition.indices]
+        self.eval_batch = config.eval_batch or (256 if self.device.type == "cpu" else 4096)
+        self.stack = ClientStack(self.model, config.clients_per_round, device=self.device)
+        self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
+        self.buf = torch.zeros_like(self.stack.params)
+        self.rnd = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------------
+    def _loss(self, z, t, y, seg, n_act):
+        c = self.cfg
+        kind, _ = _LOSSES[c.algorithm]
+        s = c.tau ** 2 if c.tau_squared else 1.0
+        kd = {"fedavg": 0.0, "fedprox": 0.0, "kd": c.kd_weight * s, "fedntd": c.beta * s,
+              "fedgkd": c.gamma / 2 * s}[c.algorithm]
+        return ops.distill(z, t, y, kind=kind, tau=c.tau, kd_weight=kd, segments=seg, num_segments=n_act,
+                           reduction="mean", backend=c.backend)
+
+    @torch.no_grad()
+    def _teacher_cache(self, sampled_rows: list[torch.Tensor]) -> torch.Tensor:
+        """Global-model logits for the union of the sampled clients' samples (one pass, large batches)."""
+        self.stack.layout.check_module(self.model)
+        idx = torch.cat(sampled_rows)
+        cache = torch.zeros(len(self.train), self.train.num_classes, device=self.device)
+        self._load_global()
+        self.model.eval()
+        for chunk in idx.split(self.eval_batch):
+            x, _ = self.train.batch(chunk)
+            cache[chunk] = self.model(x).float()
+        return cache
+
+    def _load_global(self):
+        with torch.no_grad():
+            for p, v in zip(self.model.parameters(), self.stack.layout.param_views(self.global_flat).values()):
+                p.copy_(v)
+
+    def round(self) -> dict:
+        c, t0 = self.cfg, time.perf_counter()
+        timers = {}
+        m, B = c.clients_per_round, c.batch_size
+        sampled = sample_clients(c.seed, self.rnd, self.K, m)
+        sizes = np.array([len(self.client_idx[k]) for k in sampled])
+        steps = np.ceil(sizes / B).astype(int)
+        order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
+        sampled, sizes, steps = sampled[order], sizes[order], steps[order]
+        lr = c.lr * c.lr_decay ** self.rnd
+        self.stack.broadcast_(self.global_flat, rows=slice(0, m))
+        self.buf.zero_()
+        teacher = None
+        if _LOSSES[c.algorithm][1]:
+            t1 = time.perf_counter()
+            teacher = self._teacher_cache([self.client_idx[k] for k in sampled])
+            timers["teacher"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        client_steps = 0
+        S = int(steps.max())
+        for e in range(c.local_epochs):
+            table = torch.full((m, S * B), -1, dtype=torch.long)
+            for j, k in enumerate(sampled):  # index math only (host, once per epoch), no per-step client loop
+                ids = self.client_idx[k].cpu()[torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[j]))]
+                table[j, : sizes[j]] = ids
+            table = table.to(self.device)
+            for s in range(S):
+                n_act = int((steps > s).sum())
+                rows = table[:n_act, s * B:(s + 1) * B]
+                valid = rows >= 0
+                x, y = self.train.batch(rows.clamp_min(0))
+                y = torch.where(valid, y, torch.full_like(y, -100))
+                theta = self.stack.params[:n_act].detach().requires_grad_(True)
+                z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=self.stack.layout.param_views(theta))
+                C = z.shape[-1]
+                zf = z.reshape(-1, C)
+                t = teacher[rows.clamp_min(0).reshape(-1)] if teacher is not None else torch.zeros_like(zf.detach())
+                seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+                loss = self._loss(zf, t, y.reshape(-1), seg, n_act)
+                loss.backward()
+                ops.client_step(self.stack.params[:n_act], theta.grad, lr=lr, momentum=c.momentum,
+                                momentum_buf=self.buf[:n_act], weight_decay=c.weight_decay, prox_mu=c.mu,
+                                anchor=self.global_flat if c.mu else None, backend=c.backend)
+                loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+                client_steps += n_act
+        timers["local"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        out = ops.aggregate(self.stack.params, self.global_flat, weights=torch.tensor(sizes, dtype=torch.float32,
+                                                                                   device=self.device),
+                            rows=m, backend=c.backend)
+        self.global_flat = out["global"]
+        timers["aggregate"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        acc, test_loss = self.evaluate()
+        timers["eval"] = time.perf_counter() - t1
+        self.rnd += 1
+        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
+               "train_loss": float(loss_sum) / max(client_steps, 1), "seconds": time.perf_counter() - t0,
+               "clients": sampled.tolist(), "timers": timers}
+        self.history.append(rec)
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        self._load_global()
+        self.model.eval()
+        correct, total, loss = 0, 0, 0.0
+        for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):
+            x, y = self.test.batch(chunk)
+            z = self.model(x)
+            loss += float(nn.functional.cross_entropy(z.float(), y, reduction="sum"))
+            correct += int((z.argmax(1) == y).sum())
+            total += len(chunk)
+        self.model.train()
+        return correct / total, loss / total
+
+    def run(self) -> list[dict]:
+        for _ in range(self.cfg.rounds - self.rnd):
+            self.round()
+        return self.history
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(max(len(i) for i in self.client_idx) / self.cfg.batch_size)
