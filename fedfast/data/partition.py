@@ -139,6 +139,23 @@ def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) 
     return _make(parts, y, f"shards(s={s})")
 
 
+def _dirichlet_split(y, pool, K, C, alpha, cap, rng, shuffle):
+    """One per-class Dirichlet pass (FedNTD LDA / FedDF): for each class, ``p ~ Dir(alpha 1_K)``, zero the clients
+    already holding >= ``cap`` samples, renormalise, and split the class's samples of ``pool`` at cumsum(p)."""
+    parts = [[] for _ in range(K)]
+    for c in range(C):
+        idx = pool[y[pool] == c]
+        if shuffle:
+            idx = idx[rng.permutation(len(idx))]
+        p = rng.dirichlet(alpha * np.ones(K))
+        p = p * np.array([len(b) < cap for b in parts])
+        p = p / p.sum()
+        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+        for k, piece in enumerate(np.split(idx, cuts)):
+            parts[k].extend(piece.tolist())
+    return parts
+
+
 def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10,
                   max_tries: int = 1000) -> Partition:
     """FedNTD's LDA / NIID-Bench per-class Dirichlet with the N/K size cap and the min-size redraw."""
@@ -150,16 +167,7 @@ def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     C = int(y.max()) + 1
     rng = np.random.default_rng(seed)
     for _ in range(max_tries):
-        parts = [[] for _ in range(K)]
-        for c in range(C):
-            idx = np.flatnonzero(y == c)
-            idx = idx[rng.permutation(len(idx))]
-            p = rng.dirichlet(alpha * np.ones(K))
-            p = p * np.array([len(b) < N / K for b in parts])
-            p = p / p.sum()
-            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for k, piece in enumerate(np.split(idx, cuts)):
-                parts[k].extend(piece.tolist())
+        parts = _dirichlet_split(y, np.arange(N), K, C, alpha, N / K, rng, shuffle=True)
         if min(len(b) for b in parts) >= min_size:
             return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"lda(alpha={alpha})")
     raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} tries")
@@ -220,15 +228,7 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
         kg = min(group, K - gi * group)
         target = len(chunk) / kg
         for _ in range(max_tries):
-            batch = [[] for _ in range(kg)]
-            for c in range(C):
-                idx = chunk[y[chunk] == c]
-                p = rng.dirichlet(alpha * np.ones(kg))
-                p = p * np.array([len(b) < target for b in batch])
-                p = p / p.sum()
-                cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-                for k, piece in enumerate(np.split(idx, cuts)):
-                    batch[k].extend(piece.tolist())
+            batch = _dirichlet_split(y, chunk, kg, C, alpha, target, rng, shuffle=False)  # chunk is shuffled
             if min(len(b) for b in batch) >= 0.5 * target:
                 break
         else:
