@@ -21,7 +21,7 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.built
 
 demo: $(VENV)/.built
-	$(PY) examples/fed_distill_mnist.py --loss ntd --rounds 20
+	$(PY) -m fedfast run configs/fedntd_mnist.toml --out runs/demo
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests

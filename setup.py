@@ -49,5 +49,6 @@ setup(
     packages=find_packages(include=["fedfast", "fedfast.*"]),
     python_requires=">=3.10",
     ext_modules=ext_modules,
+    entry_points={"console_scripts": ["fedfast=fedfast.cli:main"]},
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )
