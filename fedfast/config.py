@@ -18,7 +18,7 @@ DEFAULTS: dict = {
     "shards_per_client": 2, "num_clients": 100, "clients_per_round": 10, "rounds": 20, "local_epochs": 1,
     "batch_size": 50, "lr": 0.01, "lr_decay": 1.0, "momentum": 0.9, "weight_decay": 1e-5, "model": "mlp",
     "seed": 0, "device": "cpu", "backend": "", "tau": 1.0, "beta": 1.0, "kd_weight": 1.0, "gamma": 0.2, "mu": 0.0,
-    "lam": 0.0, "asd": False,
+    "lam": 10.0, "asd": False,
 }
 _POSITIVE = ("num_clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "lr", "tau", "alpha",
              "shards_per_client")
@@ -75,6 +75,6 @@ def build_config(path: str | None = None, overrides: list[str] | None = None) ->
             raise ValueError(f"{k}: must be > 0, got {vals[k]!r}")
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
-    if vals["asd"] or vals["lam"]:
-        raise ValueError("asd: the ASD add-on is not wired into the engine yet (the loss exists as fedfast.nn.ASDLoss)")
+    if vals["asd"] and vals["algorithm"] not in ("fedavg", "fedprox", "fedntd"):
+        raise ValueError(f"asd: the ASD add-on composes with fedavg, fedprox and fedntd, not {vals['algorithm']!r}")
     return RunConfig(vals)

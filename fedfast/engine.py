@@ -14,8 +14,9 @@ One round (``Simulation.round``), following ../shared/spec/architecture.md:
 5. fused aggregation (size-weighted FedAvg) into the new global model; test accuracy.
 
 Methods in this slice: ``fedavg``, ``fedprox`` (``mu``), ``kd`` (Hinton KD to the global model),
-``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``; the averaged-teacher buffer, VOTE, ASD,
-CAD, ADC, FedDyn, SCAFFOLD, FedADC, MOON, the CLI and the config file are not wired yet).
+``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``), and the ASD add-on (``asd=True``, ``lam``;
+with fedavg, fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting). Not wired yet: the averaged-teacher
+buffer and VOTE, CAD, ADC, FedDyn, SCAFFOLD, FedADC, MOON.
 Models must not use BatchNorm batch statistics (padding rows would enter them).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import nn as fnn
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
@@ -57,6 +59,10 @@ class SimConfig:
     kd_weight: float = 1.0     # plain KD
     gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
     mu: float = 0.0            # FedProx
+    asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i, on any algorithm
+    lam: float = 10.0          # ASD lambda (official-code scaling: CE_mean + lam * sum_i alpha_i KL_i)
+    asd_not_true: bool | None = None  # ASD's KL over the not-true classes; default: True for fedntd
+    asd_entropy_tau: float | None = None
     tau_squared: bool = True
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
     backend: str | None = None
@@ -65,6 +71,8 @@ class SimConfig:
     def __post_init__(self):
         if self.algorithm not in _LOSSES:
             raise ValueError(f"algorithm: one of {sorted(_LOSSES)} in this engine slice, got {self.algorithm!r}")
+        if self.asd and self.algorithm not in ("fedavg", "fedprox", "fedntd"):
+            raise ValueError(f"asd: the ASD add-on composes with fedavg, fedprox and fedntd, not {self.algorithm!r}")
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
@@ -97,6 +105,7 @@ class Simulation:
             raise ValueError(f"clients_per_round: {config.clients_per_round} > {self.K} clients")
         self.client_idx = [i.to(self.device) for i in partition.indices]
         self.eval_batch = config.eval_batch or (256 if self.device.type == "cpu" else 4096)
+        self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
         self.stack = ClientStack(self.model, config.clients_per_round, device=self.device)
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params)
@@ -106,6 +115,10 @@ class Simulation:
     # ------------------------------------------------------------------------------------------------
     def _loss(self, z, t, y, seg, n_act):
         c = self.cfg
+        if c.asd:  # ASD replaces the method's KD term: CE_mean + lam * sum_i alpha_i KL_i (FedNTD+ASD: not-true KL)
+            nt = c.asd_not_true if c.asd_not_true is not None else c.algorithm == "fedntd"
+            loss = fnn.ASDLoss(tau=c.tau, lam=c.lam, not_true=nt, entropy_tau=c.asd_entropy_tau, backend=c.backend)
+            return loss(z, t, y, self._prior[:n_act], segments=seg, num_segments=n_act)
         kind, _ = _LOSSES[c.algorithm]
         s = c.tau ** 2 if c.tau_squared else 1.0
         kd = {"fedavg": 0.0, "fedprox": 0.0, "kd": c.kd_weight * s, "fedntd": c.beta * s,
@@ -144,7 +157,10 @@ class Simulation:
         self.stack.broadcast_(self.global_flat, rows=slice(0, m))
         self.buf.zero_()
         teacher = None
-        if _LOSSES[c.algorithm][1]:
+        if c.asd:  # each sampled client's label distribution, in stack order: ASD's per-segment prior
+            hist = self._hist[torch.from_numpy(sampled).to(self.device)]
+            self._prior = hist / hist.sum(1, keepdim=True)
+        if _LOSSES[c.algorithm][1] or c.asd:
             t1 = time.perf_counter()
             teacher = self._teacher_cache([self.client_idx[k] for k in sampled])
             timers["teacher"] = time.perf_counter() - t1

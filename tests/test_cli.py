@@ -28,7 +28,7 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
     (["--set", "algorithm=fedsomething"], "algorithm: must be one of"),
     (["--set", "lr=-1"], "lr: must be > 0"),
     (["--set", "clients_per_round=500"], "clients_per_round"),
-    (["--set", "asd=true"], "asd: the ASD add-on is not wired"),
+    (["--set", "asd=true", "--set", "algorithm=kd"], "asd: the ASD add-on composes with"),
     (["--set", "rounds"], "--set: expected key=value"),
 ])
 def test_bad_config_is_rejected_naming_the_key(args, msg, capsys):

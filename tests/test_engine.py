@@ -8,6 +8,7 @@ import torch
 
 import fedfast
 from fedfast import data, models
+from fedfast import nn as ffnn
 from fedfast.engine import client_order, sample_clients
 from fedfast.ops import distill_reference
 
@@ -42,7 +43,13 @@ def _sequential(cfg, model, train, part, rounds):
                     z = local(x)
                     with torch.no_grad():
                         t = teacher(x)
-                    loss = distill_reference(z, t, y, tau=cfg.tau, kd_weight=kdw[cfg.algorithm], not_true=kind).mean()
+                    if cfg.asd:  # ASD add-on: the client's label distribution as prior, KD term replaced
+                        prior = torch.bincount(train.y[idx], minlength=train.num_classes).float() / len(idx)
+                        loss = ffnn.ASDLoss(tau=cfg.tau, lam=cfg.lam, not_true=kind, backend="reference")(
+                            z, t, y, prior)
+                    else:
+                        loss = distill_reference(z, t, y, tau=cfg.tau, kd_weight=kdw[cfg.algorithm],
+                                                 not_true=kind).mean()
                     if cfg.mu:
                         flat = torch.cat([p.reshape(-1) for p in local.parameters()])
                         loss = loss + cfg.mu / 2 * (flat - gflat).pow(2).sum()
@@ -57,7 +64,9 @@ def _sequential(cfg, model, train, part, rounds):
 
 
 @pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedprox", dict(mu=0.1)), ("kd", dict(tau=3.0)),
-                                             ("fedntd", dict(tau=2.0)), ("fedgkd", {})])
+                                             ("fedntd", dict(tau=2.0)), ("fedgkd", {}),
+                                             ("fedavg", dict(asd=True, lam=10.0, tau=2.0)),
+                                             ("fedntd", dict(asd=True, lam=5.0, tau=2.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
@@ -80,3 +89,5 @@ def test_engine_learns_and_reports():
     assert {"round", "test_accuracy", "test_loss", "train_loss", "seconds", "timers"} <= set(hist[0])
     with pytest.raises(ValueError, match="algorithm"):
         fedfast.SimConfig(algorithm="fedsomething")
+    with pytest.raises(ValueError, match="asd"):
+        fedfast.SimConfig(algorithm="kd", asd=True)
