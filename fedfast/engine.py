@@ -14,9 +14,11 @@ One round (``Simulation.round``), following ../shared/spec/architecture.md:
 5. fused aggregation (size-weighted FedAvg) into the new global model; test accuracy.
 
 Methods in this slice: ``fedavg``, ``fedprox`` (``mu``), ``kd`` (Hinton KD to the global model),
-``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``), and the ASD add-on (``asd=True``, ``lam``;
-with fedavg, fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting). Not wired yet: the averaged-teacher
-buffer and VOTE, CAD, ADC, FedDyn, SCAFFOLD, FedADC, MOON.
+``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``), ``fedavgm`` (``server_lr``,
+``server_momentum``), ``scaffold`` (FedNTD code: K_eff counts local momentum), ``feddyn`` (ASD/Acar cloud form,
+``dyn_alpha``; evaluates the participants' average), and the ASD add-on (``asd=True``, ``lam``; with fedavg,
+fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting). Not wired yet: the averaged-teacher buffer and
+VOTE, CAD, ADC, FedADC, MOON.
 Models must not use BatchNorm batch statistics (padding rows would enter them).
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .flat import ClientStack
 _LOSSES = {
     # algorithm: (kind, uses a teacher)
     "fedavg": ("full", False), "fedprox": ("full", False), "kd": ("full", True), "fedntd": ("not_true", True),
-    "fedgkd": ("full", True),
+    "fedgkd": ("full", True), "fedavgm": ("full", False), "scaffold": ("full", False), "feddyn": ("full", False),
 }
 
 
@@ -59,6 +61,9 @@ class SimConfig:
     kd_weight: float = 1.0     # plain KD
     gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
     mu: float = 0.0            # FedProx
+    server_lr: float = 1.0     # FedAvgM: theta <- theta - server_lr * v
+    server_momentum: float = 0.9  # FedAvgM: v <- server_momentum * v + (theta - avg)
+    dyn_alpha: float = 0.01    # FedDyn alpha (per client alpha_k = dyn_alpha / (n_k / mean n))
     asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i, on any algorithm
     lam: float = 10.0          # ASD lambda (official-code scaling: CE_mean + lam * sum_i alpha_i KL_i)
     asd_not_true: bool | None = None  # ASD's KL over the not-true classes; default: True for fedntd
@@ -109,6 +114,13 @@ class Simulation:
         self.stack = ClientStack(self.model, config.clients_per_round, device=self.device)
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params)
+        P = self.stack.P
+        self.server_m = torch.zeros(P, device=self.device) if config.algorithm == "fedavgm" else None
+        if config.algorithm in ("scaffold", "feddyn"):
+            from .flat import ClientState
+            self.client_state = ClientState(self.K, P, device=self.device)  # SCAFFOLD c_k / FedDyn h_k
+            self.server_state = torch.zeros(P, device=self.device)          # SCAFFOLD c / FedDyn mean h
+        self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
         self.rnd = 0
         self.history: list[dict] = []
 
@@ -121,8 +133,7 @@ class Simulation:
             return loss(z, t, y, self._prior[:n_act], segments=seg, num_segments=n_act)
         kind, _ = _LOSSES[c.algorithm]
         s = c.tau ** 2 if c.tau_squared else 1.0
-        kd = {"fedavg": 0.0, "fedprox": 0.0, "kd": c.kd_weight * s, "fedntd": c.beta * s,
-              "fedgkd": c.gamma / 2 * s}[c.algorithm]
+        kd = {"kd": c.kd_weight * s, "fedntd": c.beta * s, "fedgkd": c.gamma / 2 * s}.get(c.algorithm, 0.0)
         return ops.distill(z, t, y, kind=kind, tau=c.tau, kd_weight=kd, segments=seg, num_segments=n_act,
                            reduction="mean", backend=c.backend)
 
@@ -139,9 +150,10 @@ class Simulation:
             cache[chunk] = self.model(x).float()
         return cache
 
-    def _load_global(self):
+    def _load_global(self, flat=None):
         with torch.no_grad():
-            for p, v in zip(self.model.parameters(), self.stack.layout.param_views(self.global_flat).values()):
+            src = self.global_flat if flat is None else flat
+            for p, v in zip(self.model.parameters(), self.stack.layout.param_views(src).values()):
                 p.copy_(v)
 
     def round(self) -> dict:
@@ -164,6 +176,16 @@ class Simulation:
             t1 = time.perf_counter()
             teacher = self._teacher_cache([self.client_idx[k] for k in sampled])
             timers["teacher"] = time.perf_counter() - t1
+        step_kw = dict(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
+                       anchor=self.global_flat if c.mu else None, backend=c.backend)
+        sampled_t = torch.from_numpy(sampled).to(self.device)
+        if c.algorithm == "scaffold":
+            state_rows = self.client_state.gather(sampled_t)  # c_k of the sampled clients, stack order
+        elif c.algorithm == "feddyn":
+            state_rows = self.client_state.gather(sampled_t)  # h_k
+            mean_n = float(self._hist.sum(1).mean())
+            alpha_k = c.dyn_alpha / (torch.tensor(sizes, dtype=torch.float32, device=self.device) / mean_n)
+            dyn_lin = alpha_k[:, None] * (state_rows - self.global_flat)  # gradient of alpha_k <w, h_k - w_cld>
         t1 = time.perf_counter()
         loss_sum = torch.zeros((), device=self.device)
         client_steps = 0
@@ -188,17 +210,38 @@ class Simulation:
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
                 loss = self._loss(zf, t, y.reshape(-1), seg, n_act)
                 loss.backward()
-                ops.client_step(self.stack.params[:n_act], theta.grad, lr=lr, momentum=c.momentum,
-                                momentum_buf=self.buf[:n_act], weight_decay=c.weight_decay, prox_mu=c.mu,
-                                anchor=self.global_flat if c.mu else None, backend=c.backend)
+                kw = dict(step_kw)
+                if c.algorithm == "scaffold":
+                    kw.update(scaffold_c=self.server_state, scaffold_ck=state_rows[:n_act])
+                elif c.algorithm == "feddyn":
+                    kw.update(dyn_linear=dyn_lin[:n_act], weight_decay=alpha_k[:n_act] + c.weight_decay)
+                ops.client_step(self.stack.params[:n_act], theta.grad, momentum_buf=self.buf[:n_act], **kw)
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 client_steps += n_act
         timers["local"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        out = ops.aggregate(self.stack.params, self.global_flat, weights=torch.tensor(sizes, dtype=torch.float32,
-                                                                                   device=self.device),
-                            rows=m, backend=c.backend)
+        agg = dict(weights=torch.tensor(sizes, dtype=torch.float32, device=self.device), rows=m, backend=c.backend)
+        if c.algorithm == "fedavgm":
+            agg.update(beta=c.server_momentum, lr=c.server_lr, momentum=self.server_m)
+        elif c.algorithm == "scaffold":  # FedNTD code: K_eff counts momentum, rho = local momentum
+            Kst = torch.tensor(steps * c.local_epochs, dtype=torch.float64)
+            rho = c.momentum
+            k_eff = (Kst - rho * (1 - rho ** Kst) / (1 - rho)) / (1 - rho) if rho > 0 else Kst
+            agg.update(scaffold_c=self.server_state, scaffold_ck=state_rows,
+                       scaffold_coef=(1.0 / (k_eff * lr)).float().to(self.device), scaffold_num_clients=self.K)
+        elif c.algorithm == "feddyn":
+            agg.update(weights=None, dyn_h=state_rows, dyn_hbar=self.server_state, dyn_num_clients=self.K)
+        out = ops.aggregate(self.stack.params, self.global_flat, **agg)
         self.global_flat = out["global"]
+        self.average_flat = out["average"] if c.algorithm == "feddyn" else out["global"]
+        if c.algorithm == "fedavgm":
+            self.server_m = out["momentum"]
+        elif c.algorithm == "scaffold":
+            self.server_state = out["scaffold_c"]
+            self.client_state.scatter_(sampled_t, out["scaffold_ck"])
+        elif c.algorithm == "feddyn":
+            self.server_state = out["dyn_hbar"]
+            self.client_state.scatter_(sampled_t, out["dyn_h"])
         timers["aggregate"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         acc, test_loss = self.evaluate()
@@ -212,7 +255,7 @@ class Simulation:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        self._load_global()
+        self._load_global(self.average_flat)  # FedDyn evaluates the average of the participants, not the cloud
         self.model.eval()
         correct, total, loss = 0, 0, 0.0
         for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):

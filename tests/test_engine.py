@@ -21,21 +21,38 @@ def _setup():
     return train, test, part, model
 
 
+def _flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
 def _sequential(cfg, model, train, part, rounds):
+    """The literal loop: per-client nn.Module + torch.optim.SGD, teacher forward per step, state_dict averaging,
+    and each method's state written out plainly."""
     glob = copy.deepcopy(model)
     kind = {"fedntd": True}.get(cfg.algorithm, False)
     s = cfg.tau ** 2
-    kdw = {"fedavg": 0.0, "fedprox": 0.0, "kd": cfg.kd_weight * s, "fedntd": cfg.beta * s, "fedgkd": cfg.gamma / 2 * s}
+    kdw = {"fedntd": cfg.beta * s, "kd": cfg.kd_weight * s, "fedgkd": cfg.gamma / 2 * s}.get(cfg.algorithm, 0.0)
+    P = _flat(glob).numel()
+    K = part.num_clients
+    server_v, c_glob, hbar = torch.zeros(P), torch.zeros(P), torch.zeros(P)
+    c_k = {k: torch.zeros(P) for k in range(K)}
+    h_k = {k: torch.zeros(P) for k in range(K)}
+    mean_n = float(np.mean([len(i) for i in part.indices]))
     for rnd in range(rounds):
-        sampled = sample_clients(cfg.seed, rnd, part.num_clients, cfg.clients_per_round)
+        sampled = sample_clients(cfg.seed, rnd, K, cfg.clients_per_round)
         lr = cfg.lr * cfg.lr_decay ** rnd
-        states, sizes = [], []
+        states, sizes, flats, new_ck = [], [], [], {}
         teacher = copy.deepcopy(glob).eval()
-        gflat = torch.cat([p.detach().reshape(-1) for p in glob.parameters()])
+        gflat = _flat(glob)
         for k in sampled:
             idx = part.indices[k]
             local = copy.deepcopy(glob)
-            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            wd = cfg.weight_decay
+            alpha_k = cfg.dyn_alpha / (len(idx) / mean_n)
+            if cfg.algorithm == "feddyn":
+                wd = alpha_k + cfg.weight_decay
+            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
+            nsteps = 0
             for e in range(cfg.local_epochs):
                 perm = idx[torch.from_numpy(client_order(cfg.seed, rnd, int(k), e, len(idx)))]
                 for b in perm.split(cfg.batch_size):
@@ -48,24 +65,64 @@ def _sequential(cfg, model, train, part, rounds):
                         loss = ffnn.ASDLoss(tau=cfg.tau, lam=cfg.lam, not_true=kind, backend="reference")(
                             z, t, y, prior)
                     else:
-                        loss = distill_reference(z, t, y, tau=cfg.tau, kd_weight=kdw[cfg.algorithm],
-                                                 not_true=kind).mean()
+                        loss = distill_reference(z, t, y, tau=cfg.tau, kd_weight=kdw, not_true=kind).mean()
+                    flat = torch.cat([p.reshape(-1) for p in local.parameters()])
                     if cfg.mu:
-                        flat = torch.cat([p.reshape(-1) for p in local.parameters()])
                         loss = loss + cfg.mu / 2 * (flat - gflat).pow(2).sum()
+                    if cfg.algorithm == "feddyn":
+                        loss = loss + alpha_k * (flat * (h_k[int(k)] - gflat)).sum()
                     opt.zero_grad()
                     loss.backward()
+                    if cfg.algorithm == "scaffold":
+                        corr = c_glob - c_k[int(k)]
+                        off = 0
+                        for p in local.parameters():
+                            p.grad += corr[off:off + p.numel()].view_as(p)
+                            off += p.numel()
                     opt.step()
+                    nsteps += 1
+            wk = _flat(local)
+            if cfg.algorithm == "scaffold":
+                rho = cfg.momentum
+                k_eff = (nsteps - rho * (1 - rho ** nsteps) / (1 - rho)) / (1 - rho)
+                new_ck[int(k)] = c_k[int(k)] - c_glob + (gflat - wk) / (k_eff * lr)
+            if cfg.algorithm == "feddyn":
+                h_k[int(k)] = h_k[int(k)] + (wk - gflat)
             states.append(local.state_dict())
             sizes.append(len(idx))
-        w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
-        glob.load_state_dict({key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]})
-    return torch.cat([p.detach().reshape(-1) for p in glob.parameters()])
+            flats.append(wk)
+        if cfg.algorithm == "feddyn":
+            w = torch.full((len(sizes),), 1.0 / len(sizes))
+        else:
+            w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+        avg = {key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]}
+        glob.load_state_dict(avg)
+        aflat = _flat(glob)
+        if cfg.algorithm == "fedavgm":
+            server_v = cfg.server_momentum * server_v + (gflat - aflat)
+            newg = gflat - cfg.server_lr * server_v
+        elif cfg.algorithm == "scaffold":
+            c_glob = c_glob + sum(new_ck[k] - c_k[k] for k in new_ck) / K
+            c_k.update(new_ck)
+            newg = aflat
+        elif cfg.algorithm == "feddyn":
+            hbar = hbar + sum(f - gflat for f in flats) / K
+            newg = aflat + hbar  # the cloud model: next round's start (and the teacher)
+        else:
+            newg = aflat
+        off = 0
+        with torch.no_grad():
+            for p in glob.parameters():
+                p.copy_(newg[off:off + p.numel()].view_as(p))
+                off += p.numel()
+    return _flat(glob)
 
 
 @pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedprox", dict(mu=0.1)), ("kd", dict(tau=3.0)),
                                              ("fedntd", dict(tau=2.0)), ("fedgkd", {}),
                                              ("fedavg", dict(asd=True, lam=10.0, tau=2.0)),
+                                             ("fedavgm", dict(server_lr=1.0, server_momentum=0.9)),
+                                             ("scaffold", {}), ("feddyn", dict(dyn_alpha=0.1)),
                                              ("fedntd", dict(asd=True, lam=5.0, tau=2.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
