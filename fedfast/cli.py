@@ -58,7 +58,8 @@ def run(cfg, out_dir: str) -> list[dict]:
                    lr_decay=cfg["lr_decay"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
                    seed=cfg["seed"], tau=cfg["tau"], beta=cfg["beta"], kd_weight=cfg["kd_weight"],
                    gamma=cfg["gamma"], mu=cfg["mu"], asd=cfg["asd"], lam=cfg["lam"], server_lr=cfg["server_lr"],
-                   server_momentum=cfg["server_momentum"], dyn_alpha=cfg["dyn_alpha"], backend=cfg["backend"] or None)
+                   server_momentum=cfg["server_momentum"], dyn_alpha=cfg["dyn_alpha"], gkd_buffer=cfg["gkd_buffer"],
+                   cad_beta=cfg["cad_beta"], cad_gamma=cfg["cad_gamma"], backend=cfg["backend"] or None)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg.values, f, indent=2, sort_keys=True)

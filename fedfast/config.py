@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass
 
 _CHOICES = {
-    "algorithm": ("fedavg", "fedprox", "kd", "fedntd", "fedgkd", "fedavgm", "scaffold", "feddyn"),
+    "algorithm": ("fedavg", "fedprox", "kd", "fedntd", "fedgkd", "fedcad", "fedavgm", "scaffold", "feddyn"),
     "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "synthetic"),
     "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew"),
     "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
@@ -19,8 +19,9 @@ DEFAULTS: dict = {
     "batch_size": 50, "lr": 0.01, "lr_decay": 1.0, "momentum": 0.9, "weight_decay": 1e-5, "model": "mlp",
     "seed": 0, "device": "cpu", "backend": "", "tau": 1.0, "beta": 1.0, "kd_weight": 1.0, "gamma": 0.2, "mu": 0.0,
     "lam": 10.0, "asd": False, "server_lr": 1.0, "server_momentum": 0.9, "dyn_alpha": 0.01,
+    "gkd_buffer": 1, "cad_beta": 0.3, "cad_gamma": 0.7,
 }
-_POSITIVE = ("num_clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "lr", "tau", "alpha",
+_POSITIVE = ("gkd_buffer", "num_clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "lr", "tau", "alpha",
              "shards_per_client")
 
 

@@ -17,8 +17,9 @@ Methods in this slice: ``fedavg``, ``fedprox`` (``mu``), ``kd`` (Hinton KD to th
 ``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``), ``fedavgm`` (``server_lr``,
 ``server_momentum``), ``scaffold`` (FedNTD code: K_eff counts local momentum), ``feddyn`` (ASD/Acar cloud form,
 ``dyn_alpha``; evaluates the participants' average), and the ASD add-on (``asd=True``, ``lam``; with fedavg,
-fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting). Not wired yet: the averaged-teacher buffer and
-VOTE, CAD, ADC, FedADC, MOON.
+fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting), ``fedgkd`` with a buffer of M > 1 global models
+(``gkd_buffer``), ``fedcad`` (``cad_beta``, ``cad_gamma``; 32 auxiliary samples per class drawn once from the
+training set; set ``tau=2.0`` for the paper). Not wired yet: VOTE, ADC, FedADC, MOON.
 Models must not use BatchNorm batch statistics (padding rows would enter them).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .flat import ClientStack
 _LOSSES = {
     # algorithm: (kind, uses a teacher)
     "fedavg": ("full", False), "fedprox": ("full", False), "kd": ("full", True), "fedntd": ("not_true", True),
-    "fedgkd": ("full", True), "fedavgm": ("full", False), "scaffold": ("full", False), "feddyn": ("full", False),
+    "fedgkd": ("full", True), "fedcad": ("full", True), "fedavgm": ("full", False), "scaffold": ("full", False), "feddyn": ("full", False),
 }
 
 
@@ -64,6 +65,11 @@ class SimConfig:
     server_lr: float = 1.0     # FedAvgM: theta <- theta - server_lr * v
     server_momentum: float = 0.9  # FedAvgM: v <- server_momentum * v + (theta - avg)
     dyn_alpha: float = 0.01    # FedDyn alpha (per client alpha_k = dyn_alpha / (n_k / mean n))
+    gkd_buffer: int = 1        # FedGKD: M, the teacher is the parameter average of the last M global models
+    cad_beta: float = 0.3      # FedCAD: alpha_y = beta + (gamma - beta) * mean_{aux, y} p_y(global)
+    cad_gamma: float = 0.7
+    cad_aux_per_class: int = 32
+    cad_tau_squared: bool = False  # FedCAD: no tau^2 by default (spec C2)
     asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i, on any algorithm
     lam: float = 10.0          # ASD lambda (official-code scaling: CE_mean + lam * sum_i alpha_i KL_i)
     asd_not_true: bool | None = None  # ASD's KL over the not-true classes; default: True for fedntd
@@ -121,12 +127,26 @@ class Simulation:
             self.client_state = ClientState(self.K, P, device=self.device)  # SCAFFOLD c_k / FedDyn h_k
             self.server_state = torch.zeros(P, device=self.device)          # SCAFFOLD c / FedDyn mean h
         self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
+        self.teacher_flat = self.global_flat  # FedGKD: average of the buffered globals (w_0 is never buffered)
+        if config.algorithm == "fedgkd" and config.gkd_buffer > 1:
+            self.gkd_buffer = torch.zeros(config.gkd_buffer, P, device=self.device)
+            self.gkd_count = 0
+        if config.algorithm == "fedcad":  # server-held auxiliary data: cad_aux_per_class per class, drawn once
+            g = torch.Generator().manual_seed(config.seed + 7919)
+            y = self.train.y.cpu()
+            picks = [torch.nonzero(y == cl).flatten() for cl in range(self.train.num_classes)]
+            self.cad_aux = torch.cat([p[torch.randperm(len(p), generator=g)[:config.cad_aux_per_class]]
+                                      for p in picks]).to(self.device)
         self.rnd = 0
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------------------------------------
     def _loss(self, z, t, y, seg, n_act):
         c = self.cfg
+        if c.algorithm == "fedcad":  # per row (1 - a_y) CE + a_y soft-CE at temperature tau (He et al., Eq. 5)
+            return ops.distill(z, t, y, kind="full", tau=c.tau, soft_ce=True, class_alpha=self._class_alpha,
+                               kd_weight=c.tau ** 2 if c.cad_tau_squared else 1.0, segments=seg,
+                               num_segments=n_act, reduction="mean", backend=c.backend)
         if c.asd:  # ASD replaces the method's KD term: CE_mean + lam * sum_i alpha_i KL_i (FedNTD+ASD: not-true KL)
             nt = c.asd_not_true if c.asd_not_true is not None else c.algorithm == "fedntd"
             loss = fnn.ASDLoss(tau=c.tau, lam=c.lam, not_true=nt, entropy_tau=c.asd_entropy_tau, backend=c.backend)
@@ -143,12 +163,24 @@ class Simulation:
         self.stack.layout.check_module(self.model)
         idx = torch.cat(sampled_rows)
         cache = torch.zeros(len(self.train), self.train.num_classes, device=self.device)
-        self._load_global()
+        self._load_global(self.teacher_flat)
         self.model.eval()
         for chunk in idx.split(self.eval_batch):
             x, _ = self.train.batch(chunk)
             cache[chunk] = self.model(x).float()
         return cache
+
+    @torch.no_grad()
+    def _cad_alpha(self) -> torch.Tensor:
+        """FedCAD Eq. 6 (simplified, spec 3.2): alpha_y = beta + (gamma - beta) * mean_{x in aux_y} softmax(global(x))_y."""
+        self._load_global()
+        self.model.eval()
+        x, y = self.train.batch(self.cad_aux)
+        p = torch.softmax(self.model(x).float(), 1).gather(1, y[:, None]).squeeze(1)
+        C = self.train.num_classes
+        mean_py = torch.zeros(C, device=self.device).index_add_(0, y, p) / torch.bincount(y, minlength=C).clamp_min(1)
+        self.model.train()
+        return self.cfg.cad_beta + (self.cfg.cad_gamma - self.cfg.cad_beta) * mean_py
 
     def _load_global(self, flat=None):
         with torch.no_grad():
@@ -172,6 +204,8 @@ class Simulation:
         if c.asd:  # each sampled client's label distribution, in stack order: ASD's per-segment prior
             hist = self._hist[torch.from_numpy(sampled).to(self.device)]
             self._prior = hist / hist.sum(1, keepdim=True)
+        if c.algorithm == "fedcad":
+            self._class_alpha = self._cad_alpha()
         if _LOSSES[c.algorithm][1] or c.asd:
             t1 = time.perf_counter()
             teacher = self._teacher_cache([self.client_idx[k] for k in sampled])
@@ -231,9 +265,16 @@ class Simulation:
                        scaffold_coef=(1.0 / (k_eff * lr)).float().to(self.device), scaffold_num_clients=self.K)
         elif c.algorithm == "feddyn":
             agg.update(weights=None, dyn_h=state_rows, dyn_hbar=self.server_state, dyn_num_clients=self.K)
+        elif c.algorithm == "fedgkd" and c.gkd_buffer > 1:  # push the new global; teacher = mean of the buffer
+            self.gkd_count = min(self.gkd_count + 1, c.gkd_buffer)
+            agg.update(teacher_buffer=self.gkd_buffer, teacher_slot=self.rnd % c.gkd_buffer,
+                       teacher_count=self.gkd_count)
         out = ops.aggregate(self.stack.params, self.global_flat, **agg)
         self.global_flat = out["global"]
         self.average_flat = out["average"] if c.algorithm == "feddyn" else out["global"]
+        self.teacher_flat = self.global_flat
+        if "teacher_buffer" in out:
+            self.gkd_buffer, self.teacher_flat = out["teacher_buffer"], out["teacher"]
         if c.algorithm == "fedavgm":
             self.server_m = out["momentum"]
         elif c.algorithm == "scaffold":

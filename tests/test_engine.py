@@ -38,12 +38,31 @@ def _sequential(cfg, model, train, part, rounds):
     c_k = {k: torch.zeros(P) for k in range(K)}
     h_k = {k: torch.zeros(P) for k in range(K)}
     mean_n = float(np.mean([len(i) for i in part.indices]))
+    gkd_hist = []
+    if cfg.algorithm == "fedcad":  # the same auxiliary draw as the engine (32 per class, seeded)
+        g = torch.Generator().manual_seed(cfg.seed + 7919)
+        aux = torch.cat([torch.nonzero(train.y == c).flatten()[
+            torch.randperm(int((train.y == c).sum()), generator=g)[:cfg.cad_aux_per_class]]
+            for c in range(train.num_classes)])
     for rnd in range(rounds):
         sampled = sample_clients(cfg.seed, rnd, K, cfg.clients_per_round)
         lr = cfg.lr * cfg.lr_decay ** rnd
         states, sizes, flats, new_ck = [], [], [], {}
         teacher = copy.deepcopy(glob).eval()
         gflat = _flat(glob)
+        if cfg.algorithm == "fedgkd" and cfg.gkd_buffer > 1 and gkd_hist:  # parameter average of buffered globals
+            tflat = torch.stack(gkd_hist[-cfg.gkd_buffer:]).mean(0)
+            off = 0
+            with torch.no_grad():
+                for p in teacher.parameters():
+                    p.copy_(tflat[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+        if cfg.algorithm == "fedcad":
+            with torch.no_grad():
+                xa, ya = train.batch(aux)
+                py = torch.softmax(glob(xa), 1).gather(1, ya[:, None]).squeeze(1)
+                mean_py = torch.stack([py[ya == c].mean() for c in range(train.num_classes)])
+                class_alpha = cfg.cad_beta + (cfg.cad_gamma - cfg.cad_beta) * mean_py
         for k in sampled:
             idx = part.indices[k]
             local = copy.deepcopy(glob)
@@ -60,7 +79,9 @@ def _sequential(cfg, model, train, part, rounds):
                     z = local(x)
                     with torch.no_grad():
                         t = teacher(x)
-                    if cfg.asd:  # ASD add-on: the client's label distribution as prior, KD term replaced
+                    if cfg.algorithm == "fedcad":
+                        loss = ffnn.CADLoss(tau=cfg.tau, backend="reference")(z, t, y, class_alpha)
+                    elif cfg.asd:  # ASD add-on: the client's label distribution as prior, KD term replaced
                         prior = torch.bincount(train.y[idx], minlength=train.num_classes).float() / len(idx)
                         loss = ffnn.ASDLoss(tau=cfg.tau, lam=cfg.lam, not_true=kind, backend="reference")(
                             z, t, y, prior)
@@ -115,6 +136,7 @@ def _sequential(cfg, model, train, part, rounds):
             for p in glob.parameters():
                 p.copy_(newg[off:off + p.numel()].view_as(p))
                 off += p.numel()
+        gkd_hist.append(newg.clone())
     return _flat(glob)
 
 
@@ -123,15 +145,19 @@ def _sequential(cfg, model, train, part, rounds):
                                              ("fedavg", dict(asd=True, lam=10.0, tau=2.0)),
                                              ("fedavgm", dict(server_lr=1.0, server_momentum=0.9)),
                                              ("scaffold", {}), ("feddyn", dict(dyn_alpha=0.1)),
+                                             ("fedgkd", dict(gkd_buffer=2)), ("fedcad", dict(tau=2.0)),
                                              ("fedntd", dict(asd=True, lam=5.0, tau=2.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
+    rounds = 3 if "gkd_buffer" in extra else 2  # the buffer needs > 1 round to differ from the last global
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16,
                             lr=0.05, lr_decay=0.99, momentum=0.9, weight_decay=1e-4, seed=3, **extra)
-    ref = _sequential(cfg, model, train, part, 2)
+    ref = _sequential(cfg, model, train, part, cfg.rounds)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     hist = sim.run()
-    assert len(hist) == 2 and all(np.isfinite(h["test_loss"]) for h in hist)
+    if algorithm == "fedgkd" and cfg.gkd_buffer > 1:  # the teacher is the buffer average, not the last global
+        assert not torch.equal(sim.teacher_flat, sim.global_flat)
+    assert len(hist) == cfg.rounds and all(np.isfinite(h["test_loss"]) for h in hist)
     err = (sim.global_flat - ref).abs().max() / ref.abs().max()
     assert err <= 1e-4, float(err)
     assert not torch.equal(sim.global_flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
