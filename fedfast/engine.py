@@ -24,9 +24,8 @@ Models must not use BatchNorm batch statistics (padding rows would enter them).
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,7 +76,6 @@ class SimConfig:
     tau_squared: bool = True
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
     backend: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.algorithm not in _LOSSES:
@@ -160,7 +158,6 @@ class Simulation:
     @torch.no_grad()
     def _teacher_cache(self, sampled_rows: list[torch.Tensor]) -> torch.Tensor:
         """Global-model logits for the union of the sampled clients' samples (one pass, large batches)."""
-        self.stack.layout.check_module(self.model)
         idx = torch.cat(sampled_rows)
         cache = torch.zeros(len(self.train), self.train.num_classes, device=self.device)
         self._load_global(self.teacher_flat)
@@ -227,7 +224,7 @@ class Simulation:
         for e in range(c.local_epochs):
             table = torch.full((m, S * B), -1, dtype=torch.long)
             for j, k in enumerate(sampled):  # index math only (host, once per epoch), no per-step client loop
-                ids = self.client_idx[k].cpu()[torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[j]))]
+                ids = self.partition.indices[k][torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[j]))]
                 table[j, : sizes[j]] = ids
             table = table.to(self.device)
             for s in range(S):
@@ -312,7 +309,3 @@ class Simulation:
         for _ in range(self.cfg.rounds - self.rnd):
             self.round()
         return self.history
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(max(len(i) for i in self.client_idx) / self.cfg.batch_size)

@@ -173,5 +173,9 @@ def test_partition_bad_input():
         data.shards(y, 3, shards_per_client=1)
     with pytest.raises(ValueError, match="alpha"):
         data.dirichlet_lda(y, 10, alpha=0.0)
+    with pytest.raises(ValueError, match="alpha: must be > 0"):
+        data.dirichlet_fedgkd(y, 10, alpha=-1.0)
+    with pytest.raises(ValueError, match="alpha: must be > 0"):
+        data.quantity_skew(y, 5, alpha=0.0)
     with pytest.raises(ValueError, match="labels"):
         data.iid(torch.zeros(0, dtype=torch.long), 1)

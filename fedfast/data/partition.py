@@ -94,6 +94,11 @@ def _check_K(K: int, n: int):
         raise ValueError(f"num_clients: must lie in [1, {n}] (number of samples), got {K}")
 
 
+def _check_positive(name: str, v: float):
+    if not v > 0:
+        raise ValueError(f"{name}: must be > 0, got {v}")
+
+
 def _make(parts, y, method) -> Partition:
     C = int(y.max()) + 1
     return Partition([torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts], C, torch.from_numpy(y), method)
@@ -162,8 +167,7 @@ def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     y = _labels(labels)
     K, N = num_clients, len(y)
     _check_K(K, N)
-    if not alpha > 0:
-        raise ValueError(f"alpha: must be > 0, got {alpha}")
+    _check_positive("alpha", alpha)
     C = int(y.max()) + 1
     rng = np.random.default_rng(seed)
     for _ in range(max_tries):
@@ -178,8 +182,7 @@ def dirichlet_balanced(labels, num_clients: int, delta: float, seed: int = 0) ->
     y = _labels(labels)
     K, N = num_clients, len(y)
     _check_K(K, N)
-    if not delta > 0:
-        raise ValueError(f"delta: must be > 0, got {delta}")
+    _check_positive("delta", delta)
     C = int(y.max()) + 1
     rng = np.random.default_rng(seed)
     priors = rng.dirichlet(delta * np.ones(C), size=K)
@@ -218,6 +221,7 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
     y = _labels(labels)
     K, N = num_clients, len(y)
     _check_K(K, N)
+    _check_positive("alpha", alpha)
     rng = np.random.default_rng(seed)
     order = rng.permutation(N)
     n_groups = int(np.ceil(K / group))
@@ -242,6 +246,7 @@ def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     y = _labels(labels)
     K, N = num_clients, len(y)
     _check_K(K, N)
+    _check_positive("alpha", alpha)
     if K * min_size > N:
         raise ValueError(f"min_size: {K} clients x {min_size} exceeds the {N} samples")
     rng = np.random.default_rng(seed)
