@@ -165,7 +165,8 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
                       const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
                       const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
                       const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& ck,
-                      const c10::optional<at::Tensor>& drift, double max_norm,
+                      const c10::optional<at::Tensor>& drift, const c10::optional<at::Tensor>& drift_scale,
+                      double max_norm,
                       const c10::optional<at::Tensor>& active_opt) {
   check_cuda(theta, "theta");
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
@@ -178,7 +179,9 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
   const float* d = fptr(dyn, kd);
   const float* cp = fptr(c, kc);
   const float* ckp = fptr(ck, kck);
+  at::Tensor kds;
   const float* dr = fptr(drift, kdr);
+  const float* dsc = fptr(drift_scale, kds);
   float* buf = nullptr;
   if (buf_opt.has_value()) {
     TORCH_CHECK(buf_opt->is_contiguous() && buf_opt->scalar_type() == at::kFloat, "momentum_buf must be contiguous fp32");
@@ -197,7 +200,7 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
   check_launch(fedfast_client_step(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, lr.data_ptr<float>(),
                                    lr.numel() == n && n > 1, wd.data_ptr<float>(), wd.numel() == n && n > 1,
                                    (float)prox_mu, prox_mu != 0.0 ? a : nullptr, d,
-                                   clip.defined() ? clip.data_ptr<float>() : nullptr, cp, ckp, (float)momentum, buf, dr,
+                                   clip.defined() ? clip.data_ptr<float>() : nullptr, cp, ckp, (float)momentum, buf, dr, dsc,
                                    active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),
                "client_step");
 }

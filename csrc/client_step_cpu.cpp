@@ -1,6 +1,6 @@
 // Fused all-client optimizer step on the CPU, in place (see fedfast/ops/client_step_reference.py):
 //   g = grad + mu (theta - anchor) + dyn_linear ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
-//   g += wd_k theta + (c - c_k) ; buf = momentum buf + g ; theta -= lr_k (buf + drift)   (inactive rows: no-op)
+//   g += wd_k theta + (c - c_k) ; buf = momentum buf + g ; theta -= lr_k (buf + s_k drift)   (inactive rows: no-op)
 // Rows x column blocks run in parallel; clipping adds one read pass for the per-row norm.
 // Bytes: n*P*(4 theta r/w *2 + grad 4 + [8 buf r/w] + [4 dyn] + [4 c_k]) + 4P*[anchor, c, drift].
 #include <ATen/Parallel.h>
@@ -19,7 +19,8 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
                      const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
                      const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& dyn_opt,
                      const c10::optional<at::Tensor>& c_opt, const c10::optional<at::Tensor>& ck_opt,
-                     const c10::optional<at::Tensor>& drift_opt, double max_norm,
+                     const c10::optional<at::Tensor>& drift_opt,
+                     const c10::optional<at::Tensor>& drift_scale_opt, double max_norm,
                      const c10::optional<at::Tensor>& active_opt) {
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   const int64_t n = theta.size(0), P = theta.size(1);
@@ -29,7 +30,8 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
   };
   const at::Tensor anchor = f32(anchor_opt), dyn = f32(dyn_opt), c = f32(c_opt), ck = f32(ck_opt);
-  const at::Tensor drift = f32(drift_opt);
+  const at::Tensor drift = f32(drift_opt), dscale = f32(drift_scale_opt);
+  TORCH_CHECK(!dscale.defined() || dscale.numel() == n, "drift_scale must have one value per row");
   at::Tensor buf;
   if (buf_opt.has_value()) {
     buf = *buf_opt;
@@ -39,7 +41,7 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
   auto cp = [](const at::Tensor& t) -> const float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
   float* th = theta.data_ptr<float>();
   const float* gr = grad.data_ptr<float>();
-  const float *an = cp(anchor), *dy = cp(dyn), *cc = cp(c), *ckk = cp(ck), *dr = cp(drift);
+  const float *an = cp(anchor), *dy = cp(dyn), *cc = cp(c), *ckk = cp(ck), *dr = cp(drift), *ds = cp(dscale);
   float* bf = buf.defined() ? buf.data_ptr<float>() : nullptr;
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu), mom = static_cast<float>(momentum);
@@ -99,8 +101,10 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
           tmp[j] = br[j];
         }
       }
-      if (dr)
-        for (int64_t j = 0; j < len; ++j) tmp[j] += dr[j0 + j];
+      if (dr) {
+        const float s = ds ? ds[k] : 1.f;
+        for (int64_t j = 0; j < len; ++j) tmp[j] += s * dr[j0 + j];
+      }
       for (int64_t j = 0; j < len; ++j) tr[j] -= lrk * tmp[j];
     }
   });

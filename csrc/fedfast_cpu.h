@@ -39,7 +39,7 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad, const at::Tensor
                      const c10::optional<at::Tensor>& buf, const at::Tensor& wd, double prox_mu,
                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
                      const c10::optional<at::Tensor>& scaffold_c, const c10::optional<at::Tensor>& scaffold_ck,
-                     const c10::optional<at::Tensor>& drift, double max_norm,
+                     const c10::optional<at::Tensor>& drift, const c10::optional<at::Tensor>& drift_scale, double max_norm,
                      const c10::optional<at::Tensor>& active);
 
 // Helpers shared by the ops.

@@ -1,7 +1,9 @@
 """``fedfast run [CONFIG.toml] [--set key=value ...] [--out DIR]`` (also ``python -m fedfast run``).
 
 Writes ``DIR/config.json`` (the resolved configuration) and ``DIR/metrics.jsonl`` (one JSON object per round:
-round, test_accuracy, test_loss, train_loss, seconds, timers)."""
+round, test_accuracy, best_test_accuracy, test_loss, train_loss, forgetting, class_accuracy, seconds, timers,
+client_chunk). FedGKD-VOTE holds out the last ``val_fraction`` of the training set as the server's validation
+split before partitioning."""
 from __future__ import annotations
 
 import argparse
@@ -47,23 +49,31 @@ def _model(cfg, train):
     return models.MODELS[name](C)
 
 
+def _holdout(train, fraction):
+    """FedGKD-VOTE's server-held validation split: the last ``fraction`` of the training set (spec II.4)."""
+    from .data import ArrayDataset
+    n_val = max(1, int(round(len(train) * fraction)))
+    cut = len(train) - n_val
+
+    def part(sl):
+        return ArrayDataset(train.x[sl], train.y[sl], train.num_classes, train.mean, train.std, train.name)
+    return part(slice(0, cut)), part(slice(cut, None))
+
+
 def run(cfg, out_dir: str) -> list[dict]:
-    from .engine import SimConfig, Simulation
+    from .engine import Simulation
     torch.manual_seed(cfg["seed"])
     train, test = _data(cfg)
+    val = None
+    if cfg["algorithm"] == "fedgkd_vote":
+        train, val = _holdout(train, cfg["val_fraction"])
     part = _partition(cfg, train.y)
     model = _model(cfg, train)
-    sc = SimConfig(algorithm=cfg["algorithm"], clients_per_round=cfg["clients_per_round"], rounds=cfg["rounds"],
-                   local_epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-                   lr_decay=cfg["lr_decay"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
-                   seed=cfg["seed"], tau=cfg["tau"], beta=cfg["beta"], kd_weight=cfg["kd_weight"],
-                   gamma=cfg["gamma"], mu=cfg["mu"], asd=cfg["asd"], lam=cfg["lam"], server_lr=cfg["server_lr"],
-                   server_momentum=cfg["server_momentum"], dyn_alpha=cfg["dyn_alpha"], gkd_buffer=cfg["gkd_buffer"],
-                   cad_beta=cfg["cad_beta"], cad_gamma=cfg["cad_gamma"], backend=cfg["backend"] or None)
+    sc = cfg.sim_config()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg.values, f, indent=2, sort_keys=True)
-    sim = Simulation(sc, model, train, test, part, device=cfg["device"])
+    sim = Simulation(sc, model, train, test, part, device=cfg["device"], val=val)
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         for _ in range(cfg["rounds"]):
             rec = sim.round()
@@ -89,7 +99,11 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
-    run(cfg, args.out)
+    try:
+        run(cfg, args.out)
+    except (ValueError, OSError) as e:  # bad data files, partitions that cannot be built, ...: name it, no traceback
+        print(f"fedfast: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

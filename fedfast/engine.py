@@ -1,47 +1,61 @@
-"""Batched-client simulation engine (first slice): every sampled client trains at once on one device.
+"""Batched-client simulation engine: every sampled client trains at once on one device.
 
 One round (``Simulation.round``), following ../shared/spec/architecture.md:
 
 1. sample ``clients_per_round`` clients (seeded by ``(seed, round)``) and sort them by local step count, so
-   the clients still training at any step are a prefix of the stack;
-2. broadcast the global model into the first rows of a :class:`~fedfast.flat.ClientStack`;
-3. teacher logits of the global model for the union of the sampled clients' data, once per round, in large
-   batches (KD-family losses; no augmentation in this slice, so caching is exact);
-4. for each local step: gather every active client's minibatch (``[n_active, B]`` index table, the last
-   partial batch padded and masked with ``ignore_index``), one ``vmap`` forward/backward over the stacked
-   parameters, the fused loss with per-client segments (each client's gradient is that of its own minibatch
-   mean), the fused client step on the active prefix;
-5. fused aggregation (size-weighted FedAvg) into the new global model; test accuracy.
+   the clients still training at any step are a prefix of the stack; split them into chunks that fit the
+   memory budget (usually one chunk);
+2. build the teacher once: logits of the global model (FedGKD: the average of the last M globals; VOTE: the
+   weighted mixture of M buffered globals) for the union of the sampled clients' data, in large batches
+   (``teacher="cache"``); with augmentation the teacher runs on every step's augmented rows instead
+   (``teacher="online"``, one batched forward for all clients);
+3. per chunk: broadcast the global model into the stack rows; for each local step gather every active
+   client's minibatch (``[n_active, B]`` index table, the last partial batch padded and masked with
+   ``ignore_index``), one ``vmap`` forward/backward over the stacked parameters, the fused loss with
+   per-client segments (each client's gradient is that of its own minibatch mean), the fused client step;
+   then the chunk's rows go through the fused server update (per-client state; the weighted average);
+4. the server rule on the chunks' average (FedAvg, FedAvgM, FedADC momentum, FedDyn, SCAFFOLD, the FedGKD
+   buffer); test accuracy, per-class accuracy and FedNTD's forgetting measure.
 
-Methods in this slice: ``fedavg``, ``fedprox`` (``mu``), ``kd`` (Hinton KD to the global model),
-``fedntd`` (``beta``, ``tau``), ``fedgkd`` with M=1 (``gamma``), ``fedavgm`` (``server_lr``,
-``server_momentum``), ``scaffold`` (FedNTD code: K_eff counts local momentum), ``feddyn`` (ASD/Acar cloud form,
-``dyn_alpha``; evaluates the participants' average), and the ASD add-on (``asd=True``, ``lam``; with fedavg,
-fedprox or fedntd; set ``tau=2.0`` for ASD's paper setting), ``fedgkd`` with a buffer of M > 1 global models
-(``gkd_buffer``), ``fedcad`` (``cad_beta``, ``cad_gamma``; 32 auxiliary samples per class drawn once from the
-training set; set ``tau=2.0`` for the paper). Not wired yet: VOTE, ADC, FedADC, MOON.
-Models must not use BatchNorm batch statistics (padding rows would enter them).
+Methods (``algorithm``): fedavg, fedprox (``mu``), kd, fedntd (``beta``), fedgkd (``gamma``, buffer
+``gkd_buffer``), fedgkd_vote (``vote_lambda``, ``vote_beta``; needs the server-held ``val`` split), fedcad
+(``cad_beta``, ``cad_gamma``), fedavgm (``server_lr``, ``server_momentum``), scaffold, feddyn (``dyn_alpha``),
+fedadc and fedadc_plus (``adc_beta``, ``adc_order`` nesterov|heavy_ball, ``adc_lam``), moon (``moon_mu``,
+``moon_tau``), and the ASD add-on (``asd=True``, ``lam``) on fedavg, fedprox, fedntd, scaffold and feddyn.
+Per-method defaults (``tau``, ``momentum``, buffer size, aggregation weights) are the papers' (spec), filled in
+where the option is left ``None``. Models must not use BatchNorm batch statistics (padding rows would enter
+them).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import nn as fnn
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack
+from .flat import ClientStack, ClientState, classifier_of, functional_forward
+from .ops.client_step import drift_shift_
 
-_LOSSES = {
-    # algorithm: (kind, uses a teacher)
-    "fedavg": ("full", False), "fedprox": ("full", False), "kd": ("full", True), "fedntd": ("not_true", True),
-    "fedgkd": ("full", True), "fedcad": ("full", True), "fedavgm": ("full", False), "scaffold": ("full", False), "feddyn": ("full", False),
+# algorithm: (KD kind or None for plain CE, whether it needs the teacher logits)
+_METHODS = {
+    "fedavg": (None, False), "fedprox": (None, False), "kd": ("full", True), "fedntd": ("not_true", True),
+    "fedgkd": ("full", True), "fedgkd_vote": ("full", True), "fedcad": ("full", True), "fedavgm": (None, False),
+    "scaffold": (None, False), "feddyn": (None, False), "fedadc": (None, False), "fedadc_plus": ("full", True),
+    "moon": (None, False),
 }
+ASD_BASES = ("fedavg", "fedprox", "fedntd", "scaffold", "feddyn")
+# the papers' defaults where a method differs from the common ones (spec: FedCAD/ASD tau = 2, FedADC+ tau = 4
+# (CS-KD), FedADC without local momentum, VOTE buffer 5, FedADC/FedDyn uniform averaging)
+_TAU = {"fedcad": 2.0, "fedadc_plus": 4.0}
+_MOMENTUM = {"fedadc": 0.0, "fedadc_plus": 0.0}
+_UNIFORM = ("fedadc", "fedadc_plus", "feddyn")
 
 
 @dataclass
@@ -53,10 +67,10 @@ class SimConfig:
     batch_size: int = 50
     lr: float = 0.01
     lr_decay: float = 1.0
-    momentum: float = 0.9
+    momentum: float | None = None  # None: 0.9, FedADC 0
     weight_decay: float = 1e-5
     seed: int = 0
-    tau: float = 1.0
+    tau: float | None = None   # None: 1.0; FedCAD and ASD 2.0; FedADC+ 4.0
     beta: float = 1.0          # FedNTD
     kd_weight: float = 1.0     # plain KD
     gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
@@ -64,29 +78,98 @@ class SimConfig:
     server_lr: float = 1.0     # FedAvgM: theta <- theta - server_lr * v
     server_momentum: float = 0.9  # FedAvgM: v <- server_momentum * v + (theta - avg)
     dyn_alpha: float = 0.01    # FedDyn alpha (per client alpha_k = dyn_alpha / (n_k / mean n))
-    gkd_buffer: int = 1        # FedGKD: M, the teacher is the parameter average of the last M global models
+    gkd_buffer: int | None = None  # FedGKD: M (parameter average of the last M globals); VOTE: M teachers (5)
+    vote_lambda: float = 0.1   # VOTE: sum of the teacher weights g_m (= gamma/2)
+    vote_beta: float | None = None  # VOTE: g = lambda * softmax(-val_loss / vote_beta); None: 1/M
     cad_beta: float = 0.3      # FedCAD: alpha_y = beta + (gamma - beta) * mean_{aux, y} p_y(global)
     cad_gamma: float = 0.7
     cad_aux_per_class: int = 32
     cad_tau_squared: bool = False  # FedCAD: no tau^2 by default (spec C2)
-    asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i, on any algorithm
+    adc_beta: float = 0.9      # FedADC beta_local (and beta_global unless adc_beta_global is set)
+    adc_beta_global: float | None = None
+    adc_alpha: float = 1.0     # FedADC server step theta -= alpha * eta * m
+    adc_order: str = "nesterov"  # "nesterov" (red, Alg. 3 lines 7-9) or "heavy_ball" (blue, lines 10-11)
+    adc_lam: float = 0.35      # FedADC+ lambda
+    adc_teacher: str = "global"  # FedADC+ ptilde: "global" model (spec B1) or the student's own "local" prediction
+    moon_mu: float = 1.0
+    moon_tau: float = 0.5
+    asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i
     lam: float = 10.0          # ASD lambda (official-code scaling: CE_mean + lam * sum_i alpha_i KL_i)
     asd_not_true: bool | None = None  # ASD's KL over the not-true classes; default: True for fedntd
     asd_entropy_tau: float | None = None
     tau_squared: bool = True
+    aggregate_weights: str | None = None  # "size" or "uniform"; None: uniform for FedADC/FedDyn, size otherwise
+    augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
+    teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
+    teacher_cache_dtype: str = "float32"  # or "bfloat16"
+    client_chunk: int | None = None  # clients trained together; None: as many as fit memory_budget_gb
+    memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
     backend: str | None = None
 
     def __post_init__(self):
-        if self.algorithm not in _LOSSES:
-            raise ValueError(f"algorithm: one of {sorted(_LOSSES)} in this engine slice, got {self.algorithm!r}")
-        if self.asd and self.algorithm not in ("fedavg", "fedprox", "fedntd"):
-            raise ValueError(f"asd: the ASD add-on composes with fedavg, fedprox and fedntd, not {self.algorithm!r}")
+        a = self.algorithm
+        if a not in _METHODS:
+            raise ValueError(f"algorithm: one of {sorted(_METHODS)}, got {a!r}")
+        if self.asd and a not in ASD_BASES:
+            raise ValueError(f"asd: the ASD add-on composes with {', '.join(ASD_BASES)}, not {a!r}")
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.tau is None:
+            self.tau = 2.0 if self.asd else _TAU.get(a, 1.0)
+        if not self.tau > 0:
+            raise ValueError(f"tau: must be > 0, got {self.tau}")
+        if self.momentum is None:
+            self.momentum = _MOMENTUM.get(a, 0.9)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum: must lie in [0, 1), got {self.momentum}")
+        if self.gkd_buffer is None:
+            self.gkd_buffer = 5 if a == "fedgkd_vote" else 1
+        if int(self.gkd_buffer) < 1:
+            raise ValueError(f"gkd_buffer: must be >= 1, got {self.gkd_buffer}")
+        if self.vote_beta is None:
+            self.vote_beta = 1.0 / self.gkd_buffer
+        if not self.vote_beta > 0:
+            raise ValueError(f"vote_beta: must be > 0, got {self.vote_beta}")
+        if self.adc_beta_global is None:
+            self.adc_beta_global = self.adc_beta
+        if self.aggregate_weights is None:
+            self.aggregate_weights = "uniform" if a in _UNIFORM else "size"
+        choices = {"aggregate_weights": ("size", "uniform"), "adc_order": ("nesterov", "heavy_ball"),
+                   "adc_teacher": ("global", "local"), "teacher_cache_dtype": ("float32", "bfloat16")}
+        for k, ok in choices.items():
+            if getattr(self, k) not in ok:
+                raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
+        if a == "feddyn" and self.aggregate_weights != "uniform":
+            raise ValueError("aggregate_weights: FedDyn averages its participants uniformly")
+        from .data.augment import PIPELINES
+        if self.augment not in PIPELINES:
+            raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
+        if self.teacher is None:
+            self.teacher = "online" if self.augment != "none" else "cache"
+        if self.teacher not in ("cache", "online"):
+            raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
+        if self.teacher == "cache" and self.augment != "none" and self.needs_teacher:
+            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        if self.client_chunk is not None and int(self.client_chunk) < 1:
+            raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
+        if not 0.0 <= self.adc_lam <= 1.0:
+            raise ValueError(f"adc_lam: must lie in [0, 1], got {self.adc_lam}")
+
+    @property
+    def needs_teacher(self) -> bool:
+        if self.algorithm == "fedadc_plus":
+            return self.adc_teacher == "global"
+        return _METHODS[self.algorithm][1] or self.asd
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
 
 
 def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:
@@ -98,214 +181,432 @@ def sample_clients(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, rnd, 10**6]).choice(K, size=m, replace=False))
 
 
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
 class Simulation:
-    """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps."""
+    """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps.
+
+    ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it)."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
-                 partition: Partition, device=None):
-        self.cfg = config
+                 partition: Partition, device=None, val: ArrayDataset | None = None):
+        c = self.cfg = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device)
         self.train = train.to(self.device)
         self.test = test.to(self.device)
+        self.val = val.to(self.device) if val is not None else None
+        if c.algorithm == "fedgkd_vote" and self.val is None:
+            raise ValueError("val: FedGKD-VOTE needs a server-held validation split (Simulation(..., val=...))")
         self.partition = partition
         self.K = partition.num_clients
-        if config.clients_per_round > self.K:
-            raise ValueError(f"clients_per_round: {config.clients_per_round} > {self.K} clients")
-        self.client_idx = [i.to(self.device) for i in partition.indices]
-        self.eval_batch = config.eval_batch or (256 if self.device.type == "cpu" else 4096)
+        if len(partition.indices) and int(max(int(i.max()) for i in partition.indices if len(i))) >= len(train):
+            raise ValueError("partition: holds sample indices beyond the training set")
+        if c.clients_per_round > self.K:
+            raise ValueError(f"clients_per_round: {c.clients_per_round} > {self.K} clients")
+        self.eval_batch = c.eval_batch or (256 if self.device.type == "cpu" else 4096)
         self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
-        self.stack = ClientStack(self.model, config.clients_per_round, device=self.device)
+        P = sum(p.numel() for p in self.model.parameters())
+        self.chunk = min(c.clients_per_round, c.client_chunk or self._auto_chunk(P))
+        self.stack = ClientStack(self.model, self.chunk, device=self.device)
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
-        self.buf = torch.zeros_like(self.stack.params)
-        P = self.stack.P
-        self.server_m = torch.zeros(P, device=self.device) if config.algorithm == "fedavgm" else None
-        if config.algorithm in ("scaffold", "feddyn"):
-            from .flat import ClientState
+        self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
+        a = c.algorithm
+        self.server_m = torch.zeros(P, device=self.device) if a in ("fedavgm", "fedadc", "fedadc_plus") else None
+        if a in ("scaffold", "feddyn"):
             self.client_state = ClientState(self.K, P, device=self.device)  # SCAFFOLD c_k / FedDyn h_k
             self.server_state = torch.zeros(P, device=self.device)          # SCAFFOLD c / FedDyn mean h
+        if a == "moon":  # each client's previous local model (never trained: the initial global model)
+            self.client_state = ClientState(self.K, P, device=self.device)
+            self.client_state.data.copy_(self.global_flat.expand(self.K, P))
+            self.classifier = classifier_of(self.model)
         self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
         self.teacher_flat = self.global_flat  # FedGKD: average of the buffered globals (w_0 is never buffered)
-        if config.algorithm == "fedgkd" and config.gkd_buffer > 1:
-            self.gkd_buffer = torch.zeros(config.gkd_buffer, P, device=self.device)
-            self.gkd_count = 0
-        if config.algorithm == "fedcad":  # server-held auxiliary data: cad_aux_per_class per class, drawn once
-            g = torch.Generator().manual_seed(config.seed + 7919)
+        self.gkd_count = 0
+        if a in ("fedgkd", "fedgkd_vote") and c.gkd_buffer > 1 or a == "fedgkd_vote":
+            self.gkd_buffer = torch.zeros(c.gkd_buffer, P, device=self.device)
+            self.val_loss = torch.zeros(c.gkd_buffer, device=self.device)
+        if a == "fedcad":  # server-held auxiliary data: cad_aux_per_class per class, drawn once
+            g = torch.Generator().manual_seed(c.seed + 7919)
             y = self.train.y.cpu()
             picks = [torch.nonzero(y == cl).flatten() for cl in range(self.train.num_classes)]
-            self.cad_aux = torch.cat([p[torch.randperm(len(p), generator=g)[:config.cad_aux_per_class]]
+            self.cad_aux = torch.cat([p[torch.randperm(len(p), generator=g)[:c.cad_aux_per_class]]
                                       for p in picks]).to(self.device)
+        self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
+        self._fwd = functional_forward(self.model)
         self.rnd = 0
         self.history: list[dict] = []
+        self._class_acc: list[torch.Tensor] = []
 
-    # ------------------------------------------------------------------------------------------------
-    def _loss(self, z, t, y, seg, n_act):
+    # -- memory ---------------------------------------------------------------------------------------
+    def _auto_chunk(self, P: int) -> int:
+        """Clients per chunk: parameters, gradient, momentum and per-client state rows (4 B each per
+        parameter) plus activations (measured on one probe sample, x3 for backward) must fit the budget."""
         c = self.cfg
-        if c.algorithm == "fedcad":  # per row (1 - a_y) CE + a_y soft-CE at temperature tau (He et al., Eq. 5)
-            return ops.distill(z, t, y, kind="full", tau=c.tau, soft_ce=True, class_alpha=self._class_alpha,
-                               kd_weight=c.tau ** 2 if c.cad_tau_squared else 1.0, segments=seg,
-                               num_segments=n_act, reduction="mean", backend=c.backend)
-        if c.asd:  # ASD replaces the method's KD term: CE_mean + lam * sum_i alpha_i KL_i (FedNTD+ASD: not-true KL)
-            nt = c.asd_not_true if c.asd_not_true is not None else c.algorithm == "fedntd"
-            loss = fnn.ASDLoss(tau=c.tau, lam=c.lam, not_true=nt, entropy_tau=c.asd_entropy_tau, backend=c.backend)
-            return loss(z, t, y, self._prior[:n_act], segments=seg, num_segments=n_act)
-        kind, _ = _LOSSES[c.algorithm]
-        s = c.tau ** 2 if c.tau_squared else 1.0
-        kd = {"kd": c.kd_weight * s, "fedntd": c.beta * s, "fedgkd": c.gamma / 2 * s}.get(c.algorithm, 0.0)
-        return ops.distill(z, t, y, kind=kind, tau=c.tau, kd_weight=kd, segments=seg, num_segments=n_act,
-                           reduction="mean", backend=c.backend)
+        budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else 0.8 * _free_bytes(self.device)
+        rows = 2 + (1 if (c.momentum or 0) else 0) + (2 if c.algorithm in ("scaffold", "feddyn", "moon") else 0)
+        acts = []
+        hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
+                 for m in self.model.modules() if not list(m.children())]
+        try:
+            with torch.no_grad():
+                self.model(self.train.batch(torch.zeros(1, dtype=torch.long, device=self.device))[0])
+        finally:
+            for h in hooks:
+                h.remove()
+        per_client = 4 * P * rows + 3 * 4 * sum(acts) * c.batch_size
+        return max(1, int(budget // max(per_client, 1)))
+
+    # -- teacher ------------------------------------------------------------------------------------
+    def _flat_forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self._fwd(self.stack.layout.param_views(flat), self.stack.layout.buffer_views(
+            self.stack.buffers[0]), x)
 
     @torch.no_grad()
-    def _teacher_cache(self, sampled_rows: list[torch.Tensor]) -> torch.Tensor:
-        """Global-model logits for the union of the sampled clients' samples (one pass, large batches)."""
-        idx = torch.cat(sampled_rows)
-        cache = torch.zeros(len(self.train), self.train.num_classes, device=self.device)
-        self._load_global(self.teacher_flat)
+    def _logits(self, flat: torch.Tensor, idx: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Logits of the model ``flat`` for training rows ``idx`` in large batches."""
+        out = torch.empty(len(idx), self.train.num_classes, device=self.device, dtype=dtype)
         self.model.eval()
-        for chunk in idx.split(self.eval_batch):
-            x, _ = self.train.batch(chunk)
-            cache[chunk] = self.model(x).float()
+        for s in range(0, len(idx), self.eval_batch):
+            x, _ = self.train.batch(idx[s:s + self.eval_batch])
+            out[s:s + self.eval_batch] = self._flat_forward(flat, x).to(dtype)
+        self.model.train()
+        return out
+
+    def _vote_weights(self) -> torch.Tensor:
+        """VOTE: softmax(-val_loss / vote_beta) over the buffered globals (the KD weight is vote_lambda)."""
+        return torch.softmax(-self.val_loss[:self.gkd_count] / self.cfg.vote_beta, 0)
+
+    def _build_teacher(self, idx: torch.Tensor):
+        """Once per round: the teacher table for training rows ``idx`` (cache mode): logits [N, C] or, for
+        VOTE, the mixture ``(P [N, C], negent [N])`` (weights normalised; ``vote_lambda`` is the KD weight)."""
+        c = self.cfg
+        N, C = len(self.train), self.train.num_classes
+        if c.algorithm == "fedgkd_vote":
+            if self.gkd_count == 0:
+                return None  # round 1: no buffered global yet, no KD (spec II.5)
+            T = torch.stack([self._logits(self.gkd_buffer[i], idx) for i in range(self.gkd_count)])
+            w = self._vote_weights()
+            Pm, neg = ops.teacher_mixture(T, w, self.train.y[idx], tau=c.tau, backend=c.backend)
+            P_all = torch.zeros(N, C, device=self.device)
+            neg_all = torch.zeros(N, device=self.device)
+            P_all[idx], neg_all[idx] = Pm.float(), neg.float()
+            return P_all, neg_all
+        dt = torch.bfloat16 if c.teacher_cache_dtype == "bfloat16" else torch.float32
+        cache = torch.zeros(N, C, device=self.device, dtype=dt)
+        cache[idx] = self._logits(self.teacher_flat, idx, dt)
         return cache
+
+    @torch.no_grad()
+    def _online_teacher(self, x: torch.Tensor):
+        """Per step (augmented rows): one batched teacher forward over all active clients' rows."""
+        c = self.cfg
+        self.model.eval()
+        try:
+            if c.algorithm == "fedgkd_vote":
+                if self.gkd_count == 0:
+                    return None
+                T = torch.stack([self._flat_forward(self.gkd_buffer[i], x).float() for i in range(self.gkd_count)])
+                return T
+            return self._flat_forward(self.teacher_flat, x).float()
+        finally:
+            self.model.train()
 
     @torch.no_grad()
     def _cad_alpha(self) -> torch.Tensor:
         """FedCAD Eq. 6 (simplified, spec 3.2): alpha_y = beta + (gamma - beta) * mean_{x in aux_y} softmax(global(x))_y."""
-        self._load_global()
         self.model.eval()
         x, y = self.train.batch(self.cad_aux)
-        p = torch.softmax(self.model(x).float(), 1).gather(1, y[:, None]).squeeze(1)
+        p = torch.softmax(self._flat_forward(self.global_flat, x).float(), 1).gather(1, y[:, None]).squeeze(1)
+        self.model.train()
         C = self.train.num_classes
         mean_py = torch.zeros(C, device=self.device).index_add_(0, y, p) / torch.bincount(y, minlength=C).clamp_min(1)
-        self.model.train()
         return self.cfg.cad_beta + (self.cfg.cad_gamma - self.cfg.cad_beta) * mean_py
 
-    def _load_global(self, flat=None):
-        with torch.no_grad():
-            src = self.global_flat if flat is None else flat
-            for p, v in zip(self.model.parameters(), self.stack.layout.param_views(src).values()):
-                p.copy_(v)
+    # -- loss ---------------------------------------------------------------------------------------
+    def _loss(self, z, t, y, seg, n_act, hist):
+        """The fused client loss over all active clients' rows (sum of per-client minibatch means)."""
+        c = self.cfg
+        a = c.algorithm
+        kw = dict(segments=seg, num_segments=n_act, reduction="mean", backend=c.backend)
+        if a == "fedcad":  # per row (1 - a_y) CE + a_y soft-CE at temperature tau (He et al., Eq. 5)
+            return ops.distill(z, t, y, kind="full", tau=c.tau, soft_ce=True, class_alpha=self._class_alpha,
+                               kd_weight=c.tau ** 2 if c.cad_tau_squared else 1.0, **kw)
+        if c.asd:  # ASD replaces the method's KD term: CE_mean + lam * sum_i alpha_i KL_i (FedNTD+ASD: not-true KL)
+            nt = c.asd_not_true if c.asd_not_true is not None else a == "fedntd"
+            loss = fnn.ASDLoss(tau=c.tau, lam=c.lam, not_true=nt, entropy_tau=c.asd_entropy_tau, backend=c.backend)
+            return loss(z, t, y, hist / hist.sum(1, keepdim=True), segments=seg, num_segments=n_act)
+        s = c.tau ** 2 if c.tau_squared else 1.0
+        if a == "fedadc_plus":  # (1 - lam) CE + lam tau^2 KL(phat || q), phat from the client's label histogram
+            return fnn.ADCLoss(tau=c.tau, lam=c.adc_lam, tau_squared=c.tau_squared, backend=c.backend)(
+                z, t if t is not None else z.detach(), y, hist, segments=seg, num_segments=n_act)
+        if a == "fedgkd_vote":
+            if t is None:
+                return ops.distill(z, torch.zeros_like(z.detach()), y, kd_weight=0.0, **kw)
+            if isinstance(t, tuple):  # cached mixture (weights normalised, lambda as the KD weight)
+                return ops.distill(z, None, y, tau=c.tau, kd_weight=c.vote_lambda * s, mixture=t, **kw)
+            return ops.distill(z, t, y, tau=c.tau, kd_weight=c.vote_lambda * s, teacher_weights=self._vote_weights(),
+                               **kw)
+        kind = _METHODS[a][0]
+        kd = {"kd": c.kd_weight * s, "fedntd": c.beta * s, "fedgkd": c.gamma / 2 * s}.get(a, 0.0)
+        if t is None:
+            t = torch.zeros_like(z.detach())
+        return ops.distill(z, t, y, kind=kind or "full", tau=c.tau, kd_weight=kd, **kw)
 
+    def _moon_term(self, feat, x, prev_rows, valid, n_act):
+        """MOON (Li et al. 2021): mu * mean over each client's rows of -log(e^{cos(z,zg)/T} / (e^{cos(z,zg)/T} +
+        e^{cos(z,zp)/T})), summed over clients; zg from the global model, zp from the client's previous model."""
+        c = self.cfg
+        with torch.no_grad():
+            fwd = functional_forward(self.model, self.classifier)
+            bufs = self.stack.layout.buffer_views(self.stack.buffers[0])
+            zg, _ = fwd(self.stack.layout.param_views(self.global_flat), bufs, x.reshape(-1, *x.shape[2:]))
+            zp, _ = self.stack.vmap_forward(x, rows=slice(0, n_act), features=self.classifier,
+                                            params=self.stack.layout.param_views(prev_rows[:n_act]))
+        f = feat.reshape(-1, feat.shape[-1])
+        logits = torch.stack([F.cosine_similarity(f, zg.reshape(f.shape), dim=-1),
+                              F.cosine_similarity(f, zp.reshape(f.shape), dim=-1)], 1) / c.moon_tau
+        lcon = torch.logsumexp(logits, 1) - logits[:, 0]
+        v = valid.float()
+        w = (v / v.sum(1, keepdim=True).clamp_min(1)).reshape(-1)
+        return c.moon_mu * (lcon * w).sum()
+
+    # -- one round ------------------------------------------------------------------------------------
     def round(self) -> dict:
         c, t0 = self.cfg, time.perf_counter()
+        a = c.algorithm
         timers = {}
         m, B = c.clients_per_round, c.batch_size
         sampled = sample_clients(c.seed, self.rnd, self.K, m)
-        sizes = np.array([len(self.client_idx[k]) for k in sampled])
+        sizes = np.array([len(self.partition.indices[k]) for k in sampled])
         steps = np.ceil(sizes / B).astype(int)
         order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, steps = sampled[order], sizes[order], steps[order]
         lr = c.lr * c.lr_decay ** self.rnd
-        self.stack.broadcast_(self.global_flat, rows=slice(0, m))
-        self.buf.zero_()
-        teacher = None
-        if c.asd:  # each sampled client's label distribution, in stack order: ASD's per-segment prior
-            hist = self._hist[torch.from_numpy(sampled).to(self.device)]
-            self._prior = hist / hist.sum(1, keepdim=True)
-        if c.algorithm == "fedcad":
-            self._class_alpha = self._cad_alpha()
-        if _LOSSES[c.algorithm][1] or c.asd:
-            t1 = time.perf_counter()
-            teacher = self._teacher_cache([self.client_idx[k] for k in sampled])
-            timers["teacher"] = time.perf_counter() - t1
-        step_kw = dict(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
-                       anchor=self.global_flat if c.mu else None, backend=c.backend)
         sampled_t = torch.from_numpy(sampled).to(self.device)
-        if c.algorithm == "scaffold":
-            state_rows = self.client_state.gather(sampled_t)  # c_k of the sampled clients, stack order
-        elif c.algorithm == "feddyn":
-            state_rows = self.client_state.gather(sampled_t)  # h_k
+        hist = self._hist[sampled_t]  # [m, C] label histograms in stack order (ASD prior, FedADC+ confidence)
+        t1 = time.perf_counter()
+        teacher = None
+        if a == "fedcad":
+            self._class_alpha = self._cad_alpha()
+        if c.needs_teacher and c.teacher == "cache":
+            idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
+            teacher = self._build_teacher(idx)
+        timers["teacher"] = time.perf_counter() - t1
+        state = {}
+        if a in ("scaffold", "feddyn", "moon"):
+            state["rows"] = self.client_state.gather(sampled_t)  # c_k / h_k / previous local models
+        if a == "feddyn":
             mean_n = float(self._hist.sum(1).mean())
-            alpha_k = c.dyn_alpha / (torch.tensor(sizes, dtype=torch.float32, device=self.device) / mean_n)
-            dyn_lin = alpha_k[:, None] * (state_rows - self.global_flat)  # gradient of alpha_k <w, h_k - w_cld>
-        t1 = time.perf_counter()
+            state["alpha"] = c.dyn_alpha / (torch.tensor(sizes, dtype=torch.float32, device=self.device) / mean_n)
+        weights = torch.tensor(sizes if c.aggregate_weights == "size" else np.ones(m), dtype=torch.float32,
+                               device=self.device)
+        t_local = t_agg = 0.0
+        avg_sum = torch.zeros_like(self.global_flat)
+        incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k) / K; FedDyn sum of (X_k - g) / K
         loss_sum = torch.zeros((), device=self.device)
-        client_steps = 0
-        S = int(steps.max())
-        for e in range(c.local_epochs):
-            table = torch.full((m, S * B), -1, dtype=torch.long)
-            for j, k in enumerate(sampled):  # index math only (host, once per epoch), no per-step client loop
-                ids = self.partition.indices[k][torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[j]))]
-                table[j, : sizes[j]] = ids
-            table = table.to(self.device)
-            for s in range(S):
-                n_act = int((steps > s).sum())
-                rows = table[:n_act, s * B:(s + 1) * B]
-                valid = rows >= 0
-                x, y = self.train.batch(rows.clamp_min(0))
-                y = torch.where(valid, y, torch.full_like(y, -100))
-                theta = self.stack.params[:n_act].detach().requires_grad_(True)
-                z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=self.stack.layout.param_views(theta))
-                C = z.shape[-1]
-                zf = z.reshape(-1, C)
-                t = teacher[rows.clamp_min(0).reshape(-1)] if teacher is not None else torch.zeros_like(zf.detach())
-                seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                loss = self._loss(zf, t, y.reshape(-1), seg, n_act)
-                loss.backward()
-                kw = dict(step_kw)
-                if c.algorithm == "scaffold":
-                    kw.update(scaffold_c=self.server_state, scaffold_ck=state_rows[:n_act])
-                elif c.algorithm == "feddyn":
-                    kw.update(dyn_linear=dyn_lin[:n_act], weight_decay=alpha_k[:n_act] + c.weight_decay)
-                ops.client_step(self.stack.params[:n_act], theta.grad, momentum_buf=self.buf[:n_act], **kw)
-                loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
-                client_steps += n_act
-        timers["local"] = time.perf_counter() - t1
+        for lo in range(0, m, self.chunk):  # usually a single chunk
+            hi = min(m, lo + self.chunk)
+            t1 = time.perf_counter()
+            self._train_chunk(lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum)
+            t_local += time.perf_counter() - t1
+            t1 = time.perf_counter()
+            n = hi - lo
+            agg = dict(weights=weights[lo:hi], rows=n, backend=c.backend)
+            if a == "scaffold":  # FedNTD code: K_eff counts momentum, rho = local momentum
+                Kst = torch.tensor(steps[lo:hi] * c.local_epochs, dtype=torch.float64)
+                rho = c.momentum
+                k_eff = (Kst - rho * (1 - rho ** Kst) / (1 - rho)) / (1 - rho) if rho > 0 else Kst
+                agg.update(scaffold_c=self.server_state, scaffold_ck=state["rows"][lo:hi],
+                           scaffold_coef=(1.0 / (k_eff * lr)).float().to(self.device), scaffold_num_clients=self.K)
+            elif a == "feddyn":
+                agg.update(dyn_h=state["rows"][lo:hi], dyn_hbar=self.server_state, dyn_num_clients=self.K)
+            out = ops.aggregate(self.stack.params, self.global_flat, **agg)
+            avg_sum += weights[lo:hi].sum() * out["average"]
+            if a == "scaffold":
+                incr += out["scaffold_c"] - self.server_state
+                self.client_state.scatter_(sampled_t[lo:hi], out["scaffold_ck"])
+            elif a == "feddyn":
+                incr += out["dyn_hbar"] - self.server_state
+                self.client_state.scatter_(sampled_t[lo:hi], out["dyn_h"])
+            elif a == "moon":
+                self.client_state.scatter_(sampled_t[lo:hi], self.stack.params[:n])
+            t_agg += time.perf_counter() - t1
         t1 = time.perf_counter()
-        agg = dict(weights=torch.tensor(sizes, dtype=torch.float32, device=self.device), rows=m, backend=c.backend)
-        if c.algorithm == "fedavgm":
-            agg.update(beta=c.server_momentum, lr=c.server_lr, momentum=self.server_m)
-        elif c.algorithm == "scaffold":  # FedNTD code: K_eff counts momentum, rho = local momentum
-            Kst = torch.tensor(steps * c.local_epochs, dtype=torch.float64)
-            rho = c.momentum
-            k_eff = (Kst - rho * (1 - rho ** Kst) / (1 - rho)) / (1 - rho) if rho > 0 else Kst
-            agg.update(scaffold_c=self.server_state, scaffold_ck=state_rows,
-                       scaffold_coef=(1.0 / (k_eff * lr)).float().to(self.device), scaffold_num_clients=self.K)
-        elif c.algorithm == "feddyn":
-            agg.update(weights=None, dyn_h=state_rows, dyn_hbar=self.server_state, dyn_num_clients=self.K)
-        elif c.algorithm == "fedgkd" and c.gkd_buffer > 1:  # push the new global; teacher = mean of the buffer
-            self.gkd_count = min(self.gkd_count + 1, c.gkd_buffer)
-            agg.update(teacher_buffer=self.gkd_buffer, teacher_slot=self.rnd % c.gkd_buffer,
-                       teacher_count=self.gkd_count)
-        out = ops.aggregate(self.stack.params, self.global_flat, **agg)
-        self.global_flat = out["global"]
-        self.average_flat = out["average"] if c.algorithm == "feddyn" else out["global"]
-        self.teacher_flat = self.global_flat
-        if "teacher_buffer" in out:
-            self.gkd_buffer, self.teacher_flat = out["teacher_buffer"], out["teacher"]
-        if c.algorithm == "fedavgm":
-            self.server_m = out["momentum"]
-        elif c.algorithm == "scaffold":
-            self.server_state = out["scaffold_c"]
-            self.client_state.scatter_(sampled_t, out["scaffold_ck"])
-        elif c.algorithm == "feddyn":
-            self.server_state = out["dyn_hbar"]
-            self.client_state.scatter_(sampled_t, out["dyn_h"])
-        timers["aggregate"] = time.perf_counter() - t1
+        avg = avg_sum / weights.sum()
+        self._server_update(avg, incr, lr)
+        timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         t1 = time.perf_counter()
-        acc, test_loss = self.evaluate()
+        acc, test_loss, class_acc = self.evaluate()
         timers["eval"] = time.perf_counter() - t1
         self.rnd += 1
+        self._class_acc.append(class_acc)
+        client_steps = int(steps.sum()) * c.local_epochs
         rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
                "train_loss": float(loss_sum) / max(client_steps, 1), "seconds": time.perf_counter() - t0,
-               "clients": sampled.tolist(), "timers": timers}
+               "best_test_accuracy": max([acc] + [h["test_accuracy"] for h in self.history]),
+               "forgetting": self.forgetting(), "class_accuracy": [round(v, 6) for v in class_acc.tolist()],
+               "clients": sampled.tolist(), "timers": timers, "client_chunk": self.chunk}
         self.history.append(rec)
         return rec
 
+    def _train_chunk(self, lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum):
+        """Local training of the sampled clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``."""
+        c, a = self.cfg, self.cfg.algorithm
+        n, B, S = hi - lo, c.batch_size, int(steps[lo])
+        theta_all = self.stack.params
+        self.stack.broadcast_(self.global_flat, rows=slice(0, n))
+        if self.buf is not None:
+            self.buf[:n].zero_()
+        step_kw = dict(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
+                       anchor=self.global_flat if c.mu else None, backend=c.backend)
+        rows_state = state["rows"][lo:hi] if "rows" in state else None
+        if a == "feddyn":
+            alpha_k = state["alpha"][lo:hi]
+            dyn_lin = alpha_k[:, None] * (rows_state - self.global_flat)  # gradient of alpha_k <w, h_k - w_cld>
+        drift = None
+        if a in ("fedadc", "fedadc_plus"):  # FedADC: each step adds beta_l m_t / H_k, H_k = the client's steps
+            drift = c.adc_beta * self.server_m
+            inv_h = torch.tensor(1.0 / (steps[lo:hi] * c.local_epochs), dtype=torch.float32, device=self.device)
+            if c.adc_order == "nesterov":  # the heavy-ball step on the sequence shifted by one drift half-step
+                drift_shift_(theta_all[:n], drift, lr * inv_h, sign=-1.0)
+        hist_c = hist[lo:hi]
+        for e in range(c.local_epochs):
+            table = torch.full((n, S * B), -1, dtype=torch.long)
+            for j in range(n):  # index math only (host, once per epoch), no per-step client loop
+                k = sampled[lo + j]
+                ids = self.partition.indices[k][torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[lo + j]))]
+                table[j, : sizes[lo + j]] = ids
+            table = table.to(self.device)
+            for s in range(S):
+                n_act = int((steps[lo:hi] > s).sum())
+                rows = table[:n_act, s * B:(s + 1) * B]
+                valid = rows >= 0
+                ridx = rows.clamp_min(0)
+                if c.augment != "none":
+                    from .data.augment import augmented_batch
+                    x, y = augmented_batch(self.train, ridx, self._aug_gen, pipeline=c.augment)
+                else:
+                    x, y = self.train.batch(ridx)
+                y = torch.where(valid, y, torch.full_like(y, -100))
+                theta = theta_all[:n_act].detach().requires_grad_(True)
+                pv = self.stack.layout.param_views(theta)
+                if a == "moon":
+                    feat, z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=self.classifier)
+                else:
+                    z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv)
+                C = z.shape[-1]
+                zf = z.reshape(-1, C)
+                flat_idx = ridx.reshape(-1)
+                if teacher is None and c.needs_teacher and c.teacher == "online":
+                    t = self._online_teacher(x.reshape(-1, *x.shape[2:]))
+                elif isinstance(teacher, tuple):
+                    t = (teacher[0][flat_idx], teacher[1][flat_idx])
+                else:
+                    t = teacher[flat_idx].float() if teacher is not None else None
+                seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+                loss = self._loss(zf, t, y.reshape(-1), seg, n_act, hist_c[:n_act])
+                if a == "moon":
+                    loss = loss + self._moon_term(feat, x, rows_state, valid, n_act)
+                loss.backward()
+                kw = dict(step_kw)
+                if a == "scaffold":
+                    kw.update(scaffold_c=self.server_state, scaffold_ck=rows_state[:n_act])
+                elif a == "feddyn":
+                    kw.update(dyn_linear=dyn_lin[:n_act], weight_decay=alpha_k[:n_act] + c.weight_decay)
+                elif drift is not None:
+                    kw.update(drift=drift, drift_scale=inv_h[:n_act])
+                ops.client_step(theta_all[:n_act], theta.grad,
+                                momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
+                loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+        if drift is not None and c.adc_order == "nesterov":
+            drift_shift_(theta_all[:n], drift, lr * inv_h, sign=+1.0)
+
+    def _server_update(self, avg, incr, lr):
+        """The server rule on the participants' average ``avg`` (one fused call on a single 'client' row)."""
+        c, a = self.cfg, self.cfg.algorithm
+        agg = dict(rows=1, backend=c.backend)
+        if a == "fedavgm":
+            agg.update(beta=c.server_momentum, lr=c.server_lr, momentum=self.server_m)
+        elif a in ("fedadc", "fedadc_plus"):  # m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m'
+            agg.update(beta=c.adc_beta_global - c.adc_beta, scale=1.0 / lr, lr=c.adc_alpha * lr, momentum=self.server_m)
+        push = a in ("fedgkd", "fedgkd_vote") and hasattr(self, "gkd_buffer")
+        if push:  # push the new global into the ring buffer; FedGKD teacher = mean of the buffer
+            self.gkd_count = min(self.gkd_count + 1, c.gkd_buffer)
+            agg.update(teacher_buffer=self.gkd_buffer, teacher_slot=self.rnd % c.gkd_buffer,
+                       teacher_count=self.gkd_count)
+        if a == "feddyn":  # hbar' = hbar + (1/K) sum_k (X_k - g); the cloud model g' = avg + hbar'
+            self.server_state = self.server_state + incr
+            self.average_flat = avg
+            self.global_flat = avg + self.server_state
+            self.teacher_flat = self.global_flat
+            return
+        if a == "scaffold":
+            self.server_state = self.server_state + incr
+        out = ops.aggregate(avg[None], self.global_flat, **agg)
+        self.global_flat = self.average_flat = self.teacher_flat = out["global"]
+        if a in ("fedavgm", "fedadc", "fedadc_plus"):
+            self.server_m = out["momentum"]
+        if push:
+            self.gkd_buffer = out["teacher_buffer"]
+            if a == "fedgkd":
+                self.teacher_flat = out["teacher"]
+            else:  # VOTE: the new global's loss on the server's validation split, computed once
+                self.val_loss[self.rnd % c.gkd_buffer] = self._val_loss(self.global_flat)
+
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        self._load_global(self.average_flat)  # FedDyn evaluates the average of the participants, not the cloud
+    def _val_loss(self, flat) -> torch.Tensor:
         self.model.eval()
-        correct, total, loss = 0, 0, 0.0
+        tot = torch.zeros((), device=self.device)
+        for chunk in torch.arange(len(self.val), device=self.device).split(self.eval_batch):
+            x, y = self.val.batch(chunk)
+            tot += F.cross_entropy(self._flat_forward(flat, x).float(), y, reduction="sum")
+        self.model.train()
+        return tot / len(self.val)
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float, torch.Tensor]:
+        """Test accuracy, mean test loss and per-class accuracy [C] of the evaluated model (FedDyn: the
+        participants' average, not the cloud model)."""
+        self.model.eval()
+        C = self.test.num_classes
+        correct = torch.zeros(C, device=self.device)
+        count = torch.zeros(C, device=self.device)
+        loss = torch.zeros((), device=self.device, dtype=torch.float64)
         for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):
             x, y = self.test.batch(chunk)
-            z = self.model(x)
-            loss += float(nn.functional.cross_entropy(z.float(), y, reduction="sum"))
-            correct += int((z.argmax(1) == y).sum())
-            total += len(chunk)
+            z = self._flat_forward(self.average_flat, x).float()
+            loss += F.cross_entropy(z, y, reduction="sum").double()
+            correct.index_add_(0, y, (z.argmax(1) == y).float())
+            count.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
         self.model.train()
-        return correct / total, loss / total
+        n = len(self.test)
+        class_acc = (correct / count.clamp_min(1)).cpu()
+        return float(correct.sum()) / n, float(loss) / n, class_acc
+
+    def forgetting(self) -> float | None:
+        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the rounds so far."""
+        if len(self._class_acc) < 2:
+            return None
+        A = torch.stack(self._class_acc)
+        return float((A[:-1] - A[-1]).max(0).values.mean())
 
     def run(self) -> list[dict]:
         for _ in range(self.cfg.rounds - self.rnd):
             self.round()
         return self.history
+
+
+__all__ = ["SimConfig", "Simulation", "client_order", "sample_clients", "ASD_BASES"]

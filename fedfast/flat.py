@@ -176,19 +176,50 @@ class ClientStack:
             v[0].copy_(state[n])
 
     # -- batched forward ------------------------------------------------------------------------------
-    def vmap_forward(self, x: Tensor, rows: slice | None = None, *, params: dict | None = None) -> Tensor:
+    def vmap_forward(self, x: Tensor, rows: slice | None = None, *, params: dict | None = None,
+                     features: nn.Module | None = None):
         """``f(theta_k, x_k)`` for every row k at once: ``x`` is ``[n, batch, ...]``, returns ``[n, batch, ...]``.
 
-        ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted."""
-        from torch.func import functional_call, vmap
+        ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted. ``features``:
+        a submodule of the model whose *input* is returned too, ``(features [n, batch, d], out)`` (MOON's
+        representation: the classifier's input, see :func:`classifier_of`)."""
+        from torch.func import vmap
 
         p = self.param_views(rows) if params is None else params
         b = self.buffer_views(rows)
-
-        def f(pp, bb, xx):
-            return functional_call(self.module, {**pp, **bb}, (xx,))
-
+        f = functional_forward(self.module, features)
         return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client
+
+
+def classifier_of(module: nn.Module) -> nn.Module:
+    """The model's last ``nn.Linear`` (its input is the representation MOON contrasts)."""
+    last = None
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            last = m
+    if last is None:
+        raise ValueError("module: has no nn.Linear layer to take the representation from")
+    return last
+
+
+def functional_forward(module: nn.Module, features: nn.Module | None = None):
+    """``f(params, buffers, x)`` -> ``out`` (or ``(input of features, out)``) with ``functional_call``."""
+    from torch.func import functional_call
+
+    if features is None:
+        def f(pp, bb, xx):
+            return functional_call(module, {**pp, **bb}, (xx,))
+        return f
+
+    def g(pp, bb, xx):
+        got = []
+        h = features.register_forward_pre_hook(lambda _m, inp: got.append(inp[0]))
+        try:
+            out = functional_call(module, {**pp, **bb}, (xx,))
+        finally:
+            h.remove()
+        return got[-1], out
+    return g
 
 
 class ClientState:

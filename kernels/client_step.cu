@@ -19,7 +19,8 @@ __global__ void client_step_kernel(float* __restrict__ theta, const float* __res
                                    float prox_mu, const float* __restrict__ anchor, const float* __restrict__ dyn,
                                    const float* __restrict__ clip, const float* __restrict__ c,
                                    const float* __restrict__ ck, float momentum, float* __restrict__ buf,
-                                   const float* __restrict__ drift, const int8_t* __restrict__ active) {
+                                   const float* __restrict__ drift, const float* __restrict__ drift_scale,
+                                   const int8_t* __restrict__ active) {
   const int64_t total = n * P;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t k = i / P, j = i - k * P;
@@ -33,7 +34,7 @@ __global__ void client_step_kernel(float* __restrict__ theta, const float* __res
       gv = momentum * buf[i] + gv;
       buf[i] = gv;
     }
-    if (drift) gv += drift[j];
+    if (drift) gv += (drift_scale ? drift_scale[k] : 1.f) * drift[j];
     theta[i] = t - (lr_row ? lr[k] : lr[0]) * gv;
   }
 }
@@ -59,10 +60,12 @@ static unsigned grid_for(int64_t total, int threads) {
 extern "C" int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, const float* lr, int lr_row,
                                    const float* wd, int wd_row, float prox_mu, const float* anchor, const float* dyn,
                                    const float* clip, const float* c, const float* ck, float momentum, float* buf,
-                                   const float* drift, const int8_t* active, cudaStream_t stream) {
+                                   const float* drift, const float* drift_scale, const int8_t* active,
+                                   cudaStream_t stream) {
   if (n * P == 0) return 0;
   client_step_kernel<<<grid_for(n * P, 256), 256, 0, stream>>>(theta, grad, n, P, lr, lr_row, wd, wd_row, prox_mu,
-                                                               anchor, dyn, clip, c, ck, momentum, buf, drift, active);
+                                                               anchor, dyn, clip, c, ck, momentum, buf, drift,
+                                                               drift_scale, active);
   return (int)cudaGetLastError();
 }
 

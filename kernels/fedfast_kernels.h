@@ -52,7 +52,8 @@ int fedfast_aggregate(const void* X, int x_dtype, const int64_t* rows, int64_t n
 int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, const float* lr, int lr_row,
                         const float* wd, int wd_row, float prox_mu, const float* anchor, const float* dyn,
                         const float* clip, const float* c, const float* ck, float momentum, float* buf,
-                        const float* drift, const int8_t* active, cudaStream_t stream);
+                        const float* drift, const float* drift_scale, const int8_t* active,
+                        cudaStream_t stream);
 
 // Per-row squared norm of the loss-side gradient grad + mu (theta - anchor) + dyn, into sqnorm [n]
 // (zeroed by the caller), for per-client clipping.

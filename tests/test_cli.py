@@ -25,11 +25,15 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--set", "nonsense=1"], "nonsense: unknown config key"),
     (["--set", "rounds=abc"], "rounds: expected a int"),
-    (["--set", "algorithm=fedsomething"], "algorithm: must be one of"),
+    (["--set", "algorithm=fedsomething"], "algorithm: one of"),
     (["--set", "lr=-1"], "lr: must be > 0"),
     (["--set", "clients_per_round=500"], "clients_per_round"),
     (["--set", "asd=true", "--set", "algorithm=kd"], "asd: the ASD add-on composes with"),
     (["--set", "rounds"], "--set: expected key=value"),
+    (["--set", "adc_order=red"], "adc_order: one of"),
+    (["--set", "val_fraction=1.5"], "val_fraction"),
+    (["--set", "client_chunk=0"], "client_chunk"),
+    (["--set", "dataset=synthetic", "--set", "num_clients=6", "--set", "clients_per_round=3"], "shards_per_client"),
 ])
 def test_bad_config_is_rejected_naming_the_key(args, msg, capsys):
     assert main(["run", *args]) == 2
@@ -39,3 +43,25 @@ def test_bad_config_is_rejected_naming_the_key(args, msg, capsys):
 def test_build_config_defaults_and_types():
     c = build_config(None, ["rounds=3", "momentum=0", "seed=7"])
     assert c["rounds"] == 3 and c["momentum"] == 0.0 and isinstance(c["momentum"], float) and c["seed"] == 7
+
+
+@pytest.mark.parametrize("algorithm,extra", [("fedgkd_vote", ["gkd_buffer=2"]), ("fedadc_plus", ["adc_order=heavy_ball"]),
+                                             ("moon", ["moon_mu=5"]), ("scaffold", ["asd=true"])])
+def test_run_new_methods(tmp_path, algorithm, extra):
+    out = tmp_path / "run"
+    args = ["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
+            "--set", "rounds=2", "--set", f"algorithm={algorithm}", "--out", str(out)]
+    for e in extra:
+        args += ["--set", e]
+    assert main(args) == 0
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["algorithm"] == algorithm and resolved["tau"] is not None and resolved["momentum"] is not None
+    lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and len(lines[-1]["class_accuracy"]) == 10 and lines[-1]["forgetting"] is not None
+
+
+def test_per_method_defaults_resolved():
+    assert build_config(None, ["algorithm=fedadc_plus"])["tau"] == 4.0
+    assert build_config(None, ["algorithm=fedadc"])["momentum"] == 0.0
+    assert build_config(None, ["algorithm=fedadc", "momentum=0.5"])["momentum"] == 0.5
+    assert build_config(None, ["algorithm=fedgkd_vote"])["gkd_buffer"] == 5

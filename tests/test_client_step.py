@@ -73,8 +73,9 @@ def test_scaffold_feddyn_mask_and_drift(backend):
     active = torch.tensor([True, False, True, True, False])
     buf0 = torch.randn(n, P)
     wd = torch.tensor([0.0, 1e-3, 0.1, 1e-2, 0.0])
+    ds = torch.tensor([1.0, 0.5, 0.25, 2.0, 1.0])  # FedADC: drift / H_k per client
     kw = dict(lr=0.05, momentum=0.5, weight_decay=wd, dyn_linear=dyn, scaffold_c=c, scaffold_ck=ck, drift=drift,
-              active=active)
+              drift_scale=ds, active=active)
     ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
     theta, buf = theta0.clone(), buf0.clone()
     ops.client_step(theta, G, momentum_buf=buf, backend=backend, **kw)
@@ -84,7 +85,11 @@ def test_scaffold_feddyn_mask_and_drift(backend):
     k = 2
     g = G[k] + dyn[k] + wd[k] * theta0[k] + (c - ck[k])
     b = 0.5 * buf0[k] + g
-    assert rel_err(theta[k], theta0[k] - 0.05 * (b + drift)) <= 1e-6
+    assert rel_err(theta[k], theta0[k] - 0.05 * (b + 0.25 * drift)) <= 1e-6
+    with pytest.raises(ValueError, match="drift_scale"):
+        ops.client_step(theta, G, lr=0.1, drift_scale=ds, backend=backend)
+    with pytest.raises(ValueError, match="drift_scale"):
+        ops.client_step(theta, G, lr=0.1, drift=drift, drift_scale=torch.ones(3), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

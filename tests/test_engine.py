@@ -25,10 +25,22 @@ def _flat(m):
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-def _sequential(cfg, model, train, part, rounds):
+def _feature_hook(model):
+    """The input of the model's last nn.Linear (MOON's representation), captured on every forward."""
+    lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    got = []
+    lin.register_forward_pre_hook(lambda _m, inp: got.append(inp[0]))
+    return got
+
+
+def _sequential(cfg, model, train, part, rounds, val=None):
     """The literal loop: per-client nn.Module + torch.optim.SGD, teacher forward per step, state_dict averaging,
     and each method's state written out plainly."""
     glob = copy.deepcopy(model)
+    w0 = copy.deepcopy(model)
+    prev = {}  # MOON: each client's previous local model (initially the initial global model)
+    adc_m = None
+    vote_hist = []  # VOTE: (model, val loss) of the globals after each round
     kind = {"fedntd": True}.get(cfg.algorithm, False)
     s = cfg.tau ** 2
     kdw = {"fedntd": cfg.beta * s, "kd": cfg.kd_weight * s, "fedgkd": cfg.gamma / 2 * s}.get(cfg.algorithm, 0.0)
@@ -50,6 +62,11 @@ def _sequential(cfg, model, train, part, rounds):
         states, sizes, flats, new_ck = [], [], [], {}
         teacher = copy.deepcopy(glob).eval()
         gflat = _flat(glob)
+        if adc_m is None:
+            adc_m = torch.zeros_like(gflat)
+        vote_models = [mdl for mdl, _ in vote_hist[-cfg.gkd_buffer:]]
+        vote_w = torch.softmax(-torch.tensor([v for _, v in vote_hist[-cfg.gkd_buffer:]]) / cfg.vote_beta, 0) \
+            if vote_hist else None
         if cfg.algorithm == "fedgkd" and cfg.gkd_buffer > 1 and gkd_hist:  # parameter average of buffered globals
             tflat = torch.stack(gkd_hist[-cfg.gkd_buffer:]).mean(0)
             off = 0
@@ -72,14 +89,44 @@ def _sequential(cfg, model, train, part, rounds):
                 wd = alpha_k + cfg.weight_decay
             opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
             nsteps = 0
+            H = cfg.local_epochs * -(-len(idx) // cfg.batch_size)
+            d = cfg.adc_beta * adc_m / H  # FedADC drift per step
+            hist_k = torch.bincount(train.y[idx], minlength=train.num_classes).float()
+            feats = _feature_hook(local) if cfg.algorithm == "moon" else None
             for e in range(cfg.local_epochs):
                 perm = idx[torch.from_numpy(client_order(cfg.seed, rnd, int(k), e, len(idx)))]
                 for b in perm.split(cfg.batch_size):
                     x, y = train.batch(b)
+                    if cfg.algorithm.startswith("fedadc") and cfg.adc_order == "nesterov":  # theta - lr mbar first
+                        with torch.no_grad():
+                            off = 0
+                            for p in local.parameters():
+                                p -= lr * d[off:off + p.numel()].view_as(p)
+                                off += p.numel()
                     z = local(x)
                     with torch.no_grad():
                         t = teacher(x)
-                    if cfg.algorithm == "fedcad":
+                    if cfg.algorithm == "fedadc_plus":
+                        loss = ffnn.ADCLoss(tau=cfg.tau, lam=cfg.adc_lam, backend="reference")(z, t, y, hist_k)
+                    elif cfg.algorithm == "fedgkd_vote":
+                        if vote_models:
+                            with torch.no_grad():
+                                T = torch.stack([mm(x) for mm in vote_models])
+                            loss = ffnn.GKDLoss(tau=cfg.tau, gamma=2 * cfg.vote_lambda, backend="reference")(
+                                z, T, y, teacher_weights=vote_w)
+                        else:
+                            loss = torch.nn.functional.cross_entropy(z, y)
+                    elif cfg.algorithm == "moon":
+                        f = feats[-1]
+                        with torch.no_grad():
+                            glob_feats, prev_feats = _feature_hook(teacher), _feature_hook(prev.get(int(k), w0))
+                            teacher(x)
+                            prev.get(int(k), w0)(x)
+                        cos = torch.nn.functional.cosine_similarity
+                        lg = torch.stack([cos(f, glob_feats[-1], dim=-1), cos(f, prev_feats[-1], dim=-1)], 1)
+                        lcon = torch.nn.functional.cross_entropy(lg / cfg.moon_tau, torch.zeros(len(y), dtype=torch.long))
+                        loss = torch.nn.functional.cross_entropy(z, y) + cfg.moon_mu * lcon
+                    elif cfg.algorithm == "fedcad":
                         loss = ffnn.CADLoss(tau=cfg.tau, backend="reference")(z, t, y, class_alpha)
                     elif cfg.asd:  # ASD add-on: the client's label distribution as prior, KD term replaced
                         prior = torch.bincount(train.y[idx], minlength=train.num_classes).float() / len(idx)
@@ -101,6 +148,12 @@ def _sequential(cfg, model, train, part, rounds):
                             p.grad += corr[off:off + p.numel()].view_as(p)
                             off += p.numel()
                     opt.step()
+                    if cfg.algorithm.startswith("fedadc") and cfg.adc_order == "heavy_ball":  # theta -= lr (g + mbar)
+                        with torch.no_grad():
+                            off = 0
+                            for p in local.parameters():
+                                p -= lr * d[off:off + p.numel()].view_as(p)
+                                off += p.numel()
                     nsteps += 1
             wk = _flat(local)
             if cfg.algorithm == "scaffold":
@@ -109,10 +162,12 @@ def _sequential(cfg, model, train, part, rounds):
                 new_ck[int(k)] = c_k[int(k)] - c_glob + (gflat - wk) / (k_eff * lr)
             if cfg.algorithm == "feddyn":
                 h_k[int(k)] = h_k[int(k)] + (wk - gflat)
+            if cfg.algorithm == "moon":
+                prev[int(k)] = copy.deepcopy(local).eval()
             states.append(local.state_dict())
             sizes.append(len(idx))
             flats.append(wk)
-        if cfg.algorithm == "feddyn":
+        if cfg.algorithm in ("feddyn", "fedadc", "fedadc_plus"):
             w = torch.full((len(sizes),), 1.0 / len(sizes))
         else:
             w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
@@ -129,6 +184,9 @@ def _sequential(cfg, model, train, part, rounds):
         elif cfg.algorithm == "feddyn":
             hbar = hbar + sum(f - gflat for f in flats) / K
             newg = aflat + hbar  # the cloud model: next round's start (and the teacher)
+        elif cfg.algorithm.startswith("fedadc"):  # m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m'
+            adc_m = (gflat - aflat) / lr + (cfg.adc_beta_global - cfg.adc_beta) * adc_m
+            newg = gflat - cfg.adc_alpha * lr * adc_m
         else:
             newg = aflat
         off = 0
@@ -137,6 +195,10 @@ def _sequential(cfg, model, train, part, rounds):
                 p.copy_(newg[off:off + p.numel()].view_as(p))
                 off += p.numel()
         gkd_hist.append(newg.clone())
+        if cfg.algorithm == "fedgkd_vote":
+            with torch.no_grad():
+                xv, yv = val.batch(torch.arange(len(val)))
+                vote_hist.append((copy.deepcopy(glob).eval(), float(torch.nn.functional.cross_entropy(glob(xv), yv))))
     return _flat(glob)
 
 
@@ -146,14 +208,31 @@ def _sequential(cfg, model, train, part, rounds):
                                              ("fedavgm", dict(server_lr=1.0, server_momentum=0.9)),
                                              ("scaffold", {}), ("feddyn", dict(dyn_alpha=0.1)),
                                              ("fedgkd", dict(gkd_buffer=2)), ("fedcad", dict(tau=2.0)),
-                                             ("fedntd", dict(asd=True, lam=5.0, tau=2.0))])
+                                             ("fedntd", dict(asd=True, lam=5.0, tau=2.0)),
+                                             ("scaffold", dict(asd=True, lam=5.0)),
+                                             ("feddyn", dict(asd=True, lam=5.0, dyn_alpha=0.1)),
+                                             ("fedadc", dict(adc_beta=0.8, adc_order="nesterov", momentum=0.0)),
+                                             ("fedadc", dict(adc_beta=0.8, adc_order="heavy_ball", momentum=0.0)),
+                                             ("fedadc", dict(adc_beta=0.8, adc_beta_global=0.9, momentum=0.5)),
+                                             ("fedadc_plus", dict(adc_beta=0.7, adc_order="heavy_ball", momentum=0.0)),
+                                             ("fedadc_plus", dict(adc_beta=0.7, tau=2.0, momentum=0.0)),
+                                             ("fedgkd_vote", dict(gkd_buffer=2)),
+                                             ("moon", dict(moon_mu=1.0, moon_tau=0.5)),
+                                             ("scaffold", dict(client_chunk=3)),
+                                             ("feddyn", dict(client_chunk=1, dyn_alpha=0.1)),
+                                             ("fedavgm", dict(client_chunk=3)),
+                                             ("moon", dict(client_chunk=3)),
+                                             ("fedadc", dict(client_chunk=2, adc_beta=0.8, momentum=0.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
-    rounds = 3 if "gkd_buffer" in extra else 2  # the buffer needs > 1 round to differ from the last global
+    rounds = 3 if "gkd_buffer" in extra or algorithm.startswith("fedadc") else 2  # buffers/momentum need rounds
+    extra = dict(extra)
+    extra.setdefault("momentum", 0.9)
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16,
-                            lr=0.05, lr_decay=0.99, momentum=0.9, weight_decay=1e-4, seed=3, **extra)
-    ref = _sequential(cfg, model, train, part, cfg.rounds)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+                            lr=0.05, lr_decay=0.99, weight_decay=1e-4, seed=3, **extra)
+    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
+    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
     hist = sim.run()
     if algorithm == "fedgkd" and cfg.gkd_buffer > 1:  # the teacher is the buffer average, not the last global
         assert not torch.equal(sim.teacher_flat, sim.global_flat)
@@ -174,3 +253,88 @@ def test_engine_learns_and_reports():
         fedfast.SimConfig(algorithm="fedsomething")
     with pytest.raises(ValueError, match="asd"):
         fedfast.SimConfig(algorithm="kd", asd=True)
+
+
+@pytest.mark.parametrize("algorithm", ["fedntd", "fedgkd_vote", "fedadc_plus"])
+def test_online_teacher_equals_cached_teacher(algorithm):
+    """teacher='online' (one teacher forward per step on all clients' rows) == the per-round cache."""
+    train, test, part, model = _setup()
+    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
+    out = []
+    for mode in ("cache", "online"):
+        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=3, local_epochs=1, batch_size=16,
+                                lr=0.05, seed=2, teacher=mode, gkd_buffer=2, tau=2.0)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
+        sim.run()
+        out.append(sim.global_flat)
+    assert (out[0] - out[1]).abs().max() <= 1e-5 * out[0].abs().max()
+
+
+def test_augmentation_online_teacher_and_cache_refused():
+    train, test = data.synthetic(4, 200, 80, (1, 12, 12), separation=0.8, seed=0)
+    part = data.iid(train.y, 6, seed=0)
+    torch.manual_seed(0)
+    model = models.MLP(144, (32,), 4)
+    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=6, rounds=4, local_epochs=1, batch_size=10,
+                            lr=0.05, augment="fedgkd", seed=0)
+    assert cfg.teacher == "online"
+    runs = [fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part) for _ in range(2)]
+    for sim in runs:
+        assert all(np.isfinite(h["test_loss"]) for h in sim.run())
+    assert torch.equal(runs[0].global_flat, runs[1].global_flat)  # deterministic by seed
+    plain = fedfast.Simulation(fedfast.SimConfig(**{**cfg.__dict__, "augment": "none", "teacher": None}),
+                               copy.deepcopy(model), train, test, part)
+    plain.run()
+    assert not torch.allclose(plain.global_flat, runs[0].global_flat, atol=1e-4)  # the batches were augmented
+    with pytest.raises(ValueError, match="teacher"):
+        fedfast.SimConfig(algorithm="fedntd", augment="fedgkd", teacher="cache")
+    with pytest.raises(ValueError, match="augment"):
+        fedfast.SimConfig(augment="mixup")
+
+
+def test_thousand_clients_all_participating_and_memory_chunks():
+    """1000 clients per round on one device; a small memory budget splits them into chunks (same result)."""
+    train, test = data.synthetic(3, 10000, 60, (1, 4, 4), separation=1.0, seed=0)
+    part = data.iid(train.y, 1000, seed=0)
+    torch.manual_seed(0)
+    model = models.MLP(16, (8,), 3)
+    res = []
+    for kw in (dict(), dict(memory_budget_gb=2e-4)):
+        cfg = fedfast.SimConfig(algorithm="fedavgm", clients_per_round=1000, rounds=1, batch_size=10, lr=0.05, **kw)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        rec = sim.run()[-1]
+        res.append((sim.global_flat, rec["client_chunk"]))
+    assert res[0][1] == 1000 and 1 <= res[1][1] < 1000
+    assert (res[0][0] - res[1][0]).abs().max() <= 1e-5 * res[0][0].abs().max()
+
+
+def test_metrics_per_class_accuracy_and_forgetting():
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=3, local_epochs=1, batch_size=16,
+                            lr=0.1, seed=0)
+    sim = fedfast.Simulation(cfg, model, train, test, part)
+    hist = sim.run()
+    A = torch.tensor([h["class_accuracy"] for h in hist])
+    counts = torch.bincount(test.y, minlength=5).float()
+    for h, a in zip(hist, A):  # overall accuracy = class accuracies weighted by the class counts
+        assert abs(float((a * counts).sum() / counts.sum()) - h["test_accuracy"]) <= 1e-5
+    assert hist[0]["forgetting"] is None
+    expect = float((A[:-1] - A[-1]).max(0).values.mean())  # FedNTD Eq. 5
+    assert abs(hist[-1]["forgetting"] - expect) <= 1e-6
+    assert hist[-1]["best_test_accuracy"] == max(h["test_accuracy"] for h in hist)
+
+
+def test_config_errors_name_the_option():
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm="fedgkd_vote")
+    assert cfg.gkd_buffer == 5 and cfg.vote_beta == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="val"):
+        fedfast.Simulation(cfg, model, train, test, part)
+    assert fedfast.SimConfig(algorithm="fedadc").momentum == 0.0
+    assert fedfast.SimConfig(algorithm="fedadc_plus").tau == 4.0
+    assert fedfast.SimConfig(algorithm="fedadc").aggregate_weights == "uniform"
+    for kw, name in ((dict(adc_order="red"), "adc_order"), (dict(aggregate_weights="x"), "aggregate_weights"),
+                     (dict(client_chunk=0), "client_chunk"), (dict(momentum=1.5), "momentum"),
+                     (dict(algorithm="fedadc", asd=True), "asd"), (dict(adc_lam=2.0), "adc_lam")):
+        with pytest.raises(ValueError, match=name):
+            fedfast.SimConfig(**kw)

@@ -127,7 +127,7 @@ def test_gpu_aggregate_and_client_step(backend):
     act = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
     lr = torch.rand(n) * 0.1
     kw = dict(momentum=0.9, weight_decay=1e-3, prox_mu=0.1, anchor=g, scaffold_c=c, scaffold_ck=torch.randn(n, P),
-              drift=torch.randn(P) * 0.01, max_norm=5.0, active=act)
+              drift=torch.randn(P) * 0.01, drift_scale=torch.rand(n) + 0.5, max_norm=5.0, active=act)
     ref, rbuf = client_step_reference(th0.double(), G.double(), lr=lr.double(), momentum_buf=buf0.double(), **{
         k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
     th, buf = cu(th0), cu(buf0)

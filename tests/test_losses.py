@@ -107,6 +107,14 @@ def test_gkd_loss_single_and_vote(backend):
     l1, g1 = _grad(lambda zz: m(zz, T, y, teacher_weights=w), z)
     l0, g0 = _grad(naivev, z)
     assert rel_err(l1, l0) <= 1e-5 and rel_err(g1, g0) <= 1e-5
+    # a precomputed mixture (the engine caches it once per round) gives the same loss and gradient
+    mix = ops.teacher_mixture(T, w, y, tau=1.0, backend=backend)
+    l2, g2 = _grad(lambda zz: ops.distill(zz, None, y, kd_weight=0.1, mixture=mix, backend=backend), z)
+    assert rel_err(l2, l0) <= 1e-5 and rel_err(g2, g0) <= 1e-5
+    with pytest.raises(ValueError, match="mixture"):
+        ops.distill(z, T[0], y, mixture=mix, backend=backend)
+    with pytest.raises(ValueError, match="mixture"):
+        ops.distill(z, None, y, mixture=(mix[0][:3], mix[1]), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -23,13 +23,14 @@ def _per_client(name, v, n, dev):
 def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                 dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
-                scaffold_ck: Tensor | None = None, drift: Tensor | None = None, max_norm: float | None = None,
+                scaffold_ck: Tensor | None = None, drift: Tensor | None = None, drift_scale=None,
+                max_norm: float | None = None,
                 active: Tensor | None = None, backend: str | None = None) -> None:
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
 
     ``lr`` and ``weight_decay``: scalars or per client [n]. ``anchor`` [P]: the round's global model (FedProx).
     ``dyn_linear`` [n, P]: FedDyn's gradient term. ``scaffold_c`` [P] / ``scaffold_ck`` [n, P]: SCAFFOLD
-    controls. ``drift`` [P]: FedADC's ``beta_l m_t / H``. ``max_norm``: per-client gradient-norm clipping.
+    controls. ``drift`` [P] times ``drift_scale`` (scalar or [n], default 1): FedADC's ``beta_l m_t / H_k``. ``max_norm``: per-client gradient-norm clipping.
     ``active`` [n] bool: rows that take this step (others are untouched, momentum included).
     """
     if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
@@ -52,25 +53,31 @@ def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momen
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm: must be > 0, got {max_norm}")
     lr_t = _per_client("lr", lr, n, dev)
+    ds_t = None
+    if drift_scale is not None:
+        if drift is None:
+            raise ValueError("drift_scale: given without drift")
+        ds_t = _per_client("drift_scale", drift_scale, n, dev).expand(n).contiguous()
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
     be = _backend.resolve(backend, dev.type)
 
     if be == "triton":
         from ..triton.client_step import client_step_triton
         client_step_triton(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, dyn_linear,
-                           scaffold_c, scaffold_ck, drift, float(max_norm) if max_norm is not None else 0.0, active)
+                           scaffold_c, scaffold_ck, drift, ds_t, float(max_norm) if max_norm is not None else 0.0, active)
         return
     if be in ("cpu", "cuda"):
         ext = _backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()
         ext.client_step(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor,
-                                       dyn_linear, scaffold_c, scaffold_ck, drift,
+                                       dyn_linear, scaffold_c, scaffold_ck, drift, ds_t,
                                        float(max_norm) if max_norm is not None else 0.0, active)
         return
     new, buf = client_step_reference(theta, grad, lr=lr_t if lr_t.numel() == n else float(lr_t),
                                      momentum=momentum, momentum_buf=momentum_buf,
                                      weight_decay=wd_t if wd_t.numel() == n else float(wd_t), prox_mu=prox_mu,
                                      anchor=anchor, dyn_linear=dyn_linear, scaffold_c=scaffold_c,
-                                     scaffold_ck=scaffold_ck, drift=drift, max_norm=max_norm, active=active)
+                                     scaffold_ck=scaffold_ck, drift=drift, drift_scale=ds_t, max_norm=max_norm,
+                                     active=active)
     theta.copy_(new)
     if momentum_buf is not None:
         momentum_buf.copy_(buf)

@@ -8,8 +8,8 @@ For every client row k (parameters ``theta`` [n, P], loss gradients ``grad`` [n,
     3. optimizer terms   g = g + wd_k * theta + (c - c_k)                      coupled weight decay; SCAFFOLD
     4. momentum          buf = momentum * buf + g  (buf zeroed at the round start, as torch.optim.SGD's
                          first step)                                           SGD, dampening 0, no Nesterov
-    5. update            theta = theta - lr_k * (buf + drift)                  FedADC heavy-ball drift
-                                                                               drift = beta_l * m_t / H
+    5. update            theta = theta - lr_k * (buf + s_k * drift)            FedADC heavy-ball drift
+                                                                               s_k drift = beta_l m_t / H_k
 
 FedDyn's client loss (Acar et al.; ASD/FedDyn code) is ``CE + alpha_k <theta, h_k - anchor>`` with SGD weight
 decay ``alpha_k + wd``: its gradient term is ``alpha_k (h_k - anchor)`` (``dyn_linear``; pass
@@ -35,7 +35,7 @@ def _per_row(v, n, acc, device):
 def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                           weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                           dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
-                          scaffold_ck: Tensor | None = None, drift: Tensor | None = None,
+                          scaffold_ck: Tensor | None = None, drift: Tensor | None = None, drift_scale=None,
                           max_norm: float | None = None, active: Tensor | None = None):
     """Returns ``(theta', momentum_buf')`` as new tensors (``momentum_buf'`` is None without momentum).
 
@@ -58,7 +58,8 @@ def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 
         buf = momentum * momentum_buf.to(acc) + g
         g = buf
     if drift is not None:
-        g = g + drift.to(acc)
+        d = drift.to(acc)[None, :]
+        g = g + (d if drift_scale is None else _per_row(drift_scale, n, acc, th.device) * d)
     new = th - _per_row(lr, n, acc, th.device) * g
     if active is not None:
         keep = ~active.to(torch.bool).reshape(-1, 1)

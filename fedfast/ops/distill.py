@@ -164,7 +164,7 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
             kd_weight: float = 1.0, kind: str = "full", soft_ce: bool = False, class_alpha=None,
             row_weight: Tensor | None = None, rho=None, teacher_weights=None, segments: Tensor | None = None,
             reduction: str = "mean", ignore_index: int = -100, num_segments: int | None = None,
-            backend: str | None = None, validate: str | None = None) -> Tensor:
+            backend: str | None = None, validate: str | None = None, mixture=None) -> Tensor:
     """Fused CE + distillation loss (see :mod:`fedfast.ops.distill_reference` for the formula).
 
     ``student`` [R, C] logits (grad flows); ``teacher`` [R, C] logits, or [M, R, C] with
@@ -174,6 +174,8 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     ``row_weight`` [R]: extra per-row KD weight (ASD). ``segments`` [R] sorted client ids: "mean" is
     taken within each segment and the means are summed; ``reduction="segment"`` returns per-segment
     means (``num_segments`` avoids one host sync). ``validate``: see :mod:`fedfast.ops._validate`.
+    ``mixture``: a precomputed ``(P [R, C], negent [R])`` from :func:`fedfast.ops.teacher_mixture` (the
+    engine computes it once per round for VOTE); then ``teacher`` must be None.
     """
     _validate.check_logits("student", student)
     if kind not in _KINDS:
@@ -189,7 +191,20 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         raise ValueError(f"student: needs at least 2 classes, got C={C}")
     dev = student.device
     mode = _validate.mode_for(dev, validate)
-    if not isinstance(teacher, Tensor):
+    if mixture is not None:
+        if teacher is not None:
+            raise ValueError("mixture: pass either teacher logits or a precomputed mixture, not both")
+        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and all(isinstance(t, Tensor) for t in mixture)):
+            raise TypeError("mixture: expected a (P [R, C], negent [R]) pair of tensors")
+        if mixture[0].shape != (R, C) or mixture[1].shape != (R,):
+            raise ValueError(f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "
+                             f"{tuple(mixture[1].shape)}")
+        if mixture[0].device != dev or mixture[1].device != dev:
+            raise ValueError(f"mixture: must be on {dev}")
+        if rho is not None or teacher_weights is not None:
+            raise ValueError("mixture: cannot be combined with rho or teacher_weights")
+        teacher = mixture[0][None]
+    elif not isinstance(teacher, Tensor):
         raise TypeError(f"teacher: expected a torch.Tensor, got {type(teacher).__name__}")
     if teacher.dim() == 2:
         teacher = teacher[None]
@@ -223,7 +238,10 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     teacher = teacher.detach()
     negent = None
     M = teacher.shape[0]
-    if M > 1 or teacher_weights is not None:
+    if mixture is not None:
+        dt = _loss_dtype(student)
+        teacher_in, negent = mixture[0].detach().to(dt), mixture[1].detach().to(dt).contiguous()
+    elif M > 1 or teacher_weights is not None:
         if rho is not None:
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
         from .teacher_mixture import teacher_mixture

@@ -34,9 +34,11 @@ def _norm_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, part_ptr, P, NB, mu, HAS_PROX: t
 
 
 @triton.jit
-def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr, ck_ptr, buf_ptr, dr_ptr, act_ptr, P, mu,
+def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr, ck_ptr, buf_ptr, dr_ptr, ds_ptr, act_ptr,
+                 P, mu,
                  mom, LR_ROW: tl.constexpr, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_DYN: tl.constexpr,
-                 CLIP: tl.constexpr, SCAF: tl.constexpr, MOM: tl.constexpr, DRIFT: tl.constexpr, ACT: tl.constexpr,
+                 CLIP: tl.constexpr, SCAF: tl.constexpr, MOM: tl.constexpr, DRIFT: tl.constexpr, DSCALE: tl.constexpr,
+                 ACT: tl.constexpr,
                  BLOCK: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -55,12 +57,16 @@ def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr,
         g = mom * tl.load(buf_ptr + offs, mask=m, other=0.0) + g
         tl.store(buf_ptr + offs, g, mask=m)
     if DRIFT:
-        g += tl.load(dr_ptr + cols, mask=m, other=0.0)
+        d = tl.load(dr_ptr + cols, mask=m, other=0.0)
+        if DSCALE:
+            d = d * tl.load(ds_ptr + k)
+        g += d
     lr = tl.load(lr_ptr + k) if LR_ROW else tl.load(lr_ptr)
     tl.store(th_ptr + offs, t - lr * g, mask=m)
 
 
-def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn, c, ck, drift, max_norm, active):
+def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn, c, ck, drift, drift_scale, max_norm,
+                       active):
     n, P = theta.shape
     BLOCK = 1024
     NB = triton.cdiv(P, BLOCK)
@@ -73,9 +79,10 @@ def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn,
                               HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None, BLOCK=BLOCK, num_warps=4)
         clip = torch.clamp(max_norm / (part.sum(1).sqrt() + 1e-6), max=1.0)
     _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, lr.float().contiguous(), wd.float().contiguous(),
-                          f32(c), f32(ck), buf if buf is not None else theta, f32(drift),
+                          f32(c), f32(ck), buf if buf is not None else theta, f32(drift), f32(drift_scale),
                           active.to(torch.int8).contiguous() if active is not None else theta, P, float(prox_mu),
                           float(momentum), LR_ROW=lr.numel() == n and n > 1, WD_ROW=wd.numel() == n and n > 1,
                           HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None, CLIP=max_norm > 0, SCAF=c is not None,
-                          MOM=buf is not None, DRIFT=drift is not None, ACT=active is not None, BLOCK=BLOCK,
+                          MOM=buf is not None, DRIFT=drift is not None,
+                          DSCALE=drift is not None and drift_scale is not None, ACT=active is not None, BLOCK=BLOCK,
                           num_warps=4)
