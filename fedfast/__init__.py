@@ -3,5 +3,6 @@ __version__ = "0.1.0"
 
 from . import nn, ops  # noqa: E402
 from .engine import SimConfig, Simulation  # noqa: E402
+from .cpu_alloc import tune_cpu_allocator  # noqa: E402
 
-__all__ = ["nn", "ops", "SimConfig", "Simulation", "__version__"]
+__all__ = ["nn", "ops", "SimConfig", "Simulation", "tune_cpu_allocator", "__version__"]

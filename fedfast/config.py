@@ -26,7 +26,7 @@ _RUN: dict = {
     "val_fraction": (float, 0.1),  # FedGKD-VOTE: the server-held validation split (last 10% of the training set)
 }
 # run defaults that differ from SimConfig's
-_SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20}
+_SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 

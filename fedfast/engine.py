@@ -105,6 +105,7 @@ class SimConfig:
     client_chunk: int | None = None  # clients trained together; None: as many as fit memory_budget_gb
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
+    tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
 
     def __post_init__(self):
@@ -203,6 +204,9 @@ class Simulation:
                  partition: Partition, device=None, val: ArrayDataset | None = None):
         c = self.cfg = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if c.tune_cpu_allocator and self.device.type == "cpu":
+            from .cpu_alloc import tune_cpu_allocator
+            tune_cpu_allocator()
         self.model = model.to(self.device)
         self.train = train.to(self.device)
         self.test = test.to(self.device)
@@ -222,6 +226,7 @@ class Simulation:
         self.stack = ClientStack(self.model, self.chunk, device=self.device)
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
+        self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
         a = c.algorithm
         self.server_m = torch.zeros(P, device=self.device) if a in ("fedavgm", "fedadc", "fedadc_plus") else None
         if a in ("scaffold", "feddyn"):
@@ -270,6 +275,11 @@ class Simulation:
 
     # -- teacher ------------------------------------------------------------------------------------
     def _flat_forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One model (flat parameters [P]) on a batch: the stack's executor with one client, else functional_call."""
+        if self.stack.plan is not None:
+            from .batched import batched_forward
+            pv = {k: v[None] for k, v in self.stack.layout.param_views(flat).items()}
+            return batched_forward(self.stack.plan, pv, x[None], self.model.training)[0]
         return self._fwd(self.stack.layout.param_views(flat), self.stack.layout.buffer_views(
             self.stack.buffers[0]), x)
 
@@ -403,6 +413,7 @@ class Simulation:
         if c.needs_teacher and c.teacher == "cache":
             idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
             teacher = self._build_teacher(idx)
+        self._sync()
         timers["teacher"] = time.perf_counter() - t1
         state = {}
         if a in ("scaffold", "feddyn", "moon"):
@@ -412,6 +423,7 @@ class Simulation:
             state["alpha"] = c.dyn_alpha / (torch.tensor(sizes, dtype=torch.float32, device=self.device) / mean_n)
         weights = torch.tensor(sizes if c.aggregate_weights == "size" else np.ones(m), dtype=torch.float32,
                                device=self.device)
+        self._sync()
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
         incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k) / K; FedDyn sum of (X_k - g) / K
@@ -420,6 +432,7 @@ class Simulation:
             hi = min(m, lo + self.chunk)
             t1 = time.perf_counter()
             self._train_chunk(lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum)
+            self._sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
             n = hi - lo
@@ -500,8 +513,7 @@ class Simulation:
                 else:
                     x, y = self.train.batch(ridx)
                 y = torch.where(valid, y, torch.full_like(y, -100))
-                theta = theta_all[:n_act].detach().requires_grad_(True)
-                pv = self.stack.layout.param_views(theta)
+                pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
                 if a == "moon":
                     feat, z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=self.classifier)
                 else:
@@ -519,7 +531,7 @@ class Simulation:
                 loss = self._loss(zf, t, y.reshape(-1), seg, n_act, hist_c[:n_act])
                 if a == "moon":
                     loss = loss + self._moon_term(feat, x, rows_state, valid, n_act)
-                loss.backward()
+                grad = self.stack.flat_grad(loss, pv, self.gradbuf[:n_act])
                 kw = dict(step_kw)
                 if a == "scaffold":
                     kw.update(scaffold_c=self.server_state, scaffold_ck=rows_state[:n_act])
@@ -527,7 +539,7 @@ class Simulation:
                     kw.update(dyn_linear=dyn_lin[:n_act], weight_decay=alpha_k[:n_act] + c.weight_decay)
                 elif drift is not None:
                     kw.update(drift=drift, drift_scale=inv_h[:n_act])
-                ops.client_step(theta_all[:n_act], theta.grad,
+                ops.client_step(theta_all[:n_act], grad,
                                 momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
         if drift is not None and c.adc_order == "nesterov":
@@ -574,6 +586,11 @@ class Simulation:
             tot += F.cross_entropy(self._flat_forward(flat, x).float(), y, reduction="sum")
         self.model.train()
         return tot / len(self.val)
+
+    def _sync(self):
+        """Phase boundaries only (a few per round): makes the per-phase timers true on GPUs."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()

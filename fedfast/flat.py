@@ -97,7 +97,8 @@ class ClientStack:
     ``module`` itself is used as the stateless template for ``torch.func.functional_call``.
     """
 
-    def __init__(self, module: nn.Module, num_clients: int, *, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, module: nn.Module, num_clients: int, *, device=None, dtype: torch.dtype = torch.float32,
+                 use_executor: bool = True):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
         if int(num_clients) < 1:
@@ -111,6 +112,23 @@ class ClientStack:
         self.params = torch.empty(self.N, self.layout.P, dtype=dtype, device=dev)
         self.buffers = torch.empty(self.N, self.layout.B, dtype=dtype, device=dev)
         self.broadcast_module_(module)
+        from .batched import plan
+        self.plan = plan(module) if use_executor else None  # None: torch.func.vmap of functional_call
+
+    def leaf_views(self, rows: slice) -> "OrderedDict[str, Tensor]":
+        """Per-parameter autograd leaves ``[n, *shape]`` sharing storage with rows ``rows``: their ``.grad``
+        are separate tensors, joined by :meth:`flat_grad` (slicing one ``[n, P]`` leaf instead makes autograd
+        zero-fill a full ``[n, P]`` buffer per parameter)."""
+        return OrderedDict((k, v.detach().requires_grad_(True)) for k, v in self.param_views(rows).items())
+
+    def flat_grad(self, loss: Tensor, leaves: "OrderedDict[str, Tensor]", out: Tensor) -> Tensor:
+        """d loss / d leaves as one ``[n, P]`` tensor written into ``out`` (``torch.autograd.grad``: no
+        ``.grad`` accumulation, whose layout contract would copy each gradient to the leaf's strides)."""
+        n = out.shape[0]
+        gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        gs = [g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=out.device)
+              for g, lf in zip(gs, leaves.values())]
+        return torch.cat(gs, 1, out=out)
 
     # -- views -------------------------------------------------------------------------------------
     @property
@@ -186,6 +204,9 @@ class ClientStack:
         from torch.func import vmap
 
         p = self.param_views(rows) if params is None else params
+        if self.plan is not None:  # plain Sequential: the vmap-free grouped executor (fedfast.batched)
+            from .batched import batched_forward
+            return batched_forward(self.plan, p, x, self.module.training, features)
         b = self.buffer_views(rows)
         f = functional_forward(self.module, features)
         return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client

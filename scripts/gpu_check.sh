@@ -18,4 +18,8 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
   python benchmarks/summarize.py "$OUT_DIR/$name.json"
   FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_flat.py --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$OUT_DIR/$name-flat.json" 2>&1 | tail -3
+  # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10, simple_cnn),
+  # engine vs the sequential loop, and all 1000 clients in one round
+  FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_engine.py --benchmark-only -q -p no:cacheprovider \
+    --benchmark-json "$OUT_DIR/$name-engine.json" 2>&1 | tail -3
 fi

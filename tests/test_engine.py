@@ -338,3 +338,27 @@ def test_config_errors_name_the_option():
                      (dict(algorithm="fedadc", asd=True), "asd"), (dict(adc_lam=2.0), "adc_lam")):
         with pytest.raises(ValueError, match=name):
             fedfast.SimConfig(**kw)
+
+
+class _Wrapped(torch.nn.Module):
+    """Not a plain Sequential: the engine falls back to vmap(functional_call)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("algorithm,extra", [("fedntd", dict(tau=2.0)), ("moon", {})])
+def test_engine_vmap_path_matches_sequential_loop(algorithm, extra):
+    train, test, part, model = _setup()
+    model = _Wrapped(model)
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
+                            lr=0.05, momentum=0.9, weight_decay=1e-4, seed=3, **extra)
+    ref = _sequential(cfg, model, train, part, cfg.rounds)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    assert sim.stack.plan is None
+    sim.run()
+    assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
