@@ -60,9 +60,25 @@ def _holdout(train, fraction):
     return part(slice(0, cut)), part(slice(cut, None))
 
 
+def _init_distributed(cfg):
+    """Under ``torchrun`` (WORLD_SIZE > 1): one process per GPU (nccl) or CPU process (gloo)."""
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None, cfg["device"]
+    dev = cfg["device"]
+    if dev.startswith("cuda"):
+        dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+    return "default", dev
+
+
 def run(cfg, out_dir: str) -> list[dict]:
     from .engine import Simulation
     torch.manual_seed(cfg["seed"])
+    group, device = _init_distributed(cfg)
+    lead = group is None or torch.distributed.get_rank() == 0  # only rank 0 writes and prints
     train, test = _data(cfg)
     val = None
     if cfg["algorithm"] == "fedgkd_vote":
@@ -70,18 +86,29 @@ def run(cfg, out_dir: str) -> list[dict]:
     part = _partition(cfg, train.y)
     model = _model(cfg, train)
     sc = cfg.sim_config()
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg.values, f, indent=2, sort_keys=True)
-    sim = Simulation(sc, model, train, test, part, device=cfg["device"], val=val)
-    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+    sim = Simulation(sc, model, train, test, part, device=device, val=val, process_group=group)
+    if lead:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg.values, f, indent=2, sort_keys=True)
+    f = open(os.path.join(out_dir, "metrics.jsonl"), "w") if lead else None
+    try:
         for _ in range(cfg["rounds"]):
             rec = sim.round()
+            if not lead:
+                continue
             rec = {k: v for k, v in rec.items() if k != "clients"}
             f.write(json.dumps(rec) + "\n")
             f.flush()
             print(f"round {rec['round']:4d}  test_acc {100 * rec['test_accuracy']:6.2f}%  test_loss "
                   f"{rec['test_loss']:.4f}  train_loss {rec['train_loss']:.4f}  {rec['seconds']:.2f}s", flush=True)
+    finally:
+        if f is not None:
+            f.close()
+    if lead and sim.history:
+        last = sim.history[-1]
+        print(f"final test_acc {100 * last['test_accuracy']:.2f}%  best {100 * last['best_test_accuracy']:.2f}%"
+              + (f"  forgetting {last['forgetting']:.4f}" if last["forgetting"] is not None else ""), flush=True)
     return sim.history
 
 
@@ -93,6 +120,7 @@ def main(argv=None) -> int:
     r.add_argument("config", nargs="?", help="TOML config file")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", default="runs/latest", help="run directory (config.json, metrics.jsonl)")
+    ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
     args = ap.parse_args(argv)
     try:
         cfg = build_config(args.config, args.set)

@@ -198,11 +198,22 @@ def _free_bytes(device: torch.device) -> int:
 class Simulation:
     """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps.
 
-    ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it)."""
+    ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it).
+    ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
+    round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged
+    with all_reduce / all_gather, so every rank holds the same global model and state after each round."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
-                 partition: Partition, device=None, val: ArrayDataset | None = None):
+                 partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None):
         c = self.cfg = config
+        self.group, self.rank, self.world = process_group, 0, 1
+        if process_group is not None:  # torch.distributed: the sampled clients are split between the ranks
+            import torch.distributed as dist
+            if not dist.is_initialized():
+                raise ValueError("process_group: torch.distributed is not initialised")
+            self._dist = dist
+            self.group = None if process_group == "default" else process_group
+            self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if c.tune_cpu_allocator and self.device.type == "cpu":
             from .cpu_alloc import tune_cpu_allocator
@@ -222,7 +233,8 @@ class Simulation:
         self.eval_batch = c.eval_batch or (256 if self.device.type == "cpu" else 4096)
         self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
         P = sum(p.numel() for p in self.model.parameters())
-        self.chunk = min(c.clients_per_round, c.client_chunk or self._auto_chunk(P))
+        per_rank = -(-c.clients_per_round // self.world)
+        self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(P)))
         self.stack = ClientStack(self.model, self.chunk, device=self.device)
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
@@ -256,11 +268,15 @@ class Simulation:
 
     # -- memory ---------------------------------------------------------------------------------------
     def _auto_chunk(self, P: int) -> int:
-        """Clients per chunk: parameters, gradient, momentum and per-client state rows (4 B each per
-        parameter) plus activations (measured on one probe sample, x3 for backward) must fit the budget."""
+        """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
+        probe sample, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
+        MemAvailable)."""
         c = self.cfg
-        budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else 0.8 * _free_bytes(self.device)
-        rows = 2 + (1 if (c.momentum or 0) else 0) + (2 if c.algorithm in ("scaffold", "feddyn", "moon") else 0)
+        frac = 0.8 if self.device.type == "cuda" else 0.6
+        budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
+        # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
+        # per-client state rows and FedDyn's linear term
+        rows = 3 + (1 if (c.momentum or 0) else 0) + (2 if c.algorithm in ("scaffold", "feddyn", "moon") else 0)
         acts = []
         hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
                  for m in self.model.modules() if not list(m.children())]
@@ -403,6 +419,12 @@ class Simulation:
         steps = np.ceil(sizes / B).astype(int)
         order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, steps = sampled[order], sizes[order], steps[order]
+        total_w = float(sizes.sum()) if c.aggregate_weights == "size" else float(m)
+        total_steps = int(steps.sum()) * c.local_epochs
+        if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
+            sampled, sizes, steps = sampled[self.rank::self.world], sizes[self.rank::self.world], \
+                steps[self.rank::self.world]
+            m = len(sampled)
         lr = c.lr * c.lr_decay ** self.rnd
         sampled_t = torch.from_numpy(sampled).to(self.device)
         hist = self._hist[sampled_t]  # [m, C] label histograms in stack order (ASD prior, FedADC+ confidence)
@@ -410,7 +432,7 @@ class Simulation:
         teacher = None
         if a == "fedcad":
             self._class_alpha = self._cad_alpha()
-        if c.needs_teacher and c.teacher == "cache":
+        if c.needs_teacher and c.teacher == "cache" and m:
             idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
             teacher = self._build_teacher(idx)
         self._sync()
@@ -428,7 +450,8 @@ class Simulation:
         avg_sum = torch.zeros_like(self.global_flat)
         incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k) / K; FedDyn sum of (X_k - g) / K
         loss_sum = torch.zeros((), device=self.device)
-        for lo in range(0, m, self.chunk):  # usually a single chunk
+        new_rows = torch.empty(m, self.stack.P, device=self.device) if "rows" in state else None
+        for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
             t1 = time.perf_counter()
             self._train_chunk(lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum)
@@ -449,15 +472,22 @@ class Simulation:
             avg_sum += weights[lo:hi].sum() * out["average"]
             if a == "scaffold":
                 incr += out["scaffold_c"] - self.server_state
-                self.client_state.scatter_(sampled_t[lo:hi], out["scaffold_ck"])
+                new_rows[lo:hi] = out["scaffold_ck"]
             elif a == "feddyn":
                 incr += out["dyn_hbar"] - self.server_state
-                self.client_state.scatter_(sampled_t[lo:hi], out["dyn_h"])
+                new_rows[lo:hi] = out["dyn_h"]
             elif a == "moon":
-                self.client_state.scatter_(sampled_t[lo:hi], self.stack.params[:n])
+                new_rows[lo:hi] = self.stack.params[:n]
             t_agg += time.perf_counter() - t1
         t1 = time.perf_counter()
-        avg = avg_sum / weights.sum()
+        if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
+            for t in (avg_sum, incr, loss_sum):
+                self._dist.all_reduce(t, group=self.group)
+            if new_rows is not None:
+                sampled_t, new_rows = self._all_gather_rows(sampled_t, new_rows)
+        if new_rows is not None:
+            self.client_state.scatter_(sampled_t, new_rows)
+        avg = avg_sum / total_w
         self._server_update(avg, incr, lr)
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -465,7 +495,7 @@ class Simulation:
         timers["eval"] = time.perf_counter() - t1
         self.rnd += 1
         self._class_acc.append(class_acc)
-        client_steps = int(steps.sum()) * c.local_epochs
+        client_steps = total_steps
         rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
                "train_loss": float(loss_sum) / max(client_steps, 1), "seconds": time.perf_counter() - t0,
                "best_test_accuracy": max([acc] + [h["test_accuracy"] for h in self.history]),
@@ -586,6 +616,21 @@ class Simulation:
             tot += F.cross_entropy(self._flat_forward(flat, x).float(), y, reduction="sum")
         self.model.train()
         return tot / len(self.val)
+
+    def _all_gather_rows(self, ids: torch.Tensor, rows: torch.Tensor):
+        """All ranks' (client id, state row) pairs (blocks padded to equal length for all_gather)."""
+        m_max = -(-self.cfg.clients_per_round // self.world)
+        pad_ids = torch.full((m_max,), -1, dtype=torch.long, device=self.device)
+        pad_ids[:len(ids)] = ids
+        pad_rows = torch.zeros(m_max, rows.shape[1], device=self.device)
+        pad_rows[:len(ids)] = rows
+        all_ids = [torch.empty_like(pad_ids) for _ in range(self.world)]
+        all_rows = [torch.empty_like(pad_rows) for _ in range(self.world)]
+        self._dist.all_gather(all_ids, pad_ids, group=self.group)
+        self._dist.all_gather(all_rows, pad_rows, group=self.group)
+        ids, rows = torch.cat(all_ids), torch.cat(all_rows)
+        keep = ids >= 0
+        return ids[keep], rows[keep]
 
     def _sync(self):
         """Phase boundaries only (a few per round): makes the per-phase timers true on GPUs."""

@@ -65,3 +65,32 @@ def test_per_method_defaults_resolved():
     assert build_config(None, ["algorithm=fedadc"])["momentum"] == 0.0
     assert build_config(None, ["algorithm=fedadc", "momentum=0.5"])["momentum"] == 0.5
     assert build_config(None, ["algorithm=fedgkd_vote"])["gkd_buffer"] == 5
+
+
+def test_torchrun_two_processes(tmp_path):
+    """`torchrun --nproc_per_node=2 -m fedfast run ...` (gloo on CPU): rank 0 writes the run directory, with the
+    same metrics as one process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun not installed")
+    args = ["--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=4",
+            "--set", "rounds=2", "--set", "algorithm=scaffold", "--set", "partition=iid"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    r = subprocess.run([torchrun, "--nproc_per_node=2", f"--master_port={port}", "-m", "fedfast", "run", *args,
+                        "--out", str(tmp_path / "dist")], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
+    d = [json.loads(s) for s in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    o = [json.loads(s) for s in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert len(d) == len(o) == 2
+    for a, b in zip(d, o):
+        assert abs(a["test_loss"] - b["test_loss"]) <= 1e-4 * abs(b["test_loss"])

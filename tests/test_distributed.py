@@ -1,0 +1,67 @@
+"""torch.distributed: 2 CPU processes (gloo) split each round's clients; every rank ends with the global model
+and client state of a single-process run."""
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fedfast
+from fedfast import data, models
+
+CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(dyn_alpha=0.1)), ("fedntd", dict(tau=2.0)),
+         ("moon", {})]
+
+
+def _setup():
+    train, test = data.synthetic(5, 400, 100, (1, 6, 6), separation=0.7, seed=0)
+    part = data.dirichlet_lda(train.y, 8, alpha=0.5, seed=1, min_size=5)
+    torch.manual_seed(0)
+    return train, test, part, models.MLP(36, (16,), 5)
+
+
+def _cfg(algorithm, extra):
+    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=2, local_epochs=1, batch_size=16,
+                             lr=0.05, seed=3, **extra)
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for algorithm, extra in CASES:
+            train, test, part, model = _setup()
+            sim = fedfast.Simulation(_cfg(algorithm, extra), model, train, test, part, process_group="default")
+            hist = sim.run()
+            state = sim.client_state.data if hasattr(sim, "client_state") else torch.zeros(1)
+            torch.save(dict(g=sim.global_flat, state=state, loss=hist[-1]["train_loss"]),
+                       os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+def test_two_ranks_equal_one_process(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for algorithm, extra in CASES:
+        train, test, part, model = _setup()
+        sim = fedfast.Simulation(_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)
+        hist = sim.run()
+        ranks = [torch.load(tmp_path / f"{algorithm}-{r}.pt") for r in range(2)]
+        assert torch.equal(ranks[0]["g"], ranks[1]["g"]), algorithm  # the ranks agree exactly
+        ref = sim.global_flat
+        assert (ranks[0]["g"] - ref).abs().max() <= 1e-5 * ref.abs().max(), algorithm
+        if hasattr(sim, "client_state"):
+            assert (ranks[1]["state"] - sim.client_state.data).abs().max() <= 1e-5 * (
+                sim.client_state.data.abs().max() + 1e-12), algorithm
+        assert abs(ranks[0]["loss"] - hist[-1]["train_loss"]) <= 1e-5 * abs(hist[-1]["train_loss"])
