@@ -1,6 +1,7 @@
 """Fused aggregation and all-client step over flat [N, P] buffers vs the usual baselines.
 
-Run: python -m pytest benchmarks/bench_flat.py --benchmark-only   (FEDFAST_BENCH_DEVICE=cuda on a GPU)
+Run: python -m pytest benchmarks/bench_flat.py --benchmark-only   (FEDFAST_BENCH_DEVICE=cuda on a GPU;
+FEDFAST_BENCH_TUNE_ALLOC=1 applies fedfast.tune_cpu_allocator to every implementation)
 Models: the FedAvg MNIST CNN (McMahan et al.; 1,663,370 parameters in 8 tensors) and, on a GPU, an 11.0M
 MLP (ResNet-18's size); N clients (CPU: 50; GPU: 10, 100, 1000; FEDFAST_BENCH_N / FEDFAST_BENCH_MODELS).
 
@@ -24,6 +25,9 @@ from fedfast.flat import ClientStack
 from fedfast.ops import _backend
 
 DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
+if os.environ.get("FEDFAST_BENCH_TUNE_ALLOC") == "1":  # glibc keeps freed memory (fedfast.cpu_alloc): all impls
+    from fedfast import tune_cpu_allocator
+    tune_cpu_allocator()
 N_LIST = [int(v) for v in os.environ.get("FEDFAST_BENCH_N", "50" if DEVICE == "cpu" else "10,100,1000").split(",")]
 MODELS = os.environ.get("FEDFAST_BENCH_MODELS", "cnn1.6M" if DEVICE == "cpu" else "cnn1.6M,mlp11M").split(",")
 

@@ -74,7 +74,8 @@ class SimConfig:
     beta: float = 1.0          # FedNTD
     kd_weight: float = 1.0     # plain KD
     gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
-    mu: float = 0.0            # FedProx
+    mu: float | None = None    # FedProx proximal coefficient; None: 0.1 for fedprox (FedNTD Table 5), else 0
+    max_grad_norm: float | None = None  # per-client gradient clipping; None: 10 for fedntd and ASD (their code), else off
     server_lr: float = 1.0     # FedAvgM: theta <- theta - server_lr * v
     server_momentum: float = 0.9  # FedAvgM: v <- server_momentum * v + (theta - avg)
     dyn_alpha: float = 0.01    # FedDyn alpha (per client alpha_k = dyn_alpha / (n_k / mean n))
@@ -135,6 +136,14 @@ class SimConfig:
             self.vote_beta = 1.0 / self.gkd_buffer
         if not self.vote_beta > 0:
             raise ValueError(f"vote_beta: must be > 0, got {self.vote_beta}")
+        if self.mu is None:
+            self.mu = 0.1 if a == "fedprox" else 0.0
+        if self.mu < 0:
+            raise ValueError(f"mu: must be >= 0, got {self.mu}")
+        if self.max_grad_norm is None:
+            self.max_grad_norm = 10.0 if (a == "fedntd" or self.asd) else 0.0
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
         if self.adc_beta_global is None:
             self.adc_beta_global = self.adc_beta
         if self.aggregate_weights is None:
@@ -513,7 +522,8 @@ class Simulation:
         if self.buf is not None:
             self.buf[:n].zero_()
         step_kw = dict(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
-                       anchor=self.global_flat if c.mu else None, backend=c.backend)
+                       anchor=self.global_flat if c.mu else None, max_norm=c.max_grad_norm or None,
+                       backend=c.backend)
         rows_state = state["rows"][lo:hi] if "rows" in state else None
         if a == "feddyn":
             alpha_k = state["alpha"][lo:hi]

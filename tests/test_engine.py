@@ -1,5 +1,6 @@
 """The batched engine against a literal sequential loop (per-client nn.Module, torch.optim.SGD, teacher forward
 per step, state_dict averaging) on the same partition, sampling, seeds and batch order: 2 rounds."""
+import collections
 import copy
 
 import numpy as np
@@ -46,9 +47,10 @@ def _sequential(cfg, model, train, part, rounds, val=None):
     kdw = {"fedntd": cfg.beta * s, "kd": cfg.kd_weight * s, "fedgkd": cfg.gamma / 2 * s}.get(cfg.algorithm, 0.0)
     P = _flat(glob).numel()
     K = part.num_clients
-    server_v, c_glob, hbar = torch.zeros(P), torch.zeros(P), torch.zeros(P)
-    c_k = {k: torch.zeros(P) for k in range(K)}
-    h_k = {k: torch.zeros(P) for k in range(K)}
+    dev = next(glob.parameters()).device
+    server_v, c_glob, hbar = torch.zeros(P, device=dev), torch.zeros(P, device=dev), torch.zeros(P, device=dev)
+    c_k = collections.defaultdict(lambda: torch.zeros(P, device=dev))  # per-client state, created when used
+    h_k = collections.defaultdict(lambda: torch.zeros(P, device=dev))
     mean_n = float(np.mean([len(i) for i in part.indices]))
     gkd_hist = []
     if cfg.algorithm == "fedcad":  # the same auxiliary draw as the engine (32 per class, seeded)
@@ -124,7 +126,7 @@ def _sequential(cfg, model, train, part, rounds, val=None):
                             prev.get(int(k), w0)(x)
                         cos = torch.nn.functional.cosine_similarity
                         lg = torch.stack([cos(f, glob_feats[-1], dim=-1), cos(f, prev_feats[-1], dim=-1)], 1)
-                        lcon = torch.nn.functional.cross_entropy(lg / cfg.moon_tau, torch.zeros(len(y), dtype=torch.long))
+                        lcon = torch.nn.functional.cross_entropy(lg / cfg.moon_tau, torch.zeros(len(y), dtype=torch.long, device=lg.device))
                         loss = torch.nn.functional.cross_entropy(z, y) + cfg.moon_mu * lcon
                     elif cfg.algorithm == "fedcad":
                         loss = ffnn.CADLoss(tau=cfg.tau, backend="reference")(z, t, y, class_alpha)
@@ -141,6 +143,8 @@ def _sequential(cfg, model, train, part, rounds, val=None):
                         loss = loss + alpha_k * (flat * (h_k[int(k)] - gflat)).sum()
                     opt.zero_grad()
                     loss.backward()
+                    if cfg.max_grad_norm:  # the FedNTD / ASD code: clip the loss gradient, then SGD adds wd
+                        torch.nn.utils.clip_grad_norm_(local.parameters(), cfg.max_grad_norm)
                     if cfg.algorithm == "scaffold":
                         corr = c_glob - c_k[int(k)]
                         off = 0
@@ -222,12 +226,17 @@ def _sequential(cfg, model, train, part, rounds, val=None):
                                              ("feddyn", dict(client_chunk=1, dyn_alpha=0.1)),
                                              ("fedavgm", dict(client_chunk=3)),
                                              ("moon", dict(client_chunk=3)),
-                                             ("fedadc", dict(client_chunk=2, adc_beta=0.8, momentum=0.0))])
+                                             ("fedadc", dict(client_chunk=2, adc_beta=0.8, momentum=0.0)),
+                                             ("fedprox", dict(asd=True, mu=0.05, tau=2.0)),
+                                             ("fedntd", dict(max_grad_norm=0.5, tau=2.0)),
+                                             ("fedprox", dict(max_grad_norm=0.5)),
+                                             ("fedadc", dict(max_grad_norm=0.5, adc_beta=0.8, momentum=0.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
     rounds = 3 if "gkd_buffer" in extra or algorithm.startswith("fedadc") else 2  # buffers/momentum need rounds
     extra = dict(extra)
     extra.setdefault("momentum", 0.9)
+    extra.setdefault("max_grad_norm", 0.0)
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16,
                             lr=0.05, lr_decay=0.99, weight_decay=1e-4, seed=3, **extra)
     val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
@@ -362,3 +371,16 @@ def test_engine_vmap_path_matches_sequential_loop(algorithm, extra):
     assert sim.stack.plan is None
     sim.run()
     assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
+
+
+def test_bf16_teacher_cache_close_to_fp32():
+    train, test, part, model = _setup()
+    out = []
+    for dt in ("float32", "bfloat16"):
+        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16,
+                                lr=0.05, seed=2, tau=2.0, teacher_cache_dtype=dt)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        sim.run()
+        out.append(sim.global_flat)
+    rel = float((out[0] - out[1]).abs().max() / out[0].abs().max())
+    assert 0 < rel <= 1e-2  # bf16 logits (8 mantissa bits) perturb the KD target slightly, not more
