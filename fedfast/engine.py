@@ -270,6 +270,15 @@ class Simulation:
             self.cad_aux = torch.cat([p[torch.randperm(len(p), generator=g)[:c.cad_aux_per_class]]
                                       for p in picks]).to(self.device)
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
+        self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
+                                for mod in self.model.modules())
+        sizes_all = np.array([len(i) for i in partition.indices])
+        if self._batch_stats and (sizes_all % c.batch_size).any():
+            import warnings
+            warnings.warn("model: it normalises with batch statistics (BatchNorm/InstanceNorm) and some clients' last "
+                          "minibatch is partial; the engine pads those batches to batch_size, so the padding rows "
+                          "enter that batch's statistics (a per-client loop would not). Use GroupNorm, or client "
+                          "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=2)
         self._fwd = functional_forward(self.model)
         self.rnd = 0
         self.history: list[dict] = []

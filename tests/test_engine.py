@@ -384,3 +384,33 @@ def test_bf16_teacher_cache_close_to_fp32():
         out.append(sim.global_flat)
     rel = float((out[0] - out[1]).abs().max() / out[0].abs().max())
     assert 0 < rel <= 1e-2  # bf16 logits (8 mantissa bits) perturb the KD target slightly, not more
+
+
+def test_batch_statistics_with_padding_warns():
+    train, test = data.synthetic(3, 90, 30, (3, 8, 8), seed=0)
+    part = data.iid(train.y, 4, seed=0)  # sizes 22/23: not multiples of 16
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False),
+                                torch.nn.Flatten(), torch.nn.Linear(144, 3))
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=2, batch_size=16)
+    with pytest.warns(UserWarning, match="batch statistics"):
+        fedfast.Simulation(cfg, model, train, test, part)
+
+
+@pytest.mark.parametrize("algorithm,extra", [("fedntd", dict(tau=2.0, max_grad_norm=0.5)), ("scaffold", {}),
+                                             ("feddyn", dict(asd=True, dyn_alpha=0.1)),
+                                             ("fedadc_plus", dict(adc_beta=0.8, momentum=0.0)),
+                                             ("fedgkd_vote", dict(gkd_buffer=2)), ("fedavgm", {})])
+def test_engine_triton_backend_matches_sequential_loop(algorithm, extra):
+    """Every fused op of the round through the Triton kernels (interpreter on CPU): the wiring a GPU run uses."""
+    pytest.importorskip("triton")
+    train, test, part, model = _setup()
+    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
+    extra = dict(extra)
+    extra.setdefault("momentum", 0.9)
+    extra.setdefault("max_grad_norm", 0.0)
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, rounds=2, local_epochs=1, batch_size=32,
+                            lr=0.05, weight_decay=1e-4, seed=3, backend="triton", **extra)
+    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
+    sim.run()
+    assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
