@@ -208,13 +208,25 @@ class Simulation:
     """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps.
 
     ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it).
+    ``loss_fn(student [R, C], teacher [R, C] or None, target [R], segments [R], num_segments) -> scalar``
+    replaces the method's client loss (client step, server rule and state stay the method's). It must return
+    the sum over the segments (clients) of each client's mean loss over its valid rows; padded rows carry
+    ``target == -100`` (``fedfast.ops.distill`` with ``segments=..., reduction="mean"`` does exactly this).
+    ``loss_needs_teacher=True`` passes the cached (or online) global-model logits as ``teacher``.
     ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
     round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged
     with all_reduce / all_gather, so every rank holds the same global model and state after each round."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
-                 partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None):
+                 partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
+                 loss_fn=None, loss_needs_teacher: bool = False):
         c = self.cfg = config
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
+        self.loss_fn = loss_fn
+        self._needs_teacher = bool(loss_needs_teacher) if loss_fn is not None else config.needs_teacher
+        if self._needs_teacher and config.teacher == "cache" and config.augment != "none":
+            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
         self.group, self.rank, self.world = process_group, 0, 1
         if process_group is not None:  # torch.distributed: the sampled clients are split between the ranks
             import torch.distributed as dist
@@ -383,6 +395,8 @@ class Simulation:
         """The fused client loss over all active clients' rows (sum of per-client minibatch means)."""
         c = self.cfg
         a = c.algorithm
+        if self.loss_fn is not None:
+            return self.loss_fn(z, t, y, seg, n_act)
         kw = dict(segments=seg, num_segments=n_act, reduction="mean", backend=c.backend)
         if a == "fedcad":  # per row (1 - a_y) CE + a_y soft-CE at temperature tau (He et al., Eq. 5)
             return ops.distill(z, t, y, kind="full", tau=c.tau, soft_ce=True, class_alpha=self._class_alpha,
@@ -450,7 +464,7 @@ class Simulation:
         teacher = None
         if a == "fedcad":
             self._class_alpha = self._cad_alpha()
-        if c.needs_teacher and c.teacher == "cache" and m:
+        if self._needs_teacher and c.teacher == "cache" and m:
             idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
             teacher = self._build_teacher(idx)
         self._sync()
@@ -570,7 +584,7 @@ class Simulation:
                 C = z.shape[-1]
                 zf = z.reshape(-1, C)
                 flat_idx = ridx.reshape(-1)
-                if teacher is None and c.needs_teacher and c.teacher == "online":
+                if teacher is None and self._needs_teacher and c.teacher == "online":
                     t = self._online_teacher(x.reshape(-1, *x.shape[2:]))
                 elif isinstance(teacher, tuple):
                     t = (teacher[0][flat_idx], teacher[1][flat_idx])
