@@ -106,6 +106,9 @@ class SimConfig:
     client_chunk: int | None = None  # clients trained together; None: as many as fit memory_budget_gb
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
+    state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
+    state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
+    profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
 
@@ -149,7 +152,8 @@ class SimConfig:
         if self.aggregate_weights is None:
             self.aggregate_weights = "uniform" if a in _UNIFORM else "size"
         choices = {"aggregate_weights": ("size", "uniform"), "adc_order": ("nesterov", "heavy_ball"),
-                   "adc_teacher": ("global", "local"), "teacher_cache_dtype": ("float32", "bfloat16")}
+                   "adc_teacher": ("global", "local"), "teacher_cache_dtype": ("float32", "bfloat16"),
+                   "state_dtype": ("float32", "bfloat16")}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
@@ -263,10 +267,10 @@ class Simulation:
         a = c.algorithm
         self.server_m = torch.zeros(P, device=self.device) if a in ("fedavgm", "fedadc", "fedadc_plus") else None
         if a in ("scaffold", "feddyn"):
-            self.client_state = ClientState(self.K, P, device=self.device)  # SCAFFOLD c_k / FedDyn h_k
+            self.client_state = self._client_state(P)  # SCAFFOLD c_k / FedDyn h_k
             self.server_state = torch.zeros(P, device=self.device)          # SCAFFOLD c / FedDyn mean h
         if a == "moon":  # each client's previous local model (never trained: the initial global model)
-            self.client_state = ClientState(self.K, P, device=self.device)
+            self.client_state = self._client_state(P)
             self.client_state.data.copy_(self.global_flat.expand(self.K, P))
             self.classifier = classifier_of(self.model)
         self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
@@ -295,6 +299,11 @@ class Simulation:
         self.rnd = 0
         self.history: list[dict] = []
         self._class_acc: list[torch.Tensor] = []
+
+    def _client_state(self, P: int) -> ClientState:
+        c = self.cfg
+        return ClientState(self.K, P, device=self.device, pin_memory=c.state_on_host,
+                           dtype=torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32)
 
     # -- memory ---------------------------------------------------------------------------------------
     def _auto_chunk(self, P: int) -> int:
@@ -483,9 +492,10 @@ class Simulation:
         incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k) / K; FedDyn sum of (X_k - g) / K
         loss_sum = torch.zeros((), device=self.device)
         new_rows = torch.empty(m, self.stack.P, device=self.device) if "rows" in state else None
+        self._prof = {}
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
-            t1 = time.perf_counter()
+            t1 = self._last = time.perf_counter()
             self._train_chunk(lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum)
             self._sync()
             t_local += time.perf_counter() - t1
@@ -522,6 +532,7 @@ class Simulation:
         avg = avg_sum / total_w
         self._server_update(avg, incr, lr)
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
+        timers.update({f"local.{k}": v for k, v in self._prof.items()})
         t1 = time.perf_counter()
         acc, test_loss, class_acc = self.evaluate()
         timers["eval"] = time.perf_counter() - t1
@@ -576,11 +587,13 @@ class Simulation:
                 else:
                     x, y = self.train.batch(ridx)
                 y = torch.where(valid, y, torch.full_like(y, -100))
+                self._tick("data")
                 pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
                 if a == "moon":
                     feat, z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=self.classifier)
                 else:
                     z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv)
+                self._tick("forward")
                 C = z.shape[-1]
                 zf = z.reshape(-1, C)
                 flat_idx = ridx.reshape(-1)
@@ -590,11 +603,14 @@ class Simulation:
                     t = (teacher[0][flat_idx], teacher[1][flat_idx])
                 else:
                     t = teacher[flat_idx].float() if teacher is not None else None
+                self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
                 loss = self._loss(zf, t, y.reshape(-1), seg, n_act, hist_c[:n_act])
                 if a == "moon":
                     loss = loss + self._moon_term(feat, x, rows_state, valid, n_act)
+                self._tick("loss")
                 grad = self.stack.flat_grad(loss, pv, self.gradbuf[:n_act])
+                self._tick("backward")
                 kw = dict(step_kw)
                 if a == "scaffold":
                     kw.update(scaffold_c=self.server_state, scaffold_ck=rows_state[:n_act])
@@ -605,6 +621,7 @@ class Simulation:
                 ops.client_step(theta_all[:n_act], grad,
                                 momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+                self._tick("step")
         if drift is not None and c.adc_order == "nesterov":
             drift_shift_(theta_all[:n], drift, lr * inv_h, sign=+1.0)
 
@@ -664,6 +681,15 @@ class Simulation:
         ids, rows = torch.cat(all_ids), torch.cat(all_rows)
         keep = ids >= 0
         return ids[keep], rows[keep]
+
+    def _tick(self, phase: str):
+        """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""
+        if not self.cfg.profile:
+            return
+        self._sync()
+        now = time.perf_counter()
+        self._prof[phase] = self._prof.get(phase, 0.0) + now - self._last
+        self._last = now
 
     def _sync(self):
         """Phase boundaries only (a few per round): makes the per-phase timers true on GPUs."""

@@ -466,3 +466,27 @@ def test_custom_loss_fn():
     assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
     with pytest.raises(TypeError, match="loss_fn"):
         fedfast.Simulation(cfg, model, train, test, part, loss_fn=3)
+
+
+def test_profile_timers():
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=1, batch_size=16, profile=True)
+    rec = fedfast.Simulation(cfg, model, train, test, part).round()
+    split = {k: v for k, v in rec["timers"].items() if k.startswith("local.")}
+    assert set(split) == {"local.data", "local.forward", "local.teacher", "local.loss", "local.backward", "local.step"}
+    assert 0 < sum(split.values()) <= rec["timers"]["local"] * 1.05 + 1e-3
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "moon"])
+def test_bf16_and_host_client_state(algorithm):
+    train, test, part, model = _setup()
+    out = []
+    for kw in (dict(), dict(state_dtype="bfloat16", state_on_host=True)):
+        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=3, batch_size=16, lr=0.05, seed=1,
+                                **kw)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        sim.run()
+        out.append(sim.global_flat)
+        assert sim.client_state.data.dtype == (torch.bfloat16 if kw else torch.float32)
+    rel = float((out[0] - out[1]).abs().max() / out[0].abs().max())
+    assert rel <= 2e-2
