@@ -329,14 +329,16 @@ class Simulation:
         return max(1, int(budget // max(per_client, 1)))
 
     # -- teacher ------------------------------------------------------------------------------------
-    def _flat_forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One model (flat parameters [P]) on a batch: the stack's executor with one client, else functional_call."""
+    def _flat_forward(self, flat: torch.Tensor, x: torch.Tensor, features: nn.Module | None = None):
+        """One model (flat parameters [P]) on a batch: the stack's executor with one client, else functional_call.
+        With ``features``: ``(input of features, logits)``."""
         if self.stack.plan is not None:
             from .batched import batched_forward
             pv = {k: v[None] for k, v in self.stack.layout.param_views(flat).items()}
-            return batched_forward(self.stack.plan, pv, x[None], self.model.training)[0]
-        return self._fwd(self.stack.layout.param_views(flat), self.stack.layout.buffer_views(
-            self.stack.buffers[0]), x)
+            out = batched_forward(self.stack.plan, pv, x[None], self.model.training, features)
+            return (out[0][0], out[1][0]) if features is not None else out[0]
+        fwd = self._fwd if features is None else functional_forward(self.model, features)
+        return fwd(self.stack.layout.param_views(flat), self.stack.layout.buffer_views(self.stack.buffers[0]), x)
 
     @torch.no_grad()
     def _logits(self, flat: torch.Tensor, idx: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -435,12 +437,12 @@ class Simulation:
         """MOON (Li et al. 2021): mu * mean over each client's rows of -log(e^{cos(z,zg)/T} / (e^{cos(z,zg)/T} +
         e^{cos(z,zp)/T})), summed over clients; zg from the global model, zp from the client's previous model."""
         c = self.cfg
+        self.model.eval()  # the global and previous models are frozen references: no dropout, as a teacher
         with torch.no_grad():
-            fwd = functional_forward(self.model, self.classifier)
-            bufs = self.stack.layout.buffer_views(self.stack.buffers[0])
-            zg, _ = fwd(self.stack.layout.param_views(self.global_flat), bufs, x.reshape(-1, *x.shape[2:]))
+            zg, _ = self._flat_forward(self.global_flat, x.reshape(-1, *x.shape[2:]), features=self.classifier)
             zp, _ = self.stack.vmap_forward(x, rows=slice(0, n_act), features=self.classifier,
                                             params=self.stack.layout.param_views(prev_rows[:n_act]))
+        self.model.train()
         f = feat.reshape(-1, feat.shape[-1])
         logits = torch.stack([F.cosine_similarity(f, zg.reshape(f.shape), dim=-1),
                               F.cosine_similarity(f, zp.reshape(f.shape), dim=-1)], 1) / c.moon_tau

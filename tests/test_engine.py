@@ -38,7 +38,7 @@ def _sequential(cfg, model, train, part, rounds, val=None):
     """The literal loop: per-client nn.Module + torch.optim.SGD, teacher forward per step, state_dict averaging,
     and each method's state written out plainly."""
     glob = copy.deepcopy(model)
-    w0 = copy.deepcopy(model)
+    w0 = copy.deepcopy(model).eval()
     prev = {}  # MOON: each client's previous local model (initially the initial global model)
     adc_m = None
     vote_hist = []  # VOTE: (model, val loss) of the globals after each round
