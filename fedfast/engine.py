@@ -535,6 +535,8 @@ class Simulation:
         self._server_update(avg, incr, lr)
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
+        if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
+            ops.raise_if_invalid(self.device)
         t1 = time.perf_counter()
         acc, test_loss, class_acc = self.evaluate()
         timers["eval"] = time.perf_counter() - t1
