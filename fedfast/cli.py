@@ -83,10 +83,17 @@ def run(cfg, out_dir: str) -> list[dict]:
     val = None
     if cfg["algorithm"] == "fedgkd_vote":
         train, val = _holdout(train, cfg["val_fraction"])
+    aux = None
+    if cfg["algorithm"] == "fedcad" and cfg["cad_aux_holdout"]:  # strict: the server's samples leave the clients
+        from .data import per_class_sample
+        pick = per_class_sample(train.y, cfg["cad_aux_per_class"], cfg["seed"] + 7919)
+        keep = torch.ones(len(train), dtype=torch.bool)
+        keep[pick] = False
+        train, aux = train.subset(keep), train.subset(pick)
     part = _partition(cfg, train.y)
     model = _model(cfg, train)
     sc = cfg.sim_config()
-    sim = Simulation(sc, model, train, test, part, device=device, val=val, process_group=group)
+    sim = Simulation(sc, model, train, test, part, device=device, val=val, process_group=group, aux=aux)
     if lead:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.json"), "w") as f:

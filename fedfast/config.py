@@ -24,6 +24,7 @@ _RUN: dict = {
     "dataset": (str, "mnist"), "data_dir": (str, "data"), "partition": (str, "shards"), "alpha": (float, 0.1),
     "shards_per_client": (int, 2), "num_clients": (int, 100), "model": (str, "mlp"), "device": (str, "cpu"),
     "val_fraction": (float, 0.1),  # FedGKD-VOTE: the server-held validation split (last 10% of the training set)
+    "cad_aux_holdout": (bool, False),  # FedCAD: remove the auxiliary samples from the clients' data (strict setting)
 }
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}

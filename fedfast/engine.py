@@ -86,6 +86,7 @@ class SimConfig:
     cad_gamma: float = 0.7
     cad_aux_per_class: int = 32
     cad_tau_squared: bool = False  # FedCAD: no tau^2 by default (spec C2)
+    cad_alpha_tau: float = 1.0  # FedCAD: temperature of p^g in the alpha estimate (spec C3: 1 by default)
     adc_beta: float = 0.9      # FedADC beta_local (and beta_global unless adc_beta_global is set)
     adc_beta_global: float | None = None
     adc_alpha: float = 1.0     # FedADC server step theta -= alpha * eta * m
@@ -172,6 +173,8 @@ class SimConfig:
             raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
+        if not self.cad_alpha_tau > 0:
+            raise ValueError(f"cad_alpha_tau: must be > 0, got {self.cad_alpha_tau}")
         if not 0.0 <= self.adc_lam <= 1.0:
             raise ValueError(f"adc_lam: must lie in [0, 1], got {self.adc_lam}")
 
@@ -212,6 +215,7 @@ class Simulation:
     """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps.
 
     ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it).
+    ``aux``: FedCAD's server-held auxiliary data (default: ``cad_aux_per_class`` per class of the training set).
     ``loss_fn(student [R, C], teacher [R, C] or None, target [R], segments [R], num_segments) -> scalar``
     replaces the method's client loss (client step, server rule and state stay the method's). It must return
     the sum over the segments (clients) of each client's mean loss over its valid rows; padded rows carry
@@ -223,7 +227,7 @@ class Simulation:
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
-                 loss_fn=None, loss_needs_teacher: bool = False):
+                 loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None):
         c = self.cfg = config
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
@@ -279,12 +283,14 @@ class Simulation:
         if a in ("fedgkd", "fedgkd_vote") and c.gkd_buffer > 1 or a == "fedgkd_vote":
             self.gkd_buffer = torch.zeros(c.gkd_buffer, P, device=self.device)
             self.val_loss = torch.zeros(c.gkd_buffer, device=self.device)
-        if a == "fedcad":  # server-held auxiliary data: cad_aux_per_class per class, drawn once
-            g = torch.Generator().manual_seed(c.seed + 7919)
-            y = self.train.y.cpu()
-            picks = [torch.nonzero(y == cl).flatten() for cl in range(self.train.num_classes)]
-            self.cad_aux = torch.cat([p[torch.randperm(len(p), generator=g)[:c.cad_aux_per_class]]
-                                      for p in picks]).to(self.device)
+        if a == "fedcad":  # server-held auxiliary data: given, or cad_aux_per_class per class of the training set
+            from .data.partition import per_class_sample
+            if aux is not None:
+                self.cad_aux_ds = aux.to(self.device)
+                self.cad_aux = torch.arange(len(aux), device=self.device)
+            else:
+                self.cad_aux_ds = self.train
+                self.cad_aux = per_class_sample(self.train.y.cpu(), c.cad_aux_per_class, c.seed + 7919).to(self.device)
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                 for mod in self.model.modules())
@@ -394,8 +400,9 @@ class Simulation:
     def _cad_alpha(self) -> torch.Tensor:
         """FedCAD Eq. 6 (simplified, spec 3.2): alpha_y = beta + (gamma - beta) * mean_{x in aux_y} softmax(global(x))_y."""
         self.model.eval()
-        x, y = self.train.batch(self.cad_aux)
-        p = torch.softmax(self._flat_forward(self.global_flat, x).float(), 1).gather(1, y[:, None]).squeeze(1)
+        x, y = self.cad_aux_ds.batch(self.cad_aux)
+        z = self._flat_forward(self.global_flat, x).float() / self.cfg.cad_alpha_tau
+        p = torch.softmax(z, 1).gather(1, y[:, None]).squeeze(1)
         self.model.train()
         C = self.train.num_classes
         mean_py = torch.zeros(C, device=self.device).index_add_(0, y, p) / torch.bincount(y, minlength=C).clamp_min(1)

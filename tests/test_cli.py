@@ -46,7 +46,8 @@ def test_build_config_defaults_and_types():
 
 
 @pytest.mark.parametrize("algorithm,extra", [("fedgkd_vote", ["gkd_buffer=2"]), ("fedadc_plus", ["adc_order=heavy_ball"]),
-                                             ("moon", ["moon_mu=5"]), ("scaffold", ["asd=true"])])
+                                             ("moon", ["moon_mu=5"]), ("scaffold", ["asd=true"]),
+                                             ("fedcad", ["cad_aux_holdout=true"])])
 def test_run_new_methods(tmp_path, algorithm, extra):
     out = tmp_path / "run"
     args = ["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",

@@ -179,3 +179,16 @@ def test_partition_bad_input():
         data.quantity_skew(y, 5, alpha=0.0)
     with pytest.raises(ValueError, match="labels"):
         data.iid(torch.zeros(0, dtype=torch.long), 1)
+
+
+def test_per_class_sample_and_subset():
+    from fedfast import data
+    y = torch.tensor([0] * 50 + [1] * 10 + [2] * 40)
+    idx = data.per_class_sample(y, 32, seed=1)
+    assert torch.bincount(y[idx]).tolist() == [32, 10, 32] and len(set(idx.tolist())) == len(idx)
+    assert torch.equal(idx, data.per_class_sample(y, 32, seed=1))
+    with pytest.raises(ValueError, match="per_class"):
+        data.per_class_sample(y, 0)
+    ds = data.ArrayDataset(torch.zeros(100, 1, 2, 2, dtype=torch.uint8), y, 3)
+    sub = ds.subset(idx)
+    assert len(sub) == len(idx) and torch.equal(sub.y, y[idx]) and sub.num_classes == 3

@@ -490,3 +490,23 @@ def test_bf16_and_host_client_state(algorithm):
         assert sim.client_state.data.dtype == (torch.bfloat16 if kw else torch.float32)
     rel = float((out[0] - out[1]).abs().max() / out[0].abs().max())
     assert rel <= 2e-2
+
+
+def test_fedcad_given_aux_set_and_alpha_temperature():
+    """A server-held aux dataset equal to the default draw gives the same run; cad_alpha_tau changes alpha."""
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm="fedcad", clients_per_round=3, rounds=2, batch_size=16, lr=0.05, seed=4)
+    pick = data.per_class_sample(train.y, cfg.cad_aux_per_class, cfg.seed + 7919)
+    runs = []
+    for kw in (dict(), dict(aux=train.subset(pick))):
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, **kw)
+        sim.run()
+        runs.append(sim)
+    assert torch.equal(runs[0].global_flat, runs[1].global_flat)
+    a1 = runs[0]._cad_alpha()
+    runs[0].cfg.cad_alpha_tau = 4.0  # the same global model, a hotter softmax
+    a4 = runs[0]._cad_alpha()
+    assert not torch.allclose(a1, a4)
+    C = train.num_classes  # a hotter softmax pulls p_y towards 1/C: alpha towards beta + (gamma - beta) / C
+    mid = cfg.cad_beta + (cfg.cad_gamma - cfg.cad_beta) / C
+    assert ((a4 - mid).abs() <= (a1 - mid).abs() + 1e-6).all()

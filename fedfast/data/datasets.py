@@ -52,6 +52,10 @@ class ArrayDataset:
     def to(self, device) -> "ArrayDataset":
         return ArrayDataset(self.x.to(device), self.y.to(device), self.num_classes, self.mean, self.std, self.name)
 
+    def subset(self, idx) -> "ArrayDataset":
+        """Rows ``idx`` (indices, a slice or a bool mask) as a new dataset with the same classes and normalisation."""
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.mean, self.std, self.name)
+
     def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
         """Normalise a gathered batch [..., C, H, W] (any leading dims)."""
         x = xb.to(dtype)

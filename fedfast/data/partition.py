@@ -259,3 +259,14 @@ def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
 
 PARTITIONERS = {"iid": iid, "shards": shards, "dirichlet": dirichlet_lda, "dirichlet_balanced": dirichlet_balanced,
                 "dirichlet_fedgkd": dirichlet_fedgkd, "quantity_skew": quantity_skew}
+
+
+def per_class_sample(labels, per_class: int, seed: int = 0) -> torch.Tensor:
+    """``per_class`` random indices of each class (all of a class if it has fewer), sorted by class, drawn once
+    with ``seed``: FedCAD's server-held auxiliary set (32 per class, spec 3.4 C5)."""
+    if int(per_class) < 1:
+        raise ValueError(f"per_class: must be >= 1, got {per_class}")
+    y = torch.as_tensor(_labels(labels))
+    g = torch.Generator().manual_seed(int(seed))
+    picks = [torch.nonzero(y == c).flatten() for c in range(int(y.max()) + 1)]
+    return torch.cat([p[torch.randperm(len(p), generator=g)[:int(per_class)]] for p in picks])
