@@ -11,20 +11,22 @@ One round (``Simulation.round``), following ../shared/spec/architecture.md:
    (``teacher="online"``, one batched forward for all clients);
 3. per chunk: broadcast the global model into the stack rows; for each local step gather every active
    client's minibatch (``[n_active, B]`` index table, the last partial batch padded and masked with
-   ``ignore_index``), one ``vmap`` forward/backward over the stacked parameters, the fused loss with
-   per-client segments (each client's gradient is that of its own minibatch mean), the fused client step;
-   then the chunk's rows go through the fused server update (per-client state; the weighted average);
-4. the server rule on the chunks' average (FedAvg, FedAvgM, FedADC momentum, FedDyn, SCAFFOLD, the FedGKD
-   buffer); test accuracy, per-class accuracy and FedNTD's forgetting measure.
+   ``ignore_index``), one batched forward/backward over the stacked parameters (``fedfast.batched`` for
+   Sequential models, else ``vmap``), the fused loss with per-client segments (each client's gradient is that
+   of its own minibatch mean), the fused client step; then the chunk's rows go through the fused server
+   update (per-client state; the weighted average);
+4. the server rule on the chunks' average; test accuracy, per-class accuracy and FedNTD's forgetting measure.
 
+The method-specific parts (loss, client-step terms, server rule, state) live in :mod:`fedfast.algorithms`
+(one class per method; the engine calls its hooks and never branches on the method's name).
 Methods (``algorithm``): fedavg, fedprox (``mu``), kd, fedntd (``beta``), fedgkd (``gamma``, buffer
 ``gkd_buffer``), fedgkd_vote (``vote_lambda``, ``vote_beta``; needs the server-held ``val`` split), fedcad
 (``cad_beta``, ``cad_gamma``), fedavgm (``server_lr``, ``server_momentum``), scaffold, feddyn (``dyn_alpha``),
 fedadc and fedadc_plus (``adc_beta``, ``adc_order`` nesterov|heavy_ball, ``adc_lam``), moon (``moon_mu``,
 ``moon_tau``), and the ASD add-on (``asd=True``, ``lam``) on fedavg, fedprox, fedntd, scaffold and feddyn.
-Per-method defaults (``tau``, ``momentum``, buffer size, aggregation weights) are the papers' (spec), filled in
-where the option is left ``None``. Models must not use BatchNorm batch statistics (padding rows would enter
-them).
+Per-method defaults (``tau``, ``momentum``, buffer size, aggregation weights, ``mu``, ``max_grad_norm``) are
+the papers' (spec), filled in where the option is left ``None``. Models that normalise with batch statistics
+get a warning when padded partial batches would enter them.
 """
 from __future__ import annotations
 
@@ -36,20 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import nn as fnn
 from . import ops
+from .algorithms import METHODS, Round
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, ClientState, classifier_of, functional_forward
-from .ops.client_step import drift_shift_
+from .flat import ClientStack, ClientState, functional_forward
 
-# algorithm: (KD kind or None for plain CE, whether it needs the teacher logits)
-_METHODS = {
-    "fedavg": (None, False), "fedprox": (None, False), "kd": ("full", True), "fedntd": ("not_true", True),
-    "fedgkd": ("full", True), "fedgkd_vote": ("full", True), "fedcad": ("full", True), "fedavgm": (None, False),
-    "scaffold": (None, False), "feddyn": (None, False), "fedadc": (None, False), "fedadc_plus": ("full", True),
-    "moon": (None, False),
-}
 ASD_BASES = ("fedavg", "fedprox", "fedntd", "scaffold", "feddyn")
 # the papers' defaults where a method differs from the common ones (spec: FedCAD/ASD tau = 2, FedADC+ tau = 4
 # (CS-KD), FedADC without local momentum, VOTE buffer 5, FedADC/FedDyn uniform averaging)
@@ -115,8 +109,8 @@ class SimConfig:
 
     def __post_init__(self):
         a = self.algorithm
-        if a not in _METHODS:
-            raise ValueError(f"algorithm: one of {sorted(_METHODS)}, got {a!r}")
+        if a not in METHODS:
+            raise ValueError(f"algorithm: one of {sorted(METHODS)}, got {a!r}")
         if self.asd and a not in ASD_BASES:
             raise ValueError(f"asd: the ASD add-on composes with {', '.join(ASD_BASES)}, not {a!r}")
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
@@ -180,9 +174,7 @@ class SimConfig:
 
     @property
     def needs_teacher(self) -> bool:
-        if self.algorithm == "fedadc_plus":
-            return self.adc_teacher == "global"
-        return _METHODS[self.algorithm][1] or self.asd
+        return METHODS[self.algorithm].teacher_for(self) is not None or self.asd
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -251,8 +243,6 @@ class Simulation:
         self.train = train.to(self.device)
         self.test = test.to(self.device)
         self.val = val.to(self.device) if val is not None else None
-        if c.algorithm == "fedgkd_vote" and self.val is None:
-            raise ValueError("val: FedGKD-VOTE needs a server-held validation split (Simulation(..., val=...))")
         self.partition = partition
         self.K = partition.num_clients
         if len(partition.indices) and int(max(int(i.max()) for i in partition.indices if len(i))) >= len(train):
@@ -268,29 +258,11 @@ class Simulation:
         self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
         self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
-        a = c.algorithm
-        self.server_m = torch.zeros(P, device=self.device) if a in ("fedavgm", "fedadc", "fedadc_plus") else None
-        if a in ("scaffold", "feddyn"):
-            self.client_state = self._client_state(P)  # SCAFFOLD c_k / FedDyn h_k
-            self.server_state = torch.zeros(P, device=self.device)          # SCAFFOLD c / FedDyn mean h
-        if a == "moon":  # each client's previous local model (never trained: the initial global model)
-            self.client_state = self._client_state(P)
-            self.client_state.data.copy_(self.global_flat.expand(self.K, P))
-            self.classifier = classifier_of(self.model)
         self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
         self.teacher_flat = self.global_flat  # FedGKD: average of the buffered globals (w_0 is never buffered)
-        self.gkd_count = 0
-        if a in ("fedgkd", "fedgkd_vote") and c.gkd_buffer > 1 or a == "fedgkd_vote":
-            self.gkd_buffer = torch.zeros(c.gkd_buffer, P, device=self.device)
-            self.val_loss = torch.zeros(c.gkd_buffer, device=self.device)
-        if a == "fedcad":  # server-held auxiliary data: given, or cad_aux_per_class per class of the training set
-            from .data.partition import per_class_sample
-            if aux is not None:
-                self.cad_aux_ds = aux.to(self.device)
-                self.cad_aux = torch.arange(len(aux), device=self.device)
-            else:
-                self.cad_aux_ds = self.train
-                self.cad_aux = per_class_sample(self.train.y.cpu(), c.cad_aux_per_class, c.seed + 7919).to(self.device)
+        self.aux = aux.to(self.device) if aux is not None else None
+        self.algo = METHODS[c.algorithm](self)  # the method: loss, client-step terms, server rule, state
+        self.algo.setup()
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                 for mod in self.model.modules())
@@ -321,7 +293,7 @@ class Simulation:
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
         # per-client state rows and FedDyn's linear term
-        rows = 3 + (1 if (c.momentum or 0) else 0) + (2 if c.algorithm in ("scaffold", "feddyn", "moon") else 0)
+        rows = 3 + (1 if (c.momentum or 0) else 0) + (2 if METHODS[c.algorithm].state_rows else 0)
         acts = []
         hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
                  for m in self.model.modules() if not list(m.children())]
@@ -366,7 +338,7 @@ class Simulation:
         VOTE, the mixture ``(P [N, C], negent [N])`` (weights normalised; ``vote_lambda`` is the KD weight)."""
         c = self.cfg
         N, C = len(self.train), self.train.num_classes
-        if c.algorithm == "fedgkd_vote":
+        if self.algo.teacher == "vote":
             if self.gkd_count == 0:
                 return None  # round 1: no buffered global yet, no KD (spec II.5)
             T = torch.stack([self._logits(self.gkd_buffer[i], idx) for i in range(self.gkd_count)])
@@ -384,10 +356,9 @@ class Simulation:
     @torch.no_grad()
     def _online_teacher(self, x: torch.Tensor):
         """Per step (augmented rows): one batched teacher forward over all active clients' rows."""
-        c = self.cfg
         self.model.eval()
         try:
-            if c.algorithm == "fedgkd_vote":
+            if self.algo.teacher == "vote":
                 if self.gkd_count == 0:
                     return None
                 T = torch.stack([self._flat_forward(self.gkd_buffer[i], x).float() for i in range(self.gkd_count)])
@@ -410,58 +381,14 @@ class Simulation:
 
     # -- loss ---------------------------------------------------------------------------------------
     def _loss(self, z, t, y, seg, n_act, hist):
-        """The fused client loss over all active clients' rows (sum of per-client minibatch means)."""
-        c = self.cfg
-        a = c.algorithm
+        """The client loss over all active clients' rows (sum of per-client minibatch means)."""
         if self.loss_fn is not None:
             return self.loss_fn(z, t, y, seg, n_act)
-        kw = dict(segments=seg, num_segments=n_act, reduction="mean", backend=c.backend)
-        if a == "fedcad":  # per row (1 - a_y) CE + a_y soft-CE at temperature tau (He et al., Eq. 5)
-            return ops.distill(z, t, y, kind="full", tau=c.tau, soft_ce=True, class_alpha=self._class_alpha,
-                               kd_weight=c.tau ** 2 if c.cad_tau_squared else 1.0, **kw)
-        if c.asd:  # ASD replaces the method's KD term: CE_mean + lam * sum_i alpha_i KL_i (FedNTD+ASD: not-true KL)
-            nt = c.asd_not_true if c.asd_not_true is not None else a == "fedntd"
-            loss = fnn.ASDLoss(tau=c.tau, lam=c.lam, not_true=nt, entropy_tau=c.asd_entropy_tau, backend=c.backend)
-            return loss(z, t, y, hist / hist.sum(1, keepdim=True), segments=seg, num_segments=n_act)
-        s = c.tau ** 2 if c.tau_squared else 1.0
-        if a == "fedadc_plus":  # (1 - lam) CE + lam tau^2 KL(phat || q), phat from the client's label histogram
-            return fnn.ADCLoss(tau=c.tau, lam=c.adc_lam, tau_squared=c.tau_squared, backend=c.backend)(
-                z, t if t is not None else z.detach(), y, hist, segments=seg, num_segments=n_act)
-        if a == "fedgkd_vote":
-            if t is None:
-                return ops.distill(z, torch.zeros_like(z.detach()), y, kd_weight=0.0, **kw)
-            if isinstance(t, tuple):  # cached mixture (weights normalised, lambda as the KD weight)
-                return ops.distill(z, None, y, tau=c.tau, kd_weight=c.vote_lambda * s, mixture=t, **kw)
-            return ops.distill(z, t, y, tau=c.tau, kd_weight=c.vote_lambda * s, teacher_weights=self._vote_weights(),
-                               **kw)
-        kind = _METHODS[a][0]
-        kd = {"kd": c.kd_weight * s, "fedntd": c.beta * s, "fedgkd": c.gamma / 2 * s}.get(a, 0.0)
-        if t is None:
-            t = torch.zeros_like(z.detach())
-        return ops.distill(z, t, y, kind=kind or "full", tau=c.tau, kd_weight=kd, **kw)
-
-    def _moon_term(self, feat, x, prev_rows, valid, n_act):
-        """MOON (Li et al. 2021): mu * mean over each client's rows of -log(e^{cos(z,zg)/T} / (e^{cos(z,zg)/T} +
-        e^{cos(z,zp)/T})), summed over clients; zg from the global model, zp from the client's previous model."""
-        c = self.cfg
-        self.model.eval()  # the global and previous models are frozen references: no dropout, as a teacher
-        with torch.no_grad():
-            zg, _ = self._flat_forward(self.global_flat, x.reshape(-1, *x.shape[2:]), features=self.classifier)
-            zp, _ = self.stack.vmap_forward(x, rows=slice(0, n_act), features=self.classifier,
-                                            params=self.stack.layout.param_views(prev_rows[:n_act]))
-        self.model.train()
-        f = feat.reshape(-1, feat.shape[-1])
-        logits = torch.stack([F.cosine_similarity(f, zg.reshape(f.shape), dim=-1),
-                              F.cosine_similarity(f, zp.reshape(f.shape), dim=-1)], 1) / c.moon_tau
-        lcon = torch.logsumexp(logits, 1) - logits[:, 0]
-        v = valid.float()
-        w = (v / v.sum(1, keepdim=True).clamp_min(1)).reshape(-1)
-        return c.moon_mu * (lcon * w).sum()
+        return self.algo.loss(z, t, y, seg, n_act, hist)
 
     # -- one round ------------------------------------------------------------------------------------
     def round(self) -> dict:
         c, t0 = self.cfg, time.perf_counter()
-        a = c.algorithm
         timers = {}
         m, B = c.clients_per_round, c.batch_size
         sampled = sample_clients(c.seed, self.rnd, self.K, m)
@@ -478,68 +405,48 @@ class Simulation:
         lr = c.lr * c.lr_decay ** self.rnd
         sampled_t = torch.from_numpy(sampled).to(self.device)
         hist = self._hist[sampled_t]  # [m, C] label histograms in stack order (ASD prior, FedADC+ confidence)
+        ctx = Round(sampled, sizes, steps, lr, sampled_t, hist)
         t1 = time.perf_counter()
         teacher = None
-        if a == "fedcad":
-            self._class_alpha = self._cad_alpha()
+        self.algo.round_start(ctx)
         if self._needs_teacher and c.teacher == "cache" and m:
             idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
             teacher = self._build_teacher(idx)
         self._sync()
         timers["teacher"] = time.perf_counter() - t1
-        state = {}
-        if a in ("scaffold", "feddyn", "moon"):
-            state["rows"] = self.client_state.gather(sampled_t)  # c_k / h_k / previous local models
-        if a == "feddyn":
-            mean_n = float(self._hist.sum(1).mean())
-            state["alpha"] = c.dyn_alpha / (torch.tensor(sizes, dtype=torch.float32, device=self.device) / mean_n)
+        if self.algo.state_rows:
+            ctx.rows = self.client_state.gather(sampled_t)  # c_k / h_k / previous local models
+            ctx.new_rows = torch.empty(m, self.stack.P, device=self.device)
         weights = torch.tensor(sizes if c.aggregate_weights == "size" else np.ones(m), dtype=torch.float32,
                                device=self.device)
         self._sync()
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
-        incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k) / K; FedDyn sum of (X_k - g) / K
+        ctx.incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k)/K; FedDyn sum of (X_k - g)/K
         loss_sum = torch.zeros((), device=self.device)
-        new_rows = torch.empty(m, self.stack.P, device=self.device) if "rows" in state else None
         self._prof = {}
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
             t1 = self._last = time.perf_counter()
-            self._train_chunk(lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum)
+            self._train_chunk(ctx, lo, hi, teacher, loss_sum)
             self._sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
             n = hi - lo
-            agg = dict(weights=weights[lo:hi], rows=n, backend=c.backend)
-            if a == "scaffold":  # FedNTD code: K_eff counts momentum, rho = local momentum
-                Kst = torch.tensor(steps[lo:hi] * c.local_epochs, dtype=torch.float64)
-                rho = c.momentum
-                k_eff = (Kst - rho * (1 - rho ** Kst) / (1 - rho)) / (1 - rho) if rho > 0 else Kst
-                agg.update(scaffold_c=self.server_state, scaffold_ck=state["rows"][lo:hi],
-                           scaffold_coef=(1.0 / (k_eff * lr)).float().to(self.device), scaffold_num_clients=self.K)
-            elif a == "feddyn":
-                agg.update(dyn_h=state["rows"][lo:hi], dyn_hbar=self.server_state, dyn_num_clients=self.K)
+            agg = dict(weights=weights[lo:hi], rows=n, backend=c.backend, **self.algo.chunk_aggregate(ctx, lo, hi))
             out = ops.aggregate(self.stack.params, self.global_flat, **agg)
             avg_sum += weights[lo:hi].sum() * out["average"]
-            if a == "scaffold":
-                incr += out["scaffold_c"] - self.server_state
-                new_rows[lo:hi] = out["scaffold_ck"]
-            elif a == "feddyn":
-                incr += out["dyn_hbar"] - self.server_state
-                new_rows[lo:hi] = out["dyn_h"]
-            elif a == "moon":
-                new_rows[lo:hi] = self.stack.params[:n]
+            self.algo.collect(ctx, out, lo, hi)
             t_agg += time.perf_counter() - t1
         t1 = time.perf_counter()
         if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
-            for t in (avg_sum, incr, loss_sum):
+            for t in (avg_sum, ctx.incr, loss_sum):
                 self._dist.all_reduce(t, group=self.group)
-            if new_rows is not None:
-                sampled_t, new_rows = self._all_gather_rows(sampled_t, new_rows)
-        if new_rows is not None:
-            self.client_state.scatter_(sampled_t, new_rows)
-        avg = avg_sum / total_w
-        self._server_update(avg, incr, lr)
+            if ctx.new_rows is not None:
+                sampled_t, ctx.new_rows = self._all_gather_rows(sampled_t, ctx.new_rows)
+        if ctx.new_rows is not None:
+            self.client_state.scatter_(sampled_t, ctx.new_rows)
+        self.algo.server(ctx, avg_sum / total_w)
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
         if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
@@ -558,28 +465,22 @@ class Simulation:
         self.history.append(rec)
         return rec
 
-    def _train_chunk(self, lo, hi, sampled, sizes, steps, lr, teacher, hist, state, loss_sum):
-        """Local training of the sampled clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``."""
-        c, a = self.cfg, self.cfg.algorithm
+    def _train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum):
+        """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``."""
+        c, algo = self.cfg, self.algo
+        sampled, sizes, steps = ctx.sampled, ctx.sizes, ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))
         if self.buf is not None:
             self.buf[:n].zero_()
-        step_kw = dict(lr=lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
+        step_kw = dict(lr=ctx.lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
                        anchor=self.global_flat if c.mu else None, max_norm=c.max_grad_norm or None,
                        backend=c.backend)
-        rows_state = state["rows"][lo:hi] if "rows" in state else None
-        if a == "feddyn":
-            alpha_k = state["alpha"][lo:hi]
-            dyn_lin = alpha_k[:, None] * (rows_state - self.global_flat)  # gradient of alpha_k <w, h_k - w_cld>
-        drift = None
-        if a in ("fedadc", "fedadc_plus"):  # FedADC: each step adds beta_l m_t / H_k, H_k = the client's steps
-            drift = c.adc_beta * self.server_m
-            inv_h = torch.tensor(1.0 / (steps[lo:hi] * c.local_epochs), dtype=torch.float32, device=self.device)
-            if c.adc_order == "nesterov":  # the heavy-ball step on the sequence shifted by one drift half-step
-                drift_shift_(theta_all[:n], drift, lr * inv_h, sign=-1.0)
-        hist_c = hist[lo:hi]
+        ctx.chunk = {}
+        algo.chunk_start(ctx, lo, hi)
+        hist_c = ctx.hist[lo:hi]
+        features = self.classifier if algo.needs_features else None
         for e in range(c.local_epochs):
             table = torch.full((n, S * B), -1, dtype=torch.long)
             for j in range(n):  # index math only (host, once per epoch), no per-step client loop
@@ -600,10 +501,8 @@ class Simulation:
                 y = torch.where(valid, y, torch.full_like(y, -100))
                 self._tick("data")
                 pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
-                if a == "moon":
-                    feat, z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=self.classifier)
-                else:
-                    z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv)
+                out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
+                feat, z = out if features is not None else (None, out)
                 self._tick("forward")
                 C = z.shape[-1]
                 zf = z.reshape(-1, C)
@@ -617,56 +516,18 @@ class Simulation:
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
                 loss = self._loss(zf, t, y.reshape(-1), seg, n_act, hist_c[:n_act])
-                if a == "moon":
-                    loss = loss + self._moon_term(feat, x, rows_state, valid, n_act)
+                extra = algo.extra_loss(ctx, feat, x, valid, n_act)
+                if extra is not None:
+                    loss = loss + extra
                 self._tick("loss")
                 grad = self.stack.flat_grad(loss, pv, self.gradbuf[:n_act])
                 self._tick("backward")
-                kw = dict(step_kw)
-                if a == "scaffold":
-                    kw.update(scaffold_c=self.server_state, scaffold_ck=rows_state[:n_act])
-                elif a == "feddyn":
-                    kw.update(dyn_linear=dyn_lin[:n_act], weight_decay=alpha_k[:n_act] + c.weight_decay)
-                elif drift is not None:
-                    kw.update(drift=drift, drift_scale=inv_h[:n_act])
                 ops.client_step(theta_all[:n_act], grad,
-                                momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
+                                momentum_buf=self.buf[:n_act] if self.buf is not None else None,
+                                **{**step_kw, **algo.step_terms(ctx, n_act)})
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
-        if drift is not None and c.adc_order == "nesterov":
-            drift_shift_(theta_all[:n], drift, lr * inv_h, sign=+1.0)
-
-    def _server_update(self, avg, incr, lr):
-        """The server rule on the participants' average ``avg`` (one fused call on a single 'client' row)."""
-        c, a = self.cfg, self.cfg.algorithm
-        agg = dict(rows=1, backend=c.backend)
-        if a == "fedavgm":
-            agg.update(beta=c.server_momentum, lr=c.server_lr, momentum=self.server_m)
-        elif a in ("fedadc", "fedadc_plus"):  # m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m'
-            agg.update(beta=c.adc_beta_global - c.adc_beta, scale=1.0 / lr, lr=c.adc_alpha * lr, momentum=self.server_m)
-        push = a in ("fedgkd", "fedgkd_vote") and hasattr(self, "gkd_buffer")
-        if push:  # push the new global into the ring buffer; FedGKD teacher = mean of the buffer
-            self.gkd_count = min(self.gkd_count + 1, c.gkd_buffer)
-            agg.update(teacher_buffer=self.gkd_buffer, teacher_slot=self.rnd % c.gkd_buffer,
-                       teacher_count=self.gkd_count)
-        if a == "feddyn":  # hbar' = hbar + (1/K) sum_k (X_k - g); the cloud model g' = avg + hbar'
-            self.server_state = self.server_state + incr
-            self.average_flat = avg
-            self.global_flat = avg + self.server_state
-            self.teacher_flat = self.global_flat
-            return
-        if a == "scaffold":
-            self.server_state = self.server_state + incr
-        out = ops.aggregate(avg[None], self.global_flat, **agg)
-        self.global_flat = self.average_flat = self.teacher_flat = out["global"]
-        if a in ("fedavgm", "fedadc", "fedadc_plus"):
-            self.server_m = out["momentum"]
-        if push:
-            self.gkd_buffer = out["teacher_buffer"]
-            if a == "fedgkd":
-                self.teacher_flat = out["teacher"]
-            else:  # VOTE: the new global's loss on the server's validation split, computed once
-                self.val_loss[self.rnd % c.gkd_buffer] = self._val_loss(self.global_flat)
+        algo.chunk_end(ctx, lo, hi)
 
     @torch.no_grad()
     def _val_loss(self, flat) -> torch.Tensor:

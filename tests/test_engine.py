@@ -338,7 +338,7 @@ def test_config_errors_name_the_option():
     cfg = fedfast.SimConfig(algorithm="fedgkd_vote")
     assert cfg.gkd_buffer == 5 and cfg.vote_beta == pytest.approx(0.2)
     with pytest.raises(ValueError, match="val"):
-        fedfast.Simulation(cfg, model, train, test, part)
+        fedfast.Simulation(fedfast.SimConfig(algorithm="fedgkd_vote", clients_per_round=4), model, train, test, part)
     assert fedfast.SimConfig(algorithm="fedadc").momentum == 0.0
     assert fedfast.SimConfig(algorithm="fedadc_plus").tau == 4.0
     assert fedfast.SimConfig(algorithm="fedadc").aggregate_weights == "uniform"
