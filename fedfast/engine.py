@@ -221,6 +221,17 @@ class Simulation:
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
                  loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None):
         c = self.cfg = config
+        if not isinstance(config, SimConfig):
+            raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux)):
+            if ds is not None and not isinstance(ds, ArrayDataset):
+                raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
+            if ds is not None and ds.num_classes != train.num_classes:
+                raise ValueError(f"{name}: has {ds.num_classes} classes, the training set {train.num_classes}")
+        if not isinstance(partition, Partition):
+            raise TypeError(f"partition: expected a fedfast.data.Partition, got {type(partition).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
         self.loss_fn = loss_fn
@@ -251,6 +262,7 @@ class Simulation:
             raise ValueError(f"clients_per_round: {c.clients_per_round} > {self.K} clients")
         self.eval_batch = c.eval_batch or (256 if self.device.type == "cpu" else 4096)
         self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
+        self._probe_model()
         P = sum(p.numel() for p in self.model.parameters())
         per_rank = -(-c.clients_per_round // self.world)
         self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(P)))
@@ -278,6 +290,19 @@ class Simulation:
         self.history: list[dict] = []
         self._class_acc: list[torch.Tensor] = []
 
+    @torch.no_grad()
+    def _probe_model(self):
+        """One training sample through the model: it must run on the images and output num_classes logits."""
+        x, _ = self.train.batch(torch.arange(min(2, len(self.train)), device=self.device))  # 2: BatchNorm1d
+        try:
+            out = self.model(x)
+        except RuntimeError as e:
+            raise ValueError(f"model: cannot run on the training images (shape {tuple(x.shape[1:])}): {e}") from None
+        C = self.train.num_classes
+        if not (torch.is_tensor(out) and out.dim() == 2 and out.shape[1] == C):
+            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ValueError(f"model: must return logits [batch, {C}] for the {C} classes, got {shape}")
+
     def _client_state(self, P: int) -> ClientState:
         c = self.cfg
         return ClientState(self.K, P, device=self.device, pin_memory=c.state_on_host,
@@ -286,7 +311,7 @@ class Simulation:
     # -- memory ---------------------------------------------------------------------------------------
     def _auto_chunk(self, P: int) -> int:
         """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
-        probe sample, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
+        probe samples, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
         MemAvailable)."""
         c = self.cfg
         frac = 0.8 if self.device.type == "cuda" else 0.6
@@ -299,11 +324,11 @@ class Simulation:
                  for m in self.model.modules() if not list(m.children())]
         try:
             with torch.no_grad():
-                self.model(self.train.batch(torch.zeros(1, dtype=torch.long, device=self.device))[0])
+                self.model(self.train.batch(torch.arange(2, device=self.device) % len(self.train))[0])
         finally:
             for h in hooks:
                 h.remove()
-        per_client = 4 * P * rows + 3 * 4 * sum(acts) * c.batch_size
+        per_client = 4 * P * rows + 3 * 4 * sum(acts) // 2 * c.batch_size  # acts: of the 2 probe samples
         return max(1, int(budget // max(per_client, 1)))
 
     # -- teacher ------------------------------------------------------------------------------------

@@ -510,3 +510,17 @@ def test_fedcad_given_aux_set_and_alpha_temperature():
     C = train.num_classes  # a hotter softmax pulls p_y towards 1/C: alpha towards beta + (gamma - beta) / C
     mid = cfg.cad_beta + (cfg.cad_gamma - cfg.cad_beta) / C
     assert ((a4 - mid).abs() <= (a1 - mid).abs() + 1e-6).all()
+
+
+def test_bad_simulation_inputs_name_the_argument():
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(clients_per_round=4)
+    cases = [((cfg, "x", train, test, part), TypeError, "model"), ((cfg, model, train.x, test, part), TypeError, "train"),
+             ((cfg, model, train, test, "p"), TypeError, "partition"), (({}, model, train, test, part), TypeError, "config"),
+             ((cfg, model, train, data.ArrayDataset(test.x, test.y, 3), part), ValueError, "test"),
+             ((cfg, models.MLP(36, (16,), 3), train, test, part), ValueError, "model: must return logits"),
+             ((cfg, models.MLP(20, (16,), 5), train, test, part), ValueError, "model: cannot run"),
+             ((cfg, model, test, test, part), ValueError, "partition")]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            fedfast.Simulation(*args)
