@@ -51,13 +51,8 @@ def _model(cfg, train):
 
 def _holdout(train, fraction):
     """FedGKD-VOTE's server-held validation split: the last ``fraction`` of the training set (spec II.4)."""
-    from .data import ArrayDataset
-    n_val = max(1, int(round(len(train) * fraction)))
-    cut = len(train) - n_val
-
-    def part(sl):
-        return ArrayDataset(train.x[sl], train.y[sl], train.num_classes, train.mean, train.std, train.name)
-    return part(slice(0, cut)), part(slice(cut, None))
+    cut = len(train) - max(1, int(round(len(train) * fraction)))
+    return train.subset(slice(0, cut)), train.subset(slice(cut, None))
 
 
 def _init_distributed(cfg):

@@ -31,7 +31,7 @@ get a warning when padded partial batches would enter them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -175,10 +175,6 @@ class SimConfig:
     @property
     def needs_teacher(self) -> bool:
         return METHODS[self.algorithm].teacher_for(self) is not None or self.asd
-
-    @classmethod
-    def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:

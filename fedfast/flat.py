@@ -116,8 +116,8 @@ class ClientStack:
         self.plan = plan(module) if use_executor else None  # None: torch.func.vmap of functional_call
 
     def leaf_views(self, rows: slice) -> "OrderedDict[str, Tensor]":
-        """Per-parameter autograd leaves ``[n, *shape]`` sharing storage with rows ``rows``: their ``.grad``
-        are separate tensors, joined by :meth:`flat_grad` (slicing one ``[n, P]`` leaf instead makes autograd
+        """Per-parameter autograd leaves ``[n, *shape]`` sharing storage with rows ``rows``; :meth:`flat_grad`
+        joins their gradients into one ``[n, P]`` tensor (slicing one ``[n, P]`` leaf instead makes autograd
         zero-fill a full ``[n, P]`` buffer per parameter)."""
         return OrderedDict((k, v.detach().requires_grad_(True)) for k, v in self.param_views(rows).items())
 

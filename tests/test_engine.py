@@ -232,23 +232,31 @@ def _sequential(cfg, model, train, part, rounds, val=None):
                                              ("fedprox", dict(max_grad_norm=0.5)),
                                              ("fedadc", dict(max_grad_norm=0.5, adc_beta=0.8, momentum=0.0))])
 def test_engine_matches_sequential_loop(algorithm, extra):
-    train, test, part, model = _setup()
     rounds = 3 if "gkd_buffer" in extra or algorithm.startswith("fedadc") else 2  # buffers/momentum need rounds
-    extra = dict(extra)
-    extra.setdefault("momentum", 0.9)
-    extra.setdefault("max_grad_norm", 0.0)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16,
-                            lr=0.05, lr_decay=0.99, weight_decay=1e-4, seed=3, **extra)
-    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
-    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
-    hist = sim.run()
-    if algorithm == "fedgkd" and cfg.gkd_buffer > 1:  # the teacher is the buffer average, not the last global
+    err, sim, hist = engine_vs_loop(algorithm, extra, rounds=rounds, lr_decay=0.99)
+    if algorithm == "fedgkd" and sim.cfg.gkd_buffer > 1:  # the teacher is the buffer average, not the last global
         assert not torch.equal(sim.teacher_flat, sim.global_flat)
-    assert len(hist) == cfg.rounds and all(np.isfinite(h["test_loss"]) for h in hist)
-    err = (sim.global_flat - ref).abs().max() / ref.abs().max()
-    assert err <= 1e-4, float(err)
-    assert not torch.equal(sim.global_flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert len(hist) == rounds and all(np.isfinite(h["test_loss"]) for h in hist)
+    assert err <= 1e-4, err
+    model = _setup()[3]
+    assert not torch.equal(sim.global_flat.cpu(), torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+def engine_vs_loop(algorithm, extra, device=None, **cfg_kw):
+    """Run ``algorithm`` with the engine (on ``device``) and with the literal loop (CPU) on the same data, seeds and
+    batch order; returns (relative error of the global models, the Simulation, its history)."""
+    train, test, part, model = _setup()
+    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
+    kw = dict(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16, lr=0.05,
+              weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0)
+    kw.update(cfg_kw)
+    kw.update(extra)
+    cfg = fedfast.SimConfig(**kw)
+    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val, device=device)
+    hist = sim.run()
+    g = sim.global_flat.cpu()
+    return float((g - ref).abs().max() / ref.abs().max()), sim, hist
 
 
 def test_engine_learns_and_reports():
@@ -403,17 +411,9 @@ def test_batch_statistics_with_padding_warns():
 def test_engine_triton_backend_matches_sequential_loop(algorithm, extra):
     """Every fused op of the round through the Triton kernels (interpreter on CPU): the wiring a GPU run uses."""
     pytest.importorskip("triton")
-    train, test, part, model = _setup()
-    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
-    extra = dict(extra)
-    extra.setdefault("momentum", 0.9)
-    extra.setdefault("max_grad_norm", 0.0)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, rounds=2, local_epochs=1, batch_size=32,
-                            lr=0.05, weight_decay=1e-4, seed=3, backend="triton", **extra)
-    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
-    sim.run()
-    assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
+    err, _, _ = engine_vs_loop(algorithm, extra, clients_per_round=3, local_epochs=1, batch_size=32,
+                               backend="triton")
+    assert err <= 1e-4, err
 
 
 def test_custom_loss_fn():

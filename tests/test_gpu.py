@@ -144,22 +144,8 @@ def test_gpu_aggregate_and_client_step(backend):
 def test_gpu_engine_matches_sequential_loop(backend, algorithm, extra):
     """The whole round on the GPU (batched forward, fused loss / client step / server update on `backend`)
     against the literal per-client loop on the CPU."""
-    import copy
-
-    import fedfast
-    from fedfast import data
-    from test_engine import _sequential, _setup
+    from test_engine import engine_vs_loop
 
     _need(backend)
-    train, test, part, model = _setup()
-    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
-    extra = dict(extra)
-    extra.setdefault("momentum", 0.9)
-    extra.setdefault("max_grad_norm", 0.0)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
-                            lr=0.05, weight_decay=1e-4, seed=3, backend=backend, **extra)
-    ref = _sequential(cfg, model, train, part, cfg.rounds, val=val)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device="cuda", val=val)
-    sim.run()
-    g = sim.global_flat.cpu()
-    assert (g - ref).abs().max() / ref.abs().max() <= 1e-4
+    err, _, _ = engine_vs_loop(algorithm, extra, device="cuda", backend=backend)
+    assert err <= 1e-4, err
