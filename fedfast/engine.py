@@ -100,7 +100,7 @@ class SimConfig:
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
     client_chunk: int | None = None  # clients trained together; None: as many as fit memory_budget_gb
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
-    eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 256 on CPU, 4096 on GPU
+    eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
@@ -256,7 +256,7 @@ class Simulation:
             raise ValueError("partition: holds sample indices beyond the training set")
         if c.clients_per_round > self.K:
             raise ValueError(f"clients_per_round: {c.clients_per_round} > {self.K} clients")
-        self.eval_batch = c.eval_batch or (256 if self.device.type == "cpu" else 4096)
+        self.eval_batch = c.eval_batch or (1024 if self.device.type == "cpu" else 4096)
         self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
         self._probe_model()
         P = sum(p.numel() for p in self.model.parameters())
