@@ -55,7 +55,13 @@ class _CompileOnlyDriver:
 
 RECORDS: list[dict] = []
 _ORIG_RUN = JITFunction.run
-_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _ptxas(arch: int) -> str:
+    """Triton's bundled ptxas (sm_100+ use the separately bundled Blackwell build when present)."""
+    bw = os.path.join(_BIN, "ptxas-blackwell")
+    return bw if arch >= 100 and os.path.exists(bw) else os.path.join(_BIN, "ptxas")
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict:
@@ -64,9 +70,11 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([_PTXAS, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+        res = subprocess.run([_ptxas(arch), "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
                               src, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     out = res.stderr + res.stdout
+    if res.returncode != 0 or "Used" not in out:
+        raise RuntimeError(f"ptxas -v did not report resource usage: {out[-500:]}")
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
@@ -81,11 +89,12 @@ def _make_run(arch: int, label: list):
                "num_warps": kwargs.get("num_warps")}
         try:
             k = _ORIG_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+            usage = _ptxas_usage(k.asm["ptx"], arch)
         except Exception as e:  # noqa: BLE001 -- reported, and the exit status says it
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
             RECORDS.append(rec)
             return None
-        rec.update(ok=True, seconds=round(time.perf_counter() - t0, 3), **_ptxas_usage(k.asm["ptx"], arch))
+        rec.update(ok=True, seconds=round(time.perf_counter() - t0, 3), **usage)
         RECORDS.append(rec)
         return k
     return run
