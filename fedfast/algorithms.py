@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import nn as fnn
 from . import ops
-from .flat import classifier_of
+from .flat import classifier_of, host_to_device
 from .ops.client_step import drift_shift_
 
 
@@ -305,7 +305,7 @@ class FedADC(FedAvgM):
     def chunk_start(self, ctx, lo, hi):
         c = self.cfg
         drift = c.adc_beta * self.sim.server_m
-        inv_h = torch.tensor(1.0 / (ctx.steps[lo:hi] * c.local_epochs), dtype=torch.float32, device=self.sim.device)
+        inv_h = host_to_device(1.0 / (ctx.steps[lo:hi] * c.local_epochs), self.sim.device, torch.float32)
         ctx.chunk.update(drift=drift, inv_h=inv_h)
         if c.adc_order == "nesterov":  # the heavy-ball step on the sequence shifted by one drift half-step
             drift_shift_(self.sim.stack.params[:hi - lo], drift, ctx.lr * inv_h, sign=-1.0)

@@ -42,7 +42,7 @@ from . import ops
 from .algorithms import METHODS, Round
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, ClientState, functional_forward
+from .flat import ClientStack, ClientState, functional_forward, host_to_device
 
 ASD_BASES = ("fedavg", "fedprox", "fedntd", "scaffold", "feddyn")
 # the papers' defaults where a method differs from the common ones (spec: FedCAD/ASD tau = 2, FedADC+ tau = 4
@@ -251,6 +251,7 @@ class Simulation:
         self.test = test.to(self.device)
         self.val = val.to(self.device) if val is not None else None
         self.partition = partition
+        self._idx_host = [np.asarray(i.cpu(), dtype=np.int64) for i in partition.indices]  # per-epoch batch tables
         self.K = partition.num_clients
         if len(partition.indices) and int(max(int(i.max()) for i in partition.indices if len(i))) >= len(train):
             raise ValueError("partition: holds sample indices beyond the training set")
@@ -503,12 +504,11 @@ class Simulation:
         hist_c = ctx.hist[lo:hi]
         features = self.classifier if algo.needs_features else None
         for e in range(c.local_epochs):
-            table = torch.full((n, S * B), -1, dtype=torch.long)
-            for j in range(n):  # index math only (host, once per epoch), no per-step client loop
+            table = np.full((n, S * B), -1, dtype=np.int64)
+            for j in range(n):  # host index math (numpy, once per epoch): each client's own seeded order
                 k = sampled[lo + j]
-                ids = self.partition.indices[k][torch.from_numpy(client_order(c.seed, self.rnd, int(k), e, sizes[lo + j]))]
-                table[j, : sizes[lo + j]] = ids
-            table = table.to(self.device)
+                table[j, : sizes[lo + j]] = self._idx_host[k][client_order(c.seed, self.rnd, int(k), e, sizes[lo + j])]
+            table = host_to_device(table, self.device)
             for s in range(S):
                 n_act = int((steps[lo:hi] > s).sum())
                 rows = table[:n_act, s * B:(s + 1) * B]

@@ -524,3 +524,50 @@ def test_bad_simulation_inputs_name_the_argument():
     for args, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             fedfast.Simulation(*args)
+
+
+class _HostDataOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensors made from host data (``torch.tensor``: on a GPU a host-to-device copy that waits for all
+    queued work) and host reads (``.item()``, ``float(t)``, ``bool(t)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default):
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("algorithm,extra", [(a, {}) for a in ("fedavg", "fedprox", "kd", "fedntd", "fedgkd",
+                                                                 "fedgkd_vote", "fedcad", "fedavgm", "scaffold",
+                                                                 "feddyn", "fedadc", "fedadc_plus", "moon")]
+                         + [("fedntd", dict(asd=True, max_grad_norm=1.0))])
+def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
+    """No host sync in the hot path: local training makes at most one tensor from host data per epoch (the
+    batch table) plus a fixed few per chunk (method setup), however many steps it runs, and reads nothing
+    back. On a GPU each of these would stall the launch queue (see test_gpu's sync-debug test). Value checks
+    run deferred, as they do on a GPU (eager checks are the CPU default and read a flag per call)."""
+    monkeypatch.setenv("FEDFAST_VALIDATE", "defer")
+    train, test, part, model = _setup()
+    val = train.subset(slice(0, 50)) if algorithm == "fedgkd_vote" else None
+    counts = {}
+    for B in (40, 10):  # ~1-2 vs ~5-8 steps per epoch
+        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=B,
+                                lr=0.05, seed=3, **extra)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
+        sim.round()  # round 1 (VOTE: no teacher yet)
+        orig = sim._train_chunk
+        mode = _HostDataOps()
+
+        def counted(*a, **k):
+            with mode:
+                return orig(*a, **k)
+        sim._train_chunk = counted
+        sim.round()
+        counts[B] = dict(mode.counts)
+    for B, got in counts.items():
+        assert got.get("aten._local_scalar_dense.default", 0) == 0, (B, got)
+        assert got.get("aten.lift_fresh.default", 0) <= 2 + 2, (B, got)  # 2 epochs + per-chunk setup
+    assert counts[10] == counts[40], counts  # independent of the number of steps

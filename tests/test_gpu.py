@@ -149,3 +149,34 @@ def test_gpu_engine_matches_sequential_loop(backend, algorithm, extra):
     _need(backend)
     err, _, _ = engine_vs_loop(algorithm, extra, device="cuda", backend=backend)
     assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedntd", dict(asd=True, max_grad_norm=1.0)),
+                                             ("scaffold", {}), ("fedadc_plus", {})])
+def test_gpu_local_training_never_syncs(backend, algorithm, extra):
+    """CUDA's sync-debug mode raises on any synchronizing call (``.item()``, a pageable host-to-device copy,
+    ``nonzero``...) made while the round's local steps run on the GPU."""
+    import copy
+
+    import fedfast
+    from test_engine import _setup
+
+    _need(backend)
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=10,
+                            lr=0.05, seed=3, backend=backend, **extra)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
+                             device="cuda")
+    sim.round()
+    orig = sim._train_chunk
+
+    def strict(*a, **k):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sim._train_chunk = strict
+    sim.round()

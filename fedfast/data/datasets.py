@@ -16,7 +16,7 @@ import importlib.util
 import os
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ class ArrayDataset:
     mean: tuple = (0.0,)
     std: tuple = (1.0,)
     name: str = ""
+    _norm: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (device, dtype, C) -> (mean, std)
 
     def __post_init__(self):
         if self.x.shape[0] != self.y.shape[0]:
@@ -62,8 +63,11 @@ class ArrayDataset:
         if self.x.dtype == torch.uint8:
             x = x / 255.0
         C = x.shape[-3]
-        mean = torch.tensor(self.mean, dtype=dtype, device=x.device).reshape(C if len(self.mean) == C else 1, 1, 1)
-        std = torch.tensor(self.std, dtype=dtype, device=x.device).reshape(C if len(self.std) == C else 1, 1, 1)
+        key = (x.device, dtype, C)
+        if key not in self._norm:  # made once per device: a host-to-GPU copy per batch would sync every step
+            self._norm[key] = tuple(torch.tensor(v, dtype=dtype).reshape(C if len(v) == C else 1, 1, 1).to(x.device)
+                                    for v in (self.mean, self.std))
+        mean, std = self._norm[key]
         return (x - mean) / std
 
     def batch(self, idx: Tensor, dtype=torch.float32) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,8 @@ from .client_step_reference import client_step_reference
 
 
 def _per_client(name, v, n, dev):
+    if isinstance(v, (int, float)):  # a fill kernel, not a host-to-GPU copy (which would sync every step)
+        return torch.full((1,), float(v), dtype=torch.float32, device=dev)
     t = torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(-1)
     if t.numel() not in (1, n):
         raise ValueError(f"{name}: expected a scalar or one value per client ({n}), got {t.numel()} values")
