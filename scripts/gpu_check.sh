@@ -1,25 +1,61 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU and torch (with CUDA) + triton already installed (e.g. the lent H100: no
-# internet, so no venv): build both extensions in place, run the GPU tests against the float64 reference,
-# then the benchmarks. Results go to ${OUT:-benchmarks/results}/<gpu>.json; commit them.
-#   bash scripts/gpu_check.sh            (set SKIP_BENCH=1 to run only the tests)
-set -euo pipefail
+# internet, so no venv): build both extensions in place, run the GPU tests against the float64 reference and
+# the sequential loop, then the benchmarks. Results go to ${OUT:-benchmarks/results}: <gpu>.json (fused
+# losses), <gpu>-flat.json (aggregate, client step), <gpu>-engine.json (pfl-research round), and the whole
+# log to gpu_check.log. Commit the JSON files.
+#
+#   bash scripts/gpu_check.sh                      all stages: build test bench-distill bench-flat bench-engine
+#   bash scripts/gpu_check.sh build test           only those stages (device calls are limited to 10 minutes:
+#                                                  split the stages over calls when the build is not cached)
+#
+# A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
+# STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
-python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
-MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace 2>&1 | tail -3
-python -c "import fedfast._C, fedfast._C_cuda; print('extensions OK')"
-FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -20
-if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-').lower())")
-  FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_distill.py --benchmark-only -q -p no:cacheprovider \
-    --benchmark-json "$OUT_DIR/$name.json" 2>&1 | tail -3
-  python benchmarks/summarize.py "$OUT_DIR/$name.json"
-  FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_flat.py --benchmark-only -q -p no:cacheprovider \
-    --benchmark-json "$OUT_DIR/$name-flat.json" 2>&1 | tail -3
-  # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10, simple_cnn),
-  # engine vs the sequential loop, and all 1000 clients in one round
-  FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/bench_engine.py --benchmark-only -q -p no:cacheprovider \
-    --benchmark-json "$OUT_DIR/$name-engine.json" 2>&1 | tail -3
+LOG="$OUT_DIR/gpu_check.log"
+export PYTHONUNBUFFERED=1
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test bench-distill bench-flat bench-engine)
+T=${STAGE_TIMEOUT:-540}
+failed=()
+
+python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-').lower())" 2>/dev/null || echo no-gpu)
+
+run_stage() {  # run_stage NAME "COMMAND"
+  local st=$1 cmd=$2
+  echo "=== $st: $cmd" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$T" bash -c "$cmd" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $st: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && failed+=("$st")
+  return 0
+}
+
+bench() {  # the command of a benchmark stage: bench FILE JSON
+  echo "FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/$1 --benchmark-only -q -p no:cacheprovider \
+--benchmark-json $OUT_DIR/$2 && python benchmarks/summarize.py $OUT_DIR/$2"
+}
+
+for st in "${STAGES[@]}"; do
+  case "$st" in
+    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > $OUT_DIR/build.log 2>&1 \
+|| { tail -60 $OUT_DIR/build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
+    test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf" ;;
+    bench-distill) run_stage bench-distill "$(bench bench_distill.py "$name.json")" ;;
+    bench-flat) run_stage bench-flat "$(bench bench_flat.py "$name-flat.json")" ;;
+    # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10,
+    # simple_cnn), engine vs the sequential loop, and all 1000 clients in one round
+    bench-engine) run_stage bench-engine "$(bench bench_engine.py "$name-engine.json")" ;;
+    *) echo "unknown stage $st (build test bench-distill bench-flat bench-engine)" | tee -a "$LOG"; failed+=("$st") ;;
+  esac
+done
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "FAILED stages: ${failed[*]}" | tee -a "$LOG"
+  exit 1
 fi
+echo "all stages passed: ${STAGES[*]}" | tee -a "$LOG"
