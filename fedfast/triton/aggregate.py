@@ -26,8 +26,10 @@ def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, h_ptr, ho_pt
         acc += tl.load(w_ptr + k) * x
         if DYN:
             tot += x
-        nonfinite = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)
-        tl.atomic_max(bad_ptr + k, nonfinite)
+        # flag row k if any element is NaN/inf: a masked atomic issues no memory op for finite data and needs
+        # no cross-warp reduction (a tl.max + atomic per row costs a barrier per iteration)
+        nonfinite = cm & ((x != x) | (tl.abs(x) == float("inf")))
+        tl.atomic_max(bad_ptr + k + tl.zeros([BLOCK], dtype=tl.int64), tl.full([BLOCK], 1, tl.int32), mask=nonfinite)
     g = tl.load(g_ptr + cols, mask=cm, other=0.0)
     if DYN:  # h_k += X_k - g ; hbar += sum_k (X_k - g) / K ; g' = avg + hbar'
         for k in range(0, n):
