@@ -10,6 +10,10 @@ Shapes (issue 5):
   1000 clients x 50 synthetic CIFAR-10-sized images, 50 per round, batch 10, E=1, ``simple_cnn`` (FedAvg), and
   ``pfl_cifar_all`` with all 1000 clients per round (must fit in memory; engine only).
 
+``test_pfl_dispatched_ops`` (any device, CPU by default) counts the aten ops each implementation dispatches in
+one pfl_cifar round (its timing is of the counting run and means nothing): on a GPU nearly every compute op is
+a kernel launch, so this is a device-independent proxy of the loop's launch overhead.
+
 The engine's round includes the test evaluation (2000 images); ``train_seconds`` in extra_info is the round
 without it (the sequential loop does not evaluate), and ``timers`` has the per-phase split. Both
 implementations run in one process with :func:`fedfast.tune_cpu_allocator` applied (glibc keeps freed memory
@@ -102,3 +106,51 @@ def test_round(benchmark, shape, impl):
     if DEVICE == "cuda":
         info.update(gpu=torch.cuda.get_device_name(), max_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
     benchmark.extra_info.update(info)
+
+
+# Dispatched compute ops (aten calls other than views/aliases) per round: on a GPU nearly each one is a kernel
+# launch with ~5-20 us of host overhead, so for the launch-bound pfl-research shape this count is a
+# device-independent proxy of the loop's overhead. It runs on any device (CPU by default).
+_VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "detach", "alias", "slice", "select", "t", "transpose",
+             "permute", "expand", "unsqueeze", "squeeze", "as_strided", "unbind", "split", "split_with_sizes",
+             "lift_fresh"}
+
+
+def _count_dispatched(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        compute = views = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._opname in _VIEW_OPS:
+                Count.views += 1
+            else:
+                Count.compute += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.compute, Count.views
+
+
+@pytest.mark.parametrize("impl", ["engine", "sequential_loop"])
+def test_pfl_dispatched_ops(benchmark, impl):
+    from test_engine import _sequential
+
+    train, test, part, model, cfg = _shape("pfl_cifar")
+    model = model.to(DEVICE)
+    train, test = train.to(DEVICE), test.to(DEVICE)
+    if impl == "engine":
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device=DEVICE)
+        sim.round()  # warm-up outside the count
+        run = sim.round
+    else:
+        def run():
+            _sequential(cfg, model, train, part, 1)
+    counts = []
+    benchmark.pedantic(lambda: counts.append(_count_dispatched(run)), rounds=1, iterations=1)
+    compute, views = counts[-1]
+    benchmark.extra_info.update(shape="pfl_cifar", impl=impl, device=DEVICE, dispatched_compute_ops=compute,
+                                dispatched_view_ops=views,
+                                note="engine round includes evaluation of 2000 test images; the loop's does not")
