@@ -2,12 +2,14 @@
 # On a machine with a CUDA GPU and torch (with CUDA) + triton already installed (e.g. the lent H100: no
 # internet, so no venv): build both extensions in place, run the GPU tests against the float64 reference and
 # the sequential loop, then the benchmarks. Results go to ${OUT:-benchmarks/results}: <gpu>.json (fused
-# losses), <gpu>-flat.json (aggregate, client step), <gpu>-engine.json (pfl-research round), and the whole
-# log to gpu_check.log. Commit the JSON files.
+# losses and their eager baselines), <gpu>-compiled.json (their torch.compile baselines), <gpu>-flat.json
+# (aggregate, client step), <gpu>-engine.json (pfl-research round), and the whole log to gpu_check.log.
+# Commit the JSON files.
 #
-#   bash scripts/gpu_check.sh                      all stages: build test bench-distill bench-flat bench-engine
-#   bash scripts/gpu_check.sh build test           only those stages (device calls are limited to 10 minutes:
-#                                                  split the stages over calls when the build is not cached)
+#   bash scripts/gpu_check.sh                all stages: build test bench-distill bench-compiled bench-flat
+#                                            bench-engine
+#   bash scripts/gpu_check.sh build test     only those stages (a device call is limited to 10 minutes: split
+#                                            the stages over calls)
 #
 # A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
 # STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results.
@@ -17,8 +19,9 @@ OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1
+ALL=(build test bench-distill bench-compiled bench-flat bench-engine)
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test bench-distill bench-flat bench-engine)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 T=${STAGE_TIMEOUT:-540}
 failed=()
 
@@ -36,22 +39,26 @@ run_stage() {  # run_stage NAME "COMMAND"
   return 0
 }
 
-bench() {  # the command of a benchmark stage: bench FILE JSON
-  echo "FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/$1 --benchmark-only -q -p no:cacheprovider \
---benchmark-json $OUT_DIR/$2 && python benchmarks/summarize.py $OUT_DIR/$2"
+bench() {  # the command of a benchmark stage: bench FILE JSON [PYTEST_K_EXPRESSION]
+  local k=""
+  [ -n "${3:-}" ] && k="-k '$3'"
+  echo "FEDFAST_BENCH_DEVICE=cuda python -m pytest benchmarks/$1 --benchmark-only -q -p no:cacheprovider $k" \
+       "--benchmark-json $OUT_DIR/$2 && python benchmarks/summarize.py $OUT_DIR/$2"
 }
 
 for st in "${STAGES[@]}"; do
   case "$st" in
-    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > $OUT_DIR/build.log 2>&1 \
-|| { tail -60 $OUT_DIR/build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
+    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > $OUT_DIR/build.log 2>&1 || { tail -60 $OUT_DIR/build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
     test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf" ;;
-    bench-distill) run_stage bench-distill "$(bench bench_distill.py "$name.json")" ;;
+    # the torch.compile baselines compile one graph per (loss, shape): their own stage and file, so that slow
+    # compiles cannot cost the kernels' results
+    bench-distill) run_stage bench-distill "$(bench bench_distill.py "$name.json" "not compiled")" ;;
+    bench-compiled) run_stage bench-compiled "$(bench bench_distill.py "$name-compiled.json" compiled)" ;;
     bench-flat) run_stage bench-flat "$(bench bench_flat.py "$name-flat.json")" ;;
     # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10,
     # simple_cnn), engine vs the sequential loop, and all 1000 clients in one round
     bench-engine) run_stage bench-engine "$(bench bench_engine.py "$name-engine.json")" ;;
-    *) echo "unknown stage $st (build test bench-distill bench-flat bench-engine)" | tee -a "$LOG"; failed+=("$st") ;;
+    *) echo "unknown stage $st (${ALL[*]})" | tee -a "$LOG"; failed+=("$st") ;;
   esac
 done
 if [ ${#failed[@]} -ne 0 ]; then
@@ -59,3 +66,4 @@ if [ ${#failed[@]} -ne 0 ]; then
   exit 1
 fi
 echo "all stages passed: ${STAGES[*]}" | tee -a "$LOG"
+echo "summary: python benchmarks/summarize.py $OUT_DIR/$name.json $OUT_DIR/$name-compiled.json" | tee -a "$LOG"
