@@ -325,6 +325,23 @@ def test_thousand_clients_all_participating_and_memory_chunks():
     assert (res[0][0] - res[1][0]).abs().max() <= 1e-5 * res[0][0].abs().max()
 
 
+def test_cpu_auto_chunk_caps_parameter_bytes():
+    """On a CPU the automatic chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters (larger chunks measured
+    2-3x slower per sample there); an explicit client_chunk is honoured."""
+    from fedfast.engine import CPU_CHUNK_PARAM_BYTES
+    train, test = data.synthetic(10, 3000, 50, (1, 28, 28), separation=1.0, seed=0)
+    part = data.iid(train.y, 60, seed=0)
+    model = models.FedAvgCNN(1, 10, 28)
+    P = sum(p.numel() for p in model.parameters())
+    cap = CPU_CHUNK_PARAM_BYTES // (4 * P)
+    assert 1 <= cap < 50
+    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=50), model, train, test, part)
+    assert sim.chunk == cap
+    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=50, client_chunk=50), model,
+                             train, test, part)
+    assert sim.chunk == 50
+
+
 def test_metrics_per_class_accuracy_and_forgetting():
     train, test, part, model = _setup()
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=3, local_epochs=1, batch_size=16,
