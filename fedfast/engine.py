@@ -98,7 +98,7 @@ class SimConfig:
     augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
-    client_chunk: int | None = None  # clients trained together; None: as many as fit memory_budget_gb
+    client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
