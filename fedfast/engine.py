@@ -313,8 +313,9 @@ class Simulation:
         """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
         probe samples, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
         MemAvailable). On a CPU also at most ``CPU_CHUNK_PARAM_BYTES`` of the chunk's parameters: per client-sample
-        larger chunks are slower there (measured on the 2-core VM, FedAvg CNN, 200 clients x 50: chunks of
-        20-25 clients 1250-1610 samples/s, of 100-200 clients 540-660 samples/s), while a GPU needs them."""
+        larger chunks are slower there (2-core VM, FedAvg CNN, 200 clients x 50, batch 10, bench_engine
+        ``test_cpu_chunk_size``: chunks of 10-25 clients 965-1021 samples/s, of 100-200 clients 488-644), while
+        a GPU needs them."""
         c = self.cfg
         frac = 0.8 if self.device.type == "cuda" else 0.6
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
