@@ -327,7 +327,7 @@ def test_thousand_clients_all_participating_and_memory_chunks():
 
 def test_cpu_auto_chunk_caps_parameter_bytes():
     """On a CPU the automatic chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters (larger chunks measured
-    2-3x slower per sample there); an explicit client_chunk is honoured."""
+    up to 2x slower per sample there); an explicit client_chunk is honoured."""
     from fedfast.engine import CPU_CHUNK_PARAM_BYTES
     train, test = data.synthetic(10, 3000, 50, (1, 28, 28), separation=1.0, seed=0)
     part = data.iid(train.y, 60, seed=0)
