@@ -441,7 +441,7 @@ class Simulation:
         teacher = None
         self.algo.round_start(ctx)
         if self._needs_teacher and c.teacher == "cache" and m:
-            idx = torch.cat([self.partition.indices[k] for k in sampled]).to(self.device)
+            idx = host_to_device(np.concatenate([self._idx_host[k] for k in sampled]), self.device)
             teacher = self._build_teacher(idx)
         self._sync()
         timers["teacher"] = time.perf_counter() - t1

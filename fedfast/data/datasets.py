@@ -40,7 +40,8 @@ class ArrayDataset:
     mean: tuple = (0.0,)
     std: tuple = (1.0,)
     name: str = ""
-    _norm: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (device, dtype, C) -> (mean, std)
+    # (device, dtype, C) -> (mean, std) tensors, made once per device
+    _norm: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.x.shape[0] != self.y.shape[0]:
