@@ -46,7 +46,7 @@ def _shape(name):
         model = models.FedAvgCNN(1, 10, 28)
         E = 5 if name.endswith("e5") else 1
         cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=E, batch_size=50,
-                                lr=0.01, seed=0)
+                                lr=0.01, momentum=0.9, weight_decay=1e-5, seed=0)  # FedNTD's protocol (App. B.3)
         return train, test, part, model, cfg
     g = torch.Generator().manual_seed(0)
     n = 50_000
@@ -73,7 +73,7 @@ def test_round(benchmark, shape, impl):
         pytest.skip("the pfl-research shape is the GPU benchmark (FEDFAST_BENCH_DEVICE=cuda)")
     if shape.startswith("mnist") and DEVICE != "cpu":
         pytest.skip("the MNIST shape is the CPU benchmark")
-    from test_engine import _sequential
+    from sequential_loop import sequential as _sequential
 
     train, test, part, model, cfg = _shape(shape)
     model = model.to(DEVICE)
@@ -136,7 +136,7 @@ def _count_dispatched(fn):
 
 @pytest.mark.parametrize("impl", ["engine", "sequential_loop"])
 def test_pfl_dispatched_ops(benchmark, impl):
-    from test_engine import _sequential
+    from sequential_loop import sequential as _sequential
 
     train, test, part, model, cfg = _shape("pfl_cifar")
     model = model.to(DEVICE)

@@ -1,8 +1,8 @@
 """fedfast: fused knowledge-distillation losses and kernels for federated learning simulation."""
 __version__ = "0.1.0"
 
-from . import nn, ops  # noqa: E402
+from . import methods, nn, ops  # noqa: E402
 from .engine import SimConfig, Simulation  # noqa: E402
 from .cpu_alloc import tune_cpu_allocator  # noqa: E402
 
-__all__ = ["nn", "ops", "SimConfig", "Simulation", "tune_cpu_allocator", "__version__"]
+__all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "tune_cpu_allocator", "__version__"]

@@ -1,9 +1,15 @@
-"""``fedfast run [CONFIG.toml] [--set key=value ...] [--out DIR]`` (also ``python -m fedfast run``).
+"""The ``fedfast`` command (also ``python -m fedfast``).
 
-Writes ``DIR/config.json`` (the resolved configuration) and ``DIR/metrics.jsonl`` (one JSON object per round:
-round, test_accuracy, best_test_accuracy, test_loss, train_loss, forgetting, class_accuracy, seconds, timers,
-client_chunk). FedGKD-VOTE holds out the last ``val_fraction`` of the training set as the server's validation
-split before partitioning."""
+* ``fedfast run [CONFIG.toml] [--set key=value | --set method.key=value ...] [--plugin FILE.py] [--out DIR]``:
+  writes ``DIR/config.json`` (the resolved configuration, the method's options included) and
+  ``DIR/metrics.jsonl`` (one JSON object per round: round, test_accuracy, best_test_accuracy, test_loss,
+  train_loss, forgetting, class_accuracy, seconds, timers, client_chunk). Before partitioning, the method's
+  ``hold_out`` takes its server-held splits out of the training set (FedGKD-VOTE's validation split, FedCAD's
+  auxiliary set with ``fedcad.aux_holdout = true``).
+* ``fedfast methods [NAME] [--plugin FILE.py]``: every method with its options, defaults and paper; one in full.
+
+``--plugin FILE.py`` imports a file that registers methods (``@fedfast.methods.register("name")``), so
+``--set algorithm=name`` runs a method fedfast does not ship."""
 from __future__ import annotations
 
 import argparse
@@ -49,12 +55,6 @@ def _model(cfg, train):
     return models.MODELS[name](C)
 
 
-def _holdout(train, fraction):
-    """FedGKD-VOTE's server-held validation split: the last ``fraction`` of the training set (spec II.4)."""
-    cut = len(train) - max(1, int(round(len(train) * fraction)))
-    return train.subset(slice(0, cut)), train.subset(slice(cut, None))
-
-
 def _init_distributed(cfg):
     """Under ``torchrun`` (WORLD_SIZE > 1): one process per GPU (nccl) or CPU process (gloo)."""
     import torch.distributed as dist
@@ -75,24 +75,15 @@ def run(cfg, out_dir: str) -> list[dict]:
     group, device = _init_distributed(cfg)
     lead = group is None or torch.distributed.get_rank() == 0  # only rank 0 writes and prints
     train, test = _data(cfg)
-    val = None
-    if cfg["algorithm"] == "fedgkd_vote":
-        train, val = _holdout(train, cfg["val_fraction"])
-    aux = None
-    if cfg["algorithm"] == "fedcad" and cfg["cad_aux_holdout"]:  # strict: the server's samples leave the clients
-        from .data import per_class_sample
-        pick = per_class_sample(train.y, cfg["cad_aux_per_class"], cfg["seed"] + 7919)
-        keep = torch.ones(len(train), dtype=torch.bool)
-        keep[pick] = False
-        train, aux = train.subset(keep), train.subset(pick)
+    sc = cfg.sim_config()
+    train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = _partition(cfg, train.y)
     model = _model(cfg, train)
-    sc = cfg.sim_config()
-    sim = Simulation(sc, model, train, test, part, device=device, val=val, process_group=group, aux=aux)
+    sim = Simulation(sc, model, train, test, part, device=device, process_group=group, **splits)
     if lead:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(cfg.values, f, indent=2, sort_keys=True)
+            json.dump(cfg.to_json(), f, indent=2, sort_keys=True)
     f = open(os.path.join(out_dir, "metrics.jsonl"), "w") if lead else None
     try:
         for _ in range(cfg["rounds"]):
@@ -114,19 +105,46 @@ def run(cfg, out_dir: str) -> list[dict]:
     return sim.history
 
 
+def _methods_cmd(name: str | None) -> int:
+    from . import methods
+    if name:
+        print(methods.describe(name))
+        return 0
+    for n in methods.names(asd=False):
+        print(methods.describe(n, full=False))
+        print()
+    print("ASD add-on (algorithm = '<base>+asd', options in [asd]): "
+          + ", ".join(n for n in methods.names() if n.endswith("+asd")))
+    print(f"  engine default: max_grad_norm={methods.ASD.max_grad_norm:g} ({methods.ASD.max_grad_norm_source})")
+    d = methods.describe("fedavg+asd", full=False)
+    print(d[d.index("  [asd]"):])
+    return 0
+
+
 def main(argv=None) -> int:
     from .config import build_config
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a simulation")
     r.add_argument("config", nargs="?", help="TOML config file")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (engine/run keys: key=value; method options: method.key=value)")
+    r.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
+                   help="import a file that registers methods (@fedfast.methods.register)")
     r.add_argument("--out", default="runs/latest", help="run directory (config.json, metrics.jsonl)")
+    mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
+    mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
+    mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
     args = ap.parse_args(argv)
     try:
+        from . import methods
+        for p in args.plugin:
+            methods.load_plugin(p)
+        if args.cmd == "methods":
+            return _methods_cmd(args.name)
         cfg = build_config(args.config, args.set)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TypeError) as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
     try:

@@ -1,16 +1,22 @@
 """Run configuration for ``fedfast run``: known keys with types and defaults; unknown keys and bad values are
 rejected with a message naming the key. Values come from a TOML file and ``--set key=value`` overrides.
 
-Keys are the run's own (dataset, partition, model, device, ...) plus every field of
-:class:`fedfast.engine.SimConfig` (method options). A method option left unset (``None`` here) takes the
-paper's default for the chosen algorithm (SimConfig resolves it; ``config.json`` records the resolved value).
+Top-level keys are the run's own (dataset, partition, model, device, ...) plus the engine's settings (every field
+of :class:`fedfast.engine.SimConfig`). A method's options are its own table: ``[fedntd]`` / ``beta = 1.0`` in
+TOML, ``--set fedntd.beta=1.0`` on the command line (``fedfast methods NAME`` lists them). An option table of a
+method that is not running is an error naming it and the running method; a key that was a flat option before
+the per-method tables (``beta``) is an error naming its new spelling. ``config.json`` records the resolved
+values, the running method's options included.
 """
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
-from .engine import SimConfig
+from .engine import MOVED, SimConfig
+from .methods.base import coerce_option
 
 _CHOICES = {
     "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "synthetic"),
@@ -23,91 +29,95 @@ _CHOICES = {
 _RUN: dict = {
     "dataset": (str, "mnist"), "data_dir": (str, "data"), "partition": (str, "shards"), "alpha": (float, 0.1),
     "shards_per_client": (int, 2), "num_clients": (int, 100), "model": (str, "mlp"), "device": (str, "cpu"),
-    "val_fraction": (float, 0.1),  # FedGKD-VOTE: the server-held validation split (last 10% of the training set)
-    "cad_aux_holdout": (bool, False),  # FedCAD: remove the auxiliary samples from the clients' data (strict setting)
 }
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def _sim_keys() -> dict:
-    out = {}
-    defaults = SimConfig.__dataclass_fields__
-    for f in fields(SimConfig):
-        ann = str(f.type).replace(" ", "")
-        base = ann.split("|")[0]
-        out[f.name] = (_TYPES[base], _SIM_OVERRIDES.get(f.name, defaults[f.name].default))
-    return out
-
-
-KEYS: dict = {**_RUN, **_sim_keys()}
-DEFAULTS: dict = {k: d for k, (_, d) in KEYS.items()}
+_ENGINE = [f for f in fields(SimConfig) if f.name != "options"]
+KEYS: dict = {**_RUN, **{f.name: f for f in _ENGINE}}
 _POSITIVE = ("num_clients", "alpha", "shards_per_client")
+
+
+def _engine_default(f):
+    if f.name in _SIM_OVERRIDES:
+        return _SIM_OVERRIDES[f.name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+DEFAULTS: dict = {**{k: d for k, (_, d) in _RUN.items()}, **{f.name: _engine_default(f) for f in _ENGINE}}
 
 
 @dataclass
 class RunConfig:
-    values: dict
+    values: dict                     # run and engine keys (resolved)
+    options: dict                    # the method's option tables, {table: {key: value}} as given
 
     def __getitem__(self, k):
         return self.values[k]
 
     def sim_config(self) -> SimConfig:
-        sim = {f.name: self.values[f.name] for f in fields(SimConfig)}
+        sim = {f.name: self.values[f.name] for f in _ENGINE}
         sim["backend"] = sim["backend"] or None
-        return SimConfig(**sim)
+        return SimConfig(options=self.options, **sim)
+
+    def to_json(self) -> dict:
+        """The resolved configuration: run and engine keys, and the method's resolved option tables."""
+        out = dict(self.values)
+        out.update(self.sim_config().method().options())
+        return out
 
 
-def _coerce(key: str, value, typ):
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "auto") and typ is not str):
-        return None
-    try:
-        if typ is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                return value.lower() in ("true", "1")
-            return bool(value)
-        if typ is int:
-            v = int(value)
-            if isinstance(value, float) and value != v:
-                raise ValueError
-            return v
-        if typ is float:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}: expected a {typ.__name__}, got {value!r}") from None
+def _coerce(key: str, value):
+    spec = KEYS[key]
+    if isinstance(spec, tuple):  # run keys: (type, default)
+        spec = SimpleNamespace(type=spec[0].__name__)
+    elif isinstance(value, str) and value.lower() == "auto":
+        value = None
+    return coerce_option(key, value, spec)
+
+
+def _moved(key: str) -> ValueError:
+    return ValueError(f"{key}: a method option now, spelled {MOVED[key]} (TOML: in the method's table, e.g. "
+                      f"[fedntd] beta = 1.0; command line: --set fedntd.beta=1.0; `fedfast methods` lists every "
+                      f"method's options)")
 
 
 def build_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    vals = dict(DEFAULTS)
     raw: dict = {}
+    tables: dict = {}
     if path:
         with open(path, "rb") as f:
-            raw.update(tomllib.load(f))
+            loaded = tomllib.load(f)
+        for k, v in loaded.items():
+            (tables if isinstance(v, dict) else raw)[k] = v
     for item in overrides or []:
         if "=" not in item:
-            raise ValueError(f"--set: expected key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        raw[k.strip()] = v.strip()
+            raise ValueError(f"--set: expected key=value or method.key=value, got {item!r}")
+        k, v = (p.strip() for p in item.split("=", 1))
+        if "." in k:
+            t, key = k.split(".", 1)
+            tables.setdefault(t, {})[key] = v
+        else:
+            raw[k] = v
+    vals = dict(DEFAULTS)
     for k, v in raw.items():
+        if k in MOVED and k not in KEYS:
+            raise _moved(k)
         if k not in KEYS:
-            raise ValueError(f"{k}: unknown config key (known: {', '.join(sorted(KEYS))})")
-        vals[k] = _coerce(k, v, KEYS[k][0])
+            raise ValueError(f"{k}: unknown config key (known: {', '.join(sorted(KEYS))}; method options go in "
+                             f"their method's table, e.g. fedntd.beta)")
+        vals[k] = _coerce(k, v)
     for k, choices in _CHOICES.items():
         if vals[k] not in choices:
             raise ValueError(f"{k}: must be one of {choices}, got {vals[k]!r}")
     for k in _POSITIVE:
         if not vals[k] > 0:
             raise ValueError(f"{k}: must be > 0, got {vals[k]!r}")
-    if not 0.0 < vals["val_fraction"] < 1.0:
-        raise ValueError(f"val_fraction: must lie in (0, 1), got {vals['val_fraction']!r}")
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
-    cfg = RunConfig(vals)
-    sim = cfg.sim_config()  # validates the method options (messages name the key) and fills per-method defaults
-    vals.update({f.name: getattr(sim, f.name) for f in fields(SimConfig)})
+    if vals["backend"] is None:
+        vals["backend"] = ""
+    cfg = RunConfig(vals, tables)
+    sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
+    vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""
     return cfg

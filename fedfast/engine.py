@@ -1,105 +1,89 @@
-"""Batched-client simulation engine: every sampled client trains at once on one device.
+"""Batched-client simulation engine: every sampled client of a round trains at once on one device.
 
-One round (``Simulation.round``), following ../shared/spec/architecture.md:
+A round is six phases, each a short method of :class:`Simulation`:
 
-1. sample ``clients_per_round`` clients (seeded by ``(seed, round)``) and sort them by local step count, so
-   the clients still training at any step are a prefix of the stack; split them into chunks that fit the
-   memory budget (usually one chunk);
-2. build the teacher once: logits of the global model (FedGKD: the average of the last M globals; VOTE: the
-   weighted mixture of M buffered globals) for the union of the sampled clients' data, in large batches
-   (``teacher="cache"``); with augmentation the teacher runs on every step's augmented rows instead
-   (``teacher="online"``, one batched forward for all clients);
-3. per chunk: broadcast the global model into the stack rows; for each local step gather every active
-   client's minibatch (``[n_active, B]`` index table, the last partial batch padded and masked with
-   ``ignore_index``), one batched forward/backward over the stacked parameters (``fedfast.batched`` for
-   Sequential models, else ``vmap``), the fused loss with per-client segments (each client's gradient is that
-   of its own minibatch mean), the fused client step; then the chunk's rows go through the fused server
-   update (per-client state; the weighted average);
-4. the server rule on the chunks' average; test accuracy, per-class accuracy and FedNTD's forgetting measure.
+1. **sample** (``_sample``): the round's clients (seeded by ``(seed, round)``, or the user's ``schedule``), sorted by
+   local step count so the clients still training at any step are a prefix of the stack;
+2. **teacher** (``_teacher``): the method's :class:`~fedfast.methods.TeacherSpec` becomes a per-round table of
+   teacher logits for the union of the sampled clients' rows, in large batches (``teacher="cache"``; M teachers:
+   their mixture), or a per-step batched forward over the augmented rows (``teacher="online"``);
+3. **local training** (``_train_chunk``), per chunk of clients that fits the memory budget (usually one):
+   broadcast the global model into the stack rows; per local step gather every active client's minibatch
+   (``[n_active, B]`` index table, the last partial batch padded and masked with ``ignore_index``), one batched
+   forward/backward over the stacked parameters (``fedfast.batched`` for Sequential models, else ``vmap``), the
+   method's fused loss with per-client segments (each client's gradient is that of its own minibatch mean), the
+   fused client step with the method's terms;
+4. **aggregation** (``_aggregate_chunk``): the chunk's rows through the fused server update (weighted sum,
+   per-client state);
+5. **server** (``_server``): the method's server rule on the participants' average;
+6. **evaluation** (``_evaluate_round``): test accuracy, per-class accuracy, FedNTD's forgetting.
 
-The method-specific parts (loss, client-step terms, server rule, state) live in :mod:`fedfast.algorithms`
-(one class per method; the engine calls its hooks and never branches on the method's name).
-Methods (``algorithm``): fedavg, fedprox (``mu``), kd, fedntd (``beta``), fedgkd (``gamma``, buffer
-``gkd_buffer``), fedgkd_vote (``vote_lambda``, ``vote_beta``; needs the server-held ``val`` split), fedcad
-(``cad_beta``, ``cad_gamma``), fedavgm (``server_lr``, ``server_momentum``), scaffold, feddyn (``dyn_alpha``),
-fedadc and fedadc_plus (``adc_beta``, ``adc_order`` nesterov|heavy_ball, ``adc_lam``), moon (``moon_mu``,
-``moon_tau``), and the ASD add-on (``asd=True``, ``lam``) on fedavg, fedprox, fedntd, scaffold and feddyn.
-Per-method defaults (``tau``, ``momentum``, buffer size, aggregation weights, ``mu``, ``max_grad_norm``) are
-the papers' (spec), filled in where the option is left ``None``. Models that normalise with batch statistics
-get a warning when padded partial batches would enter them.
+The method (:mod:`fedfast.methods`: loss, client-step terms, server rule, state, teacher) is an object the engine
+calls through its hooks; the engine never branches on a method's name and reads none of its attributes beyond
+the contract of :class:`fedfast.methods.Method`. The engine's own settings are :class:`SimConfig`; a method's
+options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"beta": 1.0}})``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import methods as _methods
 from . import ops
-from .algorithms import METHODS, Round
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, ClientState, functional_forward, host_to_device
+from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
+from .methods.base import Round, Step, TeacherRows, TeacherSpec
 
-ASD_BASES = ("fedavg", "fedprox", "fedntd", "scaffold", "feddyn")
-# the papers' defaults where a method differs from the common ones (spec: FedCAD/ASD tau = 2, FedADC+ tau = 4
-# (CS-KD), FedADC without local momentum, VOTE buffer 5, FedADC/FedDyn uniform averaging)
-_TAU = {"fedcad": 2.0, "fedadc_plus": 4.0}
-_MOMENTUM = {"fedadc": 0.0, "fedadc_plus": 0.0}
-_UNIFORM = ("fedadc", "fedadc_plus", "feddyn")
+# keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
+MOVED = {
+    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
+    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
+    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
+    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
+    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
+    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
+    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
+    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
+    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
+    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
+    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
+    "val_fraction": "fedgkd_vote.val_fraction",
+}
 
 
 @dataclass
 class SimConfig:
+    """The engine's settings. Plain defaults: SGD without momentum or weight decay, no clipping unless the method
+    defines it (``max_grad_norm`` / ``aggregate_weights`` left ``None`` take the method's own defaults, e.g.
+    FedGKD's and ASD's clipping at 10 from their authors' code, FedDyn's uniform averaging). ``options``: the
+    method's option tables, ``{"fedntd": {"beta": 1.0}}`` (or the running method's own keys, ``{"beta": 1.0}``)."""
     algorithm: str = "fedavg"
+    options: dict = field(default_factory=dict)
     clients_per_round: int = 10
     rounds: int = 1
     local_epochs: int = 1
     batch_size: int = 50
     lr: float = 0.01
-    lr_decay: float = 1.0
-    momentum: float | None = None  # None: 0.9, FedADC 0
-    weight_decay: float = 1e-5
+    lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
+    momentum: float = 0.0       # local SGD momentum (fresh buffers every round)
+    weight_decay: float = 0.0   # coupled (L2 in the gradient), as torch.optim.SGD
+    max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
+    aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
     seed: int = 0
-    tau: float | None = None   # None: 1.0; FedCAD and ASD 2.0; FedADC+ 4.0
-    beta: float = 1.0          # FedNTD
-    kd_weight: float = 1.0     # plain KD
-    gamma: float = 0.2         # FedGKD: coefficient gamma/2 on the KL
-    mu: float | None = None    # FedProx proximal coefficient; None: 0.1 for fedprox (FedNTD Table 5), else 0
-    max_grad_norm: float | None = None  # per-client gradient clipping; None: 10 for fedntd and ASD (their code), else off
-    server_lr: float = 1.0     # FedAvgM: theta <- theta - server_lr * v
-    server_momentum: float = 0.9  # FedAvgM: v <- server_momentum * v + (theta - avg)
-    dyn_alpha: float = 0.01    # FedDyn alpha (per client alpha_k = dyn_alpha / (n_k / mean n))
-    gkd_buffer: int | None = None  # FedGKD: M (parameter average of the last M globals); VOTE: M teachers (5)
-    vote_lambda: float = 0.1   # VOTE: sum of the teacher weights g_m (= gamma/2)
-    vote_beta: float | None = None  # VOTE: g = lambda * softmax(-val_loss / vote_beta); None: 1/M
-    cad_beta: float = 0.3      # FedCAD: alpha_y = beta + (gamma - beta) * mean_{aux, y} p_y(global)
-    cad_gamma: float = 0.7
-    cad_aux_per_class: int = 32
-    cad_tau_squared: bool = False  # FedCAD: no tau^2 by default (spec C2)
-    cad_alpha_tau: float = 1.0  # FedCAD: temperature of p^g in the alpha estimate (spec C3: 1 by default)
-    adc_beta: float = 0.9      # FedADC beta_local (and beta_global unless adc_beta_global is set)
-    adc_beta_global: float | None = None
-    adc_alpha: float = 1.0     # FedADC server step theta -= alpha * eta * m
-    adc_order: str = "nesterov"  # "nesterov" (red, Alg. 3 lines 7-9) or "heavy_ball" (blue, lines 10-11)
-    adc_lam: float = 0.35      # FedADC+ lambda
-    adc_teacher: str = "global"  # FedADC+ ptilde: "global" model (spec B1) or the student's own "local" prediction
-    moon_mu: float = 1.0
-    moon_tau: float = 0.5
-    asd: bool = False          # ASD add-on (Yashwanth et al.): + lam * sum_i alpha_i KL_i
-    lam: float = 10.0          # ASD lambda (official-code scaling: CE_mean + lam * sum_i alpha_i KL_i)
-    asd_not_true: bool | None = None  # ASD's KL over the not-true classes; default: True for fedntd
-    asd_entropy_tau: float | None = None
-    tau_squared: bool = True
-    aggregate_weights: str | None = None  # "size" or "uniform"; None: uniform for FedADC/FedDyn, size otherwise
     augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
     client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
-    memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: of MemAvailable)
+    memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: 60% of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
@@ -108,52 +92,35 @@ class SimConfig:
     backend: str | None = None
 
     def __post_init__(self):
-        a = self.algorithm
-        if a not in METHODS:
-            raise ValueError(f"algorithm: one of {sorted(METHODS)}, got {a!r}")
-        if self.asd and a not in ASD_BASES:
-            raise ValueError(f"asd: the ASD add-on composes with {', '.join(ASD_BASES)}, not {a!r}")
+        if not isinstance(self.options, dict):
+            raise TypeError(f"options: expected a dict of option tables, got {type(self.options).__name__}")
+        cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
+        self.options = self._tables(cls)
+        method = self.method()  # validates every option (messages name table.key)
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
-            if int(getattr(self, k)) < 1:
-                raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
+            if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
+                raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
-        if self.tau is None:
-            self.tau = 2.0 if self.asd else _TAU.get(a, 1.0)
-        if not self.tau > 0:
-            raise ValueError(f"tau: must be > 0, got {self.tau}")
-        if self.momentum is None:
-            self.momentum = _MOMENTUM.get(a, 0.9)
+        if not self.lr_decay > 0:
+            raise ValueError(f"lr_decay: must be > 0, got {self.lr_decay}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum: must lie in [0, 1), got {self.momentum}")
-        if self.gkd_buffer is None:
-            self.gkd_buffer = 5 if a == "fedgkd_vote" else 1
-        if int(self.gkd_buffer) < 1:
-            raise ValueError(f"gkd_buffer: must be >= 1, got {self.gkd_buffer}")
-        if self.vote_beta is None:
-            self.vote_beta = 1.0 / self.gkd_buffer
-        if not self.vote_beta > 0:
-            raise ValueError(f"vote_beta: must be > 0, got {self.vote_beta}")
-        if self.mu is None:
-            self.mu = 0.1 if a == "fedprox" else 0.0
-        if self.mu < 0:
-            raise ValueError(f"mu: must be >= 0, got {self.mu}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is None:
-            self.max_grad_norm = 10.0 if (a == "fedntd" or self.asd) else 0.0
+            self.max_grad_norm = float(cls.max_grad_norm)
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
-        if self.adc_beta_global is None:
-            self.adc_beta_global = self.adc_beta
         if self.aggregate_weights is None:
-            self.aggregate_weights = "uniform" if a in _UNIFORM else "size"
-        choices = {"aggregate_weights": ("size", "uniform"), "adc_order": ("nesterov", "heavy_ball"),
-                   "adc_teacher": ("global", "local"), "teacher_cache_dtype": ("float32", "bfloat16"),
+            self.aggregate_weights = cls.aggregation
+        choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
                    "state_dtype": ("float32", "bfloat16")}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
-        if a == "feddyn" and self.aggregate_weights != "uniform":
-            raise ValueError("aggregate_weights: FedDyn averages its participants uniformly")
+        if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
+            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted")
         from .data.augment import PIPELINES
         if self.augment not in PIPELINES:
             raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
@@ -161,20 +128,42 @@ class SimConfig:
             self.teacher = "online" if self.augment != "none" else "cache"
         if self.teacher not in ("cache", "online"):
             raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
-        if self.teacher == "cache" and self.augment != "none" and self.needs_teacher:
+        if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
         if self.client_chunk is not None and int(self.client_chunk) < 1:
             raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
-        if not self.cad_alpha_tau > 0:
-            raise ValueError(f"cad_alpha_tau: must be > 0, got {self.cad_alpha_tau}")
-        if not 0.0 <= self.adc_lam <= 1.0:
-            raise ValueError(f"adc_lam: must lie in [0, 1], got {self.adc_lam}")
 
-    @property
-    def needs_teacher(self) -> bool:
-        return METHODS[self.algorithm].teacher_for(self) is not None or self.asd
+    def _tables(self, cls) -> dict:
+        """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""
+        own = cls.table_name()
+        known = cls.option_tables()
+        out: dict = {}
+        for k, v in self.options.items():
+            if k in known or isinstance(v, dict):
+                out.setdefault(k, {}).update(v if isinstance(v, dict) else dataclasses.asdict(v))
+            else:
+                out.setdefault(own, {})[k] = v
+        return out
+
+    def method(self):
+        """A fresh instance of the configured method with its resolved options."""
+        return _methods.build(self.algorithm, self.options)
+
+
+_dc_init = SimConfig.__init__
+
+
+def _init(self, *args, **kw):
+    for k in kw:
+        if k in MOVED:
+            raise TypeError(f"SimConfig: {k!r} is a method option now: {MOVED[k]}, passed as "
+                            f"SimConfig(algorithm=..., options={{'<method>': {{'<key>': value}}}})")
+    _dc_init(self, *args, **kw)
+
+
+SimConfig.__init__ = _init
 
 
 def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:
@@ -183,6 +172,7 @@ def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.nda
 
 
 def sample_clients(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
+    """The default client sampling: ``m`` of ``K`` clients without replacement, seeded by ``(seed, round)``."""
     return np.sort(np.random.default_rng([seed, rnd, 10**6]).choice(K, size=m, replace=False))
 
 
@@ -202,24 +192,66 @@ def _free_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
-class Simulation:
-    """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps.
+# -- the round's teacher (typed) ------------------------------------------------------------------------------
+@dataclass
+class CachedTeacher:
+    """Teacher logits [N, C] for the round's training rows (zero elsewhere), made once per round."""
+    logits: torch.Tensor
 
-    ``val``: the server-held validation split (FedGKD-VOTE weights its teachers by their loss on it).
-    ``aux``: FedCAD's server-held auxiliary data (default: ``cad_aux_per_class`` per class of the training set).
-    ``loss_fn(student [R, C], teacher [R, C] or None, target [R], segments [R], num_segments) -> scalar``
-    replaces the method's client loss (client step, server rule and state stay the method's). It must return
-    the sum over the segments (clients) of each client's mean loss over its valid rows; padded rows carry
-    ``target == -100`` (``fedfast.ops.distill`` with ``segments=..., reduction="mean"`` does exactly this).
-    ``loss_needs_teacher=True`` passes the cached (or online) global-model logits as ``teacher``.
+    def rows(self, idx: torch.Tensor, x: torch.Tensor) -> TeacherRows:
+        return TeacherRows(logits=self.logits[idx].float())
+
+
+@dataclass
+class CachedMixture:
+    """M teachers' mixture ``(P [N, C], negent [N])`` for the round's rows (:func:`fedfast.ops.teacher_mixture`)."""
+    probs: torch.Tensor
+    negent: torch.Tensor
+
+    def rows(self, idx, x) -> TeacherRows:
+        return TeacherRows(mixture=(self.probs[idx], self.negent[idx]))
+
+
+@dataclass
+class OnlineTeacher:
+    """The teacher run on every step's (augmented) rows: one batched forward per teacher model."""
+    spec: TeacherSpec
+    sim: "Simulation"
+
+    @torch.no_grad()
+    def rows(self, idx, x) -> TeacherRows:
+        sim, s = self.sim, self.spec
+        xf = x.reshape(-1, *x.shape[2:])
+        with sim.eval_mode():
+            if s.weights is None:
+                return TeacherRows(logits=sim.forward(s.models[0], xf).float())
+            return TeacherRows(logits=torch.stack([sim.forward(m, xf).float() for m in s.models]), weights=s.weights)
+
+
+class Simulation:
+    """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps one round.
+
+    After every round ``model`` (the module passed in) holds the evaluated global model's weights;
+    :meth:`state_dict` returns a copy of them.
+
+    ``val`` / ``aux``: server-held splits a method may need (FedGKD-VOTE's validation split, FedCAD's auxiliary
+    data; the method's ``hold_out(train)`` makes them). ``schedule``: the round's clients, a sequence with one
+    array of client ids per round or a callable ``round -> ids`` (replay another framework's cohorts; default:
+    ``clients_per_round`` seeded by round). ``data_order``: each client's local data order, a callable
+    ``(round, client, epoch, n) -> permutation of range(n)`` (default: seeded by ``(seed, round, client, epoch)``).
+    ``loss_fn(student [R, C], teacher [R, C] or None, target [R], segments [R], num_segments) -> scalar`` replaces
+    the method's client loss (client step, server rule and state stay the method's); it must return the sum over
+    the segments (clients) of each client's mean loss over its valid rows; padded rows carry ``target == -100``.
+    ``loss_needs_teacher=True`` passes the global model's logits as ``teacher``.
     ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
-    round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged
-    with all_reduce / all_gather, so every rank holds the same global model and state after each round."""
+    round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged with
+    all_reduce / all_gather, so every rank holds the same global model and state after each round."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
-                 loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None):
-        c = self.cfg = config
+                 loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None,
+                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None):
+        c = self.cfg = self.config = config
         if not isinstance(config, SimConfig):
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
@@ -233,10 +265,12 @@ class Simulation:
             raise TypeError(f"partition: expected a fedfast.data.Partition, got {type(partition).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
-        self.loss_fn = loss_fn
-        self._needs_teacher = bool(loss_needs_teacher) if loss_fn is not None else config.needs_teacher
-        if self._needs_teacher and config.teacher == "cache" and config.augment != "none":
-            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        if schedule is not None and not (callable(schedule) or isinstance(schedule, (list, tuple, np.ndarray))):
+            raise TypeError("schedule: expected a sequence of client-id arrays (one per round) or a callable round -> ids")
+        if data_order is not None and not callable(data_order):
+            raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
+        self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
+        self.schedule, self.data_order = schedule, data_order
         self.group, self.rank, self.world = process_group, 0, 1
         if process_group is not None:  # torch.distributed: the sampled clients are split between the ranks
             import torch.distributed as dist
@@ -249,47 +283,125 @@ class Simulation:
         if c.tune_cpu_allocator and self.device.type == "cpu":
             from .cpu_alloc import tune_cpu_allocator
             tune_cpu_allocator()
+        self.backend, self.seed = c.backend, c.seed
         self.model = model.to(self.device)
         self.train = train.to(self.device)
         self.test = test.to(self.device)
-        self.val = val.to(self.device) if val is not None else None
+        self._splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
         self.partition = partition
+        self.K = self.num_clients = partition.num_clients
         self._idx_host = [np.asarray(i.cpu(), dtype=np.int64) for i in partition.indices]  # per-epoch batch tables
-        self.K = partition.num_clients
-        if len(partition.indices) and int(max(int(i.max()) for i in partition.indices if len(i))) >= len(train):
-            raise ValueError("partition: holds sample indices beyond the training set")
-        if c.clients_per_round > self.K:
+        self.client_sizes = np.array([len(i) for i in self._idx_host], dtype=np.int64)
+        if any(len(i) and (int(i.max()) >= len(train)) for i in self._idx_host):
+            raise ValueError(f"partition: holds sample indices beyond the training set ({len(train)} samples)")
+        if partition.num_classes is not None and partition.num_classes != train.num_classes:
+            raise ValueError(f"partition: made for {partition.num_classes} classes, the training set has "
+                             f"{train.num_classes}")
+        if schedule is None and c.clients_per_round > self.K:
             raise ValueError(f"clients_per_round: {c.clients_per_round} > {self.K} clients")
+        self.num_classes = train.num_classes
         self.eval_batch = c.eval_batch or (1024 if self.device.type == "cpu" else 4096)
-        self._hist = partition.histogram.float().to(self.device)  # [K, C] client label histograms
+        y_host = self.train.y.cpu()
+        self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=self.num_classes)
+                                       for i in self._idx_host]).float().to(self.device)  # [K, C]
         self._probe_model()
-        P = sum(p.numel() for p in self.model.parameters())
-        per_rank = -(-c.clients_per_round // self.world)
-        self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(P)))
+        self.layout = FlatLayout(self.model)
+        self.num_params = self.layout.P
+        from .batched import plan
+        self._plan = plan(self.model)
+        self._buffers0 = self.layout.flatten_buffers(self.model).to(self.device)
+        self._fwd = functional_forward(self.model)
+        self._classifier = None
+        self.global_flat = self.layout.flatten_params(self.model).to(self.device)
+        self.rnd = 0
+        self.method = c.method()  # the method: loss, client-step terms, server rule, state
+        self.method.bind(self)
+        self.eval_flat = self.method.evaluated(self.global_flat)
+        self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
+        if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
+            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        per_rank = -(-(c.clients_per_round if schedule is None else self.K) // self.world)
+        self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(self.num_params)))
         self.stack = ClientStack(self.model, self.chunk, device=self.device)
-        self.global_flat = self.stack.layout.flatten_params(self.model).to(self.device)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
         self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
-        self.average_flat = self.global_flat  # the evaluated model (FedDyn: average; global is the cloud model)
-        self.teacher_flat = self.global_flat  # FedGKD: average of the buffered globals (w_0 is never buffered)
-        self.aux = aux.to(self.device) if aux is not None else None
-        self.algo = METHODS[c.algorithm](self)  # the method: loss, client-step terms, server rule, state
-        self.algo.setup()
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                 for mod in self.model.modules())
-        sizes_all = np.array([len(i) for i in partition.indices])
-        if self._batch_stats and (sizes_all % c.batch_size).any():
+        if self._batch_stats and (self.client_sizes % c.batch_size).any():
             import warnings
             warnings.warn("model: it normalises with batch statistics (BatchNorm/InstanceNorm) and some clients' last "
                           "minibatch is partial; the engine pads those batches to batch_size, so the padding rows "
                           "enter that batch's statistics (a per-client loop would not). Use GroupNorm, or client "
                           "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=2)
-        self._fwd = functional_forward(self.model)
-        self.rnd = 0
         self.history: list[dict] = []
         self._class_acc: list[torch.Tensor] = []
 
+    # -- the engine interface a method uses (fedfast.methods.Engine) ---------------------------------------------
+    @property
+    def round_index(self) -> int:
+        return self.rnd
+
+    def server_data(self, name: str):
+        return self._splits.get(name)
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        was = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was)
+
+    def _features_module(self):
+        if self._classifier is None:
+            self._classifier = classifier_of(self.model)
+        return self._classifier
+
+    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
+        """One model (flat parameters [P]) on a batch: the grouped executor with one client, else functional_call.
+        With ``features``: ``(input of the last Linear, logits)``."""
+        feat = self._features_module() if features else None
+        if self._plan is not None:
+            from .batched import batched_forward
+            pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
+            out = batched_forward(self._plan, pv, x[None], self.model.training, feat)
+            return (out[0][0], out[1][0]) if features else out[0]
+        fwd = self._fwd if feat is None else functional_forward(self.model, feat)
+        return fwd(self.layout.param_views(flat), self.layout.buffer_views(self._buffers0), x)
+
+    def forward_clients(self, rows: torch.Tensor, x: torch.Tensor, *, features: bool = False):
+        """Models ``rows`` [n, P] on ``x`` [n, B, ...] (the stack's batched forward)."""
+        n = rows.shape[0]
+        return self.stack.vmap_forward(x, rows=slice(0, n), params=self.layout.param_views(rows),
+                                       features=self._features_module() if features else None)
+
+    @torch.no_grad()
+    def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
+                dtype=torch.float32) -> torch.Tensor:
+        """Logits of the model ``flat`` on rows ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
+        if idx is None:
+            idx = torch.arange(len(dataset), device=self.device)
+        out = torch.empty(len(idx), dataset.num_classes, device=self.device, dtype=dtype)
+        with self.eval_mode():
+            for s in range(0, len(idx), self.eval_batch):
+                x, _ = dataset.batch(idx[s:s + self.eval_batch])
+                out[s:s + self.eval_batch] = self.forward(flat, x).to(dtype)
+        return out
+
+    def new_client_state(self, fill: torch.Tensor | None = None) -> ClientState:
+        c = self.cfg
+        st = ClientState(self.K, self.num_params, device=self.device, pin_memory=c.state_on_host,
+                         dtype=torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32)
+        if fill is not None:
+            st.data.copy_(fill.expand(self.K, self.num_params))
+        return st
+
+    def client_params(self, n: int) -> torch.Tensor:
+        return self.stack.params[:n]
+
+    # -- set-up ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _probe_model(self):
         """One training sample through the model: it must run on the images and output num_classes logits."""
@@ -303,12 +415,6 @@ class Simulation:
             shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
             raise ValueError(f"model: must return logits [batch, {C}] for the {C} classes, got {shape}")
 
-    def _client_state(self, P: int) -> ClientState:
-        c = self.cfg
-        return ClientState(self.K, P, device=self.device, pin_memory=c.state_on_host,
-                           dtype=torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32)
-
-    # -- memory ---------------------------------------------------------------------------------------
     def _auto_chunk(self, P: int) -> int:
         """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
         probe samples, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
@@ -320,8 +426,8 @@ class Simulation:
         frac = 0.8 if self.device.type == "cuda" else 0.6
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
-        # per-client state rows and FedDyn's linear term
-        rows = 3 + (1 if (c.momentum or 0) else 0) + (2 if METHODS[c.algorithm].state_rows else 0)
+        # per-client state rows (gathered and updated)
+        rows = 3 + (1 if c.momentum else 0) + (2 if self.method.client_state is not None else 0)
         acts = []
         hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
                  for m in self.model.modules() if not list(m.children())]
@@ -337,123 +443,104 @@ class Simulation:
             n = min(n, max(1, CPU_CHUNK_PARAM_BYTES // (4 * P)))
         return n
 
-    # -- teacher ------------------------------------------------------------------------------------
-    def _flat_forward(self, flat: torch.Tensor, x: torch.Tensor, features: nn.Module | None = None):
-        """One model (flat parameters [P]) on a batch: the stack's executor with one client, else functional_call.
-        With ``features``: ``(input of features, logits)``."""
-        if self.stack.plan is not None:
-            from .batched import batched_forward
-            pv = {k: v[None] for k, v in self.stack.layout.param_views(flat).items()}
-            out = batched_forward(self.stack.plan, pv, x[None], self.model.training, features)
-            return (out[0][0], out[1][0]) if features is not None else out[0]
-        fwd = self._fwd if features is None else functional_forward(self.model, features)
-        return fwd(self.stack.layout.param_views(flat), self.stack.layout.buffer_views(self.stack.buffers[0]), x)
-
-    @torch.no_grad()
-    def _logits(self, flat: torch.Tensor, idx: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-        """Logits of the model ``flat`` for training rows ``idx`` in large batches."""
-        out = torch.empty(len(idx), self.train.num_classes, device=self.device, dtype=dtype)
-        self.model.eval()
-        for s in range(0, len(idx), self.eval_batch):
-            x, _ = self.train.batch(idx[s:s + self.eval_batch])
-            out[s:s + self.eval_batch] = self._flat_forward(flat, x).to(dtype)
-        self.model.train()
-        return out
-
-    def _vote_weights(self) -> torch.Tensor:
-        """VOTE: softmax(-val_loss / vote_beta) over the buffered globals (the KD weight is vote_lambda)."""
-        return torch.softmax(-self.val_loss[:self.gkd_count] / self.cfg.vote_beta, 0)
-
-    def _build_teacher(self, idx: torch.Tensor):
-        """Once per round: the teacher table for training rows ``idx`` (cache mode): logits [N, C] or, for
-        VOTE, the mixture ``(P [N, C], negent [N])`` (weights normalised; ``vote_lambda`` is the KD weight)."""
+    # -- phase 1: sample -------------------------------------------------------------------------------------
+    def _round_clients(self) -> np.ndarray:
         c = self.cfg
-        N, C = len(self.train), self.train.num_classes
-        if self.algo.teacher == "vote":
-            if self.gkd_count == 0:
-                return None  # round 1: no buffered global yet, no KD (spec II.5)
-            T = torch.stack([self._logits(self.gkd_buffer[i], idx) for i in range(self.gkd_count)])
-            w = self._vote_weights()
-            Pm, neg = ops.teacher_mixture(T, w, self.train.y[idx], tau=c.tau, backend=c.backend)
-            P_all = torch.zeros(N, C, device=self.device)
-            neg_all = torch.zeros(N, device=self.device)
-            P_all[idx], neg_all[idx] = Pm.float(), neg.float()
-            return P_all, neg_all
-        dt = torch.bfloat16 if c.teacher_cache_dtype == "bfloat16" else torch.float32
-        cache = torch.zeros(N, C, device=self.device, dtype=dt)
-        cache[idx] = self._logits(self.teacher_flat, idx, dt)
-        return cache
+        if self.schedule is None:
+            return sample_clients(c.seed, self.rnd, self.K, c.clients_per_round)
+        if callable(self.schedule):
+            ids = self.schedule(self.rnd)
+        else:
+            if self.rnd >= len(self.schedule):
+                raise ValueError(f"schedule: has {len(self.schedule)} rounds, round {self.rnd + 1} was asked for")
+            ids = self.schedule[self.rnd]
+        ids = np.asarray(ids.cpu() if torch.is_tensor(ids) else ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"schedule: round {self.rnd + 1}: expected a non-empty 1-d list of client ids, got {ids!r}")
+        if ids.min() < 0 or ids.max() >= self.K or len(np.unique(ids)) != len(ids):
+            raise ValueError(f"schedule: round {self.rnd + 1}: client ids must be distinct and in [0, {self.K}), "
+                             f"got {ids.tolist()}")
+        return ids.astype(np.int64)
 
-    @torch.no_grad()
-    def _online_teacher(self, x: torch.Tensor):
-        """Per step (augmented rows): one batched teacher forward over all active clients' rows."""
-        self.model.eval()
-        try:
-            if self.algo.teacher == "vote":
-                if self.gkd_count == 0:
-                    return None
-                T = torch.stack([self._flat_forward(self.gkd_buffer[i], x).float() for i in range(self.gkd_count)])
-                return T
-            return self._flat_forward(self.teacher_flat, x).float()
-        finally:
-            self.model.train()
-
-    @torch.no_grad()
-    def _cad_alpha(self) -> torch.Tensor:
-        """FedCAD Eq. 6 (simplified, spec 3.2): alpha_y = beta + (gamma - beta) * mean_{x in aux_y} softmax(global(x))_y."""
-        self.model.eval()
-        x, y = self.cad_aux_ds.batch(self.cad_aux)
-        z = self._flat_forward(self.global_flat, x).float() / self.cfg.cad_alpha_tau
-        p = torch.softmax(z, 1).gather(1, y[:, None]).squeeze(1)
-        self.model.train()
-        C = self.train.num_classes
-        mean_py = torch.zeros(C, device=self.device).index_add_(0, y, p) / torch.bincount(y, minlength=C).clamp_min(1)
-        return self.cfg.cad_beta + (self.cfg.cad_gamma - self.cfg.cad_beta) * mean_py
-
-    # -- loss ---------------------------------------------------------------------------------------
-    def _loss(self, z, t, y, seg, n_act, hist):
-        """The client loss over all active clients' rows (sum of per-client minibatch means)."""
-        if self.loss_fn is not None:
-            return self.loss_fn(z, t, y, seg, n_act)
-        return self.algo.loss(z, t, y, seg, n_act, hist)
-
-    # -- one round ------------------------------------------------------------------------------------
-    def round(self) -> dict:
-        c, t0 = self.cfg, time.perf_counter()
-        timers = {}
-        m, B = c.clients_per_round, c.batch_size
-        sampled = sample_clients(c.seed, self.rnd, self.K, m)
-        sizes = np.array([len(self.partition.indices[k]) for k in sampled])
-        steps = np.ceil(sizes / B).astype(int)
+    def _sample(self) -> tuple[Round, dict]:
+        """The round's clients in stack order (this rank's share) and the round totals over all ranks."""
+        c = self.cfg
+        sampled = self._round_clients()
+        sizes = self.client_sizes[sampled]
+        steps = np.ceil(sizes / c.batch_size).astype(int)
         order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, steps = sampled[order], sizes[order], steps[order]
-        total_w = float(sizes.sum()) if c.aggregate_weights == "size" else float(m)
-        total_steps = int(steps.sum()) * c.local_epochs
+        totals = dict(weight=float(sizes.sum()) if c.aggregate_weights == "size" else float(len(sampled)),
+                      steps=int(steps.sum()) * c.local_epochs, clients=sampled.tolist())
         if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
             sampled, sizes, steps = sampled[self.rank::self.world], sizes[self.rank::self.world], \
                 steps[self.rank::self.world]
-            m = len(sampled)
-        lr = c.lr * c.lr_decay ** self.rnd
         sampled_t = torch.from_numpy(sampled).to(self.device)
-        hist = self._hist[sampled_t]  # [m, C] label histograms in stack order (ASD prior, FedADC+ confidence)
-        ctx = Round(sampled, sizes, steps, lr, sampled_t, hist)
+        ctx = Round(self.rnd, sampled, sizes, steps, c.local_epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
+                    self.label_hist[sampled_t])
+        return ctx, totals
+
+    # -- phase 2: teacher ------------------------------------------------------------------------------------
+    def _teacher(self, ctx: Round):
+        """The round's teacher (None, a cached table, or an online teacher)."""
+        if self.loss_fn is not None:
+            spec = TeacherSpec.of(self.global_flat) if self.loss_needs_teacher else None
+        else:
+            spec = self.method.teacher(ctx)
+        if spec is None or not len(ctx.sampled):
+            return None
+        if not isinstance(spec, TeacherSpec):
+            raise TypeError(f"{self.method.name}.teacher: must return a fedfast.methods.TeacherSpec or None, "
+                            f"got {type(spec).__name__}")
+        if self.cfg.teacher == "online":
+            return OnlineTeacher(spec, self)
+        idx = host_to_device(np.concatenate([self._idx_host[k] for k in ctx.sampled]), self.device)
+        N, C = len(self.train), self.num_classes
+        if spec.weights is not None:  # M teachers: their mixture at the method's temperature, cached once
+            T = torch.stack([self.predict(m, self.train, idx) for m in spec.models])
+            Pm, neg = ops.teacher_mixture(T, spec.weights, self.train.y[idx], tau=spec.tau, backend=self.backend)
+            P_all = torch.zeros(N, C, device=self.device)
+            neg_all = torch.zeros(N, device=self.device)
+            P_all[idx], neg_all[idx] = Pm.float(), neg.float()
+            return CachedMixture(P_all, neg_all)
+        dt = torch.bfloat16 if self.cfg.teacher_cache_dtype == "bfloat16" else torch.float32
+        cache = torch.zeros(N, C, device=self.device, dtype=dt)
+        cache[idx] = self.predict(spec.models[0], self.train, idx, dt)
+        return CachedTeacher(cache)
+
+    # -- one round -------------------------------------------------------------------------------------------
+    def round(self) -> dict:
+        """One round: sample, teacher, local training and aggregation per chunk, server rule, evaluation."""
+        t0 = time.perf_counter()
+        timers = {}
+        ctx, totals = self._sample()
+        self.method.round_start(ctx)
         t1 = time.perf_counter()
-        teacher = None
-        self.algo.round_start(ctx)
-        if self._needs_teacher and c.teacher == "cache" and m:
-            idx = host_to_device(np.concatenate([self._idx_host[k] for k in sampled]), self.device)
-            teacher = self._build_teacher(idx)
+        teacher = self._teacher(ctx)
         self._sync()
         timers["teacher"] = time.perf_counter() - t1
-        if self.algo.state_rows:
-            ctx.rows = self.client_state.gather(sampled_t)  # c_k / h_k / previous local models
-            ctx.new_rows = torch.empty(m, self.stack.P, device=self.device)
-        weights = torch.tensor(sizes if c.aggregate_weights == "size" else np.ones(m), dtype=torch.float32,
-                               device=self.device)
+        avg_sum, loss_sum, t_local, t_agg = self._local(ctx, teacher)
+        t1 = time.perf_counter()
+        self._server(ctx, avg_sum, loss_sum, totals["weight"])
+        timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
+        timers.update({f"local.{k}": v for k, v in self._prof.items()})
+        t1 = time.perf_counter()
+        rec = self._evaluate_round(totals, loss_sum, timers, t1)
+        rec["seconds"] = time.perf_counter() - t0
+        return rec
+
+    # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
+    def _local(self, ctx: Round, teacher):
+        c, m = self.cfg, len(ctx.sampled)
+        if self.method.client_state is not None:
+            ctx.rows = self.method.client_state.gather(ctx.sampled_t)  # the method's per-client state rows
+            ctx.new_rows = torch.empty(m, self.num_params, device=self.device)
+        weights = host_to_device(ctx.sizes if c.aggregate_weights == "size" else np.ones(m), self.device,
+                                 torch.float32)
         self._sync()
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
-        ctx.incr = torch.zeros_like(self.global_flat)  # SCAFFOLD sum of (c_k' - c_k)/K; FedDyn sum of (X_k - g)/K
+        ctx.incr = torch.zeros_like(self.global_flat)  # e.g. SCAFFOLD sum of (c_k' - c_k)/N, FedDyn sum of (w_k - g)/N
         loss_sum = torch.zeros((), device=self.device)
         self._prof = {}
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
@@ -463,61 +550,27 @@ class Simulation:
             self._sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
-            n = hi - lo
-            agg = dict(weights=weights[lo:hi], rows=n, backend=c.backend, **self.algo.chunk_aggregate(ctx, lo, hi))
-            out = ops.aggregate(self.stack.params, self.global_flat, **agg)
-            avg_sum += weights[lo:hi].sum() * out["average"]
-            self.algo.collect(ctx, out, lo, hi)
+            avg_sum += self._aggregate_chunk(ctx, lo, hi, weights)
             t_agg += time.perf_counter() - t1
-        t1 = time.perf_counter()
-        if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
-            for t in (avg_sum, ctx.incr, loss_sum):
-                self._dist.all_reduce(t, group=self.group)
-            if ctx.new_rows is not None:
-                sampled_t, ctx.new_rows = self._all_gather_rows(sampled_t, ctx.new_rows)
-        if ctx.new_rows is not None:
-            self.client_state.scatter_(sampled_t, ctx.new_rows)
-        self.algo.server(ctx, avg_sum / total_w)
-        timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
-        timers.update({f"local.{k}": v for k, v in self._prof.items()})
-        if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
-            ops.raise_if_invalid(self.device)
-        t1 = time.perf_counter()
-        acc, test_loss, class_acc = self.evaluate()
-        timers["eval"] = time.perf_counter() - t1
-        self.rnd += 1
-        self._class_acc.append(class_acc)
-        client_steps = total_steps
-        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
-               "train_loss": float(loss_sum) / max(client_steps, 1), "seconds": time.perf_counter() - t0,
-               "best_test_accuracy": max([acc] + [h["test_accuracy"] for h in self.history]),
-               "forgetting": self.forgetting(), "class_accuracy": [round(v, 6) for v in class_acc.tolist()],
-               "clients": sampled.tolist(), "timers": timers, "client_chunk": self.chunk}
-        self.history.append(rec)
-        return rec
+        return avg_sum, loss_sum, t_local, t_agg
 
     def _train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum):
         """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``."""
-        c, algo = self.cfg, self.algo
+        c, method = self.cfg, self.method
         sampled, sizes, steps = ctx.sampled, ctx.sizes, ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))
         if self.buf is not None:
             self.buf[:n].zero_()
-        step_kw = dict(lr=ctx.lr, momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.mu,
-                       anchor=self.global_flat if c.mu else None, max_norm=c.max_grad_norm or None,
-                       backend=c.backend)
+        step_kw = dict(lr=ctx.lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                       max_norm=c.max_grad_norm or None, backend=c.backend)
         ctx.chunk = {}
-        algo.chunk_start(ctx, lo, hi)
+        method.chunk_start(ctx, lo, hi)
         hist_c = ctx.hist[lo:hi]
-        features = self.classifier if algo.needs_features else None
+        features = self._features_module() if method.needs_features else None
         for e in range(c.local_epochs):
-            table = np.full((n, S * B), -1, dtype=np.int64)
-            for j in range(n):  # host index math (numpy, once per epoch): each client's own seeded order
-                k = sampled[lo + j]
-                table[j, : sizes[lo + j]] = self._idx_host[k][client_order(c.seed, self.rnd, int(k), e, sizes[lo + j])]
-            table = host_to_device(table, self.device)
+            table = host_to_device(self._batch_table(ctx, lo, hi, e, S * B), self.device)
             for s in range(S):
                 n_act = int((steps[lo:hi] > s).sum())
                 rows = table[:n_act, s * B:(s + 1) * B]
@@ -534,44 +587,70 @@ class Simulation:
                 out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
                 feat, z = out if features is not None else (None, out)
                 self._tick("forward")
-                C = z.shape[-1]
-                zf = z.reshape(-1, C)
-                flat_idx = ridx.reshape(-1)
-                if teacher is None and self._needs_teacher and c.teacher == "online":
-                    t = self._online_teacher(x.reshape(-1, *x.shape[2:]))
-                elif isinstance(teacher, tuple):
-                    t = (teacher[0][flat_idx], teacher[1][flat_idx])
-                else:
-                    t = teacher[flat_idx].float() if teacher is not None else None
+                zf = z.reshape(-1, z.shape[-1])
+                t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                loss = self._loss(zf, t, y.reshape(-1), seg, n_act, hist_c[:n_act])
-                extra = algo.extra_loss(ctx, feat, x, valid, n_act)
-                if extra is not None:
-                    loss = loss + extra
+                yf = y.reshape(-1)
+                if self.loss_fn is not None:
+                    loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
+                else:
+                    loss = method.loss(ctx, Step(zf, yf, seg, n_act, t, hist_c[:n_act], x, valid, feat))
                 self._tick("loss")
                 grad = self.stack.flat_grad(loss, pv, self.gradbuf[:n_act])
                 self._tick("backward")
                 ops.client_step(theta_all[:n_act], grad,
                                 momentum_buf=self.buf[:n_act] if self.buf is not None else None,
-                                **{**step_kw, **algo.step_terms(ctx, n_act)})
+                                **{**step_kw, **method.step_terms(ctx, n_act)})
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
-        algo.chunk_end(ctx, lo, hi)
+        method.chunk_end(ctx, lo, hi)
 
-    @torch.no_grad()
-    def _val_loss(self, flat) -> torch.Tensor:
-        self.model.eval()
-        tot = torch.zeros((), device=self.device)
-        for chunk in torch.arange(len(self.val), device=self.device).split(self.eval_batch):
-            x, y = self.val.batch(chunk)
-            tot += F.cross_entropy(self._flat_forward(flat, x).float(), y, reduction="sum")
-        self.model.train()
-        return tot / len(self.val)
+    def _batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
+        """Host index math (numpy, once per epoch): each client's own data order, padded with -1."""
+        table = np.full((hi - lo, width), -1, dtype=np.int64)
+        for j in range(hi - lo):
+            k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
+            if self.data_order is None:
+                perm = client_order(self.cfg.seed, self.rnd, k, epoch, nk)
+            else:
+                perm = np.asarray(self.data_order(self.rnd, k, epoch, nk))
+                if perm.shape != (nk,) or not np.array_equal(np.sort(perm), np.arange(nk)):
+                    raise ValueError(f"data_order: round {self.rnd + 1}, client {k}, epoch {epoch}: expected a "
+                                     f"permutation of range({nk})")
+            table[j, :nk] = self._idx_host[k][perm]
+        return table
+
+    def _aggregate_chunk(self, ctx: Round, lo: int, hi: int, weights: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows through the fused server update: returns their weighted sum [P]."""
+        agg = dict(weights=weights[lo:hi], rows=hi - lo, backend=self.backend,
+                   **self.method.chunk_aggregate(ctx, lo, hi))
+        out = ops.aggregate(self.stack.params, self.global_flat, **agg)
+        self.method.collect(ctx, out, lo, hi)
+        return weights[lo:hi].sum() * out["average"]
+
+    # -- phase 5: server ---------------------------------------------------------------------------------------
+    def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float):
+        if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
+            for t in (avg_sum, ctx.incr, loss_sum):
+                self._dist.all_reduce(t, group=self.group)
+            if ctx.new_rows is not None:
+                ctx.sampled_t, ctx.new_rows = self._all_gather_rows(ctx.sampled_t, ctx.new_rows)
+        if ctx.new_rows is not None:
+            self.method.client_state.scatter_(ctx.sampled_t, ctx.new_rows)
+        new = self.method.server(ctx, avg_sum / total_w)
+        if not (torch.is_tensor(new) and new.shape == self.global_flat.shape):
+            raise TypeError(f"{self.method.name}.server: must return the new global model [P]")
+        self.global_flat = new
+        self.eval_flat = self.method.evaluated(new)
+        if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
+            ops.raise_if_invalid(self.device)
 
     def _all_gather_rows(self, ids: torch.Tensor, rows: torch.Tensor):
         """All ranks' (client id, state row) pairs (blocks padded to equal length for all_gather)."""
-        m_max = -(-self.cfg.clients_per_round // self.world)
+        m = torch.tensor([len(ids)], device=self.device)
+        self._dist.all_reduce(m, op=self._dist.ReduceOp.MAX, group=self.group)
+        m_max = int(m)
         pad_ids = torch.full((m_max,), -1, dtype=torch.long, device=self.device)
         pad_ids[:len(ids)] = ids
         pad_rows = torch.zeros(m_max, rows.shape[1], device=self.device)
@@ -583,6 +662,21 @@ class Simulation:
         ids, rows = torch.cat(all_ids), torch.cat(all_rows)
         keep = ids >= 0
         return ids[keep], rows[keep]
+
+    # -- phase 6: evaluation --------------------------------------------------------------------------------
+    def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
+        acc, test_loss, class_acc = self.evaluate()
+        timers["eval"] = time.perf_counter() - t1
+        self._load_into_model(self.eval_flat)
+        self.rnd += 1
+        self._class_acc.append(class_acc)
+        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
+               "train_loss": float(loss_sum) / max(totals["steps"], 1),
+               "best_test_accuracy": max([acc] + [h["test_accuracy"] for h in self.history]),
+               "forgetting": self.forgetting(), "class_accuracy": [round(v, 6) for v in class_acc.tolist()],
+               "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
+        self.history.append(rec)
+        return rec
 
     def _tick(self, phase: str):
         """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""
@@ -598,23 +692,21 @@ class Simulation:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # -- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float, torch.Tensor]:
-        """Test accuracy, mean test loss and per-class accuracy [C] of the evaluated model (FedDyn: the
-        participants' average, not the cloud model)."""
-        self.model.eval()
+        """Test accuracy, mean test loss and per-class accuracy [C] of the evaluated model (the method's
+        ``evaluated``: the global model; FedDyn: the participants' average, not the cloud model)."""
         C = self.test.num_classes
         correct = torch.zeros(C, device=self.device)
         count = torch.zeros(C, device=self.device)
         loss = torch.zeros((), device=self.device, dtype=torch.float64)
-        for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):
-            x, y = self.test.batch(chunk)
-            z = self._flat_forward(self.average_flat, x).float()
-            loss += F.cross_entropy(z, y, reduction="sum").double()
-            correct.index_add_(0, y, (z.argmax(1) == y).float())
-            count.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
-        self.model.train()
+        with self.eval_mode():
+            for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):
+                x, y = self.test.batch(chunk)
+                z = self.forward(self.eval_flat, x).float()
+                loss += F.cross_entropy(z, y, reduction="sum").double()
+                correct.index_add_(0, y, (z.argmax(1) == y).float())
+                count.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
         n = len(self.test)
         class_acc = (correct / count.clamp_min(1)).cpu()
         return float(correct.sum()) / n, float(loss) / n, class_acc
@@ -627,9 +719,22 @@ class Simulation:
         return float((A[:-1] - A[-1]).max(0).values.mean())
 
     def run(self) -> list[dict]:
+        """The remaining rounds (``config.rounds`` in all); returns the history of per-round metrics."""
         for _ in range(self.cfg.rounds - self.rnd):
             self.round()
         return self.history
 
+    # -- the trained model -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _load_into_model(self, flat: torch.Tensor):
+        for p, v in zip(self.model.parameters(), self.layout.param_views(flat).values()):
+            p.copy_(v)
 
-__all__ = ["SimConfig", "Simulation", "client_order", "sample_clients", "ASD_BASES"]
+    def state_dict(self) -> dict:
+        """The evaluated global model as a ``state_dict`` of ``model`` (copies): ``model.load_state_dict(...)``."""
+        self._load_into_model(self.eval_flat)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+__all__ = ["SimConfig", "Simulation", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
+           "OnlineTeacher"]

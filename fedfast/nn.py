@@ -110,11 +110,13 @@ class GKDLoss(_DistillBase):
         super().__init__(tau, reduction, ignore_index, backend, validate)
         self.gamma, self.tau_squared = float(gamma), bool(tau_squared)
 
-    def forward(self, student: Tensor, teachers: Tensor, target: Tensor, teacher_weights=None,
-                segments: Tensor | None = None, num_segments: int | None = None) -> Tensor:
+    def forward(self, student: Tensor, teachers: Tensor | None, target: Tensor, teacher_weights=None,
+                segments: Tensor | None = None, num_segments: int | None = None, mixture=None) -> Tensor:
+        """``mixture``: instead of ``teachers``, the M teachers' mixture ``(P [R, C], negent [R])`` precomputed by
+        :func:`fedfast.ops.teacher_mixture` at this ``tau`` (exact in loss and gradient)."""
         s = self.tau ** 2 if self.tau_squared else 1.0
         return ops.distill(student, teachers, target, kind="full", kd_weight=self.gamma / 2 * s,
-                           teacher_weights=teacher_weights, **self._common(segments, num_segments))
+                           teacher_weights=teacher_weights, mixture=mixture, **self._common(segments, num_segments))
 
 
 class CADLoss(_DistillBase):

@@ -56,7 +56,7 @@ def test_fedavg_and_fedavgm_match_state_dict_loop(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fedadc_server_rule(backend):
     """m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m' (FedADC Alg. 3). With beta_g = beta_l and
-    alpha = 1 the server step is plain averaging (spec 2.3)."""
+    alpha = 1 the server step is plain averaging (FedADC, Alg. 3 with beta_local = beta_global)."""
     N, P = 5, 33
     X = torch.randn(N, P)
     g = torch.randn(P)

@@ -12,9 +12,10 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
     cfg.write_text('dataset = "synthetic"\npartition = "dirichlet"\nalpha = 0.5\nnum_clients = 10\n'
                    'clients_per_round = 4\nrounds = 2\nbatch_size = 32\nlr = 0.05\n')
     out = tmp_path / "run"
-    assert main(["run", str(cfg), "--set", "algorithm=kd", "--set", "tau=2.0", "--out", str(out)]) == 0
+    assert main(["run", str(cfg), "--set", "algorithm=kd", "--set", "kd.tau=2.0", "--out", str(out)]) == 0
     resolved = json.loads((out / "config.json").read_text())
-    assert resolved["algorithm"] == "kd" and resolved["tau"] == 2.0 and resolved["num_clients"] == 10
+    assert resolved["algorithm"] == "kd" and resolved["kd"] == {"beta": 1.0, "tau": 2.0, "tau_squared": True}
+    assert resolved["num_clients"] == 10 and resolved["momentum"] == 0.0 and "fedntd" not in resolved
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in lines] == [1, 2]
     for r in lines:
@@ -28,10 +29,18 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
     (["--set", "algorithm=fedsomething"], "algorithm: one of"),
     (["--set", "lr=-1"], "lr: must be > 0"),
     (["--set", "clients_per_round=500"], "clients_per_round"),
-    (["--set", "asd=true", "--set", "algorithm=kd"], "asd: the ASD add-on composes with"),
+    (["--set", "algorithm=kd+asd"], "algorithm: the ASD add-on composes with"),
     (["--set", "rounds"], "--set: expected key=value"),
-    (["--set", "adc_order=red"], "adc_order: one of"),
-    (["--set", "val_fraction=1.5"], "val_fraction"),
+    (["--set", "algorithm=fedadc", "--set", "fedadc.order=red"], "fedadc.order: one of"),
+    (["--set", "algorithm=fedgkd_vote", "--set", "fedgkd_vote.val_fraction=1.5"], "fedgkd_vote.val_fraction"),
+    (["--set", "algorithm=fedavg", "--set", "fedntd.beta=5"],
+     "fedntd: an option table of fedntd, fedntd+asd, but the running method is fedavg"),
+    (["--set", "algorithm=fedgkd", "--set", "fedgkd.beta=5"], "fedgkd.beta: not an option of fedgkd"),
+    (["--set", "beta=5"], "beta: a method option now, spelled fedntd.beta"),
+    (["--set", "asd=true"], "asd: a method option now, spelled algorithm = '<base>+asd'"),
+    (["--set", "algorithm=fedntd+asd", "--set", "fedntd.tau=3"], "fedntd.tau: not used by fedntd+asd"),
+    (["--set", "fedntd.beta=abc"], "fedntd.beta: expected a float"),
+    (["--plugin", "/nonexistent/x.py"], "--plugin: no such file"),
     (["--set", "client_chunk=0"], "client_chunk"),
     (["--set", "dataset=synthetic", "--set", "num_clients=6", "--set", "clients_per_round=3"], "shards_per_client"),
 ])
@@ -45,9 +54,10 @@ def test_build_config_defaults_and_types():
     assert c["rounds"] == 3 and c["momentum"] == 0.0 and isinstance(c["momentum"], float) and c["seed"] == 7
 
 
-@pytest.mark.parametrize("algorithm,extra", [("fedgkd_vote", ["gkd_buffer=2"]), ("fedadc_plus", ["adc_order=heavy_ball"]),
-                                             ("moon", ["moon_mu=5"]), ("scaffold", ["asd=true"]),
-                                             ("fedcad", ["cad_aux_holdout=true"])])
+@pytest.mark.parametrize("algorithm,extra", [("fedgkd_vote", ["fedgkd_vote.buffer=2"]),
+                                             ("fedadc_plus", ["fedadc_plus.order=heavy_ball"]),
+                                             ("moon", ["moon.mu=5.0"]), ("scaffold+asd", ["asd.lam=5.0"]),
+                                             ("fedcad", ["fedcad.aux_holdout=true", "fedcad.aux_per_class=4"])])
 def test_run_new_methods(tmp_path, algorithm, extra):
     out = tmp_path / "run"
     args = ["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
@@ -56,16 +66,37 @@ def test_run_new_methods(tmp_path, algorithm, extra):
         args += ["--set", e]
     assert main(args) == 0
     resolved = json.loads((out / "config.json").read_text())
-    assert resolved["algorithm"] == algorithm and resolved["tau"] is not None and resolved["momentum"] is not None
+    table, kv = extra[0].split(".", 1)
+    k, v = kv.split("=")
+    assert resolved["algorithm"] == algorithm and str(resolved[table][k]).lower() == v
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and len(lines[-1]["class_accuracy"]) == 10 and lines[-1]["forgetting"] is not None
 
 
-def test_per_method_defaults_resolved():
-    assert build_config(None, ["algorithm=fedadc_plus"])["tau"] == 4.0
+def test_toml_tables_and_resolved_defaults(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('algorithm = "fedntd+asd"\nmomentum = 0.9\n[fedntd]\n[asd]\nlam = 5.0\n')
+    c = build_config(str(cfg), [])
+    j = c.to_json()
+    assert j["asd"]["lam"] == 5.0 and j["asd"]["entropy_tau"] == 1.0 and j["asd"]["not_true"] is True
+    assert j["fedntd"] == {} and j["max_grad_norm"] == 10.0 and j["momentum"] == 0.9
+    assert build_config(None, ["algorithm=fedgkd_vote"]).to_json()["fedgkd_vote"]["beta"] == 0.2
     assert build_config(None, ["algorithm=fedadc"])["momentum"] == 0.0
-    assert build_config(None, ["algorithm=fedadc", "momentum=0.5"])["momentum"] == 0.5
-    assert build_config(None, ["algorithm=fedgkd_vote"])["gkd_buffer"] == 5
+    cfg.write_text('algorithm = "fedavg"\n[fedgkd]\ngamma = 0.1\n')
+    with pytest.raises(ValueError, match="fedgkd: an option table of .* the running method is fedavg"):
+        build_config(str(cfg), [])
+
+
+def test_methods_command_lists_options(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fedavg", "fedntd", "fedgkd_vote", "fedcad", "fedadc_plus", "moon", "scaffold", "feddyn", "kd"):
+        assert f"\n{name}: " in "\n" + out
+    assert "beta = 1.0" in out and "fedntd+asd" in out
+    assert main(["methods", "fedgkd"]) == 0
+    one = capsys.readouterr().out
+    assert "max_grad_norm=10" in one and "skip_first_round = True" in one and "Eq. 4" in one
+    assert main(["methods", "nosuch"]) == 2
 
 
 def test_torchrun_two_processes(tmp_path):

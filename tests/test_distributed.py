@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 import fedfast
 from fedfast import data, models
 
-CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(dyn_alpha=0.1)), ("fedntd", dict(tau=2.0)),
-         ("moon", {})]
+CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(alpha=0.1)), ("fedntd", dict(tau=2.0)),
+         ("moon", {}), ("fedgkd_vote", dict(buffer=2))]
 
 
 def _setup():
@@ -25,7 +25,7 @@ def _setup():
 
 def _cfg(algorithm, extra):
     return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=2, local_epochs=1, batch_size=16,
-                             lr=0.05, seed=3, **extra)
+                             lr=0.05, seed=3, momentum=0.9, options=extra)
 
 
 def _worker(rank, world, port, out_dir):
@@ -35,9 +35,11 @@ def _worker(rank, world, port, out_dir):
     try:
         for algorithm, extra in CASES:
             train, test, part, model = _setup()
-            sim = fedfast.Simulation(_cfg(algorithm, extra), model, train, test, part, process_group="default")
+            sim = fedfast.Simulation(_cfg(algorithm, extra), model, train, test, part, process_group="default",
+                                     val=test)
             hist = sim.run()
-            state = sim.client_state.data if hasattr(sim, "client_state") else torch.zeros(1)
+            st = sim.method.client_state
+            state = st.data if st is not None else torch.zeros(1)
             torch.save(dict(g=sim.global_flat, state=state, loss=hist[-1]["train_loss"]),
                        os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
     finally:
@@ -55,13 +57,13 @@ def test_two_ranks_equal_one_process(tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     for algorithm, extra in CASES:
         train, test, part, model = _setup()
-        sim = fedfast.Simulation(_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)
+        sim = fedfast.Simulation(_cfg(algorithm, extra), copy.deepcopy(model), train, test, part, val=test)
         hist = sim.run()
         ranks = [torch.load(tmp_path / f"{algorithm}-{r}.pt") for r in range(2)]
         assert torch.equal(ranks[0]["g"], ranks[1]["g"]), algorithm  # the ranks agree exactly
         ref = sim.global_flat
         assert (ranks[0]["g"] - ref).abs().max() <= 1e-5 * ref.abs().max(), algorithm
-        if hasattr(sim, "client_state"):
-            assert (ranks[1]["state"] - sim.client_state.data).abs().max() <= 1e-5 * (
-                sim.client_state.data.abs().max() + 1e-12), algorithm
+        if sim.method.client_state is not None:
+            assert (ranks[1]["state"] - sim.method.client_state.data).abs().max() <= 1e-5 * (
+                sim.method.client_state.data.abs().max() + 1e-12), algorithm
         assert abs(ranks[0]["loss"] - hist[-1]["train_loss"]) <= 1e-5 * abs(hist[-1]["train_loss"])

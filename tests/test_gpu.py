@@ -137,22 +137,23 @@ def test_gpu_aggregate_and_client_step(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("algorithm,extra", [("fedntd", dict(tau=2.0, max_grad_norm=0.5)), ("scaffold", {}),
-                                             ("feddyn", dict(asd=True, dyn_alpha=0.1)),
-                                             ("fedadc_plus", dict(adc_beta=0.8, momentum=0.0)),
-                                             ("fedgkd_vote", dict(gkd_buffer=2)), ("moon", {})])
-def test_gpu_engine_matches_sequential_loop(backend, algorithm, extra):
+@pytest.mark.parametrize("algorithm,options,extra", [("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
+                                                     ("scaffold", {}, {}),
+                                                     ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
+                                                     ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
+                                                     ("fedgkd_vote", dict(buffer=2), dict(rounds=3)), ("moon", {}, {})])
+def test_gpu_engine_matches_sequential_loop(backend, algorithm, options, extra):
     """The whole round on the GPU (batched forward, fused loss / client step / server update on `backend`)
     against the literal per-client loop on the CPU."""
-    from test_engine import engine_vs_loop
+    from sequential_loop import engine_vs_loop
 
     _need(backend)
-    err, _, _ = engine_vs_loop(algorithm, extra, device="cuda", backend=backend)
+    err, _, _ = engine_vs_loop(algorithm, options, device="cuda", backend=backend, **extra)
     assert err <= 1e-4, err
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedntd", dict(asd=True, max_grad_norm=1.0)),
+@pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedntd+asd", dict(max_grad_norm=1.0)),
                                              ("scaffold", {}), ("fedadc_plus", {})])
 def test_gpu_local_training_never_syncs(backend, algorithm, extra):
     """CUDA's sync-debug mode raises on any synchronizing call (``.item()``, a pageable host-to-device copy,
@@ -160,12 +161,12 @@ def test_gpu_local_training_never_syncs(backend, algorithm, extra):
     import copy
 
     import fedfast
-    from test_engine import _setup
+    from sequential_loop import setup_data as _setup
 
     _need(backend)
     train, test, part, model = _setup()
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=10,
-                            lr=0.05, seed=3, backend=backend, **extra)
+                            lr=0.05, seed=3, momentum=0.9, backend=backend, **extra)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
                              device="cuda")
     sim.round()

@@ -119,7 +119,7 @@ def test_gkd_loss_single_and_vote(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vote_gradient_equals_kd_to_mixture(backend):
-    """Spec II.2: grad of sum_m g_m KL(p_m||q) == grad of G * KL(pbar||q), pbar = sum g_m p_m / G."""
+    """FedGKD-VOTE mixture identity: grad of sum_m g_m KL(p_m||q) == grad of G * KL(pbar||q), pbar = sum g_m p_m / G."""
     R, C, M = 9, 10, 3
     z, _, y = make_inputs(R, C, ignore=False)
     T = torch.randn(M, R, C) * 2
@@ -196,7 +196,7 @@ def test_adc_target_properties():
     assert torch.isfinite(kd)
 
 
-# ---- FedNTD properties (spec I.2) ----
+# ---- FedNTD properties (Lee et al. 2022, Eq. 10-11) ----
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ntd_properties(backend):
     R, C = 8, 10
@@ -231,7 +231,7 @@ def test_ntd_properties(backend):
     assert rel_err(ce, F.cross_entropy(z.double(), y)) <= 1e-6
 
 
-# ---- ASD properties (spec 5.1) ----
+# ---- ASD properties (Yashwanth et al., Eq. 5-11) ----
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_asd_weight_properties(backend):
     R, C = 10, 7

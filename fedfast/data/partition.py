@@ -1,7 +1,7 @@
 """Non-IID partitioners, all deterministic by seed (numpy ``default_rng(seed)``).
 
 * :func:`iid` - shuffle and split into equal parts.
-* :func:`shards` - FedNTD's sharding (Lee et al., App. B.5; spec I.9): sort by label, cut each class into
+* :func:`shards` - FedNTD's sharding (Lee et al., App. B.5 and code): sort by label, cut each class into
   ``s*K/C`` shards, shuffle the list of shard labels, client k takes one unused shard of each label in
   its row; all clients equal size, at most ``s`` classes.
 * :func:`dirichlet_lda` - FedNTD's / NIID-Bench LDA (per class ``p ~ Dir(alpha 1_K)``, clients above
@@ -28,10 +28,46 @@ from torch import Tensor
 
 @dataclass
 class Partition:
-    indices: list[Tensor]
-    num_classes: int
-    labels: Tensor = field(repr=False)
+    """Which training samples each client holds: ``indices`` (one index array per client: lists, numpy arrays
+    or tensors). ``labels`` (the training set's labels) and ``num_classes`` are optional: the histogram and
+    summary need the labels, the engine derives what it needs from the training set.
+
+    >>> Partition([np.arange(0, 600), np.arange(600, 1000)])       # e.g. another framework's client split
+    """
+    indices: list
+    num_classes: int | None = None
+    labels: Tensor | None = field(default=None, repr=False)
     method: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.indices, (Tensor, np.ndarray)) and getattr(self.indices, "ndim", 1) == 2:
+            self.indices = list(self.indices)
+        if not isinstance(self.indices, (list, tuple)) or not len(self.indices):
+            raise ValueError("indices: expected a non-empty list of per-client index arrays")
+        out = []
+        for k, idx in enumerate(self.indices):
+            a = idx.detach().cpu().numpy() if isinstance(idx, Tensor) else np.asarray(idx)
+            if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise ValueError(f"indices: client {k}: expected a 1-d array of integer sample indices, got "
+                                 f"shape {a.shape} and dtype {a.dtype}")
+            if a.size and a.min() < 0:
+                raise ValueError(f"indices: client {k}: negative sample index {int(a.min())}")
+            if a.size == 0:
+                raise ValueError(f"indices: client {k} holds no samples")
+            out.append(torch.from_numpy(a.astype(np.int64, copy=False)))
+        self.indices = out
+        if self.labels is not None:
+            y = self.labels.detach().cpu() if isinstance(self.labels, Tensor) else torch.as_tensor(np.asarray(self.labels))
+            if y.dim() != 1:
+                raise ValueError(f"labels: expected a 1-d array of class ids, got shape {tuple(y.shape)}")
+            self.labels = y.long()
+            top = max(int(i.max()) for i in out)
+            if top >= len(y):
+                raise ValueError(f"indices: sample index {top} beyond the {len(y)} labels")
+            if self.num_classes is None:
+                self.num_classes = int(y.max()) + 1
+        if self.num_classes is not None and int(self.num_classes) < 1:
+            raise ValueError(f"num_classes: must be >= 1, got {self.num_classes}")
 
     @property
     def num_clients(self) -> int:
@@ -44,6 +80,8 @@ class Partition:
     @property
     def histogram(self) -> Tensor:
         """[K, C] number of samples of each class held by each client."""
+        if self.labels is None:
+            raise ValueError("labels: this Partition was made without labels; pass labels=train.y for histograms")
         h = torch.zeros(self.num_clients, self.num_classes, dtype=torch.long)
         for k, idx in enumerate(self.indices):
             h[k] = torch.bincount(self.labels[idx], minlength=self.num_classes)
@@ -112,7 +150,7 @@ def iid(labels, num_clients: int, seed: int = 0) -> Partition:
 
 
 def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) -> Partition:
-    """FedNTD's sharding (spec I.9)."""
+    """FedNTD's sharding (Lee et al. 2022, App. B.5)."""
     y = _labels(labels)
     K, s = num_clients, shards_per_client
     _check_K(K, len(y))
@@ -263,7 +301,7 @@ PARTITIONERS = {"iid": iid, "shards": shards, "dirichlet": dirichlet_lda, "diric
 
 def per_class_sample(labels, per_class: int, seed: int = 0) -> torch.Tensor:
     """``per_class`` random indices of each class (all of a class if it has fewer), sorted by class, drawn once
-    with ``seed``: FedCAD's server-held auxiliary set (32 per class, spec 3.4 C5)."""
+    with ``seed``: FedCAD's server-held auxiliary set (32 per class; He et al., reading C5 in docs/methods.md)."""
     if int(per_class) < 1:
         raise ValueError(f"per_class: must be >= 1, got {per_class}")
     y = torch.as_tensor(_labels(labels))

@@ -1,4 +1,4 @@
-"""The papers' CNNs (layer lists from ../shared/spec/methods-*.md). All are plain ``nn.Module``s without
+"""The papers' CNNs (layer lists from the papers and their code; docs/methods.md). All are plain ``nn.Module``s without
 running statistics, so ``torch.func.functional_call`` + ``vmap`` over stacked client parameters works."""
 from __future__ import annotations
 

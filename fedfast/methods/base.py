@@ -1,0 +1,373 @@
+"""The method contract: what a federated method is to the engine, and what the engine offers a method.
+
+A method is a small class that owns everything about itself (``docs/methods.md`` walks through one):
+
+* ``Options`` - a dataclass of its options with the papers' defaults, one :func:`opt` per field naming the
+  equation or table it comes from (``fedfast methods NAME`` prints them; TOML ``[name]`` tables and
+  ``--set name.key=value`` set them);
+* the client loss (``loss``), the terms the fused client step adds (``step_terms``), the server rule
+  (``server``) and its state (server tensors and per-client rows it allocates in ``setup``);
+* ``teacher``: which models it distils from this round (a :class:`TeacherSpec`; the engine turns it into a
+  per-round cache or a per-step forward and hands every step the rows it needs as :class:`TeacherRows`).
+
+Every hook works on all of a round's clients at once (rows of the client stack in the round's sorted order).
+The engine calls, per round: ``round_start``, ``teacher``, then per chunk of clients ``chunk_start``, per
+local step ``loss`` and ``step_terms``, ``chunk_end``, ``chunk_aggregate`` and ``collect``; then ``server``
+and ``evaluated``. A method never writes attributes on the engine and the engine reads no method-specific
+attribute: a method reaches the engine only through :class:`Engine` (``self.engine``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import ops
+
+
+# -- options ------------------------------------------------------------------------------------------------
+def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None):
+    """A method option: its default, one line naming where the default comes from (equation, table, code),
+    and an optional constraint (``check`` one of ``">0"``, ``">=0"``, ``">=1"``, ``"[0,1]"``, ``"(0,1)"``, or
+    ``choices``). ``None`` as default means "derived from the other options" (the doc says how)."""
+    return field(default=default, metadata={"doc": doc, "check": check, "choices": choices})
+
+
+_CHECKS = {">0": lambda v: v > 0, ">=0": lambda v: v >= 0, ">=1": lambda v: v >= 1,
+           "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1}
+_TYPES = {"float": float, "int": int, "bool": bool, "str": str}
+
+
+def _option_type(f) -> tuple[type, bool]:
+    """(base type, nullable) of an option field, whether its annotation is a type or a string."""
+    if isinstance(f.type, type):
+        return (f.type if f.type in _TYPES.values() else str), False
+    ann = str(f.type).replace(" ", "").replace("typing.", "")
+    if ann.startswith("Optional[") and ann.endswith("]"):
+        ann = ann[9:-1] + "|None"
+    parts = [p.replace("<class'", "").replace("'>", "") for p in ann.split("|")]
+    base = next((p for p in parts if p != "None" and p != "NoneType"), "str")
+    return _TYPES.get(base, str), "None" in parts or "NoneType" in parts
+
+
+def coerce_option(key: str, value, f: dataclasses.Field):
+    """``value`` (from TOML, ``--set`` strings or Python) as the field's type; ValueError naming ``key``."""
+    typ, nullable = _option_type(f)
+    if value is None or (isinstance(value, str) and value.lower() == "none" and typ is not str):
+        if nullable:
+            return None
+        raise ValueError(f"{key}: expected a {typ.__name__}, got None")
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return value.lower() in ("true", "1")
+            if not isinstance(value, (bool, int, np.bool_)):
+                raise ValueError
+            return bool(value)
+        if typ is int:
+            v = int(value)
+            if isinstance(value, float) and value != v or isinstance(value, bool):
+                raise ValueError
+            return v
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a {typ.__name__}, got {value!r}") from None
+
+
+def validate_options(table: str, opts) -> None:
+    """The ``check``/``choices`` constraints of every field; errors name ``table.key``."""
+    for f in dataclasses.fields(opts):
+        v = getattr(opts, f.name)
+        if v is None:
+            continue
+        chk, choices = f.metadata.get("check"), f.metadata.get("choices")
+        if choices is not None and v not in choices:
+            raise ValueError(f"{table}.{f.name}: one of {choices}, got {v!r}")
+        if chk is not None and not _CHECKS[chk](v):
+            raise ValueError(f"{table}.{f.name}: must be {chk.replace('[0,1]', 'in [0, 1]').replace('(0,1)', 'in (0, 1)')}"
+                             f", got {v!r}")
+
+
+def make_options(table: str, cls, values: dict | None = None, *, method: str = ""):
+    """An ``Options`` instance from a dict (TOML table, ``--set`` values or Python); unknown keys are errors
+    naming ``table.key`` and the method."""
+    values = dict(values or {})
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in values.items():
+        if k not in known:
+            raise ValueError(f"{table}.{k}: not an option of {method or table} (its options: "
+                             f"{', '.join(known) or 'none'})")
+        kw[k] = coerce_option(f"{table}.{k}", v, known[k])
+    out = cls(**kw)
+    validate_options(table, out)
+    return out
+
+
+@dataclass
+class NoOptions:
+    """A method without options of its own."""
+
+
+# -- per-round values -----------------------------------------------------------------------------------------
+@dataclass
+class Round:
+    """One round's data in stack order (this rank's clients under torch.distributed)."""
+    index: int                       # 0-based round number
+    sampled: np.ndarray              # client ids
+    sizes: np.ndarray                # local data sizes
+    steps: np.ndarray                # local steps per epoch
+    epochs: int                      # local epochs
+    lr: float                        # this round's client learning rate
+    sampled_t: Tensor                # client ids on the device
+    hist: Tensor                     # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
+    rows: Tensor | None = None       # [m, P] the method's per-client state rows (gathered from client_state)
+    new_rows: Tensor | None = None   # their updated values, filled by ``collect`` chunk by chunk
+    incr: Tensor | None = None       # a server-state increment summed over the chunks (all-reduced across ranks)
+    chunk: dict = field(default_factory=dict)  # per-chunk values a method keeps between its hooks
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """What a method distils from in one round: ``models`` [M, P] flat parameter rows; with M > 1, ``weights``
+    [M] (summing to 1) mix the M teachers' softmaxes at temperature ``tau`` (FedGKD-VOTE)."""
+    models: Tensor
+    weights: Tensor | None = None
+    tau: float = 1.0
+
+    @staticmethod
+    def of(flat: Tensor) -> "TeacherSpec":
+        """One model (flat parameters [P]) as the teacher."""
+        return TeacherSpec(flat[None])
+
+
+@dataclass(frozen=True)
+class TeacherRows:
+    """The teacher for one local step's rows ``R = n_active * B``: ``logits`` [R, C] (one teacher) or [M, R, C]
+    with ``weights`` [M]; or ``mixture`` = (P [R, C], negent [R]), the M teachers' mixture cached once per round
+    (:func:`fedfast.ops.teacher_mixture`). :meth:`kwargs` are the matching :func:`fedfast.ops.distill` arguments."""
+    logits: Tensor | None = None
+    weights: Tensor | None = None
+    mixture: tuple[Tensor, Tensor] | None = None
+
+    def kwargs(self) -> dict:
+        if self.mixture is not None:
+            return dict(teacher=None, mixture=self.mixture)
+        return dict(teacher=self.logits, teacher_weights=self.weights)
+
+
+@dataclass
+class Step:
+    """One local step of all active clients (the first ``num_clients`` rows of the stack)."""
+    logits: Tensor                   # [R, C] student logits, R = num_clients * B (requires grad)
+    target: Tensor                   # [R] labels; -100 on the padding rows of a client's last partial batch
+    segments: Tensor                 # [R] the row's client (0 .. num_clients-1)
+    num_clients: int
+    teacher: TeacherRows | None      # None when the method returned no TeacherSpec this round
+    hist: Tensor                     # [num_clients, C] label histograms of the active clients
+    x: Tensor                        # [num_clients, B, ...] the inputs (augmented if augmentation is on)
+    valid: Tensor                    # [num_clients, B] False on padding rows
+    features: Tensor | None = None   # [num_clients, B, F] input of the classifier, if ``needs_features``
+
+
+# -- the engine as a method sees it --------------------------------------------------------------------------
+@runtime_checkable
+class Engine(Protocol):
+    """What a method may use of the engine (:class:`fedfast.engine.Simulation` implements it)."""
+    device: torch.device
+    backend: str | None               # the ops backend (None: automatic)
+    num_clients: int                  # K, all clients
+    num_params: int                   # P, parameters of the model
+    num_classes: int
+    seed: int
+    train: Any                        # the training set (fedfast.data.ArrayDataset, on the device)
+    config: Any                       # the engine settings (fedfast.SimConfig: lr, momentum, local_epochs, ...)
+    label_hist: Tensor                # [K, C] every client's label histogram
+    client_sizes: np.ndarray          # [K] every client's number of samples
+
+    @property
+    def global_flat(self) -> Tensor: ...        # [P] the model the clients start from this round (read only)
+
+    @property
+    def round_index(self) -> int: ...           # 0-based index of the current round
+
+    def server_data(self, name: str): ...       # a server-held split ("val", "aux") or None
+
+    def forward(self, flat: Tensor, x: Tensor, *, features: bool = False): ...
+    # one model (flat parameters [P]) on a batch x [R, ...] -> logits [R, C] (or (features, logits))
+
+    def forward_clients(self, rows: Tensor, x: Tensor, *, features: bool = False): ...
+    # n models (rows [n, P]) on x [n, B, ...] -> logits [n, B, C] (or (features [n, B, F], logits))
+
+    def predict(self, flat: Tensor, dataset, idx: Tensor | None = None) -> Tensor: ...
+    # logits [len(idx), C] of one model on rows of a dataset, in large batches, eval mode, no grad
+
+    def eval_mode(self) -> contextlib.AbstractContextManager: ...
+    # the model's modules in eval mode inside (frozen references: no dropout, as a teacher)
+
+    def new_client_state(self, fill: Tensor | None = None): ...
+    # a fedfast.flat.ClientState [K, P] (dtype and placement from the engine settings), rows = ``fill``
+
+    def client_params(self, n: int) -> Tensor: ...
+    # the live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)
+
+
+# -- the method --------------------------------------------------------------------------------------------
+class Method:
+    """FedAvg (McMahan et al., AISTATS 2017): CE loss, SGD client step, weighted average on the server.
+    The base of every method; subclass it and register it with :func:`fedfast.methods.register`.
+
+    Class attributes a method may set:
+    ``Options`` (dataclass), ``paper`` (one-line reference), ``max_grad_norm`` / ``aggregation`` (the defaults of
+    these engine settings when the config leaves them unset: clipping that the authors' code applies, ``"size"``
+    or ``"uniform"`` averaging), ``needs_features`` (the loss needs the classifier's input), ``accepts_asd``
+    (the ASD add-on may replace its KD term).
+    """
+    name: ClassVar[str] = ""          # registry name (set by @register)
+    table: ClassVar[str] = ""         # the option table's name (default: name)
+    paper: ClassVar[str] = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    Options: ClassVar[type] = NoOptions
+    max_grad_norm: ClassVar[float] = 0.0
+    max_grad_norm_source: ClassVar[str] = ""
+    aggregation: ClassVar[str] = "size"
+    aggregation_fixed: ClassVar[bool] = False  # the method defines its averaging (any other is refused)
+    needs_features: ClassVar[bool] = False
+    accepts_asd: ClassVar[bool] = False
+    loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
+
+    def __init__(self, options: dict | None = None, **kw):
+        """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of
+        this method's own table (``FedNTD(beta=0.5)``)."""
+        tables = dict(options or {})
+        own = tables.get(self.table_name(), {})
+        if kw:
+            if not isinstance(own, dict):
+                raise TypeError("options: pass keyword options or an Options instance, not both")
+            own = {**own, **kw}
+        self.opts = own if isinstance(own, self.Options) else make_options(self.table_name(), self.Options, own,
+                                                                           method=self.name or type(self).__name__)
+        self.resolve()
+        validate_options(self.table_name(), self.opts)
+        self.engine: Engine | None = None
+        self.client_state = None  # a ClientState the method owns (the engine gathers/scatters its rows)
+
+    @classmethod
+    def table_name(cls) -> str:
+        return cls.table or cls.name or cls.__name__.lower()
+
+    @classmethod
+    def option_tables(cls) -> dict[str, type]:
+        """The option tables this method reads: ``{table: Options class}``."""
+        return {cls.table_name(): cls.Options}
+
+    def resolve(self) -> None:
+        """Fill options left ``None`` whose default is derived from other options."""
+
+    def options(self) -> dict[str, dict]:
+        """The resolved options, ``{table: {key: value}}`` (config.json records them)."""
+        return {self.table_name(): dataclasses.asdict(self.opts)}
+
+    # -- engine-facing lifecycle -------------------------------------------------------------------------
+    def bind(self, engine: Engine) -> None:
+        """Attach to an engine and allocate state (called once by the engine)."""
+        self.engine = engine
+        self.setup()
+
+    def setup(self) -> None:
+        """Allocate the method's server and per-client state (``self.engine`` is set)."""
+
+    def uses_teacher(self) -> bool:
+        """Whether ``teacher`` can return a teacher (decides the teacher cache; static per run)."""
+        return False
+
+    def hold_out(self, train, seed: int = 0):
+        """Before partitioning (``fedfast run``): ``(train, {name: dataset})``, the clients' training set and the
+        server-held splits this method needs (FedGKD-VOTE's validation split, FedCAD's auxiliary data)."""
+        return train, {}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The method's state tensors (server state and per-client rows), for checkpoints."""
+        out = {}
+        if self.client_state is not None:
+            out["client_state"] = self.client_state.data
+        return out
+
+    # -- per round -----------------------------------------------------------------------------------------
+    def round_start(self, ctx: Round) -> None:
+        """Per-round server-side values (class weights, per-client coefficients)."""
+
+    def teacher(self, ctx: Round) -> TeacherSpec | None:
+        """The models this method distils from this round (None: no teacher)."""
+        return None
+
+    # -- client loss ---------------------------------------------------------------------------------------
+    def loss(self, ctx: Round, b: Step) -> Tensor:
+        """The client loss of all active clients: the sum over clients of each client's minibatch mean."""
+        return cross_entropy(b, self.engine.backend)
+
+    # -- client step ---------------------------------------------------------------------------------------
+    def chunk_start(self, ctx: Round, lo: int, hi: int) -> None:
+        """Before the local steps of the round's clients ``lo:hi`` (stack rows ``0:hi-lo`` hold the global model)."""
+
+    def step_terms(self, ctx: Round, n_act: int) -> dict:
+        """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""
+        return {}
+
+    def chunk_end(self, ctx: Round, lo: int, hi: int) -> None:
+        """After the chunk's last local step."""
+
+    # -- server --------------------------------------------------------------------------------------------
+    def chunk_aggregate(self, ctx: Round, lo: int, hi: int) -> dict:
+        """Extra arguments of :func:`fedfast.ops.aggregate` for the chunk's rows (per-client state updates)."""
+        return {}
+
+    def collect(self, ctx: Round, out: dict, lo: int, hi: int) -> None:
+        """Keep the chunk's per-client results (``ctx.new_rows``, ``ctx.incr``) from the fused aggregate's outputs."""
+
+    def server_terms(self, ctx: Round) -> dict:
+        """Server-rule arguments of :func:`fedfast.ops.aggregate` (server momentum, teacher buffer)."""
+        return {}
+
+    def server(self, ctx: Round, avg: Tensor) -> Tensor:
+        """The new global model from the participants' weighted average ``avg`` [P] (one fused call)."""
+        out = ops.aggregate(avg[None], self.engine.global_flat, rows=1, backend=self.engine.backend,
+                            **self.server_terms(ctx))
+        self.after_server(ctx, out)
+        return out["global"]
+
+    def after_server(self, ctx: Round, out: dict) -> None:
+        """Read the updated server state from the fused call's outputs."""
+
+    def evaluated(self, global_flat: Tensor) -> Tensor:
+        """The model the engine evaluates and reports (default: the global model)."""
+        return global_flat
+
+
+def cross_entropy(b: Step, backend) -> Tensor:
+    """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
+    return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,
+                       num_segments=b.num_clients, reduction="mean", backend=backend)
+
+
+def weighted_mean_rows(rows: Tensor, valid: Tensor) -> Tensor:
+    """``rows`` [n*B] per-row values -> the sum over clients of each client's mean over its valid rows."""
+    v = valid.float()
+    w = (v / v.sum(1, keepdim=True).clamp_min(1)).reshape(-1)
+    return (rows * w).sum()
+
+
+__all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
+           "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows"]

@@ -1,0 +1,84 @@
+"""FedDyn (Acar et al., ICLR 2021) in the "cloud model" form of its code (and of the ASD code).
+
+State: per client ``h_k`` [P] (zero at the start), the server's ``hbar = (1/N) sum_{all k} h_k`` and the cloud
+model ``w_cld`` (the model clients start from and distil from). Client k starts from ``w_cld`` and minimises::
+
+    L_k(w) + alpha_k <w, h_k - w_cld> + (alpha_k / 2) ||w||^2
+
+the last term as SGD weight decay ``alpha_k + weight_decay``; after training ``h_k += w_k - w_cld``. Server::
+
+    avg = (1/|S_t|) sum_{k in S_t} w_k                    (uniform: the method's own averaging)
+    hbar += (1/N) sum_{k in S_t} (w_k - w_cld)
+    w_cld = avg + hbar
+
+The evaluated (reported) model is ``avg``, as in both codes. ``alpha_k = alpha / s_k`` with ``s_k`` set by
+``alpha_scaling``: ``"mean_size"`` (default, FedDyn's code: client sizes normalised to mean 1,
+``s_k = n_k / mean_j n_j``; reproduces FedDyn's and FedADC's FedDyn numbers) or ``"minibatches"`` (the ASD
+code, vcl-iisc/fed-adaptive-self-distillation @6cb4b68: ``s_k = n_k / B``, the raw number of minibatches;
+reproduces ASD's Table 2 FedDyn and FedDyn+ASD rows). ``alpha = 0.01`` is the middle of the FedDyn/FedADC grid
+{0.1, 0.01, 0.001}; FedNTD's code uses 0.1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import register
+from .base import opt
+from .fedavg import FedAvg
+
+
+@register("feddyn")
+class FedDyn(FedAvg):
+    """FedDyn (Acar et al. 2021; cloud form): loss + alpha_k <w, h_k - w_cld>, weight decay alpha_k + wd;
+    h_k += w_k - w_cld; w_cld = mean_k w_k + hbar. The evaluated model is the participants' average."""
+    paper = "Acar et al., Federated Learning Based on Dynamic Regularization, ICLR 2021"
+    aggregation, aggregation_fixed = "uniform", True
+
+    @dataclass
+    class Options:
+        alpha: float = opt(0.01, "regulariser alpha (FedDyn/FedADC grid {0.1, 0.01, 0.001})", check=">=0")
+        alpha_scaling: str = opt("mean_size", "alpha_k = alpha / s_k: 'mean_size' (FedDyn code) or 'minibatches' "
+                                              "(ASD code)", choices=("mean_size", "minibatches"))
+
+    def setup(self):
+        e = self.engine
+        self.client_state = e.new_client_state()  # h_k
+        self.hbar = torch.zeros(e.num_params, device=e.device)
+        self.avg = e.global_flat
+
+    def round_start(self, ctx):
+        e = self.engine
+        sizes = torch.tensor(ctx.sizes, dtype=torch.float32, device=e.device)
+        if self.opts.alpha_scaling == "mean_size":
+            s = sizes / float(e.client_sizes.mean())
+        else:
+            s = sizes / e.config.batch_size
+        self.alpha_k = self.opts.alpha / s
+
+    def chunk_start(self, ctx, lo, hi):
+        a = self.alpha_k[lo:hi]
+        ctx.chunk.update(alpha=a, dyn=a[:, None] * (ctx.rows[lo:hi] - self.engine.global_flat))
+
+    def step_terms(self, ctx, n_act):
+        ch = ctx.chunk
+        return dict(dyn_linear=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
+
+    def chunk_aggregate(self, ctx, lo, hi):
+        return dict(dyn_h=ctx.rows[lo:hi], dyn_hbar=self.hbar, dyn_num_clients=self.engine.num_clients)
+
+    def collect(self, ctx, out, lo, hi):
+        ctx.incr += out["dyn_hbar"] - self.hbar
+        ctx.new_rows[lo:hi] = out["dyn_h"]
+
+    def server(self, ctx, avg):
+        self.hbar = self.hbar + ctx.incr
+        self.avg = avg
+        return avg + self.hbar
+
+    def evaluated(self, global_flat):
+        return self.avg
+
+    def state_dict(self):
+        return {**super().state_dict(), "hbar": self.hbar, "avg": self.avg}

@@ -1,0 +1,58 @@
+"""MOON (Li, He and Song, "Model-Contrastive Federated Learning", CVPR 2021).
+
+Client loss per minibatch: ``CE(z, y) + mu * l_con`` with the model-contrastive term::
+
+    l_con = -log( e^{cos(r, r_g)/T} / (e^{cos(r, r_g)/T} + e^{cos(r, r_prev)/T}) )
+
+``r`` is the representation of the local model (fedfast: the input of the model's last ``nn.Linear``, i.e. the
+penultimate features; FedNTD's code uses the 512-d output of ``linear_1`` after ReLU, which is the same tensor
+for its CNN), ``r_g`` that of the frozen global model and ``r_prev`` that of the client's own model after its
+previous participation (the initial global model before its first). The reference models run in eval mode
+(no dropout), as a teacher. State: one previous local model per client (``[K, P]`` rows). Defaults
+``mu = 1``, ``T = 0.5`` (FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import register
+from .base import cross_entropy, opt, weighted_mean_rows
+from .fedavg import FedAvg
+
+
+@register("moon")
+class MOON(FedAvg):
+    """MOON (Li et al. 2021): CE + mu * -log(e^{cos(r, r_g)/T} / (e^{cos(r, r_g)/T} + e^{cos(r, r_prev)/T})), r the
+    input of the classifier; r_g from the global model, r_prev from the client's previous local model."""
+    paper = "Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021"
+    needs_features = True
+    accepts_asd = False
+
+    @dataclass
+    class Options:
+        mu: float = opt(1.0, "weight of the contrastive term (FedNTD Table 5, from {0.1, 0.5, 1})", check=">=0")
+        tau: float = opt(0.5, "temperature T (FedNTD Table 5; MOON paper 0.5)", check=">0")
+
+    def setup(self):
+        e = self.engine
+        self.client_state = e.new_client_state(fill=e.global_flat)  # previous local models
+
+    def chunk_start(self, ctx, lo, hi):
+        ctx.chunk["prev"] = ctx.rows[lo:hi]
+
+    def loss(self, ctx, b):
+        e, o, n = self.engine, self.opts, b.num_clients
+        with torch.no_grad(), e.eval_mode():  # frozen references
+            rg, _ = e.forward(e.global_flat, b.x.reshape(-1, *b.x.shape[2:]), features=True)
+            rp, _ = e.forward_clients(ctx.chunk["prev"][:n], b.x, features=True)
+        r = b.features.reshape(-1, b.features.shape[-1])
+        sims = torch.stack([F.cosine_similarity(r, rg.reshape(r.shape), dim=-1),
+                            F.cosine_similarity(r, rp.reshape(r.shape), dim=-1)], 1) / o.tau
+        lcon = torch.logsumexp(sims, 1) - sims[:, 0]
+        return cross_entropy(b, e.backend) + o.mu * weighted_mean_rows(lcon, b.valid)
+
+    def collect(self, ctx, out, lo, hi):
+        ctx.new_rows[lo:hi] = self.engine.client_params(hi - lo)

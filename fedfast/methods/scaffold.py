@@ -1,0 +1,64 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), as run in FedNTD's code.
+
+State: a server control variate ``c`` [P] and one per client, ``c_k`` [P] (zero at the start). Each local step
+uses the corrected gradient ``g + c - c_k`` (a term of the fused client step). After a client's K local steps
+with learning rate ``lr``::
+
+    c_k' = c_k - c + (w_t - w_k) / (K_eff * lr)          (option II of the paper)
+    c'   = c + (1/N) sum_{k in S_t} (c_k' - c_k)          (N: all clients)
+
+and the global model is the participants' weighted average. ``K_eff`` is the number of local steps K; FedNTD's
+code ("adaptive division", ``keff_momentum = true``) counts SGD momentum ``rho`` in it:
+``K_eff = (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho)``, the total distance a unit gradient moves the
+weights under momentum. With ``momentum = 0`` both are K.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import register
+from .base import opt
+from .fedavg import FedAvg
+
+
+@register("scaffold")
+class Scaffold(FedAvg):
+    """SCAFFOLD (Karimireddy et al. 2020; FedNTD's code): local steps use g + c - c_k; c_k' = c_k - c + (w_t - w_k) /
+    (K_eff lr); c' = c + (1/N) sum (c_k' - c_k)."""
+    paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
+
+    @dataclass
+    class Options:
+        keff_momentum: bool = opt(True, "count local momentum in K_eff (FedNTD code, 'adaptive division')")
+
+    def setup(self):
+        e = self.engine
+        self.client_state = e.new_client_state()  # c_k
+        self.c = torch.zeros(e.num_params, device=e.device)
+
+    def chunk_start(self, ctx, lo, hi):
+        ctx.chunk["ck"] = ctx.rows[lo:hi]
+
+    def step_terms(self, ctx, n_act):
+        return dict(scaffold_c=self.c, scaffold_ck=ctx.chunk["ck"][:n_act])
+
+    def chunk_aggregate(self, ctx, lo, hi):
+        K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
+        rho = self.engine.config.momentum if self.opts.keff_momentum else 0.0
+        k_eff = (K - rho * (1 - rho ** K) / (1 - rho)) / (1 - rho) if rho > 0 else K
+        return dict(scaffold_c=self.c, scaffold_ck=ctx.rows[lo:hi],
+                    scaffold_coef=(1.0 / (k_eff * ctx.lr)).float().to(self.engine.device),
+                    scaffold_num_clients=self.engine.num_clients)
+
+    def collect(self, ctx, out, lo, hi):
+        ctx.incr += out["scaffold_c"] - self.c
+        ctx.new_rows[lo:hi] = out["scaffold_ck"]
+
+    def server(self, ctx, avg):
+        self.c = self.c + ctx.incr
+        return super().server(ctx, avg)
+
+    def state_dict(self):
+        return {**super().state_dict(), "c": self.c}

@@ -1,0 +1,55 @@
+"""FedGKD and FedGKD-VOTE against the plain sequential loop; defaults from Yao et al. and CGCL-codes/FedGKD."""
+import copy
+
+import pytest
+import torch
+
+import fedfast
+from fedfast import data
+from sequential_loop import engine_vs_loop, setup_data
+
+
+@pytest.mark.parametrize("algorithm,options,extra", [
+    ("fedgkd", {}, {}), ("fedgkd", dict(buffer=2), {}), ("fedgkd", dict(buffer=1, skip_first_round=False), {}),
+    ("fedgkd", dict(buffer=3, gamma=0.4, tau=2.0), dict(max_grad_norm=0.5)),
+    ("fedgkd_vote", dict(buffer=2), {}), ("fedgkd_vote", dict(buffer=3, lam=0.3, beta=0.5, tau=2.0), {}),
+    ("fedgkd_vote", dict(buffer=2), dict(client_chunk=3))])
+def test_matches_sequential_loop(algorithm, options, extra):
+    err, sim, _ = engine_vs_loop(algorithm, options, rounds=3, lr_decay=0.99, **extra)
+    if algorithm == "fedgkd" and sim.method.opts.buffer > 1:  # the teacher is the buffer average, not the last global
+        assert not torch.equal(sim.method.avg, sim.global_flat)
+    assert err <= 1e-4, err
+
+
+def test_defaults():
+    """Paper: gamma 0.2, M = 5 (CV), VOTE lambda 0.1 and beta = 1/M; code 72e7bac: clip at 10 every step
+    (pcode/workers/worker.py), no KD in round 1 (worker_fedgkd.py)."""
+    cfg = fedfast.SimConfig(algorithm="fedgkd")
+    o = cfg.method().opts
+    assert (o.gamma, o.buffer, o.tau, o.skip_first_round, cfg.max_grad_norm) == (0.2, 5, 1.0, True, 10.0)
+    v = fedfast.SimConfig(algorithm="fedgkd_vote")
+    assert v.method().opts.beta == pytest.approx(0.2) and v.method().opts.lam == 0.1 and v.max_grad_norm == 10.0
+    assert fedfast.SimConfig(algorithm="fedgkd_vote", options={"buffer": 3}).method().opts.beta == pytest.approx(1 / 3)
+
+
+def test_first_round_skips_distillation():
+    """Round 1 with skip_first_round equals FedAvg's round 1; without it, the KD term (to w_0) changes it."""
+    train, test, part, model = setup_data()
+    out = {}
+    for name, alg, opts in (("avg", "fedavg", {}), ("skip", "fedgkd", {}), ("kd", "fedgkd", {"skip_first_round": False})):
+        cfg = fedfast.SimConfig(algorithm=alg, options=opts, clients_per_round=4, rounds=1, local_epochs=2,
+                                batch_size=16, lr=0.1, max_grad_norm=0.0)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        sim.run()
+        out[name] = sim.global_flat
+    assert torch.equal(out["avg"], out["skip"]) and not torch.allclose(out["avg"], out["kd"], atol=1e-6)
+
+
+def test_vote_hold_out_split():
+    train, _, _, _ = setup_data()
+    m = fedfast.methods.FedGKDVote(val_fraction=0.25)
+    tr, splits = m.hold_out(train)
+    assert len(tr) == 300 and len(splits["val"]) == 100 and torch.equal(splits["val"].y, train.y[300:])
+    with pytest.raises(ValueError, match="fedgkd_vote.val_fraction"):
+        fedfast.methods.FedGKDVote(val_fraction=1.5)
+    assert isinstance(splits["val"], data.ArrayDataset)

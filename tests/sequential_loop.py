@@ -1,0 +1,263 @@
+"""The plain sequential reference every method is tested against: per-client ``nn.Module`` + ``torch.optim.SGD``,
+the teacher's forward on every step, ``state_dict`` averaging, and each method's formulas and state written out
+plainly (independently of fedfast's method classes: options are read from the resolved config only).
+
+``sequential(cfg, model, train, part, rounds, val)`` -> the global model after ``rounds`` rounds (flat [P]);
+``engine_vs_loop(algorithm, options)`` runs the engine and this loop on the same data, sampling and batch order.
+"""
+import collections
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import fedfast
+from fedfast import data, models
+from fedfast import nn as ffnn
+from fedfast.engine import client_order, sample_clients
+from fedfast.ops import distill_reference
+
+
+def setup_data():
+    train, test = data.synthetic(5, 400, 100, (1, 6, 6), separation=0.7, seed=0)
+    part = data.dirichlet_lda(train.y, 8, alpha=0.5, seed=1, min_size=5)  # unequal sizes: exercises masking
+    torch.manual_seed(0)
+    model = models.MLP(36, (16,), 5)
+    return train, test, part, model
+
+
+def flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def _feature_hook(model):
+    """The input of the model's last nn.Linear (MOON's representation), captured on every forward."""
+    lin = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    got = []
+    lin.register_forward_pre_hook(lambda _m, inp: got.append(inp[0]))
+    return got
+
+
+def _add_(model, vec, scale=1.0):
+    """model.parameters += scale * vec (flat)."""
+    off = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p += scale * vec[off:off + p.numel()].view_as(p)
+            off += p.numel()
+
+
+def _load_(model, vec):
+    off = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(vec[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+
+def _s(o):
+    """The tau^2 factor of a KD term."""
+    return o["tau"] ** 2 if o["tau_squared"] else 1.0
+
+
+def _options(cfg):
+    """(base method name, its option dict, the ASD option dict or None), resolved as the engine resolves them."""
+    m = cfg.method()
+    opts = m.options()
+    if cfg.algorithm.endswith("+asd"):
+        base = cfg.algorithm[:-4]
+        own = {**vars(m.opts)}
+        return base, own, opts["asd"]
+    return cfg.algorithm, {**vars(m.opts)}, None
+
+
+def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order_fn=None, client_loss=None):
+    """The literal loop (see the module docstring); returns the global model's flat parameters. ``client_loss(z, t,
+    y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise)."""
+    alg, o, asd = _options(cfg)
+    glob = copy.deepcopy(model)
+    w0 = copy.deepcopy(model).eval()
+    prev = {}  # MOON: each client's previous local model (initially the initial global model)
+    adc_m = None
+    vote_hist = []  # VOTE: (model, val loss) of the globals after each round
+    P = flat(glob).numel()
+    K = part.num_clients
+    dev = next(glob.parameters()).device
+    server_v, c_glob, hbar = torch.zeros(P, device=dev), torch.zeros(P, device=dev), torch.zeros(P, device=dev)
+    c_k = collections.defaultdict(lambda: torch.zeros(P, device=dev))  # per-client state, created when used
+    h_k = collections.defaultdict(lambda: torch.zeros(P, device=dev))
+    mean_n = float(np.mean([len(i) for i in part.indices]))
+    gkd_hist = []
+    if alg == "fedcad":  # the same auxiliary draw as the engine (aux_per_class per class, seeded)
+        g = torch.Generator().manual_seed(cfg.seed + 7919)
+        aux = torch.cat([torch.nonzero(train.y == c).flatten()[
+            torch.randperm(int((train.y == c).sum()), generator=g)[:o["aux_per_class"]]]
+            for c in range(train.num_classes)])
+    for rnd in range(rounds):
+        sampled = sampled_fn(rnd) if sampled_fn else sample_clients(cfg.seed, rnd, K, cfg.clients_per_round)
+        lr = cfg.lr * cfg.lr_decay ** rnd
+        states, sizes, flats, new_ck = [], [], [], {}
+        teacher = copy.deepcopy(glob).eval()
+        gflat = flat(glob)
+        if adc_m is None:
+            adc_m = torch.zeros_like(gflat)
+        if alg == "fedgkd_vote":
+            vote_models = [mdl for mdl, _ in vote_hist[-o["buffer"]:]]
+            vote_w = torch.softmax(-torch.tensor([v for _, v in vote_hist[-o["buffer"]:]]) / o["beta"], 0) \
+                if vote_hist else None
+        if alg == "fedgkd" and o["buffer"] > 1 and gkd_hist:  # parameter average of the buffered globals
+            _load_(teacher, torch.stack(gkd_hist[-o["buffer"]:]).mean(0))
+        if alg == "fedcad":
+            with torch.no_grad():
+                xa, ya = train.batch(aux)
+                py = torch.softmax(glob(xa) / o["alpha_tau"], 1).gather(1, ya[:, None]).squeeze(1)
+                mean_py = torch.stack([py[ya == c].mean() for c in range(train.num_classes)])
+                class_alpha = o["beta"] + (o["gamma"] - o["beta"]) * mean_py
+        for k in sampled:
+            idx = part.indices[k]
+            local = copy.deepcopy(glob)
+            wd = cfg.weight_decay
+            if alg == "feddyn":
+                s_k = len(idx) / mean_n if o["alpha_scaling"] == "mean_size" else len(idx) / cfg.batch_size
+                alpha_k = o["alpha"] / s_k
+                wd = alpha_k + cfg.weight_decay
+            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
+            nsteps = 0
+            H = cfg.local_epochs * -(-len(idx) // cfg.batch_size)
+            if alg.startswith("fedadc"):
+                d = o["beta"] * adc_m / H  # FedADC drift per step
+            hist_k = torch.bincount(train.y[idx], minlength=train.num_classes).float()
+            feats = _feature_hook(local) if alg == "moon" else None
+            for e in range(cfg.local_epochs):
+                perm = order_fn(rnd, int(k), e, len(idx)) if order_fn else \
+                    client_order(cfg.seed, rnd, int(k), e, len(idx))
+                perm = idx[torch.from_numpy(np.asarray(perm))]
+                for b in perm.split(cfg.batch_size):
+                    x, y = train.batch(b)
+                    if alg.startswith("fedadc") and o["order"] == "nesterov":  # theta - lr mbar first
+                        _add_(local, d, -lr)
+                    z = local(x)
+                    with torch.no_grad():
+                        t = teacher(x)
+                    if client_loss is not None:
+                        loss = client_loss(z, t, y, hist_k)
+                    elif asd is not None:  # ASD: the client's label distribution as prior; the KD term replaced
+                        prior = hist_k / len(idx)
+                        loss = ffnn.ASDLoss(tau=asd["tau"], lam=asd["lam"], not_true=asd["not_true"],
+                                            entropy_tau=asd["entropy_tau"], tau_squared=asd["tau_squared"],
+                                            backend="reference")(z, t, y, prior)
+                    elif alg == "fedadc_plus":
+                        tt = t if o["teacher"] == "global" else z.detach()
+                        loss = ffnn.ADCLoss(tau=o["tau"], lam=o["lam"], tau_squared=o["tau_squared"],
+                                            backend="reference")(z, tt, y, hist_k)
+                    elif alg == "fedgkd_vote":
+                        if vote_models:
+                            with torch.no_grad():
+                                T = torch.stack([mm(x) for mm in vote_models])
+                            loss = ffnn.GKDLoss(tau=o["tau"], gamma=2 * o["lam"], tau_squared=o["tau_squared"],
+                                                backend="reference")(
+                                z, T, y, teacher_weights=vote_w)
+                        else:
+                            loss = F.cross_entropy(z, y)
+                    elif alg == "fedgkd":
+                        if o["skip_first_round"] and rnd == 0:
+                            loss = F.cross_entropy(z, y)
+                        else:
+                            loss = distill_reference(z, t, y, tau=o["tau"], kd_weight=o["gamma"] / 2 * _s(o)).mean()
+                    elif alg == "moon":
+                        f = feats[-1]
+                        with torch.no_grad():
+                            glob_feats, prev_feats = _feature_hook(teacher), _feature_hook(prev.get(int(k), w0))
+                            teacher(x)
+                            prev.get(int(k), w0)(x)
+                        cos = F.cosine_similarity
+                        lg = torch.stack([cos(f, glob_feats[-1], dim=-1), cos(f, prev_feats[-1], dim=-1)], 1)
+                        lcon = F.cross_entropy(lg / o["tau"], torch.zeros(len(y), dtype=torch.long, device=lg.device))
+                        loss = F.cross_entropy(z, y) + o["mu"] * lcon
+                    elif alg == "fedcad":
+                        loss = ffnn.CADLoss(tau=o["tau"], tau_squared=o["tau_squared"], backend="reference")(
+                            z, t, y, class_alpha)
+                    elif alg == "fedntd":
+                        loss = distill_reference(z, t, y, tau=o["tau"], kd_weight=o["beta"] * _s(o),
+                                                 not_true=True).mean()
+                    elif alg == "kd":
+                        loss = distill_reference(z, t, y, tau=o["tau"], kd_weight=o["beta"] * _s(o)).mean()
+                    else:
+                        loss = F.cross_entropy(z, y)
+                    fl = torch.cat([p.reshape(-1) for p in local.parameters()])
+                    if alg == "fedprox" and o["mu"]:
+                        loss = loss + o["mu"] / 2 * (fl - gflat).pow(2).sum()
+                    if alg == "feddyn":
+                        loss = loss + alpha_k * (fl * (h_k[int(k)] - gflat)).sum()
+                    opt.zero_grad()
+                    loss.backward()
+                    if cfg.max_grad_norm:  # clip the loss gradient, then SGD adds weight decay (as the papers' code)
+                        torch.nn.utils.clip_grad_norm_(local.parameters(), cfg.max_grad_norm)
+                    if alg == "scaffold":
+                        corr = c_glob - c_k[int(k)]
+                        off = 0
+                        for p in local.parameters():
+                            p.grad += corr[off:off + p.numel()].view_as(p)
+                            off += p.numel()
+                    opt.step()
+                    if alg.startswith("fedadc") and o["order"] == "heavy_ball":  # theta -= lr (g + mbar)
+                        _add_(local, d, -lr)
+                    nsteps += 1
+            wk = flat(local)
+            if alg == "scaffold":
+                rho = cfg.momentum if o["keff_momentum"] else 0.0
+                k_eff = (nsteps - rho * (1 - rho ** nsteps) / (1 - rho)) / (1 - rho) if rho else nsteps
+                new_ck[int(k)] = c_k[int(k)] - c_glob + (gflat - wk) / (k_eff * lr)
+            if alg == "feddyn":
+                h_k[int(k)] = h_k[int(k)] + (wk - gflat)
+            if alg == "moon":
+                prev[int(k)] = copy.deepcopy(local).eval()
+            states.append(local.state_dict())
+            sizes.append(len(idx))
+            flats.append(wk)
+        if cfg.aggregate_weights == "uniform":
+            w = torch.full((len(sizes),), 1.0 / len(sizes))
+        else:
+            w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+        avg = {key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]}
+        glob.load_state_dict(avg)
+        aflat = flat(glob)
+        if alg == "fedavgm":
+            server_v = o["server_momentum"] * server_v + (gflat - aflat)
+            newg = gflat - o["server_lr"] * server_v
+        elif alg == "scaffold":
+            c_glob = c_glob + sum(new_ck[k] - c_k[k] for k in new_ck) / K
+            c_k.update(new_ck)
+            newg = aflat
+        elif alg == "feddyn":
+            hbar = hbar + sum(f - gflat for f in flats) / K
+            newg = aflat + hbar  # the cloud model: next round's start (and the teacher)
+        elif alg.startswith("fedadc"):  # m' = D/eta + (beta_g - beta_l) m ; theta' = theta - alpha eta m'
+            adc_m = (gflat - aflat) / lr + (o["beta_global"] - o["beta"]) * adc_m
+            newg = gflat - o["alpha"] * lr * adc_m
+        else:
+            newg = aflat
+        _load_(glob, newg)
+        gkd_hist.append(newg.clone())
+        if alg == "fedgkd_vote":
+            with torch.no_grad():
+                xv, yv = val.batch(torch.arange(len(val)))
+                vote_hist.append((copy.deepcopy(glob).eval(), float(F.cross_entropy(glob(xv), yv))))
+    return flat(glob)
+
+
+def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
+    """Run ``algorithm`` with the engine (on ``device``) and with the literal loop (CPU) on the same data, seeds and
+    batch order; returns (relative error of the global models, the Simulation, its history)."""
+    train, test, part, model = setup_data()
+    val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
+    kw = dict(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16, lr=0.05,
+              weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {})
+    kw.update(cfg_kw)
+    cfg = fedfast.SimConfig(**kw)
+    ref = sequential(cfg, model, train, part, cfg.rounds, val=val)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val, device=device)
+    hist = sim.run()
+    g = sim.global_flat.cpu()
+    return float((g - ref).abs().max() / ref.abs().max()), sim, hist
