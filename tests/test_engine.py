@@ -330,3 +330,21 @@ def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
         assert got.get("aten._local_scalar_dense.default", 0) == 0, (B, got)
         assert got.get("aten.lift_fresh.default", 0) <= 2 + 2, (B, got)  # 2 epochs + per-chunk setup
     assert counts[10] == counts[40], counts  # independent of the number of steps
+
+
+@pytest.mark.parametrize("algorithm,keys", [("fedavg", set()), ("fedavgm", {"server_m"}), ("scaffold", {"c", "client_state"}),
+                                            ("feddyn", {"hbar", "avg", "client_state"}), ("moon", {"client_state"}),
+                                            ("fedgkd", {"buffer", "count"}), ("fedgkd_vote", {"buffer", "count", "val_loss"}),
+                                            ("fedadc", {"m"}), ("fedavg+asd", set())])
+def test_method_state_and_engine_interface(algorithm, keys):
+    """A method's state is its own (state_dict lists it; the engine gains no attribute from it), and the engine
+    satisfies the Engine protocol methods are written against."""
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, rounds=2, batch_size=16, lr=0.05)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=test)
+    before = set(vars(sim))
+    sim.run()
+    assert set(vars(sim)) - before <= {"_prof", "_last"}
+    assert isinstance(sim, fedfast.methods.Engine)
+    st = sim.method.state_dict()
+    assert set(st) == keys and all(torch.is_tensor(v) for v in st.values())
