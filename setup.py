@@ -49,6 +49,9 @@ setup(
     packages=find_packages(include=["fedfast", "fedfast.*"]),
     python_requires=">=3.10",
     ext_modules=ext_modules,
+    package_data={"fedfast": ["presets/*.toml"]},
+    extras_require={"progress": ["tqdm"], "plot": ["matplotlib"], "tensorboard": ["tensorboard"],
+                    "study": ["tqdm", "matplotlib", "tensorboard"]},
     entry_points={"console_scripts": ["fedfast=fedfast.cli:main"]},
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

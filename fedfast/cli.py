@@ -69,40 +69,35 @@ def _init_distributed(cfg):
     return "default", dev
 
 
-def run(cfg, out_dir: str) -> list[dict]:
+def build(cfg, device=None, group=None):
+    """The Simulation a run config describes (data, the method's held-out splits, partition, model)."""
     from .engine import Simulation
     torch.manual_seed(cfg["seed"])
-    group, device = _init_distributed(cfg)
-    lead = group is None or torch.distributed.get_rank() == 0  # only rank 0 writes and prints
     train, test = _data(cfg)
     sc = cfg.sim_config()
     train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = _partition(cfg, train.y)
     model = _model(cfg, train)
-    sim = Simulation(sc, model, train, test, part, device=device, process_group=group, **splits)
+    return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group, **splits)
+
+
+def run(cfg, out_dir: str, *, resume: bool = False, force: bool = False, quiet: bool = False,
+        label: str = "") -> list[dict]:
+    """One run into ``out_dir`` (see :mod:`fedfast.runner`); under torchrun rank 0 writes and prints."""
+    from .runner import execute, prepare_dir, summarize
+    group, device = _init_distributed(cfg)
+    lead = group is None or torch.distributed.get_rank() == 0
     if lead:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_json(), f, indent=2, sort_keys=True)
-    f = open(os.path.join(out_dir, "metrics.jsonl"), "w") if lead else None
-    try:
-        for _ in range(cfg["rounds"]):
-            rec = sim.round()
-            if not lead:
-                continue
-            rec = {k: v for k, v in rec.items() if k != "clients"}
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            print(f"round {rec['round']:4d}  test_acc {100 * rec['test_accuracy']:6.2f}%  test_loss "
-                  f"{rec['test_loss']:.4f}  train_loss {rec['train_loss']:.4f}  {rec['seconds']:.2f}s", flush=True)
-    finally:
-        if f is not None:
-            f.close()
-    if lead and sim.history:
-        last = sim.history[-1]
-        print(f"final test_acc {100 * last['test_accuracy']:.2f}%  best {100 * last['best_test_accuracy']:.2f}%"
-              + (f"  forgetting {last['forgetting']:.4f}" if last["forgetting"] is not None else ""), flush=True)
-    return sim.history
+        prepare_dir(out_dir, resume=resume, force=force)
+    sim = build(cfg, device, group)
+    hist = execute(sim, cfg, out_dir, resume=resume, quiet=quiet, lead=lead, label=label)
+    if lead and hist and not quiet:
+        s = summarize(hist, cfg.to_json(), str(sim.device), True)
+        print(f"{label + '  ' if label else ''}final test_acc {100 * s['final_test_accuracy']:.2f}%  best "
+              f"{100 * s['best_test_accuracy']:.2f}% (round {s['best_round']})"
+              + (f"  forgetting {s['final_forgetting']:.4f}" if s["final_forgetting"] is not None else "")
+              + f"  {s['wall_seconds']:.1f}s  -> {out_dir}", flush=True)
+    return hist
 
 
 def _methods_cmd(name: str | None) -> int:
@@ -123,15 +118,20 @@ def _methods_cmd(name: str | None) -> int:
 
 def main(argv=None) -> int:
     from .config import build_config
+    from .runner import Interrupted
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a simulation")
+    r = sub.add_parser("run", help="run a simulation into a run directory")
     r.add_argument("config", nargs="?", help="TOML config file")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (engine/run keys: key=value; method options: method.key=value)")
     r.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
                    help="import a file that registers methods (@fedfast.methods.register)")
-    r.add_argument("--out", default="runs/latest", help="run directory (config.json, metrics.jsonl)")
+    r.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
+    r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint (--set rounds=N "
+                                                   "extends it)")
+    r.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    r.add_argument("--quiet", action="store_true", help="no progress output")
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
     mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
     mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
@@ -143,12 +143,36 @@ def main(argv=None) -> int:
             methods.load_plugin(p)
         if args.cmd == "methods":
             return _methods_cmd(args.name)
-        cfg = build_config(args.config, args.set)
+        if args.resume:
+            if args.config:
+                raise ValueError("--resume: takes the run directory's own config.json, not a config file")
+            cfg_path = os.path.join(args.resume, "config.json")
+            try:
+                with open(cfg_path) as f:
+                    base = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--resume: cannot read {cfg_path} ({e})") from None
+            for p in base.get("plugins", []):
+                if p not in args.plugin:
+                    methods.load_plugin(p)
+            bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in
+                   ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device")]
+            if bad:
+                raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only rounds, eval_every, "
+                                 f"checkpoint_every, tensorboard, device)")
+            cfg = build_config(None, args.set, base=base, plugins=args.plugin)
+            out = args.resume
+        else:
+            cfg = build_config(args.config, args.set, plugins=args.plugin)
+            out = args.out
     except (ValueError, OSError, TypeError) as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
     try:
-        run(cfg, args.out)
+        run(cfg, out, resume=bool(args.resume), force=args.force, quiet=args.quiet)
+    except Interrupted as e:
+        print(f"fedfast: {e}", file=sys.stderr)
+        return 128 + e.signum
     except (ValueError, OSError) as e:  # bad data files, partitions that cannot be built, ...: name it, no traceback
         print(f"fedfast: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ values, the running method's options included.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
@@ -29,12 +30,15 @@ _CHOICES = {
 _RUN: dict = {
     "dataset": (str, "mnist"), "data_dir": (str, "data"), "partition": (str, "shards"), "alpha": (float, 0.1),
     "shards_per_client": (int, 2), "num_clients": (int, 100), "model": (str, "mlp"), "device": (str, "cpu"),
+    "checkpoint_every": (int, 10),   # rounds between checkpoints (0: only at the end and on SIGINT/SIGTERM)
+    "tensorboard": (bool, False),    # TensorBoard event files in DIR/tb (the optional `tensorboard` package)
 }
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
 _ENGINE = [f for f in fields(SimConfig) if f.name != "options"]
 KEYS: dict = {**_RUN, **{f.name: f for f in _ENGINE}}
 _POSITIVE = ("num_clients", "alpha", "shards_per_client")
+_NONNEGATIVE = ("checkpoint_every",)
 
 
 def _engine_default(f):
@@ -50,6 +54,7 @@ DEFAULTS: dict = {**{k: d for k, (_, d) in _RUN.items()}, **{f.name: _engine_def
 class RunConfig:
     values: dict                     # run and engine keys (resolved)
     options: dict                    # the method's option tables, {table: {key: value}} as given
+    plugins: tuple = ()              # plug-in files that register methods (absolute paths)
 
     def __getitem__(self, k):
         return self.values[k]
@@ -63,6 +68,7 @@ class RunConfig:
         """The resolved configuration: run and engine keys, and the method's resolved option tables."""
         out = dict(self.values)
         out.update(self.sim_config().method().options())
+        out["plugins"] = list(self.plugins)
         return out
 
 
@@ -81,14 +87,19 @@ def _moved(key: str) -> ValueError:
                       f"method's options)")
 
 
-def build_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+def build_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None,
+                 plugins=()) -> RunConfig:
+    """The run's configuration from a TOML file (``path``) or a dict of the same shape (``base``, e.g. a run
+    directory's config.json), then ``overrides`` (``key=value`` / ``method.key=value``)."""
     raw: dict = {}
     tables: dict = {}
+    loaded = dict(base or {})
     if path:
         with open(path, "rb") as f:
-            loaded = tomllib.load(f)
-        for k, v in loaded.items():
-            (tables if isinstance(v, dict) else raw)[k] = v
+            loaded.update(tomllib.load(f))
+    plugins = tuple(plugins) + tuple(p for p in loaded.pop("plugins", []) or [] if p not in plugins)
+    for k, v in loaded.items():
+        (tables if isinstance(v, dict) else raw)[k] = v
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"--set: expected key=value or method.key=value, got {item!r}")
@@ -112,11 +123,14 @@ def build_config(path: str | None = None, overrides: list[str] | None = None) ->
     for k in _POSITIVE:
         if not vals[k] > 0:
             raise ValueError(f"{k}: must be > 0, got {vals[k]!r}")
+    for k in _NONNEGATIVE:
+        if vals[k] < 0:
+            raise ValueError(f"{k}: must be >= 0, got {vals[k]!r}")
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
     if vals["backend"] is None:
         vals["backend"] = ""
-    cfg = RunConfig(vals, tables)
+    cfg = RunConfig(vals, tables, tuple(os.path.abspath(p) for p in plugins))
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""

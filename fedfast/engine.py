@@ -85,6 +85,7 @@ class SimConfig:
     client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: 60% of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
+    eval_every: int = 1        # evaluate every this many rounds, and always after the last (``rounds``)
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
@@ -97,7 +98,7 @@ class SimConfig:
         cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
         self.options = self._tables(cls)
         method = self.method()  # validates every option (messages name table.key)
-        for k in ("clients_per_round", "rounds", "local_epochs", "batch_size"):
+        for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
         if not self.lr > 0:
@@ -665,15 +666,23 @@ class Simulation:
 
     # -- phase 6: evaluation --------------------------------------------------------------------------------
     def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
-        acc, test_loss, class_acc = self.evaluate()
+        """Test metrics of the evaluated model on every ``eval_every``-th round and after the last one; other
+        rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds)."""
+        c = self.cfg
+        self.rnd += 1
+        acc = test_loss = class_acc = None
+        if self.rnd % c.eval_every == 0 or self.rnd >= c.rounds:
+            acc, test_loss, class_acc = self.evaluate()
+            self._class_acc.append(class_acc)
         timers["eval"] = time.perf_counter() - t1
         self._load_into_model(self.eval_flat)
-        self.rnd += 1
-        self._class_acc.append(class_acc)
+        accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
+            ([acc] if acc is not None else [])
         rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
                "train_loss": float(loss_sum) / max(totals["steps"], 1),
-               "best_test_accuracy": max([acc] + [h["test_accuracy"] for h in self.history]),
-               "forgetting": self.forgetting(), "class_accuracy": [round(v, 6) for v in class_acc.tolist()],
+               "best_test_accuracy": max(accs) if accs else None,
+               "forgetting": self.forgetting() if acc is not None else None,
+               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
                "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
         self.history.append(rec)
         return rec
@@ -712,7 +721,7 @@ class Simulation:
         return float(correct.sum()) / n, float(loss) / n, class_acc
 
     def forgetting(self) -> float | None:
-        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the rounds so far."""
+        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds."""
         if len(self._class_acc) < 2:
             return None
         A = torch.stack(self._class_acc)
@@ -723,6 +732,36 @@ class Simulation:
         for _ in range(self.cfg.rounds - self.rnd):
             self.round()
         return self.history
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def checkpoint(self) -> dict:
+        """Everything the next rounds depend on, as plain data (tensors on the CPU): the global and evaluated
+        models, the method's state, the round counter, the metrics so far and the random generators' states.
+        :meth:`restore` on a Simulation built with the same config and data continues bit for bit (CPU)."""
+        rng = {"torch": torch.get_rng_state(), "augment": self._aug_gen.get_state().cpu()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"round": self.rnd, "global": self.global_flat.cpu(), "evaluated": self.eval_flat.cpu(),
+                "method": {k: v.detach().cpu() for k, v in self.method.state_dict().items()},
+                "class_accuracy": [a.cpu() for a in self._class_acc], "history": self.history, "rng": rng,
+                "shape": {"num_params": self.num_params, "num_clients": self.K, "num_classes": self.num_classes}}
+
+    def restore(self, ck: dict) -> None:
+        """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
+        shape = {"num_params": self.num_params, "num_clients": self.K, "num_classes": self.num_classes}
+        if ck.get("shape") != shape:
+            raise ValueError(f"checkpoint: made for {ck.get('shape')}, this simulation has {shape}")
+        self.method.load_state_dict(ck["method"])
+        self.global_flat = ck["global"].to(self.device)
+        self.eval_flat = ck["evaluated"].to(self.device)
+        self.rnd = int(ck["round"])
+        self.history = list(ck["history"])
+        self._class_acc = list(ck["class_accuracy"])
+        torch.set_rng_state(ck["rng"]["torch"])
+        self._aug_gen.set_state(ck["rng"]["augment"].to(self._aug_gen.get_state().device))
+        if "cuda" in ck["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(ck["rng"]["cuda"], self.device)
+        self._load_into_model(self.eval_flat)
 
     # -- the trained model -------------------------------------------------------------------------------------
     @torch.no_grad()

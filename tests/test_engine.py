@@ -334,7 +334,7 @@ def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
 
 @pytest.mark.parametrize("algorithm,keys", [("fedavg", set()), ("fedavgm", {"server_m"}), ("scaffold", {"c", "client_state"}),
                                             ("feddyn", {"hbar", "avg", "client_state"}), ("moon", {"client_state"}),
-                                            ("fedgkd", {"buffer", "count"}), ("fedgkd_vote", {"buffer", "count", "val_loss"}),
+                                            ("fedgkd", {"buf", "count", "avg"}), ("fedgkd_vote", {"buf", "count", "val_loss"}),
                                             ("fedadc", {"m"}), ("fedavg+asd", set())])
 def test_method_state_and_engine_interface(algorithm, keys):
     """A method's state is its own (state_dict lists it; the engine gains no attribute from it), and the engine
@@ -348,3 +348,32 @@ def test_method_state_and_engine_interface(algorithm, keys):
     assert isinstance(sim, fedfast.methods.Engine)
     st = sim.method.state_dict()
     assert set(st) == keys and all(torch.is_tensor(v) for v in st.values())
+    fresh = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=test)
+    fresh.method.load_state_dict({k: v.clone() for k, v in st.items()})
+    assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(fresh.method.state_dict()[k])) for k, v in st.items())
+    with pytest.raises(ValueError, match="state"):
+        fresh.method.load_state_dict({**st, "bogus": torch.zeros(1)})
+
+
+def test_eval_every_and_final_evaluation():
+    """eval_every=3 over 7 rounds evaluates rounds 3, 6 and 7 (the last) with the same numbers as evaluating every
+    round; training is unchanged."""
+    train, test, part, model = _setup()
+    runs = {}
+    for ev in (1, 3):
+        cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=7, batch_size=16, lr=0.1, eval_every=ev)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        runs[ev] = (sim.run(), sim.global_flat)
+    full, sparse = runs[1][0], runs[3][0]
+    assert torch.equal(runs[1][1], runs[3][1])
+    assert [h["round"] for h in sparse if h["test_accuracy"] is not None] == [3, 6, 7]
+    for h in sparse:
+        if h["test_accuracy"] is not None:
+            assert h["test_accuracy"] == full[h["round"] - 1]["test_accuracy"]
+        else:
+            assert h["class_accuracy"] is None and h["forgetting"] is None
+    A = torch.tensor([full[r - 1]["class_accuracy"] for r in (3, 6, 7)])
+    assert abs(sparse[-1]["forgetting"] - float((A[:-1] - A[-1]).max(0).values.mean())) <= 1e-6
+    assert sparse[-1]["best_test_accuracy"] == max(full[r - 1]["test_accuracy"] for r in (3, 6, 7))
+    with pytest.raises(ValueError, match="eval_every"):
+        fedfast.SimConfig(eval_every=0)

@@ -247,6 +247,7 @@ class Method:
     needs_features: ClassVar[bool] = False
     accepts_asd: ClassVar[bool] = False
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
+    state: ClassVar[tuple] = ()         # attribute names of the method's server state (checkpointed)
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of
@@ -299,11 +300,37 @@ class Method:
         return train, {}
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The method's state tensors (server state and per-client rows), for checkpoints."""
+        """The method's state for checkpoints: the attributes named in ``state`` (tensors; ints as 0-d tensors;
+        ``None`` left out) and the per-client rows (``client_state``)."""
         out = {}
+        for k in self.state:
+            v = getattr(self, k, None)
+            if v is not None:
+                out[k] = v if torch.is_tensor(v) else torch.tensor(v)
         if self.client_state is not None:
             out["client_state"] = self.client_state.data
         return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (after ``bind``): tensors onto the engine's device, ints as ints."""
+        expect = {k for k in self.state if getattr(self, k, None) is not None or k in state}
+        if self.client_state is not None:
+            expect.add("client_state")
+        if set(state) != expect:
+            raise ValueError(f"state: {self.name} keeps {sorted(expect)}, the checkpoint has {sorted(state)}")
+        for k, v in state.items():
+            if k == "client_state":
+                if v.shape != self.client_state.data.shape:
+                    raise ValueError(f"state: client_state has shape {tuple(v.shape)}, expected "
+                                     f"{tuple(self.client_state.data.shape)}")
+                self.client_state.data.copy_(v)
+            elif isinstance(getattr(self, k, None), int) and not isinstance(getattr(self, k), bool):
+                setattr(self, k, int(v))
+            else:
+                cur = getattr(self, k, None)
+                if cur is not None and tuple(cur.shape) != tuple(v.shape):
+                    raise ValueError(f"state: {k} has shape {tuple(v.shape)}, expected {tuple(cur.shape)}")
+                setattr(self, k, v.to(self.engine.device).clone())
 
     # -- per round -----------------------------------------------------------------------------------------
     def round_start(self, ctx: Round) -> None:

@@ -49,6 +49,7 @@ class FedADC(FedAvg):
     paper = "Ozfatura, Ozfatura and Gündüz, FedADC: Accelerated Federated Learning with Drift Control, ISIT 2021 / extended"
     aggregation = "uniform"
     accepts_asd = False
+    state = ("m",)
 
     @dataclass
     class Options:
@@ -87,9 +88,6 @@ class FedADC(FedAvg):
 
     def after_server(self, ctx, out):
         self.m = out["momentum"]
-
-    def state_dict(self):
-        return {**super().state_dict(), "m": self.m}
 
 
 @register("fedadc_plus")

@@ -42,6 +42,7 @@ class FedProx(FedAvg):
 @register("fedavgm")
 class FedAvgM(FedAvg):
     """FedAvgM (Hsu et al. 2019): server momentum v <- beta v + (w_t - avg), w_{t+1} = w_t - server_lr v."""
+    state = ("server_m",)
     paper = "Hsu et al., Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification, 2019"
 
     @dataclass
@@ -57,6 +58,3 @@ class FedAvgM(FedAvg):
 
     def after_server(self, ctx, out):
         self.server_m = out["momentum"]
-
-    def state_dict(self):
-        return {**super().state_dict(), "server_m": self.server_m}

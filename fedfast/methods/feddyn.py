@@ -35,6 +35,7 @@ class FedDyn(FedAvg):
     h_k += w_k - w_cld; w_cld = mean_k w_k + hbar. The evaluated model is the participants' average."""
     paper = "Acar et al., Federated Learning Based on Dynamic Regularization, ICLR 2021"
     aggregation, aggregation_fixed = "uniform", True
+    state = ("hbar", "avg")
 
     @dataclass
     class Options:
@@ -79,6 +80,3 @@ class FedDyn(FedAvg):
 
     def evaluated(self, global_flat):
         return self.avg
-
-    def state_dict(self):
-        return {**super().state_dict(), "hbar": self.hbar, "avg": self.avg}

@@ -52,6 +52,7 @@ class FedGKD(Method):
     """FedGKD (Yao et al., Eq. 4): CE + gamma/2 * tau^2 * KL to the parameter average of the last M global models."""
     paper = "Yao et al., Local-Global Knowledge Distillation in Heterogeneous Federated Learning with Non-IID Data, 2021"
     max_grad_norm, max_grad_norm_source = 10.0, _CODE
+    state = ("buf", "count", "avg")
 
     @dataclass
     class Options:
@@ -95,17 +96,12 @@ class FedGKD(Method):
         if self.buf is not None:
             self.buf, self.avg = out["teacher_buffer"], out["teacher"]
 
-    def state_dict(self):
-        out = super().state_dict()
-        if self.buf is not None:
-            out.update(buffer=self.buf, count=torch.tensor(self.count))
-        return out
-
 
 @register("fedgkd_vote")
 class FedGKDVote(FedGKD):
     """FedGKD-VOTE (Yao et al., Eq. 5): CE + tau^2 * sum_m g_m KL(p_m || q), g = lambda * softmax(-L / beta) over
     the M buffered global models' losses on the server's validation split; no KD in round 1."""
+    state = ("buf", "count", "val_loss")
 
     @dataclass
     class Options:
@@ -161,6 +157,3 @@ class FedGKDVote(FedGKD):
         g = out["global"]
         self.val_loss[ctx.index % self.opts.buffer] = F.cross_entropy(self.engine.predict(g, self.val).float(),
                                                                       self.val.y)
-
-    def state_dict(self):
-        return {**super().state_dict(), "val_loss": self.val_loss}

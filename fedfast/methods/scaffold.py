@@ -27,6 +27,7 @@ from .fedavg import FedAvg
 class Scaffold(FedAvg):
     """SCAFFOLD (Karimireddy et al. 2020; FedNTD's code): local steps use g + c - c_k; c_k' = c_k - c + (w_t - w_k) /
     (K_eff lr); c' = c + (1/N) sum (c_k' - c_k)."""
+    state = ("c",)
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
 
     @dataclass
@@ -59,6 +60,3 @@ class Scaffold(FedAvg):
     def server(self, ctx, avg):
         self.c = self.c + ctx.incr
         return super().server(ctx, avg)
-
-    def state_dict(self):
-        return {**super().state_dict(), "c": self.c}

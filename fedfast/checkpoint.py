@@ -1,0 +1,67 @@
+"""Checkpoint files and atomic writes.
+
+A checkpoint is ``MAGIC`` + the SHA-256 of the payload + the payload, a ``torch.save`` of tensors, numbers,
+strings, lists and dicts only. Reading checks the magic (not a fedfast checkpoint), the length and the hash
+(truncated or corrupt) before anything is deserialised, and then deserialises with ``torch.load(...,
+weights_only=True)``, which builds no arbitrary object. Every file is written atomically: a temporary file in
+the same directory, flushed and fsynced, renamed over the target, and the directory fsynced.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+
+import torch
+
+MAGIC = b"FEDFAST-CHECKPOINT v1\n"
+
+
+def write_atomic(path: str, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a partial one."""
+    if isinstance(data, str):
+        data = data.encode()
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems do not fsync directories
+        pass
+
+
+def save(path: str, payload: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    write_atomic(path, MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+
+
+def load(path: str) -> dict:
+    """The payload of a checkpoint; ValueError saying what is wrong with a file that is not a whole, intact
+    fedfast checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no checkpoint (the run has not written one yet)") from None
+    if not raw.startswith(MAGIC):
+        raise ValueError(f"{path}: not a fedfast checkpoint (bad header)")
+    head = len(MAGIC) + 65
+    if len(raw) < head:
+        raise ValueError(f"{path}: truncated checkpoint ({len(raw)} bytes)")
+    digest, data = raw[len(MAGIC):head - 1].decode(errors="replace"), raw[head:]
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"{path}: corrupt or truncated checkpoint (checksum mismatch over {len(data)} bytes)")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
+        raise ValueError(f"{path}: unreadable checkpoint payload ({type(e).__name__}: {e})") from None

@@ -1,0 +1,261 @@
+"""One run in a run directory: ``fedfast run`` and each run of ``fedfast sweep``.
+
+The directory holds:
+
+* ``config.json``: the resolved configuration (run and engine keys, the method's resolved options, plug-ins);
+* ``metrics.jsonl`` (one JSON object per round) and ``metrics.csv`` (its scalar columns);
+* ``checkpoint.pt``: the whole state (global model, server, method and per-client state, random generators,
+  round counter, metrics so far), written every ``checkpoint_every`` rounds, at the end, and when SIGINT or
+  SIGTERM stops the run (after the round in progress); ``fedfast run --resume DIR`` continues from it and ends
+  with the same metrics and model, bit for bit on CPU, as a run never stopped;
+* ``model_final.pt`` / ``model_best.pt``: ``state_dict``s of the model (``model.load_state_dict(torch.load(
+  "model_final.pt", weights_only=True))``), the evaluated global model after the last round and after the round
+  of best test accuracy;
+* ``summary.json``: final and best accuracy, mean of the last 10 evaluations, forgetting, wall time, device,
+  versions, and ``complete``;
+* ``tb/``: TensorBoard event files with ``tensorboard = true`` (the ``tensorboard`` package, an optional extra).
+
+Every file is written atomically; an existing run directory is never overwritten without ``force``.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import time
+
+import torch
+
+from . import __version__
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
+from .checkpoint import write_atomic
+
+OUTPUTS = ("config.json", "metrics.jsonl", "metrics.csv", "summary.json", "checkpoint.pt", "model_final.pt",
+           "model_best.pt", "tb")
+# keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed)
+RESUMABLE = ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device", "plugins", "profile")
+_CSV = ("round", "test_accuracy", "best_test_accuracy", "test_loss", "train_loss", "forgetting", "seconds")
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped the run after a round; the checkpoint is written."""
+
+    def __init__(self, signum: int, rnd: int, out_dir: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
+                         f"`fedfast run --resume {out_dir}`")
+        self.signum = signum
+
+
+def is_complete(out_dir: str) -> bool:
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            return bool(json.load(f).get("complete"))
+    except (OSError, ValueError):
+        return False
+
+
+def _comparable(cfg_json: dict) -> dict:
+    return {k: v for k, v in cfg_json.items() if k not in RESUMABLE}
+
+
+def _versions() -> dict:
+    return {"fedfast": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool) -> dict:
+    """The run's summary from its per-round metrics."""
+    ev = [h for h in history if h.get("test_accuracy") is not None]
+    best = max(ev, key=lambda h: h["test_accuracy"]) if ev else None
+    last10 = [h["test_accuracy"] for h in ev[-10:]]
+    return {"complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
+            "rounds": history[-1]["round"] if history else 0, "rounds_planned": cfg_json.get("rounds"),
+            "final_test_accuracy": ev[-1]["test_accuracy"] if ev else None,
+            "final_test_loss": ev[-1]["test_loss"] if ev else None,
+            "best_test_accuracy": best["test_accuracy"] if best else None,
+            "best_round": best["round"] if best else None,
+            "mean_last10_test_accuracy": sum(last10) / len(last10) if last10 else None,
+            "final_forgetting": ev[-1].get("forgetting") if ev else None,
+            "wall_seconds": sum(h.get("seconds", 0.0) for h in history), "device": device,
+            "versions": _versions()}
+
+
+def _csv_text(history: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(_CSV)
+    for h in history:
+        w.writerow(["" if h.get(k) is None else h[k] for k in _CSV])
+    return buf.getvalue()
+
+
+class Progress:
+    """A live bar over rounds (tqdm, on a terminal) or one plain line per round; nothing when ``quiet``."""
+
+    def __init__(self, total: int, initial: int, quiet: bool, label: str = ""):
+        self.quiet, self.total, self.label = quiet, total, label
+        self.bar = None
+        self.t0, self.n0 = time.perf_counter(), initial
+        if not quiet and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=initial, unit="round", desc=label or None, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, rec: dict) -> None:
+        if self.quiet:
+            return
+        acc = rec["test_accuracy"]
+        fields = {"acc": f"{100 * acc:.2f}%" if acc is not None else "-",
+                  "best": f"{100 * rec['best_test_accuracy']:.2f}%" if rec["best_test_accuracy"] is not None else "-",
+                  "loss": f"{rec['train_loss']:.4f}"}
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+            return
+        done = rec["round"] - self.n0
+        per = (time.perf_counter() - self.t0) / max(done, 1)
+        eta = per * (self.total - rec["round"])
+        print(f"{self.label + '  ' if self.label else ''}round {rec['round']:4d}/{self.total}  test_acc "
+              f"{fields['acc']:>7}  best {fields['best']:>7}  train_loss {fields['loss']}  "
+              + (f"test_loss {rec['test_loss']:.4f}  " if rec["test_loss"] is not None else "")
+              + f"{rec['seconds']:.2f}s  eta {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def prepare_dir(out_dir: str, *, resume: bool, force: bool) -> None:
+    """Refuse to overwrite an existing run without ``force`` (which removes its outputs first)."""
+    if resume:
+        if not os.path.isfile(os.path.join(out_dir, "config.json")):
+            raise ValueError(f"--resume: {out_dir} is not a fedfast run directory (no config.json)")
+        return
+    ours = [n for n in OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
+    if ours and not force:
+        raise ValueError(f"{out_dir}: holds a run already ({', '.join(ours)}); continue it with --resume or "
+                         f"overwrite it with --force")
+    for n in ours:
+        p = os.path.join(out_dir, n)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    os.makedirs(out_dir, exist_ok=True)
+
+
+def _model_bytes(sim) -> bytes:
+    buf = io.BytesIO()
+    torch.save(sim.state_dict(), buf)
+    return buf.getvalue()
+
+
+def execute(sim, cfg, out_dir: str, *, resume: bool = False, quiet: bool = False, lead: bool = True,
+            label: str = "") -> list[dict]:
+    """Run ``cfg["rounds"]`` rounds of ``sim`` (a fresh Simulation) with the run directory's bookkeeping."""
+    cfg_json = cfg.to_json()
+    ck_path = os.path.join(out_dir, "checkpoint.pt")
+    if resume:
+        ck = load_checkpoint(ck_path)
+        if ck.get("version") != __version__:
+            raise ValueError(f"{ck_path}: written by fedfast {ck.get('version')}, this is fedfast {__version__}")
+        mine, theirs = _comparable(cfg_json), ck.get("config", {})
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
+                             + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4]) + "; now: "
+                             + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4]) + ")")
+        sim.restore(ck["state"])
+    rounds = cfg["rounds"]
+    if lead:
+        write_atomic(os.path.join(out_dir, "config.json"), json.dumps(cfg_json, indent=2, sort_keys=True))
+        write_atomic(os.path.join(out_dir, "metrics.jsonl"),
+                     "".join(json.dumps(_jsonable(h)) + "\n" for h in sim.history))
+    tb = _tensorboard(out_dir, sim.rnd) if lead and cfg["tensorboard"] else None
+    evs = [h["test_accuracy"] for h in sim.history if h["test_accuracy"] is not None]
+    best = max(evs) if evs else None
+    stop: dict = {}
+
+    def handler(signum, _frame):
+        stop["sig"] = signum
+    old = {}
+    if lead or sim.world > 1:
+        try:
+            old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: no signal handling
+            old = {}
+
+    def checkpoint(complete: bool):
+        if not lead:
+            return
+        save_checkpoint(ck_path, {"version": __version__, "config": _comparable(cfg_json), "state": sim.checkpoint()})
+        write_atomic(os.path.join(out_dir, "metrics.csv"), _csv_text(sim.history))
+        write_atomic(os.path.join(out_dir, "summary.json"),
+                     json.dumps(summarize(sim.history, cfg_json, str(sim.device), complete), indent=2))
+
+    progress = Progress(rounds, sim.rnd, quiet or not lead, label)
+    try:
+        f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if lead else None
+        try:
+            while sim.rnd < rounds:
+                rec = sim.round()
+                if lead:
+                    f.write(json.dumps(_jsonable(rec)) + "\n")
+                    f.flush()
+                    if rec["test_accuracy"] is not None and (best is None or rec["test_accuracy"] > best):
+                        best = rec["test_accuracy"]
+                        write_atomic(os.path.join(out_dir, "model_best.pt"), _model_bytes(sim))
+                    if tb is not None:
+                        for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting"):
+                            if rec.get(k) is not None:
+                                tb.add_scalar(k, rec[k], rec["round"])
+                        tb.add_scalar("seconds", rec["seconds"], rec["round"])
+                progress.update(rec)
+                sig = _agreed_stop(sim, stop)
+                if sig:
+                    checkpoint(False)
+                    raise Interrupted(sig, sim.rnd, out_dir)
+                if cfg["checkpoint_every"] and sim.rnd % cfg["checkpoint_every"] == 0 and sim.rnd < rounds:
+                    checkpoint(False)
+        finally:
+            if f is not None:
+                f.close()
+    finally:
+        progress.close()
+        if tb is not None:
+            tb.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    if lead:
+        write_atomic(os.path.join(out_dir, "model_final.pt"), _model_bytes(sim))
+        if best is None:
+            write_atomic(os.path.join(out_dir, "model_best.pt"), _model_bytes(sim))
+        checkpoint(True)
+    return sim.history
+
+
+def _agreed_stop(sim, stop: dict) -> int:
+    """The signal that stops the run after this round (under torch.distributed: any rank's, on every rank)."""
+    sig = int(stop.get("sig", 0))
+    if sim.world > 1:
+        t = torch.tensor([sig], device=sim.device)
+        sim._dist.all_reduce(t, op=sim._dist.ReduceOp.MAX, group=sim.group)
+        sig = int(t)
+    return sig
+
+
+def _jsonable(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "clients"}
+
+
+def _tensorboard(out_dir: str, purge_step: int):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("tensorboard: needs the `tensorboard` package (pip install tensorboard, or the "
+                         "fedfast[tensorboard] extra)") from None
+    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge_step + 1)

@@ -1,0 +1,170 @@
+"""Run directories: checkpoint/resume (bit for bit after SIGKILL and after SIGTERM), refusal of truncated, corrupt
+and mismatched checkpoints, no overwrite without --force, the saved models and summary."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fedfast
+from fedfast import checkpoint, models
+from fedfast.cli import main
+
+ARGS = ["--set", "dataset=synthetic", "--set", "num_clients=20", "--set", "clients_per_round=5",
+        "--set", "algorithm=scaffold", "--set", "momentum=0.9", "--set", "local_epochs=2", "--set", "batch_size=20",
+        "--set", "augment=fedgkd", "--set", "model=mlp"]
+
+
+def _metrics(d):
+    out = []
+    for line in open(os.path.join(d, "metrics.jsonl")):
+        r = json.loads(line)
+        out.append({k: v for k, v in r.items() if k not in ("seconds", "timers")})
+    return out
+
+
+def _final(d):
+    return torch.load(os.path.join(d, "model_final.pt"), weights_only=True)
+
+
+def _spawn(out, rounds, extra=()):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "fedfast", "run", *ARGS, "--set", f"rounds={rounds}",
+                             "--set", "checkpoint_every=1", *extra, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_rounds(out, n, proc, timeout=120):
+    path = os.path.join(out, "metrics.jsonl")
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    raise AssertionError("the run made no progress")
+
+
+def test_resume_after_sigkill_is_bit_exact(tmp_path):
+    """A run killed (SIGKILL, possibly mid-round or mid-write) and resumed ends with the same metrics and final
+    model, bit for bit, as one never stopped (SCAFFOLD: per-client state; augmentation: a generator's state)."""
+    ref = tmp_path / "ref"
+    assert main(["run", *ARGS, "--set", "rounds=7", "--out", str(ref), "--quiet"]) == 0
+    out = tmp_path / "killed"
+    proc = _spawn(out, 7)
+    _wait_rounds(out, 3, proc)
+    time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    done = len(open(out / "metrics.jsonl").read().splitlines())
+    assert done < 7, "the run finished before it could be killed"
+    assert main(["run", "--resume", str(out), "--quiet"]) == 0
+    assert _metrics(out) == _metrics(ref)
+    a, b = _final(out), _final(ref)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(out / "summary.json"))["complete"] is True
+
+
+def test_sigterm_checkpoints_then_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = _spawn(out, 40, ("--set", "checkpoint_every=0"))
+    _wait_rounds(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "--resume" in err, err[-1000:]
+    s = json.load(open(out / "summary.json"))
+    n = len(_metrics(out))
+    assert s["complete"] is False and s["rounds"] == n < 40
+    assert checkpoint.load(str(out / "checkpoint.pt"))["state"]["round"] == n
+    assert main(["run", "--resume", str(out), "--set", f"rounds={n + 2}", "--quiet"]) == 0
+    assert [r["round"] for r in _metrics(out)] == list(range(1, n + 3))
+
+
+def test_refuses_truncated_corrupt_and_mismatched_checkpoints(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["run", *ARGS, "--set", "rounds=2", "--out", str(out), "--quiet"]) == 0
+    ck = out / "checkpoint.pt"
+    good = ck.read_bytes()
+
+    def refused(msg):
+        assert main(["run", "--resume", str(out), "--quiet"]) == 2
+        assert msg in capsys.readouterr().err
+    ck.write_bytes(good[:len(good) // 2])
+    refused("checksum mismatch")
+    ck.write_bytes(good[:40])
+    refused("truncated")
+    bad = bytearray(good)
+    bad[-100] ^= 0xFF
+    ck.write_bytes(bytes(bad))
+    refused("corrupt")
+    ck.write_bytes(b"PK\x03\x04 not ours")
+    refused("not a fedfast checkpoint")
+    ck.write_bytes(good)
+    cfg = json.load(open(out / "config.json"))
+    (out / "config.json").write_text(json.dumps({**cfg, "lr": 0.5}))
+    refused("differs in lr")
+    (out / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr("fedfast.runner.__version__", "9.9.9")
+    refused("this is fedfast 9.9.9")
+    monkeypatch.undo()
+    assert main(["run", "--resume", str(out), "--set", "lr=0.5"]) == 2
+    assert "cannot change when resuming" in capsys.readouterr().err
+    # a checkpoint is plain data: loading never unpickles an object
+    import io
+    import pickle
+    evil = io.BytesIO()
+    pickle.dump({"x": fedfast.SimConfig()}, evil)
+    import hashlib
+    ck.write_bytes(checkpoint.MAGIC + hashlib.sha256(evil.getvalue()).hexdigest().encode() + b"\n" + evil.getvalue())
+    refused("unreadable checkpoint payload")
+
+
+def test_no_overwrite_without_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", *ARGS, "--set", "rounds=1", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    before = (out / "metrics.jsonl").read_text()
+    assert main(args) == 2 and "--force" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert main(args + ["--force"]) == 0
+
+
+def test_outputs_models_summary_and_csv(tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", *ARGS, "--set", "rounds=4", "--set", "eval_every=2", "--out", str(out), "--quiet"]) == 0
+    hist = [json.loads(s) for s in open(out / "metrics.jsonl")]
+    s = json.load(open(out / "summary.json"))
+    ev = [h for h in hist if h["test_accuracy"] is not None]
+    assert [h["round"] for h in ev] == [2, 4]
+    assert s["final_test_accuracy"] == ev[-1]["test_accuracy"] and s["best_test_accuracy"] == max(
+        h["test_accuracy"] for h in ev)
+    assert s["mean_last10_test_accuracy"] == pytest.approx(sum(h["test_accuracy"] for h in ev) / 2)
+    assert s["wall_seconds"] == pytest.approx(sum(h["seconds"] for h in hist))
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("round,test_accuracy") and len(rows) == 5 and rows[1].split(",")[1] == ""
+    model = models.MLP(784, (200, 200), 10)
+    model.load_state_dict(torch.load(out / "model_final.pt", weights_only=True))   # one line, plain weights
+    from fedfast import data
+    _, test = data.synthetic(10, 5000, 1000, (1, 28, 28), seed=0)
+    x, y = test.batch(torch.arange(len(test)))
+    with torch.no_grad():
+        acc = float((model(x).argmax(1) == y).float().mean())
+    assert acc == pytest.approx(ev[-1]["test_accuracy"], abs=1e-6)
+    model.load_state_dict(torch.load(out / "model_best.pt", weights_only=True))
+    with torch.no_grad():
+        assert float((model(x).argmax(1) == y).float().mean()) == pytest.approx(s["best_test_accuracy"], abs=1e-6)
+
+
+def test_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    assert main(["run", *ARGS, "--set", "rounds=2", "--set", "tensorboard=true", "--out", str(out), "--quiet"]) == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("test_accuracy")] == [1, 2]
