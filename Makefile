@@ -21,7 +21,8 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 install: $(VENV)/.built
 
 demo: $(VENV)/.built
-	$(PY) -m fedfast run configs/fedntd_mnist.toml --out runs/demo
+	$(PY) -m fedfast sweep --preset demo/mnist-shards --out runs/demo
+	$(PY) -m fedfast plot runs/demo -o runs/demo/accuracy.png --title "MNIST, 100 clients x 2 shards, 10 per round, MLP"
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests

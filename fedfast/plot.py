@@ -1,0 +1,114 @@
+"""Figures (matplotlib, an optional extra: ``pip install matplotlib``), drawn headless.
+
+* :func:`accuracy_curves` - ``fedfast plot DIR... -o fig.png``: test accuracy against round, one line per method
+  (and per study directory when several are given), the mean over seeds with a ± std band;
+* :func:`heatmap` - the class-by-client matrix of a partition (``Partition.heatmap_png``).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plot: needs matplotlib (pip install matplotlib, or the fedfast[plot] extra)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _series(run_dir: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """(algorithm, rounds, accuracies) of the evaluated rounds of one run directory."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        alg = json.load(f)["algorithm"]
+    r, a = [], []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("test_accuracy") is not None:
+                r.append(rec["round"])
+                a.append(rec["test_accuracy"])
+    return alg, np.array(r), np.array(a)
+
+
+def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """``{label: (rounds, mean, std, n_seeds)}`` over the runs below each directory (rounds every seed has)."""
+    from .study import STUDY
+    groups: dict[str, list] = {}
+    for root in dirs:
+        runs = [d for d, _, files in os.walk(root) if "metrics.jsonl" in files and "config.json" in files]
+        if not runs:
+            raise ValueError(f"plot: {root} holds no run (no metrics.jsonl below it)")
+        prefix = f"{os.path.basename(os.path.abspath(root))}: " if len(dirs) > 1 else ""
+        order = []
+        if os.path.isfile(os.path.join(root, STUDY)):
+            with open(os.path.join(root, STUDY)) as f:
+                order = json.load(f).get("methods", [])
+        for d in sorted(runs):
+            alg, r, a = _series(d)
+            groups.setdefault(prefix + alg, []).append((r, a))
+        for m in order:  # the study's method order first
+            if prefix + m in groups:
+                groups[prefix + m] = groups.pop(prefix + m)
+    out = {}
+    for label, ss in groups.items():
+        common = sorted(set.intersection(*(set(r.tolist()) for r, _ in ss)))
+        if not common:
+            continue
+        A = np.stack([a[np.searchsorted(r, common)] for r, a in ss])
+        std = A.std(0, ddof=1) if len(ss) > 1 else np.zeros(len(common))
+        out[label] = (np.array(common), A.mean(0), std, len(ss))
+    return out
+
+
+def accuracy_curves(dirs: list[str], out: str, title: str | None = None) -> dict:
+    """Draw test accuracy (%) against round to ``out`` (PNG); returns the plotted :func:`curves`."""
+    data = curves(dirs)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for label, (r, m, s, n) in data.items():
+        line, = ax.plot(r, 100 * m, label=f"{label} (n={n})" if n > 1 else label, lw=1.6)
+        if n > 1:
+            ax.fill_between(r, 100 * (m - s), 100 * (m + s), color=line.get_color(), alpha=0.2, lw=0)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    _save(fig, out)
+    plt.close(fig)
+    return data
+
+
+def heatmap(matrix, out: str, xlabel: str = "client", ylabel: str = "class", cell: float = 0.08) -> None:
+    """A grayscale heatmap of ``matrix`` [rows, cols] (its values' share of each column: white 0, black 1)."""
+    m = np.asarray(matrix, dtype=float)
+    share = m / np.maximum(m.sum(0, keepdims=True), 1)
+    plt = _plt()
+    w = min(max(3.0, m.shape[1] * cell), 20.0)
+    h = min(max(2.0, m.shape[0] * cell * 3), 12.0)
+    fig, ax = plt.subplots(figsize=(w, h), dpi=100)
+    ax.imshow(share, cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    _save(fig, out)
+    plt.close(fig)
+
+
+def _save(fig, out: str) -> None:
+    import io
+
+    from .checkpoint import write_atomic
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    write_atomic(out, buf.getvalue())

@@ -1,0 +1,142 @@
+"""Studies: every paper preset parses and names its cell; sweeps (skip complete runs, resume, refuse a changed
+study); report arithmetic against hand-computed values; plots (headless PNG with the expected curves); presets
+and doctor from the command line."""
+import json
+import math
+import os
+
+import pytest
+
+from fedfast import methods, presets
+from fedfast.cli import main
+from fedfast.config import build_config
+from fedfast.study import mean_std, report, sweep
+
+
+def test_every_preset_parses_and_names_its_paper_cell():
+    allp = presets.load_all()
+    assert len(allp) >= 30
+    for name, p in allp.items():
+        assert name == f"{name.split('/')[0]}/{p.cell}" and p.metric in ("final", "best") and p.seeds
+        assert p.paper and p.table and p.methods, name
+        if not name.startswith("demo/"):
+            assert p.reported and all(1 <= len(v) <= 2 and 0 < v[0] < 100 for v in p.reported.values()), name
+        for m in p.methods:
+            methods.get(m)
+            cfg = build_config(None, [], base=p.config(m))  # every option and key is valid
+            assert cfg["algorithm"] == m
+    p = allp["fedntd-table1/mnist-shards"]
+    assert p.reported["fedntd"] == [84.44, 0.43] and p.keys["local_epochs"] == 3
+    c = build_config(None, [], base=allp["asd-cifar100/delta0.3"].config("feddyn+asd")).to_json()
+    assert c["asd"]["lam"] == 30.0 and c["feddyn"]["alpha_scaling"] == "minibatches" and c["local_epochs"] == 10
+    assert allp["fedgkd-cifar10/alpha0.1"].metric == "best"
+
+
+def _fake_run(root, alg, seed, final, best, last10, forgetting, wall, accs=None):
+    d = os.path.join(root, alg, f"seed{seed}")
+    os.makedirs(d)
+    json.dump({"algorithm": alg, "seed": seed}, open(os.path.join(d, "config.json"), "w"))
+    json.dump({"complete": True, "rounds": 50, "final_test_accuracy": final, "best_test_accuracy": best,
+               "mean_last10_test_accuracy": last10, "final_forgetting": forgetting, "wall_seconds": wall,
+               "device": "cpu"}, open(os.path.join(d, "summary.json"), "w"))
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for r, a in enumerate(accs or [final], 1):
+            f.write(json.dumps({"round": r, "test_accuracy": a}) + "\n")
+
+
+def test_report_arithmetic(tmp_path):
+    root = str(tmp_path)
+    _fake_run(root, "fedntd", 0, 0.80, 0.85, 0.79, 0.10, 100.0)
+    _fake_run(root, "fedntd", 1, 0.82, 0.86, 0.80, 0.12, 110.0)
+    _fake_run(root, "fedntd", 2, 0.87, 0.88, 0.86, 0.08, 120.0)
+    _fake_run(root, "fedavg", 0, 0.70, 0.75, 0.69, 0.20, 90.0)
+    json.dump({"preset": "fedntd-table1/mnist-shards", "methods": ["fedntd", "fedavg"]},
+              open(tmp_path / "study.json", "w"))
+    text, rows = report(root)
+    ntd, avg = rows
+    assert ntd["method"] == "fedntd" and ntd["seeds"] == [0, 1, 2]
+    m, s = ntd["final_test_accuracy"]
+    assert m == pytest.approx(0.83) and s == pytest.approx(math.sqrt((0.03 ** 2 + 0.01 ** 2 + 0.04 ** 2) / 2))
+    assert ntd["wall_seconds"] == (pytest.approx(110.0), pytest.approx(10.0))
+    assert avg["final_test_accuracy"] == (pytest.approx(0.70), None)   # one seed: no std
+    assert ntd["paper"] == (84.44, 0.43) and ntd["delta"] == pytest.approx(83.0 - 84.44)
+    assert "| fedntd | 0,1,2 | 50 | 83.00 ± 3.61 |" in text and "84.44 ± 0.43" in text and "-1.44" in text
+    assert (tmp_path / "report.md").read_text() == text
+    assert mean_std([]) == (None, None) and mean_std([None, 2.0]) == (2.0, None)
+
+
+def test_plot_curves_mean_std_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fedfast.plot import accuracy_curves
+    root = str(tmp_path / "s")
+    _fake_run(root, "fedavg", 0, 0.6, 0.6, 0.6, 0.1, 1.0, accs=[0.2, 0.4, 0.6])
+    _fake_run(root, "fedavg", 1, 0.8, 0.8, 0.8, 0.1, 1.0, accs=[0.4, 0.6, 0.8])
+    _fake_run(root, "fedntd", 0, 0.9, 0.9, 0.9, 0.1, 1.0, accs=[0.5, 0.7, 0.9])
+    out = tmp_path / "fig.png"
+    data = accuracy_curves([root], str(out))
+    r, m, s, n = data["fedavg"]
+    assert r.tolist() == [1, 2, 3] and m == pytest.approx([0.3, 0.5, 0.7]) and n == 2
+    assert s == pytest.approx([math.sqrt(0.02)] * 3)
+    assert data["fedntd"][3] == 1 and data["fedntd"][2].tolist() == [0, 0, 0]
+    raw = out.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    assert main(["plot", root, "-o", str(tmp_path / "cli.png")]) == 0 and (tmp_path / "cli.png").exists()
+    with pytest.raises(ValueError, match="no run"):
+        accuracy_curves([str(tmp_path / "empty")], str(out))
+
+
+def test_sweep_skips_complete_runs_and_refuses_a_changed_study(tmp_path, capsys):
+    out = str(tmp_path / "study")
+    sets = ["dataset=synthetic", "num_clients=10", "clients_per_round=3", "rounds=2", "checkpoint_every=1"]
+    dirs = sweep(out, ["fedavg", "fedntd"], [0, 1], overrides=sets, quiet=True)
+    assert len(dirs) == 4 and all(json.load(open(os.path.join(d, "summary.json")))["complete"] for d in dirs)
+    mtimes = [os.path.getmtime(os.path.join(d, "model_final.pt")) for d in dirs]
+    s = json.load(open(os.path.join(dirs[0], "summary.json")))   # an interrupted run: resumed, not restarted
+    json.dump({**s, "complete": False}, open(os.path.join(dirs[0], "summary.json"), "w"))
+    assert main(["sweep", "--methods", "fedavg,fedntd", "--seeds", "0,1", "--out", out,
+                 *sum([["--set", x] for x in sets], [])]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("complete, skipped") == 3 and "| fedntd | 0,1 |" in printed
+    assert [os.path.getmtime(os.path.join(d, "model_final.pt")) for d in dirs][1:] == mtimes[1:]
+    assert json.load(open(os.path.join(dirs[0], "summary.json")))["complete"] is True
+    assert len(open(os.path.join(dirs[0], "metrics.jsonl")).read().splitlines()) == 2
+    with pytest.raises(ValueError, match="overrides"):
+        sweep(out, ["fedavg"], [0], overrides=sets[:-1], quiet=True)
+    assert main(["sweep", "--out", out, "--seeds", "x"]) == 2
+
+
+def test_presets_from_the_command_line(tmp_path, capsys):
+    assert main(["presets"]) == 0
+    listing = capsys.readouterr().out
+    assert "fedntd-table1/cifar10-lda-a0.1" in listing and "asd-cifar100/delta0.3" in listing
+    assert main(["presets", "fedgkd-cifar10/alpha0.5"]) == 0
+    assert "77.44 ± 0.60" in capsys.readouterr().out
+    out = tmp_path / "run"
+    assert main(["run", "--preset", "demo/mnist-shards", "--set", "algorithm=fedntd", "--set", "rounds=1",
+                 "--out", str(out), "--quiet"]) == 0
+    c = json.load(open(out / "config.json"))
+    assert c["dataset"] == "mnist" and c["algorithm"] == "fedntd" and c["momentum"] == 0.9
+    assert main(["run", "--preset", "fedntd-table1/cifar10-shards-s2", "--set", f"data_dir={tmp_path}/none",
+                 "--out", str(tmp_path / "c10")]) == 2
+    assert "cifar-10" in capsys.readouterr().err.lower()
+    assert main(["run", "--preset", "nosuch/cell"]) == 2
+
+
+def test_doctor_checks_backends(capsys, monkeypatch):
+    assert main(["doctor", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "automatic backend on cpu: cpu" in out and " ok " in out
+    import importlib
+    d = importlib.import_module("fedfast.ops.distill")
+    real = d._backend_rows
+
+    def broken(backend, *a):  # a backend whose loss is off by 1e-3: the doctor must say so
+        loss, grad = real(backend, *a)
+        return (loss + 1e-3, grad) if backend == "cpu" else (loss, grad)
+    monkeypatch.setattr(d, "_backend_rows", broken)
+    assert main(["doctor", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL cpu     cpu       distill" in out and "1 check(s) FAILED" in out
