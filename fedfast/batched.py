@@ -1,20 +1,28 @@
-"""A vmap-free batched forward for ``nn.Sequential`` models: n clients' models over their own inputs at once.
+"""A vmap-free batched forward: n clients' models over their own inputs at once, for any model whose forward is a
+graph of the layers below (plain ``nn.Sequential``, a module wrapping one, residual ResNets).
 
 ``torch.func.vmap`` of ``functional_call`` turns a convolution with per-client weights into a grouped
 convolution, but moves the client dimension between layers with copies and builds the flat gradient of
-per-parameter slices with a full-size zero fill per parameter. For a plain ``nn.Sequential`` of the layers
-below this executor keeps the activations in the grouped layout ``[B, n*C, H, W]`` for the whole
-convolutional part (convolution = one grouped ``conv2d``, GroupNorm = one GroupNorm with ``n*G`` groups,
-ReLU/pooling/dropout elementwise on that layout) and ``[n, B, F]`` for the dense part (Linear = one
-``baddbmm``), so the only layout changes are at the input and at the Flatten.
+per-parameter slices with a full-size zero fill per parameter. This executor traces the model once with
+``torch.fx`` into a small program and runs it with the activations in the grouped layout ``[B, n*C, H, W]`` for
+the convolutional part (convolution = one grouped ``conv2d``; GroupNorm = one GroupNorm with ``n*G`` groups;
+BatchNorm with batch statistics = one ``batch_norm`` over ``n*C`` channels, i.e. each client's own statistics;
+ReLU, pooling, dropout and residual additions elementwise on that layout) and ``[n, B, F]`` for the dense part
+(Linear = one ``baddbmm``), so the only layout changes are at the input and where the model flattens or
+average-pools to a vector.
 
-Supported layers: Conv2d (no dilation-specific restrictions; ``padding_mode='zeros'``), Linear, ReLU,
-LeakyReLU, Tanh, Sigmoid, GELU, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Flatten (start_dim=1), Dropout,
-GroupNorm, Identity, nested ``nn.Sequential``. Anything else (BatchNorm, residual models, custom modules):
-:func:`plan` returns None and the caller uses vmap. Results equal the per-client modules up to floating
-point summation order.
+Supported, as modules or functions: Conv2d (``padding_mode='zeros'``, numeric padding), Linear, ReLU, LeakyReLU,
+Tanh, Sigmoid, GELU, Identity, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Flatten (from dim 1), Dropout,
+GroupNorm, BatchNorm1d/2d without running statistics (``track_running_stats=False``), ``x + y`` (residual),
+``torch.relu`` / ``F.relu``, ``torch.flatten(x, 1)`` / ``x.flatten(1)`` / ``x.view(x.size(0), -1)``,
+``x.mean((2, 3))`` (global average pooling). Anything else (running statistics, attention, custom functions):
+:func:`plan` returns ``(None, reason)`` and the engine uses vmap, with a warning saying why. Results equal the
+per-client modules up to floating point summation order (the engine checks this on a probe batch).
 """
 from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,39 +30,131 @@ from torch import Tensor, nn
 
 _ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Identity)
 _POOL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+_MODULES = (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d) + \
+    _ELEMENTWISE + _POOL
 
 
-def _leaves(module: nn.Module, prefix: str = ""):
-    for name, m in module.named_children():
-        full = f"{prefix}{name}"
-        if isinstance(m, nn.Sequential):
-            yield from _leaves(m, full + ".")
+@dataclass
+class Step:
+    """One node of the program: ``op`` on the values at ``args`` (indices of earlier steps)."""
+    op: str                 # "input", "module", "add", "relu", "flatten", "gap", "output"
+    args: tuple = ()
+    name: str = ""          # module path (parameter prefix)
+    module: nn.Module | None = None
+
+
+class Plan(list):
+    """The traced program (a list of :class:`Step`); ``reason`` is empty."""
+
+
+def _module_ok(m: nn.Module) -> str:
+    if not isinstance(m, _MODULES):
+        return f"{type(m).__name__} is not a supported layer"
+    if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
+        return "a Conv2d with non-zero or string padding"
+    if isinstance(m, nn.Flatten) and (m.start_dim != 1 or m.end_dim != -1):
+        return "a Flatten that is not from dim 1"
+    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and m.track_running_stats:
+        return "BatchNorm with running statistics (use track_running_stats=False or GroupNorm)"
+    return ""
+
+
+def _const(v) -> bool:
+    return isinstance(v, (int, tuple, list)) and not isinstance(v, bool)
+
+
+def plan(module: nn.Module) -> tuple[Plan | None, str]:
+    """``(program, "")`` if the executor supports ``module``, else ``(None, why not)``."""
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except Exception as e:  # noqa: BLE001 - data-dependent control flow, unsupported Python
+        return None, f"torch.fx cannot trace its forward ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    mods = dict(gm.named_modules())
+    prog, idx, sizes = Plan(), {}, {}
+    for node in gm.graph.nodes:
+        def ref(a):
+            return idx.get(a) if isinstance(a, torch.fx.Node) else None
+        if node.op == "placeholder":
+            if any(s.op == "input" for s in prog):
+                return None, "its forward takes more than one input"
+            idx[node] = len(prog)
+            prog.append(Step("input"))
+        elif node.op == "call_module":
+            m = mods[node.target]
+            why = _module_ok(m)
+            if why:
+                return None, why
+            if len(node.args) != 1 or node.kwargs or ref(node.args[0]) is None:
+                return None, f"{node.target} is called with other than one tensor"
+            idx[node] = len(prog)
+            prog.append(Step("module", (ref(node.args[0]),), node.target, m))
+        elif node.op == "call_function":
+            a = [ref(x) for x in node.args]
+            if node.target in (operator.add, torch.add, operator.iadd) and len(node.args) == 2 and None not in a \
+                    and not node.kwargs:
+                step = Step("add", tuple(a))
+            elif node.target in (torch.relu, F.relu) and a and a[0] is not None:
+                step = Step("relu", (a[0],))
+            elif node.target is torch.flatten and a[0] is not None and tuple(node.args[1:]) in ((1,), (1, -1)) \
+                    and not node.kwargs:
+                step = Step("flatten", (a[0],))
+            else:
+                return None, f"the function {getattr(node.target, '__name__', node.target)} is not supported"
+            idx[node] = len(prog)
+            prog.append(step)
+        elif node.op == "call_method":
+            a0 = ref(node.args[0])
+            rest = tuple(node.args[1:])
+            if node.target == "size" and rest == (0,) and a0 is not None:
+                sizes[node] = a0  # x.size(0): only as the batch dimension of a view/reshape below
+                continue
+            if a0 is None:
+                return None, f"the method {node.target} on a non-tensor"
+            if node.target == "relu" and not rest:
+                step = Step("relu", (a0,))
+            elif node.target == "flatten" and rest in ((1,), (1, -1)):
+                step = Step("flatten", (a0,))
+            elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and \
+                    sizes.get(rest[0]) == a0:
+                step = Step("flatten", (a0,))
+            elif node.target == "mean" and (rest in (((2, 3),), ((-2, -1),), ((-1, -2),), ((3, 2),))
+                                            or node.kwargs.get("dim") in ((2, 3), (-2, -1))) \
+                    and not node.kwargs.get("keepdim", False):
+                step = Step("gap", (a0,))
+            else:
+                return None, f"the method {node.target}{rest} is not supported"
+            idx[node] = len(prog)
+            prog.append(step)
+        elif node.op == "output":
+            if ref(node.args[0]) is None:
+                return None, "it does not return one tensor"
+            prog.append(Step("output", (ref(node.args[0]),)))
         else:
-            yield full, m
+            return None, f"the graph node {node.op} {node.target} is not supported"
+    if not any(s.op == "module" for s in prog):
+        return None, "it has no layers"
+    _pool_before_relu(prog)
+    return prog, ""
 
 
-def plan(module: nn.Module):
-    """``[(name, layer), ...]`` if ``module`` is a Sequential this executor supports, else None."""
-    if not isinstance(module, nn.Sequential):
-        return None
-    layers = list(_leaves(module))
-    ok = (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm) + _ELEMENTWISE + _POOL
-    for _, m in layers:
-        if not isinstance(m, ok):
-            return None
-        if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
-            return None
-        if isinstance(m, nn.Flatten) and (m.start_dim != 1 or m.end_dim != -1):
-            return None
-    if not layers:
-        return None
-    # ReLU then MaxPool2d == MaxPool2d then ReLU (max commutes with a non-decreasing map, and both orders send
-    # the gradient to the window's first maximum when it is positive, nowhere otherwise): pooling first runs
-    # the ReLU and its backward on a 4x smaller tensor.
-    for i in range(len(layers) - 1):
-        if type(layers[i][1]) is nn.ReLU and type(layers[i + 1][1]) is nn.MaxPool2d:
-            layers[i], layers[i + 1] = layers[i + 1], layers[i]
-    return layers
+def _pool_before_relu(prog: Plan) -> None:
+    """ReLU then MaxPool2d == MaxPool2d then ReLU (max commutes with a non-decreasing map, and both orders send the
+    gradient to the window's first maximum when it is positive, nowhere otherwise): pooling first runs the ReLU and
+    its backward on a 4x smaller tensor. Applied where the ReLU's only consumer is the pooling."""
+    users: dict[int, list[int]] = {}
+    for i, s in enumerate(prog):
+        for a in s.args:
+            users.setdefault(a, []).append(i)
+    for i, s in enumerate(prog):
+        is_relu = (s.op == "module" and type(s.module) is nn.ReLU) or s.op == "relu"
+        if not is_relu or users.get(i, []) == [] or len(users[i]) != 1:
+            continue
+        j = users[i][0]
+        p = prog[j]
+        if p.op == "module" and type(p.module) is nn.MaxPool2d:
+            # pool reads the ReLU's input; the ReLU reads the pool's output; the pool's users read the ReLU
+            src = s.args[0]
+            prog[i], prog[j] = Step("module", (src,), p.name, p.module), Step("relu", (i,))  # j's users: relu(pool)
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -97,9 +197,9 @@ class _NCHWForDense(torch.autograd.Function):
         return g.contiguous(memory_format=torch.channels_last)
 
 
-def batched_forward(layers, params: dict, x: Tensor, training: bool, features: nn.Module | None = None,
+def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, features: nn.Module | None = None,
                     channels_last: bool | None = None):
-    """Run ``layers`` (from :func:`plan`) for n clients: ``params[name.weight]`` is ``[n, *shape]``, ``x`` is
+    """Run the program from :func:`plan` for n clients: ``params[name.weight]`` is ``[n, *shape]``, ``x`` is
     ``[n, B, ...]``. Returns ``[n, B, out]`` (or ``(input of features [n, B, d], out)``)."""
     n, B = x.shape[0], x.shape[1]
     feat = None
@@ -107,17 +207,51 @@ def batched_forward(layers, params: dict, x: Tensor, training: bool, features: n
     # output is not NHWC anyway (grouped weights) is converted.
     cl = channels_last if channels_last is not None else x.device.type == "cpu"
     nhwc = torch.channels_last
-    if x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
-        h = x.transpose(0, 1).reshape(B, n * x.shape[2], x.shape[3], x.shape[4])
-        if cl:
-            h = h.contiguous(memory_format=nhwc)
-            if h.shape[1] == 1:  # one channel: NCHW strides pass as NHWC and oneDNN would answer in NCHW
-                h = h.as_strided(h.shape, (h.stride(0), 1, h.stride(2), 1))
-        grouped = True
-    else:
-        h = x
-        grouped = False
-    for name, m in layers:
+    vals: list = [None] * len(prog)  # (tensor, grouped)
+
+    def dense(h, grouped):
+        """[B, n*C, H, W] (grouped) -> [n, B, C*H*W]; dense [n, B, ...] -> [n, B, F]."""
+        if grouped:
+            if cl and not h.is_contiguous():
+                h = _NCHWForDense.apply(h)
+            return h.reshape(B, n, -1).transpose(0, 1)
+        return h.reshape(n, B, -1)
+
+    out = None
+    for i, s in enumerate(prog):
+        if s.op == "input":
+            if x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
+                h = x.transpose(0, 1).reshape(B, n * x.shape[2], x.shape[3], x.shape[4])
+                if cl:
+                    h = h.contiguous(memory_format=nhwc)
+                    if h.shape[1] == 1:  # one channel: NCHW strides pass as NHWC and oneDNN would answer in NCHW
+                        h = h.as_strided(h.shape, (h.stride(0), 1, h.stride(2), 1))
+                vals[i] = (h, True)
+            else:
+                vals[i] = (x, False)
+            continue
+        if s.op == "output":
+            out = vals[s.args[0]]
+            break
+        h, grouped = vals[s.args[0]]
+        if s.op == "add":
+            h2, g2 = vals[s.args[1]]
+            if g2 != grouped:
+                raise ValueError("model: a residual addition of tensors in different layouts")
+            vals[i] = (h + h2, grouped)
+            continue
+        if s.op == "relu":
+            vals[i] = (torch.relu(h), grouped)
+            continue
+        if s.op == "flatten":
+            vals[i] = (dense(h, grouped), False)
+            continue
+        if s.op == "gap":  # x.mean((2, 3)): global average pooling to a vector
+            if not grouped:
+                raise ValueError("model: mean over spatial dims of a non-image tensor")
+            vals[i] = (h.mean((2, 3)).reshape(B, n, -1).transpose(0, 1), False)
+            continue
+        m, name = s.module, s.name
         if m is features:
             feat = h if not grouped else h.reshape(B, n, -1).transpose(0, 1)
         if isinstance(m, nn.Conv2d):
@@ -131,14 +265,18 @@ def batched_forward(layers, params: dict, x: Tensor, training: bool, features: n
             w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
             h = F.group_norm(h, n * m.num_groups, None if w is None else w.reshape(-1),
                              None if b is None else b.reshape(-1), m.eps)
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # batch statistics per client and channel
+            w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+            w = None if w is None else w.reshape(-1)
+            b = None if b is None else b.reshape(-1)
+            if grouped:
+                h = F.batch_norm(h, None, None, w, b, True, 0.0, m.eps)
+            else:  # [n, B, F] -> [B, n*F]
+                Fd = h.shape[-1]
+                h = F.batch_norm(h.transpose(0, 1).reshape(B, n * Fd), None, None, w, b, True, 0.0, m.eps)
+                h = h.reshape(B, n, Fd).transpose(0, 1)
         elif isinstance(m, nn.Flatten):
-            if grouped:  # [B, n*C, H, W] -> [n, B, C*H*W]
-                if cl and not h.is_contiguous():
-                    h = _NCHWForDense.apply(h)
-                h = h.reshape(B, n, -1).transpose(0, 1)
-                grouped = False
-            else:
-                h = h.reshape(n, B, -1)
+            h, grouped = dense(h, grouped), False
         elif isinstance(m, nn.Linear):
             w = params[f"{name}.weight"]
             b = params.get(f"{name}.bias")
@@ -149,6 +287,8 @@ def batched_forward(layers, params: dict, x: Tensor, training: bool, features: n
             h = F.dropout(h, m.p, training)
         else:  # elementwise and pooling act per channel: the grouped layout is already right
             h = m(h)
+        vals[i] = (h, grouped)
+    h, grouped = out
     if grouped:  # [B, n*C, H, W] -> [n, B, C, H, W]
         h = h.reshape(B, n, h.shape[1] // n, *h.shape[2:]).transpose(0, 1)
     return (feat, h) if features is not None else h

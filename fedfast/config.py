@@ -76,8 +76,8 @@ def _coerce(key: str, value):
     spec = KEYS[key]
     if isinstance(spec, tuple):  # run keys: (type, default)
         spec = SimpleNamespace(type=spec[0].__name__)
-    elif isinstance(value, str) and value.lower() == "auto":
-        value = None
+    elif isinstance(value, str) and value.lower() == "auto" and "None" in str(spec.type):
+        value = None  # "auto" for a setting whose automatic value is None (client_chunk, memory_budget_gb, ...)
     return coerce_option(key, value, spec)
 
 

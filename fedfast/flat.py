@@ -113,7 +113,7 @@ class ClientStack:
         self.buffers = torch.empty(self.N, self.layout.B, dtype=dtype, device=dev)
         self.broadcast_module_(module)
         from .batched import plan
-        self.plan = plan(module) if use_executor else None  # None: torch.func.vmap of functional_call
+        self.plan = plan(module)[0] if use_executor else None  # None: torch.func.vmap of functional_call
 
     def leaf_views(self, rows: slice) -> "OrderedDict[str, Tensor]":
         """Per-parameter autograd leaves ``[n, *shape]`` sharing storage with rows ``rows``; :meth:`flat_grad`
@@ -204,7 +204,7 @@ class ClientStack:
         from torch.func import vmap
 
         p = self.param_views(rows) if params is None else params
-        if self.plan is not None:  # plain Sequential: the vmap-free grouped executor (fedfast.batched)
+        if self.plan is not None:  # a traced graph of supported layers: the vmap-free grouped executor (fedfast.batched)
             from .batched import batched_forward
             return batched_forward(self.plan, p, x, self.module.training, features)
         b = self.buffer_views(rows)

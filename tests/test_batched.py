@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedfast import models
@@ -20,7 +21,42 @@ CASES = [
                                          nn.Sequential(nn.Flatten(), nn.Linear(32, 6), nn.Tanh()),
                                          nn.Linear(6, 5, bias=False)), (3, 9, 9)),
     ("mlp", lambda: models.MLP(20, (7,), 3), (20,)),
+    ("wrapped_sequential", lambda: _Wrap(models.LeNet5(10)), (3, 32, 32)),
+    ("resnet8_gn", lambda: models.CifarResNet8(10), (3, 32, 32)),
+    ("resnet10_bn", lambda: models.resnet10(7, "bn"), (3, 16, 16)),
+    ("resnet18_gn", lambda: models.resnet18(5, "gn", gn_groups=8), (3, 8, 8)),
+    ("functional", lambda: _Functional(), (2, 6, 6)),
+    ("bn1d_mlp", lambda: nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(),
+                                       nn.Linear(8, 3)), (12,)),
 ]
+
+
+class _Wrap(nn.Module):
+    """The same Sequential behind a wrapper's forward (researchers' models are rarely bare Sequentials)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Functional(nn.Module):
+    """Functional calls, a residual add, x.view(x.size(0), -1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(36, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x))
+        h = F.relu(self.c2(h) + h)
+        h = self.pool(h)
+        return self.fc(h.view(h.size(0), -1))
 
 
 @pytest.mark.parametrize("name,make,shape", CASES, ids=[c[0] for c in CASES])
@@ -51,7 +87,42 @@ def test_executor_matches_vmap_and_modules(name, make, shape):
 
 
 def test_unsupported_models_fall_back_to_vmap():
-    assert plan(models.resnet10(10)) is None  # residual: not a plain Sequential
-    assert plan(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))) is None
-    assert plan(nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"))) is None
-    assert plan(nn.Sequential(nn.Flatten(0))) is None
+    class Cat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x):
+            return torch.cat([self.c(x), self.c(x)], 1).flatten(1)
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.l(x) if x.sum() > 0 else -self.l(x)
+
+    for model, why in ((nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), "running statistics"),
+                       (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")), "padding"),
+                       (nn.Sequential(nn.Flatten(0)), "Flatten"), (Cat(), "cat"), (Branchy(), "torch.fx"),
+                       (nn.Sequential(nn.LSTM(3, 3)), "LSTM")):
+        prog, reason = plan(model)
+        assert prog is None and why in reason, (model, reason)
+    assert plan(models.resnet10(10))[0] is not None  # residual graphs take the fast path
+
+
+def test_engine_uses_the_executor_for_wrapped_and_residual_models_and_warns_otherwise():
+    import fedfast
+    from fedfast import data
+    train, test = data.synthetic(3, 60, 20, (3, 8, 8), seed=0)
+    part = data.iid(train.y, 4, seed=0)
+    cfg = fedfast.SimConfig(clients_per_round=2, batch_size=15)
+    for model in (_Wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))),
+                  models.resnet18(3, "gn", gn_groups=4)):
+        sim = fedfast.Simulation(cfg, model, train, test, part)
+        assert sim.stack.plan is not None
+    with pytest.warns(RuntimeWarning, match="vmap.*running statistics"):
+        sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                                                    nn.Linear(144, 3)), train, test, part)
+    assert sim.stack.plan is None
