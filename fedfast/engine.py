@@ -225,9 +225,8 @@ class OnlineTeacher:
         """Each teacher on every client's own batch (one grouped forward: a model that normalises with batch
         statistics sees the same batches as in a per-client loop)."""
         sim, s = self.sim, self.spec
-        n = x.shape[0]
         with sim.eval_mode():
-            out = [sim.forward_clients(m.expand(n, -1), x).float().reshape(-1, sim.num_classes) for m in s.models]
+            out = [sim.forward_each(m, x).float().reshape(-1, sim.num_classes) for m in s.models]
         if s.weights is None:
             return TeacherRows(logits=out[0])
         return TeacherRows(logits=torch.stack(out), weights=s.weights)
@@ -312,6 +311,8 @@ class Simulation:
         self._probe_model()
         self.layout = FlatLayout(self.model)
         self.num_params = self.layout.P
+        self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
+                                for mod in self.model.modules())  # BatchNorm/InstanceNorm: batch statistics
         self._plan = self._batched_plan()
         self._buffers0 = self.layout.flatten_buffers(self.model).to(self.device)
         self._fwd = functional_forward(self.model)
@@ -331,8 +332,6 @@ class Simulation:
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
         self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
-        self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
-                                for mod in self.model.modules())
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
             import warnings
             warnings.warn("teacher: the model normalises with batch statistics, so cached teacher logits (computed "
@@ -386,6 +385,18 @@ class Simulation:
         n = rows.shape[0]
         return self.stack.vmap_forward(x, rows=slice(0, n), params=self.layout.param_views(rows),
                                        features=self._features_module() if features else None)
+
+    def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
+        """One model (flat [P]) on each client's own batch ``x`` [n, B, ...] -> [n, B, C] (or (features, logits)).
+        Models that normalise with batch statistics see each client's batch alone (a grouped forward, as in a
+        per-client loop); other models run once on the n*B rows (the same values, without n weight copies)."""
+        n, B = x.shape[0], x.shape[1]
+        if self._batch_stats:
+            return self.forward_clients(flat.expand(n, -1), x, features=features)
+        out = self.forward(flat, x.reshape(n * B, *x.shape[2:]), features=features)
+        if features:
+            return out[0].reshape(n, B, -1), out[1].reshape(n, B, -1)
+        return out.reshape(n, B, -1)
 
     @torch.no_grad()
     def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,

@@ -212,6 +212,10 @@ class Engine(Protocol):
     def forward_clients(self, rows: Tensor, x: Tensor, *, features: bool = False): ...
     # n models (rows [n, P]) on x [n, B, ...] -> logits [n, B, C] (or (features [n, B, F], logits))
 
+    def forward_each(self, flat: Tensor, x: Tensor, *, features: bool = False): ...
+    # one model on each client's own batch x [n, B, ...] -> [n, B, C] (or (features, logits)); a model with
+    # batch-statistics norms sees each client's batch alone, as in a per-client loop
+
     def predict(self, flat: Tensor, dataset, idx: Tensor | None = None) -> Tensor: ...
     # logits [len(idx), C] of one model on rows of a dataset, in large batches, eval mode, no grad
 

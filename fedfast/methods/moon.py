@@ -46,7 +46,7 @@ class MOON(FedAvg):
     def loss(self, ctx, b):
         e, o, n = self.engine, self.opts, b.num_clients
         with torch.no_grad(), e.eval_mode():  # frozen references, each on its client's own batch
-            rg, _ = e.forward_clients(e.global_flat.expand(n, -1), b.x, features=True)
+            rg, _ = e.forward_each(e.global_flat, b.x, features=True)
             rp, _ = e.forward_clients(ctx.chunk["prev"][:n], b.x, features=True)
         r = b.features.reshape(-1, b.features.shape[-1])
         sims = torch.stack([F.cosine_similarity(r, rg.reshape(r.shape), dim=-1),
