@@ -755,21 +755,24 @@ class Simulation:
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float, torch.Tensor]:
         """Test accuracy, mean test loss and per-class accuracy [C] of the evaluated model (the method's
-        ``evaluated``: the global model; FedDyn: the participants' average, not the cloud model)."""
+        ``evaluated``: the global model; FedDyn: the participants' average, not the cloud model). Under
+        torch.distributed each rank evaluates its share of the test set and the sums are all-reduced."""
         C = self.test.num_classes
-        correct = torch.zeros(C, device=self.device)
-        count = torch.zeros(C, device=self.device)
-        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        acc = torch.zeros(2 * C + 1, device=self.device, dtype=torch.float64)  # correct [C], count [C], loss
+        rows = torch.arange(len(self.test), device=self.device).tensor_split(self.world)[self.rank]
         with self.eval_mode():
-            for chunk in torch.arange(len(self.test), device=self.device).split(self.eval_batch):
+            for chunk in rows.split(self.eval_batch):
                 x, y = self.test.batch(chunk)
                 z = self.forward(self.eval_flat, x).float()
-                loss += F.cross_entropy(z, y, reduction="sum").double()
-                correct.index_add_(0, y, (z.argmax(1) == y).float())
-                count.index_add_(0, y, torch.ones_like(y, dtype=torch.float32))
+                acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
+                acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
+                acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+        if self.world > 1:
+            self._dist.all_reduce(acc, group=self.group)
+        correct, count = acc[:C], acc[C:2 * C]
         n = len(self.test)
-        class_acc = (correct / count.clamp_min(1)).cpu()
-        return float(correct.sum()) / n, float(loss) / n, class_acc
+        class_acc = (correct / count.clamp_min(1)).float().cpu()
+        return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
 
     def forgetting(self) -> float | None:
         """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds."""
