@@ -65,8 +65,91 @@ def _init_distributed(cfg):
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+        import datetime
+        timeout = datetime.timedelta(seconds=float(os.environ.get("FEDFAST_DIST_TIMEOUT", "300")))
+        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", timeout=timeout)
     return "default", dev
+
+
+class WorkerDied(RuntimeError):
+    """A worker process of ``fedfast run --workers N`` ended abnormally; the others were stopped."""
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def _worker_main(rank: int, world: int, port: int, threads: int, cfg, out_dir: str, kw: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    from . import methods
+    for p in cfg.plugins:
+        methods.load_plugin(p)
+    from .runner import Interrupted
+    try:
+        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, resume=kw["resume"], label=kw["label"])
+    except Interrupted as e:
+        if rank == 0:
+            print(f"fedfast: {e}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    except (ValueError, OSError) as e:
+        print(f"fedfast: worker {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def run_workers(cfg, out_dir: str, workers: int, *, resume: bool = False, force: bool = False, quiet: bool = False,
+                label: str = "") -> None:
+    """``workers`` local processes over ``torch.distributed`` (gloo on loopback), each with ``cores / workers``
+    intra-op threads, each training its share of every round's clients (the same global model as one process).
+    A worker that dies stops the others within a second and raises :class:`WorkerDied` naming it; the run can
+    then continue from its last checkpoint with ``--resume``."""
+    import signal as _signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    from .runner import Interrupted, prepare_dir
+    prepare_dir(out_dir, resume=resume, force=force)
+    threads = max(1, (os.cpu_count() or workers) // workers)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    kw = dict(quiet=quiet, resume=resume, label=label)
+    procs = [ctx.Process(target=_worker_main, args=(r, workers, port, threads, cfg, out_dir, kw), daemon=False)
+             for r in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.exitcode is None for p in procs):
+            bad = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if bad:
+                r, p = bad[0]
+                time.sleep(0.5)  # let the others reach the same signal (Ctrl-C goes to the whole group)
+                codes = [q.exitcode for q in procs]
+                for q in procs:
+                    if q.exitcode is None:
+                        q.terminate()
+                for q in procs:
+                    q.join(10)
+                    if q.exitcode is None:
+                        q.kill()
+                if p.exitcode in (128 + _signal.SIGINT, 128 + _signal.SIGTERM) and all(
+                        c in (None, 0, p.exitcode) for c in codes):
+                    raise Interrupted(p.exitcode - 128, -1, out_dir)
+                if p.exitcode == 2:
+                    raise ValueError(f"worker {r} stopped with an error (above)")
+                how = (f"signal {_signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}")
+                raise WorkerDied(f"worker {r} (pid {p.pid}) died with {how}; the other workers were stopped. "
+                                 f"Continue from the last checkpoint with `fedfast run --resume {out_dir} --workers "
+                                 f"{workers}`")
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
 
 
 def build(cfg, device=None, group=None):
@@ -117,7 +200,6 @@ def _methods_cmd(name: str | None) -> int:
 
 
 def main(argv=None) -> int:
-    from .config import build_config
     from .runner import Interrupted
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -132,6 +214,9 @@ def main(argv=None) -> int:
                                                    "extends it)")
     r.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     r.add_argument("--quiet", action="store_true", help="no progress output")
+    r.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N local processes over torch.distributed, each training its share of every round's "
+                        "clients with cores/N threads (CPU)")
     r.add_argument("--preset", metavar="NAME", help="a paper preset's protocol (fedfast presets); --set "
                                                     "algorithm=... picks the row (default: its first)")
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
@@ -149,6 +234,7 @@ def main(argv=None) -> int:
     sw.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     sw.add_argument("--out", required=True, help="study directory")
     sw.add_argument("--quiet", action="store_true")
+    sw.add_argument("--workers", type=int, default=1, metavar="N", help="each run in N local processes")
     rp = sub.add_parser("report", help="the study's table (mean ± std over seeds, the paper's numbers): prints it "
                                        "and writes DIR/report.md")
     rp.add_argument("dir")
@@ -169,76 +255,85 @@ def main(argv=None) -> int:
         from .doctor import main as doctor
         return doctor(quick=args.quick)
     try:
-        from . import methods
-        for p in args.plugin if hasattr(args, "plugin") else []:
-            methods.load_plugin(p)
-        if args.cmd == "methods":
-            return _methods_cmd(args.name)
-        if args.cmd == "presets":
-            return _presets_cmd(args.name)
-        if args.cmd == "report":
-            from .study import report
-            text, _ = report(args.dir)
-            print(text, end="")
-            return 0
-        if args.cmd == "plot":
-            from .plot import accuracy_curves
-            accuracy_curves(args.dirs, args.out, title=args.title)
-            print(f"wrote {args.out}")
-            return 0
-        if args.cmd == "sweep":
-            from .study import sweep
-            ms = [m.strip() for m in args.methods.split(",") if m.strip()]
-            try:
-                seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-            except ValueError:
-                raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
-            sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
-                  plugins=args.plugin, quiet=args.quiet)
-            if not args.quiet:
-                from .study import report
-                print(report(args.out)[0], end="")
-            return 0
-        if args.resume:
-            if args.config:
-                raise ValueError("--resume: takes the run directory's own config.json, not a config file")
-            cfg_path = os.path.join(args.resume, "config.json")
-            try:
-                with open(cfg_path) as f:
-                    base = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"--resume: cannot read {cfg_path} ({e})") from None
-            for p in base.get("plugins", []):
-                if p not in args.plugin:
-                    methods.load_plugin(p)
-            bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in
-                   ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device")]
-            if bad:
-                raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only rounds, eval_every, "
-                                 f"checkpoint_every, tensorboard, device)")
-            cfg = build_config(None, args.set, base=base, plugins=args.plugin)
-            out = args.resume
-        else:
-            base = None
-            if args.preset:
-                from . import presets
-                pre = presets.get(args.preset)
-                alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
-                           pre.methods[0])
-                base = pre.config(alg)
-            cfg = build_config(args.config, args.set, base=base, plugins=args.plugin)
-            out = args.out
-    except (ValueError, OSError, TypeError) as e:
-        print(f"fedfast: {e}", file=sys.stderr)
-        return 2
-    try:
-        run(cfg, out, resume=bool(args.resume), force=args.force, quiet=args.quiet)
+        return _dispatch(args)
     except Interrupted as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return 128 + e.signum
-    except (ValueError, OSError) as e:  # bad data files, partitions that cannot be built, ...: name it, no traceback
+    except WorkerDied as e:
+        print(f"fedfast: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, OSError, TypeError) as e:  # bad config, data files, partitions: name it, no traceback
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
+
+
+def _dispatch(args) -> int:
+    from .config import build_config
+    from . import methods
+    for p in args.plugin if hasattr(args, "plugin") else []:
+        methods.load_plugin(p)
+    if args.cmd == "methods":
+        return _methods_cmd(args.name)
+    if args.cmd == "presets":
+        return _presets_cmd(args.name)
+    if args.cmd == "report":
+        from .study import report
+        text, _ = report(args.dir)
+        print(text, end="")
+        return 0
+    if args.cmd == "plot":
+        from .plot import accuracy_curves
+        accuracy_curves(args.dirs, args.out, title=args.title)
+        print(f"wrote {args.out}")
+        return 0
+    if args.cmd == "sweep":
+        from .study import sweep
+        ms = [m.strip() for m in args.methods.split(",") if m.strip()]
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+        sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
+              plugins=args.plugin, quiet=args.quiet, workers=args.workers)
+        if not args.quiet:
+            from .study import report
+            print(report(args.out)[0], end="")
+        return 0
+    if args.resume:
+        if args.config:
+            raise ValueError("--resume: takes the run directory's own config.json, not a config file")
+        cfg_path = os.path.join(args.resume, "config.json")
+        try:
+            with open(cfg_path) as f:
+                base = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--resume: cannot read {cfg_path} ({e})") from None
+        for p in base.get("plugins", []):
+            if p not in args.plugin:
+                methods.load_plugin(p)
+        bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in
+               ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device")]
+        if bad:
+            raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only rounds, eval_every, "
+                             f"checkpoint_every, tensorboard, device)")
+        cfg = build_config(None, args.set, base=base, plugins=args.plugin)
+        out = args.resume
+    else:
+        base = None
+        if args.preset:
+            from . import presets
+            pre = presets.get(args.preset)
+            alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
+                       pre.methods[0])
+            base = pre.config(alg)
+        cfg = build_config(args.config, args.set, base=base, plugins=args.plugin)
+        out = args.out
+    if args.workers < 1:
+        raise ValueError(f"--workers: must be >= 1, got {args.workers}")
+    if args.workers > 1:
+        run_workers(cfg, out, args.workers, resume=bool(args.resume), force=args.force, quiet=args.quiet)
+    else:
+        run(cfg, out, resume=bool(args.resume), force=args.force, quiet=args.quiet)
     return 0
 
 

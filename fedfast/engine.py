@@ -332,6 +332,7 @@ class Simulation:
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
         self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
+        self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
             import warnings
             warnings.warn("teacher: the model normalises with batch statistics, so cached teacher logits (computed "
@@ -524,12 +525,15 @@ class Simulation:
         sampled, sizes, steps = sampled[order], sizes[order], steps[order]
         totals = dict(weight=float(sizes.sum()) if c.aggregate_weights == "size" else float(len(sampled)),
                       steps=int(steps.sum()) * c.local_epochs, clients=sampled.tolist())
+        positions = np.arange(len(sampled))
+        num_total = len(sampled)
         if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
             sampled, sizes, steps = sampled[self.rank::self.world], sizes[self.rank::self.world], \
                 steps[self.rank::self.world]
+            positions = positions[self.rank::self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
         ctx = Round(self.rnd, sampled, sizes, steps, c.local_epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
-                    self.label_hist[sampled_t])
+                    self.label_hist[sampled_t], host_to_device(positions, self.device), num_total)
         return ctx, totals
 
     # -- phase 2: teacher ------------------------------------------------------------------------------------
@@ -628,9 +632,13 @@ class Simulation:
                 rows = table[:n_act, s * B:(s + 1) * B]
                 valid = rows >= 0
                 ridx = rows.clamp_min(0)
-                if c.augment != "none":
-                    from .data.augment import augmented_batch
-                    x, y = augmented_batch(self.train, ridx, self._aug_gen, pipeline=c.augment)
+                if c.augment != "none":  # random parameters by (round, epoch, step, client position): the same
+                    from .data.augment import augmented_batch  # for any chunking or number of processes
+                    self._aug_gen.manual_seed(int(np.random.SeedSequence([c.seed, 104729, self.rnd, e, s])
+                                                  .generate_state(1, np.uint64)[0]) & (2**63 - 1))
+                    pos = (ctx.positions[lo:lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
+                    x, y = augmented_batch(self.train, ridx, self._aug_gen, pipeline=c.augment,
+                                           select=(ctx.num_total * B, pos))
                 else:
                     x, y = self.train.batch(ridx)
                 y = torch.where(valid, y, torch.full_like(y, -100))

@@ -117,10 +117,10 @@ def report(root: str) -> tuple[str, list[dict]]:
 
 
 def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None = None, config: str | None = None,
-          overrides: list[str] | None = None, plugins=(), quiet: bool = False) -> list[str]:
+          overrides: list[str] | None = None, plugins=(), quiet: bool = False, workers: int = 1) -> list[str]:
     """Run every (method, seed) into ``out/<method>/seed<k>``; complete runs are skipped, interrupted ones resumed.
     Returns the run directories."""
-    from .cli import run
+    from .cli import run, run_workers
     from .config import build_config
     from .runner import is_complete
     from . import presets as _presets
@@ -159,6 +159,9 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
                 print(f"{label}: complete, skipped", flush=True)
         else:
             resume = os.path.isfile(os.path.join(d, "checkpoint.pt"))
-            run(cfg, d, resume=resume, force=not resume, quiet=quiet, label=label)
+            if workers > 1:
+                run_workers(cfg, d, workers, resume=resume, force=not resume, quiet=quiet, label=label)
+            else:
+                run(cfg, d, resume=resume, force=not resume, quiet=quiet, label=label)
         dirs.append(d)
     return dirs

@@ -398,3 +398,20 @@ def test_residual_models_take_the_batched_executor_and_match_the_loop(norm, algo
     assert sim.stack.plan is not None
     sim.run()
     assert (sim.global_flat - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_augmentation_is_independent_of_chunking():
+    """Each image's crop/flip/cutout depends on (round, epoch, step, client position), so chunked rounds (and the
+    ranks of a multi-process run) augment exactly as one chunk does."""
+    train, test = data.synthetic(4, 200, 80, (1, 12, 12), separation=0.8, seed=0)
+    part = data.iid(train.y, 6, seed=0)
+    torch.manual_seed(0)
+    model = models.MLP(144, (32,), 4)
+    out = []
+    for chunk in (None, 2, 1):
+        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=5, rounds=2, local_epochs=1, batch_size=10,
+                                lr=0.05, augment="fedntd", seed=0, client_chunk=chunk)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        sim.run()
+        out.append(sim.global_flat)
+    assert all((o - out[0]).abs().max() <= 1e-6 * out[0].abs().max() for o in out[1:])

@@ -168,3 +168,38 @@ def test_tensorboard_event_files(tmp_path):
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("test_accuracy")] == [1, 2]
+
+
+def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
+    """--workers 2: two local processes over torch.distributed give the one-process run's metrics and model; a
+    worker killed mid-run stops the run within seconds with a message naming it, and --resume continues."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    ntd = [*ARGS, "--set", "algorithm=fedntd", "--set", "rounds=3"]  # teacher and augmentation on every step
+    assert main(["run", *ntd, "--out", str(one), "--quiet"]) == 0
+    assert main(["run", *ntd, "--workers", "2", "--out", str(two), "--quiet"]) == 0
+    # equal up to the summation order of the all-reduce (augmentation included: it does not depend on the split;
+    # SCAFFOLD's multi-process equality: test_distributed)
+    for a, b in zip(_metrics(one), _metrics(two)):
+        assert a["test_accuracy"] == b["test_accuracy"]
+        assert abs(a["test_loss"] - b["test_loss"]) <= 1e-5 * a["test_loss"]
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"]
+    fa, fb = (torch.cat([v.reshape(-1) for v in _final(d).values()]) for d in (one, two))
+    assert (fa - fb).abs().max() <= 1e-5 * fa.abs().max()
+
+    out = tmp_path / "dead"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "fedfast", "run", *ARGS, "--set", "rounds=200",
+                             "--set", "checkpoint_every=1", "--workers", "2", "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_rounds(out, 2, proc)
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
+    pids = [int(p) for p in kids.stdout.split()]
+    assert len(pids) == 2, kids
+    t0 = time.time()
+    os.kill(pids[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - t0 < 30 and proc.returncode == 3, err[-2000:]
+    assert "died with signal SIGKILL" in err and "--resume" in err
+    done = checkpoint.load(str(out / "checkpoint.pt"))["state"]["round"]
+    assert main(["run", "--resume", str(out), "--workers", "2", "--set", f"rounds={done + 1}", "--quiet"]) == 0
+    assert json.load(open(out / "summary.json"))["complete"] is True

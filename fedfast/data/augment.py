@@ -20,7 +20,11 @@ from torch import Tensor
 
 
 def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding: int = 4, flip: bool = True,
-            cutout: int = 0, padding_mode: str = "zeros", crop_prob: float = 1.0) -> Tensor:
+            cutout: int = 0, padding_mode: str = "zeros", crop_prob: float = 1.0,
+            select: tuple[int, Tensor] | None = None) -> Tensor:
+    """``select = (total, rows)``: draw the random parameters for ``total`` images and use those of positions
+    ``rows`` (the n images of ``x``), so an image's augmentation depends on its position in a larger batch, not
+    on which part of it a call holds (the engine: the same result for any chunking or number of processes)."""
     if x.dim() < 3:
         raise ValueError(f"x: expected [..., C, H, W], got shape {tuple(x.shape)}")
     lead = x.shape[:-3]
@@ -29,9 +33,13 @@ def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding
     imgs = x.reshape(n, C, H, W)
     dev = x.device
     gen_dev = generator.device if generator is not None else torch.device("cpu")
+    total, pick = (n, None) if select is None else (int(select[0]), select[1].reshape(-1).to(gen_dev))
+
+    def draw(t):
+        return (t if pick is None else t[pick]).to(dev)
 
     def rand_int(high, size):
-        return torch.randint(0, high, size, generator=generator, device=gen_dev).to(dev)
+        return draw(torch.randint(0, high, (total,) + tuple(size[1:]), generator=generator, device=gen_dev))
 
     p = int(crop_padding)
     rows = torch.arange(H, device=dev).expand(n, H)
@@ -43,7 +51,7 @@ def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding
         imgs = F.pad(imgs, (p, p, p, p), mode=mode)
         oy, ox = rand_int(2 * p + 1, (n, 1)), rand_int(2 * p + 1, (n, 1))
         if crop_prob < 1.0:  # ASD: crop only with probability crop_prob (else the centred window = identity)
-            keep = torch.rand((n, 1), generator=generator, device=gen_dev).to(dev) >= crop_prob
+            keep = draw(torch.rand((total, 1), generator=generator, device=gen_dev)) >= crop_prob
             oy, ox = torch.where(keep, p, oy), torch.where(keep, p, ox)
         rows, cols = rows + oy, cols + ox
     if flip:
@@ -74,18 +82,19 @@ PIPELINES = {
 
 
 def augmented_batch(ds, idx: Tensor, generator: torch.Generator | None = None, pipeline: str = "fedntd",
-                    dtype=torch.float32) -> tuple[Tensor, Tensor]:
+                    dtype=torch.float32, select: tuple[int, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Gather rows ``idx`` (e.g. [clients, B]) of an :class:`~fedfast.data.ArrayDataset` and apply a paper's
-    pipeline on the device: crop/flip in raw or normalised space, normalise, then Cutout."""
+    pipeline on the device: crop/flip in raw or normalised space, normalise, then Cutout (``select``: see
+    :func:`augment`)."""
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline: one of {sorted(PIPELINES)}, got {pipeline!r}")
     cfg = dict(PIPELINES[pipeline])
     pad_in, cut = cfg.pop("pad_in"), cfg.pop("cutout")
     y = ds.y[idx]
     if pad_in == "raw":
-        x = ds.normalize(augment(ds.x[idx], generator, **cfg), dtype)
+        x = ds.normalize(augment(ds.x[idx], generator, select=select, **cfg), dtype)
     else:
-        x = augment(ds.normalize(ds.x[idx], dtype), generator, **cfg)
+        x = augment(ds.normalize(ds.x[idx], dtype), generator, select=select, **cfg)
     if cut:
-        x = augment(x, generator, crop_padding=0, flip=False, cutout=cut)
+        x = augment(x, generator, crop_padding=0, flip=False, cutout=cut, select=select)
     return x, y

@@ -134,6 +134,8 @@ class Round:
     lr: float                        # this round's client learning rate
     sampled_t: Tensor                # client ids on the device
     hist: Tensor                     # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
+    positions: Tensor | None = None  # [m] each client's position in the whole round's sorted client list
+    num_total: int = 0               # clients in the whole round (all ranks)
     rows: Tensor | None = None       # [m, P] the method's per-client state rows (gathered from client_state)
     new_rows: Tensor | None = None   # their updated values, filled by ``collect`` chunk by chunk
     incr: Tensor | None = None       # a server-state increment summed over the chunks (all-reduced across ranks)
