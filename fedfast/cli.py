@@ -92,6 +92,11 @@ def _worker_main(rank: int, world: int, port: int, threads: int, cfg, out_dir: s
     from .runner import Interrupted
     try:
         run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, resume=kw["resume"], label=kw["label"])
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # everything is written: skip interpreter teardown, where gloo's threads can abort the process
     except Interrupted as e:
         if rank == 0:
             print(f"fedfast: {e}", file=sys.stderr, flush=True)
@@ -255,7 +260,13 @@ def main(argv=None) -> int:
         from .doctor import main as doctor
         return doctor(quick=args.quick)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.distributed.is_initialized():  # under torchrun
+            torch.distributed.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # skip interpreter teardown, where gloo's threads can abort a finished process
+        return code
     except Interrupted as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return 128 + e.signum

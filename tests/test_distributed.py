@@ -45,6 +45,7 @@ def _worker(rank, world, port, out_dir):
                        os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # results are saved: skip interpreter teardown, where gloo's threads occasionally abort the process
 
 
 def _free_port():
