@@ -61,10 +61,12 @@ class LeNet5(nn.Sequential):
 
 
 class SimpleCNN(nn.Sequential):
-    """pfl-research's benchmark ``simple_cnn``: conv3(32)-conv3(64)-pool-dropout-FC128-FC(C) on 3x32x32
-    (1,626,442 parameters for C=10). ``dropout`` defaults to pfl's 0.25 (set 0 for deterministic tests)."""
+    """pfl-research's benchmark ``simple_cnn``: conv3(32)-conv3(64)-pool-dropout-FC128-FC(C) on
+    ``in_channels`` x ``image_size``^2 (3x32x32: 1,626,442 parameters for C=10; 1x28x28: 1,199,882).
+    ``dropout`` defaults to pfl's 0.25 (set 0 for deterministic tests)."""
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.25):
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.25, image_size: int = 32):
+        side = (image_size - 4) // 2
         super().__init__(nn.Conv2d(in_channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Dropout(dropout), nn.Flatten(), nn.Linear(12544, 128), nn.ReLU(),
+                         nn.Dropout(dropout), nn.Flatten(), nn.Linear(64 * side * side, 128), nn.ReLU(),
                          nn.Linear(128, num_classes))
