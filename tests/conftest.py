@@ -36,3 +36,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_cache(tmp_path_factory):
+    """Decoded-dataset caches (fedfast.data) go to a temporary directory, not the user's ~/.cache."""
+    old = os.environ.get("FEDFAST_CACHE")
+    os.environ["FEDFAST_CACHE"] = str(tmp_path_factory.mktemp("fedfast-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FEDFAST_CACHE", None)
+    else:
+        os.environ["FEDFAST_CACHE"] = old
