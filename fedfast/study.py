@@ -68,6 +68,8 @@ def report(root: str) -> tuple[str, list[dict]]:
     if study.get("preset"):
         from . import presets
         preset = presets.get(study["preset"])
+        if not preset.reported:  # a protocol without paper numbers (the demo): no paper columns
+            preset = None
     order = study.get("methods") or []
     groups: dict[str, list[dict]] = {}
     for r in runs:
