@@ -613,7 +613,7 @@ class Simulation:
     def _train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum):
         """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``."""
         c, method = self.cfg, self.method
-        sampled, sizes, steps = ctx.sampled, ctx.sizes, ctx.steps
+        steps = ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))

@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 import fedfast
