@@ -75,7 +75,7 @@ SHAPES = {
 
 
 def _setup(name):
-    s = dict(E=1, algorithm="fedavg", lr=0.1, momentum=0.0, **SHAPES[name])
+    s = {"E": 1, "algorithm": "fedavg", "lr": 0.1, "momentum": 0.0, **SHAPES[name]}
     if s["model"] == "resnet8":
         g = torch.Generator().manual_seed(0)
         N = s["K"] * s["n"]

@@ -1,6 +1,8 @@
 // Fused all-client optimizer step on the CPU, in place (see fedfast/ops/client_step_reference.py):
 //   g = grad + mu (theta - anchor) + dyn_linear ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
 //   g += wd_k theta + (c - c_k) ; buf = momentum buf + g ; theta -= lr_k (buf + s_k drift)   (inactive rows: no-op)
+// The gradient is one [n, P] tensor or the per-parameter pieces [n, s_p] (sum s_p = P, in column order) that
+// autograd returns: read in place, so the engine never concatenates them (a full [n, P] copy per step).
 // Rows x column blocks run in parallel; clipping adds one read pass for the per-row norm.
 // Bytes: n*P*(4 theta r/w *2 + grad 4 + [8 buf r/w] + [4 dyn] + [4 c_k]) + 4P*[anchor, c, drift].
 #include <ATen/Parallel.h>
@@ -15,7 +17,17 @@ namespace {
 constexpr int64_t kBlock = 4096;
 }
 
-void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Tensor& lr_in, double momentum,
+namespace {
+// A block of <= kBlock columns [c0, c0 + len) of one gradient piece: row k's values start at g + k * ld.
+struct GradBlock {
+  int64_t c0, len;
+  const float* g;
+  int64_t ld;
+};
+}  // namespace
+
+void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in,
+                     double momentum,
                      const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
                      const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& dyn_opt,
                      const c10::optional<at::Tensor>& c_opt, const c10::optional<at::Tensor>& ck_opt,
@@ -24,7 +36,18 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
                      const c10::optional<at::Tensor>& active_opt) {
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   const int64_t n = theta.size(0), P = theta.size(1);
-  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
+  std::vector<at::Tensor> grads;  // kept alive while the blocks point into them
+  std::vector<GradBlock> blocks;
+  int64_t col = 0;
+  for (const at::Tensor& gi : grad_in) {
+    TORCH_CHECK(gi.dim() >= 1 && gi.size(0) == n, "grad: every piece must have n rows");
+    grads.push_back(gi.to(at::kFloat).contiguous());
+    const int64_t s = n ? grads.back().numel() / n : 0;
+    const float* base = grads.back().data_ptr<float>();
+    for (int64_t j = 0; j < s; j += kBlock) blocks.push_back({col + j, std::min(kBlock, s - j), base + j, s});
+    col += s;
+  }
+  TORCH_CHECK(col == P, "grad: the pieces have ", col, " columns, theta has ", P);
   const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
   auto f32 = [](const c10::optional<at::Tensor>& t) {
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
@@ -40,15 +63,15 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kBool).contiguous() : at::Tensor();
   auto cp = [](const at::Tensor& t) -> const float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
   float* th = theta.data_ptr<float>();
-  const float* gr = grad.data_ptr<float>();
   const float *an = cp(anchor), *dy = cp(dyn), *cc = cp(c), *ckk = cp(ck), *dr = cp(drift), *ds = cp(dscale);
   float* bf = buf.defined() ? buf.data_ptr<float>() : nullptr;
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu), mom = static_cast<float>(momentum);
-  const int64_t nb = (P + kBlock - 1) / kBlock;
+  const int64_t nb = static_cast<int64_t>(blocks.size());
   // loss-side gradient of row k at columns [j0, j0+len) into out
-  auto loss_grad = [&](int64_t k, int64_t j0, int64_t len, float* out) {
-    const float* g = gr + k * P + j0;
+  auto loss_grad = [&](int64_t k, const GradBlock& bl, float* out) {
+    const int64_t j0 = bl.c0, len = bl.len;
+    const float* g = bl.g + k * bl.ld;
     const float* t = th + k * P + j0;
     for (int64_t j = 0; j < len; ++j) out[j] = g[j];
     if (mu != 0.f)
@@ -64,11 +87,20 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
     at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
       std::vector<float> tmp(kBlock);
       for (int64_t t = b; t < e; ++t) {
-        const int64_t k = t / nb, j0 = (t % nb) * kBlock, len = std::min(kBlock, P - j0);
-        loss_grad(k, j0, len, tmp.data());
-        float s = 0.f;
-        for (int64_t j = 0; j < len; ++j) s += tmp[j] * tmp[j];
-        part[t] = s;
+        const int64_t k = t / nb;
+        const GradBlock& bl = blocks[t % nb];
+        const int64_t len = bl.len;
+        const float* v = bl.g + k * bl.ld;  // the plain gradient is read in place; with terms, summed into tmp
+        if (mu != 0.f || dy) {
+          loss_grad(k, bl, tmp.data());
+          v = tmp.data();
+        }
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // 8 lanes: vectorised (a serial sum is not)
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8)
+          for (int l = 0; l < 8; ++l) acc[l] += v[j + l] * v[j + l];
+        for (; j < len; ++j) acc[0] += v[j] * v[j];
+        part[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     });
     for (int64_t k = 0; k < n; ++k) {
@@ -81,12 +113,41 @@ void client_step_cpu(at::Tensor& theta, const at::Tensor& grad_in, const at::Ten
   const float* lrp = lr.data_ptr<float>();
   const float* wdp = wd.data_ptr<float>();
   const bool lr_row = lr.numel() == n, wd_row = wd.numel() == n;
+  // The plain step (no FedProx / FedDyn / SCAFFOLD / drift terms: FedAvg, FedNTD, the KD methods) in one pass over
+  // theta, grad [and buf], the same expressions in the same order as the general path below (bit-identical):
+  // ~1.7x faster than the staged path on a 2-core EPYC (50 x 199,210 floats: 4.5 -> 2.7 ms).
+  if (mu == 0.f && !dy && !cc && !dr) {
+    at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t k = t / nb;
+        const GradBlock& bl = blocks[t % nb];
+        const int64_t j0 = bl.c0, len = bl.len;
+        if (act && !act[k]) continue;
+        float* __restrict tr = th + k * P + j0;
+        const float* __restrict g = bl.g + k * bl.ld;
+        const float ck_ = clip[k], wdk = wd_row ? wdp[k] : wdp[0], lrk = lr_row ? lrp[k] : lrp[0];
+        if (bf) {
+          float* __restrict br = bf + k * P + j0;
+          for (int64_t j = 0; j < len; ++j) {
+            const float v = mom * br[j] + (g[j] * ck_ + wdk * tr[j]);
+            br[j] = v;
+            tr[j] -= lrk * v;
+          }
+        } else {
+          for (int64_t j = 0; j < len; ++j) tr[j] -= lrk * (g[j] * ck_ + wdk * tr[j]);
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
     std::vector<float> tmp(kBlock);
     for (int64_t t = b; t < e; ++t) {
-      const int64_t k = t / nb, j0 = (t % nb) * kBlock, len = std::min(kBlock, P - j0);
+      const int64_t k = t / nb;
+      const GradBlock& bl = blocks[t % nb];
+      const int64_t j0 = bl.c0, len = bl.len;
       if (act && !act[k]) continue;
-      loss_grad(k, j0, len, tmp.data());
+      loss_grad(k, bl, tmp.data());
       float* tr = th + k * P + j0;
       const float ck_ = clip[k], wdk = wd_row ? wdp[k] : wdp[0], lrk = lr_row ? lrp[k] : lrp[0];
       for (int64_t j = 0; j < len; ++j) tmp[j] = tmp[j] * ck_ + wdk * tr[j];

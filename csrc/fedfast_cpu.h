@@ -35,7 +35,7 @@ std::vector<at::Tensor> aggregate_cpu(const at::Tensor& X, const at::Tensor& row
                                       const c10::optional<at::Tensor>& teacher_buffer, int64_t slot,
                                       int64_t count);
 
-void client_step_cpu(at::Tensor& theta, const at::Tensor& grad, const at::Tensor& lr, double momentum,
+void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, const at::Tensor& lr, double momentum,
                      const c10::optional<at::Tensor>& buf, const at::Tensor& wd, double prox_mu,
                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
                      const c10::optional<at::Tensor>& scaffold_c, const c10::optional<at::Tensor>& scaffold_ck,

@@ -44,7 +44,9 @@ class Step:
 
 
 class Plan(list):
-    """The traced program (a list of :class:`Step`); ``reason`` is empty."""
+    """The traced program (a list of :class:`Step`). ``dense_input``: the input is only flattened (an MLP), so
+    images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back."""
+    dense_input = False
 
 
 def _module_ok(m: nn.Module) -> str:
@@ -134,6 +136,9 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
     if not any(s.op == "module" for s in prog):
         return None, "it has no layers"
     _pool_before_relu(prog)
+    first = [s for s in prog if 0 in s.args]
+    prog.dense_input = bool(first) and all(s.op == "flatten" or (s.op == "module" and isinstance(s.module, nn.Flatten))
+                                           for s in first)
     return prog, ""
 
 
@@ -220,7 +225,9 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
     out = None
     for i, s in enumerate(prog):
         if s.op == "input":
-            if x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
+            if x.dim() == 5 and prog.dense_input:  # only flattened: [n, B, C*H*W] (flatten below is a no-op)
+                vals[i] = (x.reshape(n, B, -1), False)
+            elif x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
                 h = x.transpose(0, 1).reshape(B, n * x.shape[2], x.shape[3], x.shape[4])
                 if cl:
                     h = h.contiguous(memory_format=nhwc)

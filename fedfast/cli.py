@@ -52,6 +52,8 @@ def _model(cfg, train):
     name = cfg["model"]
     if name == "mlp":
         return models.MLP(int(torch.tensor(train.x.shape[1:]).prod()), (200, 200), C)
+    if name == "simple_cnn":  # pfl-research's benchmark CNN, sized to the dataset's images (1x28x28: 1,199,882)
+        return models.SimpleCNN(C, in_channels=train.x.shape[1], image_size=train.x.shape[2])
     return models.MODELS[name](C)
 
 

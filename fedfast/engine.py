@@ -330,7 +330,10 @@ class Simulation:
         self.stack = ClientStack(self.model, self.chunk, device=self.device, use_executor=False)
         self.stack.plan = self._plan  # the verified program (None: vmap)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
-        self.gradbuf = torch.empty_like(self.stack.params)  # flat [n, P] gradients, reused every step
+        # the C++ client step reads autograd's per-parameter gradients in place; other backends take one flat
+        # [n, P] gradient, reused every step
+        self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) == "cpu" else \
+            torch.empty_like(self.stack.params)
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
@@ -657,7 +660,7 @@ class Simulation:
                 else:
                     loss = method.loss(ctx, Step(zf, yf, seg, n_act, t, hist_c[:n_act], x, valid, feat))
                 self._tick("loss")
-                grad = self.stack.flat_grad(loss, pv, self.gradbuf[:n_act])
+                grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
                 ops.client_step(theta_all[:n_act], grad,
                                 momentum_buf=self.buf[:n_act] if self.buf is not None else None,

@@ -121,14 +121,16 @@ class ClientStack:
         zero-fill a full ``[n, P]`` buffer per parameter)."""
         return OrderedDict((k, v.detach().requires_grad_(True)) for k, v in self.param_views(rows).items())
 
-    def flat_grad(self, loss: Tensor, leaves: "OrderedDict[str, Tensor]", out: Tensor) -> Tensor:
+    def flat_grad(self, loss: Tensor, leaves: "OrderedDict[str, Tensor]", out: Tensor | None) -> Tensor | list:
         """d loss / d leaves as one ``[n, P]`` tensor written into ``out`` (``torch.autograd.grad``: no
-        ``.grad`` accumulation, whose layout contract would copy each gradient to the leaf's strides)."""
-        n = out.shape[0]
+        ``.grad`` accumulation, whose layout contract would copy each gradient to the leaf's strides); with
+        ``out=None`` the per-parameter pieces ``[n, numel_p]`` in column order, uncopied (what
+        :func:`fedfast.ops.client_step` reads in place on the CPU backend)."""
         gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        gs = [g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=out.device)
+        n = next(iter(leaves.values())).shape[0]
+        gs = [g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=lf.device)
               for g, lf in zip(gs, leaves.values())]
-        return torch.cat(gs, 1, out=out)
+        return gs if out is None else torch.cat(gs, 1, out=out)
 
     # -- views -------------------------------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ CASES = [
                                          nn.Sequential(nn.Flatten(), nn.Linear(32, 6), nn.Tanh()),
                                          nn.Linear(6, 5, bias=False)), (3, 9, 9)),
     ("mlp", lambda: models.MLP(20, (7,), 3), (20,)),
+    ("mlp_on_images", lambda: models.MLP(18, (7,), 3), (2, 3, 3)),  # Plan.dense_input: no grouped image layout
     ("wrapped_sequential", lambda: _Wrap(models.LeNet5(10)), (3, 32, 32)),
     ("resnet8_gn", lambda: models.CifarResNet8(10), (3, 32, 32)),
     ("resnet10_bn", lambda: models.resnet10(7, "bn"), (3, 16, 16)),
@@ -66,6 +67,7 @@ def test_executor_matches_vmap_and_modules(name, make, shape):
     n, B = 3, 4
     stacks = [ClientStack(model, n, use_executor=u) for u in (True, False)]
     assert stacks[0].plan is not None and stacks[1].plan is None
+    assert stacks[0].plan.dense_input == name.startswith("mlp")
     for st in stacks:
         st.params.add_(torch.randn_like(st.params) * 0.01)  # distinct clients
         st.params.copy_(stacks[0].params)
@@ -75,7 +77,9 @@ def test_executor_matches_vmap_and_modules(name, make, shape):
         leaves = st.leaf_views(slice(0, n))
         f, z = st.vmap_forward(x, params=leaves, features=classifier_of(model))
         loss = (z.float() ** 2).sum() + f.sum()
-        grads.append(st.flat_grad(loss, leaves, torch.empty_like(st.params)))
+        pieces = st.flat_grad(loss, leaves, None)  # per-parameter gradients, what the CPU client step reads
+        grads.append(torch.cat(pieces, 1))
+        assert [p.shape for p in pieces] == [(n, v.numel() // n) for v in leaves.values()]
         outs.append(z.detach())
         feats.append(f.detach())
     assert outs[0].shape == outs[1].shape and rel_err(outs[0], outs[1]) <= 1e-5

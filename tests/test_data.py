@@ -38,6 +38,16 @@ def test_idx_reader(tmp_path, gz):
     assert xb.shape == (2, 2, 1, 28, 28) and xb.dtype == torch.float32
     exp = (torch.from_numpy(xtr[0]).float() / 255 - 0.1307) / 0.3081
     assert torch.allclose(xb[0, 0, 0], exp, atol=1e-6)
+    idx = torch.tensor([[3, 0, 3], [19, 1, 2]])
+    xr, yr = tr.rows(idx)  # index_select gather == fancy indexing
+    assert torch.equal(xr, tr.x[idx]) and torch.equal(yr, tr.y[idx])
+    with pytest.raises((IndexError, RuntimeError)):
+        tr.rows(torch.tensor([20]))
+    fl = data.ArrayDataset(tr.x.float() / 255, tr.y, 10, (0.5,), (0.25,))  # float storage: never normalised in place
+    keep = fl.x.clone()
+    for ix in (torch.tensor([0, 1]), slice(0, 2)):
+        xb2, _ = fl.batch(ix)
+        assert torch.equal(fl.x, keep) and torch.allclose(xb2, (keep[:2] - 0.5) / 0.25)
     # an int32 IDX file round-trips too
     _write_idx(str(tmp_path / "ints-idx1"), np.array([1, -2, 3], dtype=np.int32), 0x0C)
     assert data.read_idx(str(tmp_path / "ints-idx1")).tolist() == [1, -2, 3]

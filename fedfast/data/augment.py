@@ -90,11 +90,11 @@ def augmented_batch(ds, idx: Tensor, generator: torch.Generator | None = None, p
         raise ValueError(f"pipeline: one of {sorted(PIPELINES)}, got {pipeline!r}")
     cfg = dict(PIPELINES[pipeline])
     pad_in, cut = cfg.pop("pad_in"), cfg.pop("cutout")
-    y = ds.y[idx]
+    xb, y = ds.rows(idx)
     if pad_in == "raw":
-        x = ds.normalize(augment(ds.x[idx], generator, select=select, **cfg), dtype)
+        x = ds.normalize(augment(xb, generator, select=select, **cfg), dtype)
     else:
-        x = augment(ds.normalize(ds.x[idx], dtype), generator, select=select, **cfg)
+        x = augment(ds.normalize(xb, dtype), generator, select=select, **cfg)
     if cut:
         x = augment(x, generator, crop_padding=0, flip=False, cutout=cut, select=select)
     return x, y

@@ -30,6 +30,10 @@ def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momen
                 active: Tensor | None = None, backend: str | None = None) -> None:
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
 
+    ``grad``: [n, P], or the per-parameter gradients ``[n, *shape_p]`` in the columns' order (what
+    ``torch.autograd.grad`` returns for per-parameter leaves): the CPU kernel reads those in place, so the
+    caller need not concatenate them (a full [n, P] copy per step); the other backends concatenate.
+
     ``lr`` and ``weight_decay``: scalars or per client [n]. ``anchor`` [P]: the round's global model (FedProx).
     ``dyn_linear`` [n, P]: FedDyn's gradient term. ``scaffold_c`` [P] / ``scaffold_ck`` [n, P]: SCAFFOLD
     controls. ``drift`` [P] times ``drift_scale`` (scalar or [n], default 1): FedADC's ``beta_l m_t / H_k``. ``max_norm``: per-client gradient-norm clipping.
@@ -39,8 +43,18 @@ def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momen
         raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
     n, P = theta.shape
     dev = theta.device
-    if grad.shape != (n, P):
-        raise ValueError(f"grad: expected shape ({n}, {P}), got {tuple(grad.shape)}")
+    pieces = None
+    if isinstance(grad, (list, tuple)):  # per-parameter gradients [n, *shape_p], in the columns' order
+        pieces = list(grad)
+        bad = [i for i, g in enumerate(pieces) if not (isinstance(g, Tensor) and g.dim() >= 1 and g.shape[0] == n)]
+        if bad:
+            raise ValueError(f"grad: piece {bad[0]} is not a tensor with {n} rows")
+        cols = sum(g.numel() // n if n else 0 for g in pieces)
+        if cols != P:
+            raise ValueError(f"grad: the pieces have {cols} columns per row, theta has {P}")
+    elif not isinstance(grad, Tensor) or grad.shape != (n, P):
+        raise ValueError(f"grad: expected shape ({n}, {P}) or a list of per-parameter pieces, got "
+                         f"{tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__}")
     for name, t, shp in (("momentum_buf", momentum_buf, (n, P)), ("anchor", anchor, (P,)),
                          ("dyn_linear", dyn_linear, (n, P)), ("scaffold_c", scaffold_c, (P,)),
                          ("scaffold_ck", scaffold_ck, (n, P)), ("drift", drift, (P,)), ("active", active, (n,))):
@@ -62,6 +76,10 @@ def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momen
         ds_t = _per_client("drift_scale", drift_scale, n, dev).expand(n).contiguous()
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
     be = _backend.resolve(backend, dev.type)
+    if be == "cpu":  # the C++ kernel reads the pieces in place
+        grad = pieces if pieces is not None else [grad]
+    elif pieces is not None:
+        grad = torch.cat([g.reshape(n, -1) for g in pieces], 1) if pieces else theta.new_zeros(n, 0)
 
     if be == "triton":
         from ..triton.client_step import client_step_triton
