@@ -52,6 +52,6 @@ setup(
     package_data={"fedfast": ["presets/*.toml"]},
     extras_require={"progress": ["tqdm"], "plot": ["matplotlib"], "tensorboard": ["tensorboard"],
                     "study": ["tqdm", "matplotlib", "tensorboard"]},
-    entry_points={"console_scripts": ["fedfast=fedfast.cli:main"]},
+    entry_points={"console_scripts": ["fedfast=fedfast.cli:console"]},
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

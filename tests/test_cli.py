@@ -1,5 +1,6 @@
 """fedfast run: config validation, overrides, run directory (synthetic data, tiny run)."""
 import json
+import os
 
 import pytest
 
@@ -126,3 +127,27 @@ def test_torchrun_two_processes(tmp_path):
     assert len(d) == len(o) == 2
     for a, b in zip(d, o):
         assert abs(a["test_loss"] - b["test_loss"]) <= 1e-4 * abs(b["test_loss"])
+
+
+def test_console_exits_with_mains_code_after_flushing(tmp_path):
+    """``python -m fedfast`` ends with os._exit (no interpreter teardown): its exit codes and printed output must be
+    main()'s, and the run's files complete."""
+    import subprocess
+    import sys
+    env = {**os.environ, "FEDFAST_CACHE": str(tmp_path / "cache")}
+
+    def go(*a):
+        return subprocess.run([sys.executable, "-m", "fedfast", *a], capture_output=True, text=True, env=env,
+                              timeout=300)
+    r = go("methods")
+    assert r.returncode == 0 and "fedntd" in r.stdout
+    assert go("--help").returncode == 0
+    r = go("run", "--bogus")
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+    r = go("run", "--set", "nope=1", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "nope" in r.stderr
+    r = go("run", "--quiet", "--out", str(tmp_path / "run"), "--set", "dataset=synthetic", "--set", "rounds=2",
+           "--set", "num_clients=5", "--set", "clients_per_round=2")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["complete"] and summary["rounds"] == 2
