@@ -16,8 +16,13 @@ Each test runs the engine and the plain loop interleaved (3 rounds each after on
 engine's rounds are what pytest-benchmark times, the loop's are timed in the setup between them) and records in
 ``extra_info``: training FLOPs per round (``torch.utils.flop_counter`` on one step, times the steps), both
 implementations' median seconds per round, their ratio, and each one's share of the sgemm ceiling measured
-in the same process (2048^3, all threads). ``test_whole_command``: ``fedfast run`` (1 or 2 worker processes)
-against ``python benchmarks/plain_loop.py`` for 5 rounds, each a fresh process timed from the outside. Run:
+in the same process (2048^3, all threads); and the engine's share of the memory bandwidth roofline (the
+client-parameter bytes a round must move, :func:`param_traffic`, over a 400 MB copy's bytes/s). At batch B a
+step does 6 B FLOPs per parameter and client for >= 20 bytes of parameter traffic: 3 FLOP/byte at B = 10, below
+the 2-core VM's balance of ~5 FLOP/byte (sgemm FLOP/s over copy bytes/s), so the B = 10 MLP is bandwidth-bound.
+
+``test_whole_command``: ``fedfast run`` (1 or 2 worker processes) against ``python benchmarks/plain_loop.py``, 5
+rounds each, each a fresh process timed from the outside. Run:
 ``python -m pytest benchmarks/bench_peers.py --benchmark-only``.
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ from plain_loop import SHAPES, plain_loop_round, setup
 
 fedfast.tune_cpu_allocator()
 _CEILING: list = []
+_STREAM: list = []
 
 
 def sgemm_ceiling() -> float:
@@ -46,6 +52,26 @@ def sgemm_ceiling() -> float:
         best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
         _CEILING.append(2 * 2048 ** 3 / best)
     return _CEILING[0]
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s of a 400 MB fp32 copy (read + write counted) on this machine's threads (best of 5)."""
+    if not _STREAM:
+        a = torch.randn(50_000_000)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
+        _STREAM.append(2 * 4 * a.numel() / best)
+    return _STREAM[0]
+
+
+def param_traffic(s, model) -> float:
+    """Bytes of client-parameter traffic a round needs at least, however fused the step: per client and step
+    the forward reads the parameters (4 B each), the backward writes their gradient, and the SGD step reads
+    parameters and gradient and writes the parameters: 5 x 4 B per parameter (momentum: +8 B)."""
+    P = sum(p.numel() for p in model.parameters())
+    steps = s["m"] * s["E"] * -(-s["n"] // s["B"])
+    return steps * P * 4 * (5 + (2 if s["momentum"] else 0))
 
 
 def _timed(fn) -> float:
@@ -97,11 +123,13 @@ def test_engine_vs_plain_loop(benchmark, name):
     loop = statistics.median(state["loop"])
     flops = training_flops(s, model, train)
     peak = sgemm_ceiling()
+    traffic, bw = param_traffic(s, model), stream_bandwidth()
     benchmark.extra_info.update(
         shape=name, threads=torch.get_num_threads(), train_flops=flops, sgemm_flops_per_s=peak,
         engine_s=eng, loop_s=loop, speedup=loop / eng, engine_roofline=flops / eng / peak,
-        loop_roofline=flops / loop / peak, executor="batched" if sim.stack.plan is not None else "vmap",
-        client_chunk=sim.chunk)
+        loop_roofline=flops / loop / peak, param_traffic_bytes=traffic, stream_bytes_per_s=bw,
+        engine_bandwidth_roofline=traffic / eng / bw,
+        executor="batched" if sim.stack.plan is not None else "vmap", client_chunk=sim.chunk)
     assert np.isfinite(eng) and np.isfinite(loop)
 
 
