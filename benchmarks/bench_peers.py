@@ -157,8 +157,8 @@ def test_whole_command(benchmark, tmp_path, name, workers):
     import os
     import subprocess
     import sys
-    if workers > 1 and SHAPES[name]["model"] == "mlp":
-        pytest.skip("two processes for the MLP: each step is too short to gain")
+    if workers > 1 and not name.startswith("cnn_"):
+        pytest.skip("two processes are measured on the FedAvg CNN shapes (the issue's pfl-research comparison)")
     rounds, here = 5, os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     drop = [] if SHAPES[name]["model"] == "mlp" else ["--dropout", "0.25"]
