@@ -19,7 +19,7 @@ implementations' median seconds per round, their ratio, and each one's share of 
 in the same process (2048^3, all threads); and the engine's share of the memory bandwidth roofline (the
 client-parameter bytes a round must move, :func:`param_traffic`, over a 400 MB copy's bytes/s). At batch B a
 step does 6 B FLOPs per parameter and client for >= 20 bytes of parameter traffic: 3 FLOP/byte at B = 10, below
-the 2-core VM's balance of ~5 FLOP/byte (sgemm FLOP/s over copy bytes/s), so the B = 10 MLP is bandwidth-bound.
+the 2-core VM's balance of ~6 FLOP/byte (sgemm FLOP/s over copy bytes/s), so the B = 10 MLP is bandwidth-bound.
 
 ``test_whole_command``: ``fedfast run`` (1 or 2 worker processes) against ``python benchmarks/plain_loop.py``, 5
 rounds each, each a fresh process timed from the outside. Run:
