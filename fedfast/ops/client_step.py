@@ -22,7 +22,7 @@ def _per_client(name, v, n, dev):
     return t
 
 
-def client_step(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
+def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                 dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
                 scaffold_ck: Tensor | None = None, drift: Tensor | None = None, drift_scale=None,
