@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("asd_weights", &fedfast::asd_weights_cpu, "ASD alphahat [R]");
   m.def("aggregate", &fedfast::aggregate_cpu, "fused server update (see fedfast/ops/aggregate_reference.py)");
   m.def("client_step", &fedfast::client_step_cpu, "fused all-client optimizer step, in place");
+  m.def("client_adam", &fedfast::client_adam_cpu, "fused all-client Adam / AdamW step, in place");
   m.def("row_scale", &fedfast::row_scale_cpu, "reduction weights + target/segment validation: (scale, status)");
 }

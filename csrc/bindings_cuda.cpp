@@ -161,6 +161,18 @@ std::vector<at::Tensor> aggregate_cuda(const at::Tensor& X_in, const at::Tensor&
   return {g_out, avg_out, m_out, h_out, hb_out, c_out, ck_out, tb, teacher, bad.to(at::kBool)};
 }
 
+// Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) of the loss-side gradient (undefined: no clipping).
+at::Tensor clip_factors(const at::Tensor& theta, const at::Tensor& grad, double prox_mu, const float* anchor,
+                        const float* dyn, double max_norm, cudaStream_t stream) {
+  if (!(max_norm > 0)) return at::Tensor();
+  const int64_t n = theta.size(0), P = theta.size(1);
+  at::Tensor sq = at::zeros({n}, theta.options());
+  check_launch(fedfast_client_grad_sqnorm(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, (float)prox_mu,
+                                          prox_mu != 0.0 ? anchor : nullptr, dyn, sq.data_ptr<float>(), stream),
+               "client_grad_sqnorm");
+  return at::clamp_max(max_norm / (sq.sqrt() + 1e-6), 1.0).contiguous();
+}
+
 void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Tensor& lr_in, double momentum,
                       const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
                       const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
@@ -189,20 +201,48 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
   }
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  at::Tensor clip;
-  if (max_norm > 0) {
-    at::Tensor sq = at::zeros({n}, theta.options());
-    check_launch(fedfast_client_grad_sqnorm(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, (float)prox_mu,
-                                            prox_mu != 0.0 ? a : nullptr, d, sq.data_ptr<float>(), stream),
-                 "client_grad_sqnorm");
-    clip = at::clamp_max(max_norm / (sq.sqrt() + 1e-6), 1.0).contiguous();
-  }
+  const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);
   check_launch(fedfast_client_step(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, lr.data_ptr<float>(),
                                    lr.numel() == n && n > 1, wd.data_ptr<float>(), wd.numel() == n && n > 1,
                                    (float)prox_mu, prox_mu != 0.0 ? a : nullptr, d,
                                    clip.defined() ? clip.data_ptr<float>() : nullptr, cp, ckp, (float)momentum, buf, dr, dsc,
                                    active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),
                "client_step");
+}
+
+void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                      const at::Tensor& step_in, const at::Tensor& lr_in, double beta1, double beta2, double eps,
+                      const at::Tensor& wd_in, bool decoupled, double prox_mu,
+                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
+                      double max_norm, const c10::optional<at::Tensor>& active_opt) {
+  check_cuda(theta, "theta");
+  for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
+                "contiguous fp32");
+  c10::cuda::CUDAGuard guard(theta.device());
+  const int64_t n = theta.size(0), P = theta.size(1);
+  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
+  // per-row scalars in double, as torch.optim.Adam computes them in Python floats
+  const at::Tensor t64 = step_in.to(at::kDouble).expand({n});
+  const at::Tensor lr = lr_in.to(at::kDouble).expand({n}), wd64 = wd_in.to(at::kDouble).expand({n});
+  const at::Tensor step_size = (lr / (1.0 - at::pow(beta1, t64))).to(at::kFloat).contiguous();
+  const at::Tensor bc2 = at::sqrt(1.0 - at::pow(beta2, t64)).to(at::kFloat).contiguous();
+  const at::Tensor decay = decoupled ? (1.0 - lr * wd64).to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor wd = wd_in.to(at::kFloat).contiguous();
+  at::Tensor ka, kd;
+  const float* a = fptr(anchor, ka);
+  const float* d = fptr(dyn, kd);
+  at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);
+  check_launch(fedfast_client_adam(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, exp_avg.data_ptr<float>(),
+                                   exp_avg_sq.data_ptr<float>(), step_size.data_ptr<float>(), bc2.data_ptr<float>(),
+                                   wd.data_ptr<float>(), wd.numel() == n && n > 1,
+                                   decay.defined() ? decay.data_ptr<float>() : nullptr, (float)beta2,
+                                   (float)(1.0 - beta1), (float)(1.0 - beta2), (float)eps, (float)prox_mu,
+                                   prox_mu != 0.0 ? a : nullptr, d, clip.defined() ? clip.data_ptr<float>() : nullptr,
+                                   active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),
+               "client_adam");
 }
 
 }  // namespace
@@ -215,4 +255,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("asd_weights", &asd_weights_cuda, "ASD alphahat [R]");
   m.def("aggregate", &aggregate_cuda, "fused server update");
   m.def("client_step", &client_step_cuda, "fused all-client optimizer step, in place");
+  m.def("client_adam", &client_adam_cuda, "fused all-client Adam / AdamW step, in place");
 }

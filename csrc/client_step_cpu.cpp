@@ -17,15 +17,6 @@ namespace {
 constexpr int64_t kBlock = 4096;
 }
 
-namespace {
-// A block of <= kBlock columns [c0, c0 + len) of one gradient piece: row k's values start at g + k * ld.
-struct GradBlock {
-  int64_t c0, len;
-  const float* g;
-  int64_t ld;
-};
-}  // namespace
-
 void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in,
                      double momentum,
                      const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
@@ -37,17 +28,7 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   const int64_t n = theta.size(0), P = theta.size(1);
   std::vector<at::Tensor> grads;  // kept alive while the blocks point into them
-  std::vector<GradBlock> blocks;
-  int64_t col = 0;
-  for (const at::Tensor& gi : grad_in) {
-    TORCH_CHECK(gi.dim() >= 1 && gi.size(0) == n, "grad: every piece must have n rows");
-    grads.push_back(gi.to(at::kFloat).contiguous());
-    const int64_t s = n ? grads.back().numel() / n : 0;
-    const float* base = grads.back().data_ptr<float>();
-    for (int64_t j = 0; j < s; j += kBlock) blocks.push_back({col + j, std::min(kBlock, s - j), base + j, s});
-    col += s;
-  }
-  TORCH_CHECK(col == P, "grad: the pieces have ", col, " columns, theta has ", P);
+  const std::vector<GradBlock> blocks = grad_blocks(grad_in, n, P, kBlock, grads);
   const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
   auto f32 = [](const c10::optional<at::Tensor>& t) {
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
@@ -81,35 +62,13 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       for (int64_t j = 0; j < len; ++j) out[j] += d[j];
     }
   };
-  std::vector<float> clip(n, 1.f);
-  if (max_norm > 0) {
-    std::vector<double> part(n * nb, 0.0);
-    at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> tmp(kBlock);
-      for (int64_t t = b; t < e; ++t) {
-        const int64_t k = t / nb;
-        const GradBlock& bl = blocks[t % nb];
-        const int64_t len = bl.len;
-        const float* v = bl.g + k * bl.ld;  // the plain gradient is read in place; with terms, summed into tmp
-        if (mu != 0.f || dy) {
-          loss_grad(k, bl, tmp.data());
-          v = tmp.data();
-        }
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // 8 lanes: vectorised (a serial sum is not)
-        int64_t j = 0;
-        for (; j + 8 <= len; j += 8)
-          for (int l = 0; l < 8; ++l) acc[l] += v[j + l] * v[j + l];
-        for (; j < len; ++j) acc[0] += v[j] * v[j];
-        part[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      }
-    });
-    for (int64_t k = 0; k < n; ++k) {
-      double s = 0;
-      for (int64_t b = 0; b < nb; ++b) s += part[k * nb + b];
-      const double coef = max_norm / (std::sqrt(s) + 1e-6);
-      clip[k] = coef < 1.0 ? static_cast<float>(coef) : 1.f;
-    }
-  }
+  // the plain gradient is read in place; with terms, summed into tmp
+  const std::vector<float> clip =
+      clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) -> const float* {
+        if (mu == 0.f && !dy) return bl.g + k * bl.ld;
+        loss_grad(k, bl, tmp);
+        return tmp;
+      });
   const float* lrp = lr.data_ptr<float>();
   const float* wdp = wd.data_ptr<float>();
   const bool lr_row = lr.numel() == n, wd_row = wd.numel() == n;

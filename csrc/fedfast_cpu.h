@@ -1,6 +1,9 @@
 // CPU kernels of fedfast (one op per .cpp); bound to Python in bindings.cpp.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
 
 #include <tuple>
 #include <vector>
@@ -42,7 +45,48 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, con
                      const c10::optional<at::Tensor>& drift, const c10::optional<at::Tensor>& drift_scale, double max_norm,
                      const c10::optional<at::Tensor>& active);
 
+void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at::Tensor& exp_avg,
+                     at::Tensor& exp_avg_sq, const at::Tensor& step, const at::Tensor& lr, double beta1,
+                     double beta2, double eps, const at::Tensor& wd, bool decoupled, double prox_mu,
+                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
+                     double max_norm, const c10::optional<at::Tensor>& active);
+
 // Helpers shared by the ops.
+
+// A block of <= block columns [c0, c0 + len) of one gradient piece: row k's values start at g + k * ld.
+struct GradBlock {
+  int64_t c0, len;
+  const float* g;
+  int64_t ld;
+};
+
+// The column blocks of a gradient given as one [n, P] tensor or as per-parameter pieces [n, s_p] (sum s_p = P,
+// in column order), read in place; `keep` holds the fp32 contiguous pieces the blocks point into.
+inline std::vector<GradBlock> grad_blocks(const std::vector<at::Tensor>& grad_in, int64_t n, int64_t P,
+                                          int64_t block, std::vector<at::Tensor>& keep) {
+  std::vector<GradBlock> blocks;
+  int64_t col = 0;
+  for (const at::Tensor& gi : grad_in) {
+    TORCH_CHECK(gi.dim() >= 1 && gi.size(0) == n, "grad: every piece must have n rows");
+    keep.push_back(gi.to(at::kFloat).contiguous());
+    const int64_t s = n ? keep.back().numel() / n : 0;
+    const float* base = keep.back().data_ptr<float>();
+    for (int64_t j = 0; j < s; j += block) blocks.push_back({col + j, std::min(block, s - j), base + j, s});
+    col += s;
+  }
+  TORCH_CHECK(col == P, "grad: the pieces have ", col, " columns, theta has ", P);
+  return blocks;
+}
+
+// Squared L2 norm of len floats in 8 lanes (vectorised; a serial sum is not).
+inline float sum_squares(const float* v, int64_t len) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += v[j + l] * v[j + l];
+  for (; j < len; ++j) acc[0] += v[j] * v[j];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
 inline int64_t row_target(const at::Tensor& target, int64_t i, int64_t C, int64_t ignore_index) {
   int64_t y = target.scalar_type() == at::kLong ? target.data_ptr<int64_t>()[i]
                                                 : static_cast<int64_t>(target.data_ptr<int32_t>()[i]);
@@ -54,6 +98,32 @@ inline int64_t row_segment(const c10::optional<at::Tensor>& segments, int64_t i,
   int64_t v = s.scalar_type() == at::kLong ? s.data_ptr<int64_t>()[i]
                                            : static_cast<int64_t>(s.data_ptr<int32_t>()[i]);
   return v < 0 ? 0 : (v >= S ? S - 1 : v);
+}
+
+// Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) (torch.nn.utils.clip_grad_norm_), all 1 without
+// clipping. value(k, block, tmp) returns a pointer to row k's loss-side gradient over the block (the gradient
+// itself, or the block summed into tmp [block floats]). Partial sums per (row, block) in fp32, the row's in fp64.
+template <class F>
+std::vector<float> clip_factors(int64_t n, const std::vector<GradBlock>& blocks, double max_norm, int64_t block,
+                                F value) {
+  std::vector<float> clip(n, 1.f);
+  if (!(max_norm > 0)) return clip;
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  std::vector<double> part(n * nb, 0.0);
+  at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(block);
+    for (int64_t t = b; t < e; ++t) {
+      const GradBlock& bl = blocks[t % nb];
+      part[t] = sum_squares(value(t / nb, bl, tmp.data()), bl.len);
+    }
+  });
+  for (int64_t k = 0; k < n; ++k) {
+    double s = 0;
+    for (int64_t b = 0; b < nb; ++b) s += part[k * nb + b];
+    const double coef = max_norm / (std::sqrt(s) + 1e-6);
+    clip[k] = coef < 1.0 ? static_cast<float>(coef) : 1.f;
+  }
+  return clip;
 }
 
 }  // namespace fedfast

@@ -74,6 +74,15 @@ class RunConfig:
 
 def _coerce(key: str, value):
     spec = KEYS[key]
+    if not isinstance(spec, tuple) and str(spec.type) in ("tuple", "<class 'tuple'>"):  # e.g. adam_betas
+        if isinstance(value, str):  # --set adam_betas=0.9,0.99 (or [0.9, 0.99])
+            value = [v for v in value.strip().strip("[]()").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list of numbers, got {value!r}")
+        try:
+            return tuple(float(v) for v in value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a list of numbers, got {value!r}") from None
     if isinstance(spec, tuple):  # run keys: (type, default)
         spec = SimpleNamespace(type=spec[0].__name__)
     elif isinstance(value, str) and value.lower() == "auto" and "None" in str(spec.type):

@@ -75,7 +75,10 @@ class SimConfig:
     lr: float = 0.01
     lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
     momentum: float = 0.0       # local SGD momentum (fresh buffers every round)
-    weight_decay: float = 0.0   # coupled (L2 in the gradient), as torch.optim.SGD
+    weight_decay: float = 0.0   # SGD and Adam: coupled (L2 in the gradient); AdamW: decoupled
+    client_optimizer: str = "sgd"  # "sgd", "adam" or "adamw" (torch.optim's; fresh state every round)
+    adam_betas: tuple = (0.9, 0.999)  # Adam/AdamW betas (torch.optim defaults)
+    adam_eps: float = 1e-8      # Adam/AdamW eps
     max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
     aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
     seed: int = 0
@@ -110,6 +113,20 @@ class SimConfig:
             raise ValueError(f"momentum: must lie in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if self.client_optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"client_optimizer: one of ('sgd', 'adam', 'adamw'), got {self.client_optimizer!r}")
+        betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"adam_betas: two numbers in [0, 1), got {self.adam_betas!r}")
+        self.adam_betas = tuple(float(b) for b in betas)
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
+        if self.client_optimizer != "sgd":
+            if self.momentum:
+                raise ValueError(f"momentum: SGD momentum, not used by client_optimizer={self.client_optimizer!r} "
+                                 "(its first moment is adam_betas[0]); set momentum = 0")
+            if cls.sgd_only:
+                raise ValueError(f"client_optimizer: {self.algorithm} runs SGD client steps only: {cls.sgd_only}")
         if self.max_grad_norm is None:
             self.max_grad_norm = float(cls.max_grad_norm)
         if self.max_grad_norm < 0:
@@ -330,6 +347,10 @@ class Simulation:
         self.stack = ClientStack(self.model, self.chunk, device=self.device, use_executor=False)
         self.stack.plan = self._plan  # the verified program (None: vmap)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
+        adam = c.client_optimizer != "sgd"  # Adam/AdamW: per-client moments and step counts, reset every round
+        self.adam_m = torch.zeros_like(self.stack.params) if adam else None
+        self.adam_v = torch.zeros_like(self.stack.params) if adam else None
+        self.adam_t = torch.zeros(self.chunk, device=self.device) if adam else None
         # the C++ client step reads autograd's per-parameter gradients in place; other backends take one flat
         # [n, P] gradient, reused every step
         self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) == "cpu" else \
@@ -483,7 +504,8 @@ class Simulation:
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
         # per-client state rows (gathered and updated)
-        rows = 3 + (1 if c.momentum else 0) + (2 if self.method.client_state is not None else 0)
+        rows = 3 + (1 if c.momentum else 0) + (2 if c.client_optimizer != "sgd" else 0) + \
+            (2 if self.method.client_state is not None else 0)
         acts = []
         hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
                  for m in self.model.modules() if not list(m.children())]
@@ -622,6 +644,9 @@ class Simulation:
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))
         if self.buf is not None:
             self.buf[:n].zero_()
+        if self.adam_m is not None:
+            for t in (self.adam_m, self.adam_v, self.adam_t):
+                t[:n].zero_()
         step_kw = dict(lr=ctx.lr, momentum=c.momentum, weight_decay=c.weight_decay,
                        max_norm=c.max_grad_norm or None, backend=c.backend)
         ctx.chunk = {}
@@ -662,9 +687,17 @@ class Simulation:
                 self._tick("loss")
                 grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
-                ops.client_step(theta_all[:n_act], grad,
-                                momentum_buf=self.buf[:n_act] if self.buf is not None else None,
-                                **{**step_kw, **method.step_terms(ctx, n_act)})
+                if self.adam_m is None:
+                    ops.client_step(theta_all[:n_act], grad,
+                                    momentum_buf=self.buf[:n_act] if self.buf is not None else None,
+                                    **{**step_kw, **method.step_terms(ctx, n_act)})
+                else:  # each active client's own step count, as its own torch.optim.Adam would keep
+                    self.adam_t[:n_act] += 1
+                    ops.client_adam(theta_all[:n_act], grad, self.adam_m[:n_act], self.adam_v[:n_act],
+                                    self.adam_t[:n_act], lr=ctx.lr, betas=c.adam_betas, eps=c.adam_eps,
+                                    weight_decay=c.weight_decay, decoupled=c.client_optimizer == "adamw",
+                                    max_norm=c.max_grad_norm or None, backend=c.backend,
+                                    **method.step_terms(ctx, n_act))
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
         method.chunk_end(ctx, lo, hi)

@@ -60,6 +60,14 @@ int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, c
 int fedfast_client_grad_sqnorm(const float* theta, const float* grad, int64_t n, int64_t P, float prox_mu,
                                const float* anchor, const float* dyn, float* sqnorm, cudaStream_t stream);
 
+// Adam / AdamW over all clients, in place (fedfast/ops/client_adam_reference.py). step_size = lr_k / (1 - b1^t_k),
+// bc2_sqrt = sqrt(1 - b2^t_k): [n]. decay: [n] 1 - lr_k wd_k for AdamW (NULL: Adam, wd as L2; wd [n] if wd_row
+// else [1]). w1 = 1 - b1, w2 = 1 - b2. anchor (with prox_mu), dyn, clip [n], active [n]: NULL when absent.
+int fedfast_client_adam(float* theta, const float* grad, int64_t n, int64_t P, float* m, float* v,
+                        const float* step_size, const float* bc2_sqrt, const float* wd, int wd_row, const float* decay,
+                        float b2, float w1, float w2, float eps, float prox_mu, const float* anchor, const float* dyn,
+                        const float* clip, const int8_t* active, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -104,6 +104,7 @@ def _cases():
     """(label, thunk) pairs over the launch wrappers' flag combinations."""
     from fedfast.triton.aggregate import aggregate_triton
     from fedfast.triton.asd_weights import asd_weights_triton
+    from fedfast.triton.client_adam import client_adam_triton
     from fedfast.triton.client_step import client_step_triton
     from fedfast.triton.distill import distill_rows_triton, scale_rows_triton
     from fedfast.triton.teacher_mixture import teacher_mixture_triton
@@ -184,6 +185,20 @@ def _cases():
     yield "client_step clip prox dyn", step(clip=True, prox=True, dyn=True)
     yield "client_step all", step(mom=True, prox=True, dyn=True, clip=True, scaf=True, drift=True, dscale=True,
                                   act=True, rowlr=True)
+
+    def adam(decoupled=False, prox=False, dyn=False, clip=False, act=False, rowwd=False, beta1=0.9):
+        return lambda: client_adam_triton(
+            torch.randn(n, P), torch.randn(n, P), torch.zeros(n, P), torch.zeros(n, P), torch.ones(n),
+            torch.tensor([1e-3]), beta1, 0.999, 1e-8, torch.rand(n) if rowwd else torch.tensor([1e-2]), decoupled,
+            0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if dyn else None,
+            10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None)
+
+    yield "client_adam plain", adam()
+    yield "client_adamw", adam(decoupled=True)
+    yield "client_adam lerp high", adam(beta1=0.3)
+    for f in ("prox", "dyn", "clip", "act", "rowwd"):
+        yield f"client_adam {f}", adam(**{f: True})
+    yield "client_adamw all", adam(decoupled=True, prox=True, dyn=True, clip=True, act=True, rowwd=True)
 
 
 def main(argv=None) -> int:

@@ -122,7 +122,11 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
                 s_k = len(idx) / mean_n if o["alpha_scaling"] == "mean_size" else len(idx) / cfg.batch_size
                 alpha_k = o["alpha"] / s_k
                 wd = alpha_k + cfg.weight_decay
-            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
+            if cfg.client_optimizer == "sgd":
+                opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
+            else:
+                opt = (torch.optim.AdamW if cfg.client_optimizer == "adamw" else torch.optim.Adam)(
+                    local.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=wd)
             nsteps = 0
             H = cfg.local_epochs * -(-len(idx) // cfg.batch_size)
             if alg.startswith("fedadc"):

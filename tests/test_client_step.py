@@ -1,41 +1,16 @@
 """Fused all-client optimizer step vs the reference and vs torch.optim.SGD on per-client nn.Modules."""
-import copy
-
 import pytest
 import torch
-from torch import nn
 
 from fedfast import ops
-from fedfast.flat import ClientStack
 from fedfast.ops import _backend
 from fedfast.ops.client_step import drift_shift_
 from fedfast.ops.client_step_reference import client_step_reference
 
-from helpers import rel_err
+from helpers import client_modules as _setup, flat_params as _flat, rel_err, set_grads as _set_grads
 
 BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
     (["triton"] if _backend.available("triton", "cpu") else [])
-
-
-def _setup(N=4, seed=0):
-    torch.manual_seed(seed)
-    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    stack = ClientStack(base, N)
-    with torch.no_grad():
-        stack.params.add_(torch.randn_like(stack.params) * 0.1)
-    mods = [stack.load_into(copy.deepcopy(base), k) for k in range(N)]
-    return base, stack, mods
-
-
-def _flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-
-
-def _set_grads(m, flat):
-    off = 0
-    for p in m.parameters():
-        p.grad = flat[off:off + p.numel()].view_as(p).clone()
-        off += p.numel()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -137,11 +137,35 @@ def test_gpu_aggregate_and_client_step(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_gpu_client_adam(backend, decoupled):
+    _need(backend)
+    from fedfast.ops.client_adam_reference import client_adam_reference
+    n, P = 5, 100003
+    th0, G = torch.randn(n, P), torch.randn(n, P)
+    m0, v0 = torch.randn(n, P) * 0.1, torch.rand(n, P) * 0.1
+    step, lr = torch.tensor([1.0, 2.0, 5.0, 9.0, 30.0]), torch.rand(n) * 0.01
+    kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=torch.rand(n) * 0.01, decoupled=decoupled, prox_mu=0.1,
+              anchor=torch.randn(P), dyn_linear=torch.randn(n, P) * 0.1, max_norm=50.0,
+              active=torch.tensor([True, False, True, True, True]))
+    ref = client_adam_reference(th0.double(), G.double(), m0.double(), v0.double(), step, lr=lr.double(), **{
+        k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+    cu = lambda t: t.cuda()  # noqa: E731
+    th, m, v = cu(th0), cu(m0), cu(v0)
+    ops.client_adam(th, cu(G), m, v, cu(step), lr=cu(lr), backend=backend,
+                    **{k: (cu(x) if torch.is_tensor(x) else x) for k, x in kw.items()})
+    for got, want in zip((th, m, v), ref):
+        assert rel_err(got.cpu(), want) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("algorithm,options,extra", [("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
                                                      ("scaffold", {}, {}),
                                                      ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
                                                      ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
-                                                     ("fedgkd_vote", dict(buffer=2), dict(rounds=3)), ("moon", {}, {})])
+                                                     ("fedgkd_vote", dict(buffer=2), dict(rounds=3)), ("moon", {}, {}),
+                                                     ("fedprox", dict(mu=0.1), dict(client_optimizer="adamw",
+                                                                                    momentum=0.0, lr=1e-3))])
 def test_gpu_engine_matches_sequential_loop(backend, algorithm, options, extra):
     """The whole round on the GPU (batched forward, fused loss / client step / server update on `backend`)
     against the literal per-client loop on the CPU."""

@@ -203,3 +203,17 @@ def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
     done = checkpoint.load(str(out / "checkpoint.pt"))["state"]["round"]
     assert main(["run", "--resume", str(out), "--workers", "2", "--set", f"rounds={done + 1}", "--quiet"]) == 0
     assert json.load(open(out / "summary.json"))["complete"] is True
+
+
+def test_adam_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """client_optimizer = adamw with its betas from --set: 3 rounds straight equal 2 rounds then --resume to 3 (the
+    tuple-valued adam_betas survives config.json and the checkpoint's config check)."""
+    opt = ["--set", "algorithm=fedntd", "--set", "client_optimizer=adamw", "--set", "adam_betas=0.8,0.99",
+           "--set", "momentum=0", "--set", "lr=1e-3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["run", *ARGS, *opt, "--set", "rounds=3", "--out", str(a), "--quiet"]) == 0
+    assert main(["run", *ARGS, *opt, "--set", "rounds=2", "--out", str(b), "--quiet"]) == 0
+    assert main(["run", "--resume", str(b), "--set", "rounds=3", "--quiet"]) == 0
+    assert json.load(open(b / "config.json"))["adam_betas"] == [0.8, 0.99]
+    assert _metrics(a) == _metrics(b)
+    assert all(torch.equal(x, y) for x, y in zip(_final(a).values(), _final(b).values()))

@@ -240,7 +240,8 @@ class Method:
     ``Options`` (dataclass), ``paper`` (one-line reference), ``max_grad_norm`` / ``aggregation`` (the defaults of
     these engine settings when the config leaves them unset: clipping that the authors' code applies, ``"size"``
     or ``"uniform"`` averaging), ``needs_features`` (the loss needs the classifier's input), ``accepts_asd``
-    (the ASD add-on may replace its KD term).
+    (the ASD add-on may replace its KD term), ``sgd_only`` (why the method's client-step terms are defined for
+    SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason).
     """
     name: ClassVar[str] = ""          # registry name (set by @register)
     table: ClassVar[str] = ""         # the option table's name (default: name)
@@ -254,6 +255,7 @@ class Method:
     accepts_asd: ClassVar[bool] = False
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
     state: ClassVar[tuple] = ()         # attribute names of the method's server state (checkpointed)
+    sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of

@@ -22,6 +22,24 @@ def _per_client(name, v, n, dev):
     return t
 
 
+def grad_pieces(grad, n: int, P: int) -> list | None:
+    """Validate a step's gradient: the per-parameter pieces ``[n, *shape_p]`` (a list, returned) or one
+    ``[n, P]`` tensor (None returned); ValueError naming ``grad`` otherwise."""
+    if isinstance(grad, (list, tuple)):  # per-parameter gradients [n, *shape_p], in the columns' order
+        pieces = list(grad)
+        bad = [i for i, g in enumerate(pieces) if not (isinstance(g, Tensor) and g.dim() >= 1 and g.shape[0] == n)]
+        if bad:
+            raise ValueError(f"grad: piece {bad[0]} is not a tensor with {n} rows")
+        cols = sum(g.numel() // n if n else 0 for g in pieces)
+        if cols != P:
+            raise ValueError(f"grad: the pieces have {cols} columns per row, theta has {P}")
+        return pieces
+    if not isinstance(grad, Tensor) or grad.shape != (n, P):
+        raise ValueError(f"grad: expected shape ({n}, {P}) or a list of per-parameter pieces, got "
+                         f"{tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__}")
+    return None
+
+
 def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                 dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
@@ -43,18 +61,7 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
         raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
     n, P = theta.shape
     dev = theta.device
-    pieces = None
-    if isinstance(grad, (list, tuple)):  # per-parameter gradients [n, *shape_p], in the columns' order
-        pieces = list(grad)
-        bad = [i for i, g in enumerate(pieces) if not (isinstance(g, Tensor) and g.dim() >= 1 and g.shape[0] == n)]
-        if bad:
-            raise ValueError(f"grad: piece {bad[0]} is not a tensor with {n} rows")
-        cols = sum(g.numel() // n if n else 0 for g in pieces)
-        if cols != P:
-            raise ValueError(f"grad: the pieces have {cols} columns per row, theta has {P}")
-    elif not isinstance(grad, Tensor) or grad.shape != (n, P):
-        raise ValueError(f"grad: expected shape ({n}, {P}) or a list of per-parameter pieces, got "
-                         f"{tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__}")
+    pieces = grad_pieces(grad, n, P)
     for name, t, shp in (("momentum_buf", momentum_buf, (n, P)), ("anchor", anchor, (P,)),
                          ("dyn_linear", dyn_linear, (n, P)), ("scaffold_c", scaffold_c, (P,)),
                          ("scaffold_ck", scaffold_ck, (n, P)), ("drift", drift, (P,)), ("active", active, (n,))):

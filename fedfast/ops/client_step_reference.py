@@ -32,6 +32,19 @@ def _per_row(v, n, acc, device):
     return torch.full((n, 1), float(v), dtype=acc, device=device)
 
 
+def clipped_loss_grad(th: Tensor, g: Tensor, prox_mu: float, anchor: Tensor | None, dyn_linear: Tensor | None,
+                      max_norm: float | None) -> Tensor:
+    """Steps 1-2: the loss-side gradient (FedProx, FedDyn's linear term), clipped per client as
+    ``clip_grad_norm_`` (``max_norm / (total_norm + 1e-6)``), in ``th``'s dtype."""
+    if prox_mu:
+        g = g + prox_mu * (th - anchor.to(th.dtype))
+    if dyn_linear is not None:
+        g = g + dyn_linear.to(th.dtype)
+    if max_norm is not None:
+        g = g * torch.clamp(max_norm / (g.norm(dim=1, keepdim=True) + 1e-6), max=1.0)
+    return g
+
+
 def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                           weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                           dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
@@ -42,14 +55,8 @@ def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 
     ``dyn_linear`` [n, P] is the FedDyn gradient term ``alpha_k (h_k - anchor)`` precomputed per row."""
     acc = torch.float64 if theta.dtype == torch.float64 else torch.float32
     n = theta.shape[0]
-    th, g = theta.to(acc), grad.to(acc)
-    if prox_mu:
-        g = g + prox_mu * (th - anchor.to(acc))
-    if dyn_linear is not None:
-        g = g + dyn_linear.to(acc)
-    if max_norm is not None:
-        norm = g.norm(dim=1, keepdim=True)
-        g = g * torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_: max_norm / (total_norm + 1e-6)
+    th = theta.to(acc)
+    g = clipped_loss_grad(th, grad.to(acc), prox_mu, anchor, dyn_linear, max_norm)
     g = g + _per_row(weight_decay, n, acc, th.device) * th
     if scaffold_c is not None:
         g = g + (scaffold_c.to(acc) - scaffold_ck.to(acc))

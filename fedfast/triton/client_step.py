@@ -23,6 +23,22 @@ def _loss_grad(th_ptr, g_ptr, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX: tl.co
 
 
 @triton.jit
+def _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX: tl.constexpr,
+               HAS_DYN: tl.constexpr, CLIP: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's row k and column block: (k, cols, mask, offsets, clipped loss-side gradient, theta)."""
+    k = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < P
+    if ACT:
+        m = m & (tl.load(act_ptr + k) != 0)
+    offs = k * P + cols
+    g, t = _loss_grad(th_ptr, g_ptr, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX, HAS_DYN)
+    if CLIP:
+        g = g * tl.load(clip_ptr + k)
+    return k, cols, m, offs, g, t
+
+
+@triton.jit
 def _norm_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, part_ptr, P, NB, mu, HAS_PROX: tl.constexpr, HAS_DYN: tl.constexpr,
                  BLOCK: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
@@ -40,15 +56,8 @@ def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr,
                  CLIP: tl.constexpr, SCAF: tl.constexpr, MOM: tl.constexpr, DRIFT: tl.constexpr, DSCALE: tl.constexpr,
                  ACT: tl.constexpr,
                  BLOCK: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < P
-    if ACT:
-        m = m & (tl.load(act_ptr + k) != 0)
-    offs = k * P + cols
-    g, t = _loss_grad(th_ptr, g_ptr, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX, HAS_DYN)
-    if CLIP:
-        g = g * tl.load(clip_ptr + k)
+    k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_DYN,
+                                        CLIP, ACT, BLOCK)
     wd = tl.load(wd_ptr + k) if WD_ROW else tl.load(wd_ptr)
     g += wd * t
     if SCAF:
@@ -65,6 +74,19 @@ def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr,
     tl.store(th_ptr + offs, t - lr * g, mask=m)
 
 
+def clip_factors(theta, grad, anchor, dyn, prox_mu, max_norm, BLOCK):
+    """Per-row clip factors [n] of the loss-side gradient (``theta`` itself as a dummy pointer without clipping).
+    ``anchor`` / ``dyn``: fp32 tensors or ``theta`` as a dummy."""
+    if not max_norm > 0:
+        return theta
+    n, P = theta.shape
+    NB = triton.cdiv(P, BLOCK)
+    part = torch.empty(n, NB, dtype=torch.float32, device=theta.device)
+    _norm_kernel[(n, NB)](theta, grad, anchor, dyn, part, P, NB, float(prox_mu), HAS_PROX=bool(prox_mu),
+                          HAS_DYN=dyn is not theta, BLOCK=BLOCK, num_warps=4)
+    return torch.clamp(max_norm / (part.sum(1).sqrt() + 1e-6), max=1.0)
+
+
 def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn, c, ck, drift, drift_scale, max_norm,
                        active):
     n, P = theta.shape
@@ -72,12 +94,7 @@ def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn,
     NB = triton.cdiv(P, BLOCK)
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
     grad = grad.contiguous()
-    clip = theta
-    if max_norm > 0:
-        part = torch.empty(n, NB, dtype=torch.float32, device=theta.device)
-        _norm_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), part, P, NB, float(prox_mu),
-                              HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None, BLOCK=BLOCK, num_warps=4)
-        clip = torch.clamp(max_norm / (part.sum(1).sqrt() + 1e-6), max=1.0)
+    clip = clip_factors(theta, grad, f32(anchor), f32(dyn), prox_mu, max_norm, BLOCK)
     _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, lr.float().contiguous(), wd.float().contiguous(),
                           f32(c), f32(ck), buf if buf is not None else theta, f32(drift), f32(drift_scale),
                           active.to(torch.int8).contiguous() if active is not None else theta, P, float(prox_mu),
