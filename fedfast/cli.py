@@ -54,6 +54,8 @@ def _model(cfg, train):
         return models.MLP(int(torch.tensor(train.x.shape[1:]).prod()), (200, 200), C)
     if name == "simple_cnn":  # pfl-research's benchmark CNN, sized to the dataset's images (1x28x28: 1,199,882)
         return models.SimpleCNN(C, in_channels=train.x.shape[1], image_size=train.x.shape[2])
+    if name.startswith("resnet50_"):  # the CIFAR stem (3x3/1, no pool), as many input channels as the images
+        return models.resnet50(C, name.split("_")[1], in_channels=train.x.shape[1])
     return models.MODELS[name](C)
 
 

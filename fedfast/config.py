@@ -23,7 +23,8 @@ _CHOICES = {
     "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "synthetic"),
     "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew"),
     "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
-              "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "mlp"),
+              "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "resnet50_bn", "resnet50_gn",
+              "mlp"),
 }
 
 # run-level keys: (type, default)

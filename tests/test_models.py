@@ -23,6 +23,10 @@ def nparams(m):
     (lambda: models.CifarResNet8(100), 83_892),
     (lambda: models.SimpleCNN(10), 1_626_442),                 # pfl-research simple_cnn (~1.6M)
     (lambda: models.MLP(), 199_210),                           # McMahan 2NN
+    (lambda: models.resnet50(1000, stem="imagenet"), 25_557_032),  # torchvision resnet50()
+    (lambda: models.resnet50(10, stem="imagenet"), 23_528_522),    # torchvision resnet50(num_classes=10)
+    (lambda: models.resnet50(10, "gn", stem="imagenet"), 23_528_522),  # GN: as many affine parameters as BN
+    (lambda: models.resnet50(100), 25_557_032 - 9408 + 1728 - 2_049_000 + 204_900),  # CIFAR stem, C=100
 ])
 def test_parameter_counts(ctor, count):
     assert nparams(ctor()) == count
@@ -31,7 +35,50 @@ def test_parameter_counts(ctor, count):
 def test_approximate_counts():
     assert abs(nparams(models.resnet10()) - 4.9e6) < 0.05e6       # FedNTD App. G.3: "about 4.9M"
     assert abs(nparams(models.ASDTinyImageNetCNN()) - 2.45e6) < 0.01e6  # ASD: "about 2.45M"
-    assert all(not list(m.buffers()) for m in (models.resnet10(), models.resnet18(norm="gn"), models.CifarResNet8()))
+    assert all(not list(m.buffers()) for m in (models.resnet10(), models.resnet18(norm="gn"), models.CifarResNet8(),
+                                               models.resnet50(), models.resnet50(norm="gn")))
+
+
+def test_resnet50_stems_and_batched_executor():
+    """The CIFAR stem keeps 32x32 (and FEMNIST's 1x28x28) at full resolution into stage 1, the ImageNet stem
+    divides by 4; two clients through fedfast's traced batched executor equal their own modules, gradients too."""
+    from fedfast.flat import classifier_of
+    feats = {}
+    for stem, shape, side in (("cifar", (3, 32, 32), 32), ("imagenet", (3, 32, 32), 8), ("cifar", (1, 28, 28), 28)):
+        m = models.resnet50(10, "gn", stem=stem, in_channels=shape[0])
+        h = m.layers[0].register_forward_pre_hook(lambda _m, i: feats.__setitem__("x", i[0]))
+        assert m(torch.randn(2, *shape)).shape == (2, 10)
+        h.remove()
+        assert feats["x"].shape[-1] == side
+    with pytest.raises(ValueError, match="stem"):
+        models.resnet50(stem="tiny")
+    # Deep BatchNorm over 4 samples is ill-conditioned: the fp32 module's own gradients differ from fp64 by ~1 %,
+    # so the executor is held to the fp32 module's distance from the fp64 computation (x3), for both norms.
+    def err(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max())
+
+    for norm, side in (("gn", 8), ("bn", 32)):
+        torch.manual_seed(0)
+        m = models.resnet50(7, norm)
+        st = ClientStack(m, 2)
+        assert st.plan is not None
+        with torch.no_grad():
+            st.params.add_(torch.randn_like(st.params) * 0.01)
+        x = torch.randn(2, 4, 3, side, side)
+        leaves = st.leaf_views(slice(0, 2))
+        z = st.vmap_forward(x, params=leaves)
+        g = torch.cat(st.flat_grad((z ** 2).sum(), leaves, None), 1)
+        for k in range(2):
+            outs = []
+            for dt in (torch.float64, torch.float32):
+                mk = st.load_into(copy.deepcopy(m), k).to(dt)
+                zk = mk(x[k].to(dt))
+                (zk ** 2).sum().backward()
+                outs.append((zk.detach(), torch.cat([p.grad.reshape(-1) for p in mk.parameters()])))
+            (z64, g64), (z32, g32) = outs
+            assert err(z[k].detach(), z64) <= 3 * err(z32, z64) + 1e-5, norm
+            assert err(g[k], g64) <= 3 * err(g32, g64) + 1e-5, norm
+        assert classifier_of(m) is m.fc
 
 
 @pytest.mark.parametrize("name,shape", [("fedavg_cnn_mnist", (1, 28, 28)), ("asd_cnn_cifar", (3, 32, 32)),
