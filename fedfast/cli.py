@@ -31,12 +31,21 @@ def _data(cfg):
         return data.load_cifar(cfg["data_dir"], 10 if name == "cifar10" else 100)
     if name == "tiny_imagenet":
         return data.load_tiny_imagenet(cfg["data_dir"])
+    if name == "cinic10":
+        return data.load_cinic10(cfg["data_dir"])
+    if name == "femnist":
+        return data.load_femnist(cfg["data_dir"])
     return data.synthetic(10, 5000, 1000, (1, 28, 28), seed=cfg["seed"])
 
 
-def _partition(cfg, labels):
+def _partition(cfg, train):
     from . import data
     p, K, seed = cfg["partition"], cfg["num_clients"], cfg["seed"]
+    labels = train.y
+    if p == "by_writer":  # FEMNIST: the writers randomly grouped into num_clients clients (FedCAD)
+        if train.groups is None:
+            raise ValueError(f"partition: by_writer needs a dataset with writers (femnist), not {cfg['dataset']!r}")
+        return data.by_writer(train.groups, K, seed=seed, labels=labels, num_classes=train.num_classes)
     if p == "shards":
         return data.shards(labels, K, cfg["shards_per_client"], seed=seed)
     if p == "dirichlet_balanced":
@@ -168,7 +177,7 @@ def build(cfg, device=None, group=None):
     train, test = _data(cfg)
     sc = cfg.sim_config()
     train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
-    part = _partition(cfg, train.y)
+    part = _partition(cfg, train)
     model = _model(cfg, train)
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group, **splits)
 

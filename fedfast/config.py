@@ -20,8 +20,9 @@ from .engine import MOVED, SimConfig
 from .methods.base import coerce_option
 
 _CHOICES = {
-    "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "synthetic"),
-    "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew"),
+    "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "cinic10", "femnist", "synthetic"),
+    "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew",
+                  "by_writer"),
     "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
               "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "resnet50_bn", "resnet50_gn",
               "mlp"),

@@ -151,3 +151,23 @@ def test_console_exits_with_mains_code_after_flushing(tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["complete"] and summary["rounds"] == 2
+
+
+def test_femnist_by_writer_run(tmp_path, capsys):
+    """dataset = femnist (LEAF JSON) with its writers grouped into clients (partition = by_writer)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for split, users in (("train", [f"w{i}" for i in range(6)]), ("test", ["w0", "w1"])):
+        (tmp_path / "leaf" / split).mkdir(parents=True)
+        blob = {"users": users, "num_samples": [4] * len(users),
+                "user_data": {u: {"x": (rng.integers(0, 256, (4, 784)) / 255).tolist(),
+                                  "y": rng.integers(0, 62, 4).tolist()} for u in users}}
+        (tmp_path / "leaf" / split / "all_data_0.json").write_text(json.dumps(blob))
+    args = ["run", "--quiet", "--set", "dataset=femnist", "--set", f"data_dir={tmp_path / 'leaf'}", "--set",
+            "partition=by_writer", "--set", "num_clients=3", "--set", "clients_per_round=2", "--set", "rounds=2",
+            "--set", "batch_size=4", "--set", "algorithm=fedavg"]
+    assert main(args + ["--out", str(tmp_path / "run")]) == 0
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["complete"] and s["rounds"] == 2
+    assert main(["run", "--set", "dataset=synthetic", "--set", "partition=by_writer", "--out", str(tmp_path / "x")]) == 2
+    assert "by_writer needs a dataset with writers" in capsys.readouterr().err

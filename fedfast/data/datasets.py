@@ -26,6 +26,8 @@ MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # FedNTD's constants
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761)
 TINY_MEAN, TINY_STD = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
+CINIC_MEAN, CINIC_STD = (0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)  # CINIC-10 README
+CINIC_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
 @dataclass
@@ -40,23 +42,29 @@ class ArrayDataset:
     mean: tuple = (0.0,)
     std: tuple = (1.0,)
     name: str = ""
+    groups: Tensor | None = None  # optional per-sample group id [N] (FEMNIST: the writer), kept by subset/to
     # (device, dtype, C) -> (mean, std) tensors, made once per device
     _norm: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.x.shape[0] != self.y.shape[0]:
             raise ValueError(f"x and y: {self.x.shape[0]} images but {self.y.shape[0]} labels")
+        if self.groups is not None and tuple(self.groups.shape) != (self.y.shape[0],):
+            raise ValueError(f"groups: expected one group id per sample ({self.y.shape[0]}), got shape "
+                             f"{tuple(self.groups.shape)}")
         self.y = self.y.long()
 
     def __len__(self) -> int:
         return self.y.shape[0]
 
     def to(self, device) -> "ArrayDataset":
-        return ArrayDataset(self.x.to(device), self.y.to(device), self.num_classes, self.mean, self.std, self.name)
+        return ArrayDataset(self.x.to(device), self.y.to(device), self.num_classes, self.mean, self.std, self.name,
+                            self.groups)
 
     def subset(self, idx) -> "ArrayDataset":
         """Rows ``idx`` (indices, a slice or a bool mask) as a new dataset with the same classes and normalisation."""
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.mean, self.std, self.name)
+        g = None if self.groups is None else self.groups[idx.cpu() if isinstance(idx, Tensor) else idx]
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.mean, self.std, self.name, g)
 
     def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
         """Normalise a gathered batch [..., C, H, W] (any leading dims)."""
@@ -284,6 +292,108 @@ def load_tiny_imagenet(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
             ys.append(cls[parts[1]])
     test = ArrayDataset(torch.from_numpy(np.stack(xs)), torch.tensor(ys), len(wnids), TINY_MEAN, TINY_STD, "tiny")
     return train, test
+
+
+# ---------------------------------------------------------------------------------------------- CINIC-10
+def load_cinic10(directory: str, train_splits=("train",)) -> tuple[ArrayDataset, ArrayDataset]:
+    """CINIC-10 (Darlow et al. 2018) from its official folder layout ``directory/{train,valid,test}/<class>/*.png``
+    (32x32 RGB; 90,000 images per split); uint8 [N, 3, 32, 32], classes in CINIC-10's (alphabetical) order.
+    ``train_splits``: the splits joined as the training set (FedNTD trains on ``train``); the test set is ``test``."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError("load_cinic10 needs Pillow to decode the PNGs: pip install pillow") from e
+    bad = [s for s in train_splits if s not in ("train", "valid")]
+    if bad or not train_splits:
+        raise ValueError(f"train_splits: 'train' and/or 'valid', got {tuple(train_splits)!r}")
+    how = ("Download CINIC-10.tar.gz (https://github.com/BayesWatch/cinic-10, DataShare link) and extract it "
+           "here: train/, valid/ and test/ with one folder per class.")
+
+    def split(names):
+        xs, ys = [], []
+        for name in names:
+            root = os.path.join(directory, name)
+            if not os.path.isdir(root):
+                raise _missing(root, how)
+            for c, cls in enumerate(CINIC_CLASSES):
+                d = os.path.join(root, cls)
+                if not os.path.isdir(d):
+                    raise _missing(d, how)
+                for f in sorted(os.listdir(d)):
+                    if not f.lower().endswith(".png"):
+                        continue
+                    with Image.open(os.path.join(d, f)) as im:
+                        a = np.asarray(im.convert("RGB"), dtype=np.uint8)
+                    if a.shape[:2] != (32, 32):
+                        raise ValueError(f"{os.path.join(d, f)}: expected a 32x32 image, got {a.shape[:2]}")
+                    xs.append(a.transpose(2, 0, 1))
+                    ys.append(c)
+        if not xs:
+            raise ValueError(f"{directory}: no PNG images in {', '.join(names)}")
+        return ArrayDataset(torch.from_numpy(np.stack(xs)), torch.tensor(ys), 10, CINIC_MEAN, CINIC_STD, "cinic10")
+
+    return split(tuple(train_splits)), split(("test",))
+
+
+# ---------------------------------------------------------------------------------------------- FEMNIST
+def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
+    """FEMNIST from LEAF's JSON layout (``directory/train/*.json`` and ``directory/test/*.json``, as LEAF's
+    ``preprocess.sh`` writes them; each file ``{"users": [...], "num_samples": [...], "user_data": {user: {"x":
+    [[784 floats in 0..1]], "y": [class 0..61]}}}``). Returns ``(train, test)``: images [N, 1, 28, 28] (uint8
+    when every value is a multiple of 1/255, as LEAF writes them, else float32), 62 classes, and in ``groups``
+    each sample's writer, as an index into the sorted writer names of both splits; :func:`fedfast.data.by_writer`
+    makes the per-writer partition or groups writers into clients. Parsed with ``json`` (no pickle)."""
+    import json
+
+    how = ("Generate it with LEAF (https://github.com/TalwalkarLab/leaf, data/femnist: ./preprocess.sh -s niid "
+           "--sf 1.0 -k 0 -t sample) and point to its data/ folder (train/ and test/ with the .json files).")
+
+    def split(name):
+        d = os.path.join(directory, name)
+        if not os.path.isdir(d):
+            raise _missing(d, how)
+        files = sorted(f for f in os.listdir(d) if f.endswith(".json"))
+        if not files:
+            raise _missing(os.path.join(d, "*.json"), how)
+        xs, ys, writers = [], [], []
+        for f in files:
+            path = os.path.join(d, f)
+            with open(path) as fh:
+                try:
+                    blob = json.load(fh)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: not valid JSON ({e})") from None
+            if not (isinstance(blob, dict) and isinstance(blob.get("users"), list)
+                    and isinstance(blob.get("user_data"), dict)):
+                raise ValueError(f"{path}: expected LEAF's layout with 'users' and 'user_data'")
+            for u in blob["users"]:
+                ud = blob["user_data"].get(u)
+                if not isinstance(ud, dict) or "x" not in ud or "y" not in ud:
+                    raise ValueError(f"{path}: user {u!r} has no x/y in user_data")
+                x = np.asarray(ud["x"], dtype=np.float32)
+                y = np.asarray(ud["y"], dtype=np.int64)
+                if x.ndim != 2 or x.shape[1] != 784 or len(y) != len(x):
+                    raise ValueError(f"{path}: user {u!r}: expected x [n, 784] and n labels, got x {x.shape} and "
+                                     f"{len(y)} labels")
+                if len(y) and (y.min() < 0 or y.max() > 61):
+                    raise ValueError(f"{path}: user {u!r}: labels must be in 0..61, got {int(y.min())}..{int(y.max())}")
+                xs.append(x)
+                ys.append(y)
+                writers += [u] * len(y)
+        return np.concatenate(xs), np.concatenate(ys), writers
+
+    out = []
+    for name in ("train", "test"):
+        x, y, w = split(name)
+        q = np.round(x * 255.0)
+        exact = np.abs(q - x * 255.0).max() < 1e-3 and q.min() >= 0 and q.max() <= 255
+        xt = torch.from_numpy((q.astype(np.uint8) if exact else x).reshape(-1, 1, 28, 28))
+        out.append((xt, torch.from_numpy(y), w, (float(x.mean()),), (max(float(x.std()), 1e-6),)))
+    (xtr, ytr, wtr, mean, std), (xte, yte, wte, _, _) = out  # normalised with the training set's statistics
+    ids = {w: i for i, w in enumerate(sorted(set(wtr) | set(wte)))}
+    gid = lambda ws: torch.tensor([ids[w] for w in ws], dtype=torch.int64)  # noqa: E731
+    return (ArrayDataset(xtr, ytr, 62, mean, std, "femnist", gid(wtr)),
+            ArrayDataset(xte, yte, 62, mean, std, "femnist", gid(wte)))
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

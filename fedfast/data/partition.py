@@ -276,6 +276,34 @@ def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     return _make(np.split(perm, np.cumsum(sizes)[:-1]), y, f"quantity_skew(alpha={alpha})")
 
 
+def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=None,
+              num_classes: int | None = None) -> Partition:
+    """The natural partition of a dataset with writers (FEMNIST): one client per writer, or, with ``num_clients``,
+    the writers randomly assigned to ``num_clients`` groups of (almost) equal numbers of writers, each group one
+    client (FedCAD: ~2000 writers into 10 clients). ``writers``: each sample's writer id (e.g. FEMNIST's
+    ``train.groups``); ``labels`` / ``num_classes``: for the partition's histogram (classes default to max + 1)."""
+    w = np.asarray(writers)
+    if w.ndim != 1 or w.size == 0:
+        raise ValueError("writers: expected one writer id per sample")
+    ids, inv = np.unique(w, return_inverse=True)
+    if num_clients is None:
+        groups = np.arange(len(ids))
+    else:
+        if not 1 <= int(num_clients) <= len(ids):
+            raise ValueError(f"num_clients: must be in 1..{len(ids)} (the number of writers), got {num_clients}")
+        perm = np.random.default_rng(seed).permutation(len(ids))
+        groups = np.empty(len(ids), dtype=np.int64)
+        for g, chunk in enumerate(np.array_split(perm, int(num_clients))):
+            groups[chunk] = g
+    client = groups[inv]
+    order = np.argsort(client, kind="stable")
+    bounds = np.searchsorted(client[order], np.arange(int(client.max()) + 2))
+    parts = [order[bounds[k]:bounds[k + 1]] for k in range(int(client.max()) + 1)]
+    y = torch.from_numpy(_labels(labels)) if labels is not None else None
+    C = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None else None)
+    return Partition([torch.from_numpy(p.astype(np.int64)) for p in parts], C, y, "by_writer")
+
+
 PARTITIONERS = {"iid": iid, "shards": shards, "dirichlet": dirichlet_lda, "dirichlet_balanced": dirichlet_balanced,
                 "dirichlet_fedgkd": dirichlet_fedgkd, "quantity_skew": quantity_skew}
 
