@@ -211,10 +211,12 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
 }
 
 void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                      const at::Tensor& step_in, const at::Tensor& lr_in, double beta1, double beta2, double eps,
-                      const at::Tensor& wd_in, bool decoupled, double prox_mu,
-                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
+                      const at::Tensor& step_size_in, const at::Tensor& bc2_sqrt_in, const at::Tensor& wd_in,
+                      const c10::optional<at::Tensor>& decay_opt, double beta1, double beta2, double eps,
+                      double prox_mu, const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
                       double max_norm, const c10::optional<at::Tensor>& active_opt) {
+  // step_size = lr_k / (1 - b1^t_k), bc2_sqrt = sqrt(1 - b2^t_k), decay = 1 - lr_k wd_k (AdamW): [n], computed
+  // by fedfast.ops.client_adam on the device
   check_cuda(theta, "theta");
   for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
@@ -222,13 +224,11 @@ void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& 
   c10::cuda::CUDAGuard guard(theta.device());
   const int64_t n = theta.size(0), P = theta.size(1);
   const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
-  // per-row scalars in double, as torch.optim.Adam computes them in Python floats
-  const at::Tensor t64 = step_in.to(at::kDouble).expand({n});
-  const at::Tensor lr = lr_in.to(at::kDouble).expand({n}), wd64 = wd_in.to(at::kDouble).expand({n});
-  const at::Tensor step_size = (lr / (1.0 - at::pow(beta1, t64))).to(at::kFloat).contiguous();
-  const at::Tensor bc2 = at::sqrt(1.0 - at::pow(beta2, t64)).to(at::kFloat).contiguous();
-  const at::Tensor decay = decoupled ? (1.0 - lr * wd64).to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor step_size = step_size_in.to(at::kFloat).contiguous(), bc2 = bc2_sqrt_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(step_size.numel() == n && bc2.numel() == n, "step_size and bc2_sqrt must have one value per row");
   const at::Tensor wd = wd_in.to(at::kFloat).contiguous();
+  at::Tensor kdec;
+  const float* decay = fptr(decay_opt, kdec);
   at::Tensor ka, kd;
   const float* a = fptr(anchor, ka);
   const float* d = fptr(dyn, kd);
@@ -237,8 +237,7 @@ void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& 
   const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);
   check_launch(fedfast_client_adam(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, exp_avg.data_ptr<float>(),
                                    exp_avg_sq.data_ptr<float>(), step_size.data_ptr<float>(), bc2.data_ptr<float>(),
-                                   wd.data_ptr<float>(), wd.numel() == n && n > 1,
-                                   decay.defined() ? decay.data_ptr<float>() : nullptr, (float)beta2,
+                                   wd.data_ptr<float>(), wd.numel() == n && n > 1, decay, (float)beta2,
                                    (float)(1.0 - beta1), (float)(1.0 - beta2), (float)eps, (float)prox_mu,
                                    prox_mu != 0.0 ? a : nullptr, d, clip.defined() ? clip.data_ptr<float>() : nullptr,
                                    active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),

@@ -15,7 +15,27 @@
 namespace fedfast {
 namespace {
 constexpr int64_t kBlock = 4096;
+
+// One row block; the weight-decay form and torch.lerp's branch are compile-time, the pointers unaliased, so the
+// loop vectorises (with them as runtime branches: 30 ms for 50 x 199,210 floats on the 2-core EPYC).
+template <bool kDecoupled, bool kLerpLow>
+void adam_block(const float* __restrict lg, float* __restrict tr, float* __restrict mr, float* __restrict vr,
+                int64_t len, float ck, float wdk, float decay, float w1, float w2, float b2, float step_size,
+                float bc2_sqrt, float ep) {
+  for (int64_t j = 0; j < len; ++j) {
+    float g = lg[j] * ck;
+    if (kDecoupled)
+      tr[j] *= decay;
+    else
+      g += wdk * tr[j];
+    const float m = kLerpLow ? mr[j] + w1 * (g - mr[j]) : g - (g - mr[j]) * (1.f - w1);  // torch.lerp
+    const float v = vr[j] * b2 + w2 * g * g;  // mul_(b2).addcmul_(g, g, value=1 - b2)
+    mr[j] = m;
+    vr[j] = v;
+    tr[j] -= step_size * (m / (std::sqrt(v) / bc2_sqrt + ep));
+  }
 }
+}  // namespace
 
 void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step_in, const at::Tensor& lr_in, double beta1,
@@ -43,22 +63,9 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu);
   const int64_t nb = static_cast<int64_t>(blocks.size());
-  auto loss_grad = [&](int64_t k, const GradBlock& bl, float* out) {
-    const float* g = bl.g + k * bl.ld;
-    const float* t = th + k * P + bl.c0;
-    for (int64_t j = 0; j < bl.len; ++j) out[j] = g[j];
-    if (mu != 0.f)
-      for (int64_t j = 0; j < bl.len; ++j) out[j] += mu * (t[j] - an[bl.c0 + j]);
-    if (dy) {
-      const float* d = dy + k * P + bl.c0;
-      for (int64_t j = 0; j < bl.len; ++j) out[j] += d[j];
-    }
-  };
   const std::vector<float> clip =
-      clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) -> const float* {
-        if (mu == 0.f && !dy) return bl.g + k * bl.ld;
-        loss_grad(k, bl, tmp);
-        return tmp;
+      clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) {
+        return loss_grad_view(bl, k, P, th, mu, an, dy, tmp);
       });
   const double* stp = step.data_ptr<double>();
   const float* lrp = lr.data_ptr<float>();
@@ -73,7 +80,7 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       const int64_t k = t / nb;
       const GradBlock& bl = blocks[t % nb];
       if (act && !act[k]) continue;
-      loss_grad(k, bl, tmp.data());
+      const float* lg = loss_grad_view(bl, k, P, th, mu, an, dy, tmp.data());
       const int64_t o = k * P + bl.c0;
       float *tr = th + o, *mr = mm + o, *vr = vv + o;
       const float ck = clip[k], wdk = wd_row ? wdp[k] : wdp[0], lrk = lr_row ? lrp[k] : lrp[0];
@@ -81,18 +88,9 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       const double bc1 = 1.0 - std::pow(beta1, stp[k]), bc2 = 1.0 - std::pow(beta2, stp[k]);
       const float step_size = static_cast<float>(lrk / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
       const float decay = static_cast<float>(1.0 - static_cast<double>(lrk) * wdk);
-      for (int64_t j = 0; j < bl.len; ++j) {
-        float g = tmp[j] * ck;
-        if (decoupled)
-          tr[j] *= decay;
-        else
-          g += wdk * tr[j];
-        const float m = w1 < 0.5f ? mr[j] + w1 * (g - mr[j]) : g - (g - mr[j]) * (1.f - w1);  // torch.lerp
-        const float v = vr[j] * b2 + w2 * g * g;  // mul_(b2).addcmul_(g, g, value=1 - b2)
-        mr[j] = m;
-        vr[j] = v;
-        tr[j] -= step_size * (m / (std::sqrt(v) / bc2_sqrt + ep));
-      }
+      auto run = decoupled ? (w1 < 0.5f ? adam_block<true, true> : adam_block<true, false>)
+                           : (w1 < 0.5f ? adam_block<false, true> : adam_block<false, false>);
+      run(lg, tr, mr, vr, bl.len, ck, wdk, decay, w1, w2, b2, step_size, bc2_sqrt, ep);
     }
   });
 }

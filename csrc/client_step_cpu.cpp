@@ -49,25 +49,9 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu), mom = static_cast<float>(momentum);
   const int64_t nb = static_cast<int64_t>(blocks.size());
-  // loss-side gradient of row k at columns [j0, j0+len) into out
-  auto loss_grad = [&](int64_t k, const GradBlock& bl, float* out) {
-    const int64_t j0 = bl.c0, len = bl.len;
-    const float* g = bl.g + k * bl.ld;
-    const float* t = th + k * P + j0;
-    for (int64_t j = 0; j < len; ++j) out[j] = g[j];
-    if (mu != 0.f)
-      for (int64_t j = 0; j < len; ++j) out[j] += mu * (t[j] - an[j0 + j]);
-    if (dy) {
-      const float* d = dy + k * P + j0;
-      for (int64_t j = 0; j < len; ++j) out[j] += d[j];
-    }
-  };
-  // the plain gradient is read in place; with terms, summed into tmp
   const std::vector<float> clip =
-      clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) -> const float* {
-        if (mu == 0.f && !dy) return bl.g + k * bl.ld;
-        loss_grad(k, bl, tmp);
-        return tmp;
+      clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) {
+        return loss_grad_view(bl, k, P, th, mu, an, dy, tmp);
       });
   const float* lrp = lr.data_ptr<float>();
   const float* wdp = wd.data_ptr<float>();
@@ -106,7 +90,7 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       const GradBlock& bl = blocks[t % nb];
       const int64_t j0 = bl.c0, len = bl.len;
       if (act && !act[k]) continue;
-      loss_grad(k, bl, tmp.data());
+      loss_grad_into(bl, k, P, th, mu, an, dy, tmp.data());
       float* tr = th + k * P + j0;
       const float ck_ = clip[k], wdk = wd_row ? wdp[k] : wdp[0], lrk = lr_row ? lrp[k] : lrp[0];
       for (int64_t j = 0; j < len; ++j) tmp[j] = tmp[j] * ck_ + wdk * tr[j];

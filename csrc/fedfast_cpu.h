@@ -78,6 +78,28 @@ inline std::vector<GradBlock> grad_blocks(const std::vector<at::Tensor>& grad_in
   return blocks;
 }
 
+// Row k's loss-side gradient over block bl into out: g + mu (theta - anchor) [+ dyn] (FedProx, FedDyn's term).
+inline void loss_grad_into(const GradBlock& bl, int64_t k, int64_t P, const float* th, float mu, const float* an,
+                           const float* dy, float* out) {
+  const float* g = bl.g + k * bl.ld;
+  const float* t = th + k * P + bl.c0;
+  for (int64_t j = 0; j < bl.len; ++j) out[j] = g[j];
+  if (mu != 0.f)
+    for (int64_t j = 0; j < bl.len; ++j) out[j] += mu * (t[j] - an[bl.c0 + j]);
+  if (dy) {
+    const float* d = dy + k * P + bl.c0;
+    for (int64_t j = 0; j < bl.len; ++j) out[j] += d[j];
+  }
+}
+
+// The same values, read in place when there are no terms (no copy), else summed into tmp.
+inline const float* loss_grad_view(const GradBlock& bl, int64_t k, int64_t P, const float* th, float mu,
+                                   const float* an, const float* dy, float* tmp) {
+  if (mu == 0.f && !dy) return bl.g + k * bl.ld;
+  loss_grad_into(bl, k, P, th, mu, an, dy, tmp);
+  return tmp;
+}
+
 // Squared L2 norm of len floats in 8 lanes (vectorised; a serial sum is not).
 inline float sum_squares(const float* v, int64_t len) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

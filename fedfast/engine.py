@@ -647,8 +647,7 @@ class Simulation:
         if self.adam_m is not None:
             for t in (self.adam_m, self.adam_v, self.adam_t):
                 t[:n].zero_()
-        step_kw = dict(lr=ctx.lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                       max_norm=c.max_grad_norm or None, backend=c.backend)
+        step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
         ctx.chunk = {}
         method.chunk_start(ctx, lo, hi)
         hist_c = ctx.hist[lo:hi]
@@ -687,17 +686,15 @@ class Simulation:
                 self._tick("loss")
                 grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
+                kw = {**step_kw, **method.step_terms(ctx, n_act)}
                 if self.adam_m is None:
-                    ops.client_step(theta_all[:n_act], grad,
-                                    momentum_buf=self.buf[:n_act] if self.buf is not None else None,
-                                    **{**step_kw, **method.step_terms(ctx, n_act)})
+                    ops.client_step(theta_all[:n_act], grad, momentum=c.momentum,
+                                    momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
                 else:  # each active client's own step count, as its own torch.optim.Adam would keep
                     self.adam_t[:n_act] += 1
                     ops.client_adam(theta_all[:n_act], grad, self.adam_m[:n_act], self.adam_v[:n_act],
-                                    self.adam_t[:n_act], lr=ctx.lr, betas=c.adam_betas, eps=c.adam_eps,
-                                    weight_decay=c.weight_decay, decoupled=c.client_optimizer == "adamw",
-                                    max_norm=c.max_grad_norm or None, backend=c.backend,
-                                    **method.step_terms(ctx, n_act))
+                                    self.adam_t[:n_act], betas=c.adam_betas, eps=c.adam_eps,
+                                    decoupled=c.client_optimizer == "adamw", **kw)
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
         method.chunk_end(ctx, lo, hi)

@@ -17,6 +17,13 @@ def _norm(kind: str, c: int, gn_channels_per_group: int = 16, gn_groups: int | N
     raise ValueError(f"norm: 'bn' or 'gn', got {kind!r}")
 
 
+def _shortcut(cin: int, cout: int, stride: int, norm) -> nn.Module:
+    """Identity, or a 1x1 projection (stride, no bias) + norm where the block changes the shape."""
+    if stride != 1 or cin != cout:
+        return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+    return nn.Sequential()
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, norm):
         super().__init__()
@@ -25,9 +32,7 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.n2 = norm(cout)
         self.relu = nn.ReLU()
-        self.short = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+        self.short = _shortcut(cin, cout, stride, norm)
 
     def forward(self, x):
         out = self.relu(self.n1(self.conv1(x)))
@@ -101,9 +106,7 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
         self.n3 = norm(cout)
         self.relu = nn.ReLU()
-        self.short = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+        self.short = _shortcut(cin, cout, stride, norm)
 
     def forward(self, x):
         out = self.relu(self.n1(self.conv1(x)))

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .client_step_reference import _per_row, clipped_loss_grad
 
+
 def client_adam_reference(theta: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
                           betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
                           prox_mu: float = 0.0, anchor: Tensor | None = None, dyn_linear: Tensor | None = None,

@@ -1,7 +1,7 @@
 """Triton kernel: fused all-client Adam / AdamW step, in place (formulas: fedfast/ops/client_adam_reference.py).
 
 Grid (n rows x column blocks). The per-row scalars (lr / (1 - b1^t_k), sqrt(1 - b2^t_k), 1 - lr_k wd_k) are
-[n] tensors computed on the device before the launch (no host sync); clipping reuses the SGD step's partial-norm
+[n] tensors the op computes on the device before the launch (no host sync); clipping reuses the SGD step's partial-norm
 kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with FedDyn's term; + 4*n*P read with clipping.
 """
 from __future__ import annotations
@@ -37,25 +37,21 @@ def _adam_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_pt
     tl.store(th_ptr + offs, t, mask=m)
 
 
-def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, decoupled, prox_mu,
+def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd, decay, beta1, beta2, eps, prox_mu,
                        anchor, dyn, max_norm, active):
-    """``step``, ``lr`` and ``wd``: [n] or [1] fp32 tensors on the device (``step``: [n])."""
+    """``step_size``, ``bc2_sqrt``: [n] fp32 (``fedfast.ops.client_adam._row_scalars``); ``decay``: [n] for AdamW,
+    else None (``wd`` [n] or [1], Adam's L2)."""
     n, P = theta.shape
     BLOCK = 1024
     NB = triton.cdiv(P, BLOCK)
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
     grad = grad.contiguous()
-    t64 = step.double()
-    lr_n = lr.double().expand(n) if lr.numel() == 1 else lr.double()
-    ss = (lr_n / (1.0 - beta1 ** t64)).float().contiguous()   # as torch.optim.Adam: Python-float (double) scalars
-    bc2 = torch.sqrt(1.0 - beta2 ** t64).float().contiguous()
-    wd_n = wd.double().expand(n) if wd.numel() == 1 else wd.double()
-    decay = (1.0 - lr_n * wd_n).float().contiguous()
     clip = clip_factors(theta, grad, f32(anchor), f32(dyn), prox_mu, max_norm, BLOCK)
     w1, w2 = 1.0 - float(beta1), 1.0 - float(beta2)
-    _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, ss, bc2, wd.float().contiguous(), decay,
-                          exp_avg, exp_avg_sq, active.to(torch.int8).contiguous() if active is not None else theta,
+    _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, step_size, bc2_sqrt, wd.float().contiguous(),
+                          f32(decay), exp_avg, exp_avg_sq,
+                          active.to(torch.int8).contiguous() if active is not None else theta,
                           P, float(prox_mu), float(beta2), w1, w2, float(eps),
                           WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None,
-                          CLIP=max_norm > 0, DECOUPLED=bool(decoupled), LERP_LOW=w1 < 0.5,
+                          CLIP=max_norm > 0, DECOUPLED=decay is not None, LERP_LOW=w1 < 0.5,
                           ACT=active is not None, BLOCK=BLOCK, num_warps=4)
