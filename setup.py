@@ -51,7 +51,8 @@ setup(
     ext_modules=ext_modules,
     package_data={"fedfast": ["presets/*.toml"]},
     extras_require={"progress": ["tqdm"], "plot": ["matplotlib"], "tensorboard": ["tensorboard"],
-                    "study": ["tqdm", "matplotlib", "tensorboard"]},
+                    "study": ["tqdm", "matplotlib", "tensorboard"],
+                    "text": ["transformers>=5,<6", "tokenizers>=0.22"]},
     entry_points={"console_scripts": ["fedfast=fedfast.cli:console"]},
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

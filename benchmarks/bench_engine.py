@@ -189,3 +189,87 @@ def _chunk_round(benchmark, K, algorithm, chunk):
                                 train_seconds=sum(v for k, v in t.items() if k != "eval"),
                                 samples_per_s=K * 50 / t["local"],
                                 peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+# -- transformers (issue 13): one FedGKD round of a DistilBERT-architecture model ----------------------------------
+# Shapes: ``small`` (dim 256, 4 layers, 4 heads, FFN 1024, vocabulary 8192: 5.4M parameters; 4 of 10 clients x 128
+# sequences of up to 64 tokens, B = 32, E = 1) and ``distilbert_dims`` (DistilBERT-base's dimensions: dim 768,
+# 6 layers, 12 heads, FFN 3072, vocabulary 30522, 67M parameters; 4 clients x 32 sequences, one step each). Synthetic
+# token ids with random lengths (L/4..L) and padding masks; FedGKD (M = 1, KD from the first round) with Adam lr 1e-5
+# as in FedGKD's Table 4. Implementations: the engine with the grouped executor (fedfast.grouped; the default for
+# these models), the engine through vmap, and the plain sequential loop (per-client nn.Module, torch.optim.Adam,
+# state_dict averaging). FLOPs: torch's FlopCounterMode on one client step (forward + backward) and one teacher
+# forward, times the round's steps; the share is of the sgemm ceiling measured in the same run.
+TRANSFORMERS = {"small": dict(dim=256, layers=4, heads=4, vocab=8192, L=64, K=10, n=128, B=32),
+                "distilbert_dims": dict(dim=768, layers=6, heads=12, vocab=30522, L=64, K=4, n=32, B=32)}
+
+
+def _transformer_setup(name):
+    pytest.importorskip("transformers")
+    from transformers import DistilBertConfig
+
+    from fedfast.data.text import TokenDataset
+    from fedfast.models import hf
+    s = TRANSFORMERS[name]
+    g = torch.Generator().manual_seed(0)
+    N, L = s["K"] * s["n"], s["L"]
+    lens = torch.randint(L // 4, L + 1, (N + 256,), generator=g)
+    mask = (torch.arange(L) < lens[:, None]).int()
+    ids = torch.randint(4, s["vocab"], (N + 256, L), generator=g, dtype=torch.int32) * mask
+    x, y = torch.stack([ids, mask], 1), torch.randint(0, 5, (N + 256,), generator=g)
+    train, test = TokenDataset(x[:N], y[:N], 5, name="synthetic"), TokenDataset(x[N:], y[N:], 5, name="synthetic")
+    part = data.Partition([torch.arange(k * s["n"], (k + 1) * s["n"]) for k in range(s["K"])], num_classes=5)
+    cfg = DistilBertConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
+                           hidden_dim=4 * s["dim"], max_position_embeddings=128, num_labels=5, pad_token_id=0)
+    model = hf.from_config(cfg, seed=0)
+    sim_cfg = fedfast.SimConfig(algorithm="fedgkd", options={"buffer": 1, "skip_first_round": False},
+                                clients_per_round=4, rounds=10**6, local_epochs=1, batch_size=s["B"], lr=1e-5,
+                                client_optimizer="adam", seed=0, eval_every=10**6)
+    return s, sim_cfg, model, train, test, part
+
+
+def _transformer_flops(s, model, train) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+    x, y = train.batch(torch.arange(s["B"]))
+    m = copy.deepcopy(model)
+    with FlopCounterMode(display=False) as fc:
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+    step = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        m.eval()
+        m(x)
+    steps = 4 * -(-s["n"] // s["B"])
+    return steps * (step + fc.get_total_flops())
+
+
+@pytest.mark.parametrize("impl", ["engine", "engine_vmap", "sequential_loop"])
+@pytest.mark.parametrize("name", list(TRANSFORMERS))
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_transformer_round(benchmark, name, impl):
+    if DEVICE != "cpu":
+        pytest.skip("the transformer round is the CPU benchmark")
+    import dataclasses
+
+    from bench_peers import sgemm_ceiling
+    from sequential_loop import sequential as _sequential
+    s, cfg, model, train, test, part = _transformer_setup(name)
+    chunk = None
+    if impl == "sequential_loop":
+        def run():
+            _sequential(cfg, model, train, part, 1)
+    else:
+        c = dataclasses.replace(cfg, executor="vmap" if impl == "engine_vmap" else "auto")
+        sim = fedfast.Simulation(c, copy.deepcopy(model), train, test, part)
+        assert (sim.stack.plan is None) == (impl == "engine_vmap")
+        chunk = sim.chunk  # CPU: at most 128 MiB of client parameters per chunk (DistilBERT dims: 1 client)
+
+        def run():
+            sim.rnd = 0  # every timed round is round 0: the same clients and data as the loop's
+            sim.round()
+    big = name == "distilbert_dims"
+    benchmark.pedantic(run, rounds=1 if big else 3, iterations=1, warmup_rounds=1)
+    med = benchmark.stats.stats.median
+    flops, peak = _transformer_flops(s, model, train), sgemm_ceiling()
+    benchmark.extra_info.update(shape=f"transformer_{name}", impl=impl, params=sum(p.numel() for p in model.parameters()),
+                                round_flops=flops, sgemm_flops_per_s=peak, seconds=med, roofline=flops / med / peak,
+                                threads=torch.get_num_threads(), client_chunk=chunk)

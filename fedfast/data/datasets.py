@@ -11,6 +11,7 @@ Missing or corrupt data raises ``FileNotFoundError`` / ``ValueError`` naming the
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import os
@@ -53,18 +54,26 @@ class ArrayDataset:
             raise ValueError(f"groups: expected one group id per sample ({self.y.shape[0]}), got shape "
                              f"{tuple(self.groups.shape)}")
         self.y = self.y.long()
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, (int, np.integer)) or \
+                self.num_classes < 1:
+            raise ValueError(f"num_classes: must be an integer >= 1, got {self.num_classes!r}")
+        self.num_classes = int(self.num_classes)
+        if len(self.y) and (int(self.y.min()) < 0 or int(self.y.max()) >= self.num_classes):
+            raise ValueError(f"y: labels must lie in [0, {self.num_classes}) for {self.num_classes} classes, got "
+                             f"{int(self.y.min())}..{int(self.y.max())}")
 
     def __len__(self) -> int:
         return self.y.shape[0]
 
+    is_image = True  # x holds images (normalised by batch); fedfast.data.text.TokenDataset: token ids
+
     def to(self, device) -> "ArrayDataset":
-        return ArrayDataset(self.x.to(device), self.y.to(device), self.num_classes, self.mean, self.std, self.name,
-                            self.groups)
+        return dataclasses.replace(self, x=self.x.to(device), y=self.y.to(device))
 
     def subset(self, idx) -> "ArrayDataset":
         """Rows ``idx`` (indices, a slice or a bool mask) as a new dataset with the same classes and normalisation."""
         g = None if self.groups is None else self.groups[idx.cpu() if isinstance(idx, Tensor) else idx]
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.mean, self.std, self.name, g)
+        return dataclasses.replace(self, x=self.x[idx], y=self.y[idx], groups=g)
 
     def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
         """Normalise a gathered batch [..., C, H, W] (any leading dims)."""
