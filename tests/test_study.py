@@ -30,6 +30,14 @@ def test_every_preset_parses_and_names_its_paper_cell():
     c = build_config(None, [], base=allp["asd-cifar100/delta0.3"].config("feddyn+asd")).to_json()
     assert c["asd"]["lam"] == 30.0 and c["feddyn"]["alpha_scaling"] == "minibatches" and c["local_epochs"] == 10
     assert allp["fedgkd-cifar10/alpha0.1"].metric == "best"
+    ag = build_config(None, [], base=allp["fedgkd-table4/ag_news"].config("fedgkd")).to_json()  # FedGKD Table 4
+    assert (ag["dataset"], ag["num_clients"], ag["local_epochs"], ag["train_fraction"]) == ("ag_news", 20, 1, 0.5)
+    assert (ag["client_optimizer"], ag["lr"], ag["max_length"], ag["fedgkd"]["buffer"]) == ("adam", 1e-5, 128, 1)
+    sst = build_config(None, [], base=allp["fedgkd-table4/sst5"].config("fedgkd_vote")).to_json()
+    assert (sst["num_clients"], sst["local_epochs"], sst["fedgkd_vote"]["buffer"]) == (10, 3, 3)
+    tiny = allp["fedgkd-tiny-imagenet/alpha0.1"]
+    assert build_config(None, [], base=tiny.config("moon"))["model"] == "resnet50_bn"
+    assert build_config(None, [], base=tiny.config("fedgkd")).to_json()["fedgkd"]["gamma"] == 0.1
 
 
 def _fake_run(root, alg, seed, final, best, last10, forgetting, wall, accs=None):
