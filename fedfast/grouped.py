@@ -13,10 +13,12 @@ with every parameter-holding layer replaced by a grouped layer that applies clie
   broadcast over that client's rows.
 
 Everything else (attention, activations, dropout, reshapes) already acts on each sample alone, so it runs
-unchanged on the stacked rows: attention of all n*B sequences is one batched matmul or SDPA call. Measured on
-the 2-core CPU VM (DistilBERT shape, 2 layers, dim 768, 4 clients x 8 sequences of 128 tokens, one forward and
-backward): per-client loop 3.04 s, vmap 3.58 s (eager attention; with SDPA vmap falls back to a per-client loop),
-this executor see ``benchmarks/bench_engine.py::test_transformer_round``.
+unchanged on the stacked rows: attention of all n*B sequences is one batched matmul or SDPA call (vmap runs CPU
+SDPA per client: it has no batching rule). One FedGKD round on the 2-core CPU VM (``benchmarks/bench_engine.py::
+test_transformer_round``, two runs): DistilBERT-base dimensions, 4 clients x 32 sequences (one client per chunk
+on a CPU, whose chunks hold <= 128 MiB of parameters): per-client loop 33.8 /
+33.3 s, vmap 26.1 / 27.0 s, this executor 25.0 / 26.7 s; a 5.4M-parameter model, 4 x 128 sequences: 11.5 / 10.2,
+10.4 / 9.5, 9.8 / 9.6 s (compute-bound: the executors are equal within noise there; docs/benchmarks.md).
 
 A model qualifies when every parameter belongs to one of those layers (as the layer's own ``weight`` / ``bias``)
 and no layer couples samples (BatchNorm is refused); :func:`plan` says why not otherwise. The engine checks the
