@@ -114,6 +114,14 @@ def main(quick: bool = False) -> int:
         print(f"triton {triton.__version__}")
     except Exception:  # noqa: BLE001
         print("triton: not importable")
+    from importlib import metadata
+    extras = []
+    for pkg in ("transformers", "tokenizers", "tqdm", "matplotlib", "tensorboard"):  # optional (extras): versions only
+        try:
+            extras.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            extras.append(f"{pkg} -")
+    print("optional: " + ", ".join(extras) + "  (text models need transformers and tokenizers: fedfast[text])")
     devs = ["cpu"] + ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
     for d in devs:
         name = torch.cuda.get_device_name(d) if d.startswith("cuda") else f"{torch.get_num_threads()} threads"

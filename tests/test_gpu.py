@@ -176,6 +176,20 @@ def test_gpu_engine_matches_sequential_loop(backend, algorithm, options, extra):
     assert err <= 1e-4, err
 
 
+def _strict_local_training(sim):
+    """Make every synchronizing call during the simulation's local training raise (CUDA sync-debug mode)."""
+    orig = sim._train_chunk
+
+    def strict(*a, **k):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return orig(*a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sim._train_chunk = strict
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedntd+asd", dict(max_grad_norm=1.0)),
                                              ("scaffold", {}), ("fedadc_plus", {})])
@@ -194,14 +208,43 @@ def test_gpu_local_training_never_syncs(backend, algorithm, extra):
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
                              device="cuda")
     sim.round()
-    orig = sim._train_chunk
+    _strict_local_training(sim)
+    sim.round()
 
-    def strict(*a, **k):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return orig(*a, **k)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sim._train_chunk = strict
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
+    """A tiny DistilBERT through the grouped executor on the GPU (FedGKD with Adam, FedGKD's NLP setting): the
+    global model after two rounds equals the CPU loop's, and the second round's local steps make no host sync."""
+    import copy
+
+    pytest.importorskip("transformers")
+    import fedfast
+    import text_helpers as th
+    from fedfast import data, grouped
+    from fedfast.data import text
+    from fedfast.models import hf
+    from sequential_loop import sequential
+
+    _need(backend)
+    texts, y = th.sentences(160, 4, seed=0)
+    tok = th.tokenizer(texts)
+    train, test = (text.tokenize(texts[a:b], y[a:b], tok, 4, max_length=12) for a, b in ((0, 120), (120, 160)))
+    part = data.dirichlet_lda(train.y, 6, alpha=0.5, seed=1, min_size=5)
+    model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)
+    cfg = fedfast.SimConfig(algorithm="fedgkd", clients_per_round=3, rounds=2, local_epochs=2, batch_size=8,
+                            lr=5e-3, client_optimizer="adam", seed=3, backend=backend)
+    g0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ref = sequential(cfg, model, train, part, 1)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
+                             device="cuda")
+    assert isinstance(sim.stack.plan, grouped.GroupedPlan)
+    sim.round()
+    g = sim.global_flat.cpu()
+    keep = torch.ones_like(g0, dtype=torch.bool)
+    for s in sim.layout.params:  # the attention key bias has a zero gradient (see test_transformers)
+        if s.name.endswith("k_lin.bias"):
+            keep[s.offset:s.offset + s.numel] = False
+    assert float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max()) <= 1e-3
+    _strict_local_training(sim)
     sim.round()

@@ -137,6 +137,8 @@ def test_doctor_checks_backends(capsys, monkeypatch):
     assert main(["doctor", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "automatic backend on cpu: cpu" in out and " ok " in out
+    from importlib import metadata
+    assert f"optional: transformers {metadata.version('transformers')}, tokenizers" in out
     import importlib
     d = importlib.import_module("fedfast.ops.distill")
     real = d._backend_rows
