@@ -228,20 +228,6 @@ def _transformer_setup(name):
     return s, sim_cfg, model, train, test, part
 
 
-def _transformer_flops(s, model, train) -> float:
-    from torch.utils.flop_counter import FlopCounterMode
-    x, y = train.batch(torch.arange(s["B"]))
-    m = copy.deepcopy(model)
-    with FlopCounterMode(display=False) as fc:
-        torch.nn.functional.cross_entropy(m(x), y).backward()
-    step = fc.get_total_flops()
-    with FlopCounterMode(display=False) as fc, torch.no_grad():
-        m.eval()
-        m(x)
-    steps = 4 * -(-s["n"] // s["B"])
-    return steps * (step + fc.get_total_flops())
-
-
 @pytest.mark.parametrize("impl", ["engine", "engine_vmap", "sequential_loop"])
 @pytest.mark.parametrize("name", list(TRANSFORMERS))
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -250,7 +236,7 @@ def test_transformer_round(benchmark, name, impl):
         pytest.skip("the transformer round is the CPU benchmark")
     import dataclasses
 
-    from bench_peers import sgemm_ceiling
+    from bench_peers import sgemm_ceiling, training_flops
     from sequential_loop import sequential as _sequential
     s, cfg, model, train, test, part = _transformer_setup(name)
     chunk = None
@@ -269,7 +255,8 @@ def test_transformer_round(benchmark, name, impl):
     big = name == "distilbert_dims"
     benchmark.pedantic(run, rounds=1 if big else 3, iterations=1, warmup_rounds=1)
     med = benchmark.stats.stats.median
-    flops, peak = _transformer_flops(s, model, train), sgemm_ceiling()
+    flops = training_flops(dict(B=s["B"], m=4, E=1, n=s["n"], teacher=True), model, train)
+    peak = sgemm_ceiling()
     benchmark.extra_info.update(shape=f"transformer_{name}", impl=impl, params=sum(p.numel() for p in model.parameters()),
                                 round_flops=flops, sgemm_flops_per_s=peak, seconds=med, roofline=flops / med / peak,
                                 threads=torch.get_num_threads(), client_chunk=chunk)

@@ -91,7 +91,8 @@ def _setup(name):
 
 
 def training_flops(s, model, train) -> float:
-    """Forward + backward FLOPs of one round's local training (plus the teacher forwards for KD)."""
+    """Forward + backward FLOPs of one round's local training (plus a teacher forward per step for KD: FedNTD, or
+    ``s["teacher"]``). ``s``: batch ``B``, clients ``m``, epochs ``E``, samples per client ``n``."""
     from torch.utils.flop_counter import FlopCounterMode
     x, y = train.batch(torch.arange(s["B"]))
     m = copy.deepcopy(model)
@@ -99,10 +100,11 @@ def training_flops(s, model, train) -> float:
         F.cross_entropy(m(x), y).backward()
     step = fc.get_total_flops()
     with FlopCounterMode(display=False) as fc, torch.no_grad():
+        m.eval()  # as the engine's teacher runs (with attention dropout, SDPA counts other FLOPs in train mode)
         m(x)
     fwd = fc.get_total_flops()
     steps = s["m"] * s["E"] * -(-s["n"] // s["B"])
-    return steps * (step + (fwd if s["algorithm"] == "fedntd" else 0))
+    return steps * (step + (fwd if s.get("teacher", s.get("algorithm") == "fedntd") else 0))
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

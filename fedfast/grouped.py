@@ -86,7 +86,7 @@ class _GLayerNorm(nn.Module):
 
 class _GroupedLookup(torch.autograd.Function):
     """``table[ids]`` for ids into a ``[n*V, d]`` table; the gradient is a dense ``[n*V, d]`` table (as
-    ``nn.Embedding``'s) with the rows of ``pad`` tokens (already mapped to -1) left out."""
+    ``nn.Embedding``'s) without the contributions of the rows where ``keep`` is False (padding_idx tokens)."""
 
     @staticmethod
     def forward(ctx, table, ids, keep):
@@ -138,7 +138,7 @@ class GroupedPlan:
     """A copy of the model with grouped layers (:func:`plan`); ``forward(params, x, training, features)``."""
 
     def __init__(self, model: nn.Module, ctx: _Ctx, names: dict):
-        self.model, self.ctx, self.names = model, ctx, names  # names: grouped copy's module -> original path
+        self.model, self.ctx, self.names = model, ctx, names  # names: id(original layer) -> its grouped copy
 
     def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None):
         """``params[name]`` ``[n, *shape]``, ``x`` ``[n, B, ...]`` -> ``[n, B, out]`` (or ``(input of
@@ -171,32 +171,35 @@ def plan(model: nn.Module) -> tuple[GroupedPlan | None, str]:
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._NormBase):
             return None, f"{name} ({type(m).__name__}) normalises over the batch"
-    owned = {}
+    params = {pn for pn, _ in model.named_parameters()}  # a parameter shared by two layers is listed once
+    owned = set()
     for name, m in model.named_modules():
         if isinstance(m, _GROUPED):
             for pn, _ in m.named_parameters(recurse=False):
-                owned[f"{name}.{pn}" if name else pn] = name
-    for pn, _ in model.named_parameters():
-        if pn not in owned:
-            return None, f"the parameter {pn} is not the weight or bias of a Linear, LayerNorm or Embedding"
+                full = f"{name}.{pn}" if name else pn
+                if full not in params:
+                    return None, f"the parameter {full} is shared with another layer (tied weights)"
+                owned.add(full)
+    missing = sorted(params - owned)
+    if missing:
+        return None, f"the parameter {missing[0]} is not the weight or bias of a Linear, LayerNorm or Embedding"
     ctx = _Ctx()
-    twin = copy.deepcopy(model)
+    twin = copy.deepcopy(model, {id(p): None for p in model.parameters()})  # the layers without their weights
     names, originals = {}, dict(model.named_modules())
     try:
         for name, m in list(twin.named_modules()):
             if not isinstance(m, _GROUPED) or not name:
                 continue
+            orig = originals[name]  # the copy's weights are None: which exist is read from the original
             if isinstance(m, nn.Linear):
-                g = _GLinear(name, m.bias is not None, ctx)
+                g = _GLinear(name, orig.bias is not None, ctx)
             elif isinstance(m, nn.LayerNorm):
-                g = _GLayerNorm(name, m, ctx)
+                g = _GLayerNorm(name, orig, ctx)
             else:
-                g = _GEmbedding(name, m, ctx)
+                g = _GEmbedding(name, orig, ctx)
             parent, _, leaf = name.rpartition(".")
             setattr(twin.get_submodule(parent) if parent else twin, leaf, g)
-            names[id(originals[name])] = g
+            names[id(orig)] = g
     except ValueError as e:
         return None, str(e)
-    if any(True for _ in twin.parameters()):
-        return None, "a parameter outside the grouped layers"
     return GroupedPlan(twin, ctx, names), ""

@@ -80,6 +80,26 @@ def test_grouped_executor_equals_each_clients_own_model(task, make, attn):
                 assert (a[k] - b).abs().max() <= 1e-5 * max(float(b.abs().max()), 1e-6), name
 
 
+def test_grouped_plan_says_why_not():
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.out(self.emb(x).mean(1))
+    for model, why in ((Tied(), "shared with another layer"), (nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+                                                               "normalises over the batch"),
+                       (nn.Sequential(nn.Conv1d(2, 2, 1, bias=False)), "0.weight is not the weight or bias of a Linear")):
+        prog, reason = grouped.plan(model)
+        assert prog is None and why in reason, reason
+    prog, _ = grouped.plan(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False)))
+    assert prog is not None and not list(prog.model.parameters())  # the copy holds no weights
+
+
 def test_grouped_executor_pad_rows_of_embeddings_get_no_gradient(task):
     tok, train, _, _ = task
     model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)

@@ -163,35 +163,45 @@ def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) 
     return _make(parts, y, f"shards(s={s})")
 
 
-def _dirichlet_split(y, pool, K, C, alpha, cap, rng, shuffle):
-    """One per-class Dirichlet pass (FedNTD LDA / FedDF): for each class, ``p ~ Dir(alpha 1_K)``, zero the clients
-    already holding >= ``cap`` samples, renormalise, and split the class's samples of ``pool`` at cumsum(p)."""
+def _class_cut(n: int, sizes: np.ndarray, alpha: float, cap: float, rng) -> np.ndarray:
+    """One class's Dirichlet draw (FedNTD LDA / FedDF): ``p ~ Dir(alpha 1_K)``, the clients already holding >= ``cap``
+    samples zeroed, renormalised; returns where the class's ``n`` samples are cut (at cumsum(p)) and adds the pieces
+    to the clients' ``sizes`` [K] in place."""
+    p = rng.dirichlet(alpha * np.ones(len(sizes))) * (sizes < cap)
+    p = p / p.sum()
+    cut = (np.cumsum(p) * n).astype(int)[:-1]
+    sizes += np.diff(cut, prepend=0, append=n)
+    return cut
+
+
+def _split_at(class_idx: list, cuts: list, K: int) -> list:
+    """Each class's sample indices cut at its cut points, the k-th pieces joined as client k's samples."""
     parts = [[] for _ in range(K)]
-    for c in range(C):
-        idx = pool[y[pool] == c]
-        if shuffle:
-            idx = idx[rng.permutation(len(idx))]
-        p = rng.dirichlet(alpha * np.ones(K))
-        p = p * np.array([len(b) < cap for b in parts])
-        p = p / p.sum()
-        cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-        for k, piece in enumerate(np.split(idx, cuts)):
+    for idx, cut in zip(class_idx, cuts):
+        for k, piece in enumerate(np.split(idx, cut)):
             parts[k].extend(piece.tolist())
     return parts
 
 
 def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10,
                   max_tries: int = 1000) -> Partition:
-    """FedNTD's LDA / NIID-Bench per-class Dirichlet with the N/K size cap and the min-size redraw."""
+    """FedNTD's LDA / NIID-Bench per-class Dirichlet with the N/K size cap and the min-size redraw (each draw
+    reshuffles every class; only the accepted draw is split into indices)."""
     y = _labels(labels)
     K, N = num_clients, len(y)
     _check_K(K, N)
     _check_positive("alpha", alpha)
     C = int(y.max()) + 1
     rng = np.random.default_rng(seed)
+    by_class = [np.flatnonzero(y == c) for c in range(C)]
     for _ in range(max_tries):
-        parts = _dirichlet_split(y, np.arange(N), K, C, alpha, N / K, rng, shuffle=True)
-        if min(len(b) for b in parts) >= min_size:
+        sizes, class_idx, cuts = np.zeros(K, dtype=np.int64), [], []
+        for idx in by_class:
+            idx = idx[rng.permutation(len(idx))]
+            class_idx.append(idx)
+            cuts.append(_class_cut(len(idx), sizes, alpha, N / K, rng))
+        if sizes.min() >= min_size:
+            parts = _split_at(class_idx, cuts, K)
             return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"lda(alpha={alpha})")
     raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} tries")
 
@@ -255,23 +265,15 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
         kg = min(group, K - gi * group)
         target = len(chunk) / kg
         by_class = [chunk[y[chunk] == c] for c in range(C)]  # chunk is shuffled
-        for _ in range(max_tries):
-            sizes, cuts = np.zeros(kg, dtype=np.int64), []
-            for idx in by_class:  # the same draws and cuts as _dirichlet_split, on sizes only
-                p = rng.dirichlet(alpha * np.ones(kg)) * (sizes < target)
-                p = p / p.sum()
-                cut = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-                sizes += np.diff(cut, prepend=0, append=len(idx))
-                cuts.append(cut)
+        for _ in range(max_tries):  # the draws on sizes only (~30 us each); the accepted one is split below
+            sizes = np.zeros(kg, dtype=np.int64)
+            cuts = [_class_cut(len(idx), sizes, alpha, target, rng) for idx in by_class]
             if sizes.min() >= 0.5 * target:
                 break
         else:
             raise ValueError(f"alpha: no draw met FedGKD's size floor (every client >= half the mean size) in "
                              f"{max_tries} tries; use more samples per client or a larger alpha")
-        batch = [[] for _ in range(kg)]
-        for idx, cut in zip(by_class, cuts):
-            for k, piece in enumerate(np.split(idx, cut)):
-                batch[k].extend(piece.tolist())
+        batch = _split_at(by_class, cuts, kg)
         parts.extend(rng.permutation(np.array(b, dtype=np.int64)) for b in batch)
     return _make(parts, y, f"fedgkd_dirichlet(alpha={alpha})")
 

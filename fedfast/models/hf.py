@@ -100,7 +100,7 @@ def load(source: str, num_classes: int, *, seed: int = 0, attn_implementation: s
     if not src:
         raise ValueError("model: 'hf:' needs a hub id or a directory, e.g. hf:distilbert-base-uncased")
     local = os.path.isdir(src)
-    if not local and (src.startswith((".", "/", "~")) or os.sep in src.strip("/").replace("/", "", 1)):
+    if not local and (src.startswith((".", "/", "~")) or src.count("/") > 1):  # a path, not "name" / "org/name"
         raise FileNotFoundError(f"model: {src}: no such directory (a saved model: save_pretrained's config.json "
                                 f"and weights, with the tokenizer's files)")
     how = (f"where the machine has internet, save it once (python -c \"from transformers import AutoTokenizer, "
