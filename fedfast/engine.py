@@ -82,6 +82,9 @@ class SimConfig:
     max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
     aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
     seed: int = 0
+    client_sampling: str = "uniform"  # "uniform": exactly clients_per_round of K, seeded by (seed, round);
+    #   "bernoulli": each client independently with p = clients_per_round / K (ASD's code; redrawn when empty);
+    #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code)
     augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
@@ -134,7 +137,8 @@ class SimConfig:
         if self.aggregate_weights is None:
             self.aggregate_weights = cls.aggregation
         choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
-                   "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap")}
+                   "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
+                   "client_sampling": SAMPLING}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
@@ -195,6 +199,30 @@ def sample_clients(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, rnd, 10**6]).choice(K, size=m, replace=False))
 
 
+def sample_clients_bernoulli(seed: int, rnd: int, K: int, p: float) -> np.ndarray:
+    """Each of ``K`` clients independently with probability ``p``, as ASD's code samples (vcl-iisc/fed-adaptive-
+    self-distillation @6cb4b68, ``src/utils_methods.py``: ``np.random.seed(round + seed + retry)``,
+    ``uniform(size=K) <= p``, drawn again with the next retry while no client is chosen)."""
+    retry = 0
+    while True:
+        u = np.random.RandomState((rnd + seed + retry) % 2**32).uniform(size=K)
+        chosen = np.nonzero(u <= p)[0]
+        retry += 1
+        if len(chosen):
+            return chosen
+
+
+def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
+    """``m`` of ``K`` clients drawn by numpy's ``RandomState(round)`` whatever the run's seed, so every seed and
+    every method sees the same cohorts, as FedNTD's code samples (Lee-Gihun/FedNTD @be00ee5,
+    ``algorithms/BaseServer.py``: ``np.random.seed(round_idx)``, ``np.random.choice(K, m, replace=False)``)."""
+    return np.sort(np.random.RandomState(rnd).choice(K, m, replace=False))
+
+
+SAMPLING = ("uniform", "bernoulli", "round_seeded")
+SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) (ASD's code: 1e-16, FedSpeed's 1e-7)
+
+
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
 
 
@@ -253,7 +281,9 @@ class Simulation:
     """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps one round.
 
     After every round ``model`` (the module passed in) holds the evaluated global model's weights;
-    :meth:`state_dict` returns a copy of them.
+    :meth:`state_dict` returns a copy of them. A method that builds its own model from it (MOON's and FedGKD+'s
+    projection head, ``Method.prepare_model``) trains that model instead: ``sim.model`` is it, and the module
+    passed in is left as it was.
 
     ``val`` / ``aux``: server-held splits a method may need (FedGKD-VOTE's validation split, FedCAD's auxiliary
     data; the method's ``hold_out(train)`` makes them). ``schedule``: the round's clients, a sequence with one
@@ -277,6 +307,10 @@ class Simulation:
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        self.method = c.method()  # the method: loss, client-step terms, server rule, state
+        model = self.method.prepare_model(model, c.seed)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")
         for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux)):
             if ds is not None and not isinstance(ds, ArrayDataset):
                 raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
@@ -288,6 +322,8 @@ class Simulation:
             raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
         if schedule is not None and not (callable(schedule) or isinstance(schedule, (list, tuple, np.ndarray))):
             raise TypeError("schedule: expected a sequence of client-id arrays (one per round) or a callable round -> ids")
+        if schedule is not None and c.client_sampling != "uniform":
+            raise ValueError(f"client_sampling: {c.client_sampling!r} draws the cohorts, and so does schedule; give one")
         if data_order is not None and not callable(data_order):
             raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -349,13 +385,13 @@ class Simulation:
         self._classifier = None
         self.global_flat = self.layout.flatten_params(self.model).to(self.device)
         self.rnd = 0
-        self.method = c.method()  # the method: loss, client-step terms, server rule, state
+        self._head_names = None
         self.method.bind(self)
         self.eval_flat = self.method.evaluated(self.global_flat)
         self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
         if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        per_rank = -(-(c.clients_per_round if schedule is None else self.K) // self.world)
+        per_rank = -(-(self._max_cohort() if schedule is None else self.K) // self.world)
         self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(self.num_params)))
         self.stack = ClientStack(self.model, self.chunk, device=self.device, use_executor=False)
         self.stack.plan = self._plan  # the verified program (None: vmap)
@@ -368,6 +404,7 @@ class Simulation:
         # [n, P] gradient, reused every step
         self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) == "cpu" else \
             torch.empty_like(self.stack.params)
+        self._sam_bufs = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
@@ -448,13 +485,53 @@ class Simulation:
                 out[s:s + self.eval_batch] = self.forward(flat, x).to(dtype)
         return out
 
-    def new_client_state(self, fill: torch.Tensor | None = None) -> ClientState:
+    def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1) -> ClientState:
+        """Per-client state ``[K, rows * P]`` (``rows`` parameter-sized rows per client, e.g. FedCurv's Fisher and
+        Fisher-weighted model); ``fill`` [P] repeated into every row."""
         c = self.cfg
-        st = ClientState(self.K, self.num_params, device=self.device, pin_memory=c.state_on_host,
+        if not (isinstance(rows, int) and rows >= 1):
+            raise ValueError(f"rows: a positive number of parameter-sized rows per client, got {rows!r}")
+        st = ClientState(self.K, rows * self.num_params, device=self.device, pin_memory=c.state_on_host,
                          dtype=torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32)
         if fill is not None:
-            st.data.copy_(fill.expand(self.K, self.num_params))
+            st.data.copy_(fill.repeat(rows).expand(self.K, rows * self.num_params))
         return st
+
+    def head(self, params: dict, z: torch.Tensor) -> torch.Tensor:
+        """The classifier (the model's last nn.Linear) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
+        if self._head_names is None:
+            lin = self._features_module()
+            prefix = next(n for n, m in self.model.named_modules() if m is lin)
+            self._head_names = (f"{prefix}.weight", f"{prefix}.bias" if lin.bias is not None else None)
+        w, b = self._head_names
+        out = torch.bmm(z, params[w].transpose(1, 2))
+        return out if b is None else out + params[b][:, None, :]
+
+    def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int):
+        """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
+        order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
+        n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
+        (a buffer reused by the next step). FedCurv's Fisher information."""
+        c, B = self.cfg, self.cfg.batch_size
+        batches = np.asarray(batches, dtype=np.int64)
+        if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
+                (batches > ctx.steps[lo:hi]).any():
+            raise ValueError(f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
+                             f"got {batches.tolist()}")
+        S = int(batches[0]) if len(batches) else 0
+        table = self._batch_table(ctx, lo, hi, epoch, S * B)
+        table[np.arange(S * B)[None, :] >= (batches * B)[:, None]] = -1
+        table = host_to_device(table, self.device)
+        buf = self.gradbuf if self.gradbuf is not None else torch.empty(hi - lo, self.num_params, device=self.device)
+        for s in range(S):
+            n_act = int((batches > s).sum())
+            x, y, valid, _ = self._minibatch(ctx, table, lo, n_act, epoch, s)
+            pv = self.stack.leaf_views(slice(0, n_act))
+            z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv).reshape(-1, self.num_classes)
+            seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+            loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
+                               num_segments=n_act, reduction="mean", backend=self.backend)
+            yield s, n_act, self.stack.flat_grad(loss, pv, buf[:n_act])
 
     def client_params(self, n: int) -> torch.Tensor:
         return self.stack.params[:n]
@@ -532,8 +609,10 @@ class Simulation:
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
         # per-client state rows (gathered and updated)
+        state = self.method.client_state
+        sam = type(self.method).sam_rho is not _methods.Method.sam_rho  # SAM: first gradient, perturbed weights
         rows = 3 + (1 if c.momentum else 0) + (2 if c.client_optimizer != "sgd" else 0) + \
-            (2 if self.method.client_state is not None else 0)
+            (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (2 if sam else 0)
         acts = []
         hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
                  for m in self.model.modules() if not list(m.children())]
@@ -550,9 +629,22 @@ class Simulation:
         return n
 
     # -- phase 1: sample -------------------------------------------------------------------------------------
+    def _max_cohort(self) -> int:
+        """Clients per round to size the stack for: clients_per_round, or for Bernoulli sampling its mean plus
+        four standard deviations (a larger cohort trains in two chunks)."""
+        c = self.cfg
+        if c.client_sampling != "bernoulli":
+            return c.clients_per_round
+        p = c.clients_per_round / self.K
+        return min(self.K, int(np.ceil(self.K * p + 4 * np.sqrt(self.K * p * (1 - p)))))
+
     def _round_clients(self) -> np.ndarray:
         c = self.cfg
         if self.schedule is None:
+            if c.client_sampling == "bernoulli":
+                return sample_clients_bernoulli(c.seed, self.rnd, self.K, c.clients_per_round / self.K)
+            if c.client_sampling == "round_seeded":
+                return sample_clients_round_seeded(self.rnd, self.K, c.clients_per_round)
             return sample_clients(c.seed, self.rnd, self.K, c.clients_per_round)
         if callable(self.schedule):
             ids = self.schedule(self.rnd)
@@ -576,18 +668,30 @@ class Simulation:
         steps = np.ceil(sizes / c.batch_size).astype(int)
         order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, steps = sampled[order], sizes[order], steps[order]
-        totals = dict(weight=float(sizes.sum()) if c.aggregate_weights == "size" else float(len(sampled)),
-                      steps=int(steps.sum()) * c.local_epochs, clients=sampled.tolist())
+        weights = self._aggregation_weights(sampled, sizes, steps)
+        totals = dict(weight=float(weights.sum()), steps=int(steps.sum()) * c.local_epochs, clients=sampled.tolist())
+        everyone = sampled
         positions = np.arange(len(sampled))
         num_total = len(sampled)
         if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
-            sampled, sizes, steps = sampled[self.rank::self.world], sizes[self.rank::self.world], \
-                steps[self.rank::self.world]
+            sampled, sizes, steps, weights = (a[self.rank::self.world] for a in (sampled, sizes, steps, weights))
             positions = positions[self.rank::self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
         ctx = Round(self.rnd, sampled, sizes, steps, c.local_epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
-                    self.label_hist[sampled_t], host_to_device(positions, self.device), num_total)
+                    self.label_hist[sampled_t], host_to_device(positions, self.device), num_total,
+                    weights=weights, clients=everyone)
         return ctx, totals
+
+    def _aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""
+        w = self.method.aggregation_weights(ids, sizes, steps * self.cfg.local_epochs)
+        if w is None:
+            return sizes.astype(np.float64) if self.cfg.aggregate_weights == "size" else np.ones(len(ids))
+        w = np.asarray(w, dtype=np.float64)
+        if w.shape != ids.shape or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+            raise ValueError(f"{self.method.name}.aggregation_weights: expected {len(ids)} finite non-negative weights "
+                             f"with a positive sum, got {w.tolist()}")
+        return w
 
     # -- phase 2: teacher ------------------------------------------------------------------------------------
     def _teacher(self, ctx: Round):
@@ -643,9 +747,8 @@ class Simulation:
         c, m = self.cfg, len(ctx.sampled)
         if self.method.client_state is not None:
             ctx.rows = self.method.client_state.gather(ctx.sampled_t)  # the method's per-client state rows
-            ctx.new_rows = torch.empty(m, self.num_params, device=self.device)
-        weights = host_to_device(ctx.sizes if c.aggregate_weights == "size" else np.ones(m), self.device,
-                                 torch.float32)
+            ctx.new_rows = torch.empty(m, self.method.client_state.data.shape[1], device=self.device)
+        weights = host_to_device(ctx.weights, self.device, torch.float32)
         self._sync()
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
@@ -680,39 +783,32 @@ class Simulation:
         method.chunk_start(ctx, lo, hi)
         hist_c = ctx.hist[lo:hi]
         features = self._features_module() if method.needs_features else None
+        rho = float(method.sam_rho(ctx))
+        if not rho >= 0:
+            raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
+        if rho and self._sam_bufs is None:
+            self._sam_bufs = (torch.empty_like(self.stack.params), torch.empty_like(self.stack.params))
         for e in range(c.local_epochs):
             table = host_to_device(self._batch_table(ctx, lo, hi, e, S * B), self.device)
             for s in range(S):
                 n_act = int((steps[lo:hi] > s).sum())
-                rows = table[:n_act, s * B:(s + 1) * B]
-                valid = rows >= 0
-                ridx = rows.clamp_min(0)
-                if c.augment != "none":  # random parameters by (round, epoch, step, client position): the same
-                    from .data.augment import augmented_batch  # for any chunking or number of processes
-                    self._aug_gen.manual_seed(int(np.random.SeedSequence([c.seed, 104729, self.rnd, e, s])
-                                                  .generate_state(1, np.uint64)[0]) & (2**63 - 1))
-                    pos = (ctx.positions[lo:lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
-                    x, y = augmented_batch(self.train, ridx, self._aug_gen, pipeline=c.augment,
-                                           select=(ctx.num_total * B, pos))
-                else:
-                    x, y = self.train.batch(ridx)
-                y = torch.where(valid, y, torch.full_like(y, -100))
+                x, y, valid, ridx = self._minibatch(ctx, table, lo, n_act, e, s)
                 self._tick("data")
                 pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
-                out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
-                feat, z = out if features is not None else (None, out)
-                self._tick("forward")
-                zf = z.reshape(-1, z.shape[-1])
                 t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                yf = y.reshape(-1)
-                if self.loss_fn is not None:
-                    loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
+                loss = self._step_loss(ctx, pv, x, y, valid, seg, t, hist_c[:n_act], features, False)
+                if rho:  # SAM: the gradient at w + rho g/||g|| (per client), applied at w
+                    g1, w1 = (b[:n_act] for b in self._sam_bufs)
+                    self.stack.flat_grad(loss, pv, g1)
+                    scale = rho / (g1.norm(dim=1, keepdim=True) + SAM_EPS)
+                    torch.addcmul(theta_all[:n_act], scale, g1, out=w1)
+                    pv2 = self.stack.leaves_of(w1)
+                    loss2 = self._step_loss(ctx, pv2, x, y, valid, seg, t, hist_c[:n_act], features, True)
+                    grad = self.stack.flat_grad(loss2, pv2, None if self.gradbuf is None else self.gradbuf[:n_act])
                 else:
-                    loss = method.loss(ctx, Step(zf, yf, seg, n_act, t, hist_c[:n_act], x, valid, feat))
-                self._tick("loss")
-                grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
+                    grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
                 kw = {**step_kw, **method.step_terms(ctx, n_act)}
                 if self.adam_m is None:
@@ -727,6 +823,38 @@ class Simulation:
                 self._tick("step")
         method.chunk_end(ctx, lo, hi)
 
+    def _minibatch(self, ctx: Round, table: torch.Tensor, lo: int, n_act: int, e: int, s: int):
+        """Step ``s`` of epoch ``e``: the active clients' inputs [n_act, B, ...] (augmented with random parameters
+        keyed by (round, epoch, step, client position): the same for any chunking or number of processes), labels
+        (-100 on padding rows), the valid-row mask and the row indices."""
+        c, B = self.cfg, self.cfg.batch_size
+        rows = table[:n_act, s * B:(s + 1) * B]
+        valid = rows >= 0
+        ridx = rows.clamp_min(0)
+        if c.augment != "none":
+            from .data.augment import augmented_batch
+            self._aug_gen.manual_seed(int(np.random.SeedSequence([c.seed, 104729, self.rnd, e, s])
+                                          .generate_state(1, np.uint64)[0]) & (2**63 - 1))
+            pos = (ctx.positions[lo:lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
+            x, y = augmented_batch(self.train, ridx, self._aug_gen, pipeline=c.augment, select=(ctx.num_total * B, pos))
+        else:
+            x, y = self.train.batch(ridx)
+        return x, torch.where(valid, y, torch.full_like(y, -100)), valid, ridx
+
+    def _step_loss(self, ctx: Round, pv, x, y, valid, seg, t, hist, features, perturbed: bool):
+        """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss."""
+        n_act = x.shape[0]
+        out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
+        feat, z = out if features is not None else (None, out)
+        self._tick("forward")
+        zf, yf = z.reshape(-1, z.shape[-1]), y.reshape(-1)
+        if self.loss_fn is not None:
+            loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
+        else:
+            loss = self.method.loss(ctx, Step(zf, yf, seg, n_act, t, hist, x, valid, feat, pv, perturbed))
+        self._tick("loss")
+        return loss
+
     def _batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
         """Host index math (numpy, once per epoch): each client's own data order, padded with -1."""
         table = np.full((hi - lo, width), -1, dtype=np.int64)
@@ -739,7 +867,8 @@ class Simulation:
                 if perm.shape != (nk,) or not np.array_equal(np.sort(perm), np.arange(nk)):
                     raise ValueError(f"data_order: round {self.rnd + 1}, client {k}, epoch {epoch}: expected a "
                                      f"permutation of range({nk})")
-            table[j, :nk] = self._idx_host[k][perm]
+            take = min(nk, width)
+            table[j, :take] = self._idx_host[k][perm[:take]]
         return table
 
     def _aggregate_chunk(self, ctx: Round, lo: int, hi: int, weights: torch.Tensor) -> torch.Tensor:
@@ -753,7 +882,7 @@ class Simulation:
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float):
         if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
-            for t in (avg_sum, ctx.incr, loss_sum):
+            for t in (avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce))):
                 self._dist.all_reduce(t, group=self.group)
             if ctx.new_rows is not None:
                 ctx.sampled_t, ctx.new_rows = self._all_gather_rows(ctx.sampled_t, ctx.new_rows)

@@ -121,6 +121,11 @@ class ClientStack:
         zero-fill a full ``[n, P]`` buffer per parameter)."""
         return OrderedDict((k, v.detach().requires_grad_(True)) for k, v in self.param_views(rows).items())
 
+    def leaves_of(self, flat: Tensor) -> "OrderedDict[str, Tensor]":
+        """Per-parameter autograd leaves ``[n, *shape]`` viewing a ``[n, P]`` buffer other than the stack (SAM's
+        perturbed weights)."""
+        return OrderedDict((k, v.detach().requires_grad_(True)) for k, v in self.layout.param_views(flat).items())
+
     def flat_grad(self, loss: Tensor, leaves: "OrderedDict[str, Tensor]", out: Tensor | None) -> Tensor | list:
         """d loss / d leaves as one ``[n, P]`` tensor written into ``out`` (``torch.autograd.grad``: no
         ``.grad`` accumulation, whose layout contract would copy each gradient to the leaf's strides); with

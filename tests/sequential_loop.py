@@ -265,3 +265,104 @@ def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
     hist = sim.run()
     g = sim.global_flat.cpu()
     return float((g - ref).abs().max() / ref.abs().max()), sim, hist
+
+
+class PlainLoop:
+    """The literal loop a researcher writes, as a skeleton for the method tests: the round's clients one after
+    another, each a ``copy.deepcopy`` of the global ``nn.Module`` trained with ``torch.optim.SGD`` on its own
+    minibatches (the engine's data order), then a ``state_dict`` average. Each method's test file subclasses it
+    and writes the method's formulas in the hooks, in plain PyTorch, without fedfast's method classes (options
+    come from the resolved config: ``self.o``)."""
+
+    def __init__(self, cfg, model, train, part):
+        self.cfg, self.train, self.part = cfg, train, part
+        self.o = {**vars(cfg.method().opts)}
+        self.glob = copy.deepcopy(model)
+        self.w0 = flat(model)
+        self.K = part.num_clients
+        self.sizes = np.array([len(i) for i in part.indices])
+        self.hist = torch.stack([torch.bincount(train.y[i], minlength=train.num_classes) for i in part.indices]).float()
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def sample(self, rnd):
+        return sample_clients(self.cfg.seed, rnd, self.K, self.cfg.clients_per_round)
+
+    def round_start(self, sampled):
+        """Server values for the round (``self.gflat``: the model the clients start from)."""
+
+    def optimizer(self, local, k):
+        c = self.cfg
+        return torch.optim.SGD(local.parameters(), lr=self.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+    def loss(self, local, x, y, k):
+        return F.cross_entropy(local(x), y)
+
+    def step(self, local, opt, x, y, k):
+        """One local step: loss, backward, clipping, the optimizer."""
+        opt.zero_grad()
+        self.loss(local, x, y, k).backward()
+        self.clip(local)
+        opt.step()
+
+    def clip(self, local):
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(local.parameters(), self.cfg.max_grad_norm)
+
+    def client_end(self, k, local, nsteps):
+        """After client ``k``'s local training (``nsteps`` steps)."""
+
+    def weights(self, sampled):
+        n = torch.tensor(self.sizes[sampled], dtype=torch.float64)
+        w = n if self.cfg.aggregate_weights == "size" else torch.ones_like(n)
+        return w / w.sum()
+
+    def server(self, avg, sampled):
+        """The new global model (flat) from the participants' weighted average ``avg`` (flat)."""
+        return avg
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def batches(self, rnd, k, e):
+        idx = self.part.indices[k]
+        return idx[torch.from_numpy(client_order(self.cfg.seed, rnd, int(k), e, len(idx)))].split(self.cfg.batch_size)
+
+    def run(self, rounds):
+        c = self.cfg
+        for rnd in range(rounds):
+            self.rnd, self.lr = rnd, c.lr * c.lr_decay ** rnd
+            sampled = np.asarray(self.sample(rnd))
+            self.gflat = flat(self.glob)
+            self.round_start(sampled)
+            states = []
+            for k in sampled:
+                local = copy.deepcopy(self.glob)
+                opt = self.optimizer(local, int(k))
+                nsteps = 0
+                for e in range(c.local_epochs):
+                    for b in self.batches(rnd, k, e):
+                        x, y = self.train.batch(b)
+                        self.step(local, opt, x, y, int(k))
+                        nsteps += 1
+                self.client_end(int(k), local, nsteps)
+                states.append(local.state_dict())
+            w = self.weights(sampled)
+            self.glob.load_state_dict({key: sum(float(w[i]) * states[i][key] for i in range(len(states)))
+                                       for key in states[0]})
+            _load_(self.glob, self.server(flat(self.glob), sampled))
+        return flat(self.glob)
+
+
+def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, executor="auto", device=None, **cfg_kw):
+    """The engine and ``loop_cls`` (a :class:`PlainLoop`) on the same data, seeds and batch order: (relative error
+    of the global models after ``rounds`` rounds, the Simulation, the loop)."""
+    train, test, part, base = setup_data()
+    model = base if model is None else model
+    kw = dict(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16, lr=0.05,
+              weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {}, executor=executor)
+    kw.update(cfg_kw)
+    cfg = fedfast.SimConfig(**kw)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device=device)
+    loop = loop_cls(cfg, copy.deepcopy(sim.model).cpu(), train, part)  # the model the engine trains (its head too)
+    ref = loop.run(rounds)
+    sim.run()
+    g = sim.global_flat.cpu()
+    return float((g - ref).abs().max() / ref.abs().max()), sim, loop

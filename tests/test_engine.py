@@ -415,3 +415,59 @@ def test_augmentation_is_independent_of_chunking():
         sim.run()
         out.append(sim.global_flat)
     assert all((o - out[0]).abs().max() <= 1e-6 * out[0].abs().max() for o in out[1:])
+
+
+def test_client_sampling_as_the_papers_codes():
+    """client_sampling = "bernoulli" draws as ASD's code (np.random.seed(round + seed + retry), uniform <= p,
+    again while empty) and "round_seeded" as FedNTD's (np.random.seed(round), choice(K, m, replace=False), the
+    same cohorts for every seed); both written out here with numpy's global generator."""
+    train, test, part, model = _setup()
+    K = part.num_clients
+
+    def asd_code(rnd, seed, p):
+        inc = 0
+        while True:
+            np.random.seed(rnd + seed + inc)
+            act = np.random.uniform(size=K) <= p
+            inc += 1
+            if act.sum():
+                return sorted(np.where(act)[0].tolist())
+
+    def fedntd_code(rnd, m):
+        np.random.seed(rnd)
+        return sorted(np.random.choice(K, m, replace=False).tolist())
+
+    runs = {}
+    for mode, seed, m in (("bernoulli", 3, 2), ("bernoulli", 5, 1), ("round_seeded", 3, 3), ("round_seeded", 9, 3)):
+        cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=m, rounds=6, batch_size=16, lr=0.05, seed=seed,
+                                client_sampling=mode)
+        hist = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part).run()
+        got = [sorted(h["clients"]) for h in hist]
+        want = [asd_code(r, seed, m / K) if mode == "bernoulli" else fedntd_code(r, m) for r in range(6)]
+        assert got == want, mode
+        runs[(mode, seed)] = got
+    # cohorts of varying size; seed 5's round 0 draws nobody at p = 1/8 and is drawn again
+    assert len({len(c) for key in (("bernoulli", 3), ("bernoulli", 5)) for c in runs[key]}) > 1
+    assert runs[("round_seeded", 3)] == runs[("round_seeded", 9)]  # independent of the seed
+    with pytest.raises(ValueError, match="client_sampling"):
+        fedfast.SimConfig(client_sampling="poisson")
+    with pytest.raises(ValueError, match="client_sampling"):
+        fedfast.Simulation(fedfast.SimConfig(client_sampling="bernoulli"), model, train, test, part, schedule=[[0]])
+
+
+def test_method_aggregation_weights_are_checked():
+    """A method's aggregation_weights must be finite, non-negative and not all zero; the error names the hook."""
+    from fedfast.methods import FedAvg
+
+    class Bad(FedAvg):
+        name = "bad"
+
+        def aggregation_weights(self, ids, sizes, local_steps):
+            return -np.ones(len(ids))
+
+    train, test, part, model = _setup()
+    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, batch_size=16), model, train,
+                             test, part)
+    sim.method.__class__ = Bad
+    with pytest.raises(ValueError, match="bad.aggregation_weights"):
+        sim.round()

@@ -52,32 +52,30 @@ def test_resnet50_stems_and_batched_executor():
         assert feats["x"].shape[-1] == side
     with pytest.raises(ValueError, match="stem"):
         models.resnet50(stem="tiny")
-    # Deep BatchNorm over 4 samples is ill-conditioned: the fp32 module's own gradients differ from fp64 by ~1 %,
-    # so the executor is held to the fp32 module's distance from the fp64 computation (x3), for both norms.
+    # In fp32, deep BatchNorm over 4 samples is ill-conditioned (the fp32 module's own gradients differ from fp64
+    # by 0.5-1.6 %, machine-dependent), so the executor is checked in fp64, where it must equal the modules to
+    # rounding (measured 4e-13).
     def err(a, b):
-        return float((a.double() - b).abs().max() / b.abs().max())
+        return float((a - b).abs().max() / b.abs().max())
 
     for norm, side in (("gn", 8), ("bn", 32)):
         torch.manual_seed(0)
-        m = models.resnet50(7, norm)
-        st = ClientStack(m, 2)
+        m = models.resnet50(7, norm).double()
+        st = ClientStack(m, 2, dtype=torch.float64)
         assert st.plan is not None
         with torch.no_grad():
             st.params.add_(torch.randn_like(st.params) * 0.01)
-        x = torch.randn(2, 4, 3, side, side)
+        x = torch.randn(2, 4, 3, side, side, dtype=torch.float64)
         leaves = st.leaf_views(slice(0, 2))
         z = st.vmap_forward(x, params=leaves)
         g = torch.cat(st.flat_grad((z ** 2).sum(), leaves, None), 1)
         for k in range(2):
-            outs = []
-            for dt in (torch.float64, torch.float32):
-                mk = st.load_into(copy.deepcopy(m), k).to(dt)
-                zk = mk(x[k].to(dt))
-                (zk ** 2).sum().backward()
-                outs.append((zk.detach(), torch.cat([p.grad.reshape(-1) for p in mk.parameters()])))
-            (z64, g64), (z32, g32) = outs
-            assert err(z[k].detach(), z64) <= 3 * err(z32, z64) + 1e-5, norm
-            assert err(g[k], g64) <= 3 * err(g32, g64) + 1e-5, norm
+            mk = st.load_into(copy.deepcopy(m), k)
+            zk = mk(x[k])
+            (zk ** 2).sum().backward()
+            gk = torch.cat([p.grad.reshape(-1) for p in mk.parameters()])
+            assert err(z[k].detach(), zk.detach()) <= 1e-10, norm
+            assert err(g[k], gk) <= 1e-10, norm
         assert classifier_of(m) is m.fc
 
 

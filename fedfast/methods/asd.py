@@ -1,6 +1,7 @@
 """ASD, adaptive self-distillation (Yashwanth et al., "Adaptive Self-Distillation for Minimizing Client Drift in
 Heterogeneous Federated Learning", TMLR), an add-on to a base method: ``algorithm = "fedavg+asd"``,
-``"fedprox+asd"``, ``"fedntd+asd"``, ``"feddyn+asd"``, ``"scaffold+asd"``, ``"fedavgm+asd"``; its options are the
+``"fedprox+asd"``, ``"fedntd+asd"``, ``"feddyn+asd"``, ``"scaffold+asd"``, ``"fedavgm+asd"``, ``"fedsam+asd"``,
+``"fedspeed+asd"``, ``"feddisco+asd"``; its options are the
 ``[asd]`` table, the base's stay in the base's table.
 
 The base's client loss (its KD term, if any) becomes, per minibatch, in the official code's scaling::
@@ -19,9 +20,11 @@ and state are unchanged.
 Defaults from the paper and the official code (vcl-iisc/fed-adaptive-self-distillation @6cb4b68): ``tau = 2``
 (§5, A.6); ``lam = 10`` (CIFAR-10; 30 for CIFAR-100 and 20 for Tiny-ImageNet, A.3); gradient clipping at norm 10
 (``max_norm = 10`` in the code; fedfast's ``max_grad_norm`` defaults to it for every ``+asd`` method). The
-entropy's temperature differs between the code's paths (ambiguity A1): ``train_fedavgreg_mdl`` (FedAvg+ASD and
-FedNTD+ASD) computes H at temperature 1, ``train_fedprox_mdl`` and ``train_feddyn_mdl_reg`` at ``tau``;
-``entropy_tau`` left unset follows the code of the base (1 on fedavg and fedntd, ``tau`` elsewhere). With
+entropy's temperature differs between the code's paths (ambiguity A1): ``train_fedavgreg_mdl`` (FedAvg+ASD,
+FedNTD+ASD and FedDisco+ASD) and ``compute_distill_loss`` (FedSpeed+ASD) compute H at temperature 1,
+``train_fedprox_mdl`` and ``train_feddyn_mdl_reg`` at ``tau``; ``entropy_tau`` left unset follows the code of the
+base (1 on fedavg, fedntd, feddisco and fedspeed, ``tau`` elsewhere; FedSAM+ASD has no released path: the
+paper's ``tau``). With
 ``entropy_tau = 1`` fedfast's loss equals the official FedAvg+ASD loss and gradient to 2e-8.
 """
 from __future__ import annotations
@@ -32,7 +35,9 @@ from dataclasses import dataclass
 from .. import nn as fnn
 from .base import Method, TeacherSpec, make_options, opt
 
-_ENTROPY_TAU_1 = ("fedavg", "fedntd")  # the official train_fedavgreg_mdl path: H at temperature 1
+# the official code's paths that compute H at temperature 1: train_fedavgreg_mdl (FedAvg+ASD, FedNTD+ASD, and
+# FedDisco+ASD, which is that path with disco = 1) and compute_distill_loss (FedSpeed+ASD)
+_ENTROPY_TAU_1 = ("fedavg", "fedntd", "feddisco", "fedspeed")
 _CODE = "official ASD code 6cb4b68: max_norm = 10"
 
 

@@ -11,9 +11,10 @@ A method is a small class that owns everything about itself (``docs/methods.md``
   per-round cache or a per-step forward and hands every step the rows it needs as :class:`TeacherRows`).
 
 Every hook works on all of a round's clients at once (rows of the client stack in the round's sorted order).
-The engine calls, per round: ``round_start``, ``teacher``, then per chunk of clients ``chunk_start``, per
-local step ``loss`` and ``step_terms``, ``chunk_end``, ``chunk_aggregate`` and ``collect``; then ``server``
-and ``evaluated``. A method never writes attributes on the engine and the engine reads no method-specific
+The engine calls, once, ``prepare_model`` (a method that changes the model: MOON's projection head), then per
+round: ``aggregation_weights``, ``round_start``, ``teacher``, ``sam_rho``, then per chunk of clients
+``chunk_start``, per local step ``loss`` (twice on a SAM step) and ``step_terms``, ``chunk_end``,
+``chunk_aggregate`` and ``collect``; then ``server`` and ``evaluated``. A method never writes attributes on the engine and the engine reads no method-specific
 attribute: a method reaches the engine only through :class:`Engine` (``self.engine``).
 """
 from __future__ import annotations
@@ -140,6 +141,11 @@ class Round:
     new_rows: Tensor | None = None   # their updated values, filled by ``collect`` chunk by chunk
     incr: Tensor | None = None       # a server-state increment summed over the chunks (all-reduced across ranks)
     chunk: dict = field(default_factory=dict)  # per-chunk values a method keeps between its hooks
+    weights: np.ndarray | None = None  # [m] this rank's clients' aggregation weights (host)
+    clients: np.ndarray | None = None  # the whole round's clients (all ranks) in stack order; row p of a
+    #                                    ``reduce`` table is the client at position p (``positions``)
+    reduce: dict = field(default_factory=dict)  # tensors a method fills and the engine sums across ranks before
+    #                                    ``server`` (per-client rows at ``positions``, or server increments)
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,9 @@ class Step:
     x: Tensor                        # [num_clients, B, ...] the inputs (augmented if augmentation is on)
     valid: Tensor                    # [num_clients, B] False on padding rows
     features: Tensor | None = None   # [num_clients, B, F] input of the classifier, if ``needs_features``
+    params: dict | None = None       # the active clients' parameters {name: [num_clients, *shape]} (autograd
+    #                                  leaves: a loss term on them, e.g. the classifier on other inputs)
+    perturbed: bool = False          # the second pass of a SAM step (at w + rho g/||g||): no side effects
 
 
 # -- the engine as a method sees it --------------------------------------------------------------------------
@@ -224,8 +233,17 @@ class Engine(Protocol):
     def eval_mode(self) -> contextlib.AbstractContextManager: ...
     # the model's modules in eval mode inside (frozen references: no dropout, as a teacher)
 
-    def new_client_state(self, fill: Tensor | None = None): ...
-    # a fedfast.flat.ClientState [K, P] (dtype and placement from the engine settings), rows = ``fill``
+    def new_client_state(self, fill: Tensor | None = None, rows: int = 1): ...
+    # a fedfast.flat.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``
+
+    def head(self, params: dict, z: Tensor) -> Tensor: ...
+    # the model's classifier (its last nn.Linear) of each client on z [n, R, F] -> [n, R, C], with ``params``
+    # the step's parameters (Step.params) or any {name: [n, *shape]}
+
+    def local_gradients(self, ctx, lo: int, hi: int, batches, *, epoch: int): ...
+    # for the chunk's clients at their current parameters: one pass over ``batches`` [hi-lo] minibatches of each
+    # client's data (data order of local epoch ``epoch``), yielding per step (s, n_act, grad [n_act, P]), the
+    # gradient of each client's minibatch-mean cross-entropy (FedCurv's Fisher)
 
     def client_params(self, n: int) -> Tensor: ...
     # the live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)
@@ -298,6 +316,11 @@ class Method:
     def setup(self) -> None:
         """Allocate the method's server and per-client state (``self.engine`` is set)."""
 
+    def prepare_model(self, model, seed: int = 0):
+        """The model the clients train (called once, before anything else): ``model`` itself, or a new module
+        built from it (MOON's projection head); never modify ``model`` in place."""
+        return model
+
     def uses_teacher(self) -> bool:
         """Whether ``teacher`` can return a teacher (decides the teacher cache; static per run)."""
         return False
@@ -341,8 +364,20 @@ class Method:
                 setattr(self, k, v.to(self.engine.device).clone())
 
     # -- per round -----------------------------------------------------------------------------------------
+    def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray | None:
+        """The weights of the round's participants in the average (host arrays over all of the round's clients in
+        stack order: ids, data sizes, local steps E*ceil(n/B)); None: the engine's ``aggregate_weights``
+        (sizes or uniform). FedDisco and FedNova set their own."""
+        return None
+
     def round_start(self, ctx: Round) -> None:
         """Per-round server-side values (class weights, per-client coefficients)."""
+
+    def sam_rho(self, ctx: Round) -> float:
+        """The SAM radius rho of this round's local steps (0: plain steps). With rho > 0 every local step runs the
+        loss twice: at w for g, then at ``w + rho g / ||g||`` (per client), whose gradient the step applies at w
+        (Foret et al. 2021; FedSAM, FedSpeed)."""
+        return 0.0
 
     def teacher(self, ctx: Round) -> TeacherSpec | None:
         """The models this method distils from this round (None: no teacher)."""

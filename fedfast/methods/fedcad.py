@@ -18,6 +18,12 @@ confidence"); per-batch mean (C4); the auxiliary set is drawn once, seeded, from
 class, never from the test set (C5), and is removed from the clients' data with ``aux_holdout = true`` (the
 strict setting; ``fedfast run`` applies it before partitioning); ``beta = 0.3``, ``gamma = 0.7`` from the
 paper's grid {0, 0.3, 0.5, 0.7} with ``0 < beta < gamma < 1`` (the chosen values are unreported, C6).
+
+**FedLSD** (Lee et al. 2021, the first version of FedNTD, "Preservation of the Global Knowledge by Not-True Self
+Knowledge Distillation"), as FedCAD compares with it (Eq. 4, reading C7): the constant-weight special case
+``beta = gamma = alpha`` of FedCAD, ``(1 - alpha) CE + alpha * soft-CE(softmax(z_g / T), z / T)`` with the same
+reductions, ``T = 2`` (FedCAD: "For FedLSD, we set the temperature parameter T to 2") and ``alpha`` from FedCAD's
+grid {0.1, 0.3, 0.5} (the chosen value is unreported: 0.3, the middle). It needs no auxiliary set.
 """
 from __future__ import annotations
 
@@ -88,3 +94,32 @@ class FedCAD(_FromGlobal):
     def loss(self, ctx, b):
         return self.kd(b.logits, b.teacher.logits, b.target, self.alpha, segments=b.segments,
                        num_segments=b.num_clients)
+
+
+@register("fedlsd")
+class FedLSD(FedCAD):
+    """FedLSD (Lee et al. 2021, as FedCAD's Eq. 4): (1 - alpha) CE + alpha soft-CE to the global model at T = 2,
+    FedCAD with beta = gamma = alpha."""
+    paper = ("Lee et al., Preservation of the Global Knowledge by Not-True Self Knowledge Distillation in Federated "
+             "Learning, arXiv 2106.03097v1, 2021 (as He et al., FedCAD, Eq. 4)")
+
+    @dataclass
+    class Options:
+        alpha: float = opt(0.3, "weight of the distillation (FedCAD: grid {0.1, 0.3, 0.5}; value unreported)",
+                           check="[0,1]")
+        tau: float = opt(2.0, "temperature T (FedCAD: 'For FedLSD, we set T to 2')", check=">0")
+        tau_squared: bool = opt(False, "multiply the soft-CE by T^2 (FedCAD's Eq. 4 has none)")
+
+    def resolve(self):
+        pass
+
+    def hold_out(self, train, seed=0):
+        return train, {}
+
+    def setup(self):
+        e, o = self.engine, self.opts
+        self.kd = fnn.CADLoss(tau=o.tau, tau_squared=o.tau_squared, backend=e.backend)
+        self.alpha = torch.full((e.num_classes,), float(o.alpha), device=e.device)
+
+    def round_start(self, ctx):
+        pass

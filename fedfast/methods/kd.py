@@ -11,6 +11,9 @@
   (``algorithms/fedntd/ClientTrainer.py``), so neither does fedfast; the protocol (SGD lr 0.01 decayed 0.99
   per round, momentum 0.9, weight decay 1e-5, B = 50, E = 5, 200 rounds) is a run setting, not the method's.
 
+**FedLS-NTD**: FedNTD under the name and settings FedADC's Table I runs it with (§IV-C: "FedLS-NTD", T = 1,
+beta = 0.3, local momentum 0.9), a named method over FedNTD with those defaults.
+
 Reading chosen: aggregation is size-weighted (Eq. 2 and the code; Alg. 1 writes uniform, equal under sharding).
 """
 from __future__ import annotations
@@ -72,3 +75,16 @@ class FedNTD(_FromGlobal):
 
     def loss(self, ctx, b):
         return self.kd(b.logits, b.teacher.logits, b.target, segments=b.segments, num_segments=b.num_clients)
+
+
+@register("fedls_ntd")
+class FedLSNTD(FedNTD):
+    """FedLS-NTD (FedADC Table I): FedNTD with beta = 0.3, tau = 1 (Ozfatura et al. §IV-C)."""
+    paper = ("Lee et al. (FedNTD, NeurIPS 2022) as FedLS-NTD in Ozfatura, Ozfatura and Gündüz, FedADC, Table I")
+    accepts_asd = False  # fedntd+asd is the same method
+
+    @dataclass
+    class Options:
+        beta: float = opt(0.3, "weight of the not-true KL (FedADC §IV-C: beta = 0.3)", check=">=0")
+        tau: float = opt(1.0, "temperature (FedADC §IV-C: T = 1)", check=">0")
+        tau_squared: bool = opt(True, "multiply the KL by tau^2 (FedNTD's code HEAD; no effect at tau = 1)")

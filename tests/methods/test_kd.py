@@ -1,5 +1,6 @@
 """KD and FedNTD against the plain sequential loop; their defaults follow Lee et al. (FedNTD) and its code."""
 import pytest
+import torch
 
 import fedfast
 from sequential_loop import engine_vs_loop
@@ -22,3 +23,15 @@ def test_defaults():
     assert (o.beta, o.tau, o.tau_squared, cfg.max_grad_norm, cfg.aggregate_weights) == (1.0, 1.0, True, 0.0, "size")
     k = fedfast.SimConfig(algorithm="kd").method().opts
     assert (k.beta, k.tau, k.tau_squared) == (1.0, 3.0, True)
+
+
+def test_fedls_ntd_is_fedntd_with_fedadc_settings():
+    """FedLS-NTD (FedADC Table I; §IV-C: T = 1, beta = 0.3) is FedNTD with those options, bit for bit (FedNTD is
+    checked against the literal loop above)."""
+    o = fedfast.SimConfig(algorithm="fedls_ntd").method().opts
+    assert (o.beta, o.tau, o.tau_squared) == (0.3, 1.0, True)
+    _, a, _ = engine_vs_loop("fedls_ntd", {})
+    err, b, _ = engine_vs_loop("fedntd", dict(beta=0.3, tau=1.0))
+    assert torch.equal(a.global_flat, b.global_flat) and err <= 1e-4
+    _, c, _ = engine_vs_loop("fedntd", {})
+    assert not torch.equal(a.global_flat, c.global_flat)
