@@ -292,6 +292,9 @@ class PlainLoop:
 
     def optimizer(self, local, k):
         c = self.cfg
+        if c.client_optimizer != "sgd":
+            adam = torch.optim.AdamW if c.client_optimizer == "adamw" else torch.optim.Adam
+            return adam(local.parameters(), lr=self.lr, betas=c.adam_betas, eps=c.adam_eps, weight_decay=c.weight_decay)
         return torch.optim.SGD(local.parameters(), lr=self.lr, momentum=c.momentum, weight_decay=c.weight_decay)
 
     def loss(self, local, x, y, k):

@@ -145,7 +145,8 @@ class Round:
     clients: np.ndarray | None = None  # the whole round's clients (all ranks) in stack order; row p of a
     #                                    ``reduce`` table is the client at position p (``positions``)
     reduce: dict = field(default_factory=dict)  # tensors a method fills and the engine sums across ranks before
-    #                                    ``server`` (per-client rows at ``positions``, or server increments)
+    #                                    ``server`` (per-client rows at ``positions``, or server increments); make
+    #                                    them in ``round_start`` (every rank, even one without clients, must)
 
 
 @dataclass(frozen=True)

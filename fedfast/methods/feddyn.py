@@ -51,29 +51,41 @@ class FedDyn(FedAvg):
         self.hbar = torch.zeros(e.num_params, device=e.device)
         self.avg = e.global_flat
 
+    def coefficient(self) -> tuple[float, str]:
+        """(alpha, its per-client scaling)."""
+        return self.opts.alpha, self.opts.alpha_scaling
+
     def round_start(self, ctx):
         e = self.engine
+        alpha, scaling = self.coefficient()
         sizes = torch.tensor(ctx.sizes, dtype=torch.float32, device=e.device)
-        if self.opts.alpha_scaling == "mean_size":
+        if scaling == "mean_size":
             s = sizes / float(e.client_sizes.mean())
-        else:
+        elif scaling == "minibatches":
             s = sizes / e.config.batch_size
-        self.alpha_k = self.opts.alpha / s
+        else:
+            s = torch.ones_like(sizes)
+        self.alpha_k = alpha / s
+
+    def _h(self, rows):
+        """The h_k columns of the state rows (a subclass may keep more per client after them)."""
+        return rows if rows.shape[1] == self.engine.num_params else rows[:, :self.engine.num_params]
 
     def chunk_start(self, ctx, lo, hi):
         a = self.alpha_k[lo:hi]
-        ctx.chunk.update(alpha=a, dyn=a[:, None] * (ctx.rows[lo:hi] - self.engine.global_flat))
+        ctx.chunk.update(alpha=a, dyn=a[:, None] * (self._h(ctx.rows[lo:hi]) - self.engine.global_flat))
 
     def step_terms(self, ctx, n_act):
         ch = ctx.chunk
         return dict(dyn_linear=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
 
     def chunk_aggregate(self, ctx, lo, hi):
-        return dict(dyn_h=ctx.rows[lo:hi], dyn_hbar=self.hbar, dyn_num_clients=self.engine.num_clients)
+        return dict(dyn_h=self._h(ctx.rows[lo:hi]).contiguous(), dyn_hbar=self.hbar,
+                    dyn_num_clients=self.engine.num_clients)
 
     def collect(self, ctx, out, lo, hi):
         ctx.incr += out["dyn_hbar"] - self.hbar
-        ctx.new_rows[lo:hi] = out["dyn_h"]
+        self._h(ctx.new_rows[lo:hi]).copy_(out["dyn_h"])
 
     def server(self, ctx, avg):
         self.hbar = self.hbar + ctx.incr
