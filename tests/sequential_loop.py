@@ -260,8 +260,8 @@ def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
               weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {})
     kw.update(cfg_kw)
     cfg = fedfast.SimConfig(**kw)
-    ref = sequential(cfg, model, train, part, cfg.rounds, val=val)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val, device=device)
+    ref = sequential(cfg, copy.deepcopy(sim.model).cpu(), train, part, cfg.rounds, val=val)  # its head too (MOON)
     hist = sim.run()
     g = sim.global_flat.cpu()
     return float((g - ref).abs().max() / ref.abs().max()), sim, hist

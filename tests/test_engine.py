@@ -152,8 +152,8 @@ def test_engine_vmap_path_matches_sequential_loop(algorithm, extra):
     model = _Wrapped(model)
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
                             lr=0.05, momentum=0.9, weight_decay=1e-4, seed=3, options=extra, executor="vmap")
-    ref = _sequential(cfg, model, train, part, cfg.rounds)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    ref = _sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds)  # MOON: with its projection head
     assert sim.stack.plan is None
     sim.run()
     assert (sim.global_flat - ref).abs().max() / ref.abs().max() <= 1e-4
@@ -393,8 +393,8 @@ def test_residual_models_take_the_batched_executor_and_match_the_loop(norm, algo
     # the loop to 1e-7 there too)
     cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, rounds=2, local_epochs=1, batch_size=8,
                             lr=0.01, momentum=0.9, seed=1, teacher=teacher)
-    ref = _sequential(cfg, model, train, part, cfg.rounds)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    ref = _sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds)  # MOON: with its projection head
     assert sim.stack.plan is not None
     sim.run()
     assert (sim.global_flat - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -101,3 +101,31 @@ def test_dropout_model_under_vmap_trains_per_client():
     st = ClientStack(m, 2)
     out = st.vmap_forward(torch.randn(2, 3, 3, 32, 32))
     assert out.shape == (2, 3, 10) and torch.isfinite(out).all()
+
+
+def test_projection_head():
+    """with_projection_head: a copy whose classifier F -> C becomes Linear(F, F), ReLU, Linear(F, dim),
+    Linear(dim, C) (MOON's l1, l2, l3), seeded without touching the global random state; the batched executor
+    runs it and equals the module."""
+    torch.manual_seed(5)
+    m = models.MLP(12, (6,), 3)
+    state = torch.get_rng_state()
+    a, b = models.with_projection_head(m, 4, seed=1), models.with_projection_head(m, 4, seed=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    head = [x for x in a.modules() if isinstance(x, models.ProjectionClassifier)][0]
+    assert [tuple(x.weight.shape) for x in head if isinstance(x, torch.nn.Linear)] == [(6, 6), (4, 6), (3, 4)]
+    assert sum(p.numel() for p in m.parameters()) == 12 * 6 + 6 + 6 * 3 + 3  # the original is unchanged
+    x = torch.randn(2, 5, 12)
+    st = ClientStack(a, 2)
+    assert st.plan is not None
+    with torch.no_grad():
+        st.params.add_(torch.randn_like(st.params) * 0.1)
+        for k in range(2):
+            assert torch.allclose(st.vmap_forward(x)[k], st.load_into(copy.deepcopy(a), k)(x[k]), atol=1e-6)
+    with pytest.raises(ValueError, match="already has a projection head"):
+        models.with_projection_head(a)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        models.with_projection_head(torch.nn.Sequential(torch.nn.ReLU()))
+    with pytest.raises(ValueError, match="dim"):
+        models.with_projection_head(m, 0)

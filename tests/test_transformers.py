@@ -121,11 +121,11 @@ def test_rounds_match_the_sequential_loop(task, algorithm, options, executor):
     three rounds equals the plain loop's (per-client modules, torch.optim.Adam, state_dict averaging)."""
     tok, train, test, part = task
     model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)
-    g0 = _flat(model)
     cfg = fedfast.SimConfig(algorithm=algorithm, options=options, clients_per_round=3, rounds=3, local_epochs=2,
                             batch_size=8, lr=5e-3, client_optimizer="adam", seed=3, executor=executor)
-    ref = sequential(cfg, model, train, part, cfg.rounds, val=test)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=test)
+    g0 = _flat(sim.model)  # the model the engine trains (MOON: with its projection head)
+    ref = sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds, val=test)
     assert isinstance(sim.stack.plan, grouped.GroupedPlan) == (executor == "auto")
     sim.run()
     err = _update_err(sim, sim.global_flat, ref, g0)

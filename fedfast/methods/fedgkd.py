@@ -30,6 +30,10 @@ engine caches the M-teacher mixture ``pbar = sum_m g_m p_m / lambda`` once per r
 ``sum_m g_m KL(p_m || q)`` equals that of ``lambda * KL(pbar || q)`` exactly, and the loss differs by the
 constant ``sum_m g_m H(p_m) - lambda H(pbar)``, which the cached ``negent`` restores.
 
+**FedGKD+** (§5.1, "we add the projection layer for FedGKD", to compare with MOON): FedGKD on a model with MOON's
+projection head (``Linear(F, F) -> ReLU -> Linear(F, 256) -> Linear(256, C)``, as the code's ``projection_layer``;
+:func:`fedfast.models.with_projection_head`), the distillation on the logits as in FedGKD.
+
 Public-code quirks not reproduced (snapshot 72e7bac): with ``buffer_length <= 1`` the teacher is set once to
 ``w_0`` and never refreshed; the VOTE sum is computed under ``no_grad``. fedfast implements the paper.
 """
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import nn as fnn
+from ..models.head import with_projection_head
 from . import register
 from .base import Method, TeacherSpec, cross_entropy, opt
 
@@ -95,6 +100,19 @@ class FedGKD(Method):
     def after_server(self, ctx, out):
         if self.buf is not None:
             self.buf, self.avg = out["teacher_buffer"], out["teacher"]
+
+
+@register("fedgkd_plus")
+class FedGKDPlus(FedGKD):
+    """FedGKD+ (Yao et al., §5.1): FedGKD on a model with MOON's projection head (2-layer MLP, output 256)."""
+
+    @dataclass
+    class Options(FedGKD.Options):
+        projection_dim: int = opt(256, "output of the projection head (§5.1 and the code's projection_layer: 256)",
+                                  check=">=1")
+
+    def prepare_model(self, model, seed=0):
+        return with_projection_head(model, self.opts.projection_dim, seed)
 
 
 @register("fedgkd_vote")

@@ -4,12 +4,15 @@ Client loss per minibatch: ``CE(z, y) + mu * l_con`` with the model-contrastive 
 
     l_con = -log( e^{cos(r, r_g)/T} / (e^{cos(r, r_g)/T} + e^{cos(r, r_prev)/T}) )
 
-``r`` is the representation of the local model (fedfast: the input of the model's last ``nn.Linear``, i.e. the
-penultimate features; FedNTD's code uses the 512-d output of ``linear_1`` after ReLU, which is the same tensor
-for its CNN), ``r_g`` that of the frozen global model and ``r_prev`` that of the client's own model after its
-previous participation (the initial global model before its first). The reference models run in eval mode
-(no dropout), as a teacher. State: one previous local model per client (``[K, P]`` rows). Defaults
-``mu = 1``, ``T = 0.5`` (FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
+``r`` is the representation of the local model: the input of the model's last ``nn.Linear``. MOON's paper and
+code put a projection head before the classifier (``projection_dim = 256``, the default: the model is built with
+:func:`fedfast.models.with_projection_head`, ``Linear(F, F) -> ReLU -> Linear(F, 256) -> Linear(256, C)``) and
+contrast its output, as FedGKD's and FedADC's MOON rows do; FedNTD's code has no head and contrasts the 512-d
+output of ``linear_1`` after ReLU, the classifier's input (``projection_dim = 0``; its presets set it). ``r_g``
+is that of the frozen global model and ``r_prev`` that of the client's own model after its previous
+participation (the initial global model before its first). The reference models run in eval mode (no dropout),
+as a teacher. State: one previous local model per client (``[K, P]`` rows). Defaults ``mu = 1``, ``T = 0.5``
+(FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.head import with_projection_head
 from . import register
 from .base import cross_entropy, opt, weighted_mean_rows
 from .fedavg import FedAvg
@@ -35,6 +39,12 @@ class MOON(FedAvg):
     class Options:
         mu: float = opt(1.0, "weight of the contrastive term (FedNTD Table 5, from {0.1, 0.5, 1})", check=">=0")
         tau: float = opt(0.5, "temperature T (FedNTD Table 5; MOON paper 0.5)", check=">0")
+        projection_dim: int = opt(256, "output of the projection head before the classifier (MOON's paper and "
+                                       "code: 256; 0: no head, as FedNTD's code)", check=">=0")
+
+    def prepare_model(self, model, seed=0):
+        d = self.opts.projection_dim
+        return with_projection_head(model, d, seed) if d else model
 
     def setup(self):
         e = self.engine

@@ -1,4 +1,5 @@
 """The papers' models, each usable under ``torch.func.functional_call`` / ``vmap`` (no running statistics)."""
+from .head import ProjectionClassifier, with_projection_head
 from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, LeNet5, SimpleCNN
 from .mlp import MLP
 from .resnet import CifarResNet8, ResNet, ResNet50, resnet10, resnet18, resnet50
@@ -13,4 +14,5 @@ MODELS = {
 }
 
 __all__ = ["ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
-           "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "MODELS"]
+           "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "MODELS", "ProjectionClassifier",
+           "with_projection_head"]

@@ -6,7 +6,7 @@ import torch
 
 import fedfast
 from fedfast import data
-from sequential_loop import engine_vs_loop, setup_data
+from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, flat, setup_data
 
 
 @pytest.mark.parametrize("algorithm,options,extra", [
@@ -53,3 +53,55 @@ def test_vote_hold_out_split():
     with pytest.raises(ValueError, match="fedgkd_vote.val_fraction"):
         fedfast.methods.FedGKDVote(val_fraction=1.5)
     assert isinstance(splits["val"], data.ArrayDataset)
+
+
+class GKDPlusLoop(PlainLoop):
+    """FedGKD+ (Yao et al. §5.1) on the model with the projection head: CE + gamma/2 tau^2 KL(softmax(z_t/tau) ||
+    softmax(z/tau)), the teacher the parameter average of the last M global models, no KD in round 1."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.history = []  # the global models after each round
+
+    def round_start(self, sampled):
+        self.teacher = copy.deepcopy(self.glob).eval()
+        if self.history:
+            avg = torch.stack(self.history[-self.o["buffer"]:]).mean(0)
+            off = 0
+            with torch.no_grad():
+                for p in self.teacher.parameters():
+                    p.copy_(avg[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+
+    def loss(self, local, x, y, k):
+        o, z = self.o, local(x)
+        loss = torch.nn.functional.cross_entropy(z, y)
+        if self.rnd == 0 and o["skip_first_round"]:
+            return loss
+        with torch.no_grad():
+            p = torch.softmax(self.teacher(x) / o["tau"], 1)
+        kl = (p * (torch.log(p) - torch.log_softmax(z / o["tau"], 1))).sum(1).mean()
+        return loss + o["gamma"] / 2 * (o["tau"] ** 2 if o["tau_squared"] else 1) * kl
+
+    def server(self, avg, sampled):
+        self.history.append(avg.clone())
+        return avg
+
+
+@pytest.mark.parametrize("executor", ["auto", "vmap"])
+@pytest.mark.parametrize("options,extra", [({}, {}), (dict(buffer=2, projection_dim=8, tau=2.0), dict(client_chunk=3))])
+def test_fedgkd_plus_matches_literal_loop(options, extra, executor):
+    err, sim, _ = engine_vs(GKDPlusLoop, "fedgkd_plus", options, rounds=3, executor=executor, lr_decay=0.99,
+                            max_grad_norm=None, **extra)
+    assert err <= 1e-4, err
+    from fedfast.flat import classifier_of
+    assert classifier_of(sim.model).in_features == sim.method.opts.projection_dim
+
+
+def test_fedgkd_plus_defaults():
+    """FedGKD+ is FedGKD (same defaults, clipping at 10) with the projection layer of the code (output 256)."""
+    cfg = fedfast.SimConfig(algorithm="fedgkd_plus")
+    o = cfg.method().opts
+    assert (o.projection_dim, o.gamma, o.buffer, o.skip_first_round, cfg.max_grad_norm) == (256, 0.2, 5, True, 10.0)
+    with pytest.raises(ValueError, match="fedgkd_plus.projection_dim"):
+        fedfast.SimConfig(algorithm="fedgkd_plus", options={"projection_dim": 0})

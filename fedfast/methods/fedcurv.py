@@ -1,0 +1,112 @@
+"""FedCurv (Shoham et al., "Overcoming Forgetting in Federated Learning on Non-IID Data", NeurIPS 2019 workshop on
+federated learning), as run in FedNTD's code (Lee-Gihun/FedNTD @be00ee5, ``algorithms/fedcurv``), whose Table 1
+reports it.
+
+After its local training, client k estimates the diagonal of its Fisher information at its trained weights
+``w_k`` and uploads it with the Fisher-weighted weights::
+
+    u_k = (1/J) sum_{j=1..J} g_j * g_j,     v_k = u_k * w_k
+
+``g_j`` the gradient of minibatch j's mean cross-entropy, over the client's minibatches in a fresh shuffled
+order (train mode, augmented as in training: the code reuses the training loader), stopping after the first
+minibatch that brings the count of samples above ``samples`` (J = min(minibatches, floor(samples / B) + 1)).
+The server keeps every trained client's latest ``(u_k, v_k)`` and their sums ``U``, ``V``. Client k's local loss
+adds the other clients' Fisher-weighted distance::
+
+    lam * sum_{j != k} u_j * (w - w_j)^2  =  lam * (P_k . w^2 - 2 Q_k . w) + const,
+    P_k = U - u_k,   Q_k = V - v_k            (u_k = v_k = 0 before the client first trains)
+
+a loss-side gradient ``2 lam (P_k * w - Q_k)`` (before clipping; the fused client step's ``dyn_linear``). Round 1
+has no penalty (U = V = 0). Defaults ``lam = 1``, ``samples = 500``: FedNTD's Table 5 (searched over
+{0.1, 0.5, 1} x {250, 500}) and ``config/fedcurv.json``.
+
+Readings. The code squares minibatch-mean gradients (not per-sample ones); fedfast follows it. Public-code quirk
+not reproduced: in ``Server._clients_training`` ``Pt = Ut`` then ``Pt -= u_k`` subtracts in place from ``Ut``,
+so each client also loses the ``u`` of the round's earlier clients (an order-dependent sum); fedfast subtracts
+only the client's own, as the paper's sum over ``j != k``.
+
+State: two parameter-sized rows per client ``[u_k | v_k]`` (``[K, 2P]``) plus ``U``, ``V`` [P]:
+2 x K x P x 4 bytes. For the 100 clients of FedNTD's presets: 1.33 GB with the MNIST CNN (P = 1,663,370),
+1.73 GB with the CIFAR-10 CNN (P = 2,156,490), 1.76 GB on CIFAR-100 (P = 2,202,660), and 3.45 GB for
+CINIC-10's 200 clients; half with ``state_dtype = "bfloat16"``, in host memory with ``state_on_host``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..flat import host_to_device
+from . import register
+from .base import opt
+from .fedavg import FedAvg
+
+_CODE = "FedNTD Table 5; Lee-Gihun/FedNTD @be00ee5, config/fedcurv.json"
+
+
+def fisher_batches(steps: np.ndarray, samples: int, batch_size: int) -> np.ndarray:
+    """Minibatches in each client's Fisher estimate: up to and including the first that brings the sample count
+    above ``samples`` (FedCurv's ``upload_local_fisher``), at most all of them."""
+    return np.minimum(np.asarray(steps), samples // batch_size + 1)
+
+
+@register("fedcurv")
+class FedCurv(FedAvg):
+    """FedCurv (Shoham et al. 2019): local loss + lam sum_{j != k} u_j (w - w_j)^2, u_j the diagonal Fisher of
+    client j at its trained weights w_j (FedNTD's code)."""
+    paper = "Shoham et al., Overcoming Forgetting in Federated Learning on Non-IID Data, NeurIPS 2019 FL workshop"
+    accepts_asd = False
+    state = ("U", "V")
+
+    @dataclass
+    class Options:
+        lam: float = opt(1.0, f"penalty lambda ({_CODE}: lam 1.0)", check=">=0")
+        samples: int = opt(500, f"samples in the Fisher estimate, s ({_CODE}: size 500)", check=">=0")
+
+    def setup(self):
+        e = self.engine
+        self.client_state = e.new_client_state(rows=2)  # [u_k | v_k]
+        self.U = torch.zeros(e.num_params, device=e.device)
+        self.V = torch.zeros(e.num_params, device=e.device)
+
+    def round_start(self, ctx):
+        ctx.reduce["U"] = torch.zeros_like(self.U)  # every rank adds its clients' changes of U and V
+        ctx.reduce["V"] = torch.zeros_like(self.V)
+
+    def chunk_start(self, ctx, lo, hi):
+        P, lam = self.engine.num_params, self.opts.lam
+        rows = ctx.rows[lo:hi]
+        ctx.chunk["curv"] = 2 * lam * (self.U - rows[:, :P])   # 2 lam P_k
+        ctx.chunk["lin"] = -2 * lam * (self.V - rows[:, P:])   # -2 lam Q_k
+        ctx.chunk["grad"] = torch.empty_like(ctx.chunk["curv"])
+
+    def step_terms(self, ctx, n_act):
+        if not self.opts.lam:
+            return {}
+        ch = ctx.chunk
+        theta = self.engine.client_params(n_act)
+        return dict(dyn_linear=torch.addcmul(ch["lin"][:n_act], ch["curv"][:n_act], theta, out=ch["grad"][:n_act]))
+
+    def chunk_end(self, ctx, lo, hi):
+        e = self.engine
+        batches = fisher_batches(ctx.steps[lo:hi], self.opts.samples, e.config.batch_size)
+        u = ctx.chunk["grad"].zero_()  # reuse the penalty buffer: training is over
+        for _, n_act, g in e.local_gradients(ctx, lo, hi, batches, epoch=ctx.epochs):
+            u[:n_act].addcmul_(g, g)
+        u /= host_to_device(batches, e.device, torch.float32)[:, None]
+        ctx.chunk["u"] = u
+
+    def collect(self, ctx, out, lo, hi):
+        P = self.engine.num_params
+        u, old = ctx.chunk["u"], ctx.rows[lo:hi]
+        v = u * self.engine.client_params(hi - lo)
+        ctx.reduce["U"] += (u - old[:, :P]).sum(0)
+        ctx.reduce["V"] += (v - old[:, P:]).sum(0)
+        ctx.new_rows[lo:hi, :P] = u
+        ctx.new_rows[lo:hi, P:] = v
+
+    def server(self, ctx, avg):
+        self.U = self.U + ctx.reduce["U"]
+        self.V = self.V + ctx.reduce["V"]
+        return super().server(ctx, avg)
