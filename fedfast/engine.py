@@ -497,15 +497,23 @@ class Simulation:
             st.data.copy_(fill.repeat(rows).expand(self.K, rows * self.num_params))
         return st
 
-    def head(self, params: dict, z: torch.Tensor) -> torch.Tensor:
-        """The classifier (the model's last nn.Linear) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
+    def head_params(self, params) -> tuple:
+        """(weight [n, C, F], bias [n, C] or None) of the classifier (the model's last nn.Linear) of n clients, from
+        ``{name: [n, *shape]}`` (a step's parameters) or flat rows [n, P]."""
         if self._head_names is None:
             lin = self._features_module()
             prefix = next(n for n, m in self.model.named_modules() if m is lin)
             self._head_names = (f"{prefix}.weight", f"{prefix}.bias" if lin.bias is not None else None)
+        if torch.is_tensor(params):
+            params = self.layout.param_views(params)
         w, b = self._head_names
-        out = torch.bmm(z, params[w].transpose(1, 2))
-        return out if b is None else out + params[b][:, None, :]
+        return params[w], (params[b] if b is not None else None)
+
+    def head(self, params, z: torch.Tensor) -> torch.Tensor:
+        """The classifier (the model's last nn.Linear) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
+        w, b = self.head_params(params)
+        out = torch.bmm(z, w.transpose(1, 2))
+        return out if b is None else out + b[:, None, :]
 
     def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int):
         """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
@@ -798,14 +806,14 @@ class Simulation:
                 t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                loss = self._step_loss(ctx, pv, x, y, valid, seg, t, hist_c[:n_act], features, False)
+                loss = self._step_loss(ctx, pv, x, y, valid, seg, t, hist_c[:n_act], features, False, e, s)
                 if rho:  # SAM: the gradient at w + rho g/||g|| (per client), applied at w
                     g1, w1 = (b[:n_act] for b in self._sam_bufs)
                     self.stack.flat_grad(loss, pv, g1)
                     scale = rho / (g1.norm(dim=1, keepdim=True) + SAM_EPS)
                     torch.addcmul(theta_all[:n_act], scale, g1, out=w1)
                     pv2 = self.stack.leaves_of(w1)
-                    loss2 = self._step_loss(ctx, pv2, x, y, valid, seg, t, hist_c[:n_act], features, True)
+                    loss2 = self._step_loss(ctx, pv2, x, y, valid, seg, t, hist_c[:n_act], features, True, e, s)
                     grad = self.stack.flat_grad(loss2, pv2, None if self.gradbuf is None else self.gradbuf[:n_act])
                 else:
                     grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
@@ -841,7 +849,7 @@ class Simulation:
             x, y = self.train.batch(ridx)
         return x, torch.where(valid, y, torch.full_like(y, -100)), valid, ridx
 
-    def _step_loss(self, ctx: Round, pv, x, y, valid, seg, t, hist, features, perturbed: bool):
+    def _step_loss(self, ctx: Round, pv, x, y, valid, seg, t, hist, features, perturbed: bool, e: int, s: int):
         """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss."""
         n_act = x.shape[0]
         out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
@@ -851,7 +859,7 @@ class Simulation:
         if self.loss_fn is not None:
             loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
         else:
-            loss = self.method.loss(ctx, Step(zf, yf, seg, n_act, t, hist, x, valid, feat, pv, perturbed))
+            loss = self.method.loss(ctx, Step(zf, yf, seg, n_act, t, hist, x, valid, feat, pv, perturbed, e, s))
         self._tick("loss")
         return loss
 

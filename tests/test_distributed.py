@@ -13,7 +13,11 @@ import fedfast
 from fedfast import data, models
 
 CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(alpha=0.1)), ("fedntd", dict(tau=2.0)),
-         ("moon", {}), ("fedgkd_vote", dict(buffer=2))]
+         ("moon", {}), ("fedgkd_vote", dict(buffer=2)),
+         # the methods of issue 18 that reduce per-client rows or server sums across ranks, set their own
+         # aggregation weights, keep two rows per client or take SAM steps
+         ("fedcurv", {}), ("fednova", dict(ccvr_server=True)), ("feddisco", {}), ("feddistill_plus", {}),
+         ("fedgen", dict(hidden=16, server_steps=5)), ("fedspeed", dict(evaluated="all_clients")), ("fedsam", {})]
 
 
 def _setup():
@@ -24,7 +28,7 @@ def _setup():
 
 
 def _cfg(algorithm, extra):
-    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=2, local_epochs=1, batch_size=16,
+    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=3, local_epochs=1, batch_size=16,
                              lr=0.05, seed=3, momentum=0.9, options=extra)
 
 
@@ -40,7 +44,7 @@ def _worker(rank, world, port, out_dir):
             hist = sim.run()
             st = sim.method.client_state
             state = st.data if st is not None else torch.zeros(1)
-            torch.save(dict(g=sim.global_flat, state=state, loss=hist[-1]["train_loss"],
+            torch.save(dict(g=sim.global_flat, ev=sim.eval_flat, state=state, loss=hist[-1]["train_loss"],
                             acc=hist[-1]["test_accuracy"], test_loss=hist[-1]["test_loss"]),
                        os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
     finally:
@@ -65,6 +69,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert torch.equal(ranks[0]["g"], ranks[1]["g"]), algorithm  # the ranks agree exactly
         ref = sim.global_flat
         assert (ranks[0]["g"] - ref).abs().max() <= 1e-5 * ref.abs().max(), algorithm
+        assert (ranks[1]["ev"] - sim.eval_flat).abs().max() <= 1e-5 * sim.eval_flat.abs().max(), algorithm
         if sim.method.client_state is not None:
             assert (ranks[1]["state"] - sim.method.client_state.data).abs().max() <= 1e-5 * (
                 sim.method.client_state.data.abs().max() + 1e-12), algorithm

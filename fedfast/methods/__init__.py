@@ -118,13 +118,15 @@ def describe(name: str, full: bool = True) -> str:
 
 # the built-in methods register themselves
 from . import fedavg, kd, fedgkd, fedcad, scaffold, feddyn, fedadc, moon, asd  # noqa: E402,F401
-from . import fedcurv, feddisco, fednova, fedrs, fedsam  # noqa: E402,F401
+from . import fedcurv, feddisco, feddistill, fedgen, fednova, fedrs, fedsam  # noqa: E402,F401
 from .fedavg import FedAvg, FedAvgM, FedProx  # noqa: E402
 from .kd import KD, FedLSNTD, FedNTD  # noqa: E402
 from .fedgkd import FedGKD, FedGKDPlus, FedGKDVote  # noqa: E402
 from .fedcad import FedCAD, FedLSD  # noqa: E402
 from .fedcurv import FedCurv  # noqa: E402
 from .feddisco import FedDisco  # noqa: E402
+from .feddistill import FedDistillPlus  # noqa: E402
+from .fedgen import FedGen  # noqa: E402
 from .fednova import FedNova  # noqa: E402
 from .fedrs import FedRS  # noqa: E402
 from .fedsam import FedSAM, FedSpeed  # noqa: E402
@@ -137,4 +139,4 @@ from .asd import ASD, with_asd  # noqa: E402
 __all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
            "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY", "register", "get",
            "names", "tables", "build", "load_plugin", "describe", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
-           "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv", "FedDisco", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn", "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]
+           "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv", "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn", "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]

@@ -34,13 +34,13 @@ from .. import ops
 # -- options ------------------------------------------------------------------------------------------------
 def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None):
     """A method option: its default, one line naming where the default comes from (equation, table, code),
-    and an optional constraint (``check`` one of ``">0"``, ``">=0"``, ``">=1"``, ``"[0,1]"``, ``"(0,1)"``, or
+    and an optional constraint (``check`` one of ``">0"``, ``">=0"``, ``">=1"``, ``"[0,1]"``, ``"(0,1)"``, ``"(0,1]"``, or
     ``choices``). ``None`` as default means "derived from the other options" (the doc says how)."""
     return field(default=default, metadata={"doc": doc, "check": check, "choices": choices})
 
 
 _CHECKS = {">0": lambda v: v > 0, ">=0": lambda v: v >= 0, ">=1": lambda v: v >= 1,
-           "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1}
+           "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1, "(0,1]": lambda v: 0 < v <= 1}
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}
 
 
@@ -98,8 +98,8 @@ def validate_options(table: str, opts) -> None:
         if choices is not None and v not in choices:
             raise ValueError(f"{table}.{f.name}: one of {choices}, got {v!r}")
         if chk is not None and not _CHECKS[chk](v):
-            raise ValueError(f"{table}.{f.name}: must be {chk.replace('[0,1]', 'in [0, 1]').replace('(0,1)', 'in (0, 1)')}"
-                             f", got {v!r}")
+            what = {"[0,1]": "in [0, 1]", "(0,1)": "in (0, 1)", "(0,1]": "in (0, 1]"}.get(chk, chk)
+            raise ValueError(f"{table}.{f.name}: must be {what}, got {v!r}")
 
 
 def make_options(table: str, cls, values: dict | None = None, *, method: str = ""):
@@ -193,6 +193,8 @@ class Step:
     params: dict | None = None       # the active clients' parameters {name: [num_clients, *shape]} (autograd
     #                                  leaves: a loss term on them, e.g. the classifier on other inputs)
     perturbed: bool = False          # the second pass of a SAM step (at w + rho g/||g||): no side effects
+    epoch: int = 0                   # the local epoch and the step within it (random draws keyed by them are the
+    step: int = 0                    # same for any chunking or number of processes)
 
 
 # -- the engine as a method sees it --------------------------------------------------------------------------
@@ -237,9 +239,12 @@ class Engine(Protocol):
     def new_client_state(self, fill: Tensor | None = None, rows: int = 1): ...
     # a fedfast.flat.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``
 
-    def head(self, params: dict, z: Tensor) -> Tensor: ...
+    def head(self, params, z: Tensor) -> Tensor: ...
     # the model's classifier (its last nn.Linear) of each client on z [n, R, F] -> [n, R, C], with ``params``
-    # the step's parameters (Step.params) or any {name: [n, *shape]}
+    # the step's parameters (Step.params), any {name: [n, *shape]} or flat rows [n, P]
+
+    def head_params(self, params) -> tuple: ...
+    # (weight [n, C, F], bias [n, C] or None) of that classifier, from the same kinds of ``params``
 
     def local_gradients(self, ctx, lo: int, hi: int, batches, *, epoch: int): ...
     # for the chunk's clients at their current parameters: one pass over ``batches`` [hi-lo] minibatches of each
