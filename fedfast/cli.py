@@ -401,6 +401,8 @@ def _presets_cmd(name: str | None) -> int:
             rep = p.reported.get(m)
             num = (f"{rep[0]:.2f}" + (f" ± {rep[1]:.2f}" if len(rep) > 1 else "")) if rep else "-"
             print(f"  {m:14s} paper {num:>14s}" + (f"   {extra}" if extra else ""))
+        for m, why in p.missing.items():
+            print(f"  {m:14s} (no number in this column: {why})")
         print("notes: " + " ".join(p.notes.split()))
         return 0
     for p in presets.load_all().values():

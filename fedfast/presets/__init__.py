@@ -9,13 +9,14 @@ A file is one table of one paper. It holds:
   table, e.g. ``asd = {lam = 30.0}``, another table it reads);
 * ``[engine.<method>]``: engine keys that differ for one method (e.g. ASD's FedDyn runs 10 local epochs);
 * ``[cells.<cell>]``: the keys of one column of the table and ``reported``, the paper's number for each method
-  row: ``[mean, std]`` in %, or ``[mean]`` where no std is given.
+  row: ``[mean, std]`` in %, or ``[mean]`` where no std is given; ``options`` (``{method = {key = value}}``):
+  options of a method in this cell only; ``missing`` (``{method = "why"}``): rows of the paper's table that have
+  no number in this column, and why.
 
 A preset is one cell, named ``<file>/<cell>`` (``fedntd-table1/mnist-shards``). ``fedfast presets`` lists them;
 ``fedfast run --preset NAME --set algorithm=fedntd`` runs one method of one; ``fedfast sweep --preset NAME``
-runs several methods over several seeds. Rows of methods fedfast does not implement (FedCurv, FedNova, FedSAM,
-FedSpeed, FedDisco, FedDistill+, FedGen, FedGKD+, FedLSD, FedRS) and cells of datasets or models it does not
-have yet are left out; the file's notes say which.
+runs several methods over several seeds. Every method row of the five papers' tables runs in fedfast (a test
+checks that each row names a registered method); rows a column does not have are listed with why.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class Preset:
     engine: dict = field(default_factory=dict)    # {method: {engine key: value}}
     reported: dict = field(default_factory=dict)  # {method: [mean] or [mean, std]} in %
     notes: str = ""
+    default_methods: list = field(default_factory=list)
+    missing: dict = field(default_factory=dict)   # {method: why the table has no number for it in this cell}
 
     def config(self, algorithm: str) -> dict:
         """The config dict (as a TOML file would give it) of ``algorithm`` in this cell."""
@@ -51,8 +54,6 @@ class Preset:
             else:
                 out.setdefault(own, {})[k] = v
         return out
-
-    default_methods: list = field(default_factory=list)
 
     @property
     def methods(self) -> list[str]:
@@ -69,12 +70,18 @@ def _load_file(path: str) -> list[Preset]:
     for cell, c in d.get("cells", {}).items():
         c = dict(c)
         reported = {k: list(v) for k, v in c.pop("reported", {}).items()}
-        keys = {**d.get("protocol", {}), **c}
+        missing = {k: str(v) for k, v in c.pop("missing", {}).items()}
         opts = {m: dict(o) for m, o in d.get("options", {}).items()}
+        for m, o in c.pop("options", {}).items():  # this cell's options of a method, over the file's
+            merged = dict(opts.get(m, {}))
+            for k, v in o.items():
+                merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
+            opts[m] = merged
+        keys = {**d.get("protocol", {}), **c}
         out.append(Preset(f"{stem}/{cell}", meta.get("paper", ""), meta.get("table", ""), cell,
                           meta.get("metric", "final"), list(meta.get("seeds", [0, 1, 2])), keys, opts,
                           {m: dict(v) for m, v in d.get("engine", {}).items()}, reported, meta.get("notes", ""),
-                          list(meta.get("methods", []))))
+                          list(meta.get("methods", [])), missing))
     return out
 
 
