@@ -520,7 +520,7 @@ class Simulation:
         order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
         n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
         (a buffer reused by the next step). FedCurv's Fisher information."""
-        c, B = self.cfg, self.cfg.batch_size
+        B = self.cfg.batch_size
         batches = np.asarray(batches, dtype=np.int64)
         if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
                 (batches > ctx.steps[lo:hi]).any():
@@ -752,7 +752,7 @@ class Simulation:
 
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
     def _local(self, ctx: Round, teacher):
-        c, m = self.cfg, len(ctx.sampled)
+        m = len(ctx.sampled)
         if self.method.client_state is not None:
             ctx.rows = self.method.client_state.gather(ctx.sampled_t)  # the method's per-client state rows
             ctx.new_rows = torch.empty(m, self.method.client_state.data.shape[1], device=self.device)

@@ -267,6 +267,17 @@ def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
     return float((g - ref).abs().max() / ref.abs().max()), sim, hist
 
 
+def asd_term(z, t, y, prior, a):
+    """ASD (Yashwanth et al., the official code's scaling) written out: lam * sum_i alpha_i KL(q_g,i || q_i), alpha_i
+    = exp(-H_i) / p(y_i) normalised over the minibatch, H the teacher's entropy at entropy_tau; ``a`` the [asd]
+    options; not-true classes are not handled (the bases using this have none)."""
+    tau, et = a["tau"], a["entropy_tau"]
+    kl = (torch.softmax(t / tau, 1) * (torch.log_softmax(t / tau, 1) - torch.log_softmax(z / tau, 1))).sum(1)
+    H = -(torch.softmax(t / et, 1) * torch.log_softmax(t / et, 1)).sum(1)
+    alpha = torch.exp(-H) / prior[y]
+    return a["lam"] * (alpha / alpha.sum() * kl).sum() * (tau ** 2 if a["tau_squared"] else 1.0)
+
+
 class PlainLoop:
     """The literal loop a researcher writes, as a skeleton for the method tests: the round's clients one after
     another, each a ``copy.deepcopy`` of the global ``nn.Module`` trained with ``torch.optim.SGD`` on its own
@@ -328,29 +339,33 @@ class PlainLoop:
         idx = self.part.indices[k]
         return idx[torch.from_numpy(client_order(self.cfg.seed, rnd, int(k), e, len(idx)))].split(self.cfg.batch_size)
 
-    def run(self, rounds):
+    def round(self, rnd):
+        """Round ``rnd`` (0-based) of the loop."""
         c = self.cfg
+        self.rnd, self.lr = rnd, c.lr * c.lr_decay ** rnd
+        sampled = np.asarray(self.sample(rnd))
+        self.gflat = flat(self.glob)
+        self.round_start(sampled)
+        states = []
+        for k in sampled:
+            local = copy.deepcopy(self.glob)
+            opt = self.optimizer(local, int(k))
+            nsteps = 0
+            for e in range(c.local_epochs):
+                for b in self.batches(rnd, k, e):
+                    x, y = self.train.batch(b)
+                    self.step(local, opt, x, y, int(k))
+                    nsteps += 1
+            self.client_end(int(k), local, nsteps)
+            states.append(local.state_dict())
+        w = self.weights(sampled)
+        self.glob.load_state_dict({key: sum(float(w[i]) * states[i][key] for i in range(len(states)))
+                                   for key in states[0]})
+        _load_(self.glob, self.server(flat(self.glob), sampled))
+
+    def run(self, rounds):
         for rnd in range(rounds):
-            self.rnd, self.lr = rnd, c.lr * c.lr_decay ** rnd
-            sampled = np.asarray(self.sample(rnd))
-            self.gflat = flat(self.glob)
-            self.round_start(sampled)
-            states = []
-            for k in sampled:
-                local = copy.deepcopy(self.glob)
-                opt = self.optimizer(local, int(k))
-                nsteps = 0
-                for e in range(c.local_epochs):
-                    for b in self.batches(rnd, k, e):
-                        x, y = self.train.batch(b)
-                        self.step(local, opt, x, y, int(k))
-                        nsteps += 1
-                self.client_end(int(k), local, nsteps)
-                states.append(local.state_dict())
-            w = self.weights(sampled)
-            self.glob.load_state_dict({key: sum(float(w[i]) * states[i][key] for i in range(len(states)))
-                                       for key in states[0]})
-            _load_(self.glob, self.server(flat(self.glob), sampled))
+            self.round(rnd)
         return flat(self.glob)
 
 

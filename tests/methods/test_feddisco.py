@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs
+import copy
+
+from sequential_loop import PlainLoop, asd_term, engine_vs
 
 
 class DiscoLoop(PlainLoop):
@@ -34,6 +36,28 @@ class DiscoLoop(PlainLoop):
         if o["scope"] == "all":  # ASD's code: weights over all clients, renormalised over the participants
             w = w[sampled] / w[sampled].sum()
         return torch.tensor(w)
+
+
+class DiscoASDLoop(DiscoLoop):
+    """FedDisco + ASD (ASD Tables 2, 13): ASD's term on the client loss (teacher: the model the client received)."""
+
+    def round_start(self, sampled):
+        self.teacher = copy.deepcopy(self.glob).eval()
+        self.a = self.cfg.method().asd.__dict__
+
+    def loss(self, local, x, y, k):
+        z = local(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        return torch.nn.functional.cross_entropy(z, y) + asd_term(z, t, y, self.hist[k] / self.hist[k].sum(), self.a)
+
+
+@pytest.mark.parametrize("executor", ["auto", "vmap"])
+@pytest.mark.parametrize("options", [dict(asd=dict(lam=3.0)), dict(feddisco=dict(a=0.1, b=0.5, scope="all"),
+                                                                   asd=dict(lam=5.0, entropy_tau=2.0))])
+def test_feddisco_asd_matches_literal_loop(options, executor):
+    err, _, _ = engine_vs(DiscoASDLoop, "feddisco+asd", options, executor=executor, lr_decay=0.99, momentum=0.0)
+    assert err <= 1e-4, err
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])

@@ -6,7 +6,7 @@ import torch
 
 import fedfast
 from fedfast import data
-from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, flat, setup_data
+from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, setup_data
 
 
 @pytest.mark.parametrize("algorithm,options,extra", [

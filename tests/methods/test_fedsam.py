@@ -9,16 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs, flat
-
-
-def asd_term(z, t, y, prior, a):
-    """ASD (Yashwanth et al., official code's scaling): lam * sum_i alpha_i KL(q_g,i || q_i), alpha ∝ exp(-H)/p(y)."""
-    tau, et = a["tau"], a["entropy_tau"]
-    kl = (torch.softmax(t / tau, 1) * (torch.log_softmax(t / tau, 1) - torch.log_softmax(z / tau, 1))).sum(1)
-    H = -(torch.softmax(t / et, 1) * torch.log_softmax(t / et, 1)).sum(1)
-    alpha = torch.exp(-H) / prior[y]
-    return a["lam"] * (alpha / alpha.sum() * kl).sum()
+from sequential_loop import PlainLoop, asd_term, engine_vs, flat
 
 
 class SAMLoop(PlainLoop):

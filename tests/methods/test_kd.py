@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fedfast
-from sequential_loop import engine_vs_loop
+from sequential_loop import PlainLoop, engine_vs, engine_vs_loop
 
 
 @pytest.mark.parametrize("algorithm,options,extra", [
@@ -23,6 +23,30 @@ def test_defaults():
     assert (o.beta, o.tau, o.tau_squared, cfg.max_grad_norm, cfg.aggregate_weights) == (1.0, 1.0, True, 0.0, "size")
     k = fedfast.SimConfig(algorithm="kd").method().opts
     assert (k.beta, k.tau, k.tau_squared) == (1.0, 3.0, True)
+
+
+class NTDLoop(PlainLoop):
+    """FedNTD / FedLS-NTD written out: CE + beta tau^2 KL over the not-true classes (the true class's logit removed
+    from student and teacher before the tau-softmax), the teacher the model the client received."""
+
+    def round_start(self, sampled):
+        import copy
+        self.teacher = copy.deepcopy(self.glob).eval()
+
+    def loss(self, local, x, y, k):
+        o, z = self.o, local(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        keep = torch.ones_like(z, dtype=torch.bool).scatter_(1, y[:, None], False)
+        zs, ts = z[keep].view(len(y), -1) / o["tau"], t[keep].view(len(y), -1) / o["tau"]
+        kl = (torch.softmax(ts, 1) * (torch.log_softmax(ts, 1) - torch.log_softmax(zs, 1))).sum(1).mean()
+        return torch.nn.functional.cross_entropy(z, y) + o["beta"] * (o["tau"] ** 2 if o["tau_squared"] else 1) * kl
+
+
+@pytest.mark.parametrize("executor", ["auto", "vmap"])
+def test_fedls_ntd_matches_literal_loop(executor):
+    err, _, _ = engine_vs(NTDLoop, "fedls_ntd", {}, executor=executor, lr_decay=0.99)
+    assert err <= 1e-4, err
 
 
 def test_fedls_ntd_is_fedntd_with_fedadc_settings():
