@@ -21,13 +21,20 @@ def write_atomic(path: str, data: bytes | str) -> None:
     """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a partial one."""
     if isinstance(data, str):
         data = data.encode()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data: expected bytes or str, got {type(data).__name__}")
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a failed write (disk full, bad data, Ctrl-C) leaves no temporary file
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     try:
         fd = os.open(d, os.O_RDONLY)
         try:
@@ -64,4 +71,7 @@ def load(path: str) -> dict:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
-        raise ValueError(f"{path}: unreadable checkpoint payload ({type(e).__name__}: {e})") from None
+        what = ("it holds objects other than tensors and plain data, which fedfast never loads"
+                if "weights_only" in str(e) or "Unsupported global" in str(e) else type(e).__name__)
+        raise ValueError(f"{path}: unreadable checkpoint payload ({what}); fedfast wrote no such file, refusing "
+                         f"it") from None

@@ -21,6 +21,16 @@ import torch
 
 
 def _data(cfg, tokenizer=None):
+    """The dataset's train and test sets; a missing file names ``data_dir`` and where to get the data."""
+    try:
+        return _load_data(cfg, tokenizer)
+    except FileNotFoundError as e:
+        msg = e.args[1] if len(e.args) > 1 and e.filename else str(e)
+        raise ValueError(f"data_dir: dataset {cfg['dataset']!r} needs files under data_dir = {cfg['data_dir']!r} "
+                         f"(--set data_dir=PATH): {msg}") from None
+
+
+def _load_data(cfg, tokenizer=None):
     from . import data
     name = cfg["dataset"]
     if name == "ag_news":
@@ -56,7 +66,14 @@ def _partition(cfg, train):
         return data.dirichlet_balanced(labels, K, cfg["alpha"], seed=seed)
     if p == "iid":
         return data.iid(labels, K, seed=seed)
-    return data.PARTITIONERS[p](labels, K, cfg["alpha"], seed=seed)
+    try:
+        return data.PARTITIONERS[p](labels, K, cfg["alpha"], seed=seed)
+    except ValueError as e:
+        if not str(e).startswith("min_size"):
+            raise
+        raise ValueError(f"partition: {p} with alpha = {cfg['alpha']:g} over num_clients = {K} cannot give every "
+                         f"client its minimum of samples ({str(e).split(': ', 1)[1]}); raise alpha, lower "
+                         f"num_clients, or use partition = \"dirichlet_balanced\"") from None
 
 
 def _model(cfg, train):
@@ -99,16 +116,15 @@ def _free_port() -> int:
         return sk.getsockname()[1]
 
 
-def _worker_main(rank: int, world: int, port: int, threads: int, cfg, out_dir: str, kw: dict):
+def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
     from . import methods
     for p in cfg.plugins:
         methods.load_plugin(p)
-    from .runner import Interrupted
+    from .runner import Interrupted, RunDiverged
     try:
-        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, resume=kw["resume"], label=kw["label"])
+        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True)
         import torch.distributed as dist
         dist.destroy_process_group()
         sys.stdout.flush()
@@ -117,39 +133,60 @@ def _worker_main(rank: int, world: int, port: int, threads: int, cfg, out_dir: s
     except Interrupted as e:
         if rank == 0:
             print(f"fedfast: {e}", file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)
+        code = 128 + e.signum
+    except RunDiverged as e:
+        if rank == 0:
+            print(f"fedfast: {e}", file=sys.stderr, flush=True)
+        code = EXIT_DIVERGED
     except (ValueError, OSError) as e:
         print(f"fedfast: worker {rank}: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        code = EXIT_ERROR
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as above: no interpreter teardown with gloo's threads alive (it aborts: SIGABRT)
 
 
-def run_workers(cfg, out_dir: str, workers: int, *, resume: bool = False, force: bool = False, quiet: bool = False,
-                label: str = "") -> None:
+EXIT_ERROR, EXIT_WORKER_DIED, EXIT_DIVERGED = 2, 3, 4
+
+
+def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bool = False, label: str = ""):
     """``workers`` local processes over ``torch.distributed`` (gloo on loopback), each with ``cores / workers``
-    intra-op threads, each training its share of every round's clients (the same global model as one process).
-    A worker that dies stops the others within a second and raises :class:`WorkerDied` naming it; the run can
-    then continue from its last checkpoint with ``--resume``."""
+    intra-op threads (or ``threads``), each training its share of every round's clients (the same global model as
+    one process). This process holds the run directory's lock; rank 0 writes. A worker that dies stops the others
+    within a second and raises :class:`WorkerDied` naming it; the run can then continue from its last checkpoint
+    with ``--resume``. ``mode``: as :meth:`fedfast.rundir.RunDir.open`; returns None for a skipped run."""
     import signal as _signal
     import time
 
     import torch.multiprocessing as mp
 
-    from .runner import Interrupted, prepare_dir
-    prepare_dir(out_dir, resume=resume, force=force)
-    threads = max(1, (os.cpu_count() or workers) // workers)
+    from .rundir import RunDir
+    from .runner import Interrupted, RunDiverged
+    if cfg["threads"] == 0:
+        cfg.values["threads"] = max(1, (os.cpu_count() or workers) // workers)
+    rd = RunDir(out_dir)
+    action = rd.open(mode)
+    if action == "skip":
+        rd.close()
+        return None
     ctx = mp.get_context("spawn")
     port = _free_port()
-    kw = dict(quiet=quiet, resume=resume, label=label)
-    procs = [ctx.Process(target=_worker_main, args=(r, workers, port, threads, cfg, out_dir, kw), daemon=False)
+    kw = dict(quiet=quiet, action=action, label=label)
+    procs = [ctx.Process(target=_worker_main, args=(r, workers, port, cfg, out_dir, kw), daemon=False)
              for r in range(workers)]
-    for p in procs:
-        p.start()
     try:
-        while any(p.exitcode is None for p in procs):
+        for p in procs:
+            p.start()
+        while True:  # until every worker ended well, or one did not (checked after the last one ended, too)
             bad = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if not bad and all(p.exitcode == 0 for p in procs):
+                break
             if bad:
                 r, p = bad[0]
                 time.sleep(0.5)  # let the others reach the same signal (Ctrl-C goes to the whole group)
+                if p.exitcode == EXIT_DIVERGED:  # every rank sees the same non-finite model: they all stop
+                    for q in procs:
+                        q.join(30)
                 codes = [q.exitcode for q in procs]
                 for q in procs:
                     if q.exitcode is None:
@@ -161,17 +198,27 @@ def run_workers(cfg, out_dir: str, workers: int, *, resume: bool = False, force:
                 if p.exitcode in (128 + _signal.SIGINT, 128 + _signal.SIGTERM) and all(
                         c in (None, 0, p.exitcode) for c in codes):
                     raise Interrupted(p.exitcode - 128, -1, out_dir)
-                if p.exitcode == 2:
+                if p.exitcode == EXIT_DIVERGED:
+                    raise RunDiverged(None, out_dir, message=f"the run in {out_dir} diverged (worker 0's message "
+                                                             f"above); summary.json records it")
+                if p.exitcode == EXIT_ERROR:
                     raise ValueError(f"worker {r} stopped with an error (above)")
                 how = (f"signal {_signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}")
                 raise WorkerDied(f"worker {r} (pid {p.pid}) died with {how}; the other workers were stopped. "
                                  f"Continue from the last checkpoint with `fedfast run --resume {out_dir} --workers "
                                  f"{workers}`")
             time.sleep(0.1)
+    except BaseException:
+        rd.refresh()
+        rd.close(failed=True)
+        raise
     finally:
         for p in procs:
-            if p.exitcode is None:
+            if p.exitcode is None and p.pid is not None:
                 p.kill()
+    rd.refresh()
+    rd.close()
+    return True
 
 
 def build(cfg, device=None, group=None):
@@ -195,20 +242,61 @@ def build(cfg, device=None, group=None):
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group, **splits)
 
 
-def run(cfg, out_dir: str, *, resume: bool = False, force: bool = False, quiet: bool = False,
-        label: str = "") -> list[dict]:
-    """One run into ``out_dir`` (see :mod:`fedfast.runner`); under torchrun rank 0 writes and prints."""
-    from .runner import execute, prepare_dir, summarize
+def _set_threads(cfg) -> None:
+    """Intra-op threads: the config's ``threads`` or torch's default; the number used goes into config.json (a
+    resume uses it again, so it stays bit-exact)."""
+    n = cfg["threads"] or torch.get_num_threads()
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    cfg.values["threads"] = n
+
+
+def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str = "", attached: bool = False):
+    """One run into ``out_dir`` (see :mod:`fedfast.runner`); under torchrun rank 0 holds the directory, writes and
+    prints. ``mode``: ``new``, ``force``, ``resume`` or ``auto`` (:meth:`fedfast.rundir.RunDir.open`);
+    ``attached``: a worker of :func:`run_workers`, whose launcher holds the directory. Returns the history, or
+    None for a run ``auto`` skipped (finished already)."""
+    from .rundir import RunDir, attach
+    from .runner import execute, summarize
     group, device = _init_distributed(cfg)
     lead = group is None or torch.distributed.get_rank() == 0
+    _set_threads(cfg)
+    rd, action, err = None, ("resume" if mode == "resume" else "new"), None
     if lead:
-        prepare_dir(out_dir, resume=resume, force=force)
-    sim = build(cfg, device, group)
-    hist = execute(sim, cfg, out_dir, resume=resume, quiet=quiet, lead=lead, label=label)
+        try:
+            rd = attach(out_dir) if attached else RunDir(out_dir)
+            if not attached:
+                action = rd.open(mode)
+        except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard of it
+            err = e
+    if group is not None:  # rank 0's verdict on the directory, to every rank
+        code = torch.tensor([1 if err is not None else 0, ("new", "resume", "skip").index(action)])
+        torch.distributed.broadcast(code, 0)
+        if int(code[0]) and err is None:
+            raise ValueError(f"{out_dir}: rank 0 could not open the run directory (its message is above)")
+        action = ("new", "resume", "skip")[int(code[1])]
+    if err is not None:
+        raise err
+    if action == "skip":
+        if rd is not None:
+            rd.close()
+        return None
+    own = rd is not None and not attached
+    try:
+        sim = build(cfg, device, group)
+        hist = execute(sim, cfg, rd, resume=action == "resume", quiet=quiet, label=label, out_dir=out_dir)
+    except BaseException:
+        if own:
+            rd.close(failed=True)
+        raise
+    if own:
+        rd.close()
     if lead and hist and not quiet:
         s = summarize(hist, cfg.to_json(), str(sim.device), True)
-        print(f"{label + '  ' if label else ''}final test_acc {100 * s['final_test_accuracy']:.2f}%  best "
-              f"{100 * s['best_test_accuracy']:.2f}% (round {s['best_round']})"
+        acc = s["final_test_accuracy"]
+        print(f"{label + '  ' if label else ''}final test_acc "
+              + (f"{100 * acc:.2f}%  best {100 * s['best_test_accuracy']:.2f}% (round {s['best_round']})"
+                 if acc is not None else "-")
               + (f"  forgetting {s['final_forgetting']:.4f}" if s["final_forgetting"] is not None else "")
               + f"  {s['wall_seconds']:.1f}s  -> {out_dir}", flush=True)
     return hist
@@ -247,16 +335,19 @@ def console() -> None:
 
 
 def main(argv=None) -> int:
-    from .runner import Interrupted
+    """Exit status: 0 done; 2 bad input (config, files, a directory in use: the message names it); 3 a
+    ``--workers`` process died; 4 the run diverged (its directory records it); 128 + N stopped by signal N after
+    a round (checkpointed: ``--resume`` continues)."""
+    from .runner import Interrupted, RunDiverged
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a simulation into a run directory")
-    r.add_argument("config", nargs="?", help="TOML config file")
+    r.add_argument("config", nargs="?", help="TOML config file, or a run's config.json (runs it again)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (engine/run keys: key=value; method options: method.key=value)")
     r.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
                    help="import a file that registers methods (@fedfast.methods.register)")
-    r.add_argument("--out", default="runs/latest", help="run directory (default runs/latest)")
+    r.add_argument("--out", default=None, help="run directory (default runs/latest)")
     r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint (--set rounds=N "
                                                    "extends it)")
     r.add_argument("--force", action="store_true", help="overwrite an existing run directory")
@@ -314,7 +405,10 @@ def main(argv=None) -> int:
         return 128 + e.signum
     except WorkerDied as e:
         print(f"fedfast: {e}", file=sys.stderr)
-        return 3
+        return EXIT_WORKER_DIED
+    except RunDiverged as e:
+        print(f"fedfast: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     except (ValueError, OSError, TypeError) as e:  # bad config, data files, partitions: name it, no traceback
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
@@ -353,24 +447,30 @@ def _dispatch(args) -> int:
             print(report(args.out)[0], end="")
         return 0
     if args.resume:
-        if args.config:
-            raise ValueError("--resume: takes the run directory's own config.json, not a config file")
+        given = [f for f, v in (("a config file", args.config), ("--out", args.out), ("--preset", args.preset),
+                                ("--force", args.force)) if v]
+        if given:
+            raise ValueError(f"--resume: continues the run directory with its own config.json; {given[0]} cannot go "
+                             f"with it (only --set rounds/eval_every/checkpoint_every/tensorboard/device/threads, "
+                             f"--workers, --quiet)")
         cfg_path = os.path.join(args.resume, "config.json")
+        if not os.path.isdir(args.resume):
+            raise ValueError(f"--resume: {args.resume}: no such run directory")
+        from .rundir import read_json
         try:
-            with open(cfg_path) as f:
-                base = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--resume: cannot read {cfg_path} ({e})") from None
+            base = read_json(cfg_path, "config")
+        except FileNotFoundError:
+            raise ValueError(f"--resume: {args.resume} is not a fedfast run directory (no config.json)") from None
+        if not isinstance(base, dict):
+            raise ValueError(f"{cfg_path}: damaged config (expected a JSON object)")
         for p in base.get("plugins", []):
             if p not in args.plugin:
                 methods.load_plugin(p)
-        bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in
-               ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device")]
+        bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in RESUME_SET]
         if bad:
-            raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only rounds, eval_every, "
-                             f"checkpoint_every, tensorboard, device)")
-        cfg = build_config(None, args.set, base=base, plugins=args.plugin)
-        out = args.resume
+            raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only {', '.join(RESUME_SET)})")
+        cfg = build_config(None, args.set, base=base, plugins=args.plugin, source=cfg_path)
+        out, mode = args.resume, "resume"
     else:
         base = None
         if args.preset:
@@ -380,14 +480,17 @@ def _dispatch(args) -> int:
                        pre.methods[0])
             base = pre.config(alg)
         cfg = build_config(args.config, args.set, base=base, plugins=args.plugin)
-        out = args.out
+        out, mode = args.out or "runs/latest", ("force" if args.force else "new")
     if args.workers < 1:
         raise ValueError(f"--workers: must be >= 1, got {args.workers}")
     if args.workers > 1:
-        run_workers(cfg, out, args.workers, resume=bool(args.resume), force=args.force, quiet=args.quiet)
+        run_workers(cfg, out, args.workers, mode=mode, quiet=args.quiet)
     else:
-        run(cfg, out, resume=bool(args.resume), force=args.force, quiet=args.quiet)
+        run(cfg, out, mode=mode, quiet=args.quiet)
     return 0
+
+
+RESUME_SET = ("rounds", "eval_every", "checkpoint_every", "tensorboard", "device", "threads")
 
 
 def _presets_cmd(name: str | None) -> int:

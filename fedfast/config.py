@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
-from .engine import MOVED, SimConfig
+from .engine import MOVED, SimConfig, check_device
 from .methods.base import coerce_option
 
 _CHOICES = {
@@ -38,13 +39,16 @@ _RUN: dict = {
     "tensorboard": (bool, False),    # TensorBoard event files in DIR/tb (the optional `tensorboard` package)
     "max_length": (int, 128),        # text datasets: tokens per text (truncation; padded to the longest)
     "train_fraction": (float, 1.0),  # a seeded random subset of the training set (FedGKD's AG News: 0.5)
+    "threads": (int, 0),             # intra-op CPU threads (0: torch's default); config.json records the number used
 }
+# what config.json records beside the keys (read back, not settings)
+RECORDED = ("determinism",)
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
 _ENGINE = [f for f in fields(SimConfig) if f.name != "options"]
 KEYS: dict = {**_RUN, **{f.name: f for f in _ENGINE}}
 _POSITIVE = ("num_clients", "alpha", "shards_per_client")
-_NONNEGATIVE = ("checkpoint_every",)
+_NONNEGATIVE = ("checkpoint_every", "threads")
 
 
 def _engine_default(f):
@@ -102,17 +106,58 @@ def _moved(key: str) -> ValueError:
                       f"method's options)")
 
 
+def read_config_file(path: str) -> dict:
+    """A TOML config, or a run's ``config.json`` (``fedfast run DIR/config.json`` runs it again); errors name the
+    file, the line and, for a key given twice, the key."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"config: {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"config: {path} is a directory (a run directory's settings are {path}/config.json)") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (not UTF-8 at byte {e.start})") from None
+    if path.endswith(".json"):
+        from .rundir import read_json
+        data = read_json(path, "config")
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of config keys, got {type(data).__name__}")
+        return data
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        where = f"line {m.group(1)}, column {m.group(2)}" if m else "?"
+        what = msg[:m.start()].strip() if m else msg
+        if m and (what.startswith("Cannot overwrite a value") or what.startswith("Cannot declare")):
+            lines = text.splitlines()
+            line = lines[int(m.group(1)) - 1] if int(m.group(1)) <= len(lines) else ""
+            key = line.split("=", 1)[0].strip().strip("[]").strip() if line else "?"
+            raise ValueError(f"{path}, {where}: {key!r} is given twice (a TOML key or table may appear once)") from None
+        raise ValueError(f"{path}, {where}: not valid TOML ({what})") from None
+
+
 def build_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None,
-                 plugins=()) -> RunConfig:
-    """The run's configuration from a TOML file (``path``) or a dict of the same shape (``base``, e.g. a run
-    directory's config.json), then ``overrides`` (``key=value`` / ``method.key=value``)."""
+                 plugins=(), source: str | None = None) -> RunConfig:
+    """The run's configuration from a TOML file or a run's config.json (``path``) or a dict of the same shape
+    (``base``; ``source``: the file it came from, for messages), then ``overrides`` (``key=value`` /
+    ``method.key=value``)."""
     raw: dict = {}
     tables: dict = {}
     loaded = dict(base or {})
     if path:
-        with open(path, "rb") as f:
-            loaded.update(tomllib.load(f))
-    plugins = tuple(plugins) + tuple(p for p in loaded.pop("plugins", []) or [] if p not in plugins)
+        loaded.update(read_config_file(path))
+        source = path
+    for k in RECORDED:
+        loaded.pop(k, None)
+    listed = loaded.pop("plugins", []) or []
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" + (f" (in {source})" if source else ""))
+    plugins = tuple(plugins) + tuple(p for p in listed if p not in plugins)
     for k, v in loaded.items():
         (tables if isinstance(v, dict) else raw)[k] = v
     for item in overrides or []:
@@ -124,6 +169,22 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
             tables.setdefault(t, {})[key] = v
         else:
             raw[k] = v
+    from_file = set(k for k in loaded if k not in tables) | {f"{t}.{k}" for t, kv in
+                                                           ((t, loaded[t]) for t in loaded if isinstance(loaded[t], dict))
+                                                           for k in kv}
+    from_set = {(p.split("=", 1)[0].strip()) for p in overrides or [] if "=" in p}
+    try:
+        return _resolve(raw, tables, plugins)
+    except (ValueError, TypeError) as e:
+        key = str(e).split(":", 1)[0].strip()
+        if key in from_set:
+            raise type(e)(f"--set {e}") from None
+        if source and (key in from_file or key.split(".")[0] in loaded):
+            raise type(e)(f"{source}: {e}") from None
+        raise
+
+
+def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
     vals = dict(DEFAULTS)
     for k, v in raw.items():
         if k in MOVED and k not in KEYS:
@@ -161,6 +222,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
     if vals["backend"] is None:
         vals["backend"] = ""
+    check_device(vals["device"])
     cfg = RunConfig(vals, tables, tuple(os.path.abspath(p) for p in plugins))
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})

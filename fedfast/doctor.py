@@ -10,7 +10,9 @@ interpreted but never executed in fedfast's CI, are verified in one command. Exi
 """
 from __future__ import annotations
 
+import os
 import platform
+import sys
 import time
 
 import torch
@@ -107,6 +109,11 @@ def _check_round(backend, dev):
 
 
 def main(quick: bool = False) -> int:
+    env = os.environ.get("FEDFAST_BACKEND")
+    if env and env not in ("auto",) + _backend.BACKENDS:
+        print(f"fedfast: FEDFAST_BACKEND (environment variable): must be one of {('auto',) + _backend.BACKENDS}, "
+              f"got {env!r}", file=sys.stderr)
+        return 2
     print(f"fedfast {__version__}  torch {torch.__version__}  python {platform.python_version()}  "
           f"{platform.machine()} {platform.system()}")
     try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -58,6 +59,46 @@ MOVED = {
     "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
     "val_fraction": "fedgkd_vote.val_fraction",
 }
+
+
+def check_device(dev: str, key: str = "device") -> None:
+    """A device this torch can use; ValueError naming ``key`` otherwise (no traceback from deep in torch)."""
+    try:
+        d = torch.device(dev)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}: {dev!r} is not a device (cpu, cuda, cuda:N)") from None
+    if d.type == "cpu":
+        return
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"{key}: {dev!r}, but {why} (torch {torch.__version__}); use {key} = \"cpu\"")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}: {dev!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if d.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ValueError(f"{key}: {dev!r} is not available here (fedfast runs on cpu and cuda)")
+
+
+SEED_LIMIT = 2**31  # seeds feed numpy's RandomState (< 2**32) after small offsets
+
+
+class Diverged(ArithmeticError):
+    """The run diverged: a non-finite training loss, client update, global model or test loss at round
+    ``round``. ``record``: that round's metrics (None when a client update was refused before evaluation)."""
+
+    def __init__(self, rnd: int, method: str, what: str, cfg: "SimConfig", record: dict | None = None):
+        self.round, self.method, self.what, self.record = rnd, method, what, record
+        steps = f"lr={cfg.lr:g}" + (f", momentum={cfg.momentum:g}" if cfg.momentum else "") + (
+            f", {cfg.client_optimizer}" if cfg.client_optimizer != "sgd" else "") + (
+            f", max_grad_norm={cfg.max_grad_norm:g}" if cfg.max_grad_norm else ", no gradient clipping")
+        hint = ["a lower lr"] + (["lower momentum"] if cfg.momentum else []) + (
+            ["clipping (max_grad_norm = 10)"] if not cfg.max_grad_norm else [])
+        super().__init__(f"round {rnd}: {method} diverged ({what} is NaN or inf). Likely cause: local steps too "
+                         f"large for this model and data ({steps}); try {', '.join(hint[:-1])}"
+                         f"{' or ' if len(hint) > 1 else ''}{hint[-1]}")
 
 
 @dataclass
@@ -108,6 +149,8 @@ class SimConfig:
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed: must be an integer in [0, 2**31), got {self.seed!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if not self.lr_decay > 0:
@@ -349,6 +392,8 @@ class Simulation:
             self._dist = dist
             self.group = None if process_group == "default" else process_group
             self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if device is not None:
+            check_device(str(device))
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if c.tune_cpu_allocator and self.device.type == "cpu":
             from .cpu_alloc import tune_cpu_allocator
@@ -742,13 +787,33 @@ class Simulation:
         timers["teacher"] = time.perf_counter() - t1
         avg_sum, loss_sum, t_local, t_agg = self._local(ctx, teacher)
         t1 = time.perf_counter()
-        self._server(ctx, avg_sum, loss_sum, totals["weight"])
+        try:
+            self._server(ctx, avg_sum, loss_sum, totals["weight"])
+        except ops.NonFiniteUpdate:
+            raise Diverged(self.rnd + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
         t1 = time.perf_counter()
         rec = self._evaluate_round(totals, loss_sum, timers, t1)
         rec["seconds"] = time.perf_counter() - t0
+        self._check_finite(rec)
         return rec
+
+    def _check_finite(self, rec: dict) -> None:
+        """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
+        :class:`Diverged` (one host read of two flags per round; every rank sees the same values)."""
+        what = []
+        if not math.isfinite(rec["train_loss"]):
+            what.append("the training loss")
+        ok = torch.stack([torch.isfinite(self.global_flat).all(), torch.isfinite(self.eval_flat).all()]).tolist()
+        if not ok[0]:
+            what.append("the global model")
+        elif not ok[1]:
+            what.append("the evaluated model")
+        if rec["test_loss"] is not None and not math.isfinite(rec["test_loss"]):
+            what.append("the test loss")
+        if what:
+            raise Diverged(rec["round"], self.method.name, " and ".join(what), self.cfg, rec)
 
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
     def _local(self, ctx: Round, teacher):
@@ -883,7 +948,16 @@ class Simulation:
         """The chunk's rows through the fused server update: returns their weighted sum [P]."""
         agg = dict(weights=weights[lo:hi], rows=hi - lo, backend=self.backend,
                    **self.method.chunk_aggregate(ctx, lo, hi))
-        out = ops.aggregate(self.stack.params, self.global_flat, **agg)
+        try:
+            out = ops.aggregate(self.stack.params, self.global_flat, **agg)
+        except ops.NonFiniteUpdate as e:
+            who = [int(ctx.sampled[lo + r]) for r in e.rows]
+            if self.world == 1:
+                raise Diverged(self.rnd + 1, self.method.name, f"the update of client(s) {who}" if who else
+                               "the clients' weighted average", self.cfg) from None
+            # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
+            # global model after it and stops at the same round
+            return torch.full_like(self.global_flat, float("nan"))
         self.method.collect(ctx, out, lo, hi)
         return weights[lo:hi].sum() * out["average"]
 
@@ -1035,5 +1109,5 @@ class Simulation:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-__all__ = ["SimConfig", "Simulation", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
+__all__ = ["SimConfig", "Simulation", "Diverged", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
            "OnlineTeacher"]

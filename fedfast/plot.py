@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -23,17 +22,19 @@ def _plt():
 
 
 def _series(run_dir: str) -> tuple[str, np.ndarray, np.ndarray]:
-    """(algorithm, rounds, accuracies) of the evaluated rounds of one run directory."""
-    with open(os.path.join(run_dir, "config.json")) as f:
-        alg = json.load(f)["algorithm"]
+    """(algorithm, rounds, accuracies) of the evaluated rounds of one run directory (a diverged round's
+    non-finite accuracy is ``null`` and left out)."""
+    from .rundir import read_json, read_jsonl
+    cfg_path = os.path.join(run_dir, "config.json")
+    cfg = read_json(cfg_path, "config")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("algorithm"), str):
+        raise ValueError(f"{cfg_path}: damaged config (no algorithm)")
     r, a = [], []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("test_accuracy") is not None:
-                r.append(rec["round"])
-                a.append(rec["test_accuracy"])
-    return alg, np.array(r), np.array(a)
+    for rec in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
+        if isinstance(rec.get("test_accuracy"), (int, float)):
+            r.append(rec["round"])
+            a.append(rec["test_accuracy"])
+    return cfg["algorithm"], np.array(r), np.array(a)
 
 
 def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
@@ -47,9 +48,13 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
         prefix = f"{os.path.basename(os.path.abspath(root))}: " if len(dirs) > 1 else ""
         order = []
         if os.path.isfile(os.path.join(root, STUDY)):
-            with open(os.path.join(root, STUDY)) as f:
-                order = json.load(f).get("methods", [])
+            from .rundir import read_json
+            spec = read_json(os.path.join(root, STUDY), "study")
+            order = spec.get("methods", []) if isinstance(spec, dict) else []
+        from .rundir import status
         for d in sorted(runs):
+            if status(d) == "diverged":  # as in the report: a diverged run is out of the mean (the report counts it)
+                continue
             alg, r, a = _series(d)
             groups.setdefault(prefix + alg, []).append((r, a))
         for m in order:  # the study's method order first

@@ -15,7 +15,15 @@ The directory holds:
   versions, and ``complete``;
 * ``tb/``: TensorBoard event files with ``tensorboard = true`` (the ``tensorboard`` package, an optional extra).
 
-Every file is written atomically; an existing run directory is never overwritten without ``force``.
+Every file is written atomically, and every JSON file is valid JSON (non-finite numbers as ``null``). The
+directory's marker (``.fedfast-run.json``) lists what fedfast wrote and its lock (``.fedfast.lock``) keeps one
+writer at a time (:mod:`fedfast.rundir`): an existing run is never overwritten without ``force``, and ``force``
+removes only what the marker lists.
+
+A run that diverges (a non-finite training loss, client update, global model or test loss) stops at that round
+(:class:`fedfast.Diverged`): ``metrics.jsonl`` ends with the round (non-finite values as ``null``),
+``summary.json`` says ``"status": "diverged"`` and ``"diverged_round"``, ``model_best.pt`` holds the best finite
+model, and no checkpoint or ``model_final.pt`` of the diverged model is written.
 """
 from __future__ import annotations
 
@@ -24,7 +32,6 @@ import io
 import json
 import os
 import platform
-import shutil
 import signal
 import sys
 import time
@@ -34,12 +41,12 @@ import torch
 from . import __version__
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
-from .checkpoint import write_atomic
+from .engine import Diverged
+from .rundir import RunDir, dumps, status
 
-OUTPUTS = ("config.json", "metrics.jsonl", "metrics.csv", "summary.json", "checkpoint.pt", "model_final.pt",
-           "model_best.pt", "tb")
-# keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed)
-RESUMABLE = ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device", "plugins", "profile")
+# keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed;
+# threads: the sums' order, so a resume with other threads is not bit-exact, and says so)
+RESUMABLE = ("rounds", "checkpoint_every", "tensorboard", "eval_every", "device", "plugins", "profile", "threads")
 _CSV = ("round", "test_accuracy", "best_test_accuracy", "test_loss", "train_loss", "forgetting", "seconds")
 
 
@@ -52,12 +59,28 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+class RunDiverged(Exception):
+    """The run diverged (:class:`fedfast.Diverged`); its directory holds the results up to that round."""
+
+    def __init__(self, err: Diverged | None, out_dir: str, best_round=None, message: str | None = None):
+        keep = (f"model_best.pt holds the best finite model (round {best_round})" if best_round else
+                "no finite model was evaluated")
+        super().__init__(message or f"{err}. The run stopped: {out_dir} records it (summary.json: status "
+                                    f"\"diverged\"); {keep}")
+        self.error = err
+
+
 def is_complete(out_dir: str) -> bool:
-    try:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            return bool(json.load(f).get("complete"))
-    except (OSError, ValueError):
-        return False
+    return status(out_dir) == "complete"
+
+
+def determinism() -> dict:
+    """The process settings a bit-exact rerun or resume depends on (recorded in config.json)."""
+    return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
 
 
 def _comparable(cfg_json: dict) -> dict:
@@ -68,12 +91,20 @@ def _versions() -> dict:
     return {"fedfast": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
-def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool) -> dict:
-    """The run's summary from its per-round metrics."""
-    ev = [h for h in history if h.get("test_accuracy") is not None]
+def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, diverged: Diverged | None = None
+              ) -> dict:
+    """The run's summary from its per-round metrics. A diverged run's best is over its finite rounds (before
+    the diverged one); its final values are the diverged round's (``None`` where not finite)."""
+    fin = history[:-1] if diverged is not None and diverged.record is not None else history
+    ev = [h for h in fin if h.get("test_accuracy") is not None]
     best = max(ev, key=lambda h: h["test_accuracy"]) if ev else None
     last10 = [h["test_accuracy"] for h in ev[-10:]]
-    return {"complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
+    if diverged is not None:
+        ev = ev + ([diverged.record] if diverged.record is not None else [])
+        state = {"status": "diverged", "diverged_round": diverged.round, "diverged": str(diverged)}
+    else:
+        state = {"status": "complete" if complete else "incomplete"}
+    return {**state, "complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
             "rounds": history[-1]["round"] if history else 0, "rounds_planned": cfg_json.get("rounds"),
             "final_test_accuracy": ev[-1]["test_accuracy"] if ev else None,
             "final_test_loss": ev[-1]["test_loss"] if ev else None,
@@ -81,7 +112,7 @@ def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool) 
             "best_round": best["round"] if best else None,
             "mean_last10_test_accuracy": sum(last10) / len(last10) if last10 else None,
             "final_forgetting": ev[-1].get("forgetting") if ev else None,
-            "wall_seconds": sum(h.get("seconds", 0.0) for h in history), "device": device,
+            "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
             "versions": _versions()}
 
 
@@ -132,52 +163,56 @@ class Progress:
             self.bar.close()
 
 
-def prepare_dir(out_dir: str, *, resume: bool, force: bool) -> None:
-    """Refuse to overwrite an existing run without ``force`` (which removes its outputs first)."""
-    if resume:
-        if not os.path.isfile(os.path.join(out_dir, "config.json")):
-            raise ValueError(f"--resume: {out_dir} is not a fedfast run directory (no config.json)")
-        return
-    ours = [n for n in OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
-    if ours and not force:
-        raise ValueError(f"{out_dir}: holds a run already ({', '.join(ours)}); continue it with --resume or "
-                         f"overwrite it with --force")
-    for n in ours:
-        p = os.path.join(out_dir, n)
-        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    os.makedirs(out_dir, exist_ok=True)
-
-
 def _model_bytes(sim) -> bytes:
     buf = io.BytesIO()
     torch.save(sim.state_dict(), buf)
     return buf.getvalue()
 
 
-def execute(sim, cfg, out_dir: str, *, resume: bool = False, quiet: bool = False, lead: bool = True,
-            label: str = "") -> list[dict]:
-    """Run ``cfg["rounds"]`` rounds of ``sim`` (a fresh Simulation) with the run directory's bookkeeping."""
+def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
+    if ck.get("version") != __version__:
+        raise ValueError(f"{ck_path}: written by fedfast {ck.get('version')}, this is fedfast {__version__}")
+    mine, theirs = _comparable(cfg_json), ck.get("config", {})
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if diff:
+        raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
+                         + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4]) + "; now: "
+                         + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4]) + ")")
+    done = int(ck.get("state", {}).get("round", 0))
+    if cfg["rounds"] < done:
+        raise ValueError(f"rounds: the run in {os.path.dirname(ck_path)} has done {done} rounds; rounds={cfg['rounds']} "
+                         f"cannot take them back (--set rounds=N with N >= {done} extends it)")
+    was = ck.get("threads")
+    if was is not None and was != torch.get_num_threads():
+        print(f"fedfast: warning: threads: {torch.get_num_threads()} now, {was} when the run was checkpointed: the "
+              f"rest of the run sums in another order and is not bit-exact against a run never stopped (resume "
+              f"without --set threads to keep {was})", file=sys.stderr, flush=True)
+
+
+def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = False, label: str = "",
+            out_dir: str | None = None) -> list[dict]:
+    """Run ``cfg["rounds"]`` rounds of ``sim`` (a fresh Simulation) with the run directory's bookkeeping.
+    ``rd``: the run directory, held by this process (None on the ranks that do not write: torchrun's ranks > 0
+    and the worker processes of ``--workers`` but rank 0)."""
+    lead = rd is not None
+    out_dir = rd.path if lead else out_dir
     cfg_json = cfg.to_json()
     ck_path = os.path.join(out_dir, "checkpoint.pt")
     if resume:
         ck = load_checkpoint(ck_path)
-        if ck.get("version") != __version__:
-            raise ValueError(f"{ck_path}: written by fedfast {ck.get('version')}, this is fedfast {__version__}")
-        mine, theirs = _comparable(cfg_json), ck.get("config", {})
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if diff:
-            raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
-                             + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4]) + "; now: "
-                             + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4]) + ")")
+        _check_resume(ck, ck_path, cfg, cfg_json)
         sim.restore(ck["state"])
     rounds = cfg["rounds"]
     if lead:
-        write_atomic(os.path.join(out_dir, "config.json"), json.dumps(cfg_json, indent=2, sort_keys=True))
-        write_atomic(os.path.join(out_dir, "metrics.jsonl"),
-                     "".join(json.dumps(_jsonable(h)) + "\n" for h in sim.history))
-    tb = _tensorboard(out_dir, sim.rnd) if lead and cfg["tensorboard"] else None
+        rd.write("config.json", dumps({**cfg_json, "determinism": determinism()}, indent=2, sort_keys=True))
+        rd.write("metrics.jsonl", "".join(dumps(_jsonable(h)) + "\n" for h in sim.history))
+        if sim.history:
+            rd.saved = True
+    tb = _tensorboard(rd, sim.rnd) if lead and cfg["tensorboard"] else None
     evs = [h["test_accuracy"] for h in sim.history if h["test_accuracy"] is not None]
     best = max(evs) if evs else None
+    best_round = max((h for h in sim.history if h["test_accuracy"] is not None),
+                     key=lambda h: h["test_accuracy"], default={}).get("round")
     stop: dict = {}
 
     def handler(signum, _frame):
@@ -189,26 +224,42 @@ def execute(sim, cfg, out_dir: str, *, resume: bool = False, quiet: bool = False
         except ValueError:  # not the main thread: no signal handling
             old = {}
 
+    def summary(complete: bool, diverged=None):
+        rd.write("metrics.csv", _csv_text(sim.history))
+        rd.write("summary.json", dumps(summarize(sim.history, cfg_json, str(sim.device), complete, diverged),
+                                       indent=2))
+
     def checkpoint(complete: bool):
         if not lead:
             return
-        save_checkpoint(ck_path, {"version": __version__, "config": _comparable(cfg_json), "state": sim.checkpoint()})
-        write_atomic(os.path.join(out_dir, "metrics.csv"), _csv_text(sim.history))
-        write_atomic(os.path.join(out_dir, "summary.json"),
-                     json.dumps(summarize(sim.history, cfg_json, str(sim.device), complete), indent=2))
+        rd.add("checkpoint.pt")
+        save_checkpoint(ck_path, {"version": __version__, "config": _comparable(cfg_json), "state": sim.checkpoint(),
+                                  "threads": torch.get_num_threads()})
+        summary(complete)
+        rd.saved = True
 
     progress = Progress(rounds, sim.rnd, quiet or not lead, label)
     try:
         f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if lead else None
         try:
             while sim.rnd < rounds:
-                rec = sim.round()
+                try:
+                    rec = sim.round()
+                except Diverged as e:
+                    if lead:
+                        if e.record is not None:
+                            f.write(dumps(_jsonable(e.record)) + "\n")
+                            f.flush()
+                        summary(False, e)
+                        rd.saved = True
+                    raise RunDiverged(e, out_dir, best_round) from None
                 if lead:
-                    f.write(json.dumps(_jsonable(rec)) + "\n")
+                    f.write(dumps(_jsonable(rec)) + "\n")
                     f.flush()
+                    rd.saved = True
                     if rec["test_accuracy"] is not None and (best is None or rec["test_accuracy"] > best):
-                        best = rec["test_accuracy"]
-                        write_atomic(os.path.join(out_dir, "model_best.pt"), _model_bytes(sim))
+                        best, best_round = rec["test_accuracy"], rec["round"]
+                        rd.write("model_best.pt", _model_bytes(sim))
                     if tb is not None:
                         for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting"):
                             if rec.get(k) is not None:
@@ -228,12 +279,13 @@ def execute(sim, cfg, out_dir: str, *, resume: bool = False, quiet: bool = False
         progress.close()
         if tb is not None:
             tb.close()
+            _list_tb(rd)
         for s, h in old.items():
             signal.signal(s, h)
     if lead:
-        write_atomic(os.path.join(out_dir, "model_final.pt"), _model_bytes(sim))
+        rd.write("model_final.pt", _model_bytes(sim))
         if best is None:
-            write_atomic(os.path.join(out_dir, "model_best.pt"), _model_bytes(sim))
+            rd.write("model_best.pt", _model_bytes(sim))
         checkpoint(True)
     return sim.history
 
@@ -252,10 +304,24 @@ def _jsonable(rec: dict) -> dict:
     return {k: v for k, v in rec.items() if k != "clients"}
 
 
-def _tensorboard(out_dir: str, purge_step: int):
+def _tensorboard(rd: RunDir, purge_step: int):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ValueError("tensorboard: needs the `tensorboard` package (pip install tensorboard, or the "
                          "fedfast[tensorboard] extra)") from None
-    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge_step + 1)
+    d = os.path.join(rd.path, "tb")
+    if not os.path.isdir(d):
+        rd.add(dirs=("tb",))
+    rd.tb_before = set(os.listdir(d)) if os.path.isdir(d) else set()
+    w = SummaryWriter(d, purge_step=purge_step + 1)
+    _list_tb(rd)  # the event file exists from here on: listed before the first round's scalars
+    return w
+
+
+def _list_tb(rd: RunDir) -> None:
+    """The event files this run's SummaryWriter wrote go into the marker (files someone else put in tb/ do not)."""
+    d = os.path.join(rd.path, "tb")
+    if os.path.isdir(d):
+        new = set(os.listdir(d)) - getattr(rd, "tb_before", set())
+        rd.add(*sorted(f"tb/{n}" for n in new if os.path.isfile(os.path.join(d, n))))

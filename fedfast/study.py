@@ -11,9 +11,11 @@ std, n - 1), and, for a study made from a preset, the paper's number for that ro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 
 from .checkpoint import write_atomic
 
@@ -30,11 +32,16 @@ def run_dirs(root: str) -> list[str]:
 
 
 def load_run(d: str) -> dict:
-    with open(os.path.join(d, "summary.json")) as f:
-        s = json.load(f)
-    with open(os.path.join(d, "config.json")) as f:
-        s["config"] = json.load(f)
+    """A run's summary.json with its config.json (``config``); ValueError naming a damaged file."""
+    from .rundir import read_json
+    s = read_json(os.path.join(d, "summary.json"), "summary")
+    c = read_json(os.path.join(d, "config.json"), "config")
+    for path, obj, key in (("summary.json", s, "rounds"), ("config.json", c, "algorithm")):
+        if not isinstance(obj, dict) or key not in obj:
+            raise ValueError(f"{os.path.join(d, path)}: damaged (expected a JSON object with {key!r})")
+    s["config"] = c
     s["dir"] = d
+    s.setdefault("status", "complete" if s.get("complete") else "incomplete")
     return s
 
 
@@ -62,8 +69,10 @@ def report(root: str) -> tuple[str, list[dict]]:
         raise ValueError(f"{root}: no finished or checkpointed runs (no summary.json below it)")
     study = {}
     if os.path.isfile(os.path.join(root, STUDY)):
-        with open(os.path.join(root, STUDY)) as f:
-            study = json.load(f)
+        from .rundir import read_json
+        study = read_json(os.path.join(root, STUDY), "study")
+        if not isinstance(study, dict):
+            raise ValueError(f"{os.path.join(root, STUDY)}: damaged (expected a JSON object)")
     preset = None
     if study.get("preset"):
         from . import presets
@@ -71,15 +80,20 @@ def report(root: str) -> tuple[str, list[dict]]:
         if not preset.reported:  # a protocol without paper numbers (the demo): no paper columns
             preset = None
     order = study.get("methods") or []
+    if not isinstance(order, list):
+        raise ValueError(f"{os.path.join(root, STUDY)}: damaged (methods is not a list)")
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(r["config"]["algorithm"], []).append(r)
     names = [m for m in order if m in groups] + sorted(m for m in groups if m not in order)
     rows = []
     for m in names:
-        g = groups[m]
+        every = groups[m]
+        g = [r for r in every if r["status"] != "diverged"]  # diverged runs: counted, not averaged
+        div = sorted(((r["config"]["seed"], r.get("diverged_round")) for r in every if r["status"] == "diverged"),
+                     key=lambda x: (x[0] is None, x))
         row = {"method": m, "seeds": sorted(r["config"]["seed"] for r in g), "complete": all(r["complete"] for r in g),
-               "rounds": min(r["rounds"] for r in g)}
+               "rounds": min((r["rounds"] for r in g), default=None), "diverged": div, "runs": len(every)}
         for key in ("final_test_accuracy", "best_test_accuracy", "mean_last10_test_accuracy", "final_forgetting",
                     "wall_seconds"):
             row[key] = mean_std([r.get(key) for r in g])
@@ -100,8 +114,12 @@ def report(root: str) -> tuple[str, list[dict]]:
         head += ["paper %", "Δ"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["method"] + ("" if r["complete"] else " (incomplete)"), ",".join(map(str, r["seeds"])),
-                 str(r["rounds"]), _fmt(*r["final_test_accuracy"]), _fmt(*r["best_test_accuracy"]),
+        tag = "" if r["complete"] else " (incomplete)"
+        if r["diverged"]:
+            tag += (f" ({len(r['diverged'])} of {r['runs']} diverged: "
+                    + ", ".join(f"seed {s} at round {d}" for s, d in r["diverged"]) + "; not in the mean)")
+        cells = [r["method"] + tag, ",".join(map(str, r["seeds"])) or "–",
+                 str(r["rounds"]) if r["rounds"] is not None else "–", _fmt(*r["final_test_accuracy"]), _fmt(*r["best_test_accuracy"]),
                  _fmt(*r["mean_last10_test_accuracy"]), _fmt(*r["final_forgetting"], scale=1.0, digits=4),
                  _fmt(*r["wall_seconds"], scale=1.0, digits=1)]
         if preset is not None:
@@ -109,8 +127,10 @@ def report(root: str) -> tuple[str, list[dict]]:
             cells += [_fmt(p[0], p[1], scale=1.0) if p else "–",
                       f"{r['delta']:+.2f}" if r.get("delta") is not None else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    dev = sorted({r["device"] for r in runs})
-    lines += ["", f"{len(runs)} runs; device {', '.join(dev)}; mean ± sample std over seeds."]
+    dev = sorted({str(r.get("device")) for r in runs})
+    nd = sum(len(r["diverged"]) for r in rows)
+    lines += ["", f"{len(runs)} runs; device {', '.join(dev)}; mean ± sample std over seeds"
+              + (f"; {nd} diverged run{'s' if nd > 1 else ''} left out of the means (marked)." if nd else ".")]
     if preset is not None and preset.notes:
         lines += ["", "Protocol: " + " ".join(preset.notes.split())]
     text = "\n".join(lines) + "\n"
@@ -120,11 +140,15 @@ def report(root: str) -> tuple[str, list[dict]]:
 
 def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None = None, config: str | None = None,
           overrides: list[str] | None = None, plugins=(), quiet: bool = False, workers: int = 1) -> list[str]:
-    """Run every (method, seed) into ``out/<method>/seed<k>``; complete runs are skipped, interrupted ones resumed.
-    Returns the run directories."""
+    """Run every (method, seed) into ``out/<method>/seed<k>``; finished runs (complete or diverged) are skipped,
+    interrupted ones resumed. Each run is taken under its directory's lock, so several ``fedfast sweep`` processes
+    on one study (on one machine or several sharing the filesystem) split its runs between them: a run another
+    process holds is skipped at once. A run that diverges is recorded (its summary says so) and the sweep goes on.
+    Every config is validated before anything is written. Returns the run directories."""
     from .cli import run, run_workers
     from .config import build_config
-    from .runner import is_complete
+    from .rundir import RunLocked, read_json, status
+    from .runner import RunDiverged
     from . import presets as _presets
     overrides = list(overrides or [])
     p = _presets.get(preset) if preset else None
@@ -133,37 +157,65 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
             raise ValueError("--methods: which methods to run (a preset's rows are the default)")
         methods = p.methods
     seeds = list(seeds) if seeds else (p.seeds if p is not None else [0])
-    os.makedirs(out, exist_ok=True)
     spec = {"preset": preset, "config": os.path.abspath(config) if config else None, "methods": methods,
             "seeds": seeds, "overrides": overrides, "plugins": [os.path.abspath(x) for x in plugins]}
     path = os.path.join(out, STUDY)
-    if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out: {out} is a file, not a study directory")
+
+    def merged(old: dict) -> dict:
+        if not isinstance(old, dict):
+            raise ValueError(f"{path}: damaged (expected a JSON object)")
         for k in ("preset", "config", "overrides"):
             if old.get(k) != spec[k]:
                 raise ValueError(f"{out}: is a study with {k} = {old.get(k)!r}, not {spec[k]!r}; use another --out")
-        spec["methods"] = old["methods"] + [m for m in methods if m not in old["methods"]]
-        spec["seeds"] = old["seeds"] + [s for s in seeds if s not in old["seeds"]]
-    # every config is built (and so validated) before the first run starts
+        return {**spec, "methods": old["methods"] + [m for m in methods if m not in old["methods"]],
+                "seeds": old["seeds"] + [s for s in seeds if s not in old["seeds"]]}
+    if os.path.isfile(path):
+        merged(read_json(path, "study"))
+    # every config is built (and so validated) before anything is written
     plan = []
     for m in methods:
         for s in seeds:
             base = p.config(m) if p is not None else {}
             cfg = build_config(config, [*overrides, f"algorithm={m}", f"seed={s}"], base=base, plugins=plugins)
             plan.append((m, s, cfg, os.path.join(out, m, f"seed{s}")))
-    write_atomic(path, json.dumps(spec, indent=2))
-    dirs = []
+    os.makedirs(out, exist_ok=True)
+    with _study_lock(out):  # two sweeps on one study: one read-merge-write of study.json at a time
+        spec_now = merged(read_json(path, "study")) if os.path.isfile(path) else spec
+        write_atomic(path, json.dumps(spec_now, indent=2))
+    dirs, held, diverged = [], [], []
     for i, (m, s, cfg, d) in enumerate(plan):
         label = f"[{i + 1}/{len(plan)}] {m} seed {s}"
-        if is_complete(d):
-            if not quiet:
-                print(f"{label}: complete, skipped", flush=True)
-        else:
-            resume = os.path.isfile(os.path.join(d, "checkpoint.pt"))
+        try:
             if workers > 1:
-                run_workers(cfg, d, workers, resume=resume, force=not resume, quiet=quiet, label=label)
+                done = run_workers(cfg, d, workers, mode="auto", quiet=quiet, label=label)
             else:
-                run(cfg, d, resume=resume, force=not resume, quiet=quiet, label=label)
+                done = run(cfg, d, mode="auto", quiet=quiet, label=label)
+            if done is None and not quiet:
+                print(f"{label}: {status(d)}, skipped", flush=True)
+        except RunLocked as e:
+            held.append(d)
+            if not quiet:
+                print(f"{label}: skipped, {e}", flush=True)
+        except RunDiverged as e:
+            diverged.append(d)
+            print(f"{label}: {e}", file=sys.stderr, flush=True)
         dirs.append(d)
+    if held and not quiet:
+        print(f"{len(held)} run(s) were running in other processes; `fedfast sweep` again (or `fedfast report`) "
+              f"once they end", flush=True)
+    if diverged and not quiet:
+        print(f"{len(diverged)} run(s) diverged; the report marks them and leaves them out of the means", flush=True)
     return dirs
+
+
+@contextlib.contextmanager
+def _study_lock(out: str):
+    import fcntl
+    fd = os.open(os.path.join(out, ".fedfast-study.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -26,7 +26,7 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,msg", [
     (["--set", "nonsense=1"], "nonsense: unknown config key"),
-    (["--set", "rounds=abc"], "rounds: expected a int"),
+    (["--set", "rounds=abc"], "rounds: expected an integer"),
     (["--set", "algorithm=fedsomething"], "algorithm: one of"),
     (["--set", "lr=-1"], "lr: must be > 0"),
     (["--set", "clients_per_round=500"], "clients_per_round"),
@@ -40,7 +40,7 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
     (["--set", "beta=5"], "beta: a method option now, spelled fedntd.beta"),
     (["--set", "asd=true"], "asd: a method option now, spelled algorithm = '<base>+asd'"),
     (["--set", "algorithm=fedntd+asd", "--set", "fedntd.tau=3"], "fedntd.tau: not used by fedntd+asd"),
-    (["--set", "fedntd.beta=abc"], "fedntd.beta: expected a float"),
+    (["--set", "fedntd.beta=abc"], "fedntd.beta: expected a number"),
     (["--plugin", "/nonexistent/x.py"], "--plugin: no such file"),
     (["--set", "client_chunk=0"], "client_chunk"),
     (["--set", "dataset=synthetic", "--set", "num_clients=6", "--set", "clients_per_round=3"], "shards_per_client"),

@@ -127,7 +127,7 @@ def test_config_errors_name_the_option():
                      (dict(algorithm="fedavg", options={"beta": 5}), "beta: not an option of fedavg"),
                      (dict(algorithm="fedavg", options={"fedntd": {"beta": 5}}), "fedntd: an option table of"),
                      (dict(algorithm="fedntd+asd", options={"fedntd": {"beta": 2}}), "fedntd.beta: not used"),
-                     (dict(algorithm="fedntd", options={"beta": "x"}), "fedntd.beta: expected a float"),
+                     (dict(algorithm="fedntd", options={"beta": "x"}), "fedntd.beta: expected a number"),
                      (dict(rounds=0), "rounds"), (dict(lr=0), "lr")):
         with pytest.raises(ValueError, match=name):
             fedfast.SimConfig(**kw)

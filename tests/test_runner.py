@@ -217,3 +217,30 @@ def test_adam_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert json.load(open(b / "config.json"))["adam_betas"] == [0.8, 0.99]
     assert _metrics(a) == _metrics(b)
     assert all(torch.equal(x, y) for x, y in zip(_final(a).values(), _final(b).values()))
+
+
+def test_threads_are_recorded_and_a_resume_keeps_them(tmp_path, capsys):
+    """config.json records the thread count and the determinism settings; a resume runs with the recorded count
+    (bit-exact whatever this process's default), and says so when told to use another."""
+    old = torch.get_num_threads()
+    try:
+        ref, cut = tmp_path / "ref", tmp_path / "cut"
+        assert main(["run", *ARGS, "--set", "rounds=4", "--set", "threads=2", "--out", str(ref), "--quiet"]) == 0
+        assert main(["run", *ARGS, "--set", "rounds=2", "--set", "threads=2", "--set", "checkpoint_every=1",
+                     "--out", str(cut), "--quiet"]) == 0
+        cfg = json.load(open(cut / "config.json"))
+        assert cfg["threads"] == 2 and cfg["determinism"]["threads"] == 2
+        assert set(cfg["determinism"]) >= {"deterministic_algorithms", "float32_matmul_precision", "interop_threads"}
+        torch.set_num_threads(1)
+        capsys.readouterr()
+        assert main(["run", "--resume", str(cut), "--set", "rounds=4", "--quiet"]) == 0
+        assert torch.get_num_threads() == 2 and "bit-exact" not in capsys.readouterr().err
+        assert _metrics(cut) == _metrics(ref)
+        a, b = _final(cut), _final(ref)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert main(["run", "--resume", str(cut), "--set", "rounds=5", "--set", "threads=1", "--quiet"]) == 0
+        err = capsys.readouterr().err
+        assert "threads: 1 now, 2 when the run was checkpointed" in err and "not bit-exact" in err
+        assert json.load(open(cut / "config.json"))["threads"] == 1
+    finally:
+        torch.set_num_threads(old)

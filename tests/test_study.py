@@ -138,7 +138,7 @@ def test_sweep_skips_complete_runs_and_refuses_a_changed_study(tmp_path, capsys)
     assert len(dirs) == 4 and all(json.load(open(os.path.join(d, "summary.json")))["complete"] for d in dirs)
     mtimes = [os.path.getmtime(os.path.join(d, "model_final.pt")) for d in dirs]
     s = json.load(open(os.path.join(dirs[0], "summary.json")))   # an interrupted run: resumed, not restarted
-    json.dump({**s, "complete": False}, open(os.path.join(dirs[0], "summary.json"), "w"))
+    json.dump({**s, "complete": False, "status": "incomplete"}, open(os.path.join(dirs[0], "summary.json"), "w"))
     assert main(["sweep", "--methods", "fedavg,fedntd", "--seeds", "0,1", "--out", out,
                  *sum([["--set", x] for x in sets], [])]) == 0
     printed = capsys.readouterr().out

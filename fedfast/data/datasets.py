@@ -172,9 +172,12 @@ def read_idx(path: str) -> Tensor:
     if not os.path.exists(path):
         raise _missing(path, "Download the IDX files of the dataset (e.g. MNIST / Fashion-MNIST) into this folder.")
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:  # a damaged .gz
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or len(data) < 4 + 4 * data[3]:
         raise ValueError(f"{path}: not an IDX file (bad magic number)")
     dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     if data[2] not in dtypes:
@@ -214,14 +217,29 @@ def load_idx(directory: str, *, mean=MNIST_MEAN, std=MNIST_STD, name: str = "idx
 # ---------------------------------------------------------------------------------------------- CIFAR
 def _unpickle(path: str) -> dict:
     if not os.path.exists(path):
-        raise _missing(path, "Put the official CIFAR python batches there (cifar-10-python.tar.gz / "
-                             "cifar-100-python.tar.gz from the CIFAR homepage, extracted), or pass download=True "
-                             "where torchvision and internet are available.")
+        raise _missing(path, "Put the official CIFAR python batches there: cifar-10-python.tar.gz or "
+                             "cifar-100-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted.")
     try:
         with open(path, "rb") as f:
-            return pickle.load(f, encoding="bytes")
+            return _CifarUnpickler(f, encoding="bytes").load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path}: not an official CIFAR batch ({e})") from None
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{path}: corrupt CIFAR batch ({e})") from e
+        raise ValueError(f"{path}: corrupt CIFAR batch ({type(e).__name__}: {e})") from None
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """The official CIFAR batches are pickles of a dict of bytes, lists and numpy arrays: only numpy's array
+    reconstruction is allowed to build objects (a forged batch cannot run code)."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks to build {module}.{name}, which an official batch never does; "
+                                     f"refused (fedfast unpickles CIFAR batches with numpy arrays only)")
 
 
 def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False) -> tuple[ArrayDataset, ArrayDataset]:

@@ -87,7 +87,14 @@ def load_plugin(path: str) -> None:
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        sys.modules.pop(mod_name, None)
+        raise ValueError(f"--plugin: {path}, line {e.lineno}: {e.msg}") from None
+    except ImportError as e:
+        sys.modules.pop(mod_name, None)
+        raise ValueError(f"--plugin: {path}: {e}") from None
 
 
 def describe(name: str, full: bool = True) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -56,13 +57,16 @@ def _option_type(f) -> tuple[type, bool]:
     return _TYPES.get(base, str), "None" in parts or "NoneType" in parts
 
 
+_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
 def coerce_option(key: str, value, f: dataclasses.Field):
     """``value`` (from TOML, ``--set`` strings or Python) as the field's type; ValueError naming ``key``."""
     typ, nullable = _option_type(f)
     if value is None or (isinstance(value, str) and value.lower() == "none" and typ is not str):
         if nullable:
             return None
-        raise ValueError(f"{key}: expected a {typ.__name__}, got None")
+        raise ValueError(f"{key}: expected {_KIND.get(typ, 'a ' + typ.__name__)}, got None")
     try:
         if typ is bool:
             if isinstance(value, str):
@@ -80,12 +84,17 @@ def coerce_option(key: str, value, f: dataclasses.Field):
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            v = float(value)
+            if not math.isfinite(v):
+                raise ValueError(f"{key}: expected a finite number, got {value!r}")
+            return v
         if not isinstance(value, str):
             raise ValueError
         return value
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}: expected a {typ.__name__}, got {value!r}") from None
+    except (TypeError, ValueError) as e:
+        if str(e).startswith(f"{key}: "):
+            raise
+        raise ValueError(f"{key}: expected {_KIND.get(typ, 'a ' + typ.__name__)}, got {value!r}") from None
 
 
 def validate_options(table: str, opts) -> None:

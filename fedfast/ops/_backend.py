@@ -86,7 +86,8 @@ def resolve(backend: str | None, device_type: str) -> str:
             return "cpu" if cpu_ext() is not None else _fallback("cpu", "fedfast._C is not built")
         return "reference"
     if req not in BACKENDS:
-        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {req!r}")
+        key = "backend" if backend is not None else "FEDFAST_BACKEND (environment variable)"
+        raise ValueError(f"{key}: must be one of {('auto',) + BACKENDS}, got {req!r}")
     if available(req, device_type):
         return req
     if req in ("cpu", "cuda") and (device_type == ("cpu" if req == "cpu" else "cuda")):

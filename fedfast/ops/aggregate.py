@@ -18,6 +18,14 @@ from . import _backend
 from .aggregate_reference import aggregate_reference
 
 
+class NonFiniteUpdate(ValueError):
+    """A client row (or the weighted average) holds NaN or inf; the update was refused. ``rows``: the bad rows."""
+
+    def __init__(self, message: str, rows: list):
+        super().__init__(message)
+        self.rows = rows
+
+
 def _rows_index(rows, N: int, device) -> Tensor:
     if rows is None:
         return torch.arange(N, device=device)
@@ -133,5 +141,6 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     if bad.any():
         rows_bad = idx[bad[:-1]].tolist()
         what = f"rows {rows_bad} contain NaN or inf" if rows_bad else "the weighted average overflowed"
-        raise ValueError(f"clients: {what}; the update was refused (global model and server state unchanged)")
+        raise NonFiniteUpdate(f"clients: {what}; the update was refused (global model and server state unchanged)",
+                              rows_bad)
     return out
