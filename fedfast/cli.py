@@ -506,6 +506,8 @@ def _presets_cmd(name: str | None) -> int:
             print(f"  {m:14s} paper {num:>14s}" + (f"   {extra}" if extra else ""))
         for m, why in p.missing.items():
             print(f"  {m:14s} (no number in this column: {why})")
+        if p.reported_note:
+            print(f"note on the reported numbers: {p.reported_note}")
         print("notes: " + " ".join(p.notes.split()))
         return 0
     for p in presets.load_all().values():

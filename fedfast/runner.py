@@ -88,7 +88,44 @@ def _comparable(cfg_json: dict) -> dict:
 
 
 def _versions() -> dict:
-    return {"fedfast": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    v = {"fedfast": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    c = source_commit()
+    if c:
+        v["commit"] = c
+    return v
+
+
+def source_commit() -> str | None:
+    """The git commit of the checkout fedfast runs from (an editable install), read from ``.git`` without
+    running git; None when installed from a wheel or the checkout is unreadable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = os.path.join(root, ".git")
+    try:
+        if os.path.isfile(git):  # a worktree: "gitdir: PATH"
+            with open(git) as f:
+                git = os.path.join(root, f.read().split(":", 1)[1].strip())
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref: "):
+            return head[:40] or None
+        ref = head[5:]
+        common = git
+        if os.path.isfile(os.path.join(git, "commondir")):
+            with open(os.path.join(git, "commondir")) as f:
+                common = os.path.join(git, f.read().strip())
+        for base in (git, common):
+            p = os.path.join(base, ref)
+            if os.path.isfile(p):
+                with open(p) as f:
+                    return f.read().strip()[:40] or None
+        with open(os.path.join(common, "packed-refs")) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref:
+                    return parts[0]
+    except (OSError, IndexError):
+        return None
+    return None
 
 
 def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, diverged: Diverged | None = None

@@ -124,18 +124,30 @@ def report(root: str) -> tuple[str, list[dict]]:
                  _fmt(*r["wall_seconds"], scale=1.0, digits=1)]
         if preset is not None:
             p = r.get("paper")
+            dagger = " †" if preset.reported_note else ""  # a Δ never stands bare where the cell has a note
             cells += [_fmt(p[0], p[1], scale=1.0) if p else "–",
-                      f"{r['delta']:+.2f}" if r.get("delta") is not None else "–"]
+                      f"{r['delta']:+.2f}{dagger}" if r.get("delta") is not None else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     dev = sorted({str(r.get("device")) for r in runs})
     nd = sum(len(r["diverged"]) for r in rows)
     lines += ["", f"{len(runs)} runs; device {', '.join(dev)}; mean ± sample std over seeds"
               + (f"; {nd} diverged run{'s' if nd > 1 else ''} left out of the means (marked)." if nd else ".")]
+    if preset is not None and preset.reported_note:
+        lines += ["", f"† On the paper's numbers of this cell: {preset.reported_note}"]
+    lines += ["", "Runs (provenance):", ""] + [f"- {_provenance(r, root)}" for r in runs]
     if preset is not None and preset.notes:
         lines += ["", "Protocol: " + " ".join(preset.notes.split())]
     text = "\n".join(lines) + "\n"
     write_atomic(os.path.join(root, "report.md"), text)
     return text, rows
+
+
+def _provenance(r: dict, root: str) -> str:
+    v = r.get("versions") or {}
+    rel = os.path.relpath(r["dir"], root)
+    return (f"`{rel}`: {r['status']}, fedfast {v.get('fedfast', '?')}"
+            + (f" (commit {v['commit']})" if v.get("commit") else "")
+            + f", torch {v.get('torch', '?')}, python {v.get('python', '?')}, device {r.get('device', '?')}")
 
 
 def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None = None, config: str | None = None,

@@ -6,6 +6,9 @@ import math
 import os
 
 import pytest
+import torch
+
+import fedfast
 
 from fedfast import methods, presets
 from fedfast.cli import main
@@ -185,3 +188,29 @@ def test_doctor_checks_backends(capsys, monkeypatch):
     assert main(["doctor", "--quick"]) == 1
     out = capsys.readouterr().out
     assert "FAIL cpu     cpu       distill" in out and "1 check(s) FAILED" in out
+
+
+def test_fidelity_note_and_provenance_in_the_report(tmp_path, capsys):
+    """FedNTD's MNIST cells carry the authors' statement on their reported numbers; report puts a † on Δ and the
+    note under the table, and lists each run's fedfast version (and commit from a checkout), torch and device."""
+    from fedfast import presets
+    from fedfast.runner import source_commit
+    note = presets.get("fedntd-table1/mnist-shards").reported_note
+    assert "Lee-Gihun/FedNTD/issues/4" in note and "CutOut" in note and "95.8" in note
+    assert presets.get("fedntd-table1/mnist-lda").reported_note == note
+    assert presets.get("fedntd-table1/cifar10-shards-s2").reported_note == ""
+    assert main(["presets", "fedntd-table1/mnist-shards"]) == 0
+    assert "note on the reported numbers: The authors state" in capsys.readouterr().out
+    out = tmp_path / "study"
+    assert main(["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
+                 "--set", "rounds=2", "--set", "algorithm=fedavg", "--out", str(out / "fedavg" / "seed0"),
+                 "--quiet"]) == 0
+    (out / "study.json").write_text(json.dumps({"preset": "fedntd-table1/mnist-shards", "methods": ["fedavg"]}))
+    text, _ = report(str(out))
+    row = next(line for line in text.splitlines() if line.startswith("| fedavg"))
+    assert row.rstrip(" |").endswith("†") and "78.63 ± 0.42" in row
+    assert "† On the paper's numbers of this cell: The authors state" in text
+    prov = next(line for line in text.splitlines() if line.startswith("- `fedavg/seed0`"))
+    assert f"fedfast {fedfast.__version__}" in prov and f"torch {torch.__version__}" in prov and "device cpu" in prov
+    c = source_commit()
+    assert (f"commit {c}" in prov) if c else "commit" not in prov

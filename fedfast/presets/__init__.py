@@ -11,7 +11,9 @@ A file is one table of one paper. It holds:
 * ``[cells.<cell>]``: the keys of one column of the table and ``reported``, the paper's number for each method
   row: ``[mean, std]`` in %, or ``[mean]`` where no std is given; ``options`` (``{method = {key = value}}``):
   options of a method in this cell only; ``missing`` (``{method = "why"}``): rows of the paper's table that have
-  no number in this column, and why.
+  no number in this column, and why; ``reported_note``: what a reader must know before comparing with the
+  reported numbers of this cell (e.g. the authors' statement that the released code differs from the paper's
+  runs), which ``fedfast presets`` and ``fedfast report`` print beside the numbers.
 
 A preset is one cell, named ``<file>/<cell>`` (``fedntd-table1/mnist-shards``). ``fedfast presets`` lists them;
 ``fedfast run --preset NAME --set algorithm=fedntd`` runs one method of one; ``fedfast sweep --preset NAME``
@@ -42,6 +44,7 @@ class Preset:
     notes: str = ""
     default_methods: list = field(default_factory=list)
     missing: dict = field(default_factory=dict)   # {method: why the table has no number for it in this cell}
+    reported_note: str = ""                       # what qualifies this cell's reported numbers (a fidelity note)
 
     def config(self, algorithm: str) -> dict:
         """The config dict (as a TOML file would give it) of ``algorithm`` in this cell."""
@@ -71,6 +74,7 @@ def _load_file(path: str) -> list[Preset]:
         c = dict(c)
         reported = {k: list(v) for k, v in c.pop("reported", {}).items()}
         missing = {k: str(v) for k, v in c.pop("missing", {}).items()}
+        note = " ".join(str(c.pop("reported_note", "")).split())
         opts = {m: dict(o) for m, o in d.get("options", {}).items()}
         for m, o in c.pop("options", {}).items():  # this cell's options of a method, over the file's
             merged = dict(opts.get(m, {}))
@@ -81,7 +85,7 @@ def _load_file(path: str) -> list[Preset]:
         out.append(Preset(f"{stem}/{cell}", meta.get("paper", ""), meta.get("table", ""), cell,
                           meta.get("metric", "final"), list(meta.get("seeds", [0, 1, 2])), keys, opts,
                           {m: dict(v) for m, v in d.get("engine", {}).items()}, reported, meta.get("notes", ""),
-                          list(meta.get("methods", [])), missing))
+                          list(meta.get("methods", [])), missing, note))
     return out
 
 
