@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -127,9 +126,7 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
         run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True)
         import torch.distributed as dist
         dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # everything is written: skip interpreter teardown, where gloo's threads can abort the process
+        code = 0
     except Interrupted as e:
         if rank == 0:
             print(f"fedfast: {e}", file=sys.stderr, flush=True)
@@ -143,7 +140,7 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
         code = EXIT_ERROR
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as above: no interpreter teardown with gloo's threads alive (it aborts: SIGABRT)
+    os._exit(code)  # everything is written: no interpreter teardown, where gloo's threads abort the process
 
 
 EXIT_ERROR, EXIT_WORKER_DIED, EXIT_DIVERGED = 2, 3, 4

@@ -169,9 +169,6 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
             tables.setdefault(t, {})[key] = v
         else:
             raw[k] = v
-    from_file = set(k for k in loaded if k not in tables) | {f"{t}.{k}" for t, kv in
-                                                           ((t, loaded[t]) for t in loaded if isinstance(loaded[t], dict))
-                                                           for k in kv}
     from_set = {(p.split("=", 1)[0].strip()) for p in overrides or [] if "=" in p}
     try:
         return _resolve(raw, tables, plugins)
@@ -179,7 +176,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         key = str(e).split(":", 1)[0].strip()
         if key in from_set:
             raise type(e)(f"--set {e}") from None
-        if source and (key in from_file or key.split(".")[0] in loaded):
+        if source and key.split(".")[0] in loaded:  # a key, or a method table, the file gave
             raise type(e)(f"{source}: {e}") from None
         raise
 

@@ -272,10 +272,10 @@ class RunDir:
         self.saved = True  # a run's results are here: a failure from now on never takes them back
         if legacy:
             self._write_marker()
-        status = _status(self._p("summary.json"))
+        state = status(self.path)
         has_ck = os.path.isfile(self._p("checkpoint.pt"))
         if mode == "resume":
-            if status == "diverged":
+            if state == "diverged":
                 s = read_json(self._p("summary.json"), "summary")
                 raise ValueError(f"--resume: the run in {self.path} diverged at round {s.get('diverged_round')}; "
                                  f"resumed from its last checkpoint it would take the same steps and diverge again. "
@@ -285,14 +285,14 @@ class RunDir:
                                  f"again with --force")
             return "resume"
         if mode == "auto":
-            if status in ("complete", "diverged"):
+            if state in ("complete", "diverged"):
                 return "skip"
             if has_ck:
                 return "resume"
         elif mode == "new":
             listed = [f for f in self.files if f != MARKER and os.path.lexists(self._p(f))]
             if listed:
-                what = f"a {status} run" if status else "a fedfast run"
+                what = f"a {state} run" if state else "a fedfast run"
                 raise ValueError(f"{self.path}: holds {what} ({', '.join(listed[:6])}"
                                  f"{', ...' if len(listed) > 6 else ''}); continue it with --resume {self.path} or "
                                  f"replace it with --force (which removes only the files its {MARKER} lists)")
@@ -305,10 +305,7 @@ class RunDir:
             if name in (MARKER, LOCK):
                 continue
             self._remove(name)
-        for d in sorted(self.dirs, key=len, reverse=True):
-            p = self._p(d)
-            if os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p):
-                os.rmdir(p)
+        self._rmdir_empty()
         self.files = [MARKER]
         self.dirs = []
         self.saved = False  # the old run is gone: a failure before this run's first round takes back what it wrote
@@ -321,10 +318,7 @@ class RunDir:
             if failed and not self.saved and self._fd is not None and self._wrote:
                 for name in sorted(self._new - {MARKER}, key=len, reverse=True):
                     self._remove(name)
-                for d in sorted(self.dirs, key=len, reverse=True):
-                    p = self._p(d)
-                    if os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p):
-                        os.rmdir(p)
+                self._rmdir_empty()
                 left = [f for f in self.files if f != MARKER and os.path.lexists(self._p(f))]
                 if left:
                     self.files = [MARKER, *left]
@@ -345,6 +339,13 @@ class RunDir:
                         os.rmdir(d)
                     except OSError:
                         break
+
+    def _rmdir_empty(self) -> None:
+        """The folders the marker lists, deepest first, where nothing is left in them."""
+        for d in sorted(self.dirs, key=len, reverse=True):
+            p = self._p(d)
+            if os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p):
+                os.rmdir(p)
 
     def _remove(self, name: str) -> None:
         """A listed file and the temporary files a killed atomic write of it left."""
@@ -373,20 +374,16 @@ def attach(path: str) -> RunDir:
     return rd
 
 
-def _status(summary_path: str) -> str | None:
+def status(path: str) -> str | None:
+    """``complete``, ``diverged``, ``incomplete`` (checkpointed or stopped) or None (no readable summary)."""
     try:
-        with open(summary_path) as f:
+        with open(os.path.join(path, "summary.json")) as f:
             s = json.load(f)
     except (OSError, ValueError):
         return None
     if not isinstance(s, dict):
         return None
     return s.get("status") or ("complete" if s.get("complete") else "incomplete")
-
-
-def status(path: str) -> str | None:
-    """``complete``, ``diverged``, ``incomplete`` (checkpointed or stopped) or None (no summary)."""
-    return _status(os.path.join(path, "summary.json"))
 
 
 def _now() -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import platform
 import signal
@@ -42,7 +41,7 @@ from . import __version__
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .engine import Diverged
-from .rundir import RunDir, dumps, status
+from .rundir import RunDir, dumps
 
 # keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed;
 # threads: the sums' order, so a resume with other threads is not bit-exact, and says so)
@@ -68,10 +67,6 @@ class RunDiverged(Exception):
         super().__init__(message or f"{err}. The run stopped: {out_dir} records it (summary.json: status "
                                     f"\"diverged\"); {keep}")
         self.error = err
-
-
-def is_complete(out_dir: str) -> bool:
-    return status(out_dir) == "complete"
 
 
 def determinism() -> dict:
