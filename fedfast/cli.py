@@ -232,11 +232,22 @@ def build(cfg, device=None, group=None):
         g = torch.Generator().manual_seed(cfg["seed"] + 15485863)
         keep = torch.randperm(len(train), generator=g)[:max(1, round(cfg["train_fraction"] * len(train)))]
         train = train.subset(keep.sort().values)
+    validation = None
+    if cfg["val_fraction"] > 0:  # model selection's split: seeded, before the method's splits and the partition
+        g = torch.Generator().manual_seed(cfg["seed"] + 32452843)
+        perm = torch.randperm(len(train), generator=g)
+        n_val = max(1, round(cfg["val_fraction"] * len(train)))
+        if n_val >= len(train):
+            raise ValueError(f"val_fraction: {cfg['val_fraction']:g} of {len(train)} training samples leaves none "
+                             f"to train on")
+        validation = train.subset(perm[:n_val].sort().values)
+        train = train.subset(perm[n_val:].sort().values)
     sc = cfg.sim_config()
     train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = _partition(cfg, train)
     model = model if model is not None else _model(cfg, train)
-    return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group, **splits)
+    return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
+                      validation=validation, **splits)
 
 
 def _set_threads(cfg) -> None:
@@ -267,8 +278,12 @@ def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard of it
             err = e
     if group is not None:  # rank 0's verdict on the directory, to every rank
-        code = torch.tensor([1 if err is not None else 0, ("new", "resume", "skip").index(action)])
+        from .rundir import RunLocked
+        code = torch.tensor([0 if err is None else 2 if isinstance(err, RunLocked) else 1,
+                             ("new", "resume", "skip").index(action)])
         torch.distributed.broadcast(code, 0)
+        if int(code[0]) == 2 and err is None:  # held by another process: every rank skips it (a sweep goes on)
+            raise RunLocked(out_dir, {})
         if int(code[0]) and err is None:
             raise ValueError(f"{out_dir}: rank 0 could not open the run directory (its message is above)")
         action = ("new", "resume", "skip")[int(code[1])]
@@ -352,27 +367,40 @@ def main(argv=None) -> int:
     r.add_argument("--workers", type=int, default=1, metavar="N",
                    help="N local processes over torch.distributed, each training its share of every round's "
                         "clients with cores/N threads (CPU)")
-    r.add_argument("--preset", metavar="NAME", help="a paper preset's protocol (fedfast presets); --set "
-                                                    "algorithm=... picks the row (default: its first)")
+    r.add_argument("--preset", metavar="NAME", help="a preset (fedfast presets) or a study file's cell "
+                                                    "(STUDY.toml/CELL); --set algorithm=... picks the row "
+                                                    "(default: its first)")
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
     mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
     mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     pr = sub.add_parser("presets", help="list the paper presets (protocols and reported numbers)")
-    pr.add_argument("name", nargs="?", help="show one preset in full")
-    sw = sub.add_parser("sweep", help="run methods x seeds into a study directory (skips complete runs, resumes "
-                                      "interrupted ones)")
-    sw.add_argument("config", nargs="?", help="TOML config file (or use --preset)")
-    sw.add_argument("--preset", metavar="NAME")
-    sw.add_argument("--methods", default="", help="comma-separated methods (default: the preset's rows)")
-    sw.add_argument("--seeds", default="", help="comma-separated seeds (default: the preset's, else 0)")
+    pr.add_argument("name", nargs="?", help="show one preset in full; a study file (STUDY.toml) lists its cells, "
+                                            "STUDY.toml/CELL shows one")
+    sw = sub.add_parser("sweep", help="run methods x grid points x seeds into a study directory (skips complete "
+                                      "runs, resumes interrupted ones)")
+    sw.add_argument("config", nargs="?", help="a study file (STUDY.toml, STUDY.toml/CELL) or a TOML run config")
+    sw.add_argument("--preset", metavar="NAME", help="a preset (FILE/CELL, or FILE: every cell)")
+    sw.add_argument("--methods", default="", help="comma-separated methods (default: the study's rows)")
+    sw.add_argument("--seeds", default="", help="comma-separated seeds (default: the study's, else 0)")
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                    help="run every value (repeatable: the cross product); engine/run keys or method.key")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sw.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     sw.add_argument("--out", required=True, help="study directory")
     sw.add_argument("--quiet", action="store_true")
     sw.add_argument("--workers", type=int, default=1, metavar="N", help="each run in N local processes")
-    rp = sub.add_parser("report", help="the study's table (mean ± std over seeds, the paper's numbers): prints it "
-                                       "and writes DIR/report.md")
-    rp.add_argument("dir")
+    sw.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="N runs at once, each in its own process with cores/N threads")
+    sw.add_argument("--shard", metavar="I/N", help="run only the I-th of N disjoint parts of the study (0 <= I < "
+                                                   "N; a job array's task)")
+    rp = sub.add_parser("report", help="the study's table (mean ± std over seeds, the paper's numbers); several "
+                                       "studies: merged, methods x cells. Prints it and writes DIR/report.<ext>")
+    rp.add_argument("dirs", nargs="+", metavar="DIR", help="study directories")
+    rp.add_argument("--format", default="md", choices=("md", "csv", "latex"))
+    rp.add_argument("--select", default=None, metavar="METRIC",
+                    help="the metric a grid point is selected on (default final_val_accuracy: the validation "
+                         "split, never the test set)")
+    rp.add_argument("-o", "--out", default=None, metavar="FILE", help="also write the table to FILE")
     pl = sub.add_parser("plot", help="test accuracy against round, mean ± std over seeds, one line per method")
     pl.add_argument("dirs", nargs="+", help="study or run directories")
     pl.add_argument("-o", "--out", required=True, help="PNG file to write")
@@ -422,7 +450,7 @@ def _dispatch(args) -> int:
         return _presets_cmd(args.name)
     if args.cmd == "report":
         from .study import report
-        text, _ = report(args.dir)
+        text, _ = report(args.dirs, args.format, args.select, args.out)
         print(text, end="")
         return 0
     if args.cmd == "plot":
@@ -437,9 +465,11 @@ def _dispatch(args) -> int:
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+        from .study import parse_shard
         sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
-              plugins=args.plugin, quiet=args.quiet, workers=args.workers)
-        if not args.quiet:
+              plugins=args.plugin, quiet=args.quiet, workers=args.workers, grid=args.grid, jobs=args.jobs,
+              shard=parse_shard(args.shard))
+        if not args.quiet and int(os.environ.get("RANK", "0")) == 0:
             from .study import report
             print(report(args.out)[0], end="")
         return 0
@@ -470,13 +500,21 @@ def _dispatch(args) -> int:
         out, mode = args.resume, "resume"
     else:
         base = None
+        from . import presets
+        if args.config and (presets.is_study_file(args.config) or ".toml/" in args.config):
+            if args.preset:  # `fedfast run STUDY.toml/CELL` is `--preset STUDY.toml/CELL`
+                raise ValueError(f"{args.config} is a study file; give it or --preset, not both")
+            args.preset, args.config = args.config, None
         if args.preset:
-            from . import presets
             pre = presets.get(args.preset)
+            if not pre.methods and not any(o.split("=", 1)[0].strip() == "algorithm" for o in args.set):
+                raise ValueError(f"--preset {args.preset}: names no method rows; pick one with --set algorithm=NAME")
             alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
-                       pre.methods[0])
+                       pre.methods[0] if pre.methods else "")
             base = pre.config(alg)
-        cfg = build_config(args.config, args.set, base=base, plugins=args.plugin)
+            args.plugin = list(args.plugin) + [p for p in pre.plugins if p not in args.plugin]
+        cfg = build_config(args.config, args.set, base=base, plugins=args.plugin,
+                           source=pre.source if args.preset else None)
         out, mode = args.out or "runs/latest", ("force" if args.force else "new")
     if args.workers < 1:
         raise ValueError(f"--workers: must be >= 1, got {args.workers}")
@@ -492,8 +530,14 @@ RESUME_SET = ("rounds", "eval_every", "checkpoint_every", "tensorboard", "device
 
 def _presets_cmd(name: str | None) -> int:
     from . import presets
+    cells = presets.resolve(name, "presets") if name else []
+    if len(cells) > 1:  # a study file (or a preset file): its cells
+        for p in cells:
+            print(f"{p.name:36s} {p.keys.get('dataset', ''):14s} {p.table:28s} {', '.join(p.methods)}")
+        print(f"({len(cells)} cells of {cells[0].source}; `fedfast presets NAME/CELL` shows one)")
+        return 0
     if name:
-        p = presets.get(name)
+        p = cells[0]
         print(f"{p.name}: {p.paper}, {p.table}; the paper reports the {p.metric} test accuracy; seeds {p.seeds}")
         print("protocol: " + ", ".join(f"{k}={v!r}" for k, v in p.keys.items() if not isinstance(v, dict)))
         for m in p.methods:
@@ -505,6 +549,12 @@ def _presets_cmd(name: str | None) -> int:
             print(f"  {m:14s} (no number in this column: {why})")
         if p.reported_note:
             print(f"note on the reported numbers: {p.reported_note}")
+        if p.grid:
+            print("grid: " + ", ".join(f"{k} in {v}" for k, v in p.grid.items()))
+        if p.plugins:
+            print("plugins: " + ", ".join(p.plugins))
+        if not p.packaged:
+            print(f"study file: {p.source}")
         print("notes: " + " ".join(p.notes.split()))
         return 0
     for p in presets.load_all().values():

@@ -40,6 +40,7 @@ _RUN: dict = {
     "max_length": (int, 128),        # text datasets: tokens per text (truncation; padded to the longest)
     "train_fraction": (float, 1.0),  # a seeded random subset of the training set (FedGKD's AG News: 0.5)
     "threads": (int, 0),             # intra-op CPU threads (0: torch's default); config.json records the number used
+    "val_fraction": (float, 0.0),    # a seeded random split of the training set held out for model selection
 }
 # what config.json records beside the keys (read back, not settings)
 RECORDED = ("determinism",)
@@ -201,6 +202,9 @@ def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
     for k in _NONNEGATIVE:
         if vals[k] < 0:
             raise ValueError(f"{k}: must be >= 0, got {vals[k]!r}")
+    if not 0 <= vals["val_fraction"] < 1:
+        raise ValueError(f"val_fraction: the fraction of the training set held out for validation, in [0, 1); got "
+                         f"{vals['val_fraction']!r}")
     if not 0 < vals["train_fraction"] <= 1:
         raise ValueError(f"train_fraction: must lie in (0, 1], got {vals['train_fraction']!r}")
     if vals["max_length"] < 2:

@@ -337,6 +337,9 @@ class Simulation:
     the method's client loss (client step, server rule and state stay the method's); it must return the sum over
     the segments (clients) of each client's mean loss over its valid rows; padded rows carry ``target == -100``.
     ``loss_needs_teacher=True`` passes the global model's logits as ``teacher``.
+    ``validation``: a split held out of the training data for model selection (``fedfast run``'s
+    ``val_fraction``): evaluated with the test set, its accuracy and loss go into each evaluated round's record as
+    ``val_accuracy`` / ``val_loss`` (absent without it), so grid points can be chosen without the test set.
     ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
     round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged with
     all_reduce / all_gather, so every rank holds the same global model and state after each round."""
@@ -344,7 +347,8 @@ class Simulation:
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
                  loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None,
-                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None):
+                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None,
+                 validation: ArrayDataset | None = None):
         c = self.cfg = self.config = config
         if not isinstance(config, SimConfig):
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
@@ -354,7 +358,7 @@ class Simulation:
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")
-        for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux)):
+        for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation)):
             if ds is not None and not isinstance(ds, ArrayDataset):
                 raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
             if ds is not None and ds.num_classes != train.num_classes:
@@ -379,7 +383,7 @@ class Simulation:
                              f" (use augment = 'none')")
         check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
         if callable(check):
-            for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux)):
+            for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation)):
                 if ds is not None:
                     check(ds, name)
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
@@ -402,6 +406,7 @@ class Simulation:
         self.model = model.to(self.device)
         self.train = train.to(self.device)
         self.test = test.to(self.device)
+        self.validation = validation.to(self.device) if validation is not None else None
         self._splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
         self.partition = partition
         self.K = self.num_clients = partition.num_clients
@@ -1001,10 +1006,12 @@ class Simulation:
         rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds)."""
         c = self.cfg
         self.rnd += 1
-        acc = test_loss = class_acc = None
+        acc = test_loss = class_acc = val = None
         if self.rnd % c.eval_every == 0 or self.rnd >= c.rounds:
             acc, test_loss, class_acc = self.evaluate()
             self._class_acc.append(class_acc)
+            if self.validation is not None:
+                val = self.evaluate(self.validation)
         timers["eval"] = time.perf_counter() - t1
         self._load_into_model(self.eval_flat)
         accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
@@ -1015,6 +1022,8 @@ class Simulation:
                "forgetting": self.forgetting() if acc is not None else None,
                "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
                "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
+        if self.validation is not None:
+            rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
         self.history.append(rec)
         return rec
 
@@ -1033,16 +1042,17 @@ class Simulation:
             torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float, torch.Tensor]:
-        """Test accuracy, mean test loss and per-class accuracy [C] of the evaluated model (the method's
-        ``evaluated``: the global model; FedDyn: the participants' average, not the cloud model). Under
-        torch.distributed each rank evaluates its share of the test set and the sums are all-reduced."""
-        C = self.test.num_classes
+    def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
+        """Accuracy, mean loss and per-class accuracy [C] of the evaluated model (the method's ``evaluated``: the
+        global model; FedDyn: the participants' average, not the cloud model) on ``dataset`` (default the test
+        set). Under torch.distributed each rank evaluates its share and the sums are all-reduced."""
+        data = self.test if dataset is None else dataset
+        C = data.num_classes
         acc = torch.zeros(2 * C + 1, device=self.device, dtype=torch.float64)  # correct [C], count [C], loss
-        rows = torch.arange(len(self.test), device=self.device).tensor_split(self.world)[self.rank]
+        rows = torch.arange(len(data), device=self.device).tensor_split(self.world)[self.rank]
         with self.eval_mode():
             for chunk in rows.split(self.eval_batch):
-                x, y = self.test.batch(chunk)
+                x, y = data.batch(chunk)
                 z = self.forward(self.eval_flat, x).float()
                 acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
                 acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
@@ -1050,7 +1060,7 @@ class Simulation:
         if self.world > 1:
             self._dist.all_reduce(acc, group=self.group)
         correct, count = acc[:C], acc[C:2 * C]
-        n = len(self.test)
+        n = len(data)
         class_acc = (correct / count.clamp_min(1)).float().cpu()
         return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
 

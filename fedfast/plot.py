@@ -56,7 +56,7 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
             if status(d) == "diverged":  # as in the report: a diverged run is out of the mean (the report counts it)
                 continue
             alg, r, a = _series(d)
-            groups.setdefault(prefix + alg, []).append((r, a))
+            groups.setdefault(prefix + _where(d, root) + alg + _point(d, root), []).append((r, a))
         for m in order:  # the study's method order first
             if prefix + m in groups:
                 groups[prefix + m] = groups.pop(prefix + m)
@@ -69,6 +69,36 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
         std = A.std(0, ddof=1) if len(ss) > 1 else np.zeros(len(common))
         out[label] = (np.array(common), A.mean(0), std, len(ss))
     return out
+
+
+def _study_of(d: str, root: str) -> str | None:
+    """The nearest directory from ``d`` up to ``root`` that holds a study.json."""
+    from .study import STUDY
+    d, root = os.path.abspath(d), os.path.abspath(root)
+    while True:
+        if os.path.isfile(os.path.join(d, STUDY)):
+            return d
+        if d == root or os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+
+
+def _where(d: str, root: str) -> str:
+    """``cell: `` for a run of one part of a study of several cells."""
+    s = _study_of(d, root)
+    return f"{os.path.basename(s)}: " if s is not None and s != os.path.abspath(root) else ""
+
+
+def _point(d: str, root: str) -> str:
+    """`` [fedprox.mu=0.1]`` for a run of a grid point."""
+    from .rundir import read_json
+    from .study import STUDY, point_label
+    s = _study_of(d, root)
+    if s is None:
+        return ""
+    grid = list((read_json(os.path.join(s, STUDY), "study") or {}).get("grid") or {})
+    label = point_label(read_json(os.path.join(d, "config.json"), "config"), grid) if grid else ""
+    return f" [{label}]" if label else ""
 
 
 def accuracy_curves(dirs: list[str], out: str, title: str | None = None) -> dict:

@@ -52,9 +52,9 @@ _CSV = ("round", "test_accuracy", "best_test_accuracy", "test_loss", "train_loss
 class Interrupted(Exception):
     """SIGINT/SIGTERM stopped the run after a round; the checkpoint is written."""
 
-    def __init__(self, signum: int, rnd: int, out_dir: str):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
-                         f"`fedfast run --resume {out_dir}`")
+    def __init__(self, signum: int, rnd: int, out_dir: str, message: str | None = None):
+        super().__init__(message or f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
+                                    f"`fedfast run --resume {out_dir}`")
         self.signum = signum
 
 
@@ -136,6 +136,15 @@ def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, 
         state = {"status": "diverged", "diverged_round": diverged.round, "diverged": str(diverged)}
     else:
         state = {"status": "complete" if complete else "incomplete"}
+    val = {}
+    if any("val_accuracy" in h for h in history):  # a validation split (val_fraction): its metrics beside the test's
+        vev = [h for h in fin if h.get("val_accuracy") is not None]
+        vlast = [h["val_accuracy"] for h in vev[-10:]]
+        vend = (vev + ([diverged.record] if diverged is not None and diverged.record is not None else []))
+        val = {"final_val_accuracy": vend[-1].get("val_accuracy") if vend else None,
+               "final_val_loss": vend[-1].get("val_loss") if vend else None,
+               "best_val_accuracy": max((h["val_accuracy"] for h in vev), default=None),
+               "mean_last10_val_accuracy": sum(vlast) / len(vlast) if vlast else None}
     return {**state, "complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
             "rounds": history[-1]["round"] if history else 0, "rounds_planned": cfg_json.get("rounds"),
             "final_test_accuracy": ev[-1]["test_accuracy"] if ev else None,
@@ -144,16 +153,17 @@ def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, 
             "best_round": best["round"] if best else None,
             "mean_last10_test_accuracy": sum(last10) / len(last10) if last10 else None,
             "final_forgetting": ev[-1].get("forgetting") if ev else None,
-            "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
+            **val, "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
             "versions": _versions()}
 
 
 def _csv_text(history: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(_CSV)
+    cols = _CSV + (("val_accuracy", "val_loss") if any("val_accuracy" in h for h in history) else ())
+    w.writerow(cols)
     for h in history:
-        w.writerow(["" if h.get(k) is None else h[k] for k in _CSV])
+        w.writerow(["" if h.get(k) is None else h[k] for k in cols])
     return buf.getvalue()
 
 
@@ -293,7 +303,8 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                         best, best_round = rec["test_accuracy"], rec["round"]
                         rd.write("model_best.pt", _model_bytes(sim))
                     if tb is not None:
-                        for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting"):
+                        for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting",
+                                  "val_accuracy", "val_loss"):
                             if rec.get(k) is not None:
                                 tb.add_scalar(k, rec[k], rec["round"])
                         tb.add_scalar("seconds", rec["seconds"], rec["round"])

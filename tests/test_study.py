@@ -106,7 +106,7 @@ def test_report_arithmetic(tmp_path):
     assert ntd["wall_seconds"] == (pytest.approx(110.0), pytest.approx(10.0))
     assert avg["final_test_accuracy"] == (pytest.approx(0.70), None)   # one seed: no std
     assert ntd["paper"] == (84.44, 0.43) and ntd["delta"] == pytest.approx(83.0 - 84.44)
-    assert "| fedntd | 0,1,2 | 50 | 83.00 ± 3.61 |" in text and "84.44 ± 0.43" in text and "-1.44" in text
+    assert "| fedntd | 0,1,2 | 50 | **83.00 ± 3.61** |" in text and "84.44 ± 0.43" in text and "-1.44" in text
     assert (tmp_path / "report.md").read_text() == text
     assert mean_std([]) == (None, None) and mean_std([None, 2.0]) == (2.0, None)
 
