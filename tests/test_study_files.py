@@ -409,3 +409,36 @@ def test_slurm_array_script_runs_each_task(tmp_path):
     r = subprocess.run(["sbatch", "--test-only", "--array=0-1", script, EXAMPLE, str(out)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+
+
+def _sweep_rank(rank, world, port, out, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    try:
+        dirs = sweep(out, ["fedavg"], [0, 1], overrides=[*TINY, "rounds=2", "threads=1"], quiet=True)
+        with open(f"{result}-{rank}", "w") as f:
+            json.dump(dirs, f)
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def test_sweep_under_torch_distributed_skips_a_held_run_on_every_rank(tmp_path):
+    """Two ranks sweep a study whose first run another process holds: rank 0's verdict reaches rank 1, both skip
+    it and train the second run together."""
+    import torch.multiprocessing as mp
+
+    from fedfast.rundir import RunDir
+    out = str(tmp_path / "s")
+    held = RunDir(os.path.join(out, "fedavg", "seed0"))
+    assert held.open("new") == "new"  # this process holds seed0
+    try:
+        from fedfast.cli import _free_port
+        mp.spawn(_sweep_rank, args=(2, _free_port(), out, str(tmp_path / "done")), nprocs=2, join=True)
+    finally:
+        held.close(failed=True)
+    for rank in (0, 1):
+        assert json.load(open(tmp_path / f"done-{rank}")) == [os.path.join(out, "fedavg", f"seed{s}") for s in (0, 1)]
+    runs = _runs(out)
+    assert list(runs) == ["fedavg/seed1"] and runs["fedavg/seed1"][0] == "complete"
