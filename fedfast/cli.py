@@ -501,7 +501,7 @@ def _dispatch(args) -> int:
     else:
         base = None
         from . import presets
-        if args.config and (presets.is_study_file(args.config) or ".toml/" in args.config):
+        if args.config and presets.names_study(args.config):
             if args.preset:  # `fedfast run STUDY.toml/CELL` is `--preset STUDY.toml/CELL`
                 raise ValueError(f"{args.config} is a study file; give it or --preset, not both")
             args.preset, args.config = args.config, None

@@ -21,8 +21,8 @@ def _plt():
     return plt
 
 
-def _series(run_dir: str) -> tuple[str, np.ndarray, np.ndarray]:
-    """(algorithm, rounds, accuracies) of the evaluated rounds of one run directory (a diverged round's
+def _series(run_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(config, rounds, accuracies) of the evaluated rounds of one run directory (a diverged round's
     non-finite accuracy is ``null`` and left out)."""
     from .rundir import read_json, read_jsonl
     cfg_path = os.path.join(run_dir, "config.json")
@@ -34,7 +34,7 @@ def _series(run_dir: str) -> tuple[str, np.ndarray, np.ndarray]:
         if isinstance(rec.get("test_accuracy"), (int, float)):
             r.append(rec["round"])
             a.append(rec["test_accuracy"])
-    return cfg["algorithm"], np.array(r), np.array(a)
+    return cfg, np.array(r), np.array(a)
 
 
 def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
@@ -52,11 +52,12 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
             spec = read_json(os.path.join(root, STUDY), "study")
             order = spec.get("methods", []) if isinstance(spec, dict) else []
         from .rundir import status
+        grids: dict = {}  # study directory -> its grid's keys (each study.json read once)
         for d in sorted(runs):
             if status(d) == "diverged":  # as in the report: a diverged run is out of the mean (the report counts it)
                 continue
-            alg, r, a = _series(d)
-            groups.setdefault(prefix + _where(d, root) + alg + _point(d, root), []).append((r, a))
+            cfg, r, a = _series(d)
+            groups.setdefault(prefix + _label(cfg, d, root, grids), []).append((r, a))
         for m in order:  # the study's method order first
             if prefix + m in groups:
                 groups[prefix + m] = groups.pop(prefix + m)
@@ -83,22 +84,19 @@ def _study_of(d: str, root: str) -> str | None:
         d = os.path.dirname(d)
 
 
-def _where(d: str, root: str) -> str:
-    """``cell: `` for a run of one part of a study of several cells."""
-    s = _study_of(d, root)
-    return f"{os.path.basename(s)}: " if s is not None and s != os.path.abspath(root) else ""
-
-
-def _point(d: str, root: str) -> str:
-    """`` [fedprox.mu=0.1]`` for a run of a grid point."""
+def _label(cfg: dict, d: str, root: str, grids: dict) -> str:
+    """A run's line: ``cell: `` for a part of a study of several cells, the method, `` [fedprox.mu=0.1]`` for a
+    grid point."""
     from .rundir import read_json
     from .study import STUDY, point_label
     s = _study_of(d, root)
     if s is None:
-        return ""
-    grid = list((read_json(os.path.join(s, STUDY), "study") or {}).get("grid") or {})
-    label = point_label(read_json(os.path.join(d, "config.json"), "config"), grid) if grid else ""
-    return f" [{label}]" if label else ""
+        return cfg["algorithm"]
+    if s not in grids:
+        grids[s] = list((read_json(os.path.join(s, STUDY), "study") or {}).get("grid") or {})
+    where = f"{os.path.basename(s)}: " if s != os.path.abspath(root) else ""
+    point = point_label(cfg, grids[s]) if grids[s] else ""
+    return where + cfg["algorithm"] + (f" [{point}]" if point else "")
 
 
 def accuracy_curves(dirs: list[str], out: str, title: str | None = None) -> dict:

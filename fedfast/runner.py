@@ -123,36 +123,41 @@ def source_commit() -> str | None:
     return None
 
 
+def _evaluated(rounds: list[dict], tail: list[dict], name: str) -> tuple[dict | None, dict | None, float | None]:
+    """Over the rounds that evaluated ``{name}_accuracy``: the final record (``tail``'s, a diverged round, where
+    given), the best one and the mean accuracy of the last 10."""
+    key = f"{name}_accuracy"
+    ev = [h for h in rounds if h.get(key) is not None]
+    end = (ev + tail)[-1] if ev or tail else None
+    last = [h[key] for h in ev[-10:]]
+    return end, max(ev, key=lambda h: h[key], default=None), (sum(last) / len(last) if last else None)
+
+
 def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, diverged: Diverged | None = None
               ) -> dict:
     """The run's summary from its per-round metrics. A diverged run's best is over its finite rounds (before
     the diverged one); its final values are the diverged round's (``None`` where not finite)."""
-    fin = history[:-1] if diverged is not None and diverged.record is not None else history
-    ev = [h for h in fin if h.get("test_accuracy") is not None]
-    best = max(ev, key=lambda h: h["test_accuracy"]) if ev else None
-    last10 = [h["test_accuracy"] for h in ev[-10:]]
+    tail = [diverged.record] if diverged is not None and diverged.record is not None else []
+    fin = history[:-1] if tail else history
+    end, best, last10 = _evaluated(fin, tail, "test")
     if diverged is not None:
-        ev = ev + ([diverged.record] if diverged.record is not None else [])
         state = {"status": "diverged", "diverged_round": diverged.round, "diverged": str(diverged)}
     else:
         state = {"status": "complete" if complete else "incomplete"}
     val = {}
     if any("val_accuracy" in h for h in history):  # a validation split (val_fraction): its metrics beside the test's
-        vev = [h for h in fin if h.get("val_accuracy") is not None]
-        vlast = [h["val_accuracy"] for h in vev[-10:]]
-        vend = (vev + ([diverged.record] if diverged is not None and diverged.record is not None else []))
-        val = {"final_val_accuracy": vend[-1].get("val_accuracy") if vend else None,
-               "final_val_loss": vend[-1].get("val_loss") if vend else None,
-               "best_val_accuracy": max((h["val_accuracy"] for h in vev), default=None),
-               "mean_last10_val_accuracy": sum(vlast) / len(vlast) if vlast else None}
+        vend, vbest, vlast10 = _evaluated(fin, tail, "val")
+        val = {"final_val_accuracy": vend.get("val_accuracy") if vend else None,
+               "final_val_loss": vend.get("val_loss") if vend else None,
+               "best_val_accuracy": vbest["val_accuracy"] if vbest else None, "mean_last10_val_accuracy": vlast10}
     return {**state, "complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
             "rounds": history[-1]["round"] if history else 0, "rounds_planned": cfg_json.get("rounds"),
-            "final_test_accuracy": ev[-1]["test_accuracy"] if ev else None,
-            "final_test_loss": ev[-1]["test_loss"] if ev else None,
+            "final_test_accuracy": end["test_accuracy"] if end else None,
+            "final_test_loss": end["test_loss"] if end else None,
             "best_test_accuracy": best["test_accuracy"] if best else None,
             "best_round": best["round"] if best else None,
-            "mean_last10_test_accuracy": sum(last10) / len(last10) if last10 else None,
-            "final_forgetting": ev[-1].get("forgetting") if ev else None,
+            "mean_last10_test_accuracy": last10,
+            "final_forgetting": end.get("forgetting") if end else None,
             **val, "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
             "versions": _versions()}
 

@@ -188,10 +188,10 @@ def mean_std(xs: list) -> tuple[float | None, float | None]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def _fmt(m, s, scale=100.0, digits=2, pm=" ± "):
+def _fmt(m, s, scale=100.0, digits=2):
     if m is None:
         return "–"
-    return f"{scale * m:.{digits}f}" + (f"{pm}{scale * s:.{digits}f}" if s is not None else "")
+    return f"{scale * m:.{digits}f}" + (f" ± {scale * s:.{digits}f}" if s is not None else "")
 
 
 _STATS = ("final_test_accuracy", "best_test_accuracy", "mean_last10_test_accuracy", "final_forgetting",
@@ -304,17 +304,22 @@ def _num(x):
     return x
 
 
+def _gridded(rows: list[dict]) -> list[str]:
+    """The methods with more than one grid point among one study's rows."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["method"]] = counts.get(r["method"], 0) + 1
+    return [m for m, n in counts.items() if n > 1]
+
+
 def select(rows: list[dict], key: str) -> dict[str, dict]:
     """Per method with more than one grid point: the row with the best mean of ``key`` over seeds; a point with a
     diverged seed or without the metric is not eligible. Marks the chosen rows ``selected``; returns
     ``{method: row}`` (methods with no eligible point are absent)."""
     higher = SELECT[key][0]
     chosen = {}
-    for m in dict.fromkeys(r["method"] for r in rows):
-        cand = [r for r in rows if r["method"] == m]
-        if len(cand) < 2:
-            continue
-        ok = [r for r in cand if not r["diverged"] and r[key][0] is not None]
+    for m in _gridded(rows):
+        ok = [r for r in rows if r["method"] == m and not r["diverged"] and r[key][0] is not None]
         if ok:
             best = (max if higher else min)(ok, key=lambda r: r[key][0])  # the first of equals: grid order
             best["selected"] = True
@@ -337,29 +342,26 @@ def report(dirs, fmt: str = "md", select_on: str | None = None, out: str | None 
         raise ValueError(f"--format: one of {', '.join(FORMATS)}; got {fmt!r}")
     studies = load_studies(list(dirs))
     chosen_on = [select_key(select_on or (s.meta.get("select") or None)) for s in studies]
-    rows, notes = [], []
+    per, notes = [], []  # each study's rows
     for st, key in zip(studies, chosen_on):
         rs = study_rows(st)
-        for r in rs:
-            r["_dir"] = st.dir
-        picked = select(rs, key)
-        notes.append(_selection_note(st, rs, picked, key))
-        rows += rs
+        notes.append(_selection_note(st, rs, select(rs, key), key))
+        per.append(rs)
     if fmt == "csv":
-        text = _csv(studies, rows, chosen_on)
+        text = _csv(studies, per, chosen_on)
     elif len(studies) == 1:
-        text = _single(studies[0], rows, notes[0], fmt)
+        text = _single(studies[0], per[0], notes[0], fmt)
     else:
-        text = _merged(studies, rows, notes, fmt)
+        text = _merged(studies, per, notes, fmt)
     if len(dirs) == 1:
         write_atomic(os.path.join(dirs[0], f"report.{_EXT[fmt]}"), text)
     if out:
         write_atomic(out, text)
-    return text, rows
+    return text, [r for rs in per for r in rs]
 
 
 def _selection_note(st: Study, rows: list[dict], picked: dict, key: str) -> list[str]:
-    gridded = [m for m in dict.fromkeys(r["method"] for r in rows) if sum(r["method"] == m for r in rows) > 1]
+    gridded = _gridded(rows)
     if not gridded:
         return []
     words = SELECT[key][1]
@@ -403,6 +405,18 @@ def _tag(r: dict) -> str:
     return tag
 
 
+def _paper_cells(r: dict, dagger: str) -> list:
+    """The paper's number and Δ of a row, as table cells (not bold)."""
+    p = r.get("paper")
+    return [((p[0] / 100, p[1] / 100 if p[1] is not None else None, 100.0, 2) if p else "–", False),
+            (f"{r['delta']:+.2f}{dagger}" if r.get("delta") is not None else "–", False)]
+
+
+def _md_table(head: list[str], body: list[list]) -> list[str]:
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(_md_cell(c, b) for c, b in cells) + " |" for cells in body])
+
+
 def _best(rows: list[dict], key: str) -> float | None:
     vals = [r[key][0] for r in rows if r[key][0] is not None]
     return max(vals) if vals else None
@@ -431,9 +445,7 @@ def _single(st: Study, rows: list[dict], sel_note: list[str], fmt: str) -> str:
             m, s = r[k]
             cells.append(((m, s, scale, digits), k in bold and m is not None and m == best[k]))
         if paper:
-            p = r.get("paper")
-            cells += [((p[0] / 100, p[1] / 100 if p[1] is not None else None, 100.0, 2) if p else "–", False),
-                      (f"{r['delta']:+.2f}{dagger}" if r.get("delta") is not None else "–", False)]
+            cells += _paper_cells(r, dagger)
         body.append(cells)
     title = (f"{st.cell['name']}: {st.cell['paper']}, {st.cell['table']}" if st.cell and st.cell.get("paper")
              else f"Study {st.title}")
@@ -451,8 +463,7 @@ def _single(st: Study, rows: list[dict], sel_note: list[str], fmt: str) -> str:
         return _latex([(None, head[1:])], body, title, notes, grouped=False) + \
             "% Runs (provenance):\n" + "".join(f"% {tex(p)}\n" for p in prov)
     lines = [f"# {title}", ""] + ([head_note, ""] if head_note else [])
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_md_cell(c, b) for c, b in cells) + " |" for cells in body]
+    lines += _md_table(head, body)
     lines += ["", count] + (["", note] if note else []) + ([""] + sel_note if sel_note else [])
     lines += ["", "Runs (provenance):", ""] + [f"- {p}" for p in prov]
     if protocol:
@@ -466,15 +477,14 @@ def _md_cell(c, bold: bool) -> str:
     return f"**{c}**" if bold and c != "–" else c
 
 
-def _merged(studies: list[Study], rows: list[dict], sel_notes: list[list[str]], fmt: str) -> str:
+def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[list[str]], fmt: str) -> str:
     """Methods as rows, studies as columns (the metric each cell's paper reports), paper and Δ where known."""
     titles = [s.title for s in studies]
     short = [t.split("/", 1)[1] if "/" in t else t for t in titles]
     if len(set(short)) == len(short):
         titles = short
     per = []  # per study: {row label: row}
-    for st in studies:
-        rs = _rows_of(st, rows)
+    for rs in per_study:
         methods = list(dict.fromkeys(r["method"] for r in rs))
         shown = {}
         for m in methods:
@@ -502,14 +512,12 @@ def _merged(studies: list[Study], rows: list[dict], sel_notes: list[list[str]], 
             m, s = r[st.metric]
             body[i].append(((m, s, 100.0, 2), m is not None and m == best))
             if paper:
-                p = r.get("paper")
-                body[i] += [((p[0] / 100, p[1] / 100 if p[1] is not None else None, 100.0, 2) if p else "–", False),
-                            (f"{r['delta']:+.2f}{dag}" if r.get("delta") is not None else "–", False)]
+                body[i] += _paper_cells(r, dag)
     metric_words = ("final test accuracy (%) unless the column says (best): the best over rounds, as that cell's "
                     "paper reports")
     notes = [f"Each entry: {metric_words}; mean ± sample std over seeds; bold: the best of the column. A gridded "
              f"method's row is its selected grid point."]
-    nd = sum(len(r["diverged"]) for r in rows)
+    nd = sum(len(r["diverged"]) for rs in per_study for r in rs)
     if nd:
         notes.append(f"{nd} diverged run{'s' if nd > 1 else ''} left out of the means (see each study's report).")
     for title, note in daggers:
@@ -524,21 +532,19 @@ def _merged(studies: list[Study], rows: list[dict], sel_notes: list[list[str]], 
     if fmt == "latex":
         return _latex(groups, body, head_title, notes, grouped=True)
     head = ["method"] + [f"{g[0]} {h}" if h != "ours" else g[0] for g in groups for h in g[1]]
-    lines = [f"# {head_title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_md_cell(c, b) for c, b in cells) + " |" for cells in body]
+    lines = [f"# {head_title}", ""] + _md_table(head, body)
     for n in notes:
         lines += ([] if n.startswith("- ") else [""]) + [n]
     return "\n".join(lines) + "\n"
 
 
-def _rows_of(st: Study, rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["_dir"] == st.dir]
-
-
-def _versions_line(r: dict) -> str:
+def _versions_line(r: dict, full: bool = False) -> str:
+    """A run's fedfast version (and commit), torch (and python, ``full``) and device."""
     v = r.get("versions") or {}
-    return (f"fedfast {v.get('fedfast', '?')}" + (f" (commit {v['commit'][:12]})" if v.get("commit") else "")
-            + f", torch {v.get('torch', '?')}, device {r.get('device', '?')}")
+    c = v.get("commit")
+    return (f"fedfast {v.get('fedfast', '?')}" + (f" (commit {c if full else c[:12]})" if c else "")
+            + f", torch {v.get('torch', '?')}" + (f", python {v.get('python', '?')}" if full else "")
+            + f", device {r.get('device', '?')}")
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
@@ -593,9 +599,7 @@ def _latex(groups, body, title: str, notes: list[str], grouped: bool) -> str:
         lines.append(" & ".join(heads) + r" \\")
         if rules:
             lines.append(" ".join(rules))
-        lines.append(" & ".join(["Method"] + [tex(h) for _, sub in groups for h in sub]) + r" \\")
-    else:
-        lines.append(" & ".join(["Method"] + [tex(h) for _, sub in groups for h in sub]) + r" \\")
+    lines.append(" & ".join(["Method"] + [tex(h) for _, sub in groups for h in sub]) + r" \\")
     lines.append(r"\midrule")
     for cells in body:
         lines.append(" & ".join(_tex_cell(c, b) for c, b in cells) + r" \\")
@@ -614,7 +618,7 @@ _CSV_STATS = (("final_test_acc", "final_test_accuracy", 100.0), ("best_test_acc"
               ("final_val_loss", "final_val_loss", 1.0), ("wall_s", "wall_seconds", 1.0))
 
 
-def _csv(studies: list[Study], rows: list[dict], keys: list[str]) -> str:
+def _csv(studies: list[Study], per_study: list[list[dict]], keys: list[str]) -> str:
     """Long format, a line per study, method and grid point (accuracies in %); ``selected`` marks the chosen grid
     point of a gridded method and ``selected_on`` the metric."""
     buf = io.StringIO()
@@ -623,9 +627,10 @@ def _csv(studies: list[Study], rows: list[dict], keys: list[str]) -> str:
             "rounds"] + [f"{n}_{x}" for n, _, _ in _CSV_STATS for x in ("mean", "std")] + \
            ["paper_metric", "paper_mean", "paper_std", "delta"]
     w.writerow(head)
-    for st, key in zip(studies, keys):
-        for r in (r for r in rows if r["_dir"] == st.dir):
-            gridded = sum(x["method"] == r["method"] for x in rows if x["_dir"] == st.dir) > 1
+    for st, rows, key in zip(studies, per_study, keys):
+        many = set(_gridded(rows))
+        for r in rows:
+            gridded = r["method"] in many
             line = [st.title, st.dir, r["method"], r["point"], str(r["selected"]).lower() if gridded else "",
                     key if gridded else "", "complete" if r["complete"] else "incomplete",
                     " ".join(map(str, r["seeds"])), len(r["seeds"]),
@@ -641,11 +646,7 @@ def _csv(studies: list[Study], rows: list[dict], keys: list[str]) -> str:
 
 
 def _provenance(r: dict, root: str) -> str:
-    v = r.get("versions") or {}
-    rel = os.path.relpath(r["dir"], root)
-    return (f"`{rel}`: {r['status']}, fedfast {v.get('fedfast', '?')}"
-            + (f" (commit {v['commit']})" if v.get("commit") else "")
-            + f", torch {v.get('torch', '?')}, python {v.get('python', '?')}, device {r.get('device', '?')}")
+    return f"`{os.path.relpath(r['dir'], root)}`: {r['status']}, {_versions_line(r, full=True)}"
 
 
 # -- sweeps ----------------------------------------------------------------------------------------------------
@@ -675,16 +676,9 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return i, n
 
 
-def _given(key: str, overrides: list[str], config: str | None, base: dict) -> bool:
-    """Whether the user set ``key`` (an override, the config file or the study's cell)."""
-    if any(o.split("=", 1)[0].strip() == key for o in overrides):
-        return True
-    if key in base:
-        return True
-    if config:
-        from .config import read_config_file
-        return key in read_config_file(config)
-    return False
+def _given(key: str, overrides: list[str], file_keys, base: dict) -> bool:
+    """Whether the user set ``key``: an override, the config file (its keys) or the study's cell."""
+    return key in base or key in file_keys or any(o.split("=", 1)[0].strip() == key for o in overrides)
 
 
 def _applies(key: str, methods: list[str]) -> bool:
@@ -694,7 +688,7 @@ def _applies(key: str, methods: list[str]) -> bool:
 
 
 def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, overrides: list[str],
-          config: str | None, plugins) -> list[_Run]:
+          config: str | None, file_keys, plugins) -> list[_Run]:
     """Every (method, grid point, seed) of one study with its config, built (so validated) before any run."""
     from . import methods as _methods
     from .config import KEYS, build_config
@@ -730,7 +724,7 @@ def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, over
                 if d in seen:  # two spellings of one value (0.1, 0.10): one run
                     continue
                 seen.add(d)
-                plan.append(_Run(m, s, point, cfg, d, _given("threads", overrides, config, base)))
+                plan.append(_Run(m, s, point, cfg, d, _given("threads", overrides, file_keys, base)))
     return plan
 
 
@@ -755,12 +749,14 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         raise ValueError(f"--workers: must be >= 1, got {workers}")
     if jobs > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--jobs: not under torchrun (each run there spans the torchrun processes)")
-    if config and (_presets.is_study_file(config) or (".toml/" in config and not os.path.isfile(config))):
+    if config and _presets.names_study(config):
         if preset:
             raise ValueError(f"{config} is a study file; give it or --preset, not both")
         preset, config = config, None
     cells = _presets.resolve(preset) if preset else [None]
     cli_grid = parse_grid(grid or [])
+    from .config import read_config_file
+    file_keys = read_config_file(config) if config else {}
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} is a file, not a study directory")
     multi = len(cells) > 1
@@ -776,7 +772,7 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         g.update(cli_grid)
         ov = list(overrides)
         base_keys = c.keys if c is not None else {}
-        if g and not _given("val_fraction", ov, config, base_keys):
+        if g and not _given("val_fraction", ov, file_keys, base_keys):
             ov.append(f"val_fraction={GRID_VAL_FRACTION}")  # grid points are selected on a validation split
             grid_added = True
         plugs = tuple(plugins) + tuple(p for p in (c.plugins if c is not None else ()) if p not in plugins)
@@ -789,7 +785,7 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         if spec["select"]:
             select_key(spec["select"], f"{c.source}: preset.select")
         specs.append((sub, spec))
-        plan += _plan(sub, c, ms, ss, g, ov, config, plugs)
+        plan += _plan(sub, c, ms, ss, g, ov, config, file_keys, plugs)
     for sub, spec in specs:  # a changed study is refused before anything is written
         if os.path.isfile(os.path.join(sub, STUDY)):
             _merge_spec(sub, _read_study(sub), spec)
@@ -845,8 +841,10 @@ def _merge_spec(sub: str, old: dict, spec: dict) -> dict:
         if comparable(old.get(k), k) != comparable(spec[k], k):
             raise ValueError(f"{sub}: is a study with {k} = {old.get(k)!r}, not {spec[k]!r}; use another --out")
     if old.get("protocol") is not None and old["protocol"] != spec["protocol"]:
-        diff = sorted(k for k in set(old["protocol"]) | set(spec["protocol"])
-                      if old["protocol"].get(k) != spec["protocol"].get(k))
+        a, b = old["protocol"], spec["protocol"]
+        diff = sorted(f"{part}.{k}" if part != "keys" else k for part in set(a) | set(b)
+                      for k in set(a.get(part) or {}) | set(b.get(part) or {})
+                      if (a.get(part) or {}).get(k) != (b.get(part) or {}).get(k))
         raise ValueError(f"{sub}: its study's protocol changed since it ran ({', '.join(diff)} differ in "
                          f"{spec['study'] or spec['preset']}); use another --out, or put the study file back")
     og = old.get("grid") or {}

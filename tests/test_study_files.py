@@ -114,7 +114,7 @@ def test_study_file_from_any_path(study_file, tmp_path, capsys):
     # the file back with a changed protocol: the study refuses it instead of mixing protocols
     (study_file.parent / "moved.toml").rename(study_file)
     study_file.write_text(STUDY.replace("rounds = 2", "rounds = 3"))
-    with pytest.raises(ValueError, match="protocol changed"):
+    with pytest.raises(ValueError, match=r"protocol changed since it ran \(rounds differ"):
         sweep(str(out), [], [], config=str(study_file), quiet=True)
 
 

@@ -192,6 +192,12 @@ def is_study_file(path: str) -> bool:
     return any(k in d for k in _TOP)
 
 
+def names_study(spec: str) -> bool:
+    """Whether a positional argument names a study file or one of its cells (``STUDY.toml[/CELL]``) rather
+    than a run config."""
+    return is_study_file(spec) or (".toml/" in spec and not os.path.isfile(spec))
+
+
 def load_all() -> dict[str, Preset]:
     """The presets that ship with fedfast, by name."""
     out = {}
@@ -237,4 +243,4 @@ def get(name: str, what: str = "--preset") -> Preset:
     return cells[0]
 
 
-__all__ = ["Preset", "load_all", "load_file", "resolve", "get", "is_study_file", "flat_grid"]
+__all__ = ["Preset", "load_all", "load_file", "resolve", "get", "is_study_file", "names_study", "flat_grid"]
