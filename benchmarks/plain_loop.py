@@ -64,16 +64,20 @@ def setup(name: str, dropout: float = 0.0):
 
 
 def plain_loop_round(s, model, train, part, rnd):
-    """One round of the plain loop on ``model`` (the global model, updated in place)."""
+    """One round of the plain loop on ``model`` (the global model, updated in place), on the model's device (the
+    data ``train`` on the same device: each client's indices are moved there once per round)."""
     glob = model
+    dev = next(glob.parameters()).device
     teacher = copy.deepcopy(glob).eval() if s["algorithm"] == "fedntd" else None
     states, sizes = [], []
     for k in sample_clients(0, rnd, part.num_clients, s["m"]):
-        idx = part.indices[k]
+        idx = part.indices[k].to(dev)
         local = copy.deepcopy(glob)
-        opt = torch.optim.SGD(local.parameters(), lr=s["lr"], momentum=s["momentum"])
+        opt = torch.optim.SGD(local.parameters(), lr=s["lr"], momentum=s["momentum"],
+                              weight_decay=s.get("weight_decay", 0.0))
         for e in range(s["E"]):
-            for b in idx[torch.from_numpy(client_order(0, rnd, int(k), e, len(idx)))].split(s["B"]):
+            order = torch.from_numpy(client_order(0, rnd, int(k), e, len(idx))).to(dev)
+            for b in idx[order].split(s["B"]):
                 x, y = train.batch(b)
                 z = local(x)
                 loss = F.cross_entropy(z, y)
@@ -89,7 +93,7 @@ def plain_loop_round(s, model, train, part, rnd):
                 opt.step()
         states.append(local.state_dict())
         sizes.append(len(idx))
-    w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+    w = (torch.tensor(sizes, dtype=torch.float32) / sum(sizes)).tolist()
     glob.load_state_dict({key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]})
 
 

@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 from . import methods, nn, ops  # noqa: E402
-from .engine import Diverged, SimConfig, Simulation  # noqa: E402
+from .engine import Diverged, OutOfMemory, SimConfig, Simulation  # noqa: E402
 from .cpu_alloc import tune_cpu_allocator  # noqa: E402
 
-__all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "Diverged", "tune_cpu_allocator", "__version__"]
+__all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "Diverged", "OutOfMemory", "tune_cpu_allocator", "__version__"]

@@ -5,8 +5,9 @@ graph of the layers below (plain ``nn.Sequential``, a module wrapping one, resid
 convolution, but moves the client dimension between layers with copies and builds the flat gradient of
 per-parameter slices with a full-size zero fill per parameter. This executor traces the model once with
 ``torch.fx`` into a small program and runs it with the activations in the grouped layout ``[B, n*C, H, W]`` for
-the convolutional part (convolution = one grouped ``conv2d``; GroupNorm = one GroupNorm with ``n*G`` groups;
-BatchNorm with batch statistics = one ``batch_norm`` over ``n*C`` channels, i.e. each client's own statistics;
+the convolutional part (convolution = one grouped ``conv2d``, or batched GEMMs: ``Plan.conv``; GroupNorm = one
+GroupNorm with ``n*G`` groups; BatchNorm with batch statistics = one ``batch_norm`` over ``n*C`` channels, i.e.
+each client's own statistics;
 ReLU, pooling, dropout and residual additions elementwise on that layout) and ``[n, B, F]`` for the dense part
 (Linear = one ``baddbmm``), so the only layout changes are at the input and where the model flattens or
 average-pools to a vector.
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops.client_conv import client_conv2d
+
 _ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Identity)
 _POOL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 _MODULES = (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d) + \
@@ -45,13 +48,22 @@ class Step:
 
 class Plan(list):
     """The traced program (a list of :class:`Step`). ``dense_input``: the input is only flattened (an MLP), so
-    images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back."""
+    images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back. ``conv``: how a
+    convolution with per-client weights runs (:func:`fedfast.ops.client_conv.client_conv2d`: ``"grouped"``,
+    ``"gemm"`` or ``"triton"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the image
+    layout (None: NHWC on a CPU, where oneDNN wants it, and for Triton convolutions, whose channel loads it makes
+    contiguous; NCHW otherwise)."""
     dense_input = False
+    conv = "grouped"
+    channels_last: bool | None = None
 
     def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None):
         """:func:`batched_forward` of this program (the executors' common call, as
         :meth:`fedfast.grouped.GroupedPlan.forward`)."""
-        return batched_forward(self, params, x, training, features)
+        cl = self.channels_last
+        if cl is None:
+            cl = x.device.type == "cpu" or self.conv == "triton"
+        return batched_forward(self, params, x, training, features, cl)
 
 
 def _module_ok(m: nn.Module) -> str:
@@ -217,6 +229,7 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
     # output is not NHWC anyway (grouped weights) is converted.
     cl = channels_last if channels_last is not None else x.device.type == "cpu"
     nhwc = torch.channels_last
+    conv = getattr(prog, "conv", "grouped")
     vals: list = [None] * len(prog)  # (tensor, grouped)
 
     def dense(h, grouped):
@@ -269,8 +282,11 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
         if isinstance(m, nn.Conv2d):
             w = params[f"{name}.weight"]
             b = params.get(f"{name}.bias")
-            h = F.conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
-                         m.stride, m.padding, m.dilation, n * m.groups)
+            if m.groups == 1 and conv != "grouped":
+                h = client_conv2d(h, w, b, m.stride, m.padding, m.dilation, impl=conv)
+            else:
+                h = F.conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
+                             m.stride, m.padding, m.dilation, n * m.groups)
             if cl and not h.is_contiguous(memory_format=nhwc):
                 h = h.contiguous(memory_format=nhwc)
         elif isinstance(m, nn.GroupNorm):

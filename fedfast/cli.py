@@ -135,7 +135,7 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
         if rank == 0:
             print(f"fedfast: {e}", file=sys.stderr, flush=True)
         code = EXIT_DIVERGED
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, MemoryError) as e:
         print(f"fedfast: worker {rank}: {e}", file=sys.stderr, flush=True)
         code = EXIT_ERROR
     sys.stdout.flush()
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     except RunDiverged as e:
         print(f"fedfast: {e}", file=sys.stderr)
         return EXIT_DIVERGED
-    except (ValueError, OSError, TypeError) as e:  # bad config, data files, partitions: name it, no traceback
+    except (ValueError, OSError, TypeError, MemoryError) as e:  # bad config, data, partitions, memory: no traceback
         print(f"fedfast: {e}", file=sys.stderr)
         return 2
 

@@ -101,6 +101,22 @@ class Diverged(ArithmeticError):
                          f"{' or ' if len(hint) > 1 else ''}{hint[-1]}")
 
 
+class OutOfMemory(MemoryError):
+    """The run does not fit the device's memory. The message says how many bytes the failing allocation group
+    needs, what is free, and which setting to change (``client_chunk``, ``memory_budget_gb``, ``eval_batch``,
+    ``state_on_host``, ``state_dtype``)."""
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _is_oom(e: BaseException) -> bool:
+    """A device allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
 @dataclass
 class SimConfig:
     """The engine's settings. Plain defaults: SGD without momentum or weight decay, no clipping unless the method
@@ -136,6 +152,8 @@ class SimConfig:
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
     executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
+    #   "gemm" (im2col + batched GEMMs) or "triton" (implicit GEMMs, CUDA); "auto": grouped (CONV_AUTO)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
@@ -181,7 +199,7 @@ class SimConfig:
             self.aggregate_weights = cls.aggregation
         choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
                    "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
-                   "client_sampling": SAMPLING}
+                   "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
@@ -267,6 +285,22 @@ SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) 
 
 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
+CONV_IMPLS = ("grouped", "gemm", "triton")
+# conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM: 2.4-7x
+# faster than im2col + GEMM on the round benchmark's 3x3 and 5x5 layers). CUDA: grouped until the implicit-GEMM
+# kernels have been timed against cuDNN on a GPU (bench_conv.py, bench_rounds.py --engine-conv).
+CONV_AUTO = {"cpu": "grouped", "cuda": "grouped"}
+
+
+def conv_impl(setting: str, device: torch.device) -> str:
+    """The convolution implementation a run uses: ``setting`` unless "auto"; ValueError where it cannot run."""
+    impl = CONV_AUTO.get(device.type, "grouped") if setting == "auto" else setting
+    if impl == "triton":
+        from .ops import _backend
+        if not _backend.available("triton", device.type):
+            raise ValueError(f"conv: 'triton' runs on CUDA devices (with triton installed), not {device.type}; "
+                             f"use conv = 'grouped' or 'gemm'")
+    return impl
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -280,6 +314,17 @@ def _free_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+@contextlib.contextmanager
+def fp32_semantics():
+    """Matrix products and cuDNN convolutions in full fp32 (no TF32) inside the block, restored after it."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
 # -- the round's teacher (typed) ------------------------------------------------------------------------------
@@ -429,6 +474,7 @@ class Simulation:
         self.num_params = self.layout.P
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                 for mod in self.model.modules())  # BatchNorm/InstanceNorm: batch statistics
+        self.conv = conv_impl(c.conv, self.device)
         self._plan = self._batched_plan()
         self._buffers0 = self.layout.flatten_buffers(self.model).to(self.device)
         self._fwd = functional_forward(self.model)
@@ -443,6 +489,20 @@ class Simulation:
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
         per_rank = -(-(self._max_cohort() if schedule is None else self.K) // self.world)
         self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(self.num_params)))
+        with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
+            self._allocate()
+        self._finish_init()
+
+    def _allocate(self):
+        """The chunk's parameter-sized buffers: the stack, momentum or Adam moments, the flat gradient."""
+        c = self.cfg
+        rows, _ = self._client_bytes(self.num_params)
+        free = _free_bytes(self.device)
+        if self.device.type == "cuda" and self.chunk * rows > free:
+            raise OutOfMemory(f"client_chunk: {self.chunk} clients' parameter buffers need {_gib(self.chunk * rows)} "
+                              f"({self.num_params} parameters x {rows // (4 * self.num_params)} fp32 buffers each), "
+                              f"{_gib(free)} is free on {self.device}; set client_chunk = "
+                              f"{max(1, int(0.8 * free // max(rows, 1)))} or lower")
         self.stack = ClientStack(self.model, self.chunk, device=self.device, use_executor=False)
         self.stack.plan = self._plan  # the verified program (None: vmap)
         self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
@@ -455,19 +515,22 @@ class Simulation:
         self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) == "cpu" else \
             torch.empty_like(self.stack.params)
         self._sam_bufs = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
+
+    def _finish_init(self):
+        c = self.cfg
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
             import warnings
             warnings.warn("teacher: the model normalises with batch statistics, so cached teacher logits (computed "
                           "in large evaluation batches) differ from a per-client loop's teacher; teacher='online' "
-                          "runs the teacher on each client's own batch.", stacklevel=2)
+                          "runs the teacher on each client's own batch.", stacklevel=3)
         if self._batch_stats and (self.client_sizes % c.batch_size).any():
             import warnings
             warnings.warn("model: it normalises with batch statistics (BatchNorm/InstanceNorm) and some clients' last "
                           "minibatch is partial; the engine pads those batches to batch_size, so the padding rows "
                           "enter that batch's statistics (a per-client loop would not). Use GroupNorm, or client "
-                          "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=2)
+                          "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=3)
         self.history: list[dict] = []
         self._class_acc: list[torch.Tensor] = []
 
@@ -541,8 +604,24 @@ class Simulation:
         c = self.cfg
         if not (isinstance(rows, int) and rows >= 1):
             raise ValueError(f"rows: a positive number of parameter-sized rows per client, got {rows!r}")
-        st = ClientState(self.K, rows * self.num_params, device=self.device, pin_memory=c.state_on_host,
-                         dtype=torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32)
+        dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
+        need = self.K * rows * self.num_params * (2 if dtype == torch.bfloat16 else 4)
+        where = torch.device("cpu") if c.state_on_host else self.device
+        free = _free_bytes(where)
+        hint = ("state_on_host = true keeps it in (pinned) host memory, rows copied per round; "
+                if not c.state_on_host else "") + ("state_dtype = 'bfloat16' halves it" if dtype == torch.float32
+                                                   else "fewer clients shrink it")
+        if need > free:
+            raise OutOfMemory(f"{self.method.name}: per-client state for {self.K} clients x {rows} x {self.num_params} "
+                              f"parameters needs {_gib(need)}, {_gib(free)} is free on {where}; {hint}")
+        try:
+            st = ClientState(self.K, rows * self.num_params, device=self.device, pin_memory=c.state_on_host,
+                             dtype=dtype)
+        except Exception as e:  # noqa: BLE001
+            if not _is_oom(e):
+                raise
+            raise OutOfMemory(f"{self.method.name}: per-client state for {self.K} clients needs {_gib(need)} "
+                              f"({self._memory_state()}); {hint}") from None
         if fill is not None:
             st.data.copy_(fill.repeat(rows).expand(self.K, rows * self.num_params))
         return st
@@ -622,6 +701,8 @@ class Simulation:
         whys = []
         for kind, make in (("traced program", batched.plan), ("grouped copy", grouped.plan)):
             prog, why = make(self.model)
+            if isinstance(prog, batched.Plan):
+                prog.conv = self.conv
             if prog is not None:
                 why = self._probe_executor(prog, kind)
             if not why:
@@ -643,7 +724,7 @@ class Simulation:
         for k, v in self.model.named_parameters():
             noise = torch.randn(v.shape, generator=gen).to(v.device, v.dtype)
             pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise])
-        with self.eval_mode():
+        with self.eval_mode(), fp32_semantics():  # TF32 (cuDNN's default) would differ by ~1e-3 on both sides
             try:
                 ref = torch.stack([functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float()
                                    for i in range(2)])
@@ -665,6 +746,18 @@ class Simulation:
         c = self.cfg
         frac = 0.8 if self.device.type == "cuda" else 0.6
         budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
+        rows, act = self._client_bytes(P)
+        n = max(1, int(budget // max(rows + act, 1)))
+        if self.device.type == "cpu":
+            n = min(n, max(1, CPU_CHUNK_PARAM_BYTES // (4 * P)))
+        return n
+
+    def _client_bytes(self, P: int) -> tuple[int, int]:
+        """Bytes one client of a chunk needs: its parameter-sized fp32 rows, and its activations (measured on two
+        probe samples, x3 for the backward, times the batch size)."""
+        if getattr(self, "_client_bytes_cache", None) is not None:
+            return self._client_bytes_cache
+        c = self.cfg
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
         # per-client state rows (gathered and updated)
         state = self.method.client_state
@@ -672,19 +765,20 @@ class Simulation:
         rows = 3 + (1 if c.momentum else 0) + (2 if c.client_optimizer != "sgd" else 0) + \
             (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (2 if sam else 0)
         acts = []
-        hooks = [m.register_forward_hook(lambda _m, _i, o: acts.append(o.numel() if torch.is_tensor(o) else 0))
-                 for m in self.model.modules() if not list(m.children())]
+
+        def hook(m, inp, o):
+            acts.append(o.numel() if torch.is_tensor(o) else 0)
+            if self.conv == "gemm" and isinstance(m, nn.Conv2d) and m.groups == 1:  # im2col: kept and its gradient
+                acts.append(2 * inp[0].numel() * m.kernel_size[0] * m.kernel_size[1] // 3)
+        hooks = [m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())]
         try:
             with torch.no_grad():
                 self.model(self.train.batch(torch.arange(2, device=self.device) % len(self.train))[0])
         finally:
             for h in hooks:
                 h.remove()
-        per_client = 4 * P * rows + 3 * 4 * sum(acts) // 2 * c.batch_size  # acts: of the 2 probe samples
-        n = max(1, int(budget // max(per_client, 1)))
-        if self.device.type == "cpu":
-            n = min(n, max(1, CPU_CHUNK_PARAM_BYTES // (4 * P)))
-        return n
+        self._client_bytes_cache = (4 * P * rows, 3 * 4 * sum(acts) // 2 * c.batch_size)  # acts: 2 probe samples
+        return self._client_bytes_cache
 
     # -- phase 1: sample -------------------------------------------------------------------------------------
     def _max_cohort(self) -> int:
@@ -787,10 +881,12 @@ class Simulation:
         ctx, totals = self._sample()
         self.method.round_start(ctx)
         t1 = time.perf_counter()
-        teacher = self._teacher(ctx)
-        self._sync()
+        with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
+            teacher = self._teacher(ctx)
+            self._sync()
         timers["teacher"] = time.perf_counter() - t1
-        avg_sum, loss_sum, t_local, t_agg = self._local(ctx, teacher)
+        with self._memory(f"local training of a chunk of {self.chunk} clients", "client_chunk"):
+            avg_sum, loss_sum, t_local, t_agg = self._local(ctx, teacher)
         t1 = time.perf_counter()
         try:
             self._server(ctx, avg_sum, loss_sum, totals["weight"])
@@ -799,10 +895,45 @@ class Simulation:
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
         t1 = time.perf_counter()
-        rec = self._evaluate_round(totals, loss_sum, timers, t1)
+        with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
+            rec = self._evaluate_round(totals, loss_sum, timers, t1)
         rec["seconds"] = time.perf_counter() - t0
         self._check_finite(rec)
         return rec
+
+    @contextlib.contextmanager
+    def _memory(self, what: str, key: str):
+        """Turn a device allocation failure inside the block into :class:`OutOfMemory` saying what needs how much
+        and which setting (``key``) to change."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - only allocation failures are translated
+            if not _is_oom(e):
+                raise
+            raise OutOfMemory(self._oom_message(what, key)) from None
+
+    def _memory_state(self) -> str:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return f"{_gib(free)} free of {_gib(total)} on {self.device}"
+        return f"{_gib(_free_bytes(self.device))} available on the CPU"
+
+    def _oom_message(self, what: str, key: str) -> str:
+        c = self.cfg
+        rows, act = self._client_bytes(self.num_params)
+        when = "" if what.startswith("allocating") else f"round {self.rnd + 1}: "
+        head = f"{when}out of memory in {what} ({self._memory_state()}). "
+        if key == "client_chunk":
+            per = rows + act
+            return head + (
+                f"Training {self.chunk} clients at once needs about {_gib(self.chunk * per)} by fedfast's estimate "
+                f"({per / 2**20:.1f} MiB per client: {self.num_params} parameters x "
+                f"{rows // max(4 * self.num_params, 1)} parameter-sized fp32 buffers, plus batch-{c.batch_size} "
+                f"activations). Set client_chunk = "
+                f"{max(1, self.chunk // 2)} (or a lower memory_budget_gb) to train fewer clients at a time; results "
+                f"do not depend on it.")
+        return head + (f"Set eval_batch lower than {self.eval_batch} (rows per forward pass); results do not depend "
+                       f"on it.")
 
     def _check_finite(self, rec: dict) -> None:
         """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
@@ -1119,5 +1250,5 @@ class Simulation:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-__all__ = ["SimConfig", "Simulation", "Diverged", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
+__all__ = ["SimConfig", "Simulation", "Diverged", "OutOfMemory", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
            "OnlineTeacher"]

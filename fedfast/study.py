@@ -958,7 +958,7 @@ def _job_main(r: _Run, workers: int) -> None:
     except WorkerDied as e:
         print(f"fedfast: {r.label}: {e}", file=sys.stderr, flush=True)
         code = EXIT_WORKER_DIED
-    except (ValueError, OSError, TypeError) as e:
+    except (ValueError, OSError, TypeError, MemoryError) as e:
         print(f"fedfast: {r.label}: {e}", file=sys.stderr, flush=True)
         code = EXIT_ERROR
     sys.stdout.flush()

@@ -3,13 +3,16 @@
 # internet, so no venv): build both extensions in place, run the GPU tests against the float64 reference and
 # the sequential loop, then the benchmarks. Results go to ${OUT:-benchmarks/results}: <gpu>.json (fused
 # losses and their eager baselines), <gpu>-compiled.json (their torch.compile baselines), <gpu>-flat.json
-# (aggregate, client step), <gpu>-engine.json (pfl-research round), and the whole log to gpu_check.log.
-# Commit the JSON files.
+# (aggregate, client step), <gpu>-engine.json (pfl-research round), <gpu>-rounds.json (the round benchmark:
+# engine vs the plain loop, same run), <gpu>-conv.json (per-client convolution implementations),
+# <gpu>-profile.txt (where a round's time goes), and the whole log to gpu_check.log. Commit the JSON files.
 #
 #   bash scripts/gpu_check.sh                all stages: build test bench-distill bench-compiled bench-flat
-#                                            bench-engine
+#                                            bench-engine bench-rounds bench-conv profile
 #   bash scripts/gpu_check.sh build test     only those stages (a device call is limited to 10 minutes: split
 #                                            the stages over calls)
+#
+# ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS add arguments to those stages (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
 #
 # A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
 # STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results.
@@ -19,7 +22,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1
-ALL=(build test bench-distill bench-compiled bench-flat bench-engine)
+ALL=(build test bench-distill bench-compiled bench-flat bench-engine bench-rounds bench-conv profile)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 T=${STAGE_TIMEOUT:-540}
@@ -48,7 +51,7 @@ bench() {  # the command of a benchmark stage: bench FILE JSON [PYTEST_K_EXPRESS
 
 for st in "${STAGES[@]}"; do
   case "$st" in
-    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > $OUT_DIR/build.log 2>&1 || { tail -60 $OUT_DIR/build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
+    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > /tmp/fedfast-build.log 2>&1 || { tail -60 /tmp/fedfast-build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
     test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf" ;;
     # the torch.compile baselines compile one graph per (loss, shape): their own stage and file, so that slow
     # compiles cannot cost the kernels' results
@@ -58,6 +61,11 @@ for st in "${STAGES[@]}"; do
     # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10,
     # simple_cnn), engine vs the sequential loop, and all 1000 clients in one round
     bench-engine) run_stage bench-engine "$(bench bench_engine.py "$name-engine.json")" ;;
+    # issue 26: the engine (grouped cuDNN and implicit-GEMM convolutions) against the plain per-client loop on the
+    # five shapes, in one process; the convolution implementations alone; a profile of the pfl-research rounds
+    bench-rounds) run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
+    bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:-} --out $OUT_DIR/$name-conv.json" ;;
+    profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;
     *) echo "unknown stage $st (${ALL[*]})" | tee -a "$LOG"; failed+=("$st") ;;
   esac
 done

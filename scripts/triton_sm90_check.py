@@ -106,6 +106,7 @@ def _cases():
     from fedfast.triton.asd_weights import asd_weights_triton
     from fedfast.triton.client_adam import client_adam_triton
     from fedfast.triton.client_step import client_step_triton
+    from fedfast.triton.conv import conv_forward, conv_input_grad, conv_weight_grad
     from fedfast.triton.distill import distill_rows_triton, scale_rows_triton
     from fedfast.triton.teacher_mixture import teacher_mixture_triton
 
@@ -192,6 +193,40 @@ def _cases():
             torch.rand(n) if rowwd else torch.tensor([1e-2]), torch.rand(n) if decoupled else None, beta1, 0.999,
             1e-8, 0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if dyn else None,
             10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None)
+
+    # per-client convolutions (implicit GEMM): the benchmark models' layer geometries, fp32 and TF32
+    def conv(n, B, Cin, Cout, H, k, st, pad, bias, tf32, cl):
+        x = torch.randn(B, n * Cin, H, H)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.randn(n, Cout, Cin, k, k)
+        OH = (H + 2 * pad - k) // st + 1
+        g = torch.randn(B, n * Cout, OH, OH)
+        b = torch.randn(n, Cout) if bias else None
+
+        def run():
+            conv_forward(x, w, b, (st, st), (pad, pad), (1, 1), torch.empty_like(g), tf32)
+            conv_input_grad(g, w, (st, st), (pad, pad), (1, 1), torch.empty_like(x), tf32)
+            conv_weight_grad(g, x, (st, st), (pad, pad), (1, 1), torch.empty_like(w), tf32)
+        return run
+
+    for tf32 in (False, True):
+        yield f"conv simple_cnn conv1 tf32={tf32}", conv(2, 2, 3, 32, 32, 3, 1, 0, True, tf32, True)
+        yield f"conv simple_cnn conv2 tf32={tf32}", conv(2, 2, 32, 64, 30, 3, 1, 0, True, tf32, True)
+        yield f"conv fedavg_cnn 5x5 tf32={tf32}", conv(2, 2, 32, 64, 14, 5, 1, 2, True, tf32, False)
+        yield f"conv resnet stride 2 tf32={tf32}", conv(2, 2, 16, 32, 32, 3, 2, 1, False, tf32, True)
+        yield f"conv resnet 1x1 shortcut tf32={tf32}", conv(2, 2, 16, 32, 32, 1, 2, 0, False, tf32, True)
+
+    def conv64():  # 64-bit index math (offsets past 2**31): strides of a huge tensor on a tiny stand-in
+        from fedfast.triton import conv as tc
+        orig = tc._idx64
+        tc._idx64 = lambda *ts: True
+        try:
+            conv(2, 2, 32, 64, 30, 3, 1, 0, True, True, True)()
+            conv(2, 2, 3, 32, 32, 3, 1, 0, True, False, True)()
+        finally:
+            tc._idx64 = orig
+    yield "conv 64-bit indices", conv64
 
     yield "client_adam plain", adam()
     yield "client_adamw", adam(decoupled=True)

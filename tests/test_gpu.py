@@ -248,3 +248,128 @@ def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
     assert float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max()) <= 1e-3
     _strict_local_training(sim)
     sim.round()
+
+
+# -- issue 26: device handling of the data helpers, the loop baseline, per-client convolutions, memory -----------
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+def test_gpu_dataset_and_partitions_take_indices_from_any_device():
+    """ArrayDataset.rows/batch/subset with CPU tensors, numpy arrays and lists into data on the GPU (the loop
+    baseline's crash: index_select with a CPU index), and every partition from labels on the GPU."""
+    import numpy as np
+
+    from fedfast import data
+    _cuda()
+    train, _ = data.synthetic(4, 50, 10, (1, 4, 4), seed=0)
+    gpu = train.to("cuda")
+    idx = torch.tensor([[3, 1], [0, 7]])
+    want_x, want_y = train.batch(idx)
+    for i in (idx, idx.cuda()):
+        x, y = gpu.batch(i)
+        assert x.is_cuda and torch.equal(x.cpu(), want_x) and torch.equal(y.cpu(), want_y)
+    assert torch.equal(gpu.rows(np.array([3, 1]))[1].cpu(), train.y[[3, 1]])
+    assert torch.equal(gpu.subset(torch.tensor([5, 2])).y.cpu(), train.y[[5, 2]])
+    assert torch.equal(gpu.subset(torch.tensor([5, 2]).cuda()).y.cpu(), train.y[[5, 2]])
+    y = gpu.y
+    for part in (data.iid(y, 5), data.shards(y, 10, 2), data.dirichlet_lda(y, 5, 0.5, min_size=2),
+                 data.by_writer(y % 3, labels=y)):
+        assert sum(len(i) for i in part.indices) == len(y) and part.histogram.sum() == len(y)
+    assert len(data.per_class_sample(y, 2)) == 8
+
+
+def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
+    """benchmarks/plain_loop.py's round with model and data on the GPU (it crashed on main at fedc5f8) against the
+    engine's round, fp32 semantics (no TF32 on either side)."""
+    import copy
+    import os
+    import sys
+
+    import fedfast
+    from fedfast import data, models
+    from fedfast.engine import fp32_semantics
+    _cuda()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from plain_loop import plain_loop_round
+    train, test = data.synthetic(10, 40, 20, (3, 12, 12), seed=0)
+    part = data.iid(train.y, 8, seed=0)
+    torch.manual_seed(0)
+    model = models.SimpleCNN(10, 3, 0.0, 12)
+    s = dict(algorithm="fedntd", m=4, E=2, B=10, lr=0.05, momentum=0.9, weight_decay=1e-5)
+    cfg = fedfast.SimConfig(algorithm="fedntd", options={"beta": 1.0, "tau": 1.0}, clients_per_round=4, rounds=2,
+                            local_epochs=2, batch_size=10, lr=0.05, momentum=0.9, weight_decay=1e-5)
+    with fp32_semantics():
+        loop = copy.deepcopy(model).cuda()
+        for r in range(2):
+            plain_loop_round(s, loop, train.to("cuda"), part, r)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+        sim.run()
+    ref = torch.cat([p.detach().reshape(-1) for p in loop.parameters()])
+    assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("impl", ["grouped", "gemm", "triton"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_gpu_client_conv_matches_reference(impl, tf32):
+    """Every per-client convolution implementation on the GPU against the float64 per-client loop: fp32 to 1e-5;
+    with TF32 on (cuDNN's default, which every implementation follows) to 5e-3."""
+    from fedfast.ops.client_conv import client_conv2d
+    from test_client_conv import GEOMS, _grads, _inputs
+    from fedfast.ops.client_conv import client_conv2d_reference
+    _need("triton") if impl == "triton" else _cuda()
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        for i, g in enumerate(GEOMS):
+            x, w, b, s, p, d = _inputs(g, channels_last=i % 2 == 0, seed=i)
+            want = _grads(client_conv2d_reference, x, w, b, s, p, d)
+            cu = lambda t: None if t is None else t.float().cuda()  # noqa: E731
+            got = _grads(lambda *a: client_conv2d(*a, impl=impl), cu(x), cu(w), cu(b), s, p, d)
+            for a, e in zip(got, want):
+                if e is not None:
+                    assert rel_err(a.double().cpu(), e) <= (5e-3 if tf32 else 1e-5), (impl, i)
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("conv", ["grouped", "gemm", "triton"])
+def test_gpu_engine_conv_implementations_match_the_loop(conv):
+    """A CNN round on the GPU with each convolution implementation equals the CPU loop (fp32 semantics), and the
+    second round's local steps make no host sync."""
+    import copy
+
+    import fedfast
+    from fedfast.engine import fp32_semantics
+    from sequential_loop import sequential
+    from test_engine_conv import _cnn_setup
+    _need("triton") if conv == "triton" else _cuda()
+    train, test, part, model = _cnn_setup()
+    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
+                            seed=1, conv=conv)
+    ref = sequential(cfg, copy.deepcopy(model), train, part, cfg.rounds)
+    with fp32_semantics():
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+        sim.round()
+        _strict_local_training(sim)
+        sim.round()
+    assert float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max()) <= 1e-4
+
+
+def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
+    """A chunk or per-client state larger than the GPU is refused with fedfast.OutOfMemory naming the bytes and
+    the setting, not a CUDA allocator traceback."""
+    import fedfast
+    from fedfast import data
+    from torch import nn
+    _cuda()
+    train, test = data.synthetic(3, 4000, 10, (3072,), seed=0)
+    part = data.iid(train.y, 4000, seed=0)
+    model = nn.Sequential(nn.Linear(3072, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 3))
+    big = fedfast.SimConfig(clients_per_round=4000, client_chunk=4000, batch_size=1)
+    with pytest.raises(fedfast.OutOfMemory, match=r"client_chunk: 4000 clients.*GiB.*client_chunk = \d+"):
+        fedfast.Simulation(big, model, train.to("cuda"), test.to("cuda"), part, device="cuda")
+    with pytest.raises(fedfast.OutOfMemory, match=r"scaffold: per-client state for 4000 clients.*state_on_host"):
+        fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train.to("cuda"),
+                           test.to("cuda"), part, device="cuda")

@@ -300,7 +300,7 @@ def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=Non
     the writers randomly assigned to ``num_clients`` groups of (almost) equal numbers of writers, each group one
     client (FedCAD: ~2000 writers into 10 clients). ``writers``: each sample's writer id (e.g. FEMNIST's
     ``train.groups``); ``labels`` / ``num_classes``: for the partition's histogram (classes default to max + 1)."""
-    w = np.asarray(writers)
+    w = writers.cpu().numpy() if isinstance(writers, Tensor) else np.asarray(writers)
     if w.ndim != 1 or w.size == 0:
         raise ValueError("writers: expected one writer id per sample")
     ids, inv = np.unique(w, return_inverse=True)

@@ -1,0 +1,105 @@
+"""Where a round's time goes: ``torch.profiler`` over engine rounds of the round benchmark's shapes.
+
+For each shape and convolution implementation, one warm-up round, then ``--rounds`` profiled rounds; writes the
+operators sorted by device time (self time, with call counts) and the share of the round in each group
+(convolutions, matrix products, the fused fedfast ops, copies, elementwise/other), and the host's view: the
+wall time of a round against the device time its kernels took (a host-bound round has device idle time).
+
+    python benchmarks/profile_round.py --device cuda --shapes pfl_cifar_50,pfl_cifar_1000 --conv grouped,triton \
+        --out $OUT/profile.txt
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import fedfast  # noqa: E402
+from bench_rounds import SHAPES, _data, _model, _sync  # noqa: E402
+from fedfast import data  # noqa: E402
+
+GROUPS = [("convolution", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "im2col", "col2im", "_conv_")),
+          ("matrix products", ("gemm", "bmm", "matmul", "mm", "cutlass", "sm90_xmma", "ampere_sgemm")),
+          ("fedfast fused ops", ("_distill", "_step_kernel", "_norm_kernel", "_aggregate", "client_step",
+                                 "distill", "aggregate")),
+          ("copies", ("copy", "cat", "CatArray", "memcpy", "Memcpy", "index", "gather", "scatter")),
+          ]
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for g, keys in GROUPS:
+        if any(k.lower() in low for k in keys):
+            return g
+    return "elementwise, reductions, other"
+
+
+def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
+    s = SHAPES[name]
+    train, _ = _data(s["dataset"], s["K"] * s["n"])
+    part = data.iid(train.y, s["K"], seed=0)
+    torch.manual_seed(0)
+    model = _model(s["model"])
+    opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
+    cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
+                            local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"],
+                            weight_decay=s.get("weight_decay", 0.0), seed=0, eval_every=10**6, conv=conv)
+    train = train.to(dev)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, train.subset(slice(0, 100)), part, device=dev)
+    sim.round()
+    _sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(rounds):
+            sim.round()
+        _sync(dev)
+    wall = (time.perf_counter() - t) / rounds
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in evs) / rounds / 1e6
+    groups: dict = {}
+    for e in evs:
+        g = _group(e.key)
+        groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
+    lines = [f"== {name}, conv={sim.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
+             f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
+             f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}"]
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        lines.append(f"   {g:32} {v * 1e3:9.3f} ms  {100 * v / total:5.1f} %")
+    lines.append(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default="pfl_cifar_50,pfl_cifar_1000")
+    ap.add_argument("--conv", default="auto")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    out = []
+    for name in a.shapes.split(","):
+        for conv in a.conv.split(","):
+            txt = profile_shape(name, dev, conv, a.rounds)
+            print(txt.split("\n", 1)[0], flush=True)
+            print("\n".join(txt.split("\n")[1:8]), flush=True)
+            out.append(txt)
+            if a.out:
+                with open(a.out, "w") as f:
+                    f.write("\n\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
