@@ -8,7 +8,8 @@ MLP (ResNet-18's size); N clients (CPU: 50; GPU: 10, 100, 1000; FEDFAST_BENCH_N 
 Bytes each op must move (fp32):
   aggregate (FedAvg)            4*P*(n + 1)        read n client rows, write the global
   aggregate (FedAvgM, momentum) 4*P*(n + 4)        + read global, read/write momentum
-  client step (SGD momentum)    20*n*P             theta r/w, grad r, momentum r/w
+  client step (SGD momentum)    20*n*P             theta r/w, grad r, momentum r/w (+8*n*P for a concatenation
+                                                   of the per-parameter gradients first: cat_then_fedfast)
 Baselines: aggregation by (a) the per-parameter state_dict loop of research code, (b) torch._foreach_add_
 per client, (c) stacked ``w @ X``; the client step by torch.optim.SGD stepping N models one after another.
 """
@@ -142,9 +143,12 @@ def test_aggregate_fedavg(benchmark, impl, N, model):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("N", N_LIST)
-@pytest.mark.parametrize("impl", ["torch_optim_sgd_sequential", "fedfast"])
+@pytest.mark.parametrize("impl", ["torch_optim_sgd_sequential", "fedfast", "fedfast_pieces", "cat_then_fedfast"])
 def test_client_step_sgd_momentum(benchmark, impl, N, model):
-    _fits(N, model, 5 if impl == "torch_optim_sgd_sequential" else 4)  # rows, gradients, theta, momentum (+ models)
+    """``fedfast``: the step on one [N, P] gradient; ``fedfast_pieces``: on the per-parameter gradients autograd
+    returns (the engine's path on the cpu and triton backends: no concatenation); ``cat_then_fedfast``: their
+    concatenation and then the step (the engine's path before, and on the cuda backend)."""
+    _fits(N, model, 4 if impl in ("fedfast", "fedfast_pieces") else 5)  # rows, gradients, theta, momentum, + one
     m, st = _stack(N, model)
     P = st.P
     torch.manual_seed(1)
@@ -165,9 +169,14 @@ def test_client_step_sgd_momentum(benchmark, impl, N, model):
     else:
         theta = st.params.clone()
         buf = torch.zeros_like(theta)
+        if impl != "fedfast":
+            pieces = [g.contiguous() for g in st.layout.param_views(grads).values()]  # separate [N, *shape] tensors
+            del grads
 
         def run():
-            ops.client_step(theta, grads, lr=0.01, momentum=0.9, momentum_buf=buf, weight_decay=1e-5)
+            g = grads if impl == "fedfast" else pieces if impl == "fedfast_pieces" else \
+                torch.cat([p.reshape(N, -1) for p in pieces], 1)
+            ops.client_step(theta, g, lr=0.01, momentum=0.9, momentum_buf=buf, weight_decay=1e-5)
             _sync()
     run()
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)

@@ -4,8 +4,10 @@ Both implementations train the same clients on the same data order from the same
 ``benchmarks/plain_loop.py``: per client a ``copy.deepcopy`` of the global ``nn.Module``, ``torch.optim.SGD``, the
 data resident on the device, a size-weighted ``state_dict`` average; FedNTD runs the teacher's forward on every
 step). After a warm-up round of each, their rounds alternate (engine, loop, engine, ...), each timed with the
-device synchronised before and after. At the end the two global models are compared (``max_rel_diff``: the same
-computation up to float rounding, TF32 included where it is on).
+device synchronised before and after. The two global models are compared after the first round and at the end
+(``max |engine - loop| / max |loop|``): the same computation up to float rounding (TF32 included where it is on),
+which training amplifies. How much is recorded beside it: ``loop_sensitivity_first_round`` is the loop's own
+change after its first round when its initial weights are perturbed by ~1e-7 (relative).
 
 Shapes (the issue-26 protocol; ``--shapes`` picks some):
 
@@ -60,20 +62,21 @@ from plain_loop import plain_loop_round  # noqa: E402
 
 SHAPES = {
     "pfl_cifar_50": dict(dataset="cifar", K=1000, n=50, m=50, B=10, E=1, model="simple_cnn", algorithm="fedavg",
-                         lr=0.1, momentum=0.0, rounds=5),
+                         lr=0.1, momentum=0.0, rounds=5, cpu_rounds=2),
     "pfl_cifar_1000": dict(dataset="cifar", K=1000, n=50, m=1000, B=10, E=1, model="simple_cnn", algorithm="fedavg",
-                           lr=0.1, momentum=0.0, rounds=2),
+                           lr=0.1, momentum=0.0, rounds=2, cpu_rounds=1),
     "fedntd_mnist_e5": dict(dataset="mnist", K=100, n=600, m=10, B=50, E=5, model="fedavg_cnn_mnist",
-                            algorithm="fedntd", lr=0.01, momentum=0.9, weight_decay=1e-5, rounds=3),
+                            algorithm="fedntd", lr=0.01, momentum=0.9, weight_decay=1e-5, rounds=3, cpu_rounds=2),
     "resnet8_gn": dict(dataset="cifar", K=200, n=50, m=20, B=10, E=1, model="resnet8_gn", algorithm="fedavg", lr=0.1,
-                       momentum=0.0, rounds=5),
+                       momentum=0.0, rounds=5, cpu_rounds=2),
     "mlp_1000x60": dict(dataset="mnist", K=1000, n=60, m=50, B=10, E=1, model="mlp", algorithm="fedavg", lr=0.1,
-                        momentum=0.0, rounds=5),
+                        momentum=0.0, rounds=5, cpu_rounds=2),
 }
 
 
 def _model(name: str):
-    return {"simple_cnn": lambda: models.SimpleCNN(10, 3, 0.0, 32), "fedavg_cnn_mnist": lambda: models.FedAvgCNN(1, 10, 28),
+    return {"simple_cnn": lambda: models.SimpleCNN(10, 3, 0.0, 32),
+            "fedavg_cnn_mnist": lambda: models.FedAvgCNN(1, 10, 28),
             "resnet8_gn": lambda: models.CifarResNet8(10), "mlp": lambda: models.MLP(784, (200, 200), 10)}[name]()
 
 
@@ -132,8 +135,28 @@ def ceilings(dev) -> dict:
     return out
 
 
+def param_traffic(rec: dict) -> int:
+    """Bytes of client-parameter traffic a round must move at least, however fused: per client and local step
+    the forward reads the parameters (4 B each), the backward writes their gradient, the SGD step reads both and
+    writes the parameters (20 B per parameter; momentum: + 8 B, its buffer read and written)."""
+    steps = rec["m"] * rec["E"] * -(-rec["n"] // rec["B"])
+    return steps * rec["params"] * 4 * (5 + (2 if rec["momentum"] else 0))
+
+
+def floor_seconds(rec: dict, ceil: dict) -> float:
+    """The round's fp32 speed of light on the measured machine: its training FLOPs at the fp32 matrix-product
+    rate or its parameter bytes at the copy rate, whichever takes longer (TF32 convolutions can beat it)."""
+    return max(rec["train_flops"] / ceil["fp32_matmul_flops"], param_traffic(rec) / ceil["copy_bytes_per_s"])
+
+
 def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (on the CPU, in float64)."""
+    a, ref = a.detach().cpu().double(), ref.detach().cpu().double()
+    return float((a - ref).abs().max() / ref.abs().max())
 
 
 def _mem_begin(dev) -> int:
@@ -149,7 +172,7 @@ def _mem_peak(dev, base: int):
 
 def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop: bool = True) -> dict:
     s = dict(SHAPES[name])
-    R = rounds or s["rounds"]
+    R = rounds or (s["rounds"] if dev.type == "cuda" else s.get("cpu_rounds", s["rounds"]))
     N = s["K"] * s["n"]
     train, data_label = _data(s["dataset"], N)
     part = data.iid(train.y, s["K"], seed=0)
@@ -163,10 +186,11 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
     teacher_rows = sum(len(part.indices[k]) for k in per_round[1]) if s["algorithm"] == "fedntd" else 0
     train = train.to(dev)
     test = train.subset(slice(0, 100))
-    rec = dict(shape=name, **{k: v for k, v in s.items() if k != "rounds"}, timed_rounds=R, data=data_label,
+    rec = dict(shape=name, **{k: v for k, v in s.items() if "rounds" not in k}, timed_rounds=R, data=data_label,
                params=sum(p.numel() for p in model.parameters()), fwd_flops_per_sample=fwd,
                step_flops_per_sample=step, flops_note=flops.describe(model, sample), client_samples=client_samples,
                train_flops=train_flops, impls={})
+    rec["param_traffic_bytes"] = param_traffic(rec)
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
 
     impls = {}
@@ -188,13 +212,28 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
         plain_loop_round(s, lm, train, part, 0)  # warm-up
         impls["loop"] = dict(kind="loop", model=lm, times=[], peak=_mem_peak(dev, base),
                              teacher_flops=client_samples * fwd if s["algorithm"] == "fedntd" else 0)
+        # how far float rounding alone moves this training: the loop from initial weights perturbed by ~1e-7
+        # (relative), after the same first round; the engine's own difference after that round is beside it
+        ref0 = _flat(lm)
+        lp = copy.deepcopy(model)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in lp.parameters():
+                p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen))
+        lp = lp.to(dev)
+        plain_loop_round(s, lp, train, part, 0)
+        rec["loop_sensitivity_first_round"] = _rel(_flat(lp), ref0)
+        for im in impls.values():
+            if im["kind"] == "engine":
+                im["diff0"] = _rel(im["sim"].global_flat, ref0)
+        del lp
     for r in range(1, R + 1):  # interleaved: engine(s), loop, engine(s), loop, ...
         for key, im in impls.items():
             if im["kind"] == "engine":
                 im["times"].append(_timed(lambda: im["recs"].append(im["sim"].round()), dev))
             else:
                 im["times"].append(_timed(lambda: plain_loop_round(s, im["model"], train, part, r), dev))
-    ref = _flat(impls["loop"]["model"]).cpu() if loop else None
+    ref = _flat(impls["loop"]["model"]) if loop else None
     for key, im in impls.items():
         sec = statistics.median(im["times"])
         work = train_flops + im["teacher_flops"]
@@ -205,8 +244,8 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
             out.update(conv=im["conv"], executor=im["executor"], client_chunk=im["client_chunk"],
                        timers={k: round(v, 5) for k, v in im["recs"][-1]["timers"].items()})
             if ref is not None:
-                g = sim.global_flat.cpu()
-                out["max_rel_diff_vs_loop"] = float((g - ref).abs().max() / ref.abs().max())
+                out["max_rel_diff_vs_loop"] = _rel(sim.global_flat, ref)
+                out["rel_diff_vs_loop_first_round"] = im["diff0"]
         rec["impls"][key] = out
     if loop:
         for key, out in rec["impls"].items():

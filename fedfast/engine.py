@@ -510,9 +510,9 @@ class Simulation:
         self.adam_m = torch.zeros_like(self.stack.params) if adam else None
         self.adam_v = torch.zeros_like(self.stack.params) if adam else None
         self.adam_t = torch.zeros(self.chunk, device=self.device) if adam else None
-        # the C++ client step reads autograd's per-parameter gradients in place; other backends take one flat
-        # [n, P] gradient, reused every step
-        self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) == "cpu" else \
+        # the C++ and Triton client steps read autograd's per-parameter gradients in place; the CUDA backend takes
+        # one flat [n, P] gradient, reused every step
+        self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) in ("cpu", "triton") else \
             torch.empty_like(self.stack.params)
         self._sam_bufs = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
 

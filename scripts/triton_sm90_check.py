@@ -178,6 +178,16 @@ def _cases():
             torch.rand(n) if (drift and dscale) else None, 10.0 if clip else 0.0,
             torch.tensor([True, True, False]) if act else None)
 
+    def step_pieces(**kw):  # the engine's path on GPUs: autograd's per-parameter gradients through a block table
+        theta = torch.randn(n, P)
+        pieces = [torch.randn(n, 1000), torch.randn(n, 7), torch.randn(n, P - 1007)]
+        return lambda: client_step_triton(
+            theta, pieces, torch.tensor([0.1]), 0.9 if kw.get("mom") else 0.0, torch.zeros(n, P) if kw.get("mom")
+            else None, torch.tensor([1e-4]), 0.0, None, None, None, None, None, None, 10.0 if kw.get("clip") else 0.0,
+            None)
+
+    yield "client_step pieces", step_pieces()
+    yield "client_step pieces momentum clip", step_pieces(mom=True, clip=True)
     yield "client_step plain", step()
     yield "client_step bf16 grad", step(grad_dt=torch.bfloat16)
     for f in ("mom", "prox", "dyn", "clip", "scaf", "drift", "act", "rowlr"):

@@ -26,11 +26,14 @@ def test_round_benchmark_records_both_implementations(bench_rounds, tmp_path):
     assert res["machine"]["device"] == "cpu" and res["machine"]["commit"] and res["ceilings"]["fp32_matmul_flops"] > 0
     rec = res["shapes"][0]
     eng, loop = rec["impls"]["engine"], rec["impls"]["loop"]
-    assert rec["client_samples"] == 2 * 4 * 10 and rec["train_flops"] == rec["client_samples"] * rec["step_flops_per_sample"]
+    assert rec["client_samples"] == 2 * 4 * 10
+    assert rec["train_flops"] == rec["client_samples"] * rec["step_flops_per_sample"]
     # the loop runs the teacher on every training sample, the engine once per row of the round
     assert loop["flops_per_round"] - rec["train_flops"] == 2 * (eng["flops_per_round"] - rec["train_flops"])
     assert len(eng["round_seconds"]) == len(loop["round_seconds"]) == 2
-    assert eng["max_rel_diff_vs_loop"] <= 1e-4  # the same training, three rounds in
+    assert eng["max_rel_diff_vs_loop"] <= 1e-4 and eng["rel_diff_vs_loop_first_round"] <= 1e-5  # the same training
+    assert 0 < rec["loop_sensitivity_first_round"] < 1e-3
+    assert rec["param_traffic_bytes"] == 2 * 4 * 2 * rec["params"] * 4 * 7  # steps x P x 4 B x (5 + momentum 2)
     assert eng["speedup_vs_loop"] == pytest.approx(loop["seconds_per_round"] / eng["seconds_per_round"])
     assert eng["executor"] == "batched" and eng["conv"] == "grouped" and "local" in eng["timers"]
     assert "MFLOP per training sample" in rec["flops_note"]

@@ -36,7 +36,8 @@ def _grads(fn, x, w, b, s, p, d, seed=1):
     x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
     b = b.detach().requires_grad_(True) if b is not None else None
     out = fn(x, w, b, s, p, d)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device, out.dtype)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    g = g.to(out.device, out.dtype)
     gx, gw, *gb = torch.autograd.grad(out, [x, w] + ([b] if b is not None else []), g)
     return out.detach(), gx, gw, (gb[0] if gb else None)
 

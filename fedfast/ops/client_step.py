@@ -49,8 +49,9 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
 
     ``grad``: [n, P], or the per-parameter gradients ``[n, *shape_p]`` in the columns' order (what
-    ``torch.autograd.grad`` returns for per-parameter leaves): the CPU kernel reads those in place, so the
-    caller need not concatenate them (a full [n, P] copy per step); the other backends concatenate.
+    ``torch.autograd.grad`` returns for per-parameter leaves): the CPU and Triton kernels read fp32 pieces in
+    place, so the caller need not concatenate them (a full [n, P] copy per step); the other backends
+    concatenate.
 
     ``lr`` and ``weight_decay``: scalars or per client [n]. ``anchor`` [P]: the round's global model (FedProx).
     ``dyn_linear`` [n, P]: FedDyn's gradient term. ``scaffold_c`` [P] / ``scaffold_ck`` [n, P]: SCAFFOLD
@@ -85,8 +86,9 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     be = _backend.resolve(backend, dev.type)
     if be == "cpu":  # the C++ kernel reads the pieces in place
         grad = pieces if pieces is not None else [grad]
-    elif pieces is not None:
+    elif pieces is not None and not (be == "triton" and all(g.dtype == torch.float32 for g in pieces)):
         grad = torch.cat([g.reshape(n, -1) for g in pieces], 1) if pieces else theta.new_zeros(n, 0)
+    # triton: fp32 pieces are read in place through a block table (fedfast/triton/client_step.py)
 
     if be == "triton":
         from ..triton.client_step import client_step_triton

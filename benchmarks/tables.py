@@ -1,0 +1,199 @@
+"""The measured tables of README.md and docs/*.md, generated from the committed benchmark JSON files.
+
+Each generated table sits between two markers in a Markdown file::
+
+    <!-- table:NAME -->
+    (generated: the machine, torch, commit, date and command of the run, then the table)
+    <!-- /table:NAME -->
+
+``python benchmarks/tables.py`` rewrites every marked table from ``benchmarks/results/``; ``--check`` changes
+nothing and exits 1 when a file differs from what the JSON gives (``tests/test_tables.py`` runs it, so a hand
+edit of a generated number fails the suite). A table whose JSON is not committed yet says so instead of numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+FILES = ["README.md", "docs/benchmarks.md"]
+
+SHAPE_LABELS = {
+    "pfl_cifar_50": "pfl-research: simple_cnn, 3x32x32, 1000 clients x 50, 50/round, B=10",
+    "pfl_cifar_1000": "the same, all 1000 clients per round",
+    "fedntd_mnist_e5": "FedNTD's MNIST: FedAvg CNN, 100 x 600, 10/round, E=5, B=50, momentum 0.9",
+    "resnet8_gn": "ResNet-8 (GroupNorm), 3x32x32, 200 x 50, 20/round, B=10",
+    "mlp_1000x60": "MLP 784-200-200-10, MNIST, 1000 x 60, 50/round, B=10",
+}
+
+
+def _load(pattern: str) -> list[tuple[str, dict]]:
+    out = []
+    for p in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+        with open(p) as f:
+            out.append((os.path.relpath(p, ROOT), json.load(f)))
+    return out
+
+
+def _machine(m: dict) -> str:
+    if m["device"] == "cuda":
+        where = f"{m['gpu']} ({m.get('sms', '?')} SMs), CUDA {m.get('cuda')}, Triton {m.get('triton', '-')}"
+    else:
+        where = f"{m.get('cpu', 'CPU')}, {m.get('cores', '?')} cores, {m['threads']} threads"
+    tf32 = "TF32 on for cuDNN convolutions (PyTorch's default), off for matrix products" \
+        if m.get("cudnn_allow_tf32") and not m.get("matmul_allow_tf32") and m["device"] == "cuda" else ""
+    return f"{where}; torch {m['torch']}, Python {m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}" + \
+        (f"; {tf32}" if tf32 else "")
+
+
+def _ceil(c: dict) -> str:
+    parts = [f"fp32 matrix product {c['fp32_matmul_flops'] / 1e12:.2f} TFLOP/s"]
+    if "tf32_matmul_flops" in c:
+        parts.append(f"TF32 {c['tf32_matmul_flops'] / 1e12:.1f} TFLOP/s")
+    parts.append(f"copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s")
+    return ", ".join(parts)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
+    """Every implementation of every shape, with its share of the measured fp32 matrix-product rate."""
+    runs = [(p, r) for p, r in runs if r["machine"]["device"] == device]
+    if not runs:
+        return (f"No {'GPU' if device == 'cuda' else 'CPU'} run of the round benchmark is committed yet "
+                f"(`bash scripts/gpu_check.sh build bench-rounds` makes one on a GPU).")
+    lines = []
+    for path, r in runs:
+        lines.append(f"Measured on {_machine(r['machine'])}. Ceilings measured in the same run: "
+                     f"{_ceil(r['ceilings'])}. "
+                     f"Command: `python benchmarks/{r['command']}`; data: `{path}`.")
+    lines.append("")
+    lines.append("The last column compares the global models, `max |fedfast - loop| / max |loop|`, after the first "
+                 "round and at the end. In brackets is the loop's own change after its first round when its initial "
+                 "weights are perturbed by 1e-7. That is how far float rounding alone moves this training.")
+    lines.append("")
+    lines.append("| shape | fp32 floor | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
+                 "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    from bench_rounds import floor_seconds
+    for path, r in runs:
+        peak = r["ceilings"]["fp32_matmul_flops"]
+        for rec in r["shapes"]:
+            label = f"{SHAPE_LABELS.get(rec['shape'], rec['shape'])} | {_ms(floor_seconds(rec, r['ceilings']))}"
+            for key, im in rec["impls"].items():
+                name = "plain loop" if key == "loop" else f"fedfast (conv {im['conv']})"
+                ratio = "1" if key == "loop" else (f"{im['speedup_vs_loop']:.2f}" if "speedup_vs_loop" in im else "-")
+                diff = "-"
+                if "max_rel_diff_vs_loop" in im:
+                    sens = rec.get("loop_sensitivity_first_round")
+                    diff = f"{im['rel_diff_vs_loop_first_round']:.1e} ({sens:.1e}); {im['max_rel_diff_vs_loop']:.1e}"
+                lines.append(f"| {label} | {name} | {_ms(im['seconds_per_round'])} | {im['samples_per_s']:,.0f} | "
+                             f"{im['tflops']:.3f} | {100 * im['tflops'] * 1e12 / peak:.0f} % | "
+                             f"{_gib(im['peak_memory_bytes'])} | {ratio} | {diff} |")
+    return "\n".join(lines)
+
+
+def rounds_short(runs: list[tuple[str, dict]], device: str) -> str:
+    """The README's view: per shape, the loop's and fedfast's seconds per round, the ratio and fedfast's rate."""
+    runs = [(p, r) for p, r in runs if r["machine"]["device"] == device]
+    if not runs:
+        return (f"Not measured yet: no {'GPU' if device == 'cuda' else 'CPU'} run of `benchmarks/bench_rounds.py` "
+                f"is committed.")
+    m = runs[0][1]["machine"]
+    where = m["gpu"] if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
+    lines = [f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit `{m['commit'][:12]}`; the loop "
+             f"and fedfast in one process, same clients, data order and initial weights; details and every "
+             f"implementation in [docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):", "",
+             "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |", "|---|---|---|---|---|"]
+    for _, r in runs:
+        for rec in r["shapes"]:
+            loop = rec["impls"].get("loop")
+            engines = {k: v for k, v in rec["impls"].items() if k != "loop"}
+            key, best = min(engines.items(), key=lambda kv: kv[1]["seconds_per_round"])
+            conv = f" ({best['conv']} conv)" if len(engines) > 1 else ""
+            lines.append(f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
+                         f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
+                         f"{_ms(best['seconds_per_round'])}{conv} | "
+                         f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |")
+    return "\n".join(lines)
+
+
+def conv_table(runs: list[tuple[str, dict]], device: str) -> str:
+    runs = [(p, r) for p, r in runs if r["device"].startswith(device)]
+    if not runs:
+        return f"No {device.upper()} run of `benchmarks/bench_conv.py` is committed yet."
+    lines = []
+    for path, r in runs:
+        where = r["gpu"] or f"CPU, {r['threads']} threads"
+        lines += [f"{where}, torch {r['torch']}; data: `{path}`.", "",
+                  "| layer (clients, batch, Cin->Cout, HxW, kernel/stride) | implementation | layout | TF32 | "
+                  "fwd+bwd ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['layer']} | {row['impl']} | {row['layout']} | {int(row['tf32'])} | "
+                             f"{row['error']} | |")
+                continue
+            n, B, ci, co, H, k, s, p, _ = row["geometry"]
+            lines.append(f"| {row['layer']} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}/{s}) | {row['impl']} | "
+                         f"{row['layout']} | {int(row['tf32'])} | {row['seconds'] * 1e3:.2f} | {row['tflops']:.3f} |")
+    return "\n".join(lines)
+
+
+TABLES = {
+    "rounds-gpu": lambda: rounds_full(_load("*-rounds*.json"), "cuda"),
+    "rounds-cpu": lambda: rounds_full(_load("cpu-*-rounds*.json"), "cpu"),
+    "rounds-gpu-short": lambda: rounds_short(_load("*-rounds*.json"), "cuda"),
+    "rounds-cpu-short": lambda: rounds_short(_load("cpu-*-rounds*.json"), "cpu"),
+    "conv-cpu": lambda: conv_table(_load("cpu-*-conv.json"), "cpu"),
+    "conv-gpu": lambda: conv_table([(p, r) for p, r in _load("*-conv.json") if not p.split("/")[-1].startswith("cpu")],
+                                   "cuda"),
+}
+_MARK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+def render(text: str) -> str:
+    def sub(m):
+        name = m.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"tables.py: unknown table {name!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + TABLES[name]() + "\n" + m.group(4)
+    return _MARK.sub(sub, text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is out of date")
+    a = ap.parse_args(argv)
+    stale = []
+    for rel in FILES:
+        path = os.path.join(ROOT, rel)
+        with open(path) as f:
+            old = f.read()
+        new = render(old)
+        if new != old:
+            stale.append(rel)
+            if not a.check:
+                tmp = path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(new)
+                os.replace(tmp, path)
+    if a.check and stale:
+        print(f"tables.py: out of date (run python benchmarks/tables.py): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
