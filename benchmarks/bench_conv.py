@@ -94,7 +94,18 @@ def time_impl(geom, impl, dev, channels_last, reps, warmup=2):
 
 
 def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def need_bytes(geom, impl) -> int:
+    """A generous estimate of the memory one timed pass holds: input, output and their gradients, the weights, and
+    for ``gemm`` the im2col buffer (kept) with its gradient and the matrix-product intermediates."""
+    n, B, Cin, Cout, H, k, s, p, first = geom
+    OH, _ = out_size(H, H, k, s, p, 1)
+    x, out, w = B * n * Cin * H * H, B * n * Cout * OH * OH, n * Cout * Cin * k * k
+    cols = B * n * Cin * k * k * OH * OH if impl == "gemm" else 0
+    return 4 * (3 * (x + out + w) + 3 * cols + (B * w if impl == "gemm" else 0))
 
 
 def main(argv=None):
@@ -129,6 +140,13 @@ def main(argv=None):
                             from fedfast.triton import conv as tc
                             for kind, v in sw.items():
                                 tc.CONFIGS[kind] = tuple(int(t) for t in v.split(","))
+                        from fedfast.engine import _free_bytes
+                        need, free = need_bytes(geom, impl), _free_bytes(dev)
+                        if need > 0.8 * free:
+                            rows.append(dict(layer=name, impl=impl, layout=layout, tf32=tf32,
+                                             error=f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} free"))
+                            print(f"{name:20} {impl:8} {layout} {rows[-1]['error']}", flush=True)
+                            continue
                         try:
                             sec, res = time_impl(geom, impl, dev, layout == "nhwc", reps)
                         except torch.OutOfMemoryError:
@@ -144,13 +162,18 @@ def main(argv=None):
                                          rel_err_vs_first=err))
                         print(f"{name:20} {impl:8} {layout} tf32={int(tf32)} {str(sw or ''):40} "
                               f"{sec * 1e3:9.3f} ms {f / sec / 1e12:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+                        _write(a.out, dev, rows)  # after every row: a killed run keeps what it measured
+
+
+def _write(path, dev, rows):
+    if not path:
+        return
     info = dict(device=str(dev), torch=torch.__version__, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda"
                 else None, threads=torch.get_num_threads(), rows=rows)
-    if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(info, fh, indent=1)
-        os.replace(tmp, a.out)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(info, fh, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

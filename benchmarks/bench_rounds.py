@@ -144,8 +144,9 @@ def param_traffic(rec: dict) -> int:
 
 
 def floor_seconds(rec: dict, ceil: dict) -> float:
-    """The round's fp32 speed of light on the measured machine: its training FLOPs at the fp32 matrix-product
-    rate or its parameter bytes at the copy rate, whichever takes longer (TF32 convolutions can beat it)."""
+    """The round's roofline time on the measured machine: its training FLOPs at the fp32 matrix-product rate or
+    its parameter bytes at the copy rate, whichever takes longer (convolutions faster than that product, TF32 on
+    GPUs, oneDNN's direct convolutions on CPUs, beat it)."""
     return max(rec["train_flops"] / ceil["fp32_matmul_flops"], param_traffic(rec) / ceil["copy_bytes_per_s"])
 
 

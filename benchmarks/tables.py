@@ -61,7 +61,7 @@ def _ceil(c: dict) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _gib(b) -> str:
@@ -84,7 +84,7 @@ def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
                  "round and at the end. In brackets is the loop's own change after its first round when its initial "
                  "weights are perturbed by 1e-7. That is how far float rounding alone moves this training.")
     lines.append("")
-    lines.append("| shape | fp32 floor | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
+    lines.append("| shape | roofline | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
                  "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     from bench_rounds import floor_seconds

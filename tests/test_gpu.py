@@ -308,6 +308,10 @@ def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
         sim.run()
     ref = torch.cat([p.detach().reshape(-1) for p in loop.parameters()])
     assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
+    # teacher-cache style predictions with an index from the CPU or the GPU give the same logits
+    a = sim.predict(sim.global_flat, sim.train, torch.arange(7))
+    b = sim.predict(sim.global_flat, sim.train, torch.arange(7, device="cuda"))
+    assert a.is_cuda and a.shape == (7, 10) and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("impl", ["grouped", "gemm", "triton"])
