@@ -24,6 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fedfast.ops.client_conv import client_conv2d, out_size  # noqa: E402
 
 # name: (n clients, B, Cin, Cout, H, kernel, stride, padding, first layer)
@@ -168,8 +169,10 @@ def main(argv=None):
 def _write(path, dev, rows):
     if not path:
         return
+    from bench_rounds import machine
     info = dict(device=str(dev), torch=torch.__version__, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda"
-                else None, threads=torch.get_num_threads(), rows=rows)
+                else None, threads=torch.get_num_threads(), machine=machine(dev),
+                command=" ".join(["bench_conv.py"] + sys.argv[1:]), rows=rows)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(info, fh, indent=1)

@@ -136,8 +136,9 @@ def conv_table(runs: list[tuple[str, dict]], device: str) -> str:
         return f"No {device.upper()} run of `benchmarks/bench_conv.py` is committed yet."
     lines = []
     for path, r in runs:
-        where = r["gpu"] or f"CPU, {r['threads']} threads"
-        lines += [f"{where}, torch {r['torch']}; data: `{path}`.", "",
+        where = _machine(r["machine"]) if "machine" in r else (r["gpu"] or f"CPU, {r['threads']} threads")
+        lines += [f"Measured on {where}. Command: `python benchmarks/{r.get('command', 'bench_conv.py')}`; "
+                  f"data: `{path}`.", "",
                   "| layer (clients, batch, Cin->Cout, HxW, kernel/stride) | implementation | layout | TF32 | "
                   "fwd+bwd ms | TFLOP/s |", "|---|---|---|---|---|---|"]
         for row in r["rows"]:
