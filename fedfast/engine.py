@@ -287,7 +287,7 @@ SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
 CONV_IMPLS = ("grouped", "gemm", "triton")
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
-# 2.7-7.8x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
+# 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
 # no faster rounds; docs/benchmarks.md). CUDA: grouped until the implicit-GEMM kernels have been timed against
 # cuDNN on a GPU (bench_conv.py, bench_rounds.py --engine-conv).
 CONV_AUTO = {"cpu": "grouped", "cuda": "grouped"}
