@@ -86,6 +86,7 @@ def test_study_file_from_any_path(study_file, tmp_path, capsys):
     assert [c.name for c in cells] == ["study/a", "study/b"] and cells[0].source == str(study_file)
     assert cells[0].plugins == (str(study_file.parent / "plug" / "mine.py"),) and not cells[0].packaged
     assert cells[0].reported == {"fedavg": [50.0, 1.0], "myavg": [51.0]} and cells[1].methods == ["fedavg", "myavg"]
+    assert cells[0].methods == ["fedavg", "myavg"]
     assert presets.load_all()["demo/mnist-shards"].packaged  # the package's presets: the same format, shipped
     code, out, _ = cli(capsys, "presets", study_file)
     assert code == 0 and "study/a" in out and "study/b" in out and "2 cells of" in out
@@ -442,3 +443,37 @@ def test_sweep_under_torch_distributed_skips_a_held_run_on_every_rank(tmp_path):
         assert json.load(open(tmp_path / f"done-{rank}")) == [os.path.join(out, "fedavg", f"seed{s}") for s in (0, 1)]
     runs = _runs(out)
     assert list(runs) == ["fedavg/seed1"] and runs["fedavg/seed1"][0] == "complete"
+
+
+def test_a_cell_runs_its_reported_rows_and_the_studys_methods(tmp_path, capsys):
+    """A study listing the paper's baseline numbers (FedAvg only) and its own method (FedProx) runs both; the
+    reported rows come first; --methods still narrows the sweep to the rows named."""
+    f = tmp_path / "own.toml"
+    f.write_text("""
+[preset]
+paper = "own"
+table = "T"
+metric = "final"
+seeds = [0]
+methods = ["fedavg", "fedprox"]
+
+[protocol]
+dataset = "synthetic"
+num_clients = 6
+clients_per_round = 2
+rounds = 1
+model = "mlp"
+
+[cells.c]
+partition = "iid"
+reported = {scaffold = [40.0], fedavg = [41.0, 0.5]}
+""")
+    cell = presets.resolve(str(f))[0]
+    assert cell.methods == ["scaffold", "fedavg", "fedprox"]
+    code, out, err = cli(capsys, "sweep", f, "--out", tmp_path / "s", "--quiet")
+    assert code == 0, err
+    assert {d for d in os.listdir(tmp_path / "s") if not d.startswith(".")} == {"fedavg", "fedprox", "scaffold",
+                                                                                  "study.json"}
+    code, out, err = cli(capsys, "sweep", f, "--methods", "fedprox", "--out", tmp_path / "n", "--quiet")
+    assert code == 0, err
+    assert "fedprox" in os.listdir(tmp_path / "n") and not {"fedavg", "scaffold"} & set(os.listdir(tmp_path / "n"))

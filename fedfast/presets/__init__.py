@@ -5,7 +5,8 @@ STUDY.toml`` and ``fedfast run --preset STUDY.toml/CELL`` take the same format f
 It holds:
 
 * ``[preset]``: ``paper``, ``table``, ``metric`` (``"final"`` or ``"best"``: which accuracy the reported numbers
-  are), ``seeds``, ``notes``, ``methods`` (the rows to run where a cell reports none), ``plugins`` (plug-in method
+  are), ``seeds``, ``notes``, ``methods`` (rows every cell runs besides the rows it reports: a cell runs the
+  union, its reported rows first; ``fedfast sweep --methods`` narrows it), ``plugins`` (plug-in method
   files, paths relative to the study file, imported when the file is loaded) and ``select`` (the metric
   ``fedfast report`` selects a grid point on; default the final validation accuracy);
 * ``[protocol]``: the run keys every cell shares (the keys of a ``fedfast run`` config);
@@ -52,7 +53,7 @@ class Preset:
     engine: dict = field(default_factory=dict)    # {method: {engine key: value}}
     reported: dict = field(default_factory=dict)  # {method: [mean] or [mean, std]} in %
     notes: str = ""
-    default_methods: list = field(default_factory=list)
+    default_methods: list = field(default_factory=list)  # [preset] methods: rows every cell runs
     missing: dict = field(default_factory=dict)   # {method: why the table has no number for it in this cell}
     reported_note: str = ""                       # what qualifies this cell's reported numbers (a fidelity note)
     source: str = ""                              # the study file (absolute path)
@@ -74,8 +75,9 @@ class Preset:
 
     @property
     def methods(self) -> list[str]:
-        """The method rows of the cell (the paper's rows fedfast runs)."""
-        return list(self.reported) or list(self.default_methods)
+        """The method rows of the cell: the rows it reports numbers for, then the file's ``methods`` not among
+        them (a study that lists a paper's baselines and adds its own method runs both)."""
+        return list(dict.fromkeys([*self.reported, *self.default_methods]))
 
     @property
     def packaged(self) -> bool:
