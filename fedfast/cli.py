@@ -136,7 +136,12 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
             print(f"fedfast: {e}", file=sys.stderr, flush=True)
         code = EXIT_DIVERGED
     except (ValueError, OSError, MemoryError) as e:
-        print(f"fedfast: worker {rank}: {e}", file=sys.stderr, flush=True)
+        print(f"fedfast: worker {rank}: {plugin_where(e)}{e}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
+    except Exception as e:  # noqa: BLE001
+        if not plugin_where(e):
+            raise
+        print(f"fedfast: worker {rank}: {plugin_where(e)}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = EXIT_ERROR
     sys.stdout.flush()
     sys.stderr.flush()
@@ -435,8 +440,21 @@ def main(argv=None) -> int:
         print(f"fedfast: {e}", file=sys.stderr)
         return EXIT_DIVERGED
     except (ValueError, OSError, TypeError, MemoryError) as e:  # bad config, data, partitions, memory: no traceback
-        print(f"fedfast: {e}", file=sys.stderr)
+        print(f"fedfast: {plugin_where(e)}{e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - an error inside a plug-in's code: its file and line, no traceback
+        where = plugin_where(e)
+        if not where:
+            raise
+        print(f"fedfast: {where}{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def plugin_where(e: BaseException) -> str:
+    """``"in plug-in FILE, line N, in FUNC: "`` when the exception was raised inside a loaded plug-in's code."""
+    from .methods import plugin_frame
+    hit = plugin_frame(e.__traceback__)
+    return f"in plug-in {hit[0]}, line {hit[1]}, in {hit[2]}: " if hit else ""
 
 
 def _dispatch(args) -> int:

@@ -42,8 +42,9 @@ _RUN: dict = {
     "threads": (int, 0),             # intra-op CPU threads (0: torch's default); config.json records the number used
     "val_fraction": (float, 0.0),    # a seeded random split of the training set held out for model selection
 }
-# what config.json records beside the keys (read back, not settings)
-RECORDED = ("determinism",)
+# what config.json records beside the keys (read back, not settings): plug-in content hashes and replaced built-ins
+# are checked against the files now (a changed plug-in is refused) rather than taken as settings
+RECORDED = ("determinism", "plugin_sha256", "replaced_methods")
 # run defaults that differ from SimConfig's
 _SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
 _ENGINE = [f for f in fields(SimConfig) if f.name != "options"]
@@ -76,11 +77,39 @@ class RunConfig:
         return SimConfig(options=self.options, **sim)
 
     def to_json(self) -> dict:
-        """The resolved configuration: run and engine keys, and the method's resolved option tables."""
+        """The resolved configuration: run and engine keys, the method's resolved option tables, the plug-in files
+        with their content hashes, and a built-in the running method's name replaces (``register(...,
+        replace=True)``)."""
+        from . import methods
         out = dict(self.values)
         out.update(self.sim_config().method().options())
         out["plugins"] = list(self.plugins)
+        out["plugin_sha256"] = {p: methods.PLUGINS.get(p) or methods.file_sha256(p) for p in self.plugins}
+        rep = methods.replaced(self.values["algorithm"])
+        if rep:
+            out["replaced_methods"] = rep
         return out
+
+
+def check_plugin_hashes(recorded, source: str | None) -> None:
+    """Each plug-in file a run recorded must have the same content now (``--resume``, ``fedfast run
+    DIR/config.json``): a changed file would continue or repeat the run with another method."""
+    from . import methods
+    if not recorded:
+        return
+    if not isinstance(recorded, dict):
+        raise ValueError(f"plugin_sha256: expected {{file: sha256}}, got {recorded!r}" + (f" (in {source})" if source
+                                                                                          else ""))
+    for path, digest in recorded.items():
+        try:
+            now = methods.file_sha256(path)
+        except OSError:
+            raise ValueError(f"plugins: {path}, recorded by {source or 'the run'}, is gone; restore it to continue "
+                             f"or repeat this run") from None
+        if now != digest:
+            raise ValueError(f"plugins: {path} changed since {source or 'the run'} recorded it (sha256 "
+                             f"{str(digest)[:12]}... then, {now[:12]}... now): continuing or repeating the run would "
+                             f"mix two versions of the method. Restore the file, or start a new run with --out")
 
 
 def _coerce(key: str, value):
@@ -153,6 +182,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
     if path:
         loaded.update(read_config_file(path))
         source = path
+    check_plugin_hashes(loaded.get("plugin_sha256"), source)
     for k in RECORDED:
         loaded.pop(k, None)
     listed = loaded.pop("plugins", []) or []

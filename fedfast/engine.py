@@ -317,6 +317,17 @@ def _free_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
+def _on_cpu(obj):
+    """A method's state dict (nested plain data) with every tensor detached onto the CPU."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
+
+
 @contextlib.contextmanager
 def fp32_semantics():
     """Matrix products and cuDNN convolutions in full fp32 (no TF32) inside the block, restored after it."""
@@ -519,6 +530,7 @@ class Simulation:
 
     def _finish_init(self):
         c = self.cfg
+        self._method_metrics: dict = {}
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
@@ -895,12 +907,36 @@ class Simulation:
             raise Diverged(self.rnd + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
+        self._method_metrics = self._round_metrics(ctx)
         t1 = time.perf_counter()
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
             rec = self._evaluate_round(totals, loss_sum, timers, t1)
         rec["seconds"] = time.perf_counter() - t0
         self._check_finite(rec)
         return rec
+
+    def _round_metrics(self, ctx) -> dict:
+        """The method's own values for this round's record (``Method.round_metrics``): names to numbers (read to
+        the host once per round)."""
+        got = self.method.round_metrics(ctx)
+        if not got:
+            return {}
+        if not isinstance(got, dict):
+            raise TypeError(f"{self.method.name}.round_metrics: must return a dict of name -> number, got "
+                            f"{type(got).__name__}")
+        out = {}
+        for k, v in got.items():
+            if not isinstance(k, str) or not k:
+                raise TypeError(f"{self.method.name}.round_metrics: names must be non-empty strings, got {k!r}")
+            if torch.is_tensor(v):
+                if v.numel() != 1:
+                    raise TypeError(f"{self.method.name}.round_metrics: {k!r} must be one number, got a tensor of "
+                                    f"shape {tuple(v.shape)}")
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{self.method.name}.round_metrics: {k!r} must be a number, got {v!r}")
+            out[k] = float(v)
+        return out
 
     @contextlib.contextmanager
     def _memory(self, what: str, key: str):
@@ -1156,6 +1192,8 @@ class Simulation:
                "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
         if self.validation is not None:
             rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
+        if getattr(self, "_method_metrics", None):
+            rec["method_metrics"] = self._method_metrics
         self.history.append(rec)
         return rec
 
@@ -1218,7 +1256,7 @@ class Simulation:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"round": self.rnd, "global": self.global_flat.cpu(), "evaluated": self.eval_flat.cpu(),
-                "method": {k: v.detach().cpu() for k, v in self.method.state_dict().items()},
+                "method": _on_cpu(self.method.state_dict()),
                 "class_accuracy": [a.cpu() for a in self._class_acc], "history": self.history, "rng": rng,
                 "shape": {"num_params": self.num_params, "num_clients": self.K, "num_classes": self.num_classes}}
 

@@ -221,6 +221,9 @@ def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
         raise ValueError(f"{ck_path}: written by fedfast {ck.get('version')}, this is fedfast {__version__}")
     mine, theirs = _comparable(cfg_json), ck.get("config", {})
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if "plugin_sha256" in diff:
+        from .config import check_plugin_hashes
+        check_plugin_hashes(theirs.get("plugin_sha256"), ck_path)
     if diff:
         raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
                          + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4]) + "; now: "
@@ -313,6 +316,8 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                             if rec.get(k) is not None:
                                 tb.add_scalar(k, rec[k], rec["round"])
                         tb.add_scalar("seconds", rec["seconds"], rec["round"])
+                        for k, v in (rec.get("method_metrics") or {}).items():
+                            tb.add_scalar(f"method/{k}", v, rec["round"])
                 progress.update(rec)
                 sig = _agreed_stop(sim, stop)
                 if sig:

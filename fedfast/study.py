@@ -269,7 +269,9 @@ def study_rows(st: Study) -> list[dict]:
                          key=lambda x: (x[0] is None, x))
             row = {"study": st.title, "method": m, "point": key[1], "seeds": sorted(r["config"]["seed"] for r in g),
                    "complete": all(r["complete"] for r in g), "rounds": min((r["rounds"] for r in g), default=None),
-                   "diverged": div, "runs": len(every), "selected": False}
+                   "diverged": div, "runs": len(every), "selected": False,
+                   "replaced": next((r["config"]["replaced_methods"] for r in every
+                                     if r["config"].get("replaced_methods")), None)}
             for k in _STATS:
                 row[k] = mean_std([r.get(k) for r in g])
             if m in st.reported:
@@ -394,7 +396,17 @@ def _selection_note(st: Study, rows: list[dict], picked: dict, key: str) -> list
 
 
 def _label(r: dict) -> str:
-    return r["method"] + (f" [{r['point']}]" if r["point"] else "")
+    return r["method"] + (" ‡" if r.get("replaced") else "") + (f" [{r['point']}]" if r["point"] else "")
+
+
+def _replaced_notes(rows: list[dict]) -> list[str]:
+    """Rows whose method name a plug-in replaced (register(..., replace=True)): what ran under that name."""
+    seen = {}
+    for r in rows:
+        for name, v in (r.get("replaced") or {}).items():
+            seen[name] = v
+    return [f"‡ {name} here is {v['by']}, registered with replace=True over {v['replaced']}: not fedfast's {name}."
+            for name, v in sorted(seen.items())]
 
 
 def _tag(r: dict) -> str:
@@ -458,6 +470,7 @@ def _single(st: Study, rows: list[dict], sel_note: list[str], fmt: str) -> str:
     note = f"† On the paper's numbers of this cell: {st.cell['reported_note']}" if dagger else None
     prov = [_provenance(r, st.dir) for r in st.runs]
     protocol = " ".join((st.cell or {}).get("notes", "").split())
+    sel_note = _replaced_notes(rows) + sel_note
     if fmt == "latex":
         notes = [n for n in (head_note, count, note) if n] + sel_note + ([f"Protocol: {protocol}"] if protocol else [])
         return _latex([(None, head[1:])], body, title, notes, grouped=False) + \
@@ -491,7 +504,7 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
             mine = [r for r in rs if r["method"] == m]
             pick = [r for r in mine if r["selected"]]
             for r in (pick if pick else mine):
-                shown[m if (pick or len(mine) == 1) else _label(r)] = r
+                shown[(m + (" ‡" if r.get("replaced") else "")) if (pick or len(mine) == 1) else _label(r)] = r
         per.append(shown)
     labels = list(dict.fromkeys(k for shown in per for k in shown))
     groups, body = [], [[(lab, False)] for lab in labels]
@@ -522,6 +535,7 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
         notes.append(f"{nd} diverged run{'s' if nd > 1 else ''} left out of the means (see each study's report).")
     for title, note in daggers:
         notes.append(f"† {title}: {note}")
+    notes += _replaced_notes([r for rs in per_study for r in rs])
     for st, title, sn in zip(studies, titles, sel_notes):
         if sn:
             notes.append(f"{title}: " + sn[0])
@@ -931,7 +945,7 @@ _RAN, _SKIPPED, _HELD = 0, 10, 11
 def _job_main(r: _Run, workers: int) -> None:
     """One run of ``sweep --jobs`` in its own process; the exit code says how it ended."""
     from . import methods
-    from .cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, run, run_workers
+    from .cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, plugin_where, run, run_workers
     from .rundir import RunLocked
     from .runner import Interrupted, RunDiverged
     # started with SIGINT/SIGTERM blocked (no KeyboardInterrupt while starting up): ignored until the run installs
@@ -959,7 +973,12 @@ def _job_main(r: _Run, workers: int) -> None:
         print(f"fedfast: {r.label}: {e}", file=sys.stderr, flush=True)
         code = EXIT_WORKER_DIED
     except (ValueError, OSError, TypeError, MemoryError) as e:
-        print(f"fedfast: {r.label}: {e}", file=sys.stderr, flush=True)
+        print(f"fedfast: {r.label}: {plugin_where(e)}{e}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - an error inside a plug-in's code, named by file and line
+        if not plugin_where(e):
+            raise
+        print(f"fedfast: {r.label}: {plugin_where(e)}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = EXIT_ERROR
     sys.stdout.flush()
     sys.stderr.flush()

@@ -27,7 +27,7 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--set", "nonsense=1"], "nonsense: unknown config key"),
     (["--set", "rounds=abc"], "rounds: expected an integer"),
-    (["--set", "algorithm=fedsomething"], "algorithm: one of"),
+    (["--set", "algorithm=fedsomething"], "algorithm: 'fedsomething' is not a registered method"),
     (["--set", "lr=-1"], "lr: must be > 0"),
     (["--set", "clients_per_round=500"], "clients_per_round"),
     (["--set", "algorithm=kd+asd"], "algorithm: the ASD add-on composes with"),

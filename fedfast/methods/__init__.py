@@ -8,19 +8,63 @@ way from the user's own file (``fedfast run --plugin FILE``; ``examples/custom_m
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 import textwrap
+import traceback
 
 from .base import (Engine, Method, NoOptions, Round, Step, TeacherRows, TeacherSpec, cross_entropy, make_options,
                    opt, validate_options, weighted_mean_rows)
 
 REGISTRY: dict[str, type[Method]] = {}
+BUILTIN: dict[str, type[Method]] = {}    # the methods fedfast ships (filled below, after their imports)
+REPLACED: dict[str, dict] = {}          # name -> {"replaced": class (file), "by": class (file)}: register(replace=True)
+PLUGINS: dict[str, str] = {}            # plug-in files loaded in this process: absolute path -> sha256 of the content
 
 
-def register(name: str):
-    """Class decorator: register a :class:`Method` subclass under ``name`` (lower-case, no ``+``)."""
+def _origin(cls) -> tuple[str, str]:
+    """(module.Qualname, absolute source file) of a class: the file ``register`` was applied in (two plug-in
+    files of one name share a module name, so the module's ``__file__`` may be the other one's)."""
+    f = cls.__dict__.get("_registered_in")
+    if f is None:
+        try:
+            f = inspect.getsourcefile(cls) or inspect.getfile(cls)
+        except (TypeError, OSError):
+            f = None
+    return f"{cls.__module__}.{cls.__qualname__}", os.path.abspath(f) if f else "<no file>"
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _same_source(a, b) -> bool:
+    """The same class loaded again: the same qualified name from the same file, or from files of equal content
+    (a plug-in loaded twice: resume, sweeps, worker processes, a copied study directory)."""
+    (qa, fa), (qb, fb) = _origin(a), _origin(b)
+    if a.__qualname__ != b.__qualname__:
+        return False
+    if fa == fb:
+        return True
+    try:
+        return file_sha256(fa) == file_sha256(fb)
+    except OSError:
+        return False
+
+
+def register(name: str, *, replace: bool = False):
+    """Class decorator: register a :class:`Method` subclass under ``name`` (lower-case, no ``+``).
+
+    A name another class already holds (a built-in such as ``"fedavg"``, or another plug-in's) is refused with
+    both classes and their files named: a run would otherwise report the new class's numbers under the old name.
+    ``replace=True`` replaces it on purpose; runs of that name then record the replacement in ``config.json``
+    (``replaced_methods``) and ``fedfast report`` marks their rows. Registering the same class from the same
+    file (or a file of the same content) again is harmless."""
     if not isinstance(name, str) or not name or "+" in name or name != name.lower() or "." in name:
         raise ValueError(f"name: a lower-case method name without '+' or '.', got {name!r}")
 
@@ -29,12 +73,40 @@ def register(name: str):
             raise TypeError(f"register({name!r}): expected a fedfast.methods.Method subclass, got {cls!r}")
         if not dataclasses.is_dataclass(cls.Options):
             raise TypeError(f"{name}.Options: must be a dataclass")
+        if "_registered_in" not in cls.__dict__:
+            cls._registered_in = sys._getframe(1).f_code.co_filename  # where @register(...) was applied
+        old = REGISTRY.get(name)
+        if old is not None and old is not cls and not _same_source(old, cls):
+            (oq, of), (nq, nf) = _origin(old), _origin(cls)
+            if not replace:
+                raise ValueError(f"register({name!r}): the name {name!r} is taken by {oq} ({of}); {nq} ({nf}) would "
+                                 f"replace it, and every {name} number would silently be {nq}'s. Register it under "
+                                 f"a name of its own, or with register({name!r}, replace=True) to replace {name} on "
+                                 f"purpose (the run then records it)")
+            base = REPLACED.get(name, {}).get("replaced", f"{oq} ({of})")
+            REPLACED[name] = {"replaced": base, "by": f"{nq} ({nf})"}
         cls.name = name
         if "table" not in cls.__dict__ or not cls.__dict__["table"]:
             cls.table = name
         REGISTRY[name] = cls
         return cls
     return deco
+
+
+def unregister(name: str) -> None:
+    """Remove a plug-in's method (a built-in it replaced comes back); tests and notebooks that redefine one."""
+    if name in BUILTIN:
+        REGISTRY[name] = BUILTIN[name]
+    else:
+        REGISTRY.pop(name, None)
+    REPLACED.pop(name, None)
+
+
+def replaced(algorithm: str) -> dict:
+    """``{name: {"replaced": ..., "by": ...}}`` for the registry names ``algorithm`` runs (``base+asd``: the
+    base) that a plug-in replaced (``register(..., replace=True)``)."""
+    base = algorithm[:-4] if algorithm.endswith("+asd") else algorithm
+    return {n: dict(REPLACED[n]) for n in (base,) if n in REPLACED}
 
 
 def get(name: str) -> type[Method]:
@@ -45,7 +117,11 @@ def get(name: str) -> type[Method]:
         from .asd import with_asd
         return with_asd(get(name[:-4]))
     if name not in REGISTRY:
-        raise ValueError(f"algorithm: one of {', '.join(names())}, got {name!r}")
+        close = difflib.get_close_matches(name, names(), n=3)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(f"algorithm: {name!r} is not a registered method.{hint} A method of your own is registered "
+                         f"by its file: fedfast run --plugin FILE.py (or plugins = [\"FILE.py\"] in a study file's "
+                         f"[preset]; fedfast.methods.load_plugin(FILE) in Python). Registered: {', '.join(names())}")
     return REGISTRY[name]
 
 
@@ -79,11 +155,25 @@ def build(name: str, options: dict | None = None) -> Method:
     return cls(options)
 
 
+def plugin_frame(tb, files=None) -> tuple[str, int, str] | None:
+    """The innermost frame of a traceback inside a plug-in file: (file, line, function), or None."""
+    files = set(PLUGINS) if files is None else set(files)
+    hit = None
+    for fr in traceback.extract_tb(tb):
+        if os.path.abspath(fr.filename) in files:
+            hit = (fr.filename, fr.lineno, fr.name)
+    return hit
+
+
 def load_plugin(path: str) -> None:
-    """Import a user's Python file that registers methods (``fedfast run --plugin FILE``)."""
+    """Import a user's Python file that registers methods (``fedfast run --plugin FILE``). Loading the same file
+    again (resume, sweeps, workers) is harmless. Any error inside the file is a ValueError naming the file and
+    line; ``PLUGINS`` records each loaded file's content hash (a run's ``config.json`` keeps it)."""
     if not os.path.isfile(path):
         raise ValueError(f"--plugin: no such file {path!r}")
-    mod_name = "fedfast_plugin_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    path = os.path.abspath(path)
+    digest = file_sha256(path)
+    mod_name = "fedfast_plugin_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = mod
@@ -92,9 +182,12 @@ def load_plugin(path: str) -> None:
     except SyntaxError as e:
         sys.modules.pop(mod_name, None)
         raise ValueError(f"--plugin: {path}, line {e.lineno}: {e.msg}") from None
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - a plug-in's own error, named by file and line
         sys.modules.pop(mod_name, None)
-        raise ValueError(f"--plugin: {path}: {e}") from None
+        where = plugin_frame(e.__traceback__, [path])
+        line = f", line {where[1]}" if where else ""
+        raise ValueError(f"--plugin: {path}{line}: {type(e).__name__}: {e}") from None
+    PLUGINS[path] = digest
 
 
 def describe(name: str, full: bool = True) -> str:
@@ -143,7 +236,10 @@ from .fedadc import FedADC, FedADCPlus  # noqa: E402
 from .moon import MOON  # noqa: E402
 from .asd import ASD, with_asd  # noqa: E402
 
+BUILTIN.update(REGISTRY)
+
 __all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
            "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY", "register", "get",
-           "names", "tables", "build", "load_plugin", "describe", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
+           "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced", "BUILTIN", "REPLACED",
+           "PLUGINS", "file_sha256", "plugin_frame", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
            "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv", "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn", "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -33,15 +35,50 @@ from .. import ops
 
 
 # -- options ------------------------------------------------------------------------------------------------
+_NUM = r"[-+]?(?:inf|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
+_COMPARE = re.compile(rf"^\s*(>=|<=|>|<)\s*({_NUM})\s*$")
+_INTERVAL = re.compile(rf"^\s*([\[(])\s*({_NUM})\s*,\s*({_NUM})\s*([\])])\s*$")
+CHECK_VOCABULARY = ("'>x', '>=x', '<x', '<=x', or an interval '[a,b]', '(a,b)', '[a,b)', '(a,b]' (x, a, b numbers "
+                    "or inf; e.g. '>0', '[0,1)', '(0,inf)')")
+
+
+def parse_check(check: str):
+    """``(predicate, description)`` of a ``check`` string (:data:`CHECK_VOCABULARY`); ValueError otherwise."""
+    m = _COMPARE.match(check) if isinstance(check, str) else None
+    if m:
+        op, x = m.group(1), float(m.group(2))
+        fn = {">": lambda v: v > x, ">=": lambda v: v >= x, "<": lambda v: v < x, "<=": lambda v: v <= x}[op]
+        return fn, f"{op} {m.group(2)}"
+    m = _INTERVAL.match(check) if isinstance(check, str) else None
+    if m:
+        lo_open, a, b, hi_open = m.group(1) == "(", float(m.group(2)), float(m.group(3)), m.group(4) == ")"
+        if not a <= b:
+            raise ValueError(f"check {check!r}: an empty interval")
+
+        def fn(v):
+            return (a < v if lo_open else a <= v) and (v < b if hi_open else v <= b)
+        return fn, f"in {m.group(1)}{m.group(2)}, {m.group(3)}{m.group(4)}"
+    raise ValueError(f"check {check!r}: not a check; use {CHECK_VOCABULARY}")
+
+
 def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None):
     """A method option: its default, one line naming where the default comes from (equation, table, code),
-    and an optional constraint (``check`` one of ``">0"``, ``">=0"``, ``">=1"``, ``"[0,1]"``, ``"(0,1)"``, ``"(0,1]"``, or
-    ``choices``). ``None`` as default means "derived from the other options" (the doc says how)."""
+    and an optional constraint: ``check`` (:data:`CHECK_VOCABULARY`: ``">0"``, ``">=1"``, ``"[0,1]"``,
+    ``"(0,1]"``, ``"[0,1)"``, ...) or ``choices``. ``None`` as default means "derived from the other options" (the
+    doc says how). A bad ``check`` is a ValueError naming the file and line of the ``opt(...)`` call."""
+    if check is not None:
+        try:
+            parse_check(check)
+        except ValueError as e:
+            caller = sys._getframe(1)
+            raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(check=...): {e}") from None
+    if choices is not None and not isinstance(choices, (tuple, list)):
+        caller = sys._getframe(1)
+        raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(choices=...): expected a tuple of "
+                         f"allowed values, got {choices!r}")
     return field(default=default, metadata={"doc": doc, "check": check, "choices": choices})
 
 
-_CHECKS = {">0": lambda v: v > 0, ">=0": lambda v: v >= 0, ">=1": lambda v: v >= 1,
-           "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1, "(0,1]": lambda v: 0 < v <= 1}
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}
 
 
@@ -106,9 +143,10 @@ def validate_options(table: str, opts) -> None:
         chk, choices = f.metadata.get("check"), f.metadata.get("choices")
         if choices is not None and v not in choices:
             raise ValueError(f"{table}.{f.name}: one of {choices}, got {v!r}")
-        if chk is not None and not _CHECKS[chk](v):
-            what = {"[0,1]": "in [0, 1]", "(0,1)": "in (0, 1)", "(0,1]": "in (0, 1]"}.get(chk, chk)
-            raise ValueError(f"{table}.{f.name}: must be {what}, got {v!r}")
+        if chk is not None:
+            ok, what = parse_check(chk)
+            if not ok(v):
+                raise ValueError(f"{table}.{f.name}: must be {what}, got {v!r}")
 
 
 def make_options(table: str, cls, values: dict | None = None, *, method: str = ""):
@@ -287,7 +325,8 @@ class Method:
     needs_features: ClassVar[bool] = False
     accepts_asd: ClassVar[bool] = False
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
-    state: ClassVar[tuple] = ()         # attribute names of the method's server state (checkpointed)
+    state: ClassVar[tuple] = ()         # (read only for checkpoints of fedfast before automatic state)
+    transient: ClassVar[tuple] = ()     # attributes setup() rebuilds from the configuration: not checkpointed
     sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
 
     def __init__(self, options: dict | None = None, **kw):
@@ -345,20 +384,51 @@ class Method:
         server-held splits this method needs (FedGKD-VOTE's validation split, FedCAD's auxiliary data)."""
         return train, {}
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """The method's state for checkpoints: the attributes named in ``state`` (tensors; ints as 0-d tensors;
-        ``None`` left out) and the per-client rows (``client_state``)."""
-        out = {}
-        for k in self.state:
-            v = getattr(self, k, None)
-            if v is not None:
-                out[k] = v if torch.is_tensor(v) else torch.tensor(v)
+    def state_dict(self) -> dict:
+        """The method's state for checkpoints, found without a list: every attribute of the method (but the
+        engine, the options, datasets, functions and the attributes named in ``transient``) with its value packed
+        as plain data (:func:`pack_state`): tensors, numpy arrays, numbers, strings, ``None``, lists / tuples /
+        dicts of them, ``nn.Module`` and optimizer state dicts, ``torch.Generator`` states. An attribute of any
+        other type makes checkpointing fail naming it (declare it in ``transient`` if ``setup`` rebuilds it from
+        the configuration). The per-client rows (``client_state``) are included. Resume then equals the run never
+        stopped for any method, a user's plug-in included."""
+        attrs = {}
+        skip = set(_NOT_STATE) | set(self.transient)
+        for k, v in vars(self).items():
+            if k in skip or k.startswith("__") or _is_constant_object(self, v):
+                continue
+            attrs[k] = pack_state(v, f"{self.name or type(self).__name__}.{k}")
+        out = {STATE_FORMAT: 2, "attrs": attrs}
         if self.client_state is not None:
             out["client_state"] = self.client_state.data
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (after ``bind``): tensors onto the engine's device, ints as ints."""
+        """Restore :meth:`state_dict` (after ``bind``): tensors onto the engine's device, modules, optimizers and
+        generators loaded in place, every other value set. The checkpoint must hold exactly the attributes this
+        method has after ``setup`` (plus any it created since): a mismatch is a ValueError naming them."""
+        if STATE_FORMAT not in state:
+            return self._load_declared_state(state)
+        have = {k for k, v in vars(self).items() if k not in set(_NOT_STATE) | set(self.transient)
+                and not k.startswith("__") and not _is_constant_object(self, v)}
+        missing = sorted(have - set(state["attrs"]))
+        if missing:
+            raise ValueError(f"state: the checkpoint of {self.name} lacks {missing} (written by another version "
+                             f"of the method?)")
+        if (self.client_state is None) != ("client_state" not in state):
+            raise ValueError(f"state: {self.name} keeps {'no ' if self.client_state is None else ''}per-client "
+                             f"state, the checkpoint {'has' if 'client_state' in state else 'has none'}")
+        if self.client_state is not None:
+            v = state["client_state"]
+            if v.shape != self.client_state.data.shape:
+                raise ValueError(f"state: client_state has shape {tuple(v.shape)}, expected "
+                                 f"{tuple(self.client_state.data.shape)}")
+            self.client_state.data.copy_(v)
+        for k, packed in state["attrs"].items():
+            setattr(self, k, unpack_state(packed, getattr(self, k, None), self.engine.device, f"{self.name}.{k}"))
+
+    def _load_declared_state(self, state: dict) -> None:
+        """A checkpoint of fedfast <= 0.1.0 before automatic state (its ``state`` names and ``client_state``)."""
         expect = {k for k in self.state if getattr(self, k, None) is not None or k in state}
         if self.client_state is not None:
             expect.add("client_state")
@@ -439,6 +509,97 @@ class Method:
     def evaluated(self, global_flat: Tensor) -> Tensor:
         """The model the engine evaluates and reports (default: the global model)."""
         return global_flat
+
+    def round_metrics(self, ctx: Round) -> dict:
+        """The method's own values for this round's record, after ``server``: ``{name: number or 1-element
+        tensor}`` (e.g. FedExP's server step size). They appear as ``method_metrics`` in ``sim.round()``'s record,
+        ``metrics.jsonl`` and TensorBoard (``method/<name>``); read to the host once per round."""
+        return {}
+
+
+# -- method state in checkpoints -------------------------------------------------------------------------------
+STATE_FORMAT = "__fedfast_method_state__"
+_NOT_STATE = ("engine", "opts", "client_state")
+
+
+def _is_constant_object(method, v) -> bool:
+    """Values that come from the configuration or the engine, not from training: option dataclasses, datasets
+    (the engine's and its server-held splits), functions and bound methods."""
+    import types
+    if isinstance(v, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)):
+        return True
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and type(v).__name__ == "Options":
+        return True
+    return hasattr(v, "batch") and hasattr(v, "num_classes") and hasattr(v, "subset")  # a fedfast dataset
+
+
+def pack_state(v, where: str):
+    """A method attribute as checkpoint data (tensors, numbers, strings, lists and dicts only: what
+    ``torch.load(weights_only=True)`` reads back); TypeError naming ``where`` for a value it cannot hold."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if torch.is_tensor(v):
+        return v.detach().cpu()
+    if isinstance(v, np.ndarray):
+        return {"__numpy__": torch.from_numpy(np.ascontiguousarray(v))}
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, torch.nn.Module):
+        return {"__module__": {k: t.detach().cpu() for k, t in v.state_dict().items()}}
+    if isinstance(v, torch.optim.Optimizer):
+        return {"__optimizer__": pack_state(v.state_dict(), where)}
+    if isinstance(v, torch.Generator):
+        return {"__generator__": v.get_state()}
+    if isinstance(v, (list, tuple)):
+        return {"__tuple__" if isinstance(v, tuple) else "__list__": [pack_state(x, f"{where}[{i}]")
+                                                                      for i, x in enumerate(v)]}
+    if isinstance(v, dict) and all(isinstance(k, (str, int)) for k in v):
+        return {"__dict__": {k: pack_state(x, f"{where}[{k!r}]") for k, x in v.items()}}
+    raise TypeError(f"{where}: a {type(v).__module__}.{type(v).__qualname__}, which a checkpoint cannot hold. Keep "
+                    f"method state in tensors, numpy arrays, numbers, strings, lists/dicts of them, nn.Modules, "
+                    f"optimizers or torch.Generators; name the attribute in the class's `transient` if setup() "
+                    f"rebuilds it from the configuration, or override state_dict/load_state_dict")
+
+
+def unpack_state(p, current, device, where: str):
+    """The inverse of :func:`pack_state`: modules, optimizers and generators load into ``current`` in place."""
+    if torch.is_tensor(p):
+        dev = current.device if torch.is_tensor(current) else device
+        return p.to(dev).clone()
+    if not isinstance(p, dict):
+        return p
+    if "__numpy__" in p:
+        return p["__numpy__"].numpy().copy()
+    if "__module__" in p:
+        if not isinstance(current, torch.nn.Module):
+            raise ValueError(f"state: {where} is a module in the checkpoint, not in this method")
+        try:
+            current.load_state_dict({k: t.to(device) for k, t in p["__module__"].items()})
+        except RuntimeError as e:  # missing / unexpected keys, other shapes
+            raise ValueError(f"state: {where}: {' '.join(str(e).split())[:300]}") from None
+        return current
+    if "__optimizer__" in p:
+        if not isinstance(current, torch.optim.Optimizer):
+            raise ValueError(f"state: {where} is an optimizer in the checkpoint, not in this method")
+        try:
+            current.load_state_dict(unpack_state(p["__optimizer__"], None, device, where))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"state: {where}: the optimizer's state does not fit ({e})") from None
+        return current
+    if "__generator__" in p:
+        if not isinstance(current, torch.Generator):
+            raise ValueError(f"state: {where} is a torch.Generator in the checkpoint, not in this method")
+        current.set_state(p["__generator__"].to(current.get_state().device))
+        return current
+    if "__list__" in p or "__tuple__" in p:
+        items = p.get("__list__", p.get("__tuple__"))
+        cur = current if isinstance(current, (list, tuple)) and len(current) == len(items) else [None] * len(items)
+        out = [unpack_state(x, c, device, f"{where}[{i}]") for i, (x, c) in enumerate(zip(items, cur))]
+        return tuple(out) if "__tuple__" in p else out
+    if "__dict__" in p:
+        cur = current if isinstance(current, dict) else {}
+        return {k: unpack_state(x, cur.get(k), device, f"{where}[{k!r}]") for k, x in p["__dict__"].items()}
+    return p
 
 
 def cross_entropy(b: Step, backend) -> Tensor:

@@ -233,19 +233,12 @@ class FedGen(FedAvg):
         self.gen_rounds += 1
 
     # -- state ----------------------------------------------------------------------------------------------
-    def state_dict(self):
-        out = super().state_dict()
-        for k, v in self.generator.state_dict().items():
-            out[f"generator.{k}"] = v
-        for i, p in enumerate(self.generator.parameters()):
-            st = self.gen_opt.state.get(p)
-            if st:
-                for k in ("exp_avg", "exp_avg_sq", "step"):
-                    out[f"generator_adam.{i}.{k}"] = torch.as_tensor(st[k])
-        out["generator_rounds"] = torch.tensor(self.gen_rounds)
-        return out
-
+    # the generator, its Adam optimizer and gen_rounds are checkpointed as attributes (Method.state_dict); the
+    # override below reads checkpoints written before that
     def load_state_dict(self, state):
+        from .base import STATE_FORMAT
+        if STATE_FORMAT in state:
+            return super().load_state_dict(state)
         state = dict(state)
         gen = {k[len("generator."):]: state.pop(k) for k in list(state) if k.startswith("generator.")}
         adam = {k: state.pop(k) for k in list(state) if k.startswith("generator_adam.")}
