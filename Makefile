@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh kernels/*.h)
 
-.PHONY: demo test test-gpu bench install cmake-test clean
+.PHONY: demo demo-record test test-gpu bench install cmake-test clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ install: $(VENV)/.built
 demo: $(VENV)/.built
 	$(PY) -m fedfast sweep --preset demo/mnist-shards --out runs/demo
 	$(PY) -m fedfast plot runs/demo -o runs/demo/accuracy.png --title "MNIST, 100 clients x 2 shards, 10 per round, MLP"
+
+demo-record: demo
+	rm -rf runs/demo-seeds
+	$(PY) -m fedfast sweep --preset demo/mnist-shards --seeds 0,1,2,3,4 --out runs/demo-seeds --quiet
+	$(PY) scripts/demo_record.py runs/demo runs/demo-seeds
+	$(PY) benchmarks/tables.py
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests

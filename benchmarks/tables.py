@@ -22,7 +22,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-FILES = ["README.md", "docs/benchmarks.md"]
+FILES = ["README.md", "docs/benchmarks.md", "docs/engine.md"]
+DOC_ROOT = ROOT  # where FILES are read and rewritten (tests point it at a copy)
 
 SHAPE_LABELS = {
     "pfl_cifar_50": "pfl-research: simple_cnn, 3x32x32, 1000 clients x 50, 50/round, B=10",
@@ -152,7 +153,122 @@ def conv_table(runs: list[tuple[str, dict]], device: str) -> str:
     return "\n".join(lines)
 
 
+def demo_table() -> str:
+    """README's demo table: what `make demo` printed (docs/demo-results.json, scripts/demo_record.py), the machine
+    it ran on, and what is stable over seeds."""
+    path = os.path.join(ROOT, "docs", "demo-results.json")
+    if not os.path.exists(path):
+        return "Not recorded yet (`make demo-record` records it)."
+    with open(path) as f:
+        d = json.load(f)
+    m = d["machine"]
+    lines = [f"What `{d['command']}` printed on {m.get('cpu', 'a CPU')} ({m.get('cores', '?')} cores, "
+             f"{m['threads']} threads), torch {m['torch']}, Python {m['python']}, fedfast commit "
+             f"`{m['commit'][:12]}` ({d['date']}; `docs/demo-results.json`, `scripts/demo_record.py`):", ""]
+    lines += d["table"]
+    lines += ["", "Other CPUs print other last digits: float sums run in another order (vectorisation, threads)."]
+    seeds = d.get("seeds")
+    if seeds:
+        fin = seeds["final_accuracy"]
+        ns = sorted(fin, key=int)
+        methods = list(dict.fromkeys(k for s_ in ns for k in fin[s_]))
+        always = [f"{a} above {b}" for a in methods for b in methods if a != b and
+                  all(fin[s_].get(a) is not None and fin[s_].get(b) is not None and fin[s_][a] > fin[s_][b]
+                      for s_ in ns)]
+        spread = {mth: [100 * fin[s_][mth] for s_ in ns if mth in fin[s_]] for mth in methods}
+        lo, hi = min(min(v) for v in spread.values()), max(max(v) for v in spread.values())
+        width = max(max(v) - min(v) for v in spread.values())
+        lines += ["", f"What is stable is not seed {ns[0]}'s digits but the spread over seeds. Over seeds "
+                      f"{ns[0]}-{ns[-1]} (`{seeds['command']}`), the final accuracies lie between {lo:.1f} and "
+                      f"{hi:.1f} %, and one method's range is up to {width:.1f} points wide. In every seed: "
+                      + (", ".join(always) if always else "no ordering of two methods holds in every seed")
+                      + "; the other orderings change from seed to seed.", ""]
+        lines += seeds["table"]
+    return "\n".join(lines)
+
+
+def _pytest_json(name: str) -> tuple[str, dict]:
+    path = os.path.join(RESULTS, name)
+    with open(path) as f:
+        return os.path.relpath(path, ROOT), json.load(f)
+
+
+def provenance(name: str) -> str:
+    """A pytest-benchmark JSON's machine, commit, date and command, in one sentence."""
+    path, d = _pytest_json(name)
+    mi, ci = d.get("machine_info", {}), d.get("commit_info", {})
+    cpu = (mi.get("cpu") or {}).get("brand_raw") or mi.get("processor") or "?"
+    count = (mi.get("cpu") or {}).get("count")
+    torch_v = next((b["extra_info"].get("torch") for b in d["benchmarks"] if b["extra_info"].get("torch")), None)
+    files = sorted({b["fullname"].split("::")[0] for b in d["benchmarks"]})
+    commit = f"`{ci['id'][:12]}`" + (" with uncommitted changes" if ci.get("dirty") else "") if ci.get("id") else "?"
+    return (f"Measured on {cpu}" + (f" ({count} logical CPUs)" if count else "") + f", Python "
+            f"{mi.get('python_version', '?')}" + (f", torch {torch_v}" if torch_v else "") + f"; fedfast commit "
+            f"{commit}, {d.get('datetime', '?')[:10]}. Command: `python -m pytest {' '.join(files)} "
+            f"--benchmark-only`; data: `{path}`.")
+
+
+PEER_LABELS = {
+    "cnn_1000x60": "FedAvg, simple_cnn, 1000 × 60, 50/round, B=10",
+    "cnn_100x600": "same, 100 × 600, 10/round, B=50",
+    "wrapped_cnn_1000x60": "same model wrapped in a module, 1000 × 60",
+    "mlp_1000x60": "FedAvg, MLP 784-200-200-10, 1000 × 60, B=10",
+    "fedntd_cnn_100x600_e5": "FedNTD (β=1, τ=1), simple_cnn, 100 × 600, B=50, E=5, momentum 0.9",
+    "resnet8_cifar": "FedAvg, ResNet-8 (GN), synthetic 3×32×32, 200 × 50, 20/round, B=10",
+}
+
+
+def peers_table(name: str = "cpu-2core-amd-epyc-peers.json") -> str:
+    """bench_peers: engine vs plain loop per shape, their FLOP-roofline shares, and the whole commands."""
+    path, d = _pytest_json(name)
+    rows = {b["extra_info"]["shape"]: b["extra_info"] for b in d["benchmarks"] if "engine_s" in b["extra_info"]}
+    whole: dict = {}
+    for b in d["benchmarks"]:
+        e = b["extra_info"]
+        if "engine_command_s" in e:
+            whole.setdefault(e["shape"], {})[e["workers"]] = e
+    lines = [provenance(name), "",
+             "| shape | plain loop s/round | fedfast s/round | × loop | fedfast % of FLOP roofline (loop's) | "
+             "whole command, 5 rounds: loop → fedfast |", "|---|---|---|---|---|---|"]
+    for shape, e in rows.items():
+        own = " of the loop's FLOPs" if shape.startswith("fedntd") else ""  # the engine caches the teacher
+        share = f"{100 * e['engine_roofline']:.0f} %{own} ({100 * e['loop_roofline']:.0f} %)"
+        if e["engine_bandwidth_roofline"] > 0.25:
+            share += f"; {100 * e['engine_bandwidth_roofline']:.0f} % of the bandwidth roofline"
+        w = whole.get(shape, {})
+        cmd = ""
+        if 1 in w:
+            cmd = f"{w[1]['loop_command_s']:.1f} s → {w[1]['engine_command_s']:.1f} s"
+            if 2 in w:
+                cmd += f" (2 workers: {w[2]['engine_command_s']:.1f} s)"
+        lines.append(f"| {PEER_LABELS.get(shape, shape)} | {e['loop_s']:.3g} | {e['engine_s']:.3g} | "
+                     f"{e['speedup']:.2f} | {share} | {cmd} |")
+    return "\n".join(lines)
+
+
+METHOD_NOTES = {"fedcurv": " (+ Fisher pass)", "fedsam": " (2 passes)", "fedspeed": " (2 passes)",
+                "fedgen": " (+ 50 generator steps)", "fedgkd_plus": " (projection head)"}
+
+
+def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
+    """bench_methods: each comparison method against its literal loop."""
+    path, d = _pytest_json(name)
+    lines = [provenance(name), "", "| method | loop s/round | fedfast s/round | × loop | GFLOP/round | "
+             "fedfast / loop share of sgemm |", "|---|---|---|---|---|---|"]
+    for b in d["benchmarks"]:
+        e = b["extra_info"]
+        star = "*" if "sam" in e["method"] and e["method"].endswith("+asd") or \
+            e["method"] in ("fedspeed+asd",) else ""
+        lines.append(f"| {e['method']}{METHOD_NOTES.get(e['method'], '')} | {e['loop_s']:.2f} | {e['engine_s']:.2f} "
+                     f"| {e['speedup']:.2f} | {e['round_flops'] / 1e9:.0f}{star} | "
+                     f"{e['engine_roofline']:.2f}{star} / {e['loop_roofline']:.2f} |")
+    return "\n".join(lines)
+
+
 TABLES = {
+    "demo": demo_table,
+    "peers": peers_table,
+    "methods": methods_table,
     "rounds-gpu": lambda: rounds_full(_load("*-rounds*.json"), "cuda"),
     "rounds-cpu": lambda: rounds_full(_load("cpu-*-rounds*.json"), "cpu"),
     "rounds-gpu-short": lambda: rounds_short(_load("*-rounds*.json"), "cuda"),
@@ -161,14 +277,18 @@ TABLES = {
     "conv-gpu": lambda: conv_table([(p, r) for p, r in _load("*-conv.json") if not p.split("/")[-1].startswith("cpu")],
                                    "cuda"),
 }
-_MARK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+_MARK = re.compile(r"(<!-- table:(?P<name>[\w.:-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
 def render(text: str) -> str:
     def sub(m):
         name = m.group("name")
+        if name.startswith("prov:"):  # the provenance sentence of a committed pytest-benchmark JSON
+            if not os.path.exists(os.path.join(RESULTS, name[5:])):
+                raise SystemExit(f"tables.py: {name}: no such file in benchmarks/results")
+            return m.group(1) + provenance(name[5:]) + "\n" + m.group(4)
         if name not in TABLES:
-            raise SystemExit(f"tables.py: unknown table {name!r} (known: {', '.join(TABLES)})")
+            raise SystemExit(f"tables.py: unknown table {name!r} (known: {', '.join(TABLES)}, prov:FILE)")
         return m.group(1) + TABLES[name]() + "\n" + m.group(4)
     return _MARK.sub(sub, text)
 
@@ -179,7 +299,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     stale = []
     for rel in FILES:
-        path = os.path.join(ROOT, rel)
+        path = os.path.join(DOC_ROOT, rel)
         with open(path) as f:
             old = f.read()
         new = render(old)

@@ -23,7 +23,7 @@ def test_a_hand_edited_table_is_caught_and_regenerated(tables, tmp_path, monkeyp
     for rel in tables.FILES:
         os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
         shutil.copy(os.path.join(ROOT, rel), tmp_path / rel)
-    monkeypatch.setattr(tables, "ROOT", str(tmp_path))
+    monkeypatch.setattr(tables, "DOC_ROOT", str(tmp_path))
     path = tmp_path / "README.md"
     text = path.read_text()
     start = text.index("<!-- table:rounds-cpu-short -->")
