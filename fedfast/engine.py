@@ -128,6 +128,8 @@ class SimConfig:
     clients_per_round: int = 10
     rounds: int = 1
     local_epochs: int = 1
+    local_steps: int | None = None  # instead of local_epochs: this many minibatch steps per client and round, through
+    #   successive passes over its data (each in the seeded data order, its last partial batch a step of its own)
     batch_size: int = 50
     lr: float = 0.01
     lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
@@ -214,6 +216,13 @@ class SimConfig:
             raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
         if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        if self.local_steps is not None:
+            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, (int, np.integer)) or \
+                    self.local_steps < 1:
+                raise ValueError(f"local_steps: an integer >= 1 (or None: local_epochs), got {self.local_steps!r}")
+            if self.local_epochs != 1:
+                raise ValueError(f"local_steps: {self.local_steps} steps per round replace local_epochs = "
+                                 f"{self.local_epochs}; give one of them")
         if self.client_chunk is not None and int(self.client_chunk) < 1:
             raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -479,6 +488,7 @@ class Simulation:
         self.num_classes = train.num_classes
         self.eval_batch = c.eval_batch or (1024 if self.device.type == "cpu" else 4096)
         y_host = self.train.y.cpu()
+        self._y_host = y_host.numpy()
         self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=self.num_classes)
                                        for i in self._idx_host]).float().to(self.device)  # [K, C]
         self._probe_model()
@@ -531,6 +541,7 @@ class Simulation:
     def _finish_init(self):
         c = self.cfg
         self._method_metrics: dict = {}
+        self._step_rows = None  # local_steps runs: the round's step tables [m, local_steps * B] (host)
         self._aug_gen = torch.Generator(device=self.device).manual_seed(c.seed + 104729)
         self._arange_b = torch.arange(c.batch_size, device=self.device)
         if self._batch_stats and self._uses_teacher and c.teacher == "cache":
@@ -665,7 +676,7 @@ class Simulation:
         B = self.cfg.batch_size
         batches = np.asarray(batches, dtype=np.int64)
         if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
-                (batches > ctx.steps[lo:hi]).any():
+                (batches > ctx.data_batches[lo:hi]).any():
             raise ValueError(f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
                              f"got {batches.tolist()}")
         S = int(batches[0]) if len(batches) else 0
@@ -830,26 +841,71 @@ class Simulation:
         c = self.cfg
         sampled = self._round_clients()
         sizes = self.client_sizes[sampled]
-        steps = np.ceil(sizes / c.batch_size).astype(int)
-        order = np.argsort(-steps, kind="stable")  # most steps first: active clients are a prefix
-        sampled, sizes, steps = sampled[order], sizes[order], steps[order]
-        weights = self._aggregation_weights(sampled, sizes, steps)
-        totals = dict(weight=float(weights.sum()), steps=int(steps.sum()) * c.local_epochs, clients=sampled.tolist())
+        batches = np.ceil(sizes / c.batch_size).astype(int)  # minibatches per pass over a client's data
+        order = np.argsort(-batches, kind="stable")  # most steps first: active clients are a prefix
+        sampled, sizes, batches = sampled[order], sizes[order], batches[order]
+        epochs = 1 if c.local_steps else c.local_epochs
+        steps = np.full(len(sampled), c.local_steps, dtype=int) if c.local_steps else batches  # per "epoch"
+        weights = self._aggregation_weights(sampled, sizes, steps * epochs)
+        totals = dict(weight=float(weights.sum()), steps=int(steps.sum()) * epochs, clients=sampled.tolist())
         everyone = sampled
         positions = np.arange(len(sampled))
         num_total = len(sampled)
         if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
-            sampled, sizes, steps, weights = (a[self.rank::self.world] for a in (sampled, sizes, steps, weights))
+            sampled, sizes, steps, batches, weights = (a[self.rank::self.world] for a in (sampled, sizes, steps,
+                                                                                          batches, weights))
             positions = positions[self.rank::self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
-        ctx = Round(self.rnd, sampled, sizes, steps, c.local_epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
-                    self.label_hist[sampled_t], host_to_device(positions, self.device), num_total,
-                    weights=weights, clients=everyone)
+        hist = self.label_hist[sampled_t]
+        ctx = Round(self.rnd, sampled, sizes, steps, epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
+                    hist, host_to_device(positions, self.device), num_total, weights=weights, clients=everyone,
+                    data_batches=batches)
+        self._step_rows = None
+        if c.local_steps:  # each client's rows for its local_steps steps, and the labels they hold
+            self._step_rows = self._steps_table(ctx, 0, len(sampled), c.local_steps)
+            seen = np.zeros((len(sampled), self.num_classes), dtype=np.int64)
+            for j, r in enumerate(self._step_rows):
+                seen[j] = np.bincount(self._y_host[r[r >= 0]], minlength=self.num_classes)
+            ctx.seen_hist = host_to_device(seen.astype(np.float32), self.device)
+        else:
+            ctx.seen_hist = hist * epochs
         return ctx, totals
 
-    def _aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    def _steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
+        """``local_steps`` mode: rows ``[hi-lo, T*B]`` of T minibatches per client, taken from successive passes
+        over its data (pass e in the order of ``client_order(seed, round, client, e, n)``), the last partial
+        batch of each pass padded with -1 (a smaller step, as a DataLoader without drop_last gives it)."""
+        B = self.cfg.batch_size
+        out = np.full((hi - lo, T * B), -1, dtype=np.int64)
+        for j in range(hi - lo):
+            k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
+            nb = -(-nk // B)
+            rows, e = [], 0
+            while len(rows) < T:
+                perm = self._order(k, e, nk)
+                idx = self._idx_host[k][perm]
+                for b in range(nb):
+                    chunk = np.full(B, -1, dtype=np.int64)
+                    part = idx[b * B:(b + 1) * B]
+                    chunk[:len(part)] = part
+                    rows.append(chunk)
+                e += 1
+            out[j] = np.concatenate(rows[:T])
+        return out
+
+    def _order(self, k: int, epoch: int, nk: int) -> np.ndarray:
+        """Client ``k``'s data order in local pass ``epoch`` (``data_order`` if given, else seeded)."""
+        if self.data_order is None:
+            return client_order(self.cfg.seed, self.rnd, k, epoch, nk)
+        perm = np.asarray(self.data_order(self.rnd, k, epoch, nk))
+        if perm.shape != (nk,) or not np.array_equal(np.sort(perm), np.arange(nk)):
+            raise ValueError(f"data_order: round {self.rnd + 1}, client {k}, epoch {epoch}: expected a "
+                             f"permutation of range({nk})")
+        return perm
+
+    def _aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray:
         """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""
-        w = self.method.aggregation_weights(ids, sizes, steps * self.cfg.local_epochs)
+        w = self.method.aggregation_weights(ids, sizes, local_steps)
         if w is None:
             return sizes.astype(np.float64) if self.cfg.aggregate_weights == "size" else np.ones(len(ids))
         w = np.asarray(w, dtype=np.float64)
@@ -1034,8 +1090,9 @@ class Simulation:
             raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
         if rho and self._sam_bufs is None:
             self._sam_bufs = (torch.empty_like(self.stack.params), torch.empty_like(self.stack.params))
-        for e in range(c.local_epochs):
-            table = host_to_device(self._batch_table(ctx, lo, hi, e, S * B), self.device)
+        for e in range(ctx.epochs):
+            rows = self._step_rows[lo:hi] if self._step_rows is not None else self._batch_table(ctx, lo, hi, e, S * B)
+            table = host_to_device(rows, self.device)
             for s in range(S):
                 n_act = int((steps[lo:hi] > s).sum())
                 x, y, valid, ridx = self._minibatch(ctx, table, lo, n_act, e, s)
@@ -1106,13 +1163,7 @@ class Simulation:
         table = np.full((hi - lo, width), -1, dtype=np.int64)
         for j in range(hi - lo):
             k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
-            if self.data_order is None:
-                perm = client_order(self.cfg.seed, self.rnd, k, epoch, nk)
-            else:
-                perm = np.asarray(self.data_order(self.rnd, k, epoch, nk))
-                if perm.shape != (nk,) or not np.array_equal(np.sort(perm), np.arange(nk)):
-                    raise ValueError(f"data_order: round {self.rnd + 1}, client {k}, epoch {epoch}: expected a "
-                                     f"permutation of range({nk})")
+            perm = self._order(k, epoch, nk)
             take = min(nk, width)
             table[j, :take] = self._idx_host[k][perm[:take]]
         return table

@@ -177,8 +177,8 @@ class Round:
     index: int                       # 0-based round number
     sampled: np.ndarray              # client ids
     sizes: np.ndarray                # local data sizes
-    steps: np.ndarray                # local steps per epoch
-    epochs: int                      # local epochs
+    steps: np.ndarray                # local steps per epoch (``local_steps`` runs: those steps, in one "epoch")
+    epochs: int                      # local epochs (1 in ``local_steps`` runs); steps * epochs: each client's steps
     lr: float                        # this round's client learning rate
     sampled_t: Tensor                # client ids on the device
     hist: Tensor                     # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
@@ -194,6 +194,8 @@ class Round:
     reduce: dict = field(default_factory=dict)  # tensors a method fills and the engine sums across ranks before
     #                                    ``server`` (per-client rows at ``positions``, or server increments); make
     #                                    them in ``round_start`` (every rank, even one without clients, must)
+    data_batches: np.ndarray | None = None  # minibatches in one pass over each client's data (ceil(size / B))
+    seen_hist: Tensor | None = None  # [m, C] labels of the rows each client trains on this round (epochs x hist)
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ class FedGen(FedAvg):
         ctx.reduce["w"].index_copy_(0, pos, w.detach().contiguous())
         if b is not None:
             ctx.reduce["b"].index_copy_(0, pos, b.detach().contiguous())
-        ctx.reduce["counts"].index_copy_(0, pos, 1.0 + ctx.epochs * ctx.hist[lo:hi])
+        ctx.reduce["counts"].index_copy_(0, pos, 1.0 + ctx.seen_hist[lo:hi])  # the labels it trained on
 
     # -- server ----------------------------------------------------------------------------------------------
     def server(self, ctx, avg):

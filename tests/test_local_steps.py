@@ -1,0 +1,73 @@
+"""SimConfig.local_steps: a fixed number of minibatch steps per client and round (FedGen's protocol) through
+successive passes over the client's data, equal to a literal loop that walks the same passes."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fedfast
+from fedfast.engine import client_order, sample_clients
+from sequential_loop import flat, setup_data
+
+
+def literal(cfg, model, train, part, rounds):
+    glob = copy.deepcopy(model)
+    for rnd in range(rounds):
+        ids = sample_clients(cfg.seed, rnd, part.num_clients, cfg.clients_per_round)
+        states, sizes = [], []
+        for k in ids:
+            idx = part.indices[k]
+            local = copy.deepcopy(glob)
+            opt = torch.optim.SGD(local.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+            batches, e = [], 0
+            while len(batches) < cfg.local_steps:  # pass after pass, each in the engine's seeded order
+                batches += list(idx[torch.from_numpy(client_order(cfg.seed, rnd, int(k), e, len(idx)))]
+                                .split(cfg.batch_size))
+                e += 1
+            for b in batches[:cfg.local_steps]:
+                x, y = train.batch(b)
+                opt.zero_grad()
+                F.cross_entropy(local(x), y).backward()
+                opt.step()
+            states.append(local.state_dict())
+            sizes.append(len(idx))
+        w = np.asarray(sizes, dtype=np.float64) / sum(sizes)
+        glob.load_state_dict({key: sum(float(w[i]) * s[key] for i, s in enumerate(states)) for key in states[0]})
+    return flat(glob)
+
+
+@pytest.mark.parametrize("steps,extra", [(3, {}), (11, dict(momentum=0.9, client_chunk=2))])
+def test_local_steps_equal_the_literal_loop(steps, extra):
+    """Clients of unequal sizes (5..40 rows, B = 16): 3 steps stop inside the first pass; 11 steps wrap around
+    several passes with a partial batch at the end of each."""
+    train, test, part, model = setup_data()
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=16, lr=0.05,
+                            local_steps=steps, **extra)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    sim.run()
+    ref = literal(cfg, model, train, part, 2)
+    assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
+    epochs = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=16, lr=0.05, **extra)
+    other = fedfast.Simulation(epochs, copy.deepcopy(model), train, test, part)
+    other.run()
+    assert float((other.global_flat - ref).abs().max() / ref.abs().max()) > 1e-3  # not the epochs protocol
+
+
+def test_local_steps_rounds_and_methods_see_the_steps():
+    train, test, part, model = setup_data()
+    cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=3, rounds=1, batch_size=16, lr=0.05,
+                            local_steps=7)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    ctx, totals = sim._sample()
+    assert (ctx.steps == 7).all() and ctx.epochs == 1 and totals["steps"] == 21
+    assert (ctx.data_batches == np.ceil(ctx.sizes / 16)).all() and (np.diff(ctx.data_batches) <= 0).all()
+    # the labels of the rows each client trains on (FedGen's label counts)
+    rows = [sum(min(16, n - 16 * (b % -(-n // 16))) for b in range(7)) for n in ctx.sizes]  # step b's batch size
+    assert ctx.seen_hist.sum(1).tolist() == [float(r) for r in rows]
+    sim.round()
+    with pytest.raises(ValueError, match="local_steps: 5 steps per round replace local_epochs = 2"):
+        fedfast.SimConfig(local_steps=5, local_epochs=2)
+    with pytest.raises(ValueError, match="local_steps: an integer >= 1"):
+        fedfast.SimConfig(local_steps=0)
