@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh kernels/*.h)
 
-.PHONY: demo demo-record test test-gpu bench install cmake-test clean
+.PHONY: demo demo-record check-methods test test-gpu bench install cmake-test clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo-record: demo
 	$(PY) -m fedfast sweep --preset demo/mnist-shards --seeds 0,1,2,3,4 --out runs/demo-seeds --quiet
 	$(PY) scripts/demo_record.py runs/demo runs/demo-seeds
 	$(PY) benchmarks/tables.py
+
+check-methods: $(VENV)/.built
+	$(PY) -m fedfast sweep examples/study/methods-at-defaults.toml --out runs/methods-at-defaults --jobs 2 --quiet
+	$(PY) scripts/check_methods.py runs/methods-at-defaults
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests

@@ -27,7 +27,7 @@ _CHOICES = {
                   "by_writer"),
     "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
               "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "resnet50_bn", "resnet50_gn",
-              "mlp"),  # or "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)
+              "mlp", "fedgen_cnn_mnist"),  # or "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)
 }
 TEXT_DATASETS = {"ag_news": 4, "sst5": 5}  # text datasets and their classes: they need an "hf:" model
 

@@ -130,6 +130,7 @@ class SimConfig:
     local_epochs: int = 1
     local_steps: int | None = None  # instead of local_epochs: this many minibatch steps per client and round, through
     #   successive passes over its data (each in the seeded data order, its last partial batch a step of its own)
+    drop_last: bool = False     # each pass over a client's data takes full batches only (a DataLoader's drop_last)
     batch_size: int = 50
     lr: float = 0.01
     lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
@@ -424,6 +425,9 @@ class Simulation:
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")
+        for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
+            import warnings
+            warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
         for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation)):
             if ds is not None and not isinstance(ds, ArrayDataset):
                 raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
@@ -549,7 +553,7 @@ class Simulation:
             warnings.warn("teacher: the model normalises with batch statistics, so cached teacher logits (computed "
                           "in large evaluation batches) differ from a per-client loop's teacher; teacher='online' "
                           "runs the teacher on each client's own batch.", stacklevel=3)
-        if self._batch_stats and (self.client_sizes % c.batch_size).any():
+        if self._batch_stats and (self.client_sizes % c.batch_size).any() and not c.drop_last:
             import warnings
             warnings.warn("model: it normalises with batch statistics (BatchNorm/InstanceNorm) and some clients' last "
                           "minibatch is partial; the engine pads those batches to batch_size, so the padding rows "
@@ -841,7 +845,11 @@ class Simulation:
         c = self.cfg
         sampled = self._round_clients()
         sizes = self.client_sizes[sampled]
-        batches = np.ceil(sizes / c.batch_size).astype(int)  # minibatches per pass over a client's data
+        batches = (sizes // c.batch_size if c.drop_last else np.ceil(sizes / c.batch_size)).astype(int)  # per pass
+        if c.drop_last and (batches == 0).any():
+            small = sampled[batches == 0].tolist()
+            raise ValueError(f"drop_last: client(s) {small[:5]} hold fewer than batch_size = {c.batch_size} samples, "
+                             f"so drop_last leaves them no batch; use a smaller batch_size or drop_last = false")
         order = np.argsort(-batches, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, batches = sampled[order], sizes[order], batches[order]
         epochs = 1 if c.local_steps else c.local_epochs
@@ -861,11 +869,15 @@ class Simulation:
                     hist, host_to_device(positions, self.device), num_total, weights=weights, clients=everyone,
                     data_batches=batches)
         self._step_rows = None
-        if c.local_steps:  # each client's rows for its local_steps steps, and the labels they hold
+        if c.local_steps:  # each client's rows for its local_steps steps
             self._step_rows = self._steps_table(ctx, 0, len(sampled), c.local_steps)
+        if c.local_steps or c.drop_last:  # the labels of the rows each client trains on
+            tables = [self._step_rows] if c.local_steps else \
+                [self._batch_table(ctx, 0, len(sampled), e, int(steps[0]) * c.batch_size) for e in range(epochs)]
             seen = np.zeros((len(sampled), self.num_classes), dtype=np.int64)
-            for j, r in enumerate(self._step_rows):
-                seen[j] = np.bincount(self._y_host[r[r >= 0]], minlength=self.num_classes)
+            for t in tables:
+                for j, r in enumerate(t):
+                    seen[j] += np.bincount(self._y_host[r[r >= 0]], minlength=self.num_classes)
             ctx.seen_hist = host_to_device(seen.astype(np.float32), self.device)
         else:
             ctx.seen_hist = hist * epochs
@@ -874,12 +886,13 @@ class Simulation:
     def _steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
         """``local_steps`` mode: rows ``[hi-lo, T*B]`` of T minibatches per client, taken from successive passes
         over its data (pass e in the order of ``client_order(seed, round, client, e, n)``), the last partial
-        batch of each pass padded with -1 (a smaller step, as a DataLoader without drop_last gives it)."""
+        batch of each pass padded with -1 (a smaller step, as a DataLoader without drop_last gives it), or left
+        out with ``drop_last``."""
         B = self.cfg.batch_size
         out = np.full((hi - lo, T * B), -1, dtype=np.int64)
         for j in range(hi - lo):
             k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
-            nb = -(-nk // B)
+            nb = int(ctx.data_batches[lo + j])  # full batches only with drop_last
             rows, e = [], 0
             while len(rows) < T:
                 perm = self._order(k, e, nk)
@@ -1164,7 +1177,7 @@ class Simulation:
         for j in range(hi - lo):
             k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
             perm = self._order(k, epoch, nk)
-            take = min(nk, width)
+            take = min(nk if not self.cfg.drop_last else (nk // self.cfg.batch_size) * self.cfg.batch_size, width)
             table[j, :take] = self._idx_host[k][perm[:take]]
         return table
 

@@ -24,6 +24,7 @@ CASES = [
     ("mlp_on_images", lambda: models.MLP(18, (7,), 3), (2, 3, 3)),  # Plan.dense_input: no grouped image layout
     ("wrapped_sequential", lambda: _Wrap(models.LeNet5(10)), (3, 32, 32)),
     ("resnet8_gn", lambda: models.CifarResNet8(10), (3, 32, 32)),
+    ("fedgen_cnn_mnist", lambda: models.FedGenCNN(10), (1, 28, 28)),  # stride-2 convs, BN with batch statistics
     ("resnet10_bn", lambda: models.resnet10(7, "bn"), (3, 16, 16)),
     ("resnet18_gn", lambda: models.resnet18(5, "gn", gn_groups=8), (3, 8, 8)),
     ("functional", lambda: _Functional(), (2, 6, 6)),

@@ -12,6 +12,11 @@ from fedfast.engine import client_order, sample_clients
 from sequential_loop import flat, setup_data
 
 
+def _batches(idx, order, B, drop_last):
+    out = list(idx[torch.from_numpy(order)].split(B))
+    return [b for b in out if len(b) == B] if drop_last else out
+
+
 def literal(cfg, model, train, part, rounds):
     glob = copy.deepcopy(model)
     for rnd in range(rounds):
@@ -22,11 +27,12 @@ def literal(cfg, model, train, part, rounds):
             local = copy.deepcopy(glob)
             opt = torch.optim.SGD(local.parameters(), lr=cfg.lr, momentum=cfg.momentum)
             batches, e = [], 0
-            while len(batches) < cfg.local_steps:  # pass after pass, each in the engine's seeded order
-                batches += list(idx[torch.from_numpy(client_order(cfg.seed, rnd, int(k), e, len(idx)))]
-                                .split(cfg.batch_size))
+            steps = cfg.local_steps or float("inf")
+            while len(batches) < steps and (cfg.local_steps or e < cfg.local_epochs):  # pass after pass, each in
+                batches += _batches(idx, client_order(cfg.seed, rnd, int(k), e, len(idx)), cfg.batch_size,  # the
+                                    cfg.drop_last)                                                  # seeded order
                 e += 1
-            for b in batches[:cfg.local_steps]:
+            for b in batches[:cfg.local_steps] if cfg.local_steps else batches:
                 x, y = train.batch(b)
                 opt.zero_grad()
                 F.cross_entropy(local(x), y).backward()
@@ -38,18 +44,19 @@ def literal(cfg, model, train, part, rounds):
     return flat(glob)
 
 
-@pytest.mark.parametrize("steps,extra", [(3, {}), (11, dict(momentum=0.9, client_chunk=2))])
+@pytest.mark.parametrize("steps,extra", [(3, {}), (11, dict(momentum=0.9, client_chunk=2)),
+                                         (11, dict(drop_last=True, batch_size=4))])
 def test_local_steps_equal_the_literal_loop(steps, extra):
     """Clients of unequal sizes (5..40 rows, B = 16): 3 steps stop inside the first pass; 11 steps wrap around
     several passes with a partial batch at the end of each."""
     train, test, part, model = setup_data()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=16, lr=0.05,
-                            local_steps=steps, **extra)
+    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=16, lr=0.05)
+    cfg = fedfast.SimConfig(**{**kw, **extra}, local_steps=steps)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     sim.run()
     ref = literal(cfg, model, train, part, 2)
     assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
-    epochs = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=16, lr=0.05, **extra)
+    epochs = fedfast.SimConfig(**{**kw, **extra})
     other = fedfast.Simulation(epochs, copy.deepcopy(model), train, test, part)
     other.run()
     assert float((other.global_flat - ref).abs().max() / ref.abs().max()) > 1e-3  # not the epochs protocol
@@ -71,3 +78,18 @@ def test_local_steps_rounds_and_methods_see_the_steps():
         fedfast.SimConfig(local_steps=5, local_epochs=2)
     with pytest.raises(ValueError, match="local_steps: an integer >= 1"):
         fedfast.SimConfig(local_steps=0)
+
+
+def test_drop_last_in_epochs_mode_equals_the_literal_loop_and_refuses_small_clients():
+    train, test, part, model = setup_data()
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=6, lr=0.05,
+                            local_epochs=2, drop_last=True, momentum=0.9)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    sim.run()
+    ref = literal(cfg, model, train, part, 2)
+    assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
+    ctx, _ = sim._sample()
+    assert ctx.seen_hist.sum(1).tolist() == [float(2 * 6 * (n // 6)) for n in ctx.sizes]
+    big = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, batch_size=64, drop_last=True)
+    with pytest.raises(ValueError, match="drop_last: client.*fewer than batch_size = 64"):
+        fedfast.Simulation(big, copy.deepcopy(model), train, test, part).round()

@@ -200,6 +200,9 @@ def describe(name: str, full: bool = True) -> str:
     if cls.max_grad_norm:
         eng.append(f"max_grad_norm={cls.max_grad_norm:g} ({cls.max_grad_norm_source})")
     lines.append("  engine defaults: " + ", ".join(eng))
+    if getattr(cls, "caveats", ""):
+        lines += textwrap.wrap("caveat: " + " ".join(cls.caveats.split()), 116, initial_indent="  ",
+                               subsequent_indent="    ")
     for t, ocls in cls.option_tables().items():
         fs = dataclasses.fields(ocls)
         if not fs:

@@ -329,6 +329,8 @@ class Method:
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
     state: ClassVar[tuple] = ()         # (read only for checkpoints of fedfast before automatic state)
     transient: ClassVar[tuple] = ()     # attributes setup() rebuilds from the configuration: not checkpointed
+    caveats: ClassVar[str] = ""         # settings under which the method fails at its defaults, and what to change
+    #                                     (fedfast methods prints it; check_settings warns when a run uses them)
     sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
 
     def __init__(self, options: dict | None = None, **kw):
@@ -376,6 +378,12 @@ class Method:
         """The model the clients train (called once, before anything else): ``model`` itself, or a new module
         built from it (MOON's projection head); never modify ``model`` in place."""
         return model
+
+    def check_settings(self, config, model) -> list[str]:
+        """Warnings for settings under which this method, with its options, is known to diverge or fall far behind
+        FedAvg (its ``caveats``): ``config`` is the run's SimConfig, ``model`` the module the clients train (after
+        ``prepare_model``). The engine warns each when the run is built, before its first round."""
+        return []
 
     def uses_teacher(self) -> bool:
         """Whether ``teacher`` can return a teacher (decides the teacher cache; static per run)."""

@@ -1,6 +1,6 @@
 """The papers' models, each usable under ``torch.func.functional_call`` / ``vmap`` (no running statistics)."""
 from .head import ProjectionClassifier, with_projection_head
-from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, LeNet5, SimpleCNN
+from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, FedGenCNN, LeNet5, SimpleCNN
 from .mlp import MLP
 from .resnet import CifarResNet8, ResNet, ResNet50, resnet10, resnet18, resnet50
 
@@ -10,9 +10,9 @@ MODELS = {
     "simple_cnn": SimpleCNN, "resnet8_gn": CifarResNet8, "resnet10_bn": lambda C=10: resnet10(C, "bn"),
     "resnet18_bn": lambda C=10: resnet18(C, "bn"), "resnet18_gn": lambda C=10: resnet18(C, "gn"),
     "resnet50_bn": lambda C=10: resnet50(C, "bn"), "resnet50_gn": lambda C=10: resnet50(C, "gn"),
-    "mlp": lambda C=10: MLP(num_classes=C),
+    "mlp": lambda C=10: MLP(num_classes=C), "fedgen_cnn_mnist": lambda C=10: FedGenCNN(C),
 }
 
-__all__ = ["ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
+__all__ = ["ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
            "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "MODELS", "ProjectionClassifier",
            "with_projection_head"]

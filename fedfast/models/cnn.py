@@ -70,3 +70,17 @@ class SimpleCNN(nn.Sequential):
         super().__init__(nn.Conv2d(in_channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Dropout(dropout), nn.Flatten(), nn.Linear(64 * side * side, 128), nn.ReLU(),
                          nn.Linear(128, num_classes))
+
+
+class FedGenCNN(nn.Sequential):
+    """FedGen's MNIST network (zhuangdizhu/FedGen ``trainmodel/models.py``, ``Net('mnist')`` with
+    ``CONFIGS_['mnist'] = ([6, 16, 'F'], 1, 10, 784, 32)``): conv3 stride 2 (6) - BN - ReLU - conv3 stride 2 (16) -
+    BN - ReLU - flatten (784) - Linear(784, 32) - Linear(32, C), with no activation between the two Linear layers,
+    as in the code. The code's BatchNorm keeps running statistics that its server never averages; here BatchNorm
+    uses batch statistics in training and evaluation (``track_running_stats=False``), fedfast's reading for
+    BatchNorm in federated models. 26,434 parameters for C = 10; the classifier's input (FedGen's latent) is 32."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1):
+        super().__init__(nn.Conv2d(in_channels, 6, 3, 2, 1), nn.BatchNorm2d(6, track_running_stats=False), nn.ReLU(),
+                         nn.Conv2d(6, 16, 3, 2, 1), nn.BatchNorm2d(16, track_running_stats=False), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(784, 32), nn.Linear(32, num_classes))
