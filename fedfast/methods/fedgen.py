@@ -116,8 +116,8 @@ class FedGen(FedAvg):
     caveats = ("Its default weights alpha = beta = 10 are FedGen's MNIST setting for plain SGD. With SGD momentum "
                "rho the generator terms take steps about 1 / (1 - rho) times larger, and training collapses. Under "
                "FedNTD's MNIST protocol with the MLP and momentum 0.9 (examples/study/fedgen-momentum.toml, 30 "
-               "rounds, 2 seeds) FedGen ended at 30.2 % against FedAvg's 77.7 %. With alpha = beta = 1 there it "
-               "ended at 78.9 %, level with FedAvg. With plain SGD and the defaults it ended at 86.9 % against "
+               "rounds, 2 seeds) FedGen ended at 30.2 % against FedAvg's 77.6 %. With alpha = beta = 1 there it "
+               "ended at 78.8 %, level with FedAvg. With plain SGD and the defaults it ended at 86.9 % against "
                "FedAvg's 74.9 %. With momentum, either keep max(alpha, beta) / (1 - momentum) at most 10 (fedgen.alpha "
                "= fedgen.beta = 1 at momentum 0.9), or train as FedGen does with momentum = 0.")
 
