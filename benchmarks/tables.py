@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-FILES = ["README.md", "docs/benchmarks.md", "docs/engine.md"]
+FILES = ["README.md", "docs/benchmarks.md", "docs/engine.md", "docs/study.md"]
 DOC_ROOT = ROOT  # where FILES are read and rewritten (tests point it at a copy)
 
 SHAPE_LABELS = {
