@@ -8,6 +8,7 @@ Install for development with ``pip install -e . --no-build-isolation`` (uses the
 """
 import glob
 import os
+import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -42,9 +43,15 @@ if torch.version.cuda is not None and (shutil.which("nvcc") or os.environ.get("C
         )
     )
 
+def _version() -> str:
+    """fedfast/_version.py's __version__, read without importing the package (its one place)."""
+    with open(os.path.join(ROOT, "fedfast", "_version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 setup(
     name="fedfast",
-    version="0.1.0",
+    version=_version(),
     description="Fused knowledge-distillation losses and kernels for federated learning simulation",
     packages=find_packages(include=["fedfast", "fedfast.*"]),
     python_requires=">=3.10",

@@ -1,5 +1,5 @@
 """fedfast: fused knowledge-distillation losses and kernels for federated learning simulation."""
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 from . import methods, nn, ops  # noqa: E402
 from .engine import Diverged, OutOfMemory, SimConfig, Simulation  # noqa: E402

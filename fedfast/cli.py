@@ -357,6 +357,9 @@ def main(argv=None) -> int:
     a round (checkpointed: ``--resume`` continues)."""
     from .runner import Interrupted, RunDiverged
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
+    from . import __version__
+    ap.add_argument("--version", action="version",
+                    version=f"fedfast {__version__} (torch {torch.__version__}, python {sys.version.split()[0]})")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a simulation into a run directory")
     r.add_argument("config", nargs="?", help="TOML config file, or a run's config.json (runs it again)")

@@ -171,3 +171,20 @@ def test_femnist_by_writer_run(tmp_path, capsys):
     assert s["complete"] and s["rounds"] == 2
     assert main(["run", "--set", "dataset=synthetic", "--set", "partition=by_writer", "--out", str(tmp_path / "x")]) == 2
     assert "by_writer needs a dataset with writers" in capsys.readouterr().err
+
+
+def test_version_in_one_place(capsys):
+    """fedfast --version, fedfast.__version__ and the package metadata setup.py writes all read fedfast/_version.py."""
+    import os
+    import re
+
+    import fedfast
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"fedfast {fedfast.__version__} (torch ")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    setup_py = open(os.path.join(root, "setup.py")).read()
+    assert "version=_version()" in setup_py and not re.search(r'version="\d', setup_py)
+    src = open(os.path.join(root, "fedfast", "_version.py")).read()
+    assert f'__version__ = "{fedfast.__version__}"' in src
