@@ -257,8 +257,7 @@ def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
              "fedfast / loop share of sgemm |", "|---|---|---|---|---|---|"]
     for b in d["benchmarks"]:
         e = b["extra_info"]
-        star = "*" if "sam" in e["method"] and e["method"].endswith("+asd") or \
-            e["method"] in ("fedspeed+asd",) else ""
+        star = "*" if e["method"] in ("fedsam+asd", "fedspeed+asd") else ""  # the loop's teacher in both passes
         lines.append(f"| {e['method']}{METHOD_NOTES.get(e['method'], '')} | {e['loop_s']:.2f} | {e['engine_s']:.2f} "
                      f"| {e['speedup']:.2f} | {e['round_flops'] / 1e9:.0f}{star} | "
                      f"{e['engine_roofline']:.2f}{star} / {e['loop_roofline']:.2f} |")

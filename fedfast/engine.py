@@ -496,6 +496,7 @@ class Simulation:
         self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=self.num_classes)
                                        for i in self._idx_host]).float().to(self.device)  # [K, C]
         self._probe_model()
+        self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
         self.layout = FlatLayout(self.model)
         self.num_params = self.layout.P
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
@@ -783,7 +784,7 @@ class Simulation:
     def _client_bytes(self, P: int) -> tuple[int, int]:
         """Bytes one client of a chunk needs: its parameter-sized fp32 rows, and its activations (measured on two
         probe samples, x3 for the backward, times the batch size)."""
-        if getattr(self, "_client_bytes_cache", None) is not None:
+        if self._client_bytes_cache is not None:
             return self._client_bytes_cache
         c = self.cfg
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
@@ -1256,7 +1257,7 @@ class Simulation:
                "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
         if self.validation is not None:
             rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
-        if getattr(self, "_method_metrics", None):
+        if self._method_metrics:
             rec["method_metrics"] = self._method_metrics
         self.history.append(rec)
         return rec
