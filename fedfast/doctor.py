@@ -133,9 +133,18 @@ def main(quick: bool = False) -> int:
     for d in devs:
         name = torch.cuda.get_device_name(d) if d.startswith("cuda") else f"{torch.get_num_threads()} threads"
         print(f"device {d}: {name}")
-    print(f"built: cpu extension {'yes' if _backend.cpu_ext() is not None else 'NO'}, cuda extension "
-          f"{'yes' if _backend.cuda_ext() is not None else 'no'}, triton "
+    cpu_why, cuda_why = _backend.ext_status("fedfast._C"), _backend.ext_status("fedfast._C_cuda")
+    if torch.version.cuda is None and cuda_why is not None:
+        cuda_why = None
+        cuda_word = "- (this torch has no CUDA)"
+    else:
+        cuda_word = "yes" if cuda_why is None else "NO"
+    print(f"built: cpu extension {'yes' if cpu_why is None else 'NO'}, cuda extension {cuda_word}, triton "
           f"{'yes' if _backend.triton_available() else 'no'}")
+    for mod, why in (("fedfast._C", cpu_why), ("fedfast._C_cuda", cuda_why)):
+        if why is not None:
+            print(f"  {mod}: {why}; its backend falls back to 'reference' (correct, slower). Build it "
+                  f"{_backend.BUILD_HINT}.")
     failed = 0
     for d in devs:
         dt = "cuda" if d.startswith("cuda") else "cpu"

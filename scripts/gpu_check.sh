@@ -51,7 +51,7 @@ bench() {  # the command of a benchmark stage: bench FILE JSON [PYTEST_K_EXPRESS
 
 for st in "${STAGES[@]}"; do
   case "$st" in
-    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} python setup.py build_ext --inplace > /tmp/fedfast-build.log 2>&1 || { tail -60 /tmp/fedfast-build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
+    build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} FEDFAST_REQUIRE_EXT=1 python setup.py build_ext --inplace > /tmp/fedfast-build.log 2>&1 || { tail -60 /tmp/fedfast-build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
     test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf" ;;
     # the torch.compile baselines compile one graph per (loss, shape): their own stage and file, so that slow
     # compiles cannot cost the kernels' results

@@ -8,7 +8,9 @@ Choice: the ``backend=`` argument, else the ``FEDFAST_BACKEND`` environment vari
 automatic by device (cpu tensors -> ``cpu``; cuda tensors -> ``triton`` if importable, else ``cuda``: both GPU
 backends are compiled here but neither has run on a GPU yet, and the Triton kernels carry the stronger evidence,
 every test run through the interpreter; ``fedfast doctor`` checks both on a real GPU).
-A backend whose extension is missing falls back to ``reference`` with one warning per backend.
+A backend whose extension is missing falls back to ``reference`` with one warning per backend; the extensions are
+optional at install time (setup.py), and :func:`ext_status` / ``fedfast doctor`` say why one is missing and how to
+build it.
 """
 from __future__ import annotations
 
@@ -19,15 +21,35 @@ import warnings
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 _warned: set[str] = set()
 _ext_cache: dict[str, object] = {}
+_ext_error: dict[str, str] = {}
+# How to build the extensions, for messages: from a checkout, and from any source (sdist, git URL).
+BUILD_HINT = ("with a C++ compiler (gcc >= 9 or clang) and the torch you run installed: `make install` in a "
+              "checkout, or `pip install --no-build-isolation --force-reinstall --no-deps <fedfast source>` "
+              "(without FEDFAST_NO_EXT=1)")
 
 
 def _load(modname: str):
     if modname not in _ext_cache:
         try:
             _ext_cache[modname] = importlib.import_module(modname)
-        except ImportError:
+        except ImportError as e:
             _ext_cache[modname] = None
+            if isinstance(e, ModuleNotFoundError) and e.name == modname:
+                _ext_error[modname] = "not built (installed without a working compiler, or with FEDFAST_NO_EXT=1)"
+            else:  # present but unloadable: typically built against another torch (an undefined C++ symbol)
+                _ext_error[modname] = (f"built but fails to import ({type(e).__name__}: {e}); it was probably "
+                                       f"compiled against another torch than {_torch_version()}: rebuild it")
     return _ext_cache[modname]
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
+
+
+def ext_status(modname: str) -> str | None:
+    """``None`` if extension ``modname`` (``fedfast._C`` or ``fedfast._C_cuda``) imports, else why it does not."""
+    return None if _load(modname) is not None else _ext_error.get(modname, "not importable")
 
 
 def cpu_ext():
@@ -66,8 +88,8 @@ def available(name: str, device_type: str) -> bool:
 def _fallback(name: str, why: str) -> str:
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"fedfast: backend {name!r} is not usable ({why}); falling back to 'reference'. "
-                      f"Build the extension with `pip install -e . --no-build-isolation` (see README).",
+        warnings.warn(f"fedfast: backend {name!r} is not usable ({why}); falling back to 'reference' (correct, "
+                      f"slower). Build it {BUILD_HINT}; `fedfast doctor` shows what is built.",
                       RuntimeWarning, stacklevel=4)
     return "reference"
 
@@ -83,7 +105,7 @@ def resolve(backend: str | None, device_type: str) -> str:
                 return "cuda"
             return _fallback("cuda", "neither triton nor fedfast._C_cuda is importable")
         if device_type == "cpu":
-            return "cpu" if cpu_ext() is not None else _fallback("cpu", "fedfast._C is not built")
+            return "cpu" if cpu_ext() is not None else _fallback("cpu", "fedfast._C " + ext_status("fedfast._C"))
         return "reference"
     if req not in BACKENDS:
         key = "backend" if backend is not None else "FEDFAST_BACKEND (environment variable)"
@@ -91,5 +113,6 @@ def resolve(backend: str | None, device_type: str) -> str:
     if available(req, device_type):
         return req
     if req in ("cpu", "cuda") and (device_type == ("cpu" if req == "cpu" else "cuda")):
-        return _fallback(req, f"fedfast.{'_C' if req == 'cpu' else '_C_cuda'} is not built")
+        mod = "fedfast._C" if req == "cpu" else "fedfast._C_cuda"
+        return _fallback(req, f"{mod} {ext_status(mod)}")
     raise ValueError(f"backend={req!r} cannot run on {device_type} tensors")

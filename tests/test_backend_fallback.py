@@ -1,0 +1,63 @@
+"""A missing or unloadable compiled extension: one warning per backend naming why and how to build it, the same in
+``fedfast doctor``, and the reference backend's results (the real no-extension install: tests/test_packaging.py)."""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import fedfast
+from fedfast import doctor
+from fedfast.ops import _backend
+
+
+@pytest.fixture()
+def broken_cpu_ext(monkeypatch, request):
+    """fedfast._C behaves as not built (``missing``) or as built against another torch (``abi``)."""
+    kind = request.param
+    real = importlib.import_module
+
+    def fake(name, *a, **k):
+        if name == "fedfast._C":
+            if kind == "missing":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            raise ImportError(f"{name}.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(_backend.importlib, "import_module", fake)
+    monkeypatch.setattr(_backend, "_ext_cache", {})
+    monkeypatch.setattr(_backend, "_ext_error", {})
+    monkeypatch.setattr(_backend, "_warned", set())
+    return kind
+
+
+@pytest.mark.parametrize("broken_cpu_ext", ["missing", "abi"], indirect=True)
+def test_one_warning_per_backend_with_the_reason(broken_cpu_ext):
+    why = _backend.ext_status("fedfast._C")
+    if broken_cpu_ext == "missing":
+        assert why.startswith("not built") and "FEDFAST_NO_EXT=1" in why
+    else:
+        assert "fails to import" in why and "undefined symbol" in why and "another torch" in why
+    z, t = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 3, 4, 0])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        a = fedfast.nn.NTDLoss(backend="cpu")(z, t, y)
+        b = fedfast.nn.NTDLoss()(z, t, y)
+        fedfast.nn.KDLoss(backend="cpu")(z, t, y)
+    msgs = [str(r.message) for r in rec if issubclass(r.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert "backend 'cpu' is not usable" in msgs[0] and why in msgs[0] and "--no-build-isolation" in msgs[0]
+    ref = fedfast.nn.NTDLoss(backend="reference")(z, t, y)
+    assert torch.equal(a, ref) and torch.equal(b, ref)
+
+
+@pytest.mark.parametrize("broken_cpu_ext", ["abi"], indirect=True)
+def test_doctor_names_the_missing_extension(broken_cpu_ext, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert doctor.main(quick=True) == 0
+    out = capsys.readouterr().out
+    assert "cpu extension NO" in out and "fedfast._C: built but fails to import" in out
+    assert "make install" in out and "--no-build-isolation" in out
+    assert "automatic backend on cpu: reference" in out
