@@ -86,8 +86,14 @@ def _extensions():
         def build_extensions(self):
             built = []
             todo = list(self.extensions)
+            # torch's build_extensions wraps the compiler's methods on every call: undo that between extensions
+            saved = {k: getattr(self.compiler, k) for k in ("compile", "_compile", "spawn")}
+            exts = list(self.compiler.src_extensions)
             for ext in todo:
                 self.extensions = [ext]
+                for k, v in saved.items():
+                    setattr(self.compiler, k, v)
+                self.compiler.src_extensions = list(exts)
                 try:
                     super().build_extensions()
                 except Exception as e:  # compiler missing or failing, ninja, linker: all mean "not built"

@@ -174,7 +174,8 @@ def test_femnist_by_writer_run(tmp_path, capsys):
 
 
 def test_version_in_one_place(capsys):
-    """fedfast --version, fedfast.__version__ and the package metadata setup.py writes all read fedfast/_version.py."""
+    """fedfast --version, fedfast.__version__ and the package metadata (pyproject.toml's dynamic version) all read
+    fedfast/_version.py."""
     import os
     import re
 
@@ -184,7 +185,14 @@ def test_version_in_one_place(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith(f"fedfast {fedfast.__version__} (torch ")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import tomllib
+    from importlib import metadata
     setup_py = open(os.path.join(root, "setup.py")).read()
-    assert "version=_version()" in setup_py and not re.search(r'version="\d', setup_py)
+    assert not re.search(r"version\s*=", setup_py)
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        proj = tomllib.load(f)
+    assert "version" in proj["project"]["dynamic"] and "version" not in proj["project"]
+    assert proj["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fedfast._version.__version__"}
+    assert metadata.version("fedfast") == fedfast.__version__  # what the installed (editable) package says
     src = open(os.path.join(root, "fedfast", "_version.py")).read()
     assert f'__version__ = "{fedfast.__version__}"' in src
