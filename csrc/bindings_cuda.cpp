@@ -161,39 +161,35 @@ std::vector<at::Tensor> aggregate_cuda(const at::Tensor& X_in, const at::Tensor&
   return {g_out, avg_out, m_out, h_out, hb_out, c_out, ck_out, tb, teacher, bad.to(at::kBool)};
 }
 
-// Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) of the loss-side gradient (undefined: no clipping).
+// Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) of the loss gradient (undefined: no clipping).
 at::Tensor clip_factors(const at::Tensor& theta, const at::Tensor& grad, double prox_mu, const float* anchor,
-                        const float* dyn, double max_norm, cudaStream_t stream) {
+                        const float* lrows, double max_norm, cudaStream_t stream) {
   if (!(max_norm > 0)) return at::Tensor();
   const int64_t n = theta.size(0), P = theta.size(1);
   at::Tensor sq = at::zeros({n}, theta.options());
   check_launch(fedfast_client_grad_sqnorm(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, (float)prox_mu,
-                                          prox_mu != 0.0 ? anchor : nullptr, dyn, sq.data_ptr<float>(), stream),
+                                          prox_mu != 0.0 ? anchor : nullptr, lrows, sq.data_ptr<float>(), stream),
                "client_grad_sqnorm");
   return at::clamp_max(max_norm / (sq.sqrt() + 1e-6), 1.0).contiguous();
 }
 
 void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Tensor& lr_in, double momentum,
                       const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
-                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
-                      const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& ck,
-                      const c10::optional<at::Tensor>& drift, const c10::optional<at::Tensor>& drift_scale,
-                      double max_norm,
-                      const c10::optional<at::Tensor>& active_opt) {
+                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
+                      const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,
+                      const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,
+                      const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,
+                      double max_norm, const c10::optional<at::Tensor>& active_opt) {
   check_cuda(theta, "theta");
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   c10::cuda::CUDAGuard guard(theta.device());
   const int64_t n = theta.size(0), P = theta.size(1);
   const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
   const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
-  at::Tensor ka, kd, kc, kck, kdr;
-  const float* a = fptr(anchor, ka);
-  const float* d = fptr(dyn, kd);
-  const float* cp = fptr(c, kc);
-  const float* ckp = fptr(ck, kck);
-  at::Tensor kds;
-  const float* dr = fptr(drift, kdr);
-  const float* dsc = fptr(drift_scale, kds);
+  at::Tensor keep[7];  // the fp32 contiguous copies the pointers below read
+  const float *a = fptr(anchor, keep[0]), *lrows = fptr(loss_rows, keep[1]), *cvec = fptr(corr_vec, keep[2]);
+  const float *cscale = fptr(corr_vec_scale, keep[3]), *crows = fptr(corr_rows, keep[4]);
+  const float *svec = fptr(step_vec, keep[5]), *sscale = fptr(step_vec_scale, keep[6]);
   float* buf = nullptr;
   if (buf_opt.has_value()) {
     TORCH_CHECK(buf_opt->is_contiguous() && buf_opt->scalar_type() == at::kFloat, "momentum_buf must be contiguous fp32");
@@ -201,11 +197,12 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
   }
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);
+  const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, lrows, max_norm, stream);
   check_launch(fedfast_client_step(theta.data_ptr<float>(), grad.data_ptr<float>(), n, P, lr.data_ptr<float>(),
                                    lr.numel() == n && n > 1, wd.data_ptr<float>(), wd.numel() == n && n > 1,
-                                   (float)prox_mu, prox_mu != 0.0 ? a : nullptr, d,
-                                   clip.defined() ? clip.data_ptr<float>() : nullptr, cp, ckp, (float)momentum, buf, dr, dsc,
+                                   (float)prox_mu, prox_mu != 0.0 ? a : nullptr, lrows,
+                                   clip.defined() ? clip.data_ptr<float>() : nullptr, cvec, cscale, crows,
+                                   (float)corr_rows_coef, (float)momentum, buf, svec, sscale,
                                    active.defined() ? active.data_ptr<int8_t>() : nullptr, stream),
                "client_step");
 }
@@ -213,8 +210,9 @@ void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Te
 void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                       const at::Tensor& step_size_in, const at::Tensor& bc2_sqrt_in, const at::Tensor& wd_in,
                       const c10::optional<at::Tensor>& decay_opt, double beta1, double beta2, double eps,
-                      double prox_mu, const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn,
-                      double max_norm, const c10::optional<at::Tensor>& active_opt) {
+                      double prox_mu, const c10::optional<at::Tensor>& anchor,
+                      const c10::optional<at::Tensor>& loss_rows, double max_norm,
+                      const c10::optional<at::Tensor>& active_opt) {
   // step_size = lr_k / (1 - b1^t_k), bc2_sqrt = sqrt(1 - b2^t_k), decay = 1 - lr_k wd_k (AdamW): [n], computed
   // by fedfast.ops.client_adam on the device
   check_cuda(theta, "theta");
@@ -231,7 +229,7 @@ void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& 
   const float* decay = fptr(decay_opt, kdec);
   at::Tensor ka, kd;
   const float* a = fptr(anchor, ka);
-  const float* d = fptr(dyn, kd);
+  const float* d = fptr(loss_rows, kd);
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);

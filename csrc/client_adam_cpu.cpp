@@ -1,5 +1,5 @@
 // Fused all-client Adam / AdamW step on the CPU, in place (see fedfast/ops/client_adam_reference.py):
-//   g = grad + mu (theta - anchor) + dyn_linear ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
+//   g = grad + mu (theta - anchor) + loss_rows ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
 //   Adam: g += wd_k theta            AdamW: theta *= 1 - lr_k wd_k
 //   m = lerp(m, g, 1 - b1) ; v = b2 v + (1 - b2) g^2 ;
 //   theta -= lr_k / (1 - b1^t_k) * m / (sqrt(v) / sqrt(1 - b2^t_k) + eps)        (inactive rows: no-op)
@@ -40,7 +40,7 @@ void adam_block(const float* __restrict lg, float* __restrict tr, float* __restr
 void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step_in, const at::Tensor& lr_in, double beta1,
                      double beta2, double eps, const at::Tensor& wd_in, bool decoupled, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& dyn_opt,
+                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,
                      double max_norm, const c10::optional<at::Tensor>& active_opt) {
   for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
@@ -53,13 +53,13 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   TORCH_CHECK(step.numel() == n, "step must have one value per row");
   const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
   const at::Tensor anchor = anchor_opt.has_value() ? anchor_opt->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor dyn = dyn_opt.has_value() ? dyn_opt->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor lrows = loss_rows_opt.has_value() ? loss_rows_opt->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor active = active_opt.has_value() ? active_opt->to(at::kBool).contiguous() : at::Tensor();
   float* th = theta.data_ptr<float>();
   float* mm = exp_avg.data_ptr<float>();
   float* vv = exp_avg_sq.data_ptr<float>();
   const float* an = anchor.defined() ? anchor.data_ptr<float>() : nullptr;
-  const float* dy = dyn.defined() ? dyn.data_ptr<float>() : nullptr;
+  const float* dy = lrows.defined() ? lrows.data_ptr<float>() : nullptr;
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu);
   const int64_t nb = static_cast<int64_t>(blocks.size());

@@ -1,10 +1,12 @@
 // Fused all-client optimizer step on the CPU, in place (see fedfast/ops/client_step_reference.py):
-//   g = grad + mu (theta - anchor) + dyn_linear ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
-//   g += wd_k theta + (c - c_k) ; buf = momentum buf + g ; theta -= lr_k (buf + s_k drift)   (inactive rows: no-op)
+//   g = grad + mu (theta - anchor) + L_k ; g *= min(1, max_norm / (||g|| + 1e-6)) ;
+//   g += wd_k theta + (s_k v + r C_k) ; buf = momentum buf + g ; theta -= lr_k (buf + o_k u)   (inactive rows: no-op)
+// with the generic terms L = loss_rows [n, P], v = corr_vec [P] (scale s [n]), C = corr_rows [n, P] (coefficient r),
+// u = step_vec [P] (scale o [n]); which method fills which is said in its file under fedfast/methods/.
 // The gradient is one [n, P] tensor or the per-parameter pieces [n, s_p] (sum s_p = P, in column order) that
 // autograd returns: read in place, so the engine never concatenates them (a full [n, P] copy per step).
 // Rows x column blocks run in parallel; clipping adds one read pass for the per-row norm.
-// Bytes: n*P*(4 theta r/w *2 + grad 4 + [8 buf r/w] + [4 dyn] + [4 c_k]) + 4P*[anchor, c, drift].
+// Bytes: n*P*(4 theta r/w *2 + grad 4 + [8 buf r/w] + [4 L] + [4 C]) + 4P*[anchor, v, u].
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -18,13 +20,12 @@ constexpr int64_t kBlock = 4096;
 }
 
 void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in,
-                     double momentum,
-                     const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& dyn_opt,
-                     const c10::optional<at::Tensor>& c_opt, const c10::optional<at::Tensor>& ck_opt,
-                     const c10::optional<at::Tensor>& drift_opt,
-                     const c10::optional<at::Tensor>& drift_scale_opt, double max_norm,
-                     const c10::optional<at::Tensor>& active_opt) {
+                     double momentum, const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
+                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,
+                     const c10::optional<at::Tensor>& corr_vec_opt, const c10::optional<at::Tensor>& corr_scale_opt,
+                     const c10::optional<at::Tensor>& corr_rows_opt, double corr_rows_coef,
+                     const c10::optional<at::Tensor>& step_vec_opt, const c10::optional<at::Tensor>& step_scale_opt,
+                     double max_norm, const c10::optional<at::Tensor>& active_opt) {
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   const int64_t n = theta.size(0), P = theta.size(1);
   std::vector<at::Tensor> grads;  // kept alive while the blocks point into them
@@ -33,9 +34,11 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   auto f32 = [](const c10::optional<at::Tensor>& t) {
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
   };
-  const at::Tensor anchor = f32(anchor_opt), dyn = f32(dyn_opt), c = f32(c_opt), ck = f32(ck_opt);
-  const at::Tensor drift = f32(drift_opt), dscale = f32(drift_scale_opt);
-  TORCH_CHECK(!dscale.defined() || dscale.numel() == n, "drift_scale must have one value per row");
+  const at::Tensor anchor = f32(anchor_opt), lrows = f32(loss_rows_opt), cvec = f32(corr_vec_opt);
+  const at::Tensor cscale = f32(corr_scale_opt), crows = f32(corr_rows_opt);
+  const at::Tensor svec = f32(step_vec_opt), sscale = f32(step_scale_opt);
+  TORCH_CHECK(!cscale.defined() || cscale.numel() == n, "corr_vec_scale must have one value per row");
+  TORCH_CHECK(!sscale.defined() || sscale.numel() == n, "step_vec_scale must have one value per row");
   at::Tensor buf;
   if (buf_opt.has_value()) {
     buf = *buf_opt;
@@ -44,7 +47,9 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kBool).contiguous() : at::Tensor();
   auto cp = [](const at::Tensor& t) -> const float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
   float* th = theta.data_ptr<float>();
-  const float *an = cp(anchor), *dy = cp(dyn), *cc = cp(c), *ckk = cp(ck), *dr = cp(drift), *ds = cp(dscale);
+  const float *an = cp(anchor), *dy = cp(lrows), *cv = cp(cvec), *cs = cp(cscale), *cr = cp(crows);
+  const float *sv = cp(svec), *ss = cp(sscale);
+  const float rc = static_cast<float>(corr_rows_coef);
   float* bf = buf.defined() ? buf.data_ptr<float>() : nullptr;
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu), mom = static_cast<float>(momentum);
@@ -56,10 +61,10 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   const float* lrp = lr.data_ptr<float>();
   const float* wdp = wd.data_ptr<float>();
   const bool lr_row = lr.numel() == n, wd_row = wd.numel() == n;
-  // The plain step (no FedProx / FedDyn / SCAFFOLD / drift terms: FedAvg, FedNTD, the KD methods) in one pass over
+  // The plain step (no proximal, loss-row, correction or offset terms: FedAvg, FedNTD, the KD methods) in one pass over
   // theta, grad [and buf], the same expressions in the same order as the general path below (bit-identical):
   // ~1.7x faster than the staged path on a 2-core EPYC (50 x 199,210 floats: 4.5 -> 2.7 ms).
-  if (mu == 0.f && !dy && !cc && !dr) {
+  if (mu == 0.f && !dy && !cv && !cr && !sv) {
     at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const int64_t k = t / nb;
@@ -94,9 +99,16 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       float* tr = th + k * P + j0;
       const float ck_ = clip[k], wdk = wd_row ? wdp[k] : wdp[0], lrk = lr_row ? lrp[k] : lrp[0];
       for (int64_t j = 0; j < len; ++j) tmp[j] = tmp[j] * ck_ + wdk * tr[j];
-      if (cc) {
-        const float* ckr = ckk + k * P + j0;
-        for (int64_t j = 0; j < len; ++j) tmp[j] += cc[j0 + j] - ckr[j];
+      if (cv && cr) {  // s_k v + r C_k, summed before it is added (v - C_k exactly when s = 1, r = -1)
+        const float sk = cs ? cs[k] : 1.f;
+        const float* crr = cr + k * P + j0;
+        for (int64_t j = 0; j < len; ++j) tmp[j] += sk * cv[j0 + j] + rc * crr[j];
+      } else if (cv) {
+        const float sk = cs ? cs[k] : 1.f;
+        for (int64_t j = 0; j < len; ++j) tmp[j] += sk * cv[j0 + j];
+      } else if (cr) {
+        const float* crr = cr + k * P + j0;
+        for (int64_t j = 0; j < len; ++j) tmp[j] += rc * crr[j];
       }
       if (bf) {
         float* br = bf + k * P + j0;
@@ -105,9 +117,9 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
           tmp[j] = br[j];
         }
       }
-      if (dr) {
-        const float s = ds ? ds[k] : 1.f;
-        for (int64_t j = 0; j < len; ++j) tmp[j] += s * dr[j0 + j];
+      if (sv) {
+        const float ok = ss ? ss[k] : 1.f;
+        for (int64_t j = 0; j < len; ++j) tmp[j] += ok * sv[j0 + j];
       }
       for (int64_t j = 0; j < len; ++j) tr[j] -= lrk * tmp[j];
     }

@@ -40,15 +40,16 @@ std::vector<at::Tensor> aggregate_cpu(const at::Tensor& X, const at::Tensor& row
 
 void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, const at::Tensor& lr, double momentum,
                      const c10::optional<at::Tensor>& buf, const at::Tensor& wd, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
-                     const c10::optional<at::Tensor>& scaffold_c, const c10::optional<at::Tensor>& scaffold_ck,
-                     const c10::optional<at::Tensor>& drift, const c10::optional<at::Tensor>& drift_scale, double max_norm,
-                     const c10::optional<at::Tensor>& active);
+                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
+                     const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,
+                     const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,
+                     const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,
+                     double max_norm, const c10::optional<at::Tensor>& active);
 
 void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step, const at::Tensor& lr, double beta1,
                      double beta2, double eps, const at::Tensor& wd, bool decoupled, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& dyn_linear,
+                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
                      double max_norm, const c10::optional<at::Tensor>& active);
 
 // Helpers shared by the ops.
@@ -78,7 +79,7 @@ inline std::vector<GradBlock> grad_blocks(const std::vector<at::Tensor>& grad_in
   return blocks;
 }
 
-// Row k's loss-side gradient over block bl into out: g + mu (theta - anchor) [+ dyn] (FedProx, FedDyn's term).
+// Row k's loss gradient over block bl into out: g + mu (theta - anchor) [+ L_k] (proximal term, loss rows).
 inline void loss_grad_into(const GradBlock& bl, int64_t k, int64_t P, const float* th, float mu, const float* an,
                            const float* dy, float* out) {
   const float* g = bl.g + k * bl.ld;

@@ -11,7 +11,7 @@ __global__ void client_adam_kernel(float* __restrict__ theta, const float* __res
                                    float* __restrict__ m, float* __restrict__ v, const float* __restrict__ step_size,
                                    const float* __restrict__ bc2_sqrt, const float* __restrict__ wd, int wd_row,
                                    const float* __restrict__ decay, float b2, float w1, float w2, float eps,
-                                   float prox_mu, const float* __restrict__ anchor, const float* __restrict__ dyn,
+                                   float prox_mu, const float* __restrict__ anchor, const float* __restrict__ lrows,
                                    const float* __restrict__ clip, const int8_t* __restrict__ active) {
   const int64_t total = n * P;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
@@ -20,7 +20,7 @@ __global__ void client_adam_kernel(float* __restrict__ theta, const float* __res
     float t = theta[i];
     float gv = grad[i];
     if (anchor) gv += prox_mu * (t - anchor[j]);
-    if (dyn) gv += dyn[i];
+    if (lrows) gv += lrows[i];
     if (clip) gv *= clip[k];
     if (decay)
       t *= decay[k];  // AdamW
@@ -42,11 +42,11 @@ static unsigned adam_grid(int64_t total, int threads) {
 extern "C" int fedfast_client_adam(float* theta, const float* grad, int64_t n, int64_t P, float* m, float* v,
                                    const float* step_size, const float* bc2_sqrt, const float* wd, int wd_row,
                                    const float* decay, float b2, float w1, float w2, float eps, float prox_mu,
-                                   const float* anchor, const float* dyn, const float* clip, const int8_t* active,
+                                   const float* anchor, const float* lrows, const float* clip, const int8_t* active,
                                    cudaStream_t stream) {
   if (n * P == 0) return 0;
   client_adam_kernel<<<adam_grid(n * P, 256), 256, 0, stream>>>(theta, grad, n, P, m, v, step_size, bc2_sqrt, wd,
-                                                                wd_row, decay, b2, w1, w2, eps, prox_mu, anchor, dyn,
+                                                                wd_row, decay, b2, w1, w2, eps, prox_mu, anchor, lrows,
                                                                 clip, active);
   return (int)cudaGetLastError();
 }

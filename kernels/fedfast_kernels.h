@@ -48,24 +48,26 @@ int fedfast_aggregate(const void* X, int x_dtype, const int64_t* rows, int64_t n
                       float* tb, int64_t slot, float* g_out, float* avg_out, int* bad, cudaStream_t stream);
 
 // Fused all-client optimizer step, in place (fedfast/ops/client_step_reference.py). clip [n] per-row factors
-// (NULL: none; computed by the caller from fedfast_client_grad_sqnorm). lr, wd: [n] if *_row else [1].
+// (NULL: none; computed by the caller from fedfast_client_grad_sqnorm). lr, wd: [n] if *_row else [1]. Generic
+// terms, each NULL when absent: lrows [n, P] (loss gradient), cvec [P] with cscale [n] (NULL: 1) and crows [n, P]
+// with rcoef (correction inside momentum), svec [P] with sscale [n] (NULL: 1; step offset outside momentum).
 int fedfast_client_step(float* theta, const float* grad, int64_t n, int64_t P, const float* lr, int lr_row,
-                        const float* wd, int wd_row, float prox_mu, const float* anchor, const float* dyn,
-                        const float* clip, const float* c, const float* ck, float momentum, float* buf,
-                        const float* drift, const float* drift_scale, const int8_t* active,
+                        const float* wd, int wd_row, float prox_mu, const float* anchor, const float* lrows,
+                        const float* clip, const float* cvec, const float* cscale, const float* crows, float rcoef,
+                        float momentum, float* buf, const float* svec, const float* sscale, const int8_t* active,
                         cudaStream_t stream);
 
-// Per-row squared norm of the loss-side gradient grad + mu (theta - anchor) + dyn, into sqnorm [n]
+// Per-row squared norm of the loss gradient grad + mu (theta - anchor) + lrows, into sqnorm [n]
 // (zeroed by the caller), for per-client clipping.
 int fedfast_client_grad_sqnorm(const float* theta, const float* grad, int64_t n, int64_t P, float prox_mu,
-                               const float* anchor, const float* dyn, float* sqnorm, cudaStream_t stream);
+                               const float* anchor, const float* lrows, float* sqnorm, cudaStream_t stream);
 
 // Adam / AdamW over all clients, in place (fedfast/ops/client_adam_reference.py). step_size = lr_k / (1 - b1^t_k),
 // bc2_sqrt = sqrt(1 - b2^t_k): [n]. decay: [n] 1 - lr_k wd_k for AdamW (NULL: Adam, wd as L2; wd [n] if wd_row
-// else [1]). w1 = 1 - b1, w2 = 1 - b2. anchor (with prox_mu), dyn, clip [n], active [n]: NULL when absent.
+// else [1]). w1 = 1 - b1, w2 = 1 - b2. anchor (with prox_mu), lrows, clip [n], active [n]: NULL when absent.
 int fedfast_client_adam(float* theta, const float* grad, int64_t n, int64_t P, float* m, float* v,
                         const float* step_size, const float* bc2_sqrt, const float* wd, int wd_row, const float* decay,
-                        float b2, float w1, float w2, float eps, float prox_mu, const float* anchor, const float* dyn,
+                        float b2, float w1, float w2, float eps, float prox_mu, const float* anchor, const float* lrows,
                         const float* clip, const int8_t* active, cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -167,15 +167,15 @@ def _cases():
     yield "aggregate teacher buffer", agg(tb=True)
     yield "aggregate all", agg(mom=True, beta=0.9, scaf=True, tb=True)
 
-    def step(grad_dt=torch.float32, mom=False, prox=False, dyn=False, clip=False, scaf=False, drift=False,
-             dscale=False, act=False, rowlr=False):
+    def step(grad_dt=torch.float32, mom=False, prox=False, lrows=False, clip=False, cvec=False, cscale=False,
+             crows=False, svec=False, sscale=False, act=False, rowlr=False):
         theta = torch.randn(n, P)
         return lambda: client_step_triton(
             theta, torch.randn(n, P).to(grad_dt), torch.rand(n) if rowlr else torch.tensor([0.1]), 0.9 if mom else 0.0,
             torch.zeros(n, P) if mom else None, torch.tensor([1e-4]), 0.1 if prox else 0.0,
-            torch.randn(P) if prox else None, torch.randn(n, P) if dyn else None, torch.randn(P) if scaf else None,
-            torch.randn(n, P) if scaf else None, torch.randn(P) if drift else None,
-            torch.rand(n) if (drift and dscale) else None, 10.0 if clip else 0.0,
+            torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None, torch.randn(P) if cvec else None,
+            torch.rand(n) if (cvec and cscale) else None, torch.randn(n, P) if crows else None, -1.0,
+            torch.randn(P) if svec else None, torch.rand(n) if (svec and sscale) else None, 10.0 if clip else 0.0,
             torch.tensor([True, True, False]) if act else None)
 
     def step_pieces(**kw):  # the engine's path on GPUs: autograd's per-parameter gradients through a block table
@@ -183,25 +183,27 @@ def _cases():
         pieces = [torch.randn(n, 1000), torch.randn(n, 7), torch.randn(n, P - 1007)]
         return lambda: client_step_triton(
             theta, pieces, torch.tensor([0.1]), 0.9 if kw.get("mom") else 0.0, torch.zeros(n, P) if kw.get("mom")
-            else None, torch.tensor([1e-4]), 0.0, None, None, None, None, None, None, 10.0 if kw.get("clip") else 0.0,
-            None)
+            else None, torch.tensor([1e-4]), 0.0, None, None, None, None, None, 1.0, None, None,
+            10.0 if kw.get("clip") else 0.0, None)
 
     yield "client_step pieces", step_pieces()
     yield "client_step pieces momentum clip", step_pieces(mom=True, clip=True)
     yield "client_step plain", step()
     yield "client_step bf16 grad", step(grad_dt=torch.bfloat16)
-    for f in ("mom", "prox", "dyn", "clip", "scaf", "drift", "act", "rowlr"):
+    for f in ("mom", "prox", "lrows", "clip", "cvec", "crows", "svec", "act", "rowlr"):
         yield f"client_step {f}", step(**{f: True})
-    yield "client_step drift_scale", step(drift=True, dscale=True)
-    yield "client_step clip prox dyn", step(clip=True, prox=True, dyn=True)
-    yield "client_step all", step(mom=True, prox=True, dyn=True, clip=True, scaf=True, drift=True, dscale=True,
-                                  act=True, rowlr=True)
+    yield "client_step cvec crows", step(cvec=True, crows=True)
+    yield "client_step cvec_scale", step(cvec=True, cscale=True)
+    yield "client_step svec_scale", step(svec=True, sscale=True)
+    yield "client_step clip prox lrows", step(clip=True, prox=True, lrows=True)
+    yield "client_step all", step(mom=True, prox=True, lrows=True, clip=True, cvec=True, cscale=True, crows=True,
+                                  svec=True, sscale=True, act=True, rowlr=True)
 
-    def adam(decoupled=False, prox=False, dyn=False, clip=False, act=False, rowwd=False, beta1=0.9):
+    def adam(decoupled=False, prox=False, lrows=False, clip=False, act=False, rowwd=False, beta1=0.9):
         return lambda: client_adam_triton(
             torch.randn(n, P), torch.randn(n, P), torch.zeros(n, P), torch.zeros(n, P), torch.rand(n), torch.rand(n),
             torch.rand(n) if rowwd else torch.tensor([1e-2]), torch.rand(n) if decoupled else None, beta1, 0.999,
-            1e-8, 0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if dyn else None,
+            1e-8, 0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None,
             10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None)
 
     # per-client convolutions (implicit GEMM): the benchmark models' layer geometries, fp32 and TF32
@@ -241,9 +243,9 @@ def _cases():
     yield "client_adam plain", adam()
     yield "client_adamw", adam(decoupled=True)
     yield "client_adam lerp high", adam(beta1=0.3)
-    for f in ("prox", "dyn", "clip", "act", "rowwd"):
+    for f in ("prox", "lrows", "clip", "act", "rowwd"):
         yield f"client_adam {f}", adam(**{f: True})
-    yield "client_adamw all", adam(decoupled=True, prox=True, dyn=True, clip=True, act=True, rowwd=True)
+    yield "client_adamw all", adam(decoupled=True, prox=True, lrows=True, clip=True, act=True, rowwd=True)
 
 
 def main(argv=None) -> int:

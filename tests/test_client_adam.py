@@ -57,7 +57,7 @@ def test_pieces_feddyn_term_and_large_rows_equal_the_reference(backend):
     theta0, G = torch.randn(n, P), torch.randn(n, P)
     m0, v0 = torch.randn(n, P) * 0.1, torch.rand(n, P) * 0.1
     kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=torch.tensor([0.0, 0.1, 0.01]),
-              dyn_linear=torch.randn(n, P) * 0.1, max_norm=20.0, active=torch.tensor([True, False, True]))
+              loss_rows=torch.randn(n, P) * 0.1, max_norm=20.0, active=torch.tensor([True, False, True]))
     step = torch.tensor([1.0, 7.0, 30.0])
     ref = client_adam_reference(theta0.double(), G.double(), m0.double(), v0.double(), step, **kw)
     pieces, off = [], 0

@@ -38,19 +38,22 @@ def test_sgd_momentum_wd_prox_clip_match_torch_optim(backend, clip):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_scaffold_feddyn_mask_and_drift(backend):
+def test_generic_terms_mask_and_offset(backend):
+    """Every term at once (loss rows, a scaled correction vector plus coefficient times correction rows, a scaled
+    step offset, per-client weight decay, a mask), against the reference and against the formula written out."""
     n, P = 5, 2000
     theta0 = torch.randn(n, P)
     G = torch.randn(n, P)
-    c, ck = torch.randn(P), torch.randn(n, P)
-    dyn = torch.randn(n, P) * 0.1
-    drift = torch.randn(P) * 0.01
+    v, C = torch.randn(P), torch.randn(n, P)
+    L = torch.randn(n, P) * 0.1
+    u = torch.randn(P) * 0.01
     active = torch.tensor([True, False, True, True, False])
     buf0 = torch.randn(n, P)
     wd = torch.tensor([0.0, 1e-3, 0.1, 1e-2, 0.0])
-    ds = torch.tensor([1.0, 0.5, 0.25, 2.0, 1.0])  # FedADC: drift / H_k per client
-    kw = dict(lr=0.05, momentum=0.5, weight_decay=wd, dyn_linear=dyn, scaffold_c=c, scaffold_ck=ck, drift=drift,
-              drift_scale=ds, active=active)
+    s_k = torch.tensor([1.0, 0.3, 0.7, 2.0, 1.0])
+    o_k = torch.tensor([1.0, 0.5, 0.25, 2.0, 1.0])
+    kw = dict(lr=0.05, momentum=0.5, weight_decay=wd, loss_rows=L, corr_vec=v, corr_vec_scale=s_k, corr_rows=C,
+              corr_rows_coef=-0.75, step_vec=u, step_vec_scale=o_k, active=active)
     ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
     theta, buf = theta0.clone(), buf0.clone()
     ops.client_step(theta, G, momentum_buf=buf, backend=backend, **kw)
@@ -58,13 +61,40 @@ def test_scaffold_feddyn_mask_and_drift(backend):
     assert torch.equal(theta[1], theta0[1]) and torch.equal(buf[4], buf0[4])  # masked rows untouched
     # explicit formula for one active row
     k = 2
-    g = G[k] + dyn[k] + wd[k] * theta0[k] + (c - ck[k])
+    g = G[k] + L[k] + wd[k] * theta0[k] + (0.7 * v - 0.75 * C[k])
     b = 0.5 * buf0[k] + g
-    assert rel_err(theta[k], theta0[k] - 0.05 * (b + 0.25 * drift)) <= 1e-6
-    with pytest.raises(ValueError, match="drift_scale"):
-        ops.client_step(theta, G, lr=0.1, drift_scale=ds, backend=backend)
-    with pytest.raises(ValueError, match="drift_scale"):
-        ops.client_step(theta, G, lr=0.1, drift=drift, drift_scale=torch.ones(3), backend=backend)
+    assert rel_err(theta[k], theta0[k] - 0.05 * (b + 0.25 * u)) <= 1e-6
+    with pytest.raises(ValueError, match="step_vec_scale"):
+        ops.client_step(theta, G, lr=0.1, step_vec_scale=o_k, backend=backend)
+    with pytest.raises(ValueError, match="corr_vec_scale"):
+        ops.client_step(theta, G, lr=0.1, corr_vec_scale=s_k, backend=backend)
+    with pytest.raises(ValueError, match="step_vec_scale"):
+        ops.client_step(theta, G, lr=0.1, step_vec=u, step_vec_scale=torch.ones(3), backend=backend)
+    with pytest.raises(TypeError, match="corr_rows_coef"):
+        ops.client_step(theta, G, lr=0.1, corr_rows=C, corr_rows_coef=torch.tensor(1.0), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("terms", ["corr_vec", "corr_vec_scaled", "corr_rows", "vec_minus_rows", "step_vec"])
+def test_each_term_alone_is_its_formula(backend, terms):
+    """Each correction alone, with momentum and clipping, against the formula written out (a term that a kernel
+    drops or misplaces, before clipping or after momentum, fails here)."""
+    torch.manual_seed(11)
+    n, P = 4, 777
+    theta0, G, buf0 = torch.randn(n, P), torch.randn(n, P), torch.randn(n, P)
+    v, C, sk = torch.randn(P), torch.randn(n, P), torch.rand(n) + 0.5
+    kw = {"corr_vec": dict(corr_vec=v), "corr_vec_scaled": dict(corr_vec=v, corr_vec_scale=sk),
+          "corr_rows": dict(corr_rows=C, corr_rows_coef=0.5), "vec_minus_rows": dict(corr_vec=v, corr_rows=C,
+                                                                                     corr_rows_coef=-1.0),
+          "step_vec": dict(step_vec=v, step_vec_scale=sk)}[terms]
+    theta, buf = theta0.clone(), buf0.clone()
+    ops.client_step(theta, G, lr=0.1, momentum=0.9, momentum_buf=buf, max_norm=5.0, backend=backend, **kw)
+    g = G * torch.clamp(5.0 / (G.norm(dim=1, keepdim=True) + 1e-6), max=1.0)
+    corr = {"corr_vec": v[None], "corr_vec_scaled": sk[:, None] * v[None], "corr_rows": 0.5 * C,
+            "vec_minus_rows": v[None] - C, "step_vec": 0}[terms]
+    b = 0.9 * buf0 + g + corr
+    step = b + (sk[:, None] * v[None] if terms == "step_vec" else 0)
+    assert rel_err(buf, b) <= 1e-6 and rel_err(theta, theta0 - 0.1 * step) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,7 +115,7 @@ def test_fedadc_nesterov_ordering_equals_literal_loop(backend):
     th = theta0.clone()
     drift_shift_(th, d, lr, sign=-1.0)
     for _ in range(H):
-        ops.client_step(th, grad_f(th), lr=lr, drift=d, backend=backend)
+        ops.client_step(th, grad_f(th), lr=lr, step_vec=d, backend=backend)
     drift_shift_(th, d, lr, sign=+1.0)
     assert rel_err(th, lit) <= 1e-5
     # heavy-ball (blue): theta = theta - lr (g(theta) + d)
@@ -94,7 +124,7 @@ def test_fedadc_nesterov_ordering_equals_literal_loop(backend):
         lit = lit - lr * (grad_f(lit) + d)
     th = theta0.clone()
     for _ in range(H):
-        ops.client_step(th, grad_f(th), lr=lr, drift=d, backend=backend)
+        ops.client_step(th, grad_f(th), lr=lr, step_vec=d, backend=backend)
     assert rel_err(th, lit) <= 1e-5
 
 
@@ -125,8 +155,9 @@ def test_gradient_pieces_equal_the_flat_gradient(backend, variant):
           "momentum_wd": dict(lr=torch.tensor([0.1, 0.2, 0.05]), momentum=0.9, weight_decay=1e-2),
           "clip": dict(lr=0.1, max_norm=3.0),
           "prox_clip": dict(lr=0.1, prox_mu=0.3, anchor=torch.randn(P), max_norm=3.0),
-          "all_terms": dict(lr=0.1, momentum=0.5, dyn_linear=torch.randn(n, P), scaffold_c=torch.randn(P),
-                            scaffold_ck=torch.randn(n, P), drift=torch.randn(P), max_norm=50.0,
+          "all_terms": dict(lr=0.1, momentum=0.5, loss_rows=torch.randn(n, P), corr_vec=torch.randn(P),
+                            corr_vec_scale=torch.rand(n), corr_rows=torch.randn(n, P), corr_rows_coef=-1.0,
+                            step_vec=torch.randn(P), step_vec_scale=torch.rand(n), max_norm=50.0,
                             active=torch.tensor([True, False, True]))}[variant]
     ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
     pieces, off = [], 0

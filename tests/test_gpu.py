@@ -120,14 +120,15 @@ def test_gpu_aggregate_and_client_step(backend):
     Xn[4, 17] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[4\]"):
         ops.aggregate(cu(Xn), cu(g), rows=cu(ids), backend=backend)
-    # client step: momentum, wd, prox, clipping, SCAFFOLD, drift, masking
+    # client step: momentum, wd, prox, loss rows, clipping, corrections (scaled vector, rows), offset, masking
     n = 6
     th0, G = torch.randn(n, P), torch.randn(n, P)
     buf0 = torch.randn(n, P)
     act = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
     lr = torch.rand(n) * 0.1
-    kw = dict(momentum=0.9, weight_decay=1e-3, prox_mu=0.1, anchor=g, scaffold_c=c, scaffold_ck=torch.randn(n, P),
-              drift=torch.randn(P) * 0.01, drift_scale=torch.rand(n) + 0.5, max_norm=5.0, active=act)
+    kw = dict(momentum=0.9, weight_decay=1e-3, prox_mu=0.1, anchor=g, corr_vec=c, corr_rows=torch.randn(n, P),
+              corr_rows_coef=-1.0, corr_vec_scale=torch.rand(n) + 0.5, loss_rows=torch.randn(n, P) * 0.1,
+              step_vec=torch.randn(P) * 0.01, step_vec_scale=torch.rand(n) + 0.5, max_norm=5.0, active=act)
     ref, rbuf = client_step_reference(th0.double(), G.double(), lr=lr.double(), momentum_buf=buf0.double(), **{
         k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
     th, buf = cu(th0), cu(buf0)
@@ -146,7 +147,7 @@ def test_gpu_client_adam(backend, decoupled):
     m0, v0 = torch.randn(n, P) * 0.1, torch.rand(n, P) * 0.1
     step, lr = torch.tensor([1.0, 2.0, 5.0, 9.0, 30.0]), torch.rand(n) * 0.01
     kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=torch.rand(n) * 0.01, decoupled=decoupled, prox_mu=0.1,
-              anchor=torch.randn(P), dyn_linear=torch.randn(n, P) * 0.1, max_norm=50.0,
+              anchor=torch.randn(P), loss_rows=torch.randn(n, P) * 0.1, max_norm=50.0,
               active=torch.tensor([True, False, True, True, True]))
     ref = client_adam_reference(th0.double(), G.double(), m0.double(), v0.double(), step, lr=lr.double(), **{
         k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})

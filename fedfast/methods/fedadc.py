@@ -77,7 +77,8 @@ class FedADC(FedAvg):
             drift_shift_(e.client_params(hi - lo), drift, ctx.lr * inv_h, sign=-1.0)
 
     def step_terms(self, ctx, n_act):
-        return dict(drift=ctx.chunk["drift"], drift_scale=ctx.chunk["inv_h"][:n_act])
+        # the drift beta_l m_t / H_k is a step offset outside the momentum buffer: u = beta_l m_t, o_k = 1 / H_k
+        return dict(step_vec=ctx.chunk["drift"], step_vec_scale=ctx.chunk["inv_h"][:n_act])
 
     def chunk_end(self, ctx, lo, hi):
         if self.opts.order == "nesterov":

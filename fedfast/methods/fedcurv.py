@@ -16,7 +16,7 @@ adds the other clients' Fisher-weighted distance::
     lam * sum_{j != k} u_j * (w - w_j)^2  =  lam * (P_k . w^2 - 2 Q_k . w) + const,
     P_k = U - u_k,   Q_k = V - v_k            (u_k = v_k = 0 before the client first trains)
 
-a loss-side gradient ``2 lam (P_k * w - Q_k)`` (before clipping; the fused client step's ``dyn_linear``). Round 1
+a loss-side gradient ``2 lam (P_k * w - Q_k)`` (before clipping; the fused client step's ``loss_rows``). Round 1
 has no penalty (U = V = 0). Defaults ``lam = 1``, ``samples = 500``: FedNTD's Table 5 (searched over
 {0.1, 0.5, 1} x {250, 500}) and ``config/fedcurv.json``.
 
@@ -86,7 +86,8 @@ class FedCurv(FedAvg):
             return {}
         ch = ctx.chunk
         theta = self.engine.client_params(n_act)
-        return dict(dyn_linear=torch.addcmul(ch["lin"][:n_act], ch["curv"][:n_act], theta, out=ch["grad"][:n_act]))
+        # the penalty's gradient 2 lam (P_k w - Q_k) is a per-client loss term (clipped with the loss gradient)
+        return dict(loss_rows=torch.addcmul(ch["lin"][:n_act], ch["curv"][:n_act], theta, out=ch["grad"][:n_act]))
 
     def chunk_end(self, ctx, lo, hi):
         e = self.engine

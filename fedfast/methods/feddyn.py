@@ -77,7 +77,8 @@ class FedDyn(FedAvg):
 
     def step_terms(self, ctx, n_act):
         ch = ctx.chunk
-        return dict(dyn_linear=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
+        # the linear term's gradient alpha_k (h_k - w_t) is a per-client loss term (clipped with the loss gradient)
+        return dict(loss_rows=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
 
     def chunk_aggregate(self, ctx, lo, hi):
         return dict(dyn_h=self._h(ctx.rows[lo:hi]).contiguous(), dyn_hbar=self.hbar,

@@ -81,7 +81,8 @@ class FedNova(FedAvg):
     def step_terms(self, ctx, n_act):
         if not self.opts.ccvr:
             return {}
-        return dict(scaffold_c=self.c, scaffold_ck=ctx.chunk["d"][:n_act])
+        # the correction c - d_k enters momentum: v = c, C_k = d_k with coefficient -1
+        return dict(corr_vec=self.c, corr_rows=ctx.chunk["d"][:n_act], corr_rows_coef=-1.0)
 
     def collect(self, ctx, out, lo, hi):
         if not self.opts.ccvr:

@@ -45,7 +45,8 @@ class Scaffold(FedAvg):
         ctx.chunk["ck"] = ctx.rows[lo:hi]
 
     def step_terms(self, ctx, n_act):
-        return dict(scaffold_c=self.c, scaffold_ck=ctx.chunk["ck"][:n_act])
+        # the correction c - c_k (after clipping, inside momentum): v = c, C_k = c_k with coefficient -1
+        return dict(corr_vec=self.c, corr_rows=ctx.chunk["ck"][:n_act], corr_rows_coef=-1.0)
 
     def chunk_aggregate(self, ctx, lo, hi):
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)

@@ -1,7 +1,7 @@
 """Fused all-client Adam / AdamW step over a flat ``[n, P]`` parameter buffer, in place.
 
-Formulas and order (FedProx, FedDyn's linear term, clipping, L2 or decoupled weight decay, bias correction by each
-client's own step count, masking): :mod:`fedfast.ops.client_adam_reference`. Backends: ``cpu`` (C++),
+Formulas and order (a proximal term, per-client loss rows, clipping, L2 or decoupled weight decay, bias correction
+by each client's own step count, masking): :mod:`fedfast.ops.client_adam_reference`. Backends: ``cpu`` (C++),
 ``triton`` (fedfast/triton/client_adam.py), ``cuda`` (kernels/client_adam.cu) and ``reference``.
 """
 from __future__ import annotations
@@ -26,15 +26,16 @@ def _row_scalars(step_t, lr_t, wd_t, b1: float, b2: float, n: int, decoupled: bo
 
 def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
-                prox_mu: float = 0.0, anchor: Tensor | None = None, dyn_linear: Tensor | None = None,
+                prox_mu: float = 0.0, anchor: Tensor | None = None, loss_rows: Tensor | None = None,
                 max_norm: float | None = None, active: Tensor | None = None, backend: str | None = None) -> None:
     """Update ``theta``, ``exp_avg`` and ``exp_avg_sq`` [n, P] (fp32, contiguous) in place.
 
     ``grad``: [n, P] or the per-parameter pieces ``[n, *shape_p]`` in column order (read in place on ``cpu``).
     ``step``: [n] (or a scalar) each client's step count including this step (>= 1). ``lr`` and
     ``weight_decay``: scalars or per client [n]. ``decoupled``: AdamW's weight decay, else Adam's L2.
-    ``anchor`` [P] with ``prox_mu``: FedProx. ``dyn_linear`` [n, P]: FedDyn's gradient term. ``max_norm``:
-    per-client gradient-norm clipping. ``active`` [n] bool: rows that take this step."""
+    ``anchor`` [P] with ``prox_mu``: a proximal term. ``loss_rows`` [n, P]: a per-client loss-gradient term
+    (clipped with it). ``max_norm``: per-client gradient-norm clipping. ``active`` [n] bool: rows that take this
+    step."""
     if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
         raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
     n, P = theta.shape
@@ -43,11 +44,11 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if not (isinstance(t, Tensor) and t.shape == (n, P) and t.dtype == torch.float32 and t.is_contiguous()):
             raise TypeError(f"{name}: expected a contiguous fp32 ({n}, {P}) tensor (it is updated in place)")
-    for name, t, shp in (("anchor", anchor, (P,)), ("dyn_linear", dyn_linear, (n, P)), ("active", active, (n,))):
+    for name, t, shp in (("anchor", anchor, (P,)), ("loss_rows", loss_rows, (n, P)), ("active", active, (n,))):
         if t is not None and t.shape != shp:
             raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
     if prox_mu and anchor is None:
-        raise ValueError("anchor: FedProx (prox_mu > 0) needs the round's global model")
+        raise ValueError("anchor: a proximal term (prox_mu > 0) needs its anchor")
     b1, b2 = (float(b) for b in betas)
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"betas: each must be in [0, 1), got {tuple(betas)}")
@@ -62,13 +63,13 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
     if be == "cpu":
         _backend.cpu_ext().client_adam(theta, pieces if pieces is not None else [grad], exp_avg, exp_avg_sq,
                                        step_t, lr_t, b1, b2, float(eps), wd_t, bool(decoupled), float(prox_mu),
-                                       anchor, dyn_linear, float(max_norm) if max_norm is not None else 0.0, active)
+                                       anchor, loss_rows, float(max_norm) if max_norm is not None else 0.0, active)
         return
     g = torch.cat([p.reshape(n, -1) for p in pieces], 1) if pieces is not None else grad
     if be in ("triton", "cuda"):
         ss, bc2, decay = _row_scalars(step_t, lr_t, wd_t, b1, b2, n, bool(decoupled))
         args = (theta, g, exp_avg, exp_avg_sq, ss, bc2, wd_t, decay, b1, b2, float(eps), float(prox_mu), anchor,
-                dyn_linear, float(max_norm) if max_norm is not None else 0.0, active)
+                loss_rows, float(max_norm) if max_norm is not None else 0.0, active)
         if be == "triton":
             from ..triton.client_adam import client_adam_triton
             client_adam_triton(*args)
@@ -78,7 +79,7 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
     new, m, v = client_adam_reference(theta, g, exp_avg, exp_avg_sq, step_t, lr=lr_t if lr_t.numel() == n
                                       else float(lr_t), betas=(b1, b2), eps=eps,
                                       weight_decay=wd_t if wd_t.numel() == n else float(wd_t),
-                                      decoupled=decoupled, prox_mu=prox_mu, anchor=anchor, dyn_linear=dyn_linear,
+                                      decoupled=decoupled, prox_mu=prox_mu, anchor=anchor, loss_rows=loss_rows,
                                       max_norm=max_norm, active=active)
     theta.copy_(new)
     exp_avg.copy_(m)

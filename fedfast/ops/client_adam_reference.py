@@ -3,7 +3,7 @@
 For every client row k (parameters ``theta`` [n, P], loss gradients ``grad`` [n, P], moments ``exp_avg`` /
 ``exp_avg_sq`` [n, P], step count ``t_k`` = this client's steps so far, this one included), in this order:
 
-    1. loss-side terms  g = grad + mu (theta - anchor) + dyn_linear              FedProx; FedDyn's linear term
+    1. loss gradient    g = grad + mu (theta - anchor) + loss_rows               proximal; per-client loss term
     2. clipping         g = g * min(1, max_norm / (||g||_2 + 1e-6))  (per client) torch.nn.utils.clip_grad_norm_
     3. weight decay     Adam:  g = g + wd_k theta                                torch.optim.Adam (L2)
                         AdamW: theta = theta (1 - lr_k wd_k)                     torch.optim.AdamW (decoupled)
@@ -25,14 +25,14 @@ from .client_step_reference import _per_row, clipped_loss_grad
 
 def client_adam_reference(theta: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
                           betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
-                          prox_mu: float = 0.0, anchor: Tensor | None = None, dyn_linear: Tensor | None = None,
+                          prox_mu: float = 0.0, anchor: Tensor | None = None, loss_rows: Tensor | None = None,
                           max_norm: float | None = None, active: Tensor | None = None):
     """Returns ``(theta', exp_avg', exp_avg_sq')`` as new tensors. ``step``: [n] (or a scalar) step counts."""
     acc = torch.float64 if theta.dtype == torch.float64 else torch.float32
     n = theta.shape[0]
     b1, b2 = betas
     th = theta.to(acc)
-    g = clipped_loss_grad(th, grad.to(acc), prox_mu, anchor, dyn_linear, max_norm)
+    g = clipped_loss_grad(th, grad.to(acc), prox_mu, anchor, loss_rows, max_norm)
     wd, lr_k = _per_row(weight_decay, n, acc, th.device), _per_row(lr, n, acc, th.device)
     new = th
     if decoupled:

@@ -1,7 +1,8 @@
 """Fused all-client optimizer step over a flat ``[n, P]`` parameter buffer, in place.
 
-Formulas and order (FedProx, FedDyn, clipping, coupled weight decay, SCAFFOLD, SGD momentum, FedADC
-drift, masking): :mod:`fedfast.ops.client_step_reference`. Backends: ``cpu`` (C++), ``cuda``
+Formulas and order (a proximal term, a per-client loss term, clipping, coupled weight decay, corrections, SGD
+momentum, a step offset, masking): :mod:`fedfast.ops.client_step_reference`. The terms are generic; each method
+says in its own file which of its quantities fills which. Backends: ``cpu`` (C++), ``cuda``
 (kernels/client_step.cu), ``triton`` and ``reference``.
 """
 from __future__ import annotations
@@ -20,6 +21,15 @@ def _per_client(name, v, n, dev):
     if t.numel() not in (1, n):
         raise ValueError(f"{name}: expected a scalar or one value per client ({n}), got {t.numel()} values")
     return t
+
+
+def _vec_scale(name, scale, vec, vec_name, n, dev):
+    """A vector term's per-client scale as [n] fp32 (None: 1 for every client)."""
+    if scale is None:
+        return None
+    if vec is None:
+        raise ValueError(f"{name}: given without {vec_name}")
+    return _per_client(name, scale, n, dev).expand(n).contiguous()
 
 
 def grad_pieces(grad, n: int, P: int) -> list | None:
@@ -42,8 +52,9 @@ def grad_pieces(grad, n: int, P: int) -> list | None:
 
 def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
-                dyn_linear: Tensor | None = None, scaffold_c: Tensor | None = None,
-                scaffold_ck: Tensor | None = None, drift: Tensor | None = None, drift_scale=None,
+                loss_rows: Tensor | None = None, corr_vec: Tensor | None = None, corr_vec_scale=None,
+                corr_rows: Tensor | None = None, corr_rows_coef: float = 1.0,
+                step_vec: Tensor | None = None, step_vec_scale=None,
                 max_norm: float | None = None,
                 active: Tensor | None = None, backend: str | None = None) -> None:
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
@@ -53,10 +64,13 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     place, so the caller need not concatenate them (a full [n, P] copy per step); the other backends
     concatenate.
 
-    ``lr`` and ``weight_decay``: scalars or per client [n]. ``anchor`` [P]: the round's global model (FedProx).
-    ``dyn_linear`` [n, P]: FedDyn's gradient term. ``scaffold_c`` [P] / ``scaffold_ck`` [n, P]: SCAFFOLD
-    controls. ``drift`` [P] times ``drift_scale`` (scalar or [n], default 1): FedADC's ``beta_l m_t / H_k``. ``max_norm``: per-client gradient-norm clipping.
-    ``active`` [n] bool: rows that take this step (others are untouched, momentum included).
+    ``lr`` and ``weight_decay``: scalars or per client [n]. ``prox_mu`` with ``anchor`` [P]: a proximal term.
+    ``loss_rows`` [n, P]: a per-client loss-gradient term (clipped with the gradient). ``corr_vec`` [P] times
+    ``corr_vec_scale`` (scalar or [n], default 1) plus ``corr_rows_coef`` times ``corr_rows`` [n, P]: a
+    correction after clipping, inside momentum. ``step_vec`` [P] times ``step_vec_scale`` (scalar or [n],
+    default 1): a step offset outside momentum. ``max_norm``: per-client gradient-norm clipping. ``active`` [n]
+    bool: rows that take this step (others are untouched, momentum included). The formulas:
+    :mod:`fedfast.ops.client_step_reference`.
     """
     if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
         raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
@@ -64,24 +78,22 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     dev = theta.device
     pieces = grad_pieces(grad, n, P)
     for name, t, shp in (("momentum_buf", momentum_buf, (n, P)), ("anchor", anchor, (P,)),
-                         ("dyn_linear", dyn_linear, (n, P)), ("scaffold_c", scaffold_c, (P,)),
-                         ("scaffold_ck", scaffold_ck, (n, P)), ("drift", drift, (P,)), ("active", active, (n,))):
+                         ("loss_rows", loss_rows, (n, P)), ("corr_vec", corr_vec, (P,)),
+                         ("corr_rows", corr_rows, (n, P)), ("step_vec", step_vec, (P,)), ("active", active, (n,))):
         if t is not None and t.shape != shp:
             raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
     if prox_mu and anchor is None:
-        raise ValueError("anchor: FedProx (prox_mu > 0) needs the round's global model")
-    if (scaffold_c is None) != (scaffold_ck is None):
-        raise ValueError("scaffold_c and scaffold_ck: SCAFFOLD needs both controls")
+        raise ValueError("anchor: a proximal term (prox_mu > 0) needs its anchor")
     if momentum_buf is not None and not (momentum_buf.dtype == torch.float32 and momentum_buf.is_contiguous()):
         raise TypeError("momentum_buf: expected a contiguous fp32 tensor (it is updated in place)")
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm: must be > 0, got {max_norm}")
     lr_t = _per_client("lr", lr, n, dev)
-    ds_t = None
-    if drift_scale is not None:
-        if drift is None:
-            raise ValueError("drift_scale: given without drift")
-        ds_t = _per_client("drift_scale", drift_scale, n, dev).expand(n).contiguous()
+    cs_t = _vec_scale("corr_vec_scale", corr_vec_scale, corr_vec, "corr_vec", n, dev)
+    ss_t = _vec_scale("step_vec_scale", step_vec_scale, step_vec, "step_vec", n, dev)
+    if not isinstance(corr_rows_coef, (int, float)):
+        raise TypeError(f"corr_rows_coef: expected a Python number, got {type(corr_rows_coef).__name__}")
+    rc = float(corr_rows_coef)
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
     be = _backend.resolve(backend, dev.type)
     if be == "cpu":  # the C++ kernel reads the pieces in place
@@ -90,30 +102,30 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
         grad = torch.cat([g.reshape(n, -1) for g in pieces], 1) if pieces else theta.new_zeros(n, 0)
     # triton: fp32 pieces are read in place through a block table (fedfast/triton/client_step.py)
 
+    # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
+    args = (theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, loss_rows, corr_vec, cs_t,
+            corr_rows, rc, step_vec, ss_t, float(max_norm) if max_norm is not None else 0.0, active)
     if be == "triton":
         from ..triton.client_step import client_step_triton
-        client_step_triton(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, dyn_linear,
-                           scaffold_c, scaffold_ck, drift, ds_t, float(max_norm) if max_norm is not None else 0.0, active)
+        client_step_triton(*args)
         return
     if be in ("cpu", "cuda"):
-        ext = _backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()
-        ext.client_step(theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor,
-                                       dyn_linear, scaffold_c, scaffold_ck, drift, ds_t,
-                                       float(max_norm) if max_norm is not None else 0.0, active)
+        (_backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()).client_step(*args)
         return
     new, buf = client_step_reference(theta, grad, lr=lr_t if lr_t.numel() == n else float(lr_t),
                                      momentum=momentum, momentum_buf=momentum_buf,
                                      weight_decay=wd_t if wd_t.numel() == n else float(wd_t), prox_mu=prox_mu,
-                                     anchor=anchor, dyn_linear=dyn_linear, scaffold_c=scaffold_c,
-                                     scaffold_ck=scaffold_ck, drift=drift, drift_scale=ds_t, max_norm=max_norm,
-                                     active=active)
+                                     anchor=anchor, loss_rows=loss_rows, corr_vec=corr_vec, corr_vec_scale=cs_t,
+                                     corr_rows=corr_rows, corr_rows_coef=rc, step_vec=step_vec, step_vec_scale=ss_t,
+                                     max_norm=max_norm, active=active)
     theta.copy_(new)
     if momentum_buf is not None:
         momentum_buf.copy_(buf)
 
 
 def drift_shift_(theta: Tensor, drift: Tensor, lr, sign: float = -1.0) -> None:
-    """``theta += sign * lr * drift`` for every row: FedADC's Nesterov ordering is the heavy-ball step on the
-    sequence shifted by one drift half-step (``sign=-1`` before the first step, ``+1`` after the last)."""
+    """``theta += sign * lr * drift`` for every row: a step offset applied before each gradient evaluation
+    (a Nesterov ordering) is the heavy-ball step on the sequence shifted by one half-step of that ``step_vec``
+    (``sign=-1`` before the first step, ``+1`` after the last)."""
     lr_t = _per_client("lr", lr, theta.shape[0], theta.device).reshape(-1, 1)
     theta.add_(sign * lr_t * drift.to(theta.dtype)[None, :])

@@ -2,7 +2,7 @@
 
 Grid (n rows x column blocks). The per-row scalars (lr / (1 - b1^t_k), sqrt(1 - b2^t_k), 1 - lr_k wd_k) are
 [n] tensors the op computes on the device before the launch (no host sync); clipping reuses the SGD step's partial-norm
-kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with FedDyn's term; + 4*n*P read with clipping.
+kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with loss rows; + 4*n*P read with clipping.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from .client_step import _row_block, clip_factors
 
 
 @triton.jit
-def _adam_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_ptr, decay_ptr, m_ptr, v_ptr, act_ptr,
-                 P, mu, b2, w1, w2, eps, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_DYN: tl.constexpr,
+def _adam_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_ptr, decay_ptr, m_ptr, v_ptr, act_ptr,
+                 P, mu, b2, w1, w2, eps, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr,
                  CLIP: tl.constexpr, DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr, ACT: tl.constexpr,
                  BLOCK: tl.constexpr):
-    k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_DYN,
+    k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_LROWS,
                                         CLIP, ACT, BLOCK)
     if DECOUPLED:
         t = t * tl.load(decay_ptr + k)
@@ -38,7 +38,7 @@ def _adam_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_pt
 
 
 def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd, decay, beta1, beta2, eps, prox_mu,
-                       anchor, dyn, max_norm, active):
+                       anchor, loss_rows, max_norm, active):
     """``step_size``, ``bc2_sqrt``: [n] fp32 (``fedfast.ops.client_adam._row_scalars``); ``decay``: [n] for AdamW,
     else None (``wd`` [n] or [1], Adam's L2)."""
     n, P = theta.shape
@@ -46,12 +46,12 @@ def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd
     NB = triton.cdiv(P, BLOCK)
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
     grad = grad.contiguous()
-    clip = clip_factors(theta, grad, f32(anchor), f32(dyn), prox_mu, max_norm, BLOCK)
+    clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK)
     w1, w2 = 1.0 - float(beta1), 1.0 - float(beta2)
-    _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, step_size, bc2_sqrt, wd.float().contiguous(),
+    _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, step_size, bc2_sqrt, wd.float().contiguous(),
                           f32(decay), exp_avg, exp_avg_sq,
                           active.to(torch.int8).contiguous() if active is not None else theta,
                           P, float(prox_mu), float(beta2), w1, w2, float(eps),
-                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None,
+                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
                           CLIP=max_norm > 0, DECOUPLED=decay is not None, LERP_LOW=w1 < 0.5,
                           ACT=active is not None, BLOCK=BLOCK, num_warps=4)

@@ -1,8 +1,9 @@
 """Triton kernels: fused all-client optimizer step, in place (formulas: fedfast/ops/client_step_reference.py).
 
 Grid (n rows x column blocks). With clipping, a first kernel writes per-(row, block) partial squared norms
-of the loss-side gradient; the per-row clip factor is a tiny [n] reduction. Bytes: 20*n*P with momentum
-(theta r/w, grad r, buffer r/w) + 4*n*P per optional per-row input (FedDyn, SCAFFOLD c_k).
+of the loss gradient; the per-row clip factor is a tiny [n] reduction. Generic terms: loss rows L [n, P], a
+correction s_k v + r C_k (v [P], C [n, P]) inside momentum, a step offset o_k u (u [P]) outside it. Bytes: 20*n*P
+with momentum (theta r/w, grad r, buffer r/w) + 4*n*P per optional per-row input (L, C).
 """
 from __future__ import annotations
 
@@ -12,19 +13,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _loss_grad(th_ptr, g_ptrs, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX: tl.constexpr, HAS_DYN: tl.constexpr):
+def _loss_grad(th_ptr, g_ptrs, a_ptr, lrows_ptr, offs, cols, m, mu, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr):
     g = tl.load(g_ptrs, mask=m, other=0.0).to(tl.float32)
     t = tl.load(th_ptr + offs, mask=m, other=0.0)
     if HAS_PROX:
         g += mu * (t - tl.load(a_ptr + cols, mask=m, other=0.0))
-    if HAS_DYN:
-        g += tl.load(dyn_ptr + offs, mask=m, other=0.0)
+    if HAS_LROWS:
+        g += tl.load(lrows_ptr + offs, mask=m, other=0.0)
     return g, t
 
 
 @triton.jit
-def _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX: tl.constexpr,
-               HAS_DYN: tl.constexpr, CLIP: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX: tl.constexpr,
+               HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
     """This program's row k and column block: (k, cols, mask, offsets, clipped loss-side gradient, theta)."""
     k = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -32,7 +33,7 @@ def _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX
     if ACT:
         m = m & (tl.load(act_ptr + k) != 0)
     offs = k * P + cols
-    g, t = _loss_grad(th_ptr, g_ptr + offs, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX, HAS_DYN)
+    g, t = _loss_grad(th_ptr, g_ptr + offs, a_ptr, lrows_ptr, offs, cols, m, mu, HAS_PROX, HAS_LROWS)
     if CLIP:
         g = g * tl.load(clip_ptr + k)
     return k, cols, m, offs, g, t
@@ -57,8 +58,8 @@ def _piece_block(tab_ptr, k, NPC, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, part_ptr, P, NB, mu, tab_ptr, NPC, HAS_PROX: tl.constexpr,
-                 HAS_DYN: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, part_ptr, P, NB, mu, tab_ptr, NPC, HAS_PROX: tl.constexpr,
+                 HAS_LROWS: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     if PIECES:
@@ -67,47 +68,54 @@ def _norm_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, part_ptr, P, NB, mu, tab_ptr, NP
         cols = b * BLOCK + tl.arange(0, BLOCK)
         m = cols < P
         gptrs = g_ptr + k * P + cols
-    g, _ = _loss_grad(th_ptr, gptrs, a_ptr, dyn_ptr, k * P + cols, cols, m, mu, HAS_PROX, HAS_DYN)
+    g, _ = _loss_grad(th_ptr, gptrs, a_ptr, lrows_ptr, k * P + cols, cols, m, mu, HAS_PROX, HAS_LROWS)
     tl.store(part_ptr + k * NB + b, tl.sum(g * g, axis=0))
 
 
 @triton.jit
-def _step_kernel(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, lr_ptr, wd_ptr, c_ptr, ck_ptr, buf_ptr, dr_ptr, ds_ptr, act_ptr,
-                 P, mu,
-                 mom, tab_ptr, NPC, LR_ROW: tl.constexpr, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr,
-                 HAS_DYN: tl.constexpr, CLIP: tl.constexpr, SCAF: tl.constexpr, MOM: tl.constexpr, DRIFT: tl.constexpr,
-                 DSCALE: tl.constexpr, ACT: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
+def _step_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, lr_ptr, wd_ptr, cv_ptr, cs_ptr, cr_ptr, sv_ptr, ss_ptr,
+                 buf_ptr, act_ptr, P, mu, rcoef, mom, tab_ptr, NPC, LR_ROW: tl.constexpr, WD_ROW: tl.constexpr,
+                 HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, CVEC: tl.constexpr,
+                 CSCALE: tl.constexpr, CROWS: tl.constexpr, MOM: tl.constexpr, SVEC: tl.constexpr,
+                 SSCALE: tl.constexpr, ACT: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
     if PIECES:
         k = tl.program_id(0).to(tl.int64)
         cols, m, gptrs = _piece_block(tab_ptr, k, NPC, BLOCK)
         if ACT:
             m = m & (tl.load(act_ptr + k) != 0)
         offs = k * P + cols
-        g, t = _loss_grad(th_ptr, gptrs, a_ptr, dyn_ptr, offs, cols, m, mu, HAS_PROX, HAS_DYN)
+        g, t = _loss_grad(th_ptr, gptrs, a_ptr, lrows_ptr, offs, cols, m, mu, HAS_PROX, HAS_LROWS)
         if CLIP:
             g = g * tl.load(clip_ptr + k)
     else:
-        k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, dyn_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX,
-                                            HAS_DYN, CLIP, ACT, BLOCK)
+        k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX,
+                                            HAS_LROWS, CLIP, ACT, BLOCK)
     wd = tl.load(wd_ptr + k) if WD_ROW else tl.load(wd_ptr)
     g += wd * t
-    if SCAF:
-        g += tl.load(c_ptr + cols, mask=m, other=0.0) - tl.load(ck_ptr + offs, mask=m, other=0.0)
+    if CVEC:  # the correction s_k v + r C_k, summed before it is added
+        corr = tl.load(cv_ptr + cols, mask=m, other=0.0)
+        if CSCALE:
+            corr = tl.load(cs_ptr + k) * corr
+        if CROWS:
+            corr = corr + rcoef * tl.load(cr_ptr + offs, mask=m, other=0.0)
+        g += corr
+    elif CROWS:
+        g += rcoef * tl.load(cr_ptr + offs, mask=m, other=0.0)
     if MOM:
         g = mom * tl.load(buf_ptr + offs, mask=m, other=0.0) + g
         tl.store(buf_ptr + offs, g, mask=m)
-    if DRIFT:
-        d = tl.load(dr_ptr + cols, mask=m, other=0.0)
-        if DSCALE:
-            d = d * tl.load(ds_ptr + k)
-        g += d
+    if SVEC:
+        u = tl.load(sv_ptr + cols, mask=m, other=0.0)
+        if SSCALE:
+            u = u * tl.load(ss_ptr + k)
+        g += u
     lr = tl.load(lr_ptr + k) if LR_ROW else tl.load(lr_ptr)
     tl.store(th_ptr + offs, t - lr * g, mask=m)
 
 
-def clip_factors(theta, grad, anchor, dyn, prox_mu, max_norm, BLOCK, pieces=None):
-    """Per-row clip factors [n] of the loss-side gradient (``theta`` itself as a dummy pointer without clipping).
-    ``anchor`` / ``dyn``: fp32 tensors or ``theta`` as a dummy. ``pieces``: ``(table, number of pieces, number of
+def clip_factors(theta, grad, anchor, lrows, prox_mu, max_norm, BLOCK, pieces=None):
+    """Per-row clip factors [n] of the loss gradient (``theta`` itself as a dummy pointer without clipping).
+    ``anchor`` / ``lrows``: fp32 tensors or ``theta`` as a dummy. ``pieces``: ``(table, number of pieces, number of
     blocks)`` of :func:`piece_table` when ``grad`` is a list of per-parameter gradients."""
     if not max_norm > 0:
         return theta
@@ -115,8 +123,8 @@ def clip_factors(theta, grad, anchor, dyn, prox_mu, max_norm, BLOCK, pieces=None
     NB = triton.cdiv(P, BLOCK) if pieces is None else pieces[2]
     part = torch.empty(n, NB, dtype=torch.float32, device=theta.device)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
-    _norm_kernel[(n, NB)](theta, theta if pieces is not None else grad, anchor, dyn, part, P, NB, float(prox_mu), tab,
-                          npc, HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not theta, PIECES=pieces is not None,
+    _norm_kernel[(n, NB)](theta, theta if pieces is not None else grad, anchor, lrows, part, P, NB, float(prox_mu), tab,
+                          npc, HAS_PROX=bool(prox_mu), HAS_LROWS=lrows is not theta, PIECES=pieces is not None,
                           BLOCK=BLOCK, num_warps=4)
     return torch.clamp(max_norm / (part.sum(1).sqrt() + 1e-6), max=1.0)
 
@@ -146,10 +154,11 @@ def piece_table(pieces, BLOCK: int):
     return tab, len(widths), nb
 
 
-def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn, c, ck, drift, drift_scale, max_norm,
-                       active):
-    """``grad``: one ``[n, P]`` tensor, or the per-parameter fp32 gradients ``[n, *shape]`` (contiguous; read in
-    place through a block table: no concatenation, 8 bytes per parameter and client less traffic per step)."""
+def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, loss_rows, corr_vec, corr_vec_scale,
+                       corr_rows, corr_rows_coef, step_vec, step_vec_scale, max_norm, active):
+    """The compiled backends' argument order (fedfast.ops.client_step). ``grad``: one ``[n, P]`` tensor, or the
+    per-parameter fp32 gradients ``[n, *shape]`` (contiguous; read in place through a block table: no
+    concatenation, 8 bytes per parameter and client less traffic per step)."""
     n, P = theta.shape
     BLOCK = 1024
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
@@ -163,14 +172,17 @@ def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, dyn,
     else:
         grad, pieces, keep = grad.contiguous(), None, None
         NB = triton.cdiv(P, BLOCK)
-    clip = clip_factors(theta, grad, f32(anchor), f32(dyn), prox_mu, max_norm, BLOCK, pieces)
+    clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK, pieces)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
-    _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(dyn), clip, lr.float().contiguous(), wd.float().contiguous(),
-                          f32(c), f32(ck), buf if buf is not None else theta, f32(drift), f32(drift_scale),
+    _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, lr.float().contiguous(),
+                          wd.float().contiguous(), f32(corr_vec), f32(corr_vec_scale), f32(corr_rows), f32(step_vec),
+                          f32(step_vec_scale), buf if buf is not None else theta,
                           active.to(torch.int8).contiguous() if active is not None else theta, P, float(prox_mu),
-                          float(momentum), tab, npc, LR_ROW=lr.numel() == n and n > 1,
-                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_DYN=dyn is not None,
-                          CLIP=max_norm > 0, SCAF=c is not None, MOM=buf is not None, DRIFT=drift is not None,
-                          DSCALE=drift is not None and drift_scale is not None, ACT=active is not None,
+                          float(corr_rows_coef), float(momentum), tab, npc, LR_ROW=lr.numel() == n and n > 1,
+                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
+                          CLIP=max_norm > 0, CVEC=corr_vec is not None,
+                          CSCALE=corr_vec is not None and corr_vec_scale is not None, CROWS=corr_rows is not None,
+                          MOM=buf is not None, SVEC=step_vec is not None,
+                          SSCALE=step_vec is not None and step_vec_scale is not None, ACT=active is not None,
                           PIECES=pieces is not None, BLOCK=BLOCK, num_warps=4)
     del keep
