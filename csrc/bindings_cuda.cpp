@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fedfast_kernels.h"
+#include "op_signatures.h"
 
 namespace {
 
@@ -120,45 +121,32 @@ at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& targ
 }
 
 
-std::vector<at::Tensor> aggregate_cuda(const at::Tensor& X_in, const at::Tensor& rows_in, const at::Tensor& g_in,
-                                       const at::Tensor& w_in, double beta, double scale, double lr,
-                                       const c10::optional<at::Tensor>& momentum,
-                                       const c10::optional<at::Tensor>& dyn_h,
-                                       const c10::optional<at::Tensor>& dyn_hbar, double dyn_K,
-                                       const c10::optional<at::Tensor>& scaffold_c,
-                                       const c10::optional<at::Tensor>& scaffold_ck,
-                                       const c10::optional<at::Tensor>& scaffold_coef, double sc_K,
-                                       const c10::optional<at::Tensor>& teacher_buffer, int64_t slot, int64_t count) {
+FEDFAST_AGGREGATE(aggregate_cuda) {
   check_cuda(X_in, "clients");
   c10::cuda::CUDAGuard guard(X_in.device());
   const at::Tensor X = X_in.contiguous(), rows = rows_in.to(at::kLong).contiguous();
   const at::Tensor g = g_in.to(at::kFloat).contiguous(), w = w_in.to(at::kFloat).contiguous();
   const int64_t n = rows.size(0), P = X.size(1);
   auto opts = g.options();
-  at::Tensor km, kh, khb, kc, kck, kcoef;
-  const float* m = fptr(momentum, km);
-  const float* h = fptr(dyn_h, kh);
-  const float* hb = fptr(dyn_hbar, khb);
-  const float* c = fptr(scaffold_c, kc);
-  const float* ck = fptr(scaffold_ck, kck);
-  const float* coef = fptr(scaffold_coef, kcoef);
+  at::Tensor keep[4];  // the fp32 contiguous copies the pointers below read
+  const float *m = fptr(momentum, keep[0]), *r = fptr(state_rows, keep[1]), *coef = fptr(state_coef, keep[2]);
+  const float* shift = fptr(state_shift, keep[3]);
+  TORCH_CHECK(!r || (coef && keep[2].numel() == n), "state_coef must have one value per row");
   at::Tensor g_out = at::empty({P}, opts), avg_out = at::empty({P}, opts);
   const bool keep_m = m != nullptr || beta != 0.0;
   at::Tensor m_out = keep_m ? at::empty({P}, opts) : at::Tensor();
-  at::Tensor h_out = h ? at::empty_like(kh) : at::Tensor(), hb_out = h ? at::empty_like(khb) : at::Tensor();
-  at::Tensor c_out = c ? at::empty_like(kc) : at::Tensor(), ck_out = c ? at::empty_like(kck) : at::Tensor();
-  at::Tensor tb = teacher_buffer.has_value() ? teacher_buffer->to(at::kFloat).clone() : at::Tensor();
+  at::Tensor r_out = r ? at::empty_like(keep[1]) : at::Tensor(), change = r ? at::empty({P}, opts) : at::Tensor();
+  at::Tensor ring = ring_in.has_value() ? ring_in->to(at::kFloat).clone() : at::Tensor();
   at::Tensor bad = at::zeros({n + 1}, opts.dtype(at::kInt));
   auto mp = [](at::Tensor& t) -> float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
   check_launch(fedfast_aggregate(X.data_ptr(), dtype_code(X, "clients"), rows.data_ptr<int64_t>(), n, P,
                                  w.data_ptr<float>(), g.data_ptr<float>(), (float)beta, (float)scale, (float)lr, m,
-                                 mp(m_out), h, mp(h_out), hb, mp(hb_out), (float)(1.0 / dyn_K), c, mp(c_out), ck,
-                                 mp(ck_out), coef, (float)(1.0 / sc_K), mp(tb), slot, g_out.data_ptr<float>(),
-                                 avg_out.data_ptr<float>(), bad.data_ptr<int>(),
+                                 mp(m_out), r, mp(r_out), coef, shift, mp(change), mp(ring), slot,
+                                 g_out.data_ptr<float>(), avg_out.data_ptr<float>(), bad.data_ptr<int>(),
                                  c10::cuda::getCurrentCUDAStream().stream()),
                "aggregate");
-  at::Tensor teacher = tb.defined() ? tb.narrow(0, 0, count).mean(0) : at::Tensor();
-  return {g_out, avg_out, m_out, h_out, hb_out, c_out, ck_out, tb, teacher, bad.to(at::kBool)};
+  at::Tensor ring_mean = ring.defined() ? ring.narrow(0, 0, count).mean(0) : at::Tensor();
+  return {g_out, avg_out, m_out, r_out, change, ring, ring_mean, bad.to(at::kBool)};
 }
 
 // Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) of the loss gradient (undefined: no clipping).
@@ -173,18 +161,15 @@ at::Tensor clip_factors(const at::Tensor& theta, const at::Tensor& grad, double 
   return at::clamp_max(max_norm / (sq.sqrt() + 1e-6), 1.0).contiguous();
 }
 
-void client_step_cuda(at::Tensor& theta, const at::Tensor& grad_in, const at::Tensor& lr_in, double momentum,
-                      const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
-                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
-                      const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,
-                      const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,
-                      const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,
-                      double max_norm, const c10::optional<at::Tensor>& active_opt) {
+FEDFAST_CLIENT_STEP(client_step_cuda) {
   check_cuda(theta, "theta");
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   c10::cuda::CUDAGuard guard(theta.device());
   const int64_t n = theta.size(0), P = theta.size(1);
-  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
+  std::vector<at::Tensor> flat;  // the per-parameter pieces [n, *shape] side by side: one [n, P] gradient
+  for (const at::Tensor& gi : grad_in) flat.push_back(gi.reshape({n, -1}));
+  const at::Tensor grad = (flat.size() == 1 ? flat[0] : at::cat(flat, 1)).to(at::kFloat).contiguous();
+  TORCH_CHECK(grad.size(1) == P, "grad: the pieces have ", grad.size(1), " columns, theta has ", P);
   const at::Tensor lr = lr_in.to(at::kFloat).contiguous(), wd = wd_in.to(at::kFloat).contiguous();
   at::Tensor keep[7];  // the fp32 contiguous copies the pointers below read
   const float *a = fptr(anchor, keep[0]), *lrows = fptr(loss_rows, keep[1]), *cvec = fptr(corr_vec, keep[2]);

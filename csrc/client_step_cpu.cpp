@@ -19,13 +19,7 @@ namespace {
 constexpr int64_t kBlock = 4096;
 }
 
-void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in,
-                     double momentum, const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,
-                     const c10::optional<at::Tensor>& corr_vec_opt, const c10::optional<at::Tensor>& corr_scale_opt,
-                     const c10::optional<at::Tensor>& corr_rows_opt, double corr_rows_coef,
-                     const c10::optional<at::Tensor>& step_vec_opt, const c10::optional<at::Tensor>& step_scale_opt,
-                     double max_norm, const c10::optional<at::Tensor>& active_opt) {
+FEDFAST_CLIENT_STEP(client_step_cpu) {
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   const int64_t n = theta.size(0), P = theta.size(1);
   std::vector<at::Tensor> grads;  // kept alive while the blocks point into them
@@ -34,9 +28,9 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   auto f32 = [](const c10::optional<at::Tensor>& t) {
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
   };
-  const at::Tensor anchor = f32(anchor_opt), lrows = f32(loss_rows_opt), cvec = f32(corr_vec_opt);
-  const at::Tensor cscale = f32(corr_scale_opt), crows = f32(corr_rows_opt);
-  const at::Tensor svec = f32(step_vec_opt), sscale = f32(step_scale_opt);
+  const at::Tensor anchor_t = f32(anchor), lrows = f32(loss_rows), cvec = f32(corr_vec);
+  const at::Tensor cscale = f32(corr_vec_scale), crows = f32(corr_rows);
+  const at::Tensor svec = f32(step_vec), sscale = f32(step_vec_scale);
   TORCH_CHECK(!cscale.defined() || cscale.numel() == n, "corr_vec_scale must have one value per row");
   TORCH_CHECK(!sscale.defined() || sscale.numel() == n, "step_vec_scale must have one value per row");
   at::Tensor buf;
@@ -47,7 +41,7 @@ void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kBool).contiguous() : at::Tensor();
   auto cp = [](const at::Tensor& t) -> const float* { return t.defined() ? t.data_ptr<float>() : nullptr; };
   float* th = theta.data_ptr<float>();
-  const float *an = cp(anchor), *dy = cp(lrows), *cv = cp(cvec), *cs = cp(cscale), *cr = cp(crows);
+  const float *an = cp(anchor_t), *dy = cp(lrows), *cv = cp(cvec), *cs = cp(cscale), *cr = cp(crows);
   const float *sv = cp(svec), *ss = cp(sscale);
   const float rc = static_cast<float>(corr_rows_coef);
   float* bf = buf.defined() ? buf.data_ptr<float>() : nullptr;

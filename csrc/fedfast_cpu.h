@@ -8,6 +8,8 @@
 #include <tuple>
 #include <vector>
 
+#include "op_signatures.h"
+
 namespace fedfast {
 
 std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
@@ -27,24 +29,9 @@ at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, 
 std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c10::optional<at::Tensor>& segments,
                                               int64_t C, int64_t ignore_index, int64_t mode, int64_t limit);
 
-std::vector<at::Tensor> aggregate_cpu(const at::Tensor& X, const at::Tensor& rows, const at::Tensor& g,
-                                      const at::Tensor& w, double beta, double scale, double lr,
-                                      const c10::optional<at::Tensor>& momentum,
-                                      const c10::optional<at::Tensor>& dyn_h,
-                                      const c10::optional<at::Tensor>& dyn_hbar, double dyn_K,
-                                      const c10::optional<at::Tensor>& scaffold_c,
-                                      const c10::optional<at::Tensor>& scaffold_ck,
-                                      const c10::optional<at::Tensor>& scaffold_coef, double sc_K,
-                                      const c10::optional<at::Tensor>& teacher_buffer, int64_t slot,
-                                      int64_t count);
+FEDFAST_AGGREGATE(aggregate_cpu);
 
-void client_step_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, const at::Tensor& lr, double momentum,
-                     const c10::optional<at::Tensor>& buf, const at::Tensor& wd, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
-                     const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,
-                     const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,
-                     const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,
-                     double max_norm, const c10::optional<at::Tensor>& active);
+FEDFAST_CLIENT_STEP(client_step_cpu);
 
 void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step, const at::Tensor& lr, double beta1,

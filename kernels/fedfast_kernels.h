@@ -38,14 +38,13 @@ int fedfast_asd_weights(const void* teacher, int t_dtype, const void* target, in
 
 // Fused server update (fedfast/ops/aggregate_reference.py), one thread per column, rows streamed once:
 // X [*, P] client rows (x_dtype), rows [n] int64 indices, w [n] normalised weights, g [P]. Optional (NULL):
-// m/m_out (momentum), h/h_out [n, P] + hbar/hbar_out (FedDyn), c/c_out + ck/ck_out [n, P] + coef [n]
-// (SCAFFOLD), tb [M, P] (teacher buffer, row `slot` overwritten in place). bad [n + 1] int32 flags (zeroed by
-// the caller): row k holds NaN/inf. Writes g_out, avg_out [P].
+// m/m_out (momentum); r/r_out [n, P] state rows with coef [n], shift [P] (NULL: 0) and change [P] (the column sum
+// of R_k' - R_k); ring [M, P] (row `slot` overwritten in place). bad [n + 1] int32 flags (zeroed by the caller):
+// row k holds NaN/inf. Writes g_out, avg_out [P].
 int fedfast_aggregate(const void* X, int x_dtype, const int64_t* rows, int64_t n, int64_t P, const float* w,
-                      const float* g, float beta, float scale, float lr, const float* m, float* m_out,
-                      const float* h, float* h_out, const float* hbar, float* hbar_out, float inv_dynK,
-                      const float* c, float* c_out, const float* ck, float* ck_out, const float* coef, float inv_scK,
-                      float* tb, int64_t slot, float* g_out, float* avg_out, int* bad, cudaStream_t stream);
+                      const float* g, float beta, float scale, float lr, const float* m, float* m_out, const float* r,
+                      float* r_out, const float* coef, const float* shift, float* change, float* ring, int64_t slot,
+                      float* g_out, float* avg_out, int* bad, cudaStream_t stream);
 
 // Fused all-client optimizer step, in place (fedfast/ops/client_step_reference.py). clip [n] per-row factors
 // (NULL: none; computed by the caller from fedfast_client_grad_sqnorm). lr, wd: [n] if *_row else [1]. Generic

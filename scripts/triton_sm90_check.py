@@ -149,23 +149,22 @@ def _cases():
 
     n, P, N = 3, 3000, 5
 
-    def agg(dt=torch.float32, mom=False, beta=0.0, dyn=False, scaf=False, tb=False):
+    def agg(dt=torch.float32, mom=False, beta=0.0, state=False, shift=False, ring=False):
         X = torch.randn(N, P).to(dt)
         rows = torch.tensor([0, 2, 4])
         return lambda: aggregate_triton(
             X, rows, torch.randn(P), torch.rand(n), beta, 1.0, 1.0, torch.randn(P) if mom else None,
-            torch.randn(n, P) if dyn else None, torch.randn(P) if dyn else None, 10,
-            torch.randn(P) if scaf else None, torch.randn(n, P) if scaf else None, torch.rand(n) if scaf else None,
-            10, torch.randn(4, P) if tb else None, 1, 2)
+            torch.randn(n, P) if state else None, torch.rand(n) if state else None,
+            torch.randn(P) if (state and shift) else None, torch.randn(4, P) if ring else None, 1, 2)
 
     yield "aggregate plain", agg()
     yield "aggregate bf16 clients", agg(dt=torch.bfloat16)
     yield "aggregate momentum", agg(mom=True, beta=0.9)
     yield "aggregate first momentum", agg(beta=0.9)
-    yield "aggregate feddyn", agg(dyn=True)
-    yield "aggregate scaffold", agg(scaf=True)
-    yield "aggregate teacher buffer", agg(tb=True)
-    yield "aggregate all", agg(mom=True, beta=0.9, scaf=True, tb=True)
+    yield "aggregate state rows", agg(state=True)
+    yield "aggregate state rows shifted", agg(state=True, shift=True)
+    yield "aggregate ring", agg(ring=True)
+    yield "aggregate all", agg(mom=True, beta=0.9, state=True, shift=True, ring=True)
 
     def step(grad_dt=torch.float32, mom=False, prox=False, lrows=False, clip=False, cvec=False, cscale=False,
              crows=False, svec=False, sscale=False, act=False, rowlr=False):

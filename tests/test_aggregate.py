@@ -71,29 +71,39 @@ def test_fedadc_server_rule(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_feddyn_scaffold_and_teacher_buffer(backend):
-    N, P, K = 4, 1000, 100
+def test_state_rows_and_ring(backend):
+    """The generic state-row update (scalar and per-client coefficients, with and without a shift) and the ring
+    buffer, against their formulas written out."""
+    N, P = 4, 1000
     X = torch.randn(N, P)
     g = torch.randn(P)
-    h = torch.randn(N, P)
-    hbar = torch.randn(P)
-    out = ops.aggregate(X, g, dyn_h=h, dyn_hbar=hbar, dyn_num_clients=K, backend=backend)
-    hbar1 = hbar + (X - g).sum(0) / K
-    assert rel_err(out["dyn_h"], h + X - g) <= 1e-6 and rel_err(out["dyn_hbar"], hbar1) <= 1e-6
-    assert rel_err(out["global"], X.mean(0) + hbar1) <= 1e-6 and rel_err(out["average"], X.mean(0)) <= 1e-6
-    c, ck = torch.randn(P), torch.randn(N, P)
-    coef = torch.tensor([1.0, 2.0, 0.5, 4.0])
-    out = ops.aggregate(X, g, scaffold_c=c, scaffold_ck=ck, scaffold_coef=coef, scaffold_num_clients=K,
-                        backend=backend)
-    ck1 = ck - c + coef[:, None] * (g - X)
-    assert rel_err(out["scaffold_ck"], ck1) <= 1e-6 and rel_err(out["scaffold_c"], c + (ck1 - ck).sum(0) / K) <= 1e-6
+    R = torch.randn(N, P)
+    out = ops.aggregate(X, g, state_rows=R, backend=backend)  # coefficient 1, no shift
+    assert rel_err(out["state_rows"], R + X - g) <= 1e-6
+    assert rel_err(out["state_change"], (X - g).sum(0)) <= 1e-5
+    assert rel_err(out["global"], X.mean(0)) <= 1e-6 and rel_err(out["average"], X.mean(0)) <= 1e-6
+    s, a = torch.randn(P), torch.tensor([1.0, -2.0, 0.5, -4.0])
+    out = ops.aggregate(X, g, state_rows=R, state_coef=a, state_shift=s, backend=backend)
+    R1 = (R + s) + a[:, None] * (X - g)
+    assert rel_err(out["state_rows"], R1) <= 1e-6 and rel_err(out["state_change"], (R1 - R).sum(0)) <= 1e-5
+    out = ops.aggregate(X, g, state_rows=R, state_coef=-0.25, backend=backend)
+    assert rel_err(out["state_rows"], R - 0.25 * (X - g)) <= 1e-6
     B = torch.randn(5, P)
-    out = ops.aggregate(X, g, teacher_buffer=B, teacher_slot=2, teacher_count=3, backend=backend)
+    out = ops.aggregate(X, g, ring=B, ring_slot=2, ring_count=3, backend=backend)
     B1 = B.clone()
     B1[2] = X.mean(0)
-    assert torch.equal(out["teacher_buffer"][[0, 1, 3, 4]], B[[0, 1, 3, 4]])
-    assert rel_err(out["teacher_buffer"][2], X.mean(0)) <= 1e-6
-    assert rel_err(out["teacher"], B1[:3].mean(0)) <= 1e-6
+    assert torch.equal(out["ring"][[0, 1, 3, 4]], B[[0, 1, 3, 4]])
+    assert rel_err(out["ring"][2], X.mean(0)) <= 1e-6
+    assert rel_err(out["ring_mean"], B1[:3].mean(0)) <= 1e-6
+    assert "state_rows" not in out and "state_change" not in out
+    with pytest.raises(ValueError, match="state_coef"):
+        ops.aggregate(X, g, state_rows=R, state_coef=torch.ones(3), backend=backend)
+    with pytest.raises(ValueError, match="state_shift"):
+        ops.aggregate(X, g, state_shift=s, backend=backend)
+    with pytest.raises(ValueError, match="state_rows"):
+        ops.aggregate(X, g, state_rows=R[:3], backend=backend)
+    with pytest.raises(ValueError, match="ring_slot"):
+        ops.aggregate(X, g, ring=B, ring_slot=5, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -125,5 +135,5 @@ def test_nan_row_is_refused_and_bad_input(backend):
         ops.aggregate(X, torch.randn(49), backend=backend)
     with pytest.raises(ValueError, match="rows"):
         ops.aggregate(X, g, rows=torch.tensor([0, 4]), backend=backend)
-    with pytest.raises(ValueError, match="dyn_h"):
-        ops.aggregate(X, g, dyn_h=torch.randn(3, 50), dyn_hbar=g, dyn_num_clients=10, backend=backend)
+    with pytest.raises(ValueError, match="state_rows"):
+        ops.aggregate(X, g, state_rows=torch.randn(3, 50), backend=backend)

@@ -99,17 +99,15 @@ def test_gpu_aggregate_and_client_step(backend):
     w = torch.rand(5)
     wn = w / w.sum()
     m = torch.randn(P)
-    h, hbar = torch.randn(5, P), torch.randn(P)
-    c, ck, coef = torch.randn(P), torch.randn(5, P), torch.rand(5)
+    R, shift, coef = torch.randn(5, P), torch.randn(P), torch.rand(5) - 0.5
     B = torch.randn(3, P)
     cu = lambda t: t.cuda()  # noqa: E731
     for kw_ref, kw in [
         (dict(beta=0.9, lr=1.5, momentum=m), dict(beta=0.9, lr=1.5, momentum=cu(m))),
-        (dict(dyn_h=h, dyn_hbar=hbar, dyn_num_clients=K), dict(dyn_h=cu(h), dyn_hbar=cu(hbar), dyn_num_clients=K)),
-        (dict(scaffold_c=c, scaffold_ck=ck, scaffold_coef=coef, scaffold_num_clients=K,
-              teacher_buffer=B, teacher_slot=1, teacher_count=2),
-         dict(scaffold_c=cu(c), scaffold_ck=cu(ck), scaffold_coef=cu(coef), scaffold_num_clients=K,
-              teacher_buffer=cu(B), teacher_slot=1, teacher_count=2)),
+        (dict(state_rows=R), dict(state_rows=cu(R))),
+        (dict(state_rows=R, state_coef=coef, state_shift=shift, ring=B, ring_slot=1, ring_count=2),
+         dict(state_rows=cu(R), state_coef=cu(coef), state_shift=cu(shift), ring=cu(B), ring_slot=1,
+              ring_count=2)),
     ]:
         ref = aggregate_reference(X[ids].double(), g.double(), wn.double(), **{
             k: (v.double() if torch.is_tensor(v) else v) for k, v in kw_ref.items()})

@@ -81,12 +81,12 @@ class FedDyn(FedAvg):
         return dict(loss_rows=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
 
     def chunk_aggregate(self, ctx, lo, hi):
-        return dict(dyn_h=self._h(ctx.rows[lo:hi]).contiguous(), dyn_hbar=self.hbar,
-                    dyn_num_clients=self.engine.num_clients)
+        # h_k' = h_k + (w_k - w_t): the fused update's state rows with coefficient 1 and no shift
+        return dict(state_rows=self._h(ctx.rows[lo:hi]).contiguous())
 
     def collect(self, ctx, out, lo, hi):
-        ctx.incr += out["dyn_hbar"] - self.hbar
-        self._h(ctx.new_rows[lo:hi]).copy_(out["dyn_h"])
+        ctx.incr += out["state_change"] * (1.0 / self.engine.num_clients)  # hbar' = hbar + sum_k (w_k - w_t) / K
+        self._h(ctx.new_rows[lo:hi]).copy_(out["state_rows"])
 
     def server(self, ctx, avg):
         self.hbar = self.hbar + ctx.incr

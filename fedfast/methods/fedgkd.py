@@ -95,11 +95,12 @@ class FedGKD(Method):
         if self.buf is None:
             return {}
         self.count = min(self.count + 1, self.opts.buffer)  # push the new global into the ring buffer
-        return dict(teacher_buffer=self.buf, teacher_slot=ctx.index % self.opts.buffer, teacher_count=self.count)
+        # the buffer of the last M global models is the fused update's ring: B[slot] = w_{t+1}, teacher = mean
+        return dict(ring=self.buf, ring_slot=ctx.index % self.opts.buffer, ring_count=self.count)
 
     def after_server(self, ctx, out):
         if self.buf is not None:
-            self.buf, self.avg = out["teacher_buffer"], out["teacher"]
+            self.buf, self.avg = out["ring"], out["ring_mean"]
 
 
 @register("fedgkd_plus")
@@ -171,7 +172,7 @@ class FedGKDVote(FedGKD):
                        segments=b.segments, num_segments=b.num_clients)
 
     def after_server(self, ctx, out):
-        self.buf = out["teacher_buffer"]  # the teachers are the buffered models themselves
+        self.buf = out["ring"]  # the teachers are the buffered models themselves
         g = out["global"]
         self.val_loss[ctx.index % self.opts.buffer] = F.cross_entropy(self.engine.predict(g, self.val).float(),
                                                                       self.val.y)

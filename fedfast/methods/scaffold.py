@@ -52,13 +52,15 @@ class Scaffold(FedAvg):
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
         rho = self.engine.config.momentum if self.opts.keff_momentum else 0.0
         k_eff = (K - rho * (1 - rho ** K) / (1 - rho)) / (1 - rho) if rho > 0 else K
-        return dict(scaffold_c=self.c, scaffold_ck=ctx.rows[lo:hi],
-                    scaffold_coef=(1.0 / (k_eff * ctx.lr)).float().to(self.engine.device),
-                    scaffold_num_clients=self.engine.num_clients)
+        # c_k' = c_k - c + (w_t - w_k) / (K_eff lr): the fused update's state rows with shift -c and coefficient
+        # a_k = -1 / (K_eff lr) on (w_k - w_t)
+        return dict(state_rows=ctx.rows[lo:hi], state_shift=-self.c,
+                    state_coef=(-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device))
 
     def collect(self, ctx, out, lo, hi):
-        ctx.incr += out["scaffold_c"] - self.c
-        ctx.new_rows[lo:hi] = out["scaffold_ck"]
+        # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments
+        ctx.incr += (self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c
+        ctx.new_rows[lo:hi] = out["state_rows"]
 
     def server(self, ctx, avg):
         self.c = self.c + ctx.incr

@@ -1,7 +1,8 @@
 """Fused server update: one pass over the participating clients' rows of a flat ``[N, P]`` buffer.
 
-Formulas (FedAvg, FedAvgM, SlowMo, FedADC's server rule, FedDyn, SCAFFOLD, the FedGKD teacher buffer):
-:mod:`fedfast.ops.aggregate_reference`.
+Formulas (the weighted average, a server rule with momentum, per-client state rows with the sum of their changes,
+a ring buffer of past global models): :mod:`fedfast.ops.aggregate_reference`. The terms are generic; each method
+says in its own file which of its quantities fills which.
 
 Backends: ``cpu`` (C++), ``cuda`` (kernels/aggregate.cu), ``triton``, ``reference``.
 
@@ -58,22 +59,19 @@ def _vec(name, t, P):
 
 
 def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None, beta: float = 0.0,
-              scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, dyn_h: Tensor | None = None,
-              dyn_hbar: Tensor | None = None, dyn_num_clients: int | None = None, scaffold_c: Tensor | None = None,
-              scaffold_ck: Tensor | None = None, scaffold_coef=None, scaffold_num_clients: int | None = None,
-              teacher_buffer: Tensor | None = None, teacher_slot: int = 0, teacher_count: int = 1,
-              backend: str | None = None) -> dict:
+              scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
+              state_coef=None, state_shift: Tensor | None = None, ring: Tensor | None = None, ring_slot: int = 0,
+              ring_count: int = 1, backend: str | None = None) -> dict:
     """New global model and server state from the participating clients (one pass over their rows).
 
     ``clients`` [N, P] (fp32/bf16/fp16); ``rows``: participating row indices [n] or a prefix length
     (default all N); ``weights`` [n] (data sizes or weights; normalised here; default uniform);
-    ``global_params`` [P] = theta_t (FedDyn: the cloud model). Server rule ``m' = beta m + scale (g - avg)``,
-    ``g' = g - lr m'`` (FedAvg by default). FedDyn: ``dyn_h`` [n, P] rows of the participants, ``dyn_hbar``
-    [P], ``dyn_num_clients`` K. SCAFFOLD: ``scaffold_c`` [P], ``scaffold_ck`` [n, P], ``scaffold_coef`` [n] =
-    1/(K_eff lr), ``scaffold_num_clients`` K. FedGKD: ``teacher_buffer`` [M, P], ``teacher_slot``,
-    ``teacher_count`` (entries present after this write). Returns a dict of new tensors: ``global``,
-    ``average`` and the updated state that was passed (``momentum``, ``dyn_h``, ``dyn_hbar``, ``scaffold_c``,
-    ``scaffold_ck``, ``teacher_buffer``, ``teacher``).
+    ``global_params`` [P] = g. Server rule ``m' = beta m + scale (g - avg)``, ``g' = g - lr m'`` (the plain
+    average by default). ``state_rows`` [n, P] with ``state_coef`` (a scalar or [n]; default 1) and
+    ``state_shift`` [P] (optional): ``R_k' = (R_k + shift) + a_k (X_k - g)``, returned with the column sum of the
+    changes. ``ring`` [M, P] with ``ring_slot`` and ``ring_count`` (entries present after this write): ``B[slot] =
+    g'`` and their mean. Returns a dict of new tensors: ``global``, ``average`` and, as used, ``momentum``,
+    ``state_rows``, ``state_change``, ``ring``, ``ring_mean``.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
         raise TypeError("clients: expected a float [N, P] tensor")
@@ -94,31 +92,30 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
             raise ValueError("weights: must be finite, >= 0 and sum to a positive number")
         w = w / total
     _vec("momentum", momentum, P)
-    if dyn_h is not None:
-        _state_rows("dyn_h", dyn_h, n, P)
-        _vec("dyn_hbar", dyn_hbar, P)
-        if dyn_hbar is None or not dyn_num_clients:
-            raise ValueError("dyn_hbar and dyn_num_clients: FedDyn needs the mean h over all clients and K")
-        if momentum is not None or beta != 0.0:
-            raise ValueError("momentum: FedDyn's server rule has no momentum")
-    if scaffold_c is not None:
-        _vec("scaffold_c", scaffold_c, P)
-        _state_rows("scaffold_ck", scaffold_ck, n, P)
-        if scaffold_coef is None or not scaffold_num_clients:
-            raise ValueError("scaffold_coef and scaffold_num_clients: SCAFFOLD needs 1/(K_eff lr) per client and K")
-        scaffold_coef = torch.as_tensor(scaffold_coef, device=dev, dtype=torch.float32).reshape(-1).expand(n)
-    if teacher_buffer is not None:
-        if teacher_buffer.dim() != 2 or teacher_buffer.shape[1] != P:
-            raise ValueError(f"teacher_buffer: expected shape [M, {P}], got {tuple(teacher_buffer.shape)}")
-        M = teacher_buffer.shape[0]
-        if not (0 <= teacher_slot < M and 1 <= teacher_count <= M):
-            raise ValueError(f"teacher_slot/teacher_count: need 0 <= slot < {M} and 1 <= count <= {M}")
+    coef = None
+    if state_rows is not None:
+        _state_rows("state_rows", state_rows, n, P)
+        _vec("state_shift", state_shift, P)
+        c = 1.0 if state_coef is None else state_coef
+        coef = torch.as_tensor(c, device=dev, dtype=torch.float32).reshape(-1)
+        if coef.numel() not in (1, n):
+            raise ValueError(f"state_coef: expected a scalar or one value per participating client ({n}), got "
+                             f"{coef.numel()} values")
+        coef = coef.expand(n).contiguous()
+    elif state_coef is not None or state_shift is not None:
+        raise ValueError("state_coef/state_shift: given without state_rows")
+    if ring is not None:
+        if ring.dim() != 2 or ring.shape[1] != P:
+            raise ValueError(f"ring: expected shape [M, {P}], got {tuple(ring.shape)}")
+        M = ring.shape[0]
+        if not (0 <= ring_slot < M and 1 <= ring_count <= M):
+            raise ValueError(f"ring_slot/ring_count: need 0 <= slot < {M} and 1 <= count <= {M}")
     be = _backend.resolve(backend, dev.type)
 
     if be in ("cpu", "triton", "cuda") and clients.dtype != torch.float64:
-        args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, dyn_h, dyn_hbar,
-                float(dyn_num_clients or 1), scaffold_c, scaffold_ck, scaffold_coef, float(scaffold_num_clients or 1),
-                teacher_buffer, int(teacher_slot), int(teacher_count))
+        # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
+        args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, state_rows, coef,
+                state_shift, ring, int(ring_slot), int(ring_count))
         if be == "cpu":
             res = _backend.cpu_ext().aggregate(*args)
         elif be == "cuda":
@@ -126,17 +123,14 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         else:
             from ..triton.aggregate import aggregate_triton
             res = aggregate_triton(*args)
-        keys = ("global", "average", "momentum", "dyn_h", "dyn_hbar", "scaffold_c", "scaffold_ck", "teacher_buffer",
-                "teacher", "_bad")
-        out = {k: v for k, v in zip(keys, res) if v is not None and (k != "teacher" or teacher_buffer is not None)}
+        keys = ("global", "average", "momentum", "state_rows", "state_change", "ring", "ring_mean", "_bad")
+        out = {k: v for k, v in zip(keys, res) if v is not None and (k != "ring_mean" or ring is not None)}
         bad = out.pop("_bad")
     else:
         X = clients.index_select(0, idx)
         out = aggregate_reference(X, global_params, w, beta=beta, scale=scale, lr=lr, momentum=momentum,
-                                  dyn_h=dyn_h, dyn_hbar=dyn_hbar, dyn_num_clients=dyn_num_clients,
-                                  scaffold_c=scaffold_c, scaffold_ck=scaffold_ck, scaffold_coef=scaffold_coef,
-                                  scaffold_num_clients=scaffold_num_clients, teacher_buffer=teacher_buffer,
-                                  teacher_slot=teacher_slot, teacher_count=teacher_count)
+                                  state_rows=state_rows, state_coef=coef, state_shift=state_shift, ring=ring,
+                                  ring_slot=ring_slot, ring_count=ring_count)
         bad = torch.cat([~torch.isfinite(X).all(dim=1), ~torch.isfinite(out["average"]).all().reshape(1)])
     if bad.any():
         rows_bad = idx[bad[:-1]].tolist()

@@ -96,7 +96,7 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     rc = float(corr_rows_coef)
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
     be = _backend.resolve(backend, dev.type)
-    if be == "cpu":  # the C++ kernel reads the pieces in place
+    if be in ("cpu", "cuda"):  # a list: the C++ kernel reads the pieces in place, the CUDA binding concatenates
         grad = pieces if pieces is not None else [grad]
     elif pieces is not None and not (be == "triton" and all(g.dtype == torch.float32 for g in pieces)):
         grad = torch.cat([g.reshape(n, -1) for g in pieces], 1) if pieces else theta.new_zeros(n, 0)

@@ -1,0 +1,34 @@
+// One C++ signature per op, declared once. The CPU kernels (fedfast_cpu.h, *_cpu.cpp) and the CUDA extension's
+// torch-side launchers (bindings_cuda.cpp) define an op as `FEDFAST_<OP>(name) { ... }`, with these parameter
+// names; fedfast/ops/<op>.py passes the arguments in this order to every compiled backend (Triton included).
+// The terms are generic (formulas: fedfast/ops/<op>_reference.py); no method's name appears below
+// fedfast/methods/.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+// Fused server update: the weighted average of the participating rows, m' = beta m + scale (g - avg),
+// g' = g - lr m'; state rows R_k' = (R_k + shift) + a_k (X_k - g) with the column sum of their changes; a ring
+// buffer write. Returns {global, average, momentum, state_rows, state_change, ring, ring_mean, bad [n + 1]}.
+#define FEDFAST_AGGREGATE(name)                                                                                   \
+  std::vector<at::Tensor> name(const at::Tensor& X_in, const at::Tensor& rows_in, const at::Tensor& g_in,         \
+                               const at::Tensor& w_in, double beta, double scale, double lr,                      \
+                               const c10::optional<at::Tensor>& momentum,                                         \
+                               const c10::optional<at::Tensor>& state_rows,                                       \
+                               const c10::optional<at::Tensor>& state_coef,                                       \
+                               const c10::optional<at::Tensor>& state_shift,                                      \
+                               const c10::optional<at::Tensor>& ring_in, int64_t slot, int64_t count)
+
+// Fused all-client optimizer step, in place: theta [n, P] and the momentum buffer. grad_in: one [n, P] tensor or
+// the per-parameter pieces [n, *shape] in column order. Generic terms: prox_mu with anchor [P], loss_rows [n, P]
+// (clipped with the gradient), corr_vec [P] x corr_vec_scale [n] + corr_rows_coef x corr_rows [n, P] (inside
+// momentum), step_vec [P] x step_vec_scale [n] (outside momentum); max_norm <= 0: no clipping.
+#define FEDFAST_CLIENT_STEP(name)                                                                                 \
+  void name(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in, double momentum,  \
+            const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,                    \
+            const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,                   \
+            const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,            \
+            const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,                                     \
+            const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,            \
+            double max_norm, const c10::optional<at::Tensor>& active_opt)
