@@ -384,3 +384,18 @@ def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, execut
     sim.run()
     g = sim.global_flat.cpu()
     return float((g - ref).abs().max() / ref.abs().max()), sim, loop
+
+
+def plugin_fixture(path, name):
+    """A module-scoped, autouse fixture: the plug-in file ``path`` loaded for the module's tests, its method
+    ``name`` unregistered afterwards (assign it to a module-level name in the test file)."""
+    import pytest
+
+    from fedfast import methods
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _loaded():
+        methods.load_plugin(path)
+        yield
+        methods.unregister(name)
+    return _loaded

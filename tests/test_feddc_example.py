@@ -9,17 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfast import methods
-from sequential_loop import PlainLoop, engine_vs, flat
+from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "feddc.py")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def feddc():
-    methods.load_plugin(EXAMPLE)
-    yield
-    methods.unregister("feddc")
+feddc = plugin_fixture(EXAMPLE, "feddc")
 
 
 class FedDCLoop(PlainLoop):

@@ -9,16 +9,12 @@ import torch
 
 from fedfast import methods
 from fedfast.cli import main
-from sequential_loop import PlainLoop, engine_vs, flat
+from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "fedexp.py")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fedexp():
-    methods.load_plugin(EXAMPLE)
-    yield
-    methods.unregister("fedexp")
+fedexp = plugin_fixture(EXAMPLE, "fedexp")
 
 
 class ExPLoop(PlainLoop):
