@@ -14,35 +14,9 @@ import os
 
 import torch
 
+from ._io import write_atomic  # noqa: F401  (re-exported: its first home)
+
 MAGIC = b"FEDFAST-CHECKPOINT v1\n"
-
-
-def write_atomic(path: str, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never a partial one."""
-    if isinstance(data, str):
-        data = data.encode()
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"data: expected bytes or str, got {type(data).__name__}")
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a failed write (disk full, bad data, Ctrl-C) leaves no temporary file
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # some filesystems do not fsync directories
-        pass
 
 
 def save(path: str, payload: dict) -> None:

@@ -151,7 +151,7 @@ def read_config_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a text file (not UTF-8 at byte {e.start})") from None
     if path.endswith(".json"):
-        from .rundir import read_json
+        from ._io import read_json
         data = read_json(path, "config")
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of config keys, got {type(data).__name__}")

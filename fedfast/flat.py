@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ._io import host_to_device  # noqa: F401  (re-exported: its first home)
+
 
 @dataclass(frozen=True)
 class _Slot:
@@ -297,13 +299,3 @@ class ClientState:
     def mean(self) -> Tensor:
         """Mean over all K clients in fp32 (FedDyn's server correction)."""
         return self.data.float().mean(0).to(self.device)
-
-
-def host_to_device(a, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A numpy array / host tensor on ``device`` without a host sync: on a GPU a pageable copy waits for all
-    queued work, so the data goes through pinned memory with ``non_blocking`` (the caching host allocator
-    keeps the pinned block alive until the copy has run)."""
-    t = torch.as_tensor(a, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)

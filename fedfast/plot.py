@@ -2,7 +2,8 @@
 
 * :func:`accuracy_curves` - ``fedfast plot DIR... -o fig.png``: test accuracy against round, one line per method
   (and per study directory when several are given), the mean over seeds with a ± std band;
-* :func:`heatmap` - the class-by-client matrix of a partition (``Partition.heatmap_png``).
+* :func:`heatmap` - a matrix's column shares in grey; :func:`partition_heatmap` - a partition's class-by-client
+  matrix.
 """
 from __future__ import annotations
 
@@ -136,10 +137,16 @@ def heatmap(matrix, out: str, xlabel: str = "client", ylabel: str = "class", cel
     plt.close(fig)
 
 
+def partition_heatmap(partition, out: str) -> None:
+    """A partition's class-by-client heatmap (rows: classes, columns: clients); a cell's darkness is the class's
+    share of that client's data (white = absent, black = all of it). Needs matplotlib."""
+    heatmap(partition.histogram.t().numpy(), out)
+
+
 def _save(fig, out: str) -> None:
     import io
 
-    from .checkpoint import write_atomic
+    from ._io import write_atomic
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     d = os.path.dirname(os.path.abspath(out))

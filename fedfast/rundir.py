@@ -29,7 +29,7 @@ import socket
 import time
 
 from . import __version__
-from .checkpoint import write_atomic
+from ._io import read_json, write_atomic  # noqa: F401  (read_json re-exported: its first home)
 
 MARKER = ".fedfast-run.json"
 LOCK = ".fedfast.lock"
@@ -68,19 +68,6 @@ def finite(obj):
     if isinstance(obj, (list, tuple)):
         return [finite(v) for v in obj]
     return obj
-
-
-def read_json(path: str, what: str = "JSON"):
-    """A JSON file fedfast wrote; ValueError naming the file and the position of the damage."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not a {what} file (not UTF-8 text: {e.reason} at byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: damaged {what} file (line {e.lineno}, column {e.colno}: {e.msg})") from None
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -182,7 +182,8 @@ def test_concentration_and_1000_clients(tmp_path):
     p = data.shards(y, 1000, shards_per_client=2, seed=0)
     assert p.num_clients == 1000 and _assigned_once(p, len(y)) == len(y)
     pytest.importorskip("matplotlib")
-    p.heatmap_png(str(tmp_path / "h.png"))
+    from fedfast.plot import partition_heatmap
+    partition_heatmap(p, str(tmp_path / "h.png"))
     raw = (tmp_path / "h.png").read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n" and min(struct.unpack(">II", raw[16:24])) >= 100
 

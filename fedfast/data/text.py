@@ -184,7 +184,7 @@ def _cached(path: str, read, tokenizer, num_classes: int, max_length: int, name:
     """The file ``path`` read by ``read`` and tokenised, from / into a cache file beside it (else in
     ``$FEDFAST_CACHE``): ``<file>.<digest>.tokens.npz``, the digest of the file's bytes, the tokenizer and
     ``max_length``. A cache that is unreadable or of the wrong shape is rebuilt; written atomically."""
-    from ..checkpoint import write_atomic
+    from .._io import write_atomic
     texts, labels = read(path)  # checks the file (and names it) before any cache is used
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read())

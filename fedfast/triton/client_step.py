@@ -136,7 +136,7 @@ def piece_table(pieces, BLOCK: int):
     """The int64 block table of :func:`_piece_block` for these pieces (its static part cached per layout; the
     addresses change with every step), on the pieces' device without a host sync; with the number of pieces and
     of blocks."""
-    from ..flat import host_to_device
+    from .._io import host_to_device
     n = pieces[0].shape[0]
     widths = tuple(g.numel() // n if n else 0 for g in pieces)
     dev = pieces[0].device
