@@ -20,16 +20,17 @@ from types import SimpleNamespace
 from .engine import MOVED, SimConfig, check_device
 from .methods.base import coerce_option
 
-_CHOICES = {
-    "dataset": ("mnist", "idx", "cifar10", "cifar100", "tiny_imagenet", "cinic10", "femnist", "ag_news", "sst5",
-                "synthetic"),
-    "partition": ("iid", "shards", "dirichlet", "dirichlet_balanced", "dirichlet_fedgkd", "quantity_skew",
-                  "by_writer"),
-    "model": ("fedavg_cnn_mnist", "fedavg_cnn_cifar", "asd_cnn_cifar", "asd_cnn_tiny", "fedadc_cnn", "lenet5",
-              "simple_cnn", "resnet8_gn", "resnet10_bn", "resnet18_bn", "resnet18_gn", "resnet50_bn", "resnet50_gn",
-              "mlp", "fedgen_cnn_mnist"),  # or "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)
-}
-TEXT_DATASETS = {"ag_news": 4, "sst5": 5}  # text datasets and their classes: they need an "hf:" model
+
+
+def _choices() -> dict:
+    """The names ``dataset``, ``partition`` and ``model`` may take: the registries' (:mod:`fedfast.data.registry`,
+    :data:`fedfast.models.REGISTRY`), read when a config is resolved, so a plug-in's own entries count. A model may
+    also be "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)."""
+    from .data import DATASETS, PARTITIONS
+    from .models import REGISTRY
+    return {"dataset": tuple(DATASETS), "partition": tuple(PARTITIONS), "model": tuple(REGISTRY)}
+
+
 
 # run-level keys: (type, default)
 _RUN: dict = {
@@ -221,7 +222,7 @@ def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
             raise ValueError(f"{k}: unknown config key (known: {', '.join(sorted(KEYS))}; method options go in "
                              f"their method's table, e.g. fedntd.beta)")
         vals[k] = _coerce(k, v)
-    for k, choices in _CHOICES.items():
+    for k, choices in _choices().items():
         if k == "model" and isinstance(vals[k], str) and vals[k].startswith("hf:"):
             continue
         if vals[k] not in choices:
@@ -239,16 +240,18 @@ def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
         raise ValueError(f"train_fraction: must lie in (0, 1], got {vals['train_fraction']!r}")
     if vals["max_length"] < 2:
         raise ValueError(f"max_length: must be >= 2, got {vals['max_length']!r}")
-    text, hf = vals["dataset"] in TEXT_DATASETS, vals["model"].startswith("hf:")
+    from .data import text_datasets
+    texts = text_datasets()  # text datasets and their classes: they need an "hf:" model
+    text, hf = vals["dataset"] in texts, vals["model"].startswith("hf:")
     if text and not hf:
         raise ValueError(f"model: dataset {vals['dataset']!r} holds texts; use a Hugging Face model, e.g. "
                          f"model = \"hf:distilbert-base-uncased\" or \"hf:/path/to/saved/model\"")
     if not text and vals["max_length"] != DEFAULTS["max_length"]:
-        raise ValueError(f"max_length: tokens per text, for the text datasets ({', '.join(TEXT_DATASETS)}); "
+        raise ValueError(f"max_length: tokens per text, for the text datasets ({', '.join(texts)}); "
                          f"dataset {vals['dataset']!r} holds images")
     if hf and not text:
         raise ValueError(f"model: {vals['model']!r} is a text model; dataset {vals['dataset']!r} holds images "
-                         f"(text datasets: {', '.join(TEXT_DATASETS)})")
+                         f"(text datasets: {', '.join(texts)})")
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
     if vals["backend"] is None:

@@ -903,7 +903,7 @@ def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
 
 
 def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
-    from .cli import run, run_workers
+    from .jobs import run, run_workers
     from .rundir import RunLocked, status
     from .runner import Interrupted, RunDiverged
     dirs, held, diverged = [], [], []
@@ -945,7 +945,7 @@ _RAN, _SKIPPED, _HELD = 0, 10, 11
 def _job_main(r: _Run, workers: int) -> None:
     """One run of ``sweep --jobs`` in its own process; the exit code says how it ended."""
     from . import methods
-    from .cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, plugin_where, run, run_workers
+    from .jobs import EXIT_DIVERGED, EXIT_WORKER_DIED, WorkerDied, exit_now, report_failure, run, run_workers
     from .rundir import RunLocked
     from .runner import Interrupted, RunDiverged
     # started with SIGINT/SIGTERM blocked (no KeyboardInterrupt while starting up): ignored until the run installs
@@ -972,17 +972,9 @@ def _job_main(r: _Run, workers: int) -> None:
     except WorkerDied as e:
         print(f"fedfast: {r.label}: {e}", file=sys.stderr, flush=True)
         code = EXIT_WORKER_DIED
-    except (ValueError, OSError, TypeError, MemoryError) as e:
-        print(f"fedfast: {r.label}: {plugin_where(e)}{e}", file=sys.stderr, flush=True)
-        code = EXIT_ERROR
-    except Exception as e:  # noqa: BLE001 - an error inside a plug-in's code, named by file and line
-        if not plugin_where(e):
-            raise
-        print(f"fedfast: {r.label}: {plugin_where(e)}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        code = EXIT_ERROR
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    except Exception as e:  # noqa: BLE001 - a user's error, or one inside a plug-in's code; a bug re-raises
+        code = report_failure(r.label, e, (ValueError, OSError, TypeError, MemoryError))
+    exit_now(code)
 
 
 def _pass_on(signum, _frame):
@@ -999,7 +991,7 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
     command continues it). A run that fails stops new starts too; the others finish."""
     import multiprocessing as mp
 
-    from .cli import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED
+    from .jobs import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED
     from .rundir import status
     from .runner import Interrupted
     ctx = mp.get_context("spawn")

