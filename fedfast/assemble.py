@@ -58,8 +58,9 @@ def build(cfg, device=None, group=None):
         validation = train.subset(perm[:n_val].sort().values)
         train = train.subset(perm[n_val:].sort().values)
     sc = cfg.sim_config()
-    train, splits = sc.method().hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
+    method = sc.take_method()  # built once per run: its held-out splits, then the Simulation's method
+    train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = partition(cfg, train)
     model = model if model is not None else make_model(cfg, train)
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
-                      validation=validation, **splits)
+                      validation=validation, method=method, **splits)

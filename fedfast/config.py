@@ -17,7 +17,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
-from .engine import MOVED, SimConfig, check_device
+from .simconfig import MOVED, SimConfig, check_device
 from .methods.base import coerce_option
 
 
@@ -73,9 +73,32 @@ class RunConfig:
         return self.values[k]
 
     def sim_config(self) -> SimConfig:
+        """The engine's settings, made (and validated, the method built) once for these values: a run's config, its
+        held-out splits and its Simulation share one SimConfig and one method instance."""
+        sim = self._engine_values()
+        key = repr((sorted(sim.items()), self.options))
+        cached = self.__dict__.get("_sim")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_sim"] = (key, SimConfig(options=self.options, **sim))
+        return cached[1]
+
+    def _engine_values(self) -> dict:
         sim = {f.name: self.values[f.name] for f in _ENGINE}
         sim["backend"] = sim["backend"] or None
-        return SimConfig(options=self.options, **sim)
+        return sim
+
+    def _keep_sim(self, sim: SimConfig) -> None:
+        """``sim`` (made from these values before they were resolved) is the SimConfig of the resolved values too."""
+        self.__dict__["_sim"] = (repr((sorted(self._engine_values().items()), self.options)), sim)
+
+    def __getstate__(self):
+        """Pickled without the cached SimConfig (its method may be a plug-in's, unknown where it is unpickled)."""
+        state = dict(self.__dict__)
+        state.pop("_sim", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     def to_json(self) -> dict:
         """The resolved configuration: run and engine keys, the method's resolved option tables, the plug-in files
@@ -83,7 +106,7 @@ class RunConfig:
         replace=True)``)."""
         from . import methods
         out = dict(self.values)
-        out.update(self.sim_config().method().options())
+        out.update(self.sim_config().method_options())
         out["plugins"] = list(self.plugins)
         out["plugin_sha256"] = {p: methods.PLUGINS.get(p) or methods.file_sha256(p) for p in self.plugins}
         rep = methods.replaced(self.values["algorithm"])
@@ -261,4 +284,5 @@ def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""
+    cfg._keep_sim(sim)  # the resolved values describe the same SimConfig: the method stays built once
     return cfg

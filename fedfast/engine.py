@@ -26,10 +26,9 @@ options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -43,46 +42,8 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
 from .methods.base import Round, Step, TeacherRows, TeacherSpec
+from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
 
-# keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
-MOVED = {
-    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
-    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
-    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
-    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
-    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
-    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
-    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
-    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
-    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
-    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
-    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
-    "val_fraction": "fedgkd_vote.val_fraction",
-}
-
-
-def check_device(dev: str, key: str = "device") -> None:
-    """A device this torch can use; ValueError naming ``key`` otherwise (no traceback from deep in torch)."""
-    try:
-        d = torch.device(dev)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"{key}: {dev!r} is not a device (cpu, cuda, cuda:N)") from None
-    if d.type == "cpu":
-        return
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            why = ("this torch is a CPU-only build" if torch.version.cuda is None
-                   else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
-            raise ValueError(f"{key}: {dev!r}, but {why} (torch {torch.__version__}); use {key} = \"cpu\"")
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ValueError(f"{key}: {dev!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
-        return
-    if d.type == "mps" and torch.backends.mps.is_available():
-        return
-    raise ValueError(f"{key}: {dev!r} is not available here (fedfast runs on cpu and cuda)")
-
-
-SEED_LIMIT = 2**31  # seeds feed numpy's RandomState (< 2**32) after small offsets
 
 
 class Diverged(ArithmeticError):
@@ -117,149 +78,6 @@ def _is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-@dataclass
-class SimConfig:
-    """The engine's settings. Plain defaults: SGD without momentum or weight decay, no clipping unless the method
-    defines it (``max_grad_norm`` / ``aggregate_weights`` left ``None`` take the method's own defaults, e.g.
-    FedGKD's and ASD's clipping at 10 from their authors' code, FedDyn's uniform averaging). ``options``: the
-    method's option tables, ``{"fedntd": {"beta": 1.0}}`` (or the running method's own keys, ``{"beta": 1.0}``)."""
-    algorithm: str = "fedavg"
-    options: dict = field(default_factory=dict)
-    clients_per_round: int = 10
-    rounds: int = 1
-    local_epochs: int = 1
-    local_steps: int | None = None  # instead of local_epochs: this many minibatch steps per client and round, through
-    #   successive passes over its data (each in the seeded data order, its last partial batch a step of its own)
-    drop_last: bool = False     # each pass over a client's data takes full batches only (a DataLoader's drop_last)
-    batch_size: int = 50
-    lr: float = 0.01
-    lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
-    momentum: float = 0.0       # local SGD momentum (fresh buffers every round)
-    weight_decay: float = 0.0   # SGD and Adam: coupled (L2 in the gradient); AdamW: decoupled
-    client_optimizer: str = "sgd"  # "sgd", "adam" or "adamw" (torch.optim's; fresh state every round)
-    adam_betas: tuple = (0.9, 0.999)  # Adam/AdamW betas (torch.optim defaults)
-    adam_eps: float = 1e-8      # Adam/AdamW eps
-    max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
-    aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
-    seed: int = 0
-    client_sampling: str = "uniform"  # "uniform": exactly clients_per_round of K, seeded by (seed, round);
-    #   "bernoulli": each client independently with p = clients_per_round / K (ASD's code; redrawn when empty);
-    #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code)
-    augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
-    teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
-    teacher_cache_dtype: str = "float32"  # or "bfloat16"
-    client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
-    memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: 60% of MemAvailable)
-    eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
-    eval_every: int = 1        # evaluate every this many rounds, and always after the last (``rounds``)
-    state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
-    state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
-    executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
-    conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
-    #   "gemm" (im2col + batched GEMMs) or "triton" (implicit GEMMs, CUDA); "auto": grouped (CONV_AUTO)
-    profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
-    tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
-    backend: str | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.options, dict):
-            raise TypeError(f"options: expected a dict of option tables, got {type(self.options).__name__}")
-        cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
-        self.options = self._tables(cls)
-        method = self.method()  # validates every option (messages name table.key)
-        for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
-            if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
-                raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed: must be an integer in [0, 2**31), got {self.seed!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
-        if not self.lr_decay > 0:
-            raise ValueError(f"lr_decay: must be > 0, got {self.lr_decay}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum: must lie in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
-        if self.client_optimizer not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"client_optimizer: one of ('sgd', 'adam', 'adamw'), got {self.client_optimizer!r}")
-        betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
-        if betas is None or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"adam_betas: two numbers in [0, 1), got {self.adam_betas!r}")
-        self.adam_betas = tuple(float(b) for b in betas)
-        if not self.adam_eps > 0:
-            raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
-        if self.client_optimizer != "sgd":
-            if self.momentum:
-                raise ValueError(f"momentum: SGD momentum, not used by client_optimizer={self.client_optimizer!r} "
-                                 "(its first moment is adam_betas[0]); set momentum = 0")
-            if cls.sgd_only:
-                raise ValueError(f"client_optimizer: {self.algorithm} runs SGD client steps only: {cls.sgd_only}")
-        if self.max_grad_norm is None:
-            self.max_grad_norm = float(cls.max_grad_norm)
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
-        if self.aggregate_weights is None:
-            self.aggregate_weights = cls.aggregation
-        choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
-                   "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
-                   "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
-        for k, ok in choices.items():
-            if getattr(self, k) not in ok:
-                raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
-        if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
-            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted")
-        from .data.augment import PIPELINES
-        if self.augment not in PIPELINES:
-            raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
-        if self.teacher is None:
-            self.teacher = "online" if self.augment != "none" else "cache"
-        if self.teacher not in ("cache", "online"):
-            raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
-        if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
-            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        if self.local_steps is not None:
-            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, (int, np.integer)) or \
-                    self.local_steps < 1:
-                raise ValueError(f"local_steps: an integer >= 1 (or None: local_epochs), got {self.local_steps!r}")
-            if self.local_epochs != 1:
-                raise ValueError(f"local_steps: {self.local_steps} steps per round replace local_epochs = "
-                                 f"{self.local_epochs}; give one of them")
-        if self.client_chunk is not None and int(self.client_chunk) < 1:
-            raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
-
-    def _tables(self, cls) -> dict:
-        """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""
-        own = cls.table_name()
-        known = cls.option_tables()
-        out: dict = {}
-        for k, v in self.options.items():
-            if k in known or isinstance(v, dict):
-                out.setdefault(k, {}).update(v if isinstance(v, dict) else dataclasses.asdict(v))
-            else:
-                out.setdefault(own, {})[k] = v
-        return out
-
-    def method(self):
-        """A fresh instance of the configured method with its resolved options."""
-        return _methods.build(self.algorithm, self.options)
-
-
-_dc_init = SimConfig.__init__
-
-
-def _init(self, *args, **kw):
-    for k in kw:
-        if k in MOVED:
-            raise TypeError(f"SimConfig: {k!r} is a method option now: {MOVED[k]}, passed as "
-                            f"SimConfig(algorithm=..., options={{'<method>': {{'<key>': value}}}})")
-    _dc_init(self, *args, **kw)
-
-
-SimConfig.__init__ = _init
-
-
 def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:
     """The seeded shuffle of a client's local indices for one epoch (shared with reference loops)."""
     return np.random.default_rng([seed, rnd, client, epoch]).permutation(n)
@@ -290,12 +108,10 @@ def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
     return np.sort(np.random.RandomState(rnd).choice(K, m, replace=False))
 
 
-SAMPLING = ("uniform", "bernoulli", "round_seeded")
 SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) (ASD's code: 1e-16, FedSpeed's 1e-7)
 
 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
-CONV_IMPLS = ("grouped", "gemm", "triton")
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
 # no faster rounds; docs/benchmarks.md). CUDA: grouped until the implicit-GEMM kernels have been timed against
@@ -409,19 +225,26 @@ class Simulation:
     ``val_accuracy`` / ``val_loss`` (absent without it), so grid points can be chosen without the test set.
     ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
     round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged with
-    all_reduce / all_gather, so every rank holds the same global model and state after each round."""
+    all_reduce / all_gather, so every rank holds the same global model and state after each round.
+    ``method``: the method instance to run, built from ``config`` (``config.take_method()``, as
+    :func:`fedfast.assemble.build` does so that a run builds its method once); default: the config's."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
                  loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None,
                  schedule: Sequence | Callable | None = None, data_order: Callable | None = None,
-                 validation: ArrayDataset | None = None):
+                 validation: ArrayDataset | None = None, method=None):
         c = self.cfg = self.config = config
         if not isinstance(config, SimConfig):
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-        self.method = c.method()  # the method: loss, client-step terms, server rule, state
+        # the method: loss, client-step terms, server rule, state; ``method``: an instance built from this config
+        # already (fedfast.assemble builds it once per run), else the config's own
+        if method is not None and (type(method) is not type(c.method_spec()) or method.options() != c.method_options()):
+            raise ValueError(f"method: a {type(method).__name__} with other options than config's "
+                             f"{c.algorithm!r}; build it with config.take_method()")
+        self.method = method if method is not None else c.take_method()
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")

@@ -4,7 +4,7 @@ level or inside a function (optional third-party packages aside; the package's `
     0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io
     1 parts       fedfast.flat, batched, grouped, cpu_alloc, flops, nn, data, models
     2 methods     fedfast.methods
-    3 engine      fedfast.engine, checkpoint
+    3 engine      fedfast.engine, simconfig, checkpoint
     4 config      fedfast.config, presets
     5 runs        fedfast.runner, rundir, assemble (a run built from its config), jobs (runs run)
     6 studies     fedfast.study
@@ -24,7 +24,7 @@ LAYERS = [
     ("ops", "triton", "_version", "_io"),
     ("flat", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models"),
     ("methods",),
-    ("engine", "checkpoint"),
+    ("engine", "checkpoint", "simconfig"),
     ("config", "presets"),
     ("runner", "rundir", "assemble", "jobs"),
     ("study",),
@@ -157,3 +157,21 @@ def test_a_dataset_partition_and_model_of_your_own(tmp_path):
         data.DATASETS.pop("tiny_vectors", None)
         data.PARTITIONS.pop("round_robin", None)
         models.REGISTRY.pop("linear", None)
+
+
+def test_the_method_is_built_once_per_run(tmp_path, monkeypatch):
+    """fedfast run builds the method once: config validation, the held-out splits, the Simulation and config.json
+    share one instance."""
+    from fedfast import methods
+    from fedfast.cli import main
+    built = []
+    real = methods.build
+
+    def counting(name, options=None):
+        m = real(name, options)
+        built.append(name)
+        return m
+    monkeypatch.setattr(methods, "build", counting)
+    assert main(["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
+                 "--set", "rounds=2", "--set", "algorithm=fedgkd_vote", "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    assert built == ["fedgkd_vote"], built

@@ -1,0 +1,231 @@
+"""The engine's settings (:class:`SimConfig`): what a :class:`fedfast.Simulation` runs and how, validated when made,
+with the method and its option tables. Kept apart from the engine so that configuration, tools and tests read the
+settings without the engine's machinery."""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import methods as _methods
+
+SAMPLING = ("uniform", "bernoulli", "round_seeded")
+CONV_IMPLS = ("grouped", "gemm", "triton")
+
+# keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
+MOVED = {
+    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
+    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
+    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
+    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
+    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
+    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
+    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
+    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
+    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
+    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
+    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
+    "val_fraction": "fedgkd_vote.val_fraction",
+}
+
+
+def check_device(dev: str, key: str = "device") -> None:
+    """A device this torch can use; ValueError naming ``key`` otherwise (no traceback from deep in torch)."""
+    try:
+        d = torch.device(dev)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}: {dev!r} is not a device (cpu, cuda, cuda:N)") from None
+    if d.type == "cpu":
+        return
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+            raise ValueError(f"{key}: {dev!r}, but {why} (torch {torch.__version__}); use {key} = \"cpu\"")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}: {dev!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if d.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ValueError(f"{key}: {dev!r} is not available here (fedfast runs on cpu and cuda)")
+
+
+SEED_LIMIT = 2**31  # seeds feed numpy's RandomState (< 2**32) after small offsets
+
+
+@dataclass
+class SimConfig:
+    """The engine's settings. Plain defaults: SGD without momentum or weight decay, no clipping unless the method
+    defines it (``max_grad_norm`` / ``aggregate_weights`` left ``None`` take the method's own defaults, e.g.
+    FedGKD's and ASD's clipping at 10 from their authors' code, FedDyn's uniform averaging). ``options``: the
+    method's option tables, ``{"fedntd": {"beta": 1.0}}`` (or the running method's own keys, ``{"beta": 1.0}``)."""
+    algorithm: str = "fedavg"
+    options: dict = field(default_factory=dict)
+    clients_per_round: int = 10
+    rounds: int = 1
+    local_epochs: int = 1
+    local_steps: int | None = None  # instead of local_epochs: this many minibatch steps per client and round, through
+    #   successive passes over its data (each in the seeded data order, its last partial batch a step of its own)
+    drop_last: bool = False     # each pass over a client's data takes full batches only (a DataLoader's drop_last)
+    batch_size: int = 50
+    lr: float = 0.01
+    lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
+    momentum: float = 0.0       # local SGD momentum (fresh buffers every round)
+    weight_decay: float = 0.0   # SGD and Adam: coupled (L2 in the gradient); AdamW: decoupled
+    client_optimizer: str = "sgd"  # "sgd", "adam" or "adamw" (torch.optim's; fresh state every round)
+    adam_betas: tuple = (0.9, 0.999)  # Adam/AdamW betas (torch.optim defaults)
+    adam_eps: float = 1e-8      # Adam/AdamW eps
+    max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
+    aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
+    seed: int = 0
+    client_sampling: str = "uniform"  # "uniform": exactly clients_per_round of K, seeded by (seed, round);
+    #   "bernoulli": each client independently with p = clients_per_round / K (ASD's code; redrawn when empty);
+    #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code)
+    augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
+    teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
+    teacher_cache_dtype: str = "float32"  # or "bfloat16"
+    client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
+    memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: 60% of MemAvailable)
+    eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
+    eval_every: int = 1        # evaluate every this many rounds, and always after the last (``rounds``)
+    state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
+    state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
+    executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
+    #   "gemm" (im2col + batched GEMMs) or "triton" (implicit GEMMs, CUDA); "auto": grouped (CONV_AUTO)
+    profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
+    tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
+    backend: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.options, dict):
+            raise TypeError(f"options: expected a dict of option tables, got {type(self.options).__name__}")
+        cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
+        self.options = self._tables(cls)
+        method = self.method()  # validates every option (messages name table.key)
+        _remember(self, method)  # a run takes this instance (take_method): the method is built once
+        for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
+            if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
+                raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed: must be an integer in [0, 2**31), got {self.seed!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if not self.lr_decay > 0:
+            raise ValueError(f"lr_decay: must be > 0, got {self.lr_decay}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum: must lie in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if self.client_optimizer not in ("sgd", "adam", "adamw"):
+            raise ValueError(f"client_optimizer: one of ('sgd', 'adam', 'adamw'), got {self.client_optimizer!r}")
+        betas = tuple(self.adam_betas) if isinstance(self.adam_betas, (tuple, list)) else None
+        if betas is None or len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"adam_betas: two numbers in [0, 1), got {self.adam_betas!r}")
+        self.adam_betas = tuple(float(b) for b in betas)
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
+        if self.client_optimizer != "sgd":
+            if self.momentum:
+                raise ValueError(f"momentum: SGD momentum, not used by client_optimizer={self.client_optimizer!r} "
+                                 "(its first moment is adam_betas[0]); set momentum = 0")
+            if cls.sgd_only:
+                raise ValueError(f"client_optimizer: {self.algorithm} runs SGD client steps only: {cls.sgd_only}")
+        if self.max_grad_norm is None:
+            self.max_grad_norm = float(cls.max_grad_norm)
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        if self.aggregate_weights is None:
+            self.aggregate_weights = cls.aggregation
+        choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
+                   "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
+                   "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
+        for k, ok in choices.items():
+            if getattr(self, k) not in ok:
+                raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
+        if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
+            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted")
+        from .data.augment import PIPELINES
+        if self.augment not in PIPELINES:
+            raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
+        if self.teacher is None:
+            self.teacher = "online" if self.augment != "none" else "cache"
+        if self.teacher not in ("cache", "online"):
+            raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
+        if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
+            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        if self.local_steps is not None:
+            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, (int, np.integer)) or \
+                    self.local_steps < 1:
+                raise ValueError(f"local_steps: an integer >= 1 (or None: local_epochs), got {self.local_steps!r}")
+            if self.local_epochs != 1:
+                raise ValueError(f"local_steps: {self.local_steps} steps per round replace local_epochs = "
+                                 f"{self.local_epochs}; give one of them")
+        if self.client_chunk is not None and int(self.client_chunk) < 1:
+            raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
+
+    def _tables(self, cls) -> dict:
+        """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""
+        own = cls.table_name()
+        known = cls.option_tables()
+        out: dict = {}
+        for k, v in self.options.items():
+            if k in known or isinstance(v, dict):
+                out.setdefault(k, {}).update(v if isinstance(v, dict) else dataclasses.asdict(v))
+            else:
+                out.setdefault(own, {})[k] = v
+        return out
+
+    def method(self):
+        """A fresh instance of the configured method with its resolved options."""
+        return _methods.build(self.algorithm, self.options)
+
+    def take_method(self):
+        """The method instance this config was validated with, the first time it is asked for (so a run builds its
+        method once: validation, the held-out splits and the Simulation share it); a fresh instance after."""
+        entry = _INSTANCES.get(id(self))
+        if entry is not None and entry[0] is not None:
+            m, entry[0] = entry[0], None
+            return m
+        return self.method()
+
+    def method_spec(self):
+        """The instance this config was validated with (for its options; :meth:`take_method` gives the one to run)."""
+        entry = _INSTANCES.get(id(self))
+        if entry is None:
+            _remember(self, self.method())
+            entry = _INSTANCES[id(self)]
+        return entry[1]
+
+    def method_options(self) -> dict:
+        """The method's resolved option tables (``{table: {key: value}}``)."""
+        return self.method_spec().options()
+
+
+# The method instances a SimConfig was validated with, kept beside it (not in its fields or __dict__, so that
+# ``SimConfig(**cfg.__dict__)``, copies and pickles see only the settings): id -> [instance to run, instance].
+_INSTANCES: dict[int, list] = {}
+
+
+def _remember(cfg: SimConfig, method) -> None:
+    _INSTANCES[id(cfg)] = [method, method]
+    weakref.finalize(cfg, _INSTANCES.pop, id(cfg), None)
+
+
+_dc_init = SimConfig.__init__
+
+
+def _init(self, *args, **kw):
+    for k in kw:
+        if k in MOVED:
+            raise TypeError(f"SimConfig: {k!r} is a method option now: {MOVED[k]}, passed as "
+                            f"SimConfig(algorithm=..., options={{'<method>': {{'<key>': value}}}})")
+    _dc_init(self, *args, **kw)
+
+
+SimConfig.__init__ = _init
