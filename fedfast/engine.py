@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import methods as _methods
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
@@ -613,7 +612,7 @@ class Simulation:
         # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
         # per-client state rows (gathered and updated)
         state = self.method.client_state
-        sam = type(self.method).sam_rho is not _methods.Method.sam_rho  # SAM: first gradient, perturbed weights
+        sam = self.method.sam  # SAM steps (declared): the first gradient and the perturbed weights
         rows = 3 + (1 if c.momentum else 0) + (2 if c.client_optimizer != "sgd" else 0) + \
             (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (2 if sam else 0)
         acts = []
@@ -925,6 +924,9 @@ class Simulation:
         rho = float(method.sam_rho(ctx))
         if not rho >= 0:
             raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
+        if rho and not method.sam:
+            raise ValueError(f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
+                             f"memory budget counts SAM's two extra parameter rows per client only then)")
         if rho and self._sam_bufs is None:
             self._sam_bufs = (torch.empty_like(self.stack.params), torch.empty_like(self.stack.params))
         for e in range(ctx.epochs):

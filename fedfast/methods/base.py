@@ -314,7 +314,8 @@ class Method:
     these engine settings when the config leaves them unset: clipping that the authors' code applies, ``"size"``
     or ``"uniform"`` averaging), ``needs_features`` (the loss needs the classifier's input), ``accepts_asd``
     (the ASD add-on may replace its KD term), ``sgd_only`` (why the method's client-step terms are defined for
-    SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason).
+    SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason), ``sam`` (its
+    ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights).
     """
     name: ClassVar[str] = ""          # registry name (set by @register)
     table: ClassVar[str] = ""         # the option table's name (default: name)
@@ -332,6 +333,7 @@ class Method:
     caveats: ClassVar[str] = ""         # settings under which the method fails at its defaults, and what to change
     #                                     (fedfast methods prints it; check_settings warns when a run uses them)
     sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
+    sam: ClassVar[bool] = False         # the local steps may be SAM steps (sam_rho > 0): memory is sized for them
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of
@@ -471,7 +473,7 @@ class Method:
     def sam_rho(self, ctx: Round) -> float:
         """The SAM radius rho of this round's local steps (0: plain steps). With rho > 0 every local step runs the
         loss twice: at w for g, then at ``w + rho g / ||g||`` (per client), whose gradient the step applies at w
-        (Foret et al. 2021; FedSAM, FedSpeed)."""
+        (Foret et al. 2021; FedSAM, FedSpeed). A method that returns rho > 0 declares ``sam = True``."""
         return 0.0
 
     def teacher(self, ctx: Round) -> TeacherSpec | None:

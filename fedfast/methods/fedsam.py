@@ -51,6 +51,7 @@ _SIM = "woodenchild95/FL-Simulator @617ee01"
 @register("fedsam")
 class FedSAM(FedAvg):
     """FedSAM (Qu et al. 2022): FedAvg with SAM client steps, w <- w - lr grad L(w + rho g/||g||)."""
+    sam = True
     paper = "Qu et al., Generalized Federated Learning via Sharpness Aware Minimization, ICML 2022"
     max_grad_norm, max_grad_norm_source = 10.0, f"{_SIM}, client/client.py: max_norm = 10"
 
@@ -66,6 +67,7 @@ class FedSAM(FedAvg):
 class FedSpeed(FedDyn):
     """FedSpeed (Sun et al. 2023): SAM client steps on L + lam <w, h_k - w_t> + lam/2 ||w||^2; h_k += w_k - w_t;
     w_{t+1} = mean of the participants + mean over all clients of h."""
+    sam = True
     paper = ("Sun et al., FedSpeed: Larger Local Interval, Less Communication Round, and Higher Generalization "
              "Accuracy, ICLR 2023")
     max_grad_norm, max_grad_norm_source = 10.0, f"{_SIM}, client/client.py: max_norm = 10"

@@ -163,3 +163,22 @@ def test_sam_with_adam_and_a_bad_radius(opt):
     sim.method.__class__ = NegSAM
     with pytest.raises(ValueError, match="negsam.sam_rho"):
         sim.round()
+
+
+def test_sam_is_declared_not_detected():
+    """SAM is a declared capability (``sam = True``): the built-in SAM methods declare it, and a method whose
+    sam_rho returns a radius without declaring it is refused by name (its memory would be sized without SAM's
+    rows)."""
+    assert fedfast.methods.get("fedsam").sam and fedfast.methods.get("fedspeed").sam
+    assert fedfast.methods.get("fedsam+asd").sam and not fedfast.methods.get("fedavg").sam
+
+    class Undeclared(fedfast.methods.FedAvg):
+        name = "undeclared"
+
+        def sam_rho(self, ctx):
+            return 0.1
+
+    _, sim, _ = engine_vs(SAMLoop, "fedsam", dict(rho=0.2), momentum=0.0)
+    sim.method.__class__ = Undeclared
+    with pytest.raises(ValueError, match="undeclared.sam_rho: 0.1 > 0, but the method does not declare sam = True"):
+        sim.round()
