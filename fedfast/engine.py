@@ -41,6 +41,7 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
 from .methods.base import Round, Step, TeacherRows, TeacherSpec
+from .local_step import OPTIMIZERS, PlainGradient, SAMGradient, client_optimizer
 from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
 
 
@@ -107,7 +108,6 @@ def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
     return np.sort(np.random.RandomState(rnd).choice(K, m, replace=False))
 
 
-SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) (ASD's code: 1e-16, FedSpeed's 1e-7)
 
 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
@@ -354,16 +354,12 @@ class Simulation:
                               f"{max(1, int(0.8 * free // max(rows, 1)))} or lower")
         self.stack = ClientStack(self.model, self.chunk, device=self.device, use_executor=False)
         self.stack.plan = self._plan  # the verified program (None: vmap)
-        self.buf = torch.zeros_like(self.stack.params) if c.momentum else None
-        adam = c.client_optimizer != "sgd"  # Adam/AdamW: per-client moments and step counts, reset every round
-        self.adam_m = torch.zeros_like(self.stack.params) if adam else None
-        self.adam_v = torch.zeros_like(self.stack.params) if adam else None
-        self.adam_t = torch.zeros(self.chunk, device=self.device) if adam else None
+        self.optimizer = client_optimizer(c, self.stack.params)  # SGD / Adam / AdamW state, reset every chunk
         # the C++ and Triton client steps read autograd's per-parameter gradients in place; the CUDA backend takes
         # one flat [n, P] gradient, reused every step
         self.gradbuf = None if ops._backend.resolve(c.backend, self.device.type) in ("cpu", "triton") else \
             torch.empty_like(self.stack.params)
-        self._sam_bufs = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
+        self._sam = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
 
     def _finish_init(self):
         c = self.cfg
@@ -613,8 +609,8 @@ class Simulation:
         # per-client state rows (gathered and updated)
         state = self.method.client_state
         sam = self.method.sam  # SAM steps (declared): the first gradient and the perturbed weights
-        rows = 3 + (1 if c.momentum else 0) + (2 if c.client_optimizer != "sgd" else 0) + \
-            (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (2 if sam else 0)
+        rows = 3 + OPTIMIZERS[c.client_optimizer].rows(c) + \
+            (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (SAMGradient.rows if sam else 0)
         acts = []
 
         def hook(m, inp, o):
@@ -911,11 +907,7 @@ class Simulation:
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))
-        if self.buf is not None:
-            self.buf[:n].zero_()
-        if self.adam_m is not None:
-            for t in (self.adam_m, self.adam_v, self.adam_t):
-                t[:n].zero_()
+        self.optimizer.reset(n)
         step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
         ctx.chunk = {}
         method.chunk_start(ctx, lo, hi)
@@ -927,8 +919,11 @@ class Simulation:
         if rho and not method.sam:
             raise ValueError(f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
                              f"memory budget counts SAM's two extra parameter rows per client only then)")
-        if rho and self._sam_bufs is None:
-            self._sam_bufs = (torch.empty_like(self.stack.params), torch.empty_like(self.stack.params))
+        if rho and self._sam is None:
+            self._sam = SAMGradient(self.stack.params)
+        rule = self._sam if rho else PlainGradient()
+        if rho:
+            rule.rho = rho
         for e in range(ctx.epochs):
             rows = self._step_rows[lo:hi] if self._step_rows is not None else self._batch_table(ctx, lo, hi, e, S * B)
             table = host_to_device(rows, self.device)
@@ -941,26 +936,12 @@ class Simulation:
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
                 loss = self._step_loss(ctx, pv, x, y, valid, seg, t, hist_c[:n_act], features, False, e, s)
-                if rho:  # SAM: the gradient at w + rho g/||g|| (per client), applied at w
-                    g1, w1 = (b[:n_act] for b in self._sam_bufs)
-                    self.stack.flat_grad(loss, pv, g1)
-                    scale = rho / (g1.norm(dim=1, keepdim=True) + SAM_EPS)
-                    torch.addcmul(theta_all[:n_act], scale, g1, out=w1)
-                    pv2 = self.stack.leaves_of(w1)
-                    loss2 = self._step_loss(ctx, pv2, x, y, valid, seg, t, hist_c[:n_act], features, True, e, s)
-                    grad = self.stack.flat_grad(loss2, pv2, None if self.gradbuf is None else self.gradbuf[:n_act])
-                else:
-                    grad = self.stack.flat_grad(loss, pv, None if self.gradbuf is None else self.gradbuf[:n_act])
+                grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
+                    self.stack, loss, pv, n_act,
+                    lambda p2: self._step_loss(ctx, p2, x, y, valid, seg, t, hist_c[:n_act], features, True, e, s),
+                    None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
-                kw = {**step_kw, **method.step_terms(ctx, n_act)}
-                if self.adam_m is None:
-                    ops.client_step(theta_all[:n_act], grad, momentum=c.momentum,
-                                    momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
-                else:  # each active client's own step count, as its own torch.optim.Adam would keep
-                    self.adam_t[:n_act] += 1
-                    ops.client_adam(theta_all[:n_act], grad, self.adam_m[:n_act], self.adam_v[:n_act],
-                                    self.adam_t[:n_act], betas=c.adam_betas, eps=c.adam_eps,
-                                    decoupled=c.client_optimizer == "adamw", **kw)
+                self.optimizer.step(theta_all, grad, n_act, {**step_kw, **method.step_terms(ctx, n_act)})
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
         method.chunk_end(ctx, lo, hi)
