@@ -41,6 +41,7 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
 from .methods.base import Round, Step, TeacherRows, TeacherSpec
+from .collectives import collectives
 from .local_step import OPTIMIZERS, PlainGradient, SAMGradient, client_optimizer
 from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
 
@@ -280,14 +281,9 @@ class Simulation:
                     check(ds, name)
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
         self.schedule, self.data_order = schedule, data_order
-        self.group, self.rank, self.world = process_group, 0, 1
-        if process_group is not None:  # torch.distributed: the sampled clients are split between the ranks
-            import torch.distributed as dist
-            if not dist.is_initialized():
-                raise ValueError("process_group: torch.distributed is not initialised")
-            self._dist = dist
-            self.group = None if process_group == "default" else process_group
-            self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
+        self.comm = collectives(process_group)
+        self.rank, self.world = self.comm.rank, self.comm.world
         if device is not None:
             check_device(str(device))
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -1007,11 +1003,10 @@ class Simulation:
 
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float):
-        if self.world > 1:  # sums over all ranks' clients; every rank learns every updated client's state row
-            for t in (avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce))):
-                self._dist.all_reduce(t, group=self.group)
-            if ctx.new_rows is not None:
-                ctx.sampled_t, ctx.new_rows = self._all_gather_rows(ctx.sampled_t, ctx.new_rows)
+        # sums over all ranks' clients; every rank learns every updated client's state row (one process: as is)
+        self.comm.sum_(avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce)))
+        if ctx.new_rows is not None:
+            ctx.sampled_t, ctx.new_rows = self.comm.gather_rows(ctx.sampled_t, ctx.new_rows)
         if ctx.new_rows is not None:
             self.method.client_state.scatter_(ctx.sampled_t, ctx.new_rows)
         new = self.method.server(ctx, avg_sum / total_w)
@@ -1021,23 +1016,6 @@ class Simulation:
         self.eval_flat = self.method.evaluated(new)
         if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
             ops.raise_if_invalid(self.device)
-
-    def _all_gather_rows(self, ids: torch.Tensor, rows: torch.Tensor):
-        """All ranks' (client id, state row) pairs (blocks padded to equal length for all_gather)."""
-        m = torch.tensor([len(ids)], device=self.device)
-        self._dist.all_reduce(m, op=self._dist.ReduceOp.MAX, group=self.group)
-        m_max = int(m)
-        pad_ids = torch.full((m_max,), -1, dtype=torch.long, device=self.device)
-        pad_ids[:len(ids)] = ids
-        pad_rows = torch.zeros(m_max, rows.shape[1], device=self.device)
-        pad_rows[:len(ids)] = rows
-        all_ids = [torch.empty_like(pad_ids) for _ in range(self.world)]
-        all_rows = [torch.empty_like(pad_rows) for _ in range(self.world)]
-        self._dist.all_gather(all_ids, pad_ids, group=self.group)
-        self._dist.all_gather(all_rows, pad_rows, group=self.group)
-        ids, rows = torch.cat(all_ids), torch.cat(all_rows)
-        keep = ids >= 0
-        return ids[keep], rows[keep]
 
     # -- phase 6: evaluation --------------------------------------------------------------------------------
     def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
@@ -1098,8 +1076,7 @@ class Simulation:
                 acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
                 acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
                 acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
-        if self.world > 1:
-            self._dist.all_reduce(acc, group=self.group)
+        self.comm.sum_(acc)
         correct, count = acc[:C], acc[C:2 * C]
         n = len(data)
         class_acc = (correct / count.clamp_min(1)).float().cpu()

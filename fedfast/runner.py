@@ -346,9 +346,9 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
 def _agreed_stop(sim, stop: dict) -> int:
     """The signal that stops the run after this round (under torch.distributed: any rank's, on every rank)."""
     sig = int(stop.get("sig", 0))
-    if sim.world > 1:
+    if sim.world > 1:  # one read of a device tensor: only where there is something to agree on
         t = torch.tensor([sig], device=sim.device)
-        sim._dist.all_reduce(t, op=sim._dist.ReduceOp.MAX, group=sim.group)
+        sim.comm.max_(t)
         sig = int(t)
     return sig
 
