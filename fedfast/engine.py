@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -40,8 +39,10 @@ from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
-from .methods.base import Round, Step, TeacherRows, TeacherSpec
+from .methods.base import Round, Step, TeacherSpec
 from .collectives import collectives
+from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
+from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
 from .local_step import OPTIMIZERS, PlainGradient, SAMGradient, client_optimizer
 from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
 
@@ -77,38 +78,6 @@ def _is_oom(e: BaseException) -> bool:
     """A device allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError)."""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
-
-
-def client_order(seed: int, rnd: int, client: int, epoch: int, n: int) -> np.ndarray:
-    """The seeded shuffle of a client's local indices for one epoch (shared with reference loops)."""
-    return np.random.default_rng([seed, rnd, client, epoch]).permutation(n)
-
-
-def sample_clients(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
-    """The default client sampling: ``m`` of ``K`` clients without replacement, seeded by ``(seed, round)``."""
-    return np.sort(np.random.default_rng([seed, rnd, 10**6]).choice(K, size=m, replace=False))
-
-
-def sample_clients_bernoulli(seed: int, rnd: int, K: int, p: float) -> np.ndarray:
-    """Each of ``K`` clients independently with probability ``p``, as ASD's code samples (vcl-iisc/fed-adaptive-
-    self-distillation @6cb4b68, ``src/utils_methods.py``: ``np.random.seed(round + seed + retry)``,
-    ``uniform(size=K) <= p``, drawn again with the next retry while no client is chosen)."""
-    retry = 0
-    while True:
-        u = np.random.RandomState((rnd + seed + retry) % 2**32).uniform(size=K)
-        chosen = np.nonzero(u <= p)[0]
-        retry += 1
-        if len(chosen):
-            return chosen
-
-
-def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
-    """``m`` of ``K`` clients drawn by numpy's ``RandomState(round)`` whatever the run's seed, so every seed and
-    every method sees the same cohorts, as FedNTD's code samples (Lee-Gihun/FedNTD @be00ee5,
-    ``algorithms/BaseServer.py``: ``np.random.seed(round_idx)``, ``np.random.choice(K, m, replace=False)``)."""
-    return np.sort(np.random.RandomState(rnd).choice(K, m, replace=False))
-
-
 
 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
@@ -163,44 +132,6 @@ def fp32_semantics():
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
-# -- the round's teacher (typed) ------------------------------------------------------------------------------
-@dataclass
-class CachedTeacher:
-    """Teacher logits [N, C] for the round's training rows (zero elsewhere), made once per round."""
-    logits: torch.Tensor
-
-    def rows(self, idx: torch.Tensor, x: torch.Tensor) -> TeacherRows:
-        return TeacherRows(logits=self.logits[idx].float())
-
-
-@dataclass
-class CachedMixture:
-    """M teachers' mixture ``(P [N, C], negent [N])`` for the round's rows (:func:`fedfast.ops.teacher_mixture`)."""
-    probs: torch.Tensor
-    negent: torch.Tensor
-
-    def rows(self, idx, x) -> TeacherRows:
-        return TeacherRows(mixture=(self.probs[idx], self.negent[idx]))
-
-
-@dataclass
-class OnlineTeacher:
-    """The teacher run on every step's (augmented) rows: one batched forward per teacher model."""
-    spec: TeacherSpec
-    sim: "Simulation"
-
-    @torch.no_grad()
-    def rows(self, idx, x) -> TeacherRows:
-        """Each teacher on every client's own batch (one grouped forward: a model that normalises with batch
-        statistics sees the same batches as in a per-client loop)."""
-        sim, s = self.sim, self.spec
-        with sim.eval_mode():
-            out = [sim.forward_each(m, x).float().reshape(-1, sim.num_classes) for m in s.models]
-        if s.weights is None:
-            return TeacherRows(logits=out[0])
-        return TeacherRows(logits=torch.stack(out), weights=s.weights)
 
 
 class Simulation:
