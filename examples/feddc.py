@@ -39,6 +39,16 @@ from fedfast.methods import FedAvg, opt, register
 _CODE = "gaoliang13/FedDC, example_code_cifar10.py and utils_general.py"
 
 
+@dataclass
+class _Chunk:
+    """FedDC's per-chunk state (returned by chunk_start, read back as ctx.chunk): r_i, alpha_i, the penalty
+    gradient's theta-free part and its buffer."""
+    r: torch.Tensor
+    alpha: torch.Tensor
+    lin: torch.Tensor
+    grad: torch.Tensor
+
+
 @register("feddc")
 class FedDC(FedAvg):
     """FedDC (Gao et al., CVPR 2022): local drift h_i and gradient correction G_i; the global model is the mean of
@@ -72,16 +82,15 @@ class FedDC(FedAvg):
         r = host_to_device(self.rel[ctx.sampled[lo:hi]], e.device, torch.float32)[:, None]
         rows = ctx.rows[lo:hi]
         alpha = self.opts.alpha / r
-        ctx.chunk["r"], ctx.chunk["alpha"] = r, alpha
         # the theta-free part of the penalty's gradient: alpha_i (h_i - w) + G / r_i - G_i
-        ctx.chunk["lin"] = alpha * (rows[:, :P] - e.global_flat) + (self.G / r - rows[:, P:])
-        ctx.chunk["grad"] = torch.empty_like(ctx.chunk["lin"])
+        lin = alpha * (rows[:, :P] - e.global_flat) + (self.G / r - rows[:, P:])
+        return _Chunk(r, alpha, lin, torch.empty_like(lin))  # handed back to the other hooks as ctx.chunk
 
     def step_terms(self, ctx, n_act):
         ch = ctx.chunk
         theta = self.engine.client_params(n_act)
         # + alpha_i theta: the whole penalty gradient as per-client loss rows, clipped with the loss gradient
-        return dict(loss_rows=torch.addcmul(ch["lin"][:n_act], ch["alpha"][:n_act], theta, out=ch["grad"][:n_act]))
+        return dict(loss_rows=torch.addcmul(ch.lin[:n_act], ch.alpha[:n_act], theta, out=ch.grad[:n_act]))
 
     def chunk_aggregate(self, ctx, lo, hi):
         # h_i <- h_i + (theta_i - w): state rows with coefficient 1
@@ -89,7 +98,7 @@ class FedDC(FedAvg):
 
     def collect(self, ctx, out, lo, hi):
         e, P = self.engine, self.engine.num_params
-        r, G_old = ctx.chunk["r"], ctx.rows[lo:hi, P:]
+        r, G_old = ctx.chunk.r, ctx.rows[lo:hi, P:]
         delta = e.client_params(hi - lo) - e.global_flat
         beta = 1.0 / (self.n_minibatch * e.config.lr)
         G_new = G_old - self.G / r - beta * delta

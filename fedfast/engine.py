@@ -836,8 +836,8 @@ class Simulation:
         self.stack.broadcast_(self.global_flat, rows=slice(0, n))
         self.optimizer.reset(n)
         step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
-        ctx.chunk = {}
-        method.chunk_start(ctx, lo, hi)
+        ctx.chunk = None
+        ctx.chunk = method.chunk_start(ctx, lo, hi)  # the method's own per-chunk state, handed back as ctx.chunk
         hist_c = ctx.hist[lo:hi]
         features = self._features_module() if method.needs_features else None
         rho = float(method.sam_rho(ctx))

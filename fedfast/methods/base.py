@@ -187,7 +187,7 @@ class Round:
     rows: Tensor | None = None       # [m, P] the method's per-client state rows (gathered from client_state)
     new_rows: Tensor | None = None   # their updated values, filled by ``collect`` chunk by chunk
     incr: Tensor | None = None       # a server-state increment summed over the chunks (all-reduced across ranks)
-    chunk: dict = field(default_factory=dict)  # per-chunk values a method keeps between its hooks
+    chunk: object = None  # the method's own per-chunk state: what its chunk_start returned (e.g. a dataclass)
     weights: np.ndarray | None = None  # [m] this rank's clients' aggregation weights (host)
     clients: np.ndarray | None = None  # the whole round's clients (all ranks) in stack order; row p of a
     #                                    ``reduce`` table is the client at position p (``positions``)
@@ -486,8 +486,11 @@ class Method:
         return cross_entropy(b, self.engine.backend)
 
     # -- client step ---------------------------------------------------------------------------------------
-    def chunk_start(self, ctx: Round, lo: int, hi: int) -> None:
-        """Before the local steps of the round's clients ``lo:hi`` (stack rows ``0:hi-lo`` hold the global model)."""
+    def chunk_start(self, ctx: Round, lo: int, hi: int):
+        """Before the local steps of the round's clients ``lo:hi`` (stack rows ``0:hi-lo`` hold the global model).
+        Returns the method's per-chunk state (any object, typically a small dataclass of its own, or None): the
+        engine hands it back to the chunk's other hooks as ``ctx.chunk``."""
+        return None
 
     def step_terms(self, ctx: Round, n_act: int) -> dict:
         """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""

@@ -42,6 +42,13 @@ from .base import TeacherSpec, opt
 from .fedavg import FedAvg
 
 
+@dataclass
+class _Drift:
+    """FedADC's per-chunk state: the drift beta_l m_t and each client's 1 / H_k."""
+    drift: torch.Tensor
+    inv_h: torch.Tensor
+
+
 @register("fedadc")
 class FedADC(FedAvg):
     """FedADC (Ozfatura et al., Alg. 3): each local step adds the drift beta_l m_t / H_i; server m' = D/lr +
@@ -72,17 +79,17 @@ class FedADC(FedAvg):
         e = self.engine
         drift = self.opts.beta * self.m
         inv_h = host_to_device(1.0 / (ctx.steps[lo:hi] * ctx.epochs), e.device, torch.float32)
-        ctx.chunk.update(drift=drift, inv_h=inv_h)
         if self.opts.order == "nesterov":  # the heavy-ball step on the sequence shifted by one drift half-step
             drift_shift_(e.client_params(hi - lo), drift, ctx.lr * inv_h, sign=-1.0)
+        return _Drift(drift, inv_h)
 
     def step_terms(self, ctx, n_act):
         # the drift beta_l m_t / H_k is a step offset outside the momentum buffer: u = beta_l m_t, o_k = 1 / H_k
-        return dict(step_vec=ctx.chunk["drift"], step_vec_scale=ctx.chunk["inv_h"][:n_act])
+        return dict(step_vec=ctx.chunk.drift, step_vec_scale=ctx.chunk.inv_h[:n_act])
 
     def chunk_end(self, ctx, lo, hi):
         if self.opts.order == "nesterov":
-            drift_shift_(self.engine.client_params(hi - lo), ctx.chunk["drift"], ctx.lr * ctx.chunk["inv_h"], sign=+1.0)
+            drift_shift_(self.engine.client_params(hi - lo), ctx.chunk.drift, ctx.lr * ctx.chunk.inv_h, sign=+1.0)
 
     def server_terms(self, ctx):
         o = self.opts

@@ -51,6 +51,15 @@ def fisher_batches(steps: np.ndarray, samples: int, batch_size: int) -> np.ndarr
     return np.minimum(np.asarray(steps), samples // batch_size + 1)
 
 
+@dataclass
+class _Penalty:
+    """FedCurv's per-chunk state: 2 lam P_k, -2 lam Q_k, the penalty-gradient buffer, then the Fisher u_k."""
+    curv: torch.Tensor
+    lin: torch.Tensor
+    grad: torch.Tensor
+    u: torch.Tensor | None = None
+
+
 @register("fedcurv")
 class FedCurv(FedAvg):
     """FedCurv (Shoham et al. 2019): local loss + lam sum_{j != k} u_j (w - w_j)^2, u_j the diagonal Fisher of
@@ -77,9 +86,9 @@ class FedCurv(FedAvg):
     def chunk_start(self, ctx, lo, hi):
         P, lam = self.engine.num_params, self.opts.lam
         rows = ctx.rows[lo:hi]
-        ctx.chunk["curv"] = 2 * lam * (self.U - rows[:, :P])   # 2 lam P_k
-        ctx.chunk["lin"] = -2 * lam * (self.V - rows[:, P:])   # -2 lam Q_k
-        ctx.chunk["grad"] = torch.empty_like(ctx.chunk["curv"])
+        curv = 2 * lam * (self.U - rows[:, :P])   # 2 lam P_k
+        lin = -2 * lam * (self.V - rows[:, P:])   # -2 lam Q_k
+        return _Penalty(curv, lin, torch.empty_like(curv))
 
     def step_terms(self, ctx, n_act):
         if not self.opts.lam:
@@ -87,20 +96,20 @@ class FedCurv(FedAvg):
         ch = ctx.chunk
         theta = self.engine.client_params(n_act)
         # the penalty's gradient 2 lam (P_k w - Q_k) is a per-client loss term (clipped with the loss gradient)
-        return dict(loss_rows=torch.addcmul(ch["lin"][:n_act], ch["curv"][:n_act], theta, out=ch["grad"][:n_act]))
+        return dict(loss_rows=torch.addcmul(ch.lin[:n_act], ch.curv[:n_act], theta, out=ch.grad[:n_act]))
 
     def chunk_end(self, ctx, lo, hi):
         e = self.engine
         batches = fisher_batches(ctx.data_batches[lo:hi], self.opts.samples, e.config.batch_size)
-        u = ctx.chunk["grad"].zero_()  # reuse the penalty buffer: training is over
+        u = ctx.chunk.grad.zero_()  # reuse the penalty buffer: training is over
         for _, n_act, g in e.local_gradients(ctx, lo, hi, batches, epoch=ctx.epochs):
             u[:n_act].addcmul_(g, g)
         u /= host_to_device(batches, e.device, torch.float32)[:, None]
-        ctx.chunk["u"] = u
+        ctx.chunk.u = u
 
     def collect(self, ctx, out, lo, hi):
         P = self.engine.num_params
-        u, old = ctx.chunk["u"], ctx.rows[lo:hi]
+        u, old = ctx.chunk.u, ctx.rows[lo:hi]
         v = u * self.engine.client_params(hi - lo)
         ctx.reduce["U"] += (u - old[:, :P]).sum(0)
         ctx.reduce["V"] += (v - old[:, P:]).sum(0)

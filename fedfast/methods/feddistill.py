@@ -37,6 +37,14 @@ from .fedavg import FedAvg
 _CODE = "CGCL-codes/FedGKD @72e7bac, worker_feddistill.py"
 
 
+@dataclass
+class _Logits:
+    """FedDistill+'s per-chunk state: each (client, label)'s logit sum and count this round, and its targets."""
+    sum: torch.Tensor
+    count: torch.Tensor
+    target: torch.Tensor
+
+
 @register("feddistill_plus")
 class FedDistillPlus(FedAvg):
     """FedDistill+ (Seo et al. 2020, as FedGKD runs it): CE + coef tau^2 KL(softmax(G_k[y]/tau) || softmax(z/tau)),
@@ -68,24 +76,23 @@ class FedDistillPlus(FedAvg):
 
     def chunk_start(self, ctx, lo, hi):
         C, n = self.engine.num_classes, hi - lo
-        ctx.chunk["sum"] = torch.zeros(n * C, C, device=self.engine.device)
-        ctx.chunk["count"] = torch.ones(n * C, device=self.engine.device)
-        ctx.chunk["target"] = self.target[lo:hi].reshape(n * C, C)
+        return _Logits(torch.zeros(n * C, C, device=self.engine.device), torch.ones(n * C, device=self.engine.device),
+                       self.target[lo:hi].reshape(n * C, C))
 
     def loss(self, ctx, b):
         C = self.engine.num_classes
         row = b.segments * C + b.target.clamp_min(0)  # (client, label) of every row; padding rows weigh 0
         if not b.perturbed:
             w = (b.target >= 0).float()
-            ctx.chunk["sum"].index_add_(0, row, b.logits.detach() * w[:, None])
-            ctx.chunk["count"].index_add_(0, row, w)
+            ctx.chunk.sum.index_add_(0, row, b.logits.detach() * w[:, None])
+            ctx.chunk.count.index_add_(0, row, w)
         if self.opts.skip_first_round and ctx.index == 0:
             return cross_entropy(b, self.engine.backend)
-        return self.kd(b.logits, ctx.chunk["target"][row], b.target, segments=b.segments, num_segments=b.num_clients)
+        return self.kd(b.logits, ctx.chunk.target[row], b.target, segments=b.segments, num_segments=b.num_clients)
 
     def collect(self, ctx, out, lo, hi):
         C = self.engine.num_classes
-        avg = ctx.chunk["sum"] / ctx.chunk["count"][:, None]
+        avg = ctx.chunk.sum / ctx.chunk.count[:, None]
         ctx.reduce["logits"].index_copy_(0, ctx.positions[lo:hi], avg.reshape(hi - lo, C * C))
 
     def server(self, ctx, avg):

@@ -29,6 +29,13 @@ from .base import opt
 from .fedavg import FedAvg
 
 
+@dataclass
+class _Linear:
+    """FedDyn's per-chunk state: alpha_k and the linear term's gradient alpha_k (h_k - w_t)."""
+    alpha: torch.Tensor
+    dyn: torch.Tensor
+
+
 @register("feddyn")
 class FedDyn(FedAvg):
     """FedDyn (Acar et al. 2021; cloud form): loss + alpha_k <w, h_k - w_cld>, weight decay alpha_k + wd;
@@ -73,12 +80,12 @@ class FedDyn(FedAvg):
 
     def chunk_start(self, ctx, lo, hi):
         a = self.alpha_k[lo:hi]
-        ctx.chunk.update(alpha=a, dyn=a[:, None] * (self._h(ctx.rows[lo:hi]) - self.engine.global_flat))
+        return _Linear(a, a[:, None] * (self._h(ctx.rows[lo:hi]) - self.engine.global_flat))
 
     def step_terms(self, ctx, n_act):
         ch = ctx.chunk
         # the linear term's gradient alpha_k (h_k - w_t) is a per-client loss term (clipped with the loss gradient)
-        return dict(loss_rows=ch["dyn"][:n_act], weight_decay=ch["alpha"][:n_act] + self.engine.config.weight_decay)
+        return dict(loss_rows=ch.dyn[:n_act], weight_decay=ch.alpha[:n_act] + self.engine.config.weight_decay)
 
     def chunk_aggregate(self, ctx, lo, hi):
         # h_k' = h_k + (w_k - w_t): the fused update's state rows with coefficient 1 and no shift

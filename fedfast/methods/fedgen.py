@@ -184,7 +184,7 @@ class FedGen(FedAvg):
         self.generator.eval()
 
     def chunk_start(self, ctx, lo, hi):
-        ctx.chunk["lo"] = lo
+        return lo  # the chunk's first round position: each client's draws are keyed by its position
 
     def loss(self, ctx, b):
         e = self.engine
@@ -195,7 +195,7 @@ class FedGen(FedAvg):
         v = b.valid.float()
         per = v / v.sum(1, keepdim=True).clamp_min(1)  # each client's minibatch mean
         alpha, beta = self.weights_at(ctx.index)
-        pos = ctx.positions[ctx.chunk["lo"]:ctx.chunk["lo"] + n]
+        pos = ctx.positions[ctx.chunk:ctx.chunk + n]
         eps1, u, eps2 = (d[pos] for d in client_draws(e.seed, ctx.index, b.epoch, b.step, ctx.num_total, B,
                                                       self.gen_batch, self.noise_dim, e.device))
         with torch.no_grad():  # latent matching: the client's own classifier on generated features of the labels

@@ -76,13 +76,13 @@ class FedNova(FedAvg):
 
     def chunk_start(self, ctx, lo, hi):
         if self.opts.ccvr:
-            ctx.chunk["d"] = ctx.rows[lo:hi]
+            return ctx.rows[lo:hi]  # d_i of the chunk's clients
 
     def step_terms(self, ctx, n_act):
         if not self.opts.ccvr:
             return {}
         # the correction c - d_k enters momentum: v = c, C_k = d_k with coefficient -1
-        return dict(corr_vec=self.c, corr_rows=ctx.chunk["d"][:n_act], corr_rows_coef=-1.0)
+        return dict(corr_vec=self.c, corr_rows=ctx.chunk[:n_act], corr_rows_coef=-1.0)
 
     def collect(self, ctx, out, lo, hi):
         if not self.opts.ccvr:

@@ -64,13 +64,13 @@ class MOON(FedAvg):
         self.client_state = e.new_client_state(fill=e.global_flat)  # previous local models
 
     def chunk_start(self, ctx, lo, hi):
-        ctx.chunk["prev"] = ctx.rows[lo:hi]
+        return ctx.rows[lo:hi]  # the chunk's clients' previous local models
 
     def loss(self, ctx, b):
         e, o, n = self.engine, self.opts, b.num_clients
         with torch.no_grad(), e.eval_mode():  # frozen references, each on its client's own batch
             rg, _ = e.forward_each(e.global_flat, b.x, features=True)
-            rp, _ = e.forward_clients(ctx.chunk["prev"][:n], b.x, features=True)
+            rp, _ = e.forward_clients(ctx.chunk[:n], b.x, features=True)
         r = b.features.reshape(-1, b.features.shape[-1])
         sims = torch.stack([F.cosine_similarity(r, rg.reshape(r.shape), dim=-1),
                             F.cosine_similarity(r, rp.reshape(r.shape), dim=-1)], 1) / o.tau

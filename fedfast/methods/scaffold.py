@@ -42,11 +42,11 @@ class Scaffold(FedAvg):
         self.c = torch.zeros(e.num_params, device=e.device)
 
     def chunk_start(self, ctx, lo, hi):
-        ctx.chunk["ck"] = ctx.rows[lo:hi]
+        return ctx.rows[lo:hi]  # c_k of the chunk's clients
 
     def step_terms(self, ctx, n_act):
         # the correction c - c_k (after clipping, inside momentum): v = c, C_k = c_k with coefficient -1
-        return dict(corr_vec=self.c, corr_rows=ctx.chunk["ck"][:n_act], corr_rows_coef=-1.0)
+        return dict(corr_vec=self.c, corr_rows=ctx.chunk[:n_act], corr_rows_coef=-1.0)
 
     def chunk_aggregate(self, ctx, lo, hi):
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
