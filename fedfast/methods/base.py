@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import ops
+from .hooks import ClientHooks, ServerHooks, cross_entropy, weighted_mean_rows  # noqa: F401 (re-exported)
 
 
 # -- options ------------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class Engine(Protocol):
 
 
 # -- the method --------------------------------------------------------------------------------------------
-class Method:
+class Method(ClientHooks, ServerHooks):
     """FedAvg (McMahan et al., AISTATS 2017): CE loss, SGD client step, weighted average on the server.
     The base of every method; subclass it and register it with :func:`fedfast.methods.register`.
 
@@ -460,77 +460,6 @@ class Method:
                     raise ValueError(f"state: {k} has shape {tuple(v.shape)}, expected {tuple(cur.shape)}")
                 setattr(self, k, v.to(self.engine.device).clone())
 
-    # -- per round -----------------------------------------------------------------------------------------
-    def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray | None:
-        """The weights of the round's participants in the average (host arrays over all of the round's clients in
-        stack order: ids, data sizes, local steps E*ceil(n/B)); None: the engine's ``aggregate_weights``
-        (sizes or uniform). FedDisco and FedNova set their own."""
-        return None
-
-    def round_start(self, ctx: Round) -> None:
-        """Per-round server-side values (class weights, per-client coefficients)."""
-
-    def sam_rho(self, ctx: Round) -> float:
-        """The SAM radius rho of this round's local steps (0: plain steps). With rho > 0 every local step runs the
-        loss twice: at w for g, then at ``w + rho g / ||g||`` (per client), whose gradient the step applies at w
-        (Foret et al. 2021; FedSAM, FedSpeed). A method that returns rho > 0 declares ``sam = True``."""
-        return 0.0
-
-    def teacher(self, ctx: Round) -> TeacherSpec | None:
-        """The models this method distils from this round (None: no teacher)."""
-        return None
-
-    # -- client loss ---------------------------------------------------------------------------------------
-    def loss(self, ctx: Round, b: Step) -> Tensor:
-        """The client loss of all active clients: the sum over clients of each client's minibatch mean."""
-        return cross_entropy(b, self.engine.backend)
-
-    # -- client step ---------------------------------------------------------------------------------------
-    def chunk_start(self, ctx: Round, lo: int, hi: int):
-        """Before the local steps of the round's clients ``lo:hi`` (stack rows ``0:hi-lo`` hold the global model).
-        Returns the method's per-chunk state (any object, typically a small dataclass of its own, or None): the
-        engine hands it back to the chunk's other hooks as ``ctx.chunk``."""
-        return None
-
-    def step_terms(self, ctx: Round, n_act: int) -> dict:
-        """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""
-        return {}
-
-    def chunk_end(self, ctx: Round, lo: int, hi: int) -> None:
-        """After the chunk's last local step."""
-
-    # -- server --------------------------------------------------------------------------------------------
-    def chunk_aggregate(self, ctx: Round, lo: int, hi: int) -> dict:
-        """Extra arguments of :func:`fedfast.ops.aggregate` for the chunk's rows (per-client state updates)."""
-        return {}
-
-    def collect(self, ctx: Round, out: dict, lo: int, hi: int) -> None:
-        """Keep the chunk's per-client results (``ctx.new_rows``, ``ctx.incr``) from the fused aggregate's outputs."""
-
-    def server_terms(self, ctx: Round) -> dict:
-        """Server-rule arguments of :func:`fedfast.ops.aggregate` (server momentum, teacher buffer)."""
-        return {}
-
-    def server(self, ctx: Round, avg: Tensor) -> Tensor:
-        """The new global model from the participants' weighted average ``avg`` [P] (one fused call)."""
-        out = ops.aggregate(avg[None], self.engine.global_flat, rows=1, backend=self.engine.backend,
-                            **self.server_terms(ctx))
-        self.after_server(ctx, out)
-        return out["global"]
-
-    def after_server(self, ctx: Round, out: dict) -> None:
-        """Read the updated server state from the fused call's outputs."""
-
-    def evaluated(self, global_flat: Tensor) -> Tensor:
-        """The model the engine evaluates and reports (default: the global model)."""
-        return global_flat
-
-    def round_metrics(self, ctx: Round) -> dict:
-        """The method's own values for this round's record, after ``server``: ``{name: number or 1-element
-        tensor}`` (e.g. FedExP's server step size). They appear as ``method_metrics`` in ``sim.round()``'s record,
-        ``metrics.jsonl`` and TensorBoard (``method/<name>``); read to the host once per round."""
-        return {}
-
 
 # -- method state in checkpoints -------------------------------------------------------------------------------
 STATE_FORMAT = "__fedfast_method_state__"
@@ -615,19 +544,6 @@ def unpack_state(p, current, device, where: str):
         cur = current if isinstance(current, dict) else {}
         return {k: unpack_state(x, cur.get(k), device, f"{where}[{k!r}]") for k, x in p["__dict__"].items()}
     return p
-
-
-def cross_entropy(b: Step, backend) -> Tensor:
-    """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
-    return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,
-                       num_segments=b.num_clients, reduction="mean", backend=backend)
-
-
-def weighted_mean_rows(rows: Tensor, valid: Tensor) -> Tensor:
-    """``rows`` [n*B] per-row values -> the sum over clients of each client's mean over its valid rows."""
-    v = valid.float()
-    w = (v / v.sum(1, keepdim=True).clamp_min(1)).reshape(-1)
-    return (rows * w).sum()
 
 
 __all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",

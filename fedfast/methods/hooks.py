@@ -1,0 +1,113 @@
+"""A method's hooks, in two sets, each hook with its default (FedAvg's):
+
+* :class:`ClientHooks`: what the clients do in their local steps - the teacher they distil from, a SAM radius, the
+  loss, the per-chunk state and the fused client step's terms;
+* :class:`ServerHooks`: what the server does with them - the participants' weights, per-round values, the fused
+  aggregate's terms, reading each chunk's results, the server rule, the evaluated model, the round's metrics.
+
+:class:`fedfast.methods.Method` is both; docs/methods.md lists the hooks in the order the engine calls them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import ops
+
+if TYPE_CHECKING:  # the hooks' argument types (fedfast.methods.base imports this module)
+    from .base import Round, Step, TeacherSpec
+
+
+def cross_entropy(b: Step, backend) -> Tensor:
+    """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
+    return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,
+                       num_segments=b.num_clients, reduction="mean", backend=backend)
+
+
+def weighted_mean_rows(rows: Tensor, valid: Tensor) -> Tensor:
+    """``rows`` [n*B] per-row values -> the sum over clients of each client's mean over its valid rows."""
+    v = valid.float()
+    w = (v / v.sum(1, keepdim=True).clamp_min(1)).reshape(-1)
+    return (rows * w).sum()
+
+
+class ClientHooks:
+    """The client side of a method (the engine calls these during local training)."""
+
+    def sam_rho(self, ctx: Round) -> float:
+        """The SAM radius rho of this round's local steps (0: plain steps). With rho > 0 every local step runs the
+        loss twice: at w for g, then at ``w + rho g / ||g||`` (per client), whose gradient the step applies at w
+        (Foret et al. 2021; FedSAM, FedSpeed). A method that returns rho > 0 declares ``sam = True``."""
+        return 0.0
+
+    def teacher(self, ctx: Round) -> TeacherSpec | None:
+        """The models this method distils from this round (None: no teacher)."""
+        return None
+
+    # -- client loss ---------------------------------------------------------------------------------------
+    def loss(self, ctx: Round, b: Step) -> Tensor:
+        """The client loss of all active clients: the sum over clients of each client's minibatch mean."""
+        return cross_entropy(b, self.engine.backend)
+
+    # -- client step ---------------------------------------------------------------------------------------
+    def chunk_start(self, ctx: Round, lo: int, hi: int):
+        """Before the local steps of the round's clients ``lo:hi`` (stack rows ``0:hi-lo`` hold the global model).
+        Returns the method's per-chunk state (any object, typically a small dataclass of its own, or None): the
+        engine hands it back to the chunk's other hooks as ``ctx.chunk``."""
+        return None
+
+    def step_terms(self, ctx: Round, n_act: int) -> dict:
+        """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""
+        return {}
+
+    def chunk_end(self, ctx: Round, lo: int, hi: int) -> None:
+        """After the chunk's last local step."""
+
+
+
+class ServerHooks:
+    """The server side of a method (the engine calls these around and after the clients' training)."""
+
+    def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray | None:
+        """The weights of the round's participants in the average (host arrays over all of the round's clients in
+        stack order: ids, data sizes, local steps E*ceil(n/B)); None: the engine's ``aggregate_weights``
+        (sizes or uniform). FedDisco and FedNova set their own."""
+        return None
+
+    def round_start(self, ctx: Round) -> None:
+        """Per-round server-side values (class weights, per-client coefficients)."""
+
+    # -- server --------------------------------------------------------------------------------------------
+    def chunk_aggregate(self, ctx: Round, lo: int, hi: int) -> dict:
+        """Extra arguments of :func:`fedfast.ops.aggregate` for the chunk's rows (per-client state updates)."""
+        return {}
+
+    def collect(self, ctx: Round, out: dict, lo: int, hi: int) -> None:
+        """Keep the chunk's per-client results (``ctx.new_rows``, ``ctx.incr``) from the fused aggregate's outputs."""
+
+    def server_terms(self, ctx: Round) -> dict:
+        """Server-rule arguments of :func:`fedfast.ops.aggregate` (server momentum, teacher buffer)."""
+        return {}
+
+    def server(self, ctx: Round, avg: Tensor) -> Tensor:
+        """The new global model from the participants' weighted average ``avg`` [P] (one fused call)."""
+        out = ops.aggregate(avg[None], self.engine.global_flat, rows=1, backend=self.engine.backend,
+                            **self.server_terms(ctx))
+        self.after_server(ctx, out)
+        return out["global"]
+
+    def after_server(self, ctx: Round, out: dict) -> None:
+        """Read the updated server state from the fused call's outputs."""
+
+    def evaluated(self, global_flat: Tensor) -> Tensor:
+        """The model the engine evaluates and reports (default: the global model)."""
+        return global_flat
+
+    def round_metrics(self, ctx: Round) -> dict:
+        """The method's own values for this round's record, after ``server``: ``{name: number or 1-element
+        tensor}`` (e.g. FedExP's server step size). They appear as ``method_metrics`` in ``sim.round()``'s record,
+        ``metrics.jsonl`` and TensorBoard (``method/<name>``); read to the host once per round."""
+        return {}
