@@ -25,25 +25,28 @@ options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, ClientState, FlatLayout, classifier_of, functional_forward, host_to_device
+from .flat import ClientStack, FlatLayout, functional_forward, host_to_device
 from .methods.base import Round, Step, TeacherSpec
 from .collectives import collectives
 from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
 from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
-from .local_step import OPTIMIZERS, PlainGradient, SAMGradient, client_optimizer
+from .local_step import PlainGradient, SAMGradient, client_optimizer
+from .sim.evaluation import Evaluation
+from .sim.memory import CPU_CHUNK_PARAM_BYTES, OutOfMemory, _free_bytes, _gib, fp32_semantics  # noqa: F401 (re-exported)
+from .sim.services import EngineServices
+from .sim.sizing import Sizing
+from .sim.snapshots import Snapshots
 from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
 
 
@@ -64,23 +67,6 @@ class Diverged(ArithmeticError):
                          f"{' or ' if len(hint) > 1 else ''}{hint[-1]}")
 
 
-class OutOfMemory(MemoryError):
-    """The run does not fit the device's memory. The message says how many bytes the failing allocation group
-    needs, what is free, and which setting to change (``client_chunk``, ``memory_budget_gb``, ``eval_batch``,
-    ``state_on_host``, ``state_dtype``)."""
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
-
-
-def _is_oom(e: BaseException) -> bool:
-    """A device allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
-
-
-CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
 # no faster rounds; docs/benchmarks.md). CUDA: grouped until the implicit-GEMM kernels have been timed against
@@ -99,42 +85,7 @@ def conv_impl(setting: str, device: torch.device) -> str:
     return impl
 
 
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def _on_cpu(obj):
-    """A method's state dict (nested plain data) with every tensor detached onto the CPU."""
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_cpu(v) for v in obj)
-    return obj
-
-
-@contextlib.contextmanager
-def fp32_semantics():
-    """Matrix products and cuDNN convolutions in full fp32 (no TF32) inside the block, restored after it."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
-class Simulation:
+class Simulation(EngineServices, Sizing, Evaluation, Snapshots):
     """``Simulation(config, model, train, test, partition).run()`` -> per-round metrics; ``round()`` steps one round.
 
     After every round ``model`` (the module passed in) holds the evaluated global model's weights;
@@ -307,252 +258,6 @@ class Simulation:
                           "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=3)
         self.history: list[dict] = []
         self._class_acc: list[torch.Tensor] = []
-
-    # -- the engine interface a method uses (fedfast.methods.Engine) ---------------------------------------------
-    @property
-    def round_index(self) -> int:
-        return self.rnd
-
-    def server_data(self, name: str):
-        return self._splits.get(name)
-
-    @contextlib.contextmanager
-    def eval_mode(self):
-        was = self.model.training
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train(was)
-
-    def _features_module(self):
-        if self._classifier is None:
-            self._classifier = classifier_of(self.model)
-        return self._classifier
-
-    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        """One model (flat parameters [P]) on a batch: the grouped executor with one client, else functional_call.
-        With ``features``: ``(input of the last Linear, logits)``."""
-        feat = self._features_module() if features else None
-        if self._plan is not None:
-            pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
-            out = self._plan.forward(pv, x[None], self.model.training, feat)
-            return (out[0][0], out[1][0]) if features else out[0]
-        fwd = self._fwd if feat is None else functional_forward(self.model, feat)
-        return fwd(self.layout.param_views(flat), self.layout.buffer_views(self._buffers0), x)
-
-    def forward_clients(self, rows: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        """Models ``rows`` [n, P] on ``x`` [n, B, ...] (the stack's batched forward)."""
-        n = rows.shape[0]
-        return self.stack.vmap_forward(x, rows=slice(0, n), params=self.layout.param_views(rows),
-                                       features=self._features_module() if features else None)
-
-    def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        """One model (flat [P]) on each client's own batch ``x`` [n, B, ...] -> [n, B, C] (or (features, logits)).
-        Models that normalise with batch statistics see each client's batch alone (a grouped forward, as in a
-        per-client loop); other models run once on the n*B rows (the same values, without n weight copies)."""
-        n, B = x.shape[0], x.shape[1]
-        if self._batch_stats:
-            return self.forward_clients(flat.expand(n, -1), x, features=features)
-        out = self.forward(flat, x.reshape(n * B, *x.shape[2:]), features=features)
-        if features:
-            return out[0].reshape(n, B, -1), out[1].reshape(n, B, -1)
-        return out.reshape(n, B, -1)
-
-    @torch.no_grad()
-    def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
-                dtype=torch.float32) -> torch.Tensor:
-        """Logits of the model ``flat`` on rows ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
-        if idx is None:
-            idx = torch.arange(len(dataset), device=self.device)
-        out = torch.empty(len(idx), dataset.num_classes, device=self.device, dtype=dtype)
-        with self.eval_mode():
-            for s in range(0, len(idx), self.eval_batch):
-                x, _ = dataset.batch(idx[s:s + self.eval_batch])
-                out[s:s + self.eval_batch] = self.forward(flat, x).to(dtype)
-        return out
-
-    def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1) -> ClientState:
-        """Per-client state ``[K, rows * P]`` (``rows`` parameter-sized rows per client, e.g. FedCurv's Fisher and
-        Fisher-weighted model); ``fill`` [P] repeated into every row."""
-        c = self.cfg
-        if not (isinstance(rows, int) and rows >= 1):
-            raise ValueError(f"rows: a positive number of parameter-sized rows per client, got {rows!r}")
-        dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
-        need = self.K * rows * self.num_params * (2 if dtype == torch.bfloat16 else 4)
-        where = torch.device("cpu") if c.state_on_host else self.device
-        free = _free_bytes(where)
-        hint = ("state_on_host = true keeps it in (pinned) host memory, rows copied per round; "
-                if not c.state_on_host else "") + ("state_dtype = 'bfloat16' halves it" if dtype == torch.float32
-                                                   else "fewer clients shrink it")
-        if need > free:
-            raise OutOfMemory(f"{self.method.name}: per-client state for {self.K} clients x {rows} x {self.num_params} "
-                              f"parameters needs {_gib(need)}, {_gib(free)} is free on {where}; {hint}")
-        try:
-            st = ClientState(self.K, rows * self.num_params, device=self.device, pin_memory=c.state_on_host,
-                             dtype=dtype)
-        except Exception as e:  # noqa: BLE001
-            if not _is_oom(e):
-                raise
-            raise OutOfMemory(f"{self.method.name}: per-client state for {self.K} clients needs {_gib(need)} "
-                              f"({self._memory_state()}); {hint}") from None
-        if fill is not None:
-            st.data.copy_(fill.repeat(rows).expand(self.K, rows * self.num_params))
-        return st
-
-    def head_params(self, params) -> tuple:
-        """(weight [n, C, F], bias [n, C] or None) of the classifier (the model's last nn.Linear) of n clients, from
-        ``{name: [n, *shape]}`` (a step's parameters) or flat rows [n, P]."""
-        if self._head_names is None:
-            lin = self._features_module()
-            prefix = next(n for n, m in self.model.named_modules() if m is lin)
-            self._head_names = (f"{prefix}.weight", f"{prefix}.bias" if lin.bias is not None else None)
-        if torch.is_tensor(params):
-            params = self.layout.param_views(params)
-        w, b = self._head_names
-        return params[w], (params[b] if b is not None else None)
-
-    def head(self, params, z: torch.Tensor) -> torch.Tensor:
-        """The classifier (the model's last nn.Linear) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
-        w, b = self.head_params(params)
-        out = torch.bmm(z, w.transpose(1, 2))
-        return out if b is None else out + b[:, None, :]
-
-    def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int):
-        """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
-        order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
-        n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
-        (a buffer reused by the next step). FedCurv's Fisher information."""
-        B = self.cfg.batch_size
-        batches = np.asarray(batches, dtype=np.int64)
-        if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
-                (batches > ctx.data_batches[lo:hi]).any():
-            raise ValueError(f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
-                             f"got {batches.tolist()}")
-        S = int(batches[0]) if len(batches) else 0
-        table = self._batch_table(ctx, lo, hi, epoch, S * B)
-        table[np.arange(S * B)[None, :] >= (batches * B)[:, None]] = -1
-        table = host_to_device(table, self.device)
-        buf = self.gradbuf if self.gradbuf is not None else torch.empty(hi - lo, self.num_params, device=self.device)
-        for s in range(S):
-            n_act = int((batches > s).sum())
-            x, y, valid, _ = self._minibatch(ctx, table, lo, n_act, epoch, s)
-            pv = self.stack.leaf_views(slice(0, n_act))
-            z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv).reshape(-1, self.num_classes)
-            seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-            loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
-                               num_segments=n_act, reduction="mean", backend=self.backend)
-            yield s, n_act, self.stack.flat_grad(loss, pv, buf[:n_act])
-
-    def client_params(self, n: int) -> torch.Tensor:
-        return self.stack.params[:n]
-
-    # -- set-up ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _probe_model(self):
-        """One training sample through the model: it must run on the images and output num_classes logits."""
-        x, _ = self.train.batch(torch.arange(min(2, len(self.train)), device=self.device))  # 2: BatchNorm1d
-        try:
-            out = self.model(x)
-        except (RuntimeError, IndexError) as e:
-            raise ValueError(f"model: cannot run on the training data (shape {tuple(x.shape[1:])}): {e}") from None
-        C = self.train.num_classes
-        if not (torch.is_tensor(out) and out.dim() == 2 and out.shape[1] == C):
-            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-            raise ValueError(f"model: must return logits [batch, {C}] for the {C} classes, got {shape}")
-
-    @torch.no_grad()
-    def _batched_plan(self):
-        """The vmap-free executor for the model: the traced program of :mod:`fedfast.batched` where the model is a
-        graph of its layers, else the grouped copy of :mod:`fedfast.grouped` (transformers), each checked against
-        the model's own forward on a probe batch of two clients with different weights; None (vmap, with one
-        warning saying why and what it costs) when neither can be used."""
-        import warnings
-
-        from . import batched, grouped
-        if self.cfg.executor == "vmap":
-            return None
-        whys = []
-        for kind, make in (("traced program", batched.plan), ("grouped copy", grouped.plan)):
-            prog, why = make(self.model)
-            if isinstance(prog, batched.Plan):
-                prog.conv = self.conv
-            if prog is not None:
-                why = self._probe_executor(prog, kind)
-            if not why:
-                return prog
-            whys.append(why)
-        warnings.warn(f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executors, "
-                      f"because {whys[0]}, and {whys[1]}; that path measured 1.7x slower per round on a 2-core CPU "
-                      f"(FedAvg, simple_cnn, 1000 clients x 60, 50 per round). Supported layers: fedfast.batched, "
-                      f"fedfast.grouped.", RuntimeWarning, stacklevel=3)
-        return None
-
-    def _probe_executor(self, prog, kind: str) -> str:
-        """"" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
-        perturbed copy) on a probe batch of up to 4 training rows, else why not."""
-        from torch.func import functional_call
-        x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        pv = {}
-        for k, v in self.model.named_parameters():
-            noise = torch.randn(v.shape, generator=gen).to(v.device, v.dtype)
-            pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise])
-        with self.eval_mode(), fp32_semantics():  # TF32 (cuDNN's default) would differ by ~1e-3 on both sides
-            try:
-                ref = torch.stack([functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float()
-                                   for i in range(2)])
-                got = prog.forward(pv, torch.stack([x, x]), False).float()
-            except (RuntimeError, ValueError, TypeError) as e:
-                return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-        if not err <= 1e-4:
-            return f"its {kind} differs from the model's forward (relative error {err:.1e})"
-        return ""
-
-    def _auto_chunk(self, P: int) -> int:
-        """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
-        probe samples, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
-        MemAvailable). On a CPU also at most ``CPU_CHUNK_PARAM_BYTES`` of the chunk's parameters: per client-sample
-        larger chunks are slower there (2-core VM, FedAvg CNN, 200 clients x 50, batch 10, bench_engine
-        ``test_cpu_chunk_size``: chunks of 10-25 clients 965-1021 samples/s, of 100-200 clients 488-644), while
-        a GPU needs them."""
-        c = self.cfg
-        frac = 0.8 if self.device.type == "cuda" else 0.6
-        budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
-        rows, act = self._client_bytes(P)
-        n = max(1, int(budget // max(rows + act, 1)))
-        if self.device.type == "cpu":
-            n = min(n, max(1, CPU_CHUNK_PARAM_BYTES // (4 * P)))
-        return n
-
-    def _client_bytes(self, P: int) -> tuple[int, int]:
-        """Bytes one client of a chunk needs: its parameter-sized fp32 rows, and its activations (measured on two
-        probe samples, x3 for the backward, times the batch size)."""
-        if self._client_bytes_cache is not None:
-            return self._client_bytes_cache
-        c = self.cfg
-        # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
-        # per-client state rows (gathered and updated)
-        state = self.method.client_state
-        sam = self.method.sam  # SAM steps (declared): the first gradient and the perturbed weights
-        rows = 3 + OPTIMIZERS[c.client_optimizer].rows(c) + \
-            (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (SAMGradient.rows if sam else 0)
-        acts = []
-
-        def hook(m, inp, o):
-            acts.append(o.numel() if torch.is_tensor(o) else 0)
-            if self.conv == "gemm" and isinstance(m, nn.Conv2d) and m.groups == 1:  # im2col: kept and its gradient
-                acts.append(2 * inp[0].numel() * m.kernel_size[0] * m.kernel_size[1] // 3)
-        hooks = [m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())]
-        try:
-            with torch.no_grad():
-                self.model(self.train.batch(torch.arange(2, device=self.device) % len(self.train))[0])
-        finally:
-            for h in hooks:
-                h.remove()
-        self._client_bytes_cache = (4 * P * rows, 3 * 4 * sum(acts) // 2 * c.batch_size)  # acts: 2 probe samples
-        return self._client_bytes_cache
 
     # -- phase 1: sample -------------------------------------------------------------------------------------
     def _max_cohort(self) -> int:
@@ -753,40 +458,6 @@ class Simulation:
             out[k] = float(v)
         return out
 
-    @contextlib.contextmanager
-    def _memory(self, what: str, key: str):
-        """Turn a device allocation failure inside the block into :class:`OutOfMemory` saying what needs how much
-        and which setting (``key``) to change."""
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - only allocation failures are translated
-            if not _is_oom(e):
-                raise
-            raise OutOfMemory(self._oom_message(what, key)) from None
-
-    def _memory_state(self) -> str:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return f"{_gib(free)} free of {_gib(total)} on {self.device}"
-        return f"{_gib(_free_bytes(self.device))} available on the CPU"
-
-    def _oom_message(self, what: str, key: str) -> str:
-        c = self.cfg
-        rows, act = self._client_bytes(self.num_params)
-        when = "" if what.startswith("allocating") else f"round {self.rnd + 1}: "
-        head = f"{when}out of memory in {what} ({self._memory_state()}). "
-        if key == "client_chunk":
-            per = rows + act
-            return head + (
-                f"Training {self.chunk} clients at once needs about {_gib(self.chunk * per)} by fedfast's estimate "
-                f"({per / 2**20:.1f} MiB per client: {self.num_params} parameters x "
-                f"{rows // max(4 * self.num_params, 1)} parameter-sized fp32 buffers, plus batch-{c.batch_size} "
-                f"activations). Set client_chunk = "
-                f"{max(1, self.chunk // 2)} (or a lower memory_budget_gb) to train fewer clients at a time; results "
-                f"do not depend on it.")
-        return head + (f"Set eval_batch lower than {self.eval_batch} (rows per forward pass); results do not depend "
-                       f"on it.")
-
     def _check_finite(self, rec: dict) -> None:
         """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
         :class:`Diverged` (one host read of two flags per round; every rank sees the same values)."""
@@ -948,35 +619,6 @@ class Simulation:
         if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
             ops.raise_if_invalid(self.device)
 
-    # -- phase 6: evaluation --------------------------------------------------------------------------------
-    def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
-        """Test metrics of the evaluated model on every ``eval_every``-th round and after the last one; other
-        rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds)."""
-        c = self.cfg
-        self.rnd += 1
-        acc = test_loss = class_acc = val = None
-        if self.rnd % c.eval_every == 0 or self.rnd >= c.rounds:
-            acc, test_loss, class_acc = self.evaluate()
-            self._class_acc.append(class_acc)
-            if self.validation is not None:
-                val = self.evaluate(self.validation)
-        timers["eval"] = time.perf_counter() - t1
-        self._load_into_model(self.eval_flat)
-        accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
-            ([acc] if acc is not None else [])
-        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
-               "train_loss": float(loss_sum) / max(totals["steps"], 1),
-               "best_test_accuracy": max(accs) if accs else None,
-               "forgetting": self.forgetting() if acc is not None else None,
-               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
-               "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
-        if self.validation is not None:
-            rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
-        if self._method_metrics:
-            rec["method_metrics"] = self._method_metrics
-        self.history.append(rec)
-        return rec
-
     def _tick(self, phase: str):
         """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""
         if not self.cfg.profile:
@@ -991,82 +633,11 @@ class Simulation:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.no_grad()
-    def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
-        """Accuracy, mean loss and per-class accuracy [C] of the evaluated model (the method's ``evaluated``: the
-        global model; FedDyn: the participants' average, not the cloud model) on ``dataset`` (default the test
-        set). Under torch.distributed each rank evaluates its share and the sums are all-reduced."""
-        data = self.test if dataset is None else dataset
-        C = data.num_classes
-        acc = torch.zeros(2 * C + 1, device=self.device, dtype=torch.float64)  # correct [C], count [C], loss
-        rows = torch.arange(len(data), device=self.device).tensor_split(self.world)[self.rank]
-        with self.eval_mode():
-            for chunk in rows.split(self.eval_batch):
-                x, y = data.batch(chunk)
-                z = self.forward(self.eval_flat, x).float()
-                acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
-                acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
-                acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
-        self.comm.sum_(acc)
-        correct, count = acc[:C], acc[C:2 * C]
-        n = len(data)
-        class_acc = (correct / count.clamp_min(1)).float().cpu()
-        return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
-
-    def forgetting(self) -> float | None:
-        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds."""
-        if len(self._class_acc) < 2:
-            return None
-        A = torch.stack(self._class_acc)
-        return float((A[:-1] - A[-1]).max(0).values.mean())
-
     def run(self) -> list[dict]:
         """The remaining rounds (``config.rounds`` in all); returns the history of per-round metrics."""
         for _ in range(self.cfg.rounds - self.rnd):
             self.round()
         return self.history
-
-    # -- checkpoints -------------------------------------------------------------------------------------------
-    def checkpoint(self) -> dict:
-        """Everything the next rounds depend on, as plain data (tensors on the CPU): the global and evaluated
-        models, the method's state, the round counter, the metrics so far and the random generators' states.
-        :meth:`restore` on a Simulation built with the same config and data continues bit for bit (CPU)."""
-        rng = {"torch": torch.get_rng_state(), "augment": self._aug_gen.get_state().cpu()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"round": self.rnd, "global": self.global_flat.cpu(), "evaluated": self.eval_flat.cpu(),
-                "method": _on_cpu(self.method.state_dict()),
-                "class_accuracy": [a.cpu() for a in self._class_acc], "history": self.history, "rng": rng,
-                "shape": {"num_params": self.num_params, "num_clients": self.K, "num_classes": self.num_classes}}
-
-    def restore(self, ck: dict) -> None:
-        """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
-        shape = {"num_params": self.num_params, "num_clients": self.K, "num_classes": self.num_classes}
-        if ck.get("shape") != shape:
-            raise ValueError(f"checkpoint: made for {ck.get('shape')}, this simulation has {shape}")
-        self.method.load_state_dict(ck["method"])
-        self.global_flat = ck["global"].to(self.device)
-        self.eval_flat = ck["evaluated"].to(self.device)
-        self.rnd = int(ck["round"])
-        self.history = list(ck["history"])
-        self._class_acc = list(ck["class_accuracy"])
-        torch.set_rng_state(ck["rng"]["torch"])
-        self._aug_gen.set_state(ck["rng"]["augment"].to(self._aug_gen.get_state().device))
-        if "cuda" in ck["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(ck["rng"]["cuda"], self.device)
-        self._load_into_model(self.eval_flat)
-
-    # -- the trained model -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _load_into_model(self, flat: torch.Tensor):
-        for p, v in zip(self.model.parameters(), self.layout.param_views(flat).values()):
-            p.copy_(v)
-
-    def state_dict(self) -> dict:
-        """The evaluated global model as a ``state_dict`` of ``model`` (copies): ``model.load_state_dict(...)``."""
-        self._load_into_model(self.eval_flat)
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
 
 __all__ = ["SimConfig", "Simulation", "Diverged", "OutOfMemory", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
            "OnlineTeacher"]

@@ -76,9 +76,9 @@ def test_out_of_memory_in_evaluation_names_eval_batch(monkeypatch):
 def test_client_state_that_cannot_fit_is_refused_with_its_bytes(monkeypatch):
     """Per-client state larger than the free memory is refused before allocating, with the bytes and the
     settings that shrink or move it."""
-    from fedfast import engine
+    from fedfast.sim import services
     train, test, part, model = _cnn_setup()
-    monkeypatch.setattr(engine, "_free_bytes", lambda dev: 1000)
+    monkeypatch.setattr(services, "_free_bytes", lambda dev: 1000)  # where new_client_state reads it
     with pytest.raises(fedfast.OutOfMemory, match=r"scaffold: per-client state for 6 clients.*GiB.*state_on_host"):
         fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train, test, part)
 

@@ -4,7 +4,8 @@ level or inside a function (optional third-party packages aside; the package's `
     0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io
     1 parts       fedfast.flat, batched, grouped, cpu_alloc, flops, nn, data, models
     2 methods     fedfast.methods
-    3 engine      fedfast.engine, simconfig, local_step, collectives, sampling, teachers, checkpoint
+    3 engine      fedfast.engine, sim (its parts), simconfig, local_step, collectives, sampling, teachers,
+                  checkpoint
     4 config      fedfast.config, presets
     5 runs        fedfast.runner, rundir, assemble (a run built from its config), jobs (runs run)
     6 studies     fedfast.study
@@ -24,7 +25,7 @@ LAYERS = [
     ("ops", "triton", "_version", "_io"),
     ("flat", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models"),
     ("methods",),
-    ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers"),
+    ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),
     ("config", "presets"),
     ("runner", "rundir", "assemble", "jobs"),
     ("study",),

@@ -1,0 +1,71 @@
+"""Test (and validation) metrics of the evaluated model, per class, and FedNTD's forgetting."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..data.datasets import ArrayDataset
+
+
+class Evaluation:
+    """Mixin of :class:`fedfast.Simulation`: evaluation."""
+
+    # -- phase 6: evaluation --------------------------------------------------------------------------------
+    def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
+        """Test metrics of the evaluated model on every ``eval_every``-th round and after the last one; other
+        rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds)."""
+        c = self.cfg
+        self.rnd += 1
+        acc = test_loss = class_acc = val = None
+        if self.rnd % c.eval_every == 0 or self.rnd >= c.rounds:
+            acc, test_loss, class_acc = self.evaluate()
+            self._class_acc.append(class_acc)
+            if self.validation is not None:
+                val = self.evaluate(self.validation)
+        timers["eval"] = time.perf_counter() - t1
+        self._load_into_model(self.eval_flat)
+        accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
+            ([acc] if acc is not None else [])
+        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
+               "train_loss": float(loss_sum) / max(totals["steps"], 1),
+               "best_test_accuracy": max(accs) if accs else None,
+               "forgetting": self.forgetting() if acc is not None else None,
+               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
+               "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
+        if self.validation is not None:
+            rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
+        if self._method_metrics:
+            rec["method_metrics"] = self._method_metrics
+        self.history.append(rec)
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
+        """Accuracy, mean loss and per-class accuracy [C] of the evaluated model (the method's ``evaluated``: the
+        global model; FedDyn: the participants' average, not the cloud model) on ``dataset`` (default the test
+        set). Under torch.distributed each rank evaluates its share and the sums are all-reduced."""
+        data = self.test if dataset is None else dataset
+        C = data.num_classes
+        acc = torch.zeros(2 * C + 1, device=self.device, dtype=torch.float64)  # correct [C], count [C], loss
+        rows = torch.arange(len(data), device=self.device).tensor_split(self.world)[self.rank]
+        with self.eval_mode():
+            for chunk in rows.split(self.eval_batch):
+                x, y = data.batch(chunk)
+                z = self.forward(self.eval_flat, x).float()
+                acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
+                acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
+                acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+        self.comm.sum_(acc)
+        correct, count = acc[:C], acc[C:2 * C]
+        n = len(data)
+        class_acc = (correct / count.clamp_min(1)).float().cpu()
+        return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
+
+    def forgetting(self) -> float | None:
+        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds."""
+        if len(self._class_acc) < 2:
+            return None
+        A = torch.stack(self._class_acc)
+        return float((A[:-1] - A[-1]).max(0).values.mean())
