@@ -56,11 +56,8 @@ def console() -> None:
     os._exit(code or 0)
 
 
-def main(argv=None) -> int:
-    """Exit status: 0 done; 2 bad input (config, files, a directory in use: the message names it); 3 a
-    ``--workers`` process died; 4 the run diverged (its directory records it); 128 + N stopped by signal N after
-    a round (checkpointed: ``--resume`` continues)."""
-    from .runner import Interrupted, RunDiverged
+def _parser() -> argparse.ArgumentParser:
+    """The command line: every subcommand with its arguments."""
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     from . import __version__
     ap.add_argument("--version", action="version",
@@ -124,7 +121,14 @@ def main(argv=None) -> int:
     dr.add_argument("--triton-interpret", action="store_true",
                     help="also check the Triton kernels in Triton's interpreter (CPU-only machines)")
     ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
-    args = ap.parse_args(argv)
+    return ap
+
+def main(argv=None) -> int:
+    """Exit status: 0 done; 2 bad input (config, files, a directory in use: the message names it); 3 a
+    ``--workers`` process died; 4 the run diverged (its directory records it); 128 + N stopped by signal N after
+    a round (checkpointed: ``--resume`` continues)."""
+    from .runner import Interrupted, RunDiverged
+    args = _parser().parse_args(argv)
     if args.cmd == "doctor":
         if args.triton_interpret:
             os.environ["TRITON_INTERPRET"] = "1"

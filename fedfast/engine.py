@@ -133,7 +133,44 @@ class Simulation(EngineServices, Sizing, Evaluation, Snapshots):
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             import warnings
             warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
-        for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation)):
+        datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
+        self._check_inputs(model, datasets, partition, loss_fn, schedule, data_order)
+        self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
+        self.schedule, self.data_order = schedule, data_order
+        # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
+        self.comm = collectives(process_group)
+        self.rank, self.world = self.comm.rank, self.comm.world
+        if device is not None:
+            check_device(str(device))
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if c.tune_cpu_allocator and self.device.type == "cpu":
+            from .cpu_alloc import tune_cpu_allocator
+            tune_cpu_allocator()
+        self.backend, self.seed = c.backend, c.seed
+        self.model = model.to(self.device)
+        self._place_data(train, test, val, aux, validation, partition, schedule)
+        self._probe_model()
+        self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
+        self._flatten_model()
+        self.rnd = 0
+        self._head_names = None
+        self.method.bind(self)
+        self.eval_flat = self.method.evaluated(self.global_flat)
+        self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
+        if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
+            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+        per_rank = -(-(self._max_cohort() if schedule is None else self.K) // self.world)
+        self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(self.num_params)))
+        with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
+            self._allocate()
+        self._finish_init()
+
+    def _check_inputs(self, model, datasets, partition, loss_fn, schedule, data_order) -> None:
+        """The arguments' types and agreement (classes, frozen parameters, augmentation of non-images, a model's
+        own data checks): a clear error naming the argument, before anything is allocated."""
+        c = self.cfg
+        train = datasets[0][1]
+        for name, ds in datasets:
             if ds is not None and not isinstance(ds, ArrayDataset):
                 raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
             if ds is not None and ds.num_classes != train.num_classes:
@@ -158,22 +195,14 @@ class Simulation(EngineServices, Sizing, Evaluation, Snapshots):
                              f" (use augment = 'none')")
         check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
         if callable(check):
-            for name, ds in (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation)):
+            for name, ds in datasets:
                 if ds is not None:
                     check(ds, name)
-        self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
-        self.schedule, self.data_order = schedule, data_order
-        # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
-        self.comm = collectives(process_group)
-        self.rank, self.world = self.comm.rank, self.comm.world
-        if device is not None:
-            check_device(str(device))
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if c.tune_cpu_allocator and self.device.type == "cpu":
-            from .cpu_alloc import tune_cpu_allocator
-            tune_cpu_allocator()
-        self.backend, self.seed = c.backend, c.seed
-        self.model = model.to(self.device)
+
+    def _place_data(self, train, test, val, aux, validation, partition, schedule) -> None:
+        """The datasets on the device, the partition's index tables and label histograms (checked against the
+        training set)."""
+        c = self.cfg
         self.train = train.to(self.device)
         self.test = test.to(self.device)
         self.validation = validation.to(self.device) if validation is not None else None
@@ -195,8 +224,11 @@ class Simulation(EngineServices, Sizing, Evaluation, Snapshots):
         self._y_host = y_host.numpy()
         self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=self.num_classes)
                                        for i in self._idx_host]).float().to(self.device)  # [K, C]
-        self._probe_model()
-        self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
+
+    def _flatten_model(self) -> None:
+        """The model as flat parameters: its layout, the batched executor's plan, the functional forward, the
+        initial global model."""
+        c = self.cfg
         self.layout = FlatLayout(self.model)
         self.num_params = self.layout.P
         self._batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
@@ -207,18 +239,6 @@ class Simulation(EngineServices, Sizing, Evaluation, Snapshots):
         self._fwd = functional_forward(self.model)
         self._classifier = None
         self.global_flat = self.layout.flatten_params(self.model).to(self.device)
-        self.rnd = 0
-        self._head_names = None
-        self.method.bind(self)
-        self.eval_flat = self.method.evaluated(self.global_flat)
-        self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
-        if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
-            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        per_rank = -(-(self._max_cohort() if schedule is None else self.K) // self.world)
-        self.chunk = max(1, min(per_rank, c.client_chunk or self._auto_chunk(self.num_params)))
-        with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
-            self._allocate()
-        self._finish_init()
 
     def _allocate(self):
         """The chunk's parameter-sized buffers: the stack, momentum or Adam moments, the flat gradient."""
