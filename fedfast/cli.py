@@ -163,7 +163,6 @@ def main(argv=None) -> int:
 
 
 def _dispatch(args) -> int:
-    from .config import build_config
     from . import methods
     for p in args.plugin if hasattr(args, "plugin") else []:
         methods.load_plugin(p)
@@ -182,63 +181,8 @@ def _dispatch(args) -> int:
         print(f"wrote {args.out}")
         return 0
     if args.cmd == "sweep":
-        from .study import sweep
-        ms = [m.strip() for m in args.methods.split(",") if m.strip()]
-        try:
-            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
-        from .study import parse_shard
-        sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
-              plugins=args.plugin, quiet=args.quiet, workers=args.workers, grid=args.grid, jobs=args.jobs,
-              shard=parse_shard(args.shard))
-        if not args.quiet and int(os.environ.get("RANK", "0")) == 0:
-            from .study import report
-            print(report(args.out)[0], end="")
-        return 0
-    if args.resume:
-        given = [f for f, v in (("a config file", args.config), ("--out", args.out), ("--preset", args.preset),
-                                ("--force", args.force)) if v]
-        if given:
-            raise ValueError(f"--resume: continues the run directory with its own config.json; {given[0]} cannot go "
-                             f"with it (only --set rounds/eval_every/checkpoint_every/tensorboard/device/threads, "
-                             f"--workers, --quiet)")
-        cfg_path = os.path.join(args.resume, "config.json")
-        if not os.path.isdir(args.resume):
-            raise ValueError(f"--resume: {args.resume}: no such run directory")
-        from .rundir import read_json
-        try:
-            base = read_json(cfg_path, "config")
-        except FileNotFoundError:
-            raise ValueError(f"--resume: {args.resume} is not a fedfast run directory (no config.json)") from None
-        if not isinstance(base, dict):
-            raise ValueError(f"{cfg_path}: damaged config (expected a JSON object)")
-        for p in base.get("plugins", []):
-            if p not in args.plugin:
-                methods.load_plugin(p)
-        bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in RESUME_SET]
-        if bad:
-            raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only {', '.join(RESUME_SET)})")
-        cfg = build_config(None, args.set, base=base, plugins=args.plugin, source=cfg_path)
-        out, mode = args.resume, "resume"
-    else:
-        base = None
-        from . import presets
-        if args.config and presets.names_study(args.config):
-            if args.preset:  # `fedfast run STUDY.toml/CELL` is `--preset STUDY.toml/CELL`
-                raise ValueError(f"{args.config} is a study file; give it or --preset, not both")
-            args.preset, args.config = args.config, None
-        if args.preset:
-            pre = presets.get(args.preset)
-            if not pre.methods and not any(o.split("=", 1)[0].strip() == "algorithm" for o in args.set):
-                raise ValueError(f"--preset {args.preset}: names no method rows; pick one with --set algorithm=NAME")
-            alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
-                       pre.methods[0] if pre.methods else "")
-            base = pre.config(alg)
-            args.plugin = list(args.plugin) + [p for p in pre.plugins if p not in args.plugin]
-        cfg = build_config(args.config, args.set, base=base, plugins=args.plugin,
-                           source=pre.source if args.preset else None)
-        out, mode = args.out or "runs/latest", ("force" if args.force else "new")
+        return _sweep_cmd(args)
+    cfg, out, mode = _resumed_config(args, methods) if args.resume else _new_config(args)
     if args.workers < 1:
         raise ValueError(f"--workers: must be >= 1, got {args.workers}")
     if args.workers > 1:
@@ -246,6 +190,76 @@ def _dispatch(args) -> int:
     else:
         run(cfg, out, mode=mode, quiet=args.quiet)
     return 0
+
+
+def _sweep_cmd(args) -> int:
+    """``fedfast sweep``: the study's runs, then its report."""
+    from .study import sweep
+    ms = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+    from .study import parse_shard
+    sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
+          plugins=args.plugin, quiet=args.quiet, workers=args.workers, grid=args.grid, jobs=args.jobs,
+          shard=parse_shard(args.shard))
+    if not args.quiet and int(os.environ.get("RANK", "0")) == 0:
+        from .study import report
+        print(report(args.out)[0], end="")
+    return 0
+
+
+def _resumed_config(args, methods):
+    """``fedfast run --resume DIR``: the run's own config.json with the few keys a resume may change; (config,
+    directory, mode)."""
+    from .config import build_config
+    given = [f for f, v in (("a config file", args.config), ("--out", args.out), ("--preset", args.preset),
+                            ("--force", args.force)) if v]
+    if given:
+        raise ValueError(f"--resume: continues the run directory with its own config.json; {given[0]} cannot go "
+                         f"with it (only --set rounds/eval_every/checkpoint_every/tensorboard/device/threads, "
+                         f"--workers, --quiet)")
+    cfg_path = os.path.join(args.resume, "config.json")
+    if not os.path.isdir(args.resume):
+        raise ValueError(f"--resume: {args.resume}: no such run directory")
+    from .rundir import read_json
+    try:
+        base = read_json(cfg_path, "config")
+    except FileNotFoundError:
+        raise ValueError(f"--resume: {args.resume} is not a fedfast run directory (no config.json)") from None
+    if not isinstance(base, dict):
+        raise ValueError(f"{cfg_path}: damaged config (expected a JSON object)")
+    for p in base.get("plugins", []):
+        if p not in args.plugin:
+            methods.load_plugin(p)
+    bad = [o.split("=", 1)[0] for o in args.set if o.split("=", 1)[0].strip() not in RESUME_SET]
+    if bad:
+        raise ValueError(f"--resume: {bad[0]} cannot change when resuming (only {', '.join(RESUME_SET)})")
+    cfg = build_config(None, args.set, base=base, plugins=args.plugin, source=cfg_path)
+    return cfg, args.resume, "resume"
+
+
+def _new_config(args):
+    """``fedfast run [CONFIG | --preset NAME]``: the config of a new run; (config, directory, mode)."""
+    from .config import build_config
+    base = None
+    from . import presets
+    if args.config and presets.names_study(args.config):
+        if args.preset:  # `fedfast run STUDY.toml/CELL` is `--preset STUDY.toml/CELL`
+            raise ValueError(f"{args.config} is a study file; give it or --preset, not both")
+        args.preset, args.config = args.config, None
+    if args.preset:
+        pre = presets.get(args.preset)
+        if not pre.methods and not any(o.split("=", 1)[0].strip() == "algorithm" for o in args.set):
+            raise ValueError(f"--preset {args.preset}: names no method rows; pick one with --set algorithm=NAME")
+        alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
+                   pre.methods[0] if pre.methods else "")
+        base = pre.config(alg)
+        args.plugin = list(args.plugin) + [p for p in pre.plugins if p not in args.plugin]
+    cfg = build_config(args.config, args.set, base=base, plugins=args.plugin,
+                       source=pre.source if args.preset else None)
+    return cfg, args.out or "runs/latest", ("force" if args.force else "new")
 
 
 RESUME_SET = ("rounds", "eval_every", "checkpoint_every", "tensorboard", "device", "threads")

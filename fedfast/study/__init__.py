@@ -102,6 +102,26 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
             select_key(spec["select"], f"{c.source}: preset.select")
         specs.append((sub, spec))
         plan += _plan(sub, c, ms, ss, g, ov, config, file_keys, plugs)
+    _record(out, cells, specs, multi)
+    total = len(plan)
+    for i, r in enumerate(plan):
+        r.label = f"[{i + 1}/{total}] {r.method}{' ' + r.point if r.point else ''} seed {r.seed}"
+    if shard is not None:
+        plan = [r for i, r in enumerate(plan) if i % shard[1] == shard[0]]
+        if not quiet:
+            print(f"shard {shard[0]}/{shard[1]}: {len(plan)} of the study's {total} runs", flush=True)
+    if grid_added and not quiet:
+        print(f"grid: val_fraction = {GRID_VAL_FRACTION} of each run's training data is held out as the validation "
+              f"split that `fedfast report` selects grid points on (--set val_fraction=F to change it)", flush=True)
+    _assign_threads(plan, jobs, workers)
+    if jobs > 1:
+        return _run_jobs(plan, jobs, workers, quiet, out)
+    return _run_serial(plan, workers, quiet)
+
+
+def _record(out: str, cells, specs, multi: bool) -> None:
+    """Write (or merge into) each part's ``study.json``, and a several-cell study's list of parts; a study that
+    changed what it is (its cell, protocol, methods' options) is refused before anything is written."""
     for sub, spec in specs:  # a changed study is refused before anything is written
         if os.path.isfile(os.path.join(sub, STUDY)):
             _merge_spec(sub, _read_study(sub), spec)
@@ -122,18 +142,3 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
             os.makedirs(sub, exist_ok=True)
             now = _merge_spec(sub, _read_study(sub), spec) if os.path.isfile(os.path.join(sub, STUDY)) else spec
             write_atomic(os.path.join(sub, STUDY), json.dumps(now, indent=2))
-    total = len(plan)
-    for i, r in enumerate(plan):
-        r.label = f"[{i + 1}/{total}] {r.method}{' ' + r.point if r.point else ''} seed {r.seed}"
-    if shard is not None:
-        plan = [r for i, r in enumerate(plan) if i % shard[1] == shard[0]]
-        if not quiet:
-            print(f"shard {shard[0]}/{shard[1]}: {len(plan)} of the study's {total} runs", flush=True)
-    if grid_added and not quiet:
-        print(f"grid: val_fraction = {GRID_VAL_FRACTION} of each run's training data is held out as the validation "
-              f"split that `fedfast report` selects grid points on (--set val_fraction=F to change it)", flush=True)
-    _assign_threads(plan, jobs, workers)
-    if jobs > 1:
-        return _run_jobs(plan, jobs, workers, quiet, out)
-    return _run_serial(plan, workers, quiet)
-

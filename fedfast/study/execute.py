@@ -128,8 +128,7 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
     command continues it). A run that fails stops new starts too; the others finish."""
     import multiprocessing as mp
 
-    from ..jobs import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED
-    from ..rundir import status
+    from ..jobs import EXIT_ERROR, EXIT_WORKER_DIED
     from ..runner import Interrupted
     ctx = mp.get_context("spawn")
     pending, running, dirs, held, diverged, failed = list(plan), {}, [], [], [], []
@@ -165,22 +164,8 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
             for p in [p for p in running if p.exitcode is not None]:
                 r = running.pop(p)
                 p.join()
-                code = p.exitcode
                 dirs.append(r.dir)
-                if code == _RAN:
-                    if not quiet:
-                        print(_finished_line(r), flush=True)
-                elif code == _SKIPPED:
-                    if not quiet:
-                        print(f"{r.label}: {status(r.dir)}, skipped", flush=True)
-                elif code == _HELD:
-                    held.append(r.dir)
-                elif code == EXIT_DIVERGED:
-                    diverged.append(r.dir)
-                elif code is not None and code > 128 and stop:
-                    pass  # stopped by the signal the sweep got: checkpointed
-                else:
-                    failed.append((r, code))
+                _ended(r, p.exitcode, stop, quiet, held, diverged, failed)
             if pending and stop:
                 pending.clear()
             if stop and running and time.monotonic() - stop.get("sent", 0) > 1.0:
@@ -204,6 +189,26 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
         raise ValueError(f"{r.label} ({r.dir}) failed with {why}; no further runs were started. Fix it and run the "
                          f"same command again (finished runs are kept)")
     return dirs
+
+
+def _ended(r: _Run, code, stop: dict, quiet: bool, held: list, diverged: list, failed: list) -> None:
+    """A run's process ended with ``code``: say so, or file it as held elsewhere, diverged or failed."""
+    from ..jobs import EXIT_DIVERGED
+    from ..rundir import status
+    if code == _RAN:
+        if not quiet:
+            print(_finished_line(r), flush=True)
+    elif code == _SKIPPED:
+        if not quiet:
+            print(f"{r.label}: {status(r.dir)}, skipped", flush=True)
+    elif code == _HELD:
+        held.append(r.dir)
+    elif code == EXIT_DIVERGED:
+        diverged.append(r.dir)
+    elif code is not None and code > 128 and stop:
+        pass  # stopped by the signal the sweep got: checkpointed
+    else:
+        failed.append((r, code))
 
 
 def _finished_line(r: _Run) -> str:
