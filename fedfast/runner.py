@@ -248,16 +248,8 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
     out_dir = rd.path if lead else out_dir
     cfg_json = cfg.to_json()
     ck_path = os.path.join(out_dir, "checkpoint.pt")
-    if resume:
-        ck = load_checkpoint(ck_path)
-        _check_resume(ck, ck_path, cfg, cfg_json)
-        sim.restore(ck["state"])
+    _start(sim, cfg, rd, cfg_json, ck_path, resume)
     rounds = cfg["rounds"]
-    if lead:
-        rd.write("config.json", dumps({**cfg_json, "determinism": determinism()}, indent=2, sort_keys=True))
-        rd.write("metrics.jsonl", "".join(dumps(_jsonable(h)) + "\n" for h in sim.history))
-        if sim.history:
-            rd.saved = True
     tb = _tensorboard(rd, sim.rnd) if lead and cfg["tensorboard"] else None
     evs = [h["test_accuracy"] for h in sim.history if h["test_accuracy"] is not None]
     best = max(evs) if evs else None
@@ -265,14 +257,7 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                      key=lambda h: h["test_accuracy"], default={}).get("round")
     stop: dict = {}
 
-    def handler(signum, _frame):
-        stop["sig"] = signum
-    old = {}
-    if lead or sim.world > 1:
-        try:
-            old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        except ValueError:  # not the main thread: no signal handling
-            old = {}
+    old = _catch_stop(stop) if lead or sim.world > 1 else {}
 
     def summary(complete: bool, diverged=None):
         rd.write("metrics.csv", _csv_text(sim.history))
@@ -304,20 +289,7 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                         rd.saved = True
                     raise RunDiverged(e, out_dir, best_round) from None
                 if lead:
-                    f.write(dumps(_jsonable(rec)) + "\n")
-                    f.flush()
-                    rd.saved = True
-                    if rec["test_accuracy"] is not None and (best is None or rec["test_accuracy"] > best):
-                        best, best_round = rec["test_accuracy"], rec["round"]
-                        rd.write("model_best.pt", _model_bytes(sim))
-                    if tb is not None:
-                        for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting",
-                                  "val_accuracy", "val_loss"):
-                            if rec.get(k) is not None:
-                                tb.add_scalar(k, rec[k], rec["round"])
-                        tb.add_scalar("seconds", rec["seconds"], rec["round"])
-                        for k, v in (rec.get("method_metrics") or {}).items():
-                            tb.add_scalar(f"method/{k}", v, rec["round"])
+                    best, best_round = _write_round(rd, f, tb, sim, rec, best, best_round)
                 progress.update(rec)
                 sig = _agreed_stop(sim, stop)
                 if sig:
@@ -341,6 +313,55 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
             rd.write("model_best.pt", _model_bytes(sim))
         checkpoint(True)
     return sim.history
+
+
+def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bool) -> None:
+    """Restore a resumed run from its checkpoint (checked against its config), and write the run's config and the
+    rounds so far (lead process only)."""
+    if resume:
+        ck = load_checkpoint(ck_path)
+        _check_resume(ck, ck_path, cfg, cfg_json)
+        sim.restore(ck["state"])
+    if rd is not None:
+        rd.write("config.json", dumps({**cfg_json, "determinism": determinism()}, indent=2, sort_keys=True))
+        rd.write("metrics.jsonl", "".join(dumps(_jsonable(h)) + "\n" for h in sim.history))
+        if sim.history:
+            rd.saved = True
+
+
+def _catch_stop(stop: dict) -> dict:
+    """SIGINT/SIGTERM noted in ``stop`` (the run stops after its round, checkpointed); the old handlers."""
+    def handler(signum, _frame):
+        stop["sig"] = signum
+    try:
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: no signal handling
+        return {}
+
+
+def _write_round(rd: RunDir, f, tb, sim, rec: dict, best, best_round):
+    """A round's record into metrics.jsonl (flushed), a new best model into model_best.pt, TensorBoard; returns
+    the best accuracy and its round."""
+    f.write(dumps(_jsonable(rec)) + "\n")
+    f.flush()
+    rd.saved = True
+    if rec["test_accuracy"] is not None and (best is None or rec["test_accuracy"] > best):
+        best, best_round = rec["test_accuracy"], rec["round"]
+        rd.write("model_best.pt", _model_bytes(sim))
+    if tb is not None:
+        _tb_log(tb, rec)
+    return best, best_round
+
+
+def _tb_log(tb, rec: dict) -> None:
+    """One round's record into TensorBoard: the metrics, the round's seconds, the method's own values."""
+    for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting", "val_accuracy",
+              "val_loss"):
+        if rec.get(k) is not None:
+            tb.add_scalar(k, rec[k], rec["round"])
+    tb.add_scalar("seconds", rec["seconds"], rec["round"])
+    for k, v in (rec.get("method_metrics") or {}).items():
+        tb.add_scalar(f"method/{k}", v, rec["round"])
 
 
 def _agreed_stop(sim, stop: dict) -> int:
