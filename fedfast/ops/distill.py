@@ -160,6 +160,103 @@ def row_scale_torch(target: Tensor, C: int, ignore_index: int, segments: Tensor 
 _REDUCTIONS = ("mean", "sum", "none", "segment")
 
 
+def _teacher_logits(teacher, mixture, rho, teacher_weights, R: int, C: int, dev) -> Tensor:
+    """The teacher as [M, R, C] logits (a precomputed mixture's P as one teacher), checked against the student."""
+    if mixture is not None:
+        if teacher is not None:
+            raise ValueError("mixture: pass either teacher logits or a precomputed mixture, not both")
+        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and all(isinstance(t, Tensor) for t in mixture)):
+            raise TypeError("mixture: expected a (P [R, C], negent [R]) pair of tensors")
+        if mixture[0].shape != (R, C) or mixture[1].shape != (R,):
+            raise ValueError(f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "
+                             f"{tuple(mixture[1].shape)}")
+        if mixture[0].device != dev or mixture[1].device != dev:
+            raise ValueError(f"mixture: must be on {dev}")
+        if rho is not None or teacher_weights is not None:
+            raise ValueError("mixture: cannot be combined with rho or teacher_weights")
+        teacher = mixture[0][None]
+    elif not isinstance(teacher, Tensor):
+        raise TypeError(f"teacher: expected a torch.Tensor, got {type(teacher).__name__}")
+    if teacher.dim() == 2:
+        teacher = teacher[None]
+    _validate.check_logits("teacher", teacher, ndim=3)
+    if teacher.shape[1:] != (R, C):
+        raise ValueError(f"teacher: expected [{R}, {C}] or [M, {R}, {C}] to match student, got "
+                         f"{tuple(teacher.shape)}")
+    if teacher.device != dev:
+        raise ValueError(f"teacher: on {teacher.device}, student is on {dev}")
+    return teacher
+
+
+def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_index: int, num_segments):
+    """Targets and segments checked, and each row's reduction weight (1/n of its client for "mean"/"segment";
+    None otherwise): the cpu backend validates and computes them in one C++ pass."""
+    R, C = student.shape
+    dev = student.device
+    # The cpu backend validates targets/segments and computes the reduction weights in one C++ pass.
+    fast = be == "cpu" and mode != "defer" and not torch.compiler.is_compiling()
+    _validate.check_target(target, R, C, ignore_index, dev, "off" if fast else mode)
+    if segments is not None:
+        _validate.check_segments(segments, R, dev, "off" if fast else mode, num_segments)
+        segments = segments.contiguous()
+    target = target.contiguous()
+    need_scale = reduction in ("mean", "segment")
+    row_scale = None
+    if fast:
+        smode = (2 if segments is not None else 1) if need_scale else 0
+        limit = num_segments if num_segments is not None else R
+        rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit))
+        if status and mode == "eager":
+            if status & 1:
+                raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
+            raise ValueError(f"segments: client ids must be sorted (contiguous per client) and lie in [0, {limit})")
+        row_scale = rs if need_scale else None
+    elif need_scale:
+        row_scale = row_scale_torch(target, C, ignore_index, segments, _loss_dtype(student))
+    return target, segments, row_scale
+
+
+def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind: str, ignore_index: int,
+                   be: str, mode: str):
+    """What the fused rows read as the teacher: one teacher's logits, or M teachers' (or a precomputed) mixture
+    ``P`` with its negative entropy."""
+    dev = student.device
+    teacher = teacher.detach()
+    negent = None
+    M = teacher.shape[0]
+    if mixture is not None:
+        dt = _loss_dtype(student)
+        teacher_in, negent = mixture[0].detach().to(dt), mixture[1].detach().to(dt).contiguous()
+    elif M > 1 or teacher_weights is not None:
+        if rho is not None:
+            raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
+        from .teacher_mixture import teacher_mixture
+        tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
+        P, negent = teacher_mixture(teacher, tw, target, tau=tau, not_true=(kind == "not_true"),
+                                    ignore_index=ignore_index, backend=be, validate=mode)
+        teacher_in = P
+    else:
+        teacher_in = teacher[0]
+    if teacher_in.stride(-1) != 1:
+        teacher_in = teacher_in.contiguous()
+    return teacher_in, negent
+
+
+def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
+    """The loss rows reduced: "none" as they are, "mean" summed (each row carries 1/n of its client already),
+    "segment" summed per client."""
+    R, dev = loss_rows.shape[0], loss_rows.device
+    if reduction == "none":
+        return loss_rows
+    if reduction != "segment":
+        return loss_rows.sum()  # "mean": rows carry 1/n (or 1/n_segment) already
+    if segments is None:
+        return loss_rows.sum().reshape(1)
+    S = int(num_segments) if num_segments is not None else (int(segments.max()) + 1 if R else 1)
+    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add_(0, segments.long().clamp(0, S - 1),
+                                                                        loss_rows)
+
+
 def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.0, ce_weight: float = 1.0,
             kd_weight: float = 1.0, kind: str = "full", soft_ce: bool = False, class_alpha=None,
             row_weight: Tensor | None = None, rho=None, teacher_weights=None, segments: Tensor | None = None,
@@ -191,68 +288,11 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         raise ValueError(f"student: needs at least 2 classes, got C={C}")
     dev = student.device
     mode = _validate.mode_for(dev, validate)
-    if mixture is not None:
-        if teacher is not None:
-            raise ValueError("mixture: pass either teacher logits or a precomputed mixture, not both")
-        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and all(isinstance(t, Tensor) for t in mixture)):
-            raise TypeError("mixture: expected a (P [R, C], negent [R]) pair of tensors")
-        if mixture[0].shape != (R, C) or mixture[1].shape != (R,):
-            raise ValueError(f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "
-                             f"{tuple(mixture[1].shape)}")
-        if mixture[0].device != dev or mixture[1].device != dev:
-            raise ValueError(f"mixture: must be on {dev}")
-        if rho is not None or teacher_weights is not None:
-            raise ValueError("mixture: cannot be combined with rho or teacher_weights")
-        teacher = mixture[0][None]
-    elif not isinstance(teacher, Tensor):
-        raise TypeError(f"teacher: expected a torch.Tensor, got {type(teacher).__name__}")
-    if teacher.dim() == 2:
-        teacher = teacher[None]
-    _validate.check_logits("teacher", teacher, ndim=3)
-    if teacher.shape[1:] != (R, C):
-        raise ValueError(f"teacher: expected [{R}, {C}] or [M, {R}, {C}] to match student, got "
-                         f"{tuple(teacher.shape)}")
-    if teacher.device != dev:
-        raise ValueError(f"teacher: on {teacher.device}, student is on {dev}")
+    teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
     be = _backend.resolve(backend, dev.type)
-    # The cpu backend validates targets/segments and computes the reduction weights in one C++ pass.
-    fast = be == "cpu" and mode != "defer" and not torch.compiler.is_compiling()
-    _validate.check_target(target, R, C, ignore_index, dev, "off" if fast else mode)
-    if segments is not None:
-        _validate.check_segments(segments, R, dev, "off" if fast else mode, num_segments)
-        segments = segments.contiguous()
-    target = target.contiguous()
-    need_scale = reduction in ("mean", "segment")
-    row_scale = None
-    if fast:
-        smode = (2 if segments is not None else 1) if need_scale else 0
-        limit = num_segments if num_segments is not None else R
-        rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit))
-        if status and mode == "eager":
-            if status & 1:
-                raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
-            raise ValueError(f"segments: client ids must be sorted (contiguous per client) and lie in [0, {limit})")
-        row_scale = rs if need_scale else None
-    elif need_scale:
-        row_scale = row_scale_torch(target, C, ignore_index, segments, _loss_dtype(student))
-    teacher = teacher.detach()
-    negent = None
-    M = teacher.shape[0]
-    if mixture is not None:
-        dt = _loss_dtype(student)
-        teacher_in, negent = mixture[0].detach().to(dt), mixture[1].detach().to(dt).contiguous()
-    elif M > 1 or teacher_weights is not None:
-        if rho is not None:
-            raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
-        from .teacher_mixture import teacher_mixture
-        tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
-        P, negent = teacher_mixture(teacher, tw, target, tau=tau, not_true=(kind == "not_true"),
-                                    ignore_index=ignore_index, backend=be, validate=mode)
-        teacher_in = P
-    else:
-        teacher_in = teacher[0]
-    if teacher_in.stride(-1) != 1:
-        teacher_in = teacher_in.contiguous()
+    target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
+    teacher_in, negent = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind,
+                                        ignore_index, be, mode)
     if class_alpha is not None:
         class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
         if mode != "off":
@@ -267,12 +307,4 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     s = student if student.stride(-1) == 1 else student.contiguous()
     loss_rows, _ = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale,
                                 tau, ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be)
-    if reduction == "none":
-        return loss_rows
-    if reduction != "segment":
-        return loss_rows.sum()  # "mean": rows carry 1/n (or 1/n_segment) already
-    if segments is None:
-        return loss_rows.sum().reshape(1)
-    S = int(num_segments) if num_segments is not None else (int(segments.max()) + 1 if R else 1)
-    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add_(0, segments.long().clamp(0, S - 1),
-                                                                        loss_rows)
+    return _reduce(loss_rows, reduction, segments, num_segments)
