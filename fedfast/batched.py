@@ -219,6 +219,65 @@ class _NCHWForDense(torch.autograd.Function):
         return g.contiguous(memory_format=torch.channels_last)
 
 
+def _input_layout(x: Tensor, dense_input: bool, cl: bool):
+    """The program's input: images [n, B, C, H, W] in the grouped layout [B, n*C, H, W] (NHWC on CPU), or only
+    flattened for a dense first layer; anything else as it is. Returns (tensor, grouped)."""
+    n, B = x.shape[0], x.shape[1]
+    if x.dim() == 5 and dense_input:  # only flattened: [n, B, C*H*W] (flatten below is a no-op)
+        return x.reshape(n, B, -1), False
+    if x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
+        h = x.transpose(0, 1).reshape(B, n * x.shape[2], x.shape[3], x.shape[4])
+        if cl:
+            h = h.contiguous(memory_format=torch.channels_last)
+            if h.shape[1] == 1:  # one channel: NCHW strides pass as NHWC and oneDNN would answer in NCHW
+                h = h.as_strided(h.shape, (h.stride(0), 1, h.stride(2), 1))
+        return h, True
+    return x, False
+
+
+def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dict, n: int, B: int, training: bool,
+                  conv: str, cl: bool, dense):
+    """One layer for all n clients at once, with each client's own parameters; returns (output, grouped)."""
+    nhwc = torch.channels_last
+    if isinstance(m, nn.Conv2d):
+        w = params[f"{name}.weight"]
+        b = params.get(f"{name}.bias")
+        if m.groups == 1 and conv != "grouped":
+            h = client_conv2d(h, w, b, m.stride, m.padding, m.dilation, impl=conv)
+        else:
+            h = F.conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
+                         m.stride, m.padding, m.dilation, n * m.groups)
+        if cl and not h.is_contiguous(memory_format=nhwc):
+            h = h.contiguous(memory_format=nhwc)
+    elif isinstance(m, nn.GroupNorm):
+        w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+        h = F.group_norm(h, n * m.num_groups, None if w is None else w.reshape(-1),
+                         None if b is None else b.reshape(-1), m.eps)
+    elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # batch statistics per client and channel
+        w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+        w = None if w is None else w.reshape(-1)
+        b = None if b is None else b.reshape(-1)
+        if grouped:
+            h = F.batch_norm(h, None, None, w, b, True, 0.0, m.eps)
+        else:  # [n, B, F] -> [B, n*F]
+            Fd = h.shape[-1]
+            h = F.batch_norm(h.transpose(0, 1).reshape(B, n * Fd), None, None, w, b, True, 0.0, m.eps)
+            h = h.reshape(B, n, Fd).transpose(0, 1)
+    elif isinstance(m, nn.Flatten):
+        h, grouped = dense(h, grouped), False
+    elif isinstance(m, nn.Linear):
+        w = params[f"{name}.weight"]
+        b = params.get(f"{name}.bias")
+        if grouped:
+            raise ValueError("model: a Linear layer on image activations needs a Flatten before it")
+        h = _BatchedLinear.apply(h, w, b)
+    elif isinstance(m, nn.Dropout):
+        h = F.dropout(h, m.p, training)
+    else:  # elementwise and pooling act per channel: the grouped layout is already right
+        h = m(h)
+    return h, grouped
+
+
 def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, features: nn.Module | None = None,
                     channels_last: bool | None = None):
     """Run the program from :func:`plan` for n clients: ``params[name.weight]`` is ``[n, *shape]``, ``x`` is
@@ -228,7 +287,6 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
     # CPU: oneDNN convolution and pooling are much faster in NHWC (a 2x2 max-pool: ~10x); a convolution whose
     # output is not NHWC anyway (grouped weights) is converted.
     cl = channels_last if channels_last is not None else x.device.type == "cpu"
-    nhwc = torch.channels_last
     conv = getattr(prog, "conv", "grouped")
     vals: list = [None] * len(prog)  # (tensor, grouped)
 
@@ -243,17 +301,7 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
     out = None
     for i, s in enumerate(prog):
         if s.op == "input":
-            if x.dim() == 5 and prog.dense_input:  # only flattened: [n, B, C*H*W] (flatten below is a no-op)
-                vals[i] = (x.reshape(n, B, -1), False)
-            elif x.dim() == 5:  # images: the grouped layout [B, n*C, H, W]
-                h = x.transpose(0, 1).reshape(B, n * x.shape[2], x.shape[3], x.shape[4])
-                if cl:
-                    h = h.contiguous(memory_format=nhwc)
-                    if h.shape[1] == 1:  # one channel: NCHW strides pass as NHWC and oneDNN would answer in NCHW
-                        h = h.as_strided(h.shape, (h.stride(0), 1, h.stride(2), 1))
-                vals[i] = (h, True)
-            else:
-                vals[i] = (x, False)
+            vals[i] = _input_layout(x, prog.dense_input, cl)
             continue
         if s.op == "output":
             out = vals[s.args[0]]
@@ -279,42 +327,7 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
         m, name = s.module, s.name
         if m is features:
             feat = h if not grouped else h.reshape(B, n, -1).transpose(0, 1)
-        if isinstance(m, nn.Conv2d):
-            w = params[f"{name}.weight"]
-            b = params.get(f"{name}.bias")
-            if m.groups == 1 and conv != "grouped":
-                h = client_conv2d(h, w, b, m.stride, m.padding, m.dilation, impl=conv)
-            else:
-                h = F.conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
-                             m.stride, m.padding, m.dilation, n * m.groups)
-            if cl and not h.is_contiguous(memory_format=nhwc):
-                h = h.contiguous(memory_format=nhwc)
-        elif isinstance(m, nn.GroupNorm):
-            w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-            h = F.group_norm(h, n * m.num_groups, None if w is None else w.reshape(-1),
-                             None if b is None else b.reshape(-1), m.eps)
-        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # batch statistics per client and channel
-            w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-            w = None if w is None else w.reshape(-1)
-            b = None if b is None else b.reshape(-1)
-            if grouped:
-                h = F.batch_norm(h, None, None, w, b, True, 0.0, m.eps)
-            else:  # [n, B, F] -> [B, n*F]
-                Fd = h.shape[-1]
-                h = F.batch_norm(h.transpose(0, 1).reshape(B, n * Fd), None, None, w, b, True, 0.0, m.eps)
-                h = h.reshape(B, n, Fd).transpose(0, 1)
-        elif isinstance(m, nn.Flatten):
-            h, grouped = dense(h, grouped), False
-        elif isinstance(m, nn.Linear):
-            w = params[f"{name}.weight"]
-            b = params.get(f"{name}.bias")
-            if grouped:
-                raise ValueError("model: a Linear layer on image activations needs a Flatten before it")
-            h = _BatchedLinear.apply(h, w, b)
-        elif isinstance(m, nn.Dropout):
-            h = F.dropout(h, m.p, training)
-        else:  # elementwise and pooling act per channel: the grouped layout is already right
-            h = m(h)
+        h, grouped = _apply_module(m, name, h, grouped, params, n, B, training, conv, cl, dense)
         vals[i] = (h, grouped)
     h, grouped = out
     if grouped:  # [B, n*C, H, W] -> [n, B, C, H, W]
