@@ -81,8 +81,9 @@ def conv_impl(setting: str, device: torch.device) -> str:
     if impl == "triton":
         from .ops import _backend
         if not _backend.available("triton", device.type):
-            raise ValueError(f"conv: 'triton' runs on CUDA devices (with triton installed), not {device.type}; "
-                             f"use conv = 'grouped' or 'gemm'")
+            why = _backend.interpreter_problem()
+            raise ValueError(f"conv: 'triton' runs on CUDA devices (with triton installed), not {device.type}"
+                             + (f" ({why})" if why else "") + "; use conv = 'grouped' or 'gemm'")
     return impl
 
 

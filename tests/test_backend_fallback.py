@@ -61,3 +61,32 @@ def test_doctor_names_the_missing_extension(broken_cpu_ext, capsys):
     assert "cpu extension NO" in out and "fedfast._C: built but fails to import" in out
     assert "make install" in out and "--no-build-isolation" in out
     assert "automatic backend on cpu: reference" in out
+
+
+@pytest.mark.parametrize("triton_v,numpy_v,bad", [("3.6.0", "2.4.4", True), ("3.6.0", "2.3.5", False),
+                                                  ("3.7.1", "2.4.6", False), ("3.8.0+git1", "3.0.0", False)])
+def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, numpy_v, bad):
+    """triton 3.6's interpreter fails every kernel with a runtime loop bound under numpy >= 2.4 (measured: 27 of
+    its 52 interpreter tests here; all pass with numpy 2.3): the backend is then off on the CPU, and asking for
+    it names the two versions and the fix instead of an InterpreterError from inside a kernel."""
+    triton = pytest.importorskip("triton")
+    import numpy
+    from fedfast.ops.client_conv import client_conv2d
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", triton_v)
+    monkeypatch.setattr(numpy, "__version__", numpy_v)
+    assert bool(_backend.interpreter_problem()) == bad
+    assert _backend.available("triton", "cpu") == (not bad)
+    assert _backend.available("triton", "cuda")  # compiled kernels are not affected
+    if not bad:
+        assert _backend.resolve("triton", "cpu") == "triton"
+        return
+    with pytest.raises(ValueError, match=rf"triton {triton_v}'s interpreter .* numpy {numpy_v}.*triton>=3.7"):
+        _backend.resolve("triton", "cpu")
+    with pytest.raises(ValueError, match="triton>=3.7 or numpy<2.4"):
+        client_conv2d(torch.zeros(1, 4, 5, 5), torch.zeros(1, 3, 4, 3, 3), None, impl="triton")
+    from fedfast.engine import conv_impl
+    with pytest.raises(ValueError, match=r"conv: 'triton' .*triton>=3.7 or numpy<2.4.*use conv"):
+        conv_impl("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _backend.interpreter_problem() == ""

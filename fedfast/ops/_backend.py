@@ -6,8 +6,8 @@ Backends: ``reference`` (pure PyTorch, the spec, float64-capable), ``cpu`` (C++ 
 
 Choice: the ``backend=`` argument, else the ``FEDFAST_BACKEND`` environment variable, else
 automatic by device (cpu tensors -> ``cpu``; cuda tensors -> ``triton`` if importable, else ``cuda``: both GPU
-backends are compiled here but neither has run on a GPU yet, and the Triton kernels carry the stronger evidence,
-every test run through the interpreter; ``fedfast doctor`` checks both on a real GPU).
+backends passed ``tests/test_gpu.py`` on an H100 at commit fedc5f8, and the Triton kernels carry the stronger
+evidence besides, every CPU test run through the interpreter; ``fedfast doctor`` checks both on a real GPU).
 A backend whose extension is missing falls back to ``reference`` with one warning per backend; the extensions are
 optional at install time (setup.py), and :func:`ext_status` / ``fedfast doctor`` say why one is missing and how to
 build it.
@@ -70,6 +70,36 @@ def triton_available() -> bool:
     return True
 
 
+def _version(text: str) -> tuple:
+    out = []
+    for part in text.split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def interpreter_problem() -> str:
+    """Why Triton's interpreter (``TRITON_INTERPRET=1``) cannot run fedfast's kernels here, or ``""``.
+
+    Known: triton 3.6's interpreter turns a kernel's integer arguments into 1-element numpy arrays and a loop
+    bound ``range(0, n)`` into ``int(array)``, which numpy >= 2.4 refuses (an error since the deprecation of
+    converting arrays of ndim > 0 to scalars expired); every kernel with a runtime loop bound then fails. triton
+    3.6 with numpy 2.3 and triton 3.7 with numpy 2.4 both pass the interpreter tests. Compiled kernels (a GPU) are
+    not affected."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return ""
+    try:
+        import numpy
+        import triton
+    except Exception:  # noqa: BLE001 - triton missing: available() says so
+        return ""
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return (f"triton {triton.__version__}'s interpreter cannot run loops with a runtime bound under numpy "
+                f"{numpy.__version__} (int() of a 1-element array is an error since numpy 2.4): install "
+                f"triton>=3.7 or numpy<2.4")
+    return ""
+
+
 def available(name: str, device_type: str) -> bool:
     """Whether backend ``name`` can run on tensors of ``device_type``."""
     if name == "reference":
@@ -81,7 +111,9 @@ def available(name: str, device_type: str) -> bool:
     if name == "triton":
         if not triton_available():
             return False
-        return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        if device_type == "cuda":
+            return True
+        return os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_problem()
     return False
 
 
@@ -115,4 +147,5 @@ def resolve(backend: str | None, device_type: str) -> str:
     if req in ("cpu", "cuda") and (device_type == ("cpu" if req == "cpu" else "cuda")):
         mod = "fedfast._C" if req == "cpu" else "fedfast._C_cuda"
         return _fallback(req, f"{mod} {ext_status(mod)}")
-    raise ValueError(f"backend={req!r} cannot run on {device_type} tensors")
+    why = interpreter_problem() if req == "triton" and device_type != "cuda" else ""
+    raise ValueError(f"backend={req!r} cannot run on {device_type} tensors" + (f": {why}" if why else ""))

@@ -168,8 +168,9 @@ def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, paddi
         return _GemmConv.apply(x, w, b, stride, padding, dilation)
     from . import _backend
     if not _backend.available("triton", x.device.type):
+        why = _backend.interpreter_problem()
         raise ValueError(f"impl: 'triton' needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "
-                         f"{x.device.type}")
+                         f"{x.device.type}" + (f" ({why})" if why else ""))
     return _TritonConv.apply(x, w, b, stride, padding, dilation)
 
 
