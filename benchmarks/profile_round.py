@@ -42,6 +42,28 @@ def _group(name: str) -> str:
     return "elementwise, reductions, other"
 
 
+# operators that launch no kernel (views, metadata, allocation): not counted as compute ops on a CPU
+_META = ("empty", "empty_strided", "empty_like", "as_strided", "as_strided_", "view", "reshape", "_reshape_alias",
+         "slice", "select", "unsqueeze", "squeeze", "expand", "transpose", "detach", "detach_", "resolve_conj",
+         "resolve_neg", "t", "permute", "alias", "_unsafe_view", "resize_", "contiguous", "lift_fresh", "flatten",
+         "unflatten", "split", "chunk", "narrow", "unbind", "set_", "item", "_local_scalar_dense", "result_type",
+         "view_as", "expand_as", "movedim", "unfold", "to", "_to_copy", "_has_compatible_shallow_copy_type")
+
+
+def _launches(prof, dev) -> int:
+    """Device kernels the profiled rounds launched (CUDA), or on a CPU the innermost compute operators (an
+    ``aten::`` op with no compute op below it, views and allocations left out): the count a GPU would launch."""
+    from torch.autograd import DeviceType
+    evs = prof.events()
+    if dev.type == "cuda":
+        return sum(1 for e in evs if e.device_type == DeviceType.CUDA)
+    meta = {"aten::" + m for m in _META}
+
+    def compute(e):
+        return e.name.startswith("aten::") and e.name not in meta
+    return sum(1 for e in evs if compute(e) and not any(compute(k) for k in e.cpu_children))
+
+
 def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
     s = SHAPES[name]
     train, _ = _data(s["dataset"], s["K"] * s["n"])
@@ -57,12 +79,12 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
     sim.round()
     _sync(dev)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    t = time.perf_counter()
     with profile(activities=acts) as prof:
+        t = time.perf_counter()  # inside: the profiler's start and its post-processing at exit are not the round's
         for _ in range(rounds):
             sim.round()
         _sync(dev)
-    wall = (time.perf_counter() - t) / rounds
+        wall = (time.perf_counter() - t) / rounds
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     total = sum(getattr(e, key) for e in evs) / rounds / 1e6
@@ -70,9 +92,13 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
     for e in evs:
         g = _group(e.key)
         groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
+    steps = s["E"] * -(-s["n"] // s["B"]) * -(-s["m"] // sim.chunk)  # local steps per round (chunks run in turn)
+    launches = _launches(prof, dev) / rounds
     lines = [f"== {name}, conv={sim.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
              f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
-             f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}"]
+             f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
+             f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "
+             f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step"]
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
         lines.append(f"   {g:32} {v * 1e3:9.3f} ms  {100 * v / total:5.1f} %")
     lines.append(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
