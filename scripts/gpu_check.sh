@@ -15,7 +15,10 @@
 # ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS add arguments to those stages (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
 #
 # A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
-# STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results.
+# STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results, and
+# DEADLINE (seconds from the start, default 585: a device call is killed at 600) bounds them all: a stage gets at
+# most the time left before it, and one with under 20 s left is skipped and reported, so the log and the JSON
+# written so far always come back (the benchmarks write their JSON after every shape or row).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-benchmarks/results}
@@ -26,6 +29,7 @@ ALL=(build test bench-distill bench-compiled bench-flat bench-engine bench-round
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 T=${STAGE_TIMEOUT:-540}
+DEADLINE=${DEADLINE:-585}
 failed=()
 
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
@@ -33,9 +37,16 @@ name=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', 
 
 run_stage() {  # run_stage NAME "COMMAND"
   local st=$1 cmd=$2
-  echo "=== $st: $cmd" | tee -a "$LOG"
+  local left=$((DEADLINE - SECONDS - 5)) limit=$T
+  if [ "$left" -lt 20 ]; then
+    echo "=== $st: skipped, ${left} s left before DEADLINE=${DEADLINE} (run it in the next call)" | tee -a "$LOG"
+    failed+=("$st(skipped)")
+    return 0
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "=== $st (limit ${limit} s): $cmd" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout "$T" bash -c "$cmd" 2>&1 | tee -a "$LOG"
+  timeout "$limit" bash -c "$cmd" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "=== $st: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -ne 0 ] && failed+=("$st")
