@@ -9,7 +9,8 @@ implementation against the grouped convolution on the same inputs (relative erro
     python benchmarks/bench_conv.py --device cuda --out $OUT/conv.json        # all layers, all implementations
     python benchmarks/bench_conv.py --device cpu --impls grouped,gemm --layers pfl50
 
-On CUDA, ``triton`` also runs each entry of ``--configs`` (tile sweeps, ``fwd:BM,BN,BK,warps,stages;...``), and
+On CUDA, ``triton`` also runs each entry of ``--configs`` (tile sweeps, ``fwd:BM,BN,BK,warps,stages;...``; the
+weight gradient takes a sixth number, its reduction split: 0 automatic, 1 none), and
 ``tf32`` toggles ``torch.backends.cudnn.allow_tf32`` (the rule every implementation follows for its tensor cores).
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fedfast.ops.client_conv import client_conv2d, out_size  # noqa: E402
+
+DEFAULT_TILES: dict = {}  # fedfast.triton.conv.CONFIGS as shipped (restored before every sweep entry)
 
 # name: (n clients, B, Cin, Cout, H, kernel, stride, padding, first layer)
 LAYERS = {
@@ -126,6 +129,12 @@ def main(argv=None):
     layers = {k: v for k, v in LAYERS.items() if not prefixes or any(k.startswith(p) for p in prefixes)}
     tf32s = [bool(int(v)) for v in a.tf32.split(",")] if dev.type == "cuda" else [False]
     sweeps = [None] + [dict(part.split(":") for part in c.split(";")) for c in a.configs.split("|") if c]
+    if "triton" in a.impls:
+        try:
+            from fedfast.triton import conv as tc
+            DEFAULT_TILES.update(tc.CONFIGS)
+        except ImportError:
+            pass
     rows = []
     for tf32 in tf32s:
         if dev.type == "cuda":
@@ -137,9 +146,11 @@ def main(argv=None):
                     for sw in (sweeps if impl == "triton" else [None]):
                         if impl == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                             continue
-                        if sw:
+                        if impl == "triton":  # the defaults, then this entry's tiles (each entry starts clean)
                             from fedfast.triton import conv as tc
-                            for kind, v in sw.items():
+                            tc.CONFIGS.clear()
+                            tc.CONFIGS.update(DEFAULT_TILES)
+                            for kind, v in (sw or {}).items():
                                 tc.CONFIGS[kind] = tuple(int(t) for t in v.split(","))
                         from fedfast.engine import _free_bytes
                         need, free = need_bytes(geom, impl), _free_bytes(dev)

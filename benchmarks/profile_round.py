@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
+    if dev.type == "cpu":  # as bench_rounds: glibc keeps freed memory (no page faults per step)
+        fedfast.tune_cpu_allocator()
     out = []
     for name in a.shapes.split(","):
         for conv in a.conv.split(","):

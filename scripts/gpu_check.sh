@@ -75,7 +75,8 @@ for st in "${STAGES[@]}"; do
     # issue 26: the engine (grouped cuDNN and implicit-GEMM convolutions) against the plain per-client loop on the
     # five shapes, in one process; the convolution implementations alone; a profile of the pfl-research rounds
     bench-rounds) run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
-    bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:-} --out $OUT_DIR/$name-conv.json" ;;
+    # by default also the weight gradient without its reduction split (the 6th number: 1), against the automatic one
+    bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:---configs wgrad:64,64,32,8,2,1} --out $OUT_DIR/$name-conv.json" ;;
     profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;
     *) echo "unknown stage $st (${ALL[*]})" | tee -a "$LOG"; failed+=("$st") ;;
   esac

@@ -81,6 +81,16 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
             "smem": num(r"(\d+) bytes smem")}
 
 
+def _matrix_path(ptx: str) -> str:
+    """Which units a kernel's products use, from its PTX: ``wgmma`` (Hopper's warpgroup tensor-core MMA),
+    ``mma`` (the warp-level tensor-core MMA of earlier GPUs), ``fma`` (fp32 FMAs only) or ``-`` (neither)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    if re.search(r"\bmma\.sync", ptx):
+        return "mma"
+    return "fma" if "fma.rn.f32" in ptx else "-"
+
+
 def _make_run(arch: int, label: list):
     def run(self, *args, grid, warmup, **kwargs):
         t0 = time.perf_counter()
@@ -94,7 +104,8 @@ def _make_run(arch: int, label: list):
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
             RECORDS.append(rec)
             return None
-        rec.update(ok=True, seconds=round(time.perf_counter() - t0, 3), **usage)
+        usage["smem"] = max(usage["smem"], int(getattr(k.metadata, "shared", 0) or 0))  # Triton's is dynamic
+        rec.update(ok=True, seconds=round(time.perf_counter() - t0, 3), matrix=_matrix_path(k.asm["ptx"]), **usage)
         RECORDS.append(rec)
         return k
     return run
@@ -272,6 +283,7 @@ def main(argv=None) -> int:
         if r["ok"]:
             print(f"ok   sm_{a.arch} {r['kernel']:<20} {r['case']:<40} regs={r['registers']:<4} "
                   f"spill={r['spill_stores']}/{r['spill_loads']}B smem={r['smem']}B warps={r['num_warps']} "
+                  f"{r['matrix']:<5} "
                   f"{r['seconds']:.2f}s")
         else:
             print(f"FAIL sm_{a.arch} {r['kernel']:<20} {r['case']:<40} {r['error']}")

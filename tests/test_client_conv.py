@@ -107,3 +107,37 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="fp32"):
         client_conv2d(x.double(), w.double(), None, impl="gemm")
     assert client_conv2d.__module__ == client_conv.__name__
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 1000])
+@pytest.mark.parametrize("g", [GEOMS[0], GEOMS[2], GEOMS[5], GEOMS[6]], ids=["g0", "g2", "g5", "g6"])
+def test_triton_weight_gradient_with_a_split_reduction(g, split):
+    """The weight gradient's reduction split in shares (partial sums summed in a fixed order) equals the
+    reference; an oversized split is clamped to one share per BK-wide step."""
+    pytest.importorskip("triton")
+    from fedfast.triton import conv
+    x, w, b, s, p, d = _inputs(g)
+    want = _grads(client_conv2d_reference, x, w, b, s, p, d)[2]
+    from torch.nn.modules.utils import _pair
+    out = client_conv2d_reference(x, w, b, s, p, d)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dw = torch.full(w.shape, float("nan"))  # every element must be written
+    conv.conv_weight_grad(gy.float(), x.float(), _pair(s), _pair(p), _pair(d), dw, cfg=(16, 16, 16, 4, 1, split))
+    assert rel_err(dw.double(), want) <= 1e-5
+
+
+def test_weight_gradient_split_choice(monkeypatch):
+    """Off CUDA one share; on a 132-SM GPU, enough shares that the tiles give every SM two programs, none of
+    them shorter than MIN_SPLIT_STEPS steps, and one share once the tiles alone do."""
+    pytest.importorskip("triton")
+    from fedfast.triton import conv
+    assert conv.wgrad_split(10, 10**6, 32, torch.device("cpu")) == 1
+
+    class Props:
+        multi_processor_count = 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
+    cuda = torch.device("cuda")
+    assert conv.wgrad_split(264, 10**6, 32, cuda) == 1
+    assert conv.wgrad_split(250, 98000, 32, cuda) == 2           # FedNTD's conv2 at 10 clients: 250 tiles
+    assert conv.wgrad_split(9, 7840, 32, cuda) == 7840 // (32 * conv.MIN_SPLIT_STEPS)  # one client: capped by length
+    assert conv.wgrad_split(9, 100, 32, cuda) == 1                # too short to split

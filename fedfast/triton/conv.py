@@ -161,14 +161,18 @@ def _conv_dgrad_kernel(g_ptr, w_ptr, dx_ptr, Bn, Cin, H, W, Cout, OH, OW,
 
 @triton.jit
 def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
-                       sgb, sgc, sgh, sgw, sxb, sxc, sxh, sxw,
+                       sgb, sgc, sgh, sgw, sxb, sxc, sxh, sxw, nclients, ksplit, kchunk,
                        KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
                        PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, FOLD: tl.constexpr, IDX64: tl.constexpr,
                        PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    k = tl.program_id(2).to(tl.int64)
+    pid_z = tl.program_id(2)
+    k = (pid_z // ksplit).to(tl.int64)  # the client
+    part = pid_z % ksplit               # its share of the reduction: pixels [part * kchunk, (part + 1) * kchunk)
     Ntot = KH * KW * Cin
     Ktot = Bn * OH * OW
+    p_lo = part * kchunk
+    p_hi = tl.minimum(p_lo + kchunk, Ktot)
     offs_m = pid_m * BM + tl.arange(0, BM)  # output channel
     if IDX64:
         offs_m = offs_m.to(tl.int64)
@@ -193,9 +197,9 @@ def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
     g_base = g_ptr + k * Cout * sgc
     x_base = x_ptr + k * Cin * sxc
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for p0 in range(0, Ktot, BK):
+    for p0 in range(p_lo, p_hi, BK):
         p = p0 + tl.arange(0, BK)
-        p_ok = p < Ktot
+        p_ok = p < p_hi
         if IDX64:
             p = p.to(tl.int64)
         bb = p // (OH * OW)
@@ -221,13 +225,14 @@ def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
         col = ci * (KH * KW) + rs
     else:
         col = ci * (KH * KW) + tap
-    d = dw_ptr + k * Cout * Ntot + offs_m[:, None] * Ntot + col[None, :]
+    d = dw_ptr + (part.to(tl.int64) * nclients + k) * Cout * Ntot + offs_m[:, None] * Ntot + col[None, :]  # [ksplit, n, ...]
     tl.store(d, acc, mask=m_ok[:, None] & j_ok[None, :])
 
 
-# (BM, BN, BK, num_warps, num_stages): starting points with no register spills on sm_90 (scripts/
+# (BM, BN, BK, num_warps, num_stages[, split]): starting points with no register spills on sm_90 (scripts/
 # triton_sm90_check.py); benchmarks/bench_conv.py times alternatives on a GPU. Folded (thin-channel) and 64-bit
-# index variants keep 2-D index tiles live and take smaller tiles.
+# index variants keep 2-D index tiles live and take smaller tiles. The weight gradient's optional sixth entry
+# splits its reduction over that many programs per tile (0 or absent: :func:`wgrad_split` chooses).
 CONFIGS = {"fwd": (64, 64, 16, 8, 2), "dgrad": (64, 32, 16, 4, 2), "wgrad": (64, 64, 32, 8, 2)}
 CONFIGS_THIN = {"fwd": (32, 64, 16, 4, 2), "dgrad": (32, 32, 16, 4, 2), "wgrad": (32, 64, 16, 4, 2)}
 FOLD_BELOW = 16  # channel counts below this fold the taps into the reduction index (one dot per 16+ lanes)
@@ -289,22 +294,52 @@ def conv_input_grad(g, w, stride, padding, dilation, dx, tf32: bool = False, cfg
     return dx
 
 
+MIN_SPLIT_STEPS = 16  # a reduction share is at least this many BK-wide steps
+
+
+def wgrad_split(programs: int, ktot: int, bk: int, device: torch.device) -> int:
+    """Reduction shares per weight-gradient tile: 1 when the tiles alone give every SM two programs, else enough
+    shares for that (each at least ``MIN_SPLIT_STEPS`` steps of ``bk`` pixels). The weight gradient's reduction
+    (``B*OH*OW`` pixels) is long and its output small: with few clients per chunk (FedNTD's 10) its tiles are
+    fewer than the SMs, and each runs thousands of pixels alone. 1 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), ktot // (bk * MIN_SPLIT_STEPS)))
+
+
 def conv_weight_grad(g, x, stride, padding, dilation, dw, tf32: bool = False, cfg=None):
-    """``dw[n, Cout, Cin, KH, KW]`` (contiguous): every client's weight gradient given ``g = dL/d out``."""
+    """``dw[n, Cout, Cin, KH, KW]`` (contiguous): every client's weight gradient given ``g = dL/d out``.
+
+    With the reduction split in S shares (:func:`wgrad_split`, or ``cfg[5]``), each share writes its partial sum
+    to a ``[S, n, Cout, Cin*KH*KW]`` buffer and the shares are summed in a fixed order: deterministic, no
+    atomics; the summation order differs from S = 1 only by rounding."""
     B, _, H, W = x.shape
     n, Cout, Cin, KH, KW = dw.shape
     OH, OW = g.shape[2], g.shape[3]
     fold, i64 = Cin < FOLD_BELOW, _idx64(g, x, dw)
-    BM, BN, BK, nw, ns = _cfg("wgrad", cfg, fold or i64)
+    c = _cfg("wgrad", cfg, fold or i64)
+    BM, BN, BK, nw, ns = c[:5]
     BM = _n_block(Cout, BM)
     if not fold:
         BN = _n_block(Cin, BN)
     nb = triton.cdiv(KH * KW * Cin, BN) if fold else KH * KW * triton.cdiv(Cin, BN)
-    grid = (triton.cdiv(Cout, BM), nb, n)
-    _conv_wgrad_kernel[grid](g, x, dw, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(x),
+    ktot = B * OH * OW
+    split = int(c[5]) if len(c) > 5 and c[5] else wgrad_split(triton.cdiv(Cout, BM) * nb * n, ktot, BK, dw.device)
+    split = max(1, min(split, triton.cdiv(ktot, BK)))
+    kchunk = triton.cdiv(triton.cdiv(ktot, split), BK) * BK  # a multiple of BK
+    split = triton.cdiv(ktot, kchunk)                        # no empty share
+    dst = dw if split == 1 else torch.empty((split,) + tuple(dw.shape), device=dw.device, dtype=dw.dtype)
+    i64 = i64 or _idx64(dst)
+    grid = (triton.cdiv(Cout, BM), nb, n * split)
+    _conv_wgrad_kernel[grid](g, x, dst, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(x), n, split, kchunk,
                              KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
                              DH=dilation[0], DW=dilation[1], FOLD=fold, IDX64=i64,
                              PREC="tf32" if tf32 else "ieee",
                              BM=BM, BN=BN, BK=BK,
                              num_warps=nw, num_stages=ns)
+    if split > 1:
+        torch.sum(dst, 0, out=dw)
     return dw
