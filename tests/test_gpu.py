@@ -337,6 +337,31 @@ def test_gpu_client_conv_matches_reference(impl, tf32):
         torch.backends.cudnn.allow_tf32 = old
 
 
+@pytest.mark.parametrize("split", [0, 1, 3])
+def test_gpu_triton_weight_gradient_split(split):
+    """The weight gradient with its reduction split (0: the automatic rule, which splits this 2-client, 1-tile
+    layer on any GPU with >= 2 SMs) against the float64 reference, every element written (NaN-poisoned)."""
+    _need("triton")
+    from torch.nn.modules.utils import _pair
+    from fedfast.ops.client_conv import client_conv2d_reference
+    from fedfast.triton import conv
+    g = (2, 16, 16, 16, 20, 20, 3, 1, 1, 1, False)  # 6400 pixels per client: room for shares of 16 steps
+    from test_client_conv import _inputs
+    x, w, b, s, p, d = _inputs(g)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out = client_conv2d_reference(x, w, b, s, p, d)
+    gy = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = torch.autograd.grad(out, w, gy)[0]
+    programs = 2 * 9  # 1 output-channel tile x 9 taps x 2 clients
+    if split == 0:
+        assert conv.wgrad_split(programs, 2 * 6400 // 2, 32, torch.device("cuda")) > 1
+    dw = torch.full(w.shape, float("nan"), device="cuda")
+    cfg = conv.CONFIGS["wgrad"][:5] + (split,)
+    conv.conv_weight_grad(gy.float().cuda(), x.detach().float().cuda(), _pair(s), _pair(p), _pair(d), dw, cfg=cfg)
+    assert rel_err(dw.double().cpu(), want) <= 1e-5
+
+
 @pytest.mark.parametrize("conv", ["grouped", "gemm", "triton"])
 def test_gpu_engine_conv_implementations_match_the_loop(conv):
     """A CNN round on the GPU with each convolution implementation equals the CPU loop (fp32 semantics), and the
