@@ -28,8 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fedfast.ops.client_conv import client_conv2d, out_size  # noqa: E402
 
-DEFAULT_TILES: dict = {}  # fedfast.triton.conv.CONFIGS as shipped (restored before every sweep entry)
-
 # name: (n clients, B, Cin, Cout, H, kernel, stride, padding, first layer)
 LAYERS = {
     "pfl50.conv1": (50, 10, 3, 32, 32, 3, 1, 0, True),
@@ -129,13 +127,8 @@ def main(argv=None):
     layers = {k: v for k, v in LAYERS.items() if not prefixes or any(k.startswith(p) for p in prefixes)}
     tf32s = [bool(int(v)) for v in a.tf32.split(",")] if dev.type == "cuda" else [False]
     sweeps = [None] + [dict(part.split(":") for part in c.split(";")) for c in a.configs.split("|") if c]
-    if "triton" in a.impls:
-        try:
-            from fedfast.triton import conv as tc
-            DEFAULT_TILES.update(tc.CONFIGS)
-        except ImportError:
-            pass
     rows = []
+    default_tiles = None  # fedfast.triton.conv.CONFIGS as shipped, restored before every sweep entry
     for tf32 in tf32s:
         if dev.type == "cuda":
             torch.backends.cudnn.allow_tf32 = tf32
@@ -148,8 +141,9 @@ def main(argv=None):
                             continue
                         if impl == "triton":  # the defaults, then this entry's tiles (each entry starts clean)
                             from fedfast.triton import conv as tc
+                            default_tiles = default_tiles or dict(tc.CONFIGS)
                             tc.CONFIGS.clear()
-                            tc.CONFIGS.update(DEFAULT_TILES)
+                            tc.CONFIGS.update(default_tiles)
                             for kind, v in (sw or {}).items():
                                 tc.CONFIGS[kind] = tuple(int(t) for t in v.split(","))
                         from fedfast.engine import _free_bytes

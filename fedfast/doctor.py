@@ -119,8 +119,9 @@ def main(quick: bool = False) -> int:
     try:
         import triton
         print(f"triton {triton.__version__}")
-        if _backend.interpreter_problem():
-            print(f"  TRITON_INTERPRET=1, but {_backend.interpreter_problem()}; the 'triton' backend is off on the CPU")
+        why = _backend.interpreter_problem()
+        if why:
+            print(f"  TRITON_INTERPRET=1, but {why}; the 'triton' backend is off on the CPU")
     except Exception:  # noqa: BLE001
         print("triton: not importable")
     from importlib import metadata

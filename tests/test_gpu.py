@@ -355,7 +355,7 @@ def test_gpu_triton_weight_gradient_split(split):
     want = torch.autograd.grad(out, w, gy)[0]
     programs = 2 * 9  # 1 output-channel tile x 9 taps x 2 clients
     if split == 0:
-        assert conv.wgrad_split(programs, 2 * 6400 // 2, 32, torch.device("cuda")) > 1
+        assert conv.wgrad_split(programs, 6400, 32, torch.device("cuda")) > 1
     dw = torch.full(w.shape, float("nan"), device="cuda")
     cfg = conv.CONFIGS["wgrad"][:5] + (split,)
     conv.conv_weight_grad(gy.float().cuda(), x.detach().float().cuda(), _pair(s), _pair(p), _pair(d), dw, cfg=cfg)
