@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops.client_conv import client_conv2d
+from .ops.conv_cpu import PointwiseConv2d, conv2d
 
 _ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Identity)
 _POOL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -82,10 +83,18 @@ def _const(v) -> bool:
     return isinstance(v, (int, tuple, list)) and not isinstance(v, bool)
 
 
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer, with fedfast's :class:`~fedfast.ops.conv_cpu.PointwiseConv2d` (an ``nn.Conv2d`` whose CPU
+    forward subsamples) a leaf like ``nn.Conv2d``: the program runs it as a convolution, subsampled on the CPU."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return type(m) is PointwiseConv2d or super().is_leaf_module(m, qualname)
+
+
 def plan(module: nn.Module) -> tuple[Plan | None, str]:
     """``(program, "")`` if the executor supports ``module``, else ``(None, why not)``."""
     try:
-        gm = torch.fx.symbolic_trace(module)
+        gm = torch.fx.GraphModule(module, _Tracer().trace(module))
     except Exception as e:  # noqa: BLE001 - data-dependent control flow, unsupported Python
         return None, f"torch.fx cannot trace its forward ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     mods = dict(gm.named_modules())
@@ -245,8 +254,8 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dic
         if m.groups == 1 and conv != "grouped":
             h = client_conv2d(h, w, b, m.stride, m.padding, m.dilation, impl=conv)
         else:
-            h = F.conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
-                         m.stride, m.padding, m.dilation, n * m.groups)
+            h = conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
+                       m.stride, m.padding, m.dilation, n * m.groups)  # a strided 1x1 on the CPU: subsampled
         if cl and not h.is_contiguous(memory_format=nhwc):
             h = h.contiguous(memory_format=nhwc)
     elif isinstance(m, nn.GroupNorm):

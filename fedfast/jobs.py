@@ -154,6 +154,15 @@ def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str
     prints. ``mode``: ``new``, ``force``, ``resume`` or ``auto`` (:meth:`fedfast.rundir.RunDir.open`);
     ``attached``: a worker of :func:`run_workers`, whose launcher holds the directory. Returns the history, or
     None for a run ``auto`` skipped (finished already)."""
+    threads = torch.get_num_threads()
+    try:
+        return _run(cfg, out_dir, mode, quiet, label, attached)
+    finally:  # the run's thread count was the run's: the caller's process gets its own back
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool):
     from .rundir import RunDir, attach
     from .runner import execute, summarize
     group, device = _init_distributed(cfg)

@@ -8,6 +8,8 @@ import math
 
 from torch import nn
 
+from ..ops.conv_cpu import PointwiseConv2d
+
 
 def _norm(kind: str, c: int, gn_channels_per_group: int = 16, gn_groups: int | None = None) -> nn.Module:
     if kind == "bn":
@@ -18,9 +20,10 @@ def _norm(kind: str, c: int, gn_channels_per_group: int = 16, gn_groups: int | N
 
 
 def _shortcut(cin: int, cout: int, stride: int, norm) -> nn.Module:
-    """Identity, or a 1x1 projection (stride, no bias) + norm where the block changes the shape."""
+    """Identity, or a 1x1 projection (stride, no bias) + norm where the block changes the shape (the projection
+    subsampled on the CPU: :class:`fedfast.ops.conv_cpu.PointwiseConv2d`, round a oneDNN bug)."""
     if stride != 1 or cin != cout:
-        return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+        return nn.Sequential(PointwiseConv2d(cin, cout, 1, stride, bias=False), norm(cout))
     return nn.Sequential()
 
 

@@ -9,7 +9,8 @@ Implementations (``impl``), all the same function (tests/test_client_conv.py che
 :func:`client_conv2d_reference` in float64, forward and both gradients):
 
 * ``"grouped"``: one ``F.conv2d`` with ``groups = n`` (cuDNN / oneDNN grouped convolution). The CPU default:
-  oneDNN runs it near the machine's sgemm rate in NHWC.
+  oneDNN runs it near the machine's sgemm rate in NHWC. A strided 1 x 1 convolution on the CPU runs as a subsample
+  and a stride-1 convolution (:mod:`fedfast.ops.conv_cpu`: the same values, round a oneDNN bug in torch 2.13).
 * ``"gemm"``: explicit im2col (``F.unfold``) and one batched matrix product per pass (forward, input gradient
   through ``F.fold``, weight gradient); memory: the unfolded input, ``KH*KW`` times the input, is kept for the
   backward.
@@ -26,6 +27,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .conv_cpu import conv2d
 
 IMPLS = ("grouped", "gemm", "triton")
 
@@ -160,7 +163,7 @@ def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, paddi
     if OH < 1 or OW < 1:
         raise ValueError(f"x: {tuple(x.shape[2:])} images are smaller than the kernel {tuple(w.shape[3:])}")
     if impl == "grouped":
-        return F.conv2d(x, w.reshape(n * Cout, Cin, *w.shape[3:]), None if b is None else b.reshape(-1), stride,
+        return conv2d(x, w.reshape(n * Cout, Cin, *w.shape[3:]), None if b is None else b.reshape(-1), stride,
                         padding, dilation, n)
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         raise TypeError(f"x, w: impl={impl!r} computes in fp32, got {x.dtype} and {w.dtype} (use impl='grouped')")
