@@ -36,7 +36,7 @@ from torch import nn
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, FlatLayout, functional_forward, host_to_device
+from .flat import ClientStack, FlatLayout, find_classifier, functional_forward, host_to_device
 from .methods.base import Round, TeacherSpec
 from .collectives import collectives
 from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
@@ -44,7 +44,7 @@ from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
 from .local_step import client_optimizer
 from .sim.evaluation import Evaluation
 from .sim.memory import CPU_CHUNK_PARAM_BYTES, OutOfMemory, _free_bytes, _gib, fp32_semantics  # noqa: F401 (re-exported)
-from .sim.services import EngineServices
+from .sim.services import EngineServices, _probe_batch
 from .sim.sizing import Sizing
 from .sim.training import LocalTraining
 from .sim.snapshots import Snapshots
@@ -129,6 +129,11 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             raise ValueError(f"method: a {type(method).__name__} with other options than config's "
                              f"{c.algorithm!r}; build it with config.take_method()")
         self.method = method if method is not None else c.take_method()
+        # the classifier (Step.features is its input): found on the user's model before prepare_model (MOON's
+        # projection head replaces it), then again on the model the clients train
+        eager = self.method.needs_features or self.method.needs_classifier or c.features_layer is not None
+        if eager and isinstance(train, ArrayDataset) and isinstance(model, nn.Module):
+            self.method.classifier_name = find_classifier(model, _probe_batch(model, train), c.features_layer)
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")
@@ -152,6 +157,10 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         self.model = model.to(self.device)
         self._place_data(train, test, val, aux, validation, partition, schedule)
         self._probe_model()
+        self._classifier_name = None
+        if eager:
+            self._classifier_name = find_classifier(self.model, _probe_batch(self.model, self.train),
+                                                    self.method.classifier_name)
         self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
         self._flatten_model()
         self.rnd = 0
@@ -575,3 +584,4 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
 
 __all__ = ["SimConfig", "Simulation", "Diverged", "OutOfMemory", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
            "OnlineTeacher"]
+

@@ -220,15 +220,75 @@ class ClientStack:
         return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client
 
 
-def classifier_of(module: nn.Module) -> nn.Module:
-    """The model's last ``nn.Linear`` (its input is the representation MOON contrasts)."""
-    last = None
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            last = m
-    if last is None:
-        raise ValueError("module: has no nn.Linear layer to take the representation from")
+def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | None = None) -> str:
+    """The qualified name of the model's classifier: the ``nn.Linear`` whose input is the representation (MOON's
+    features, ``Step.features``) and whose output is the logits.
+
+    * ``name`` (the run's ``features_layer``), else the model's own ``features_layer`` attribute, names it: an
+      ``nn.Linear``, or a module holding it (then the last ``nn.Linear`` to run inside it, e.g. a projection head
+      put in the classifier's place).
+    * Otherwise, with ``probe`` (a batch of inputs), it is the last ``nn.Linear`` to run in one forward -
+      execution order, not declaration order (a model may declare its head first). It is refused as ambiguous,
+      naming the fix (``features_layer``), when that layer runs more than once, or when the model's output is not
+      that layer's output (something follows it: a scale, a log-softmax, a second head).
+    * Without either, the last ``nn.Linear`` declared (no forward to watch).
+
+    ValueError names ``features_layer`` (or ``model``) and the model's ``nn.Linear`` layers."""
+    mods = dict(model.named_modules())
+    linears = [n for n, m in mods.items() if isinstance(m, nn.Linear)]
+    known = f"its nn.Linear layers: {', '.join(repr(n) for n in linears) or 'none'}"
+    if name is None:
+        name = getattr(model, "features_layer", None)
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"model.features_layer: expected a layer name, got {name!r}")
+    scope = ""
+    if name:
+        if name not in mods:
+            raise ValueError(f"features_layer: the model has no layer {name!r} ({known})")
+        if isinstance(mods[name], nn.Linear):
+            return name
+        scope = name
+        if not any(n.startswith(name + ".") for n in linears):
+            raise ValueError(f"features_layer: {name!r} is a {type(mods[name]).__name__} with no nn.Linear in it; "
+                             f"the classifier is an nn.Linear ({known})")
+    if probe is None:
+        inside = [n for n in linears if not scope or n.startswith(scope + ".")]
+        if not inside:
+            raise ValueError(f"model: has no nn.Linear layer to take the representation from ({known})")
+        return inside[-1]
+    calls: list[tuple[str, Tensor]] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: calls.append((n, out)))
+             for n, m in mods.items() if isinstance(m, nn.Linear) and (not scope or n.startswith(scope + "."))]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # no running statistics updated, no dropout
+    try:
+        with torch.no_grad():
+            out = model(probe)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, was in modes:
+            m.training = was
+    if not calls:
+        where = f"inside features_layer {scope!r}" if scope else "in the model's forward"
+        raise ValueError(f"{'features_layer' if scope else 'model'}: no nn.Linear runs {where}, so there is no "
+                         f"classifier to take the features from ({known})")
+    last, y = calls[-1]
+    runs = sum(1 for n, _ in calls if n == last)
+    fix = (f"name the classifier: features_layer = \"<layer>\" in the run config (SimConfig(features_layer=...)), "
+           f"or a features_layer attribute on the model ({known})")
+    if runs > 1:
+        raise ValueError(f"model: its last nn.Linear to run, {last!r}, runs {runs} times in one forward, so which "
+                         f"call is the classifier is ambiguous; {fix}")
+    if not scope and out is not y:
+        raise ValueError(f"model: its output is not the output of the last nn.Linear to run ({last!r}): something "
+                         f"follows it, so the classifier is ambiguous; {fix}")
     return last
+
+
+def classifier_of(module: nn.Module, probe: Tensor | None = None, name: str | None = None) -> nn.Module:
+    """The classifier module :func:`find_classifier` names (its input is the representation MOON contrasts)."""
+    return module.get_submodule(find_classifier(module, probe, name))
 
 
 def functional_forward(module: nn.Module, features: nn.Module | None = None):

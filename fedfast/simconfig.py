@@ -94,6 +94,9 @@ class SimConfig:
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
     executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    features_layer: str | None = None  # the model's classifier by name ("fc2"; a module holding it: its last Linear
+    #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
+    #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
     conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
     #   "gemm" (im2col + batched GEMMs) or "triton" (implicit GEMMs, CUDA); "auto": grouped (CONV_AUTO)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
@@ -166,6 +169,9 @@ class SimConfig:
                                  f"{self.local_epochs}; give one of them")
         if self.client_chunk is not None and int(self.client_chunk) < 1:
             raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
+        if self.features_layer is not None and not (isinstance(self.features_layer, str) and self.features_layer):
+            raise ValueError(f"features_layer: the name of the model's classifier layer (e.g. 'fc2'), or None, got "
+                             f"{self.features_layer!r}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
 

@@ -238,7 +238,8 @@ class Step:
     hist: Tensor                     # [num_clients, C] label histograms of the active clients
     x: Tensor                        # [num_clients, B, ...] the inputs (augmented if augmentation is on)
     valid: Tensor                    # [num_clients, B] False on padding rows
-    features: Tensor | None = None   # [num_clients, B, F] input of the classifier, if ``needs_features``
+    features: Tensor | None = None   # [num_clients, B, F] input of the classifier (features_layer), if
+    #                                  ``needs_features``
     params: dict | None = None       # the active clients' parameters {name: [num_clients, *shape]} (autograd
     #                                  leaves: a loss term on them, e.g. the classifier on other inputs)
     perturbed: bool = False          # the second pass of a SAM step (at w + rho g/||g||): no side effects
@@ -312,7 +313,9 @@ class Method(ClientHooks, ServerHooks):
     Class attributes a method may set:
     ``Options`` (dataclass), ``paper`` (one-line reference), ``max_grad_norm`` / ``aggregation`` (the defaults of
     these engine settings when the config leaves them unset: clipping that the authors' code applies, ``"size"``
-    or ``"uniform"`` averaging), ``needs_features`` (the loss needs the classifier's input), ``accepts_asd``
+    or ``"uniform"`` averaging), ``needs_features`` (the loss needs the classifier's input), ``needs_classifier``
+    (the method uses the model's classifier: ``engine.head``, or a head it builds in ``prepare_model``; the engine
+    then finds the classifier before ``prepare_model`` and sets ``self.classifier_name``), ``accepts_asd``
     (the ASD add-on may replace its KD term), ``sgd_only`` (why the method's client-step terms are defined for
     SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason), ``sam`` (its
     ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights).
@@ -326,6 +329,7 @@ class Method(ClientHooks, ServerHooks):
     aggregation: ClassVar[str] = "size"
     aggregation_fixed: ClassVar[bool] = False  # the method defines its averaging (any other is refused)
     needs_features: ClassVar[bool] = False
+    needs_classifier: ClassVar[bool] = False
     accepts_asd: ClassVar[bool] = False
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
     state: ClassVar[tuple] = ()         # (read only for checkpoints of fedfast before automatic state)
@@ -349,6 +353,9 @@ class Method(ClientHooks, ServerHooks):
         self.resolve()
         validate_options(self.table_name(), self.opts)
         self.engine: Engine | None = None
+        # the qualified name of the model's classifier (fedfast.flat.find_classifier), set by the engine before
+        # prepare_model when the method needs features or the classifier; None otherwise
+        self.classifier_name: str | None = None
         self.client_state = None  # a ClientState the method owns (the engine gathers/scatters its rows)
 
     @classmethod
@@ -463,7 +470,7 @@ class Method(ClientHooks, ServerHooks):
 
 # -- method state in checkpoints -------------------------------------------------------------------------------
 STATE_FORMAT = "__fedfast_method_state__"
-_NOT_STATE = ("engine", "opts", "client_state")
+_NOT_STATE = ("engine", "opts", "client_state", "classifier_name")
 
 
 def _is_constant_object(method, v) -> bool:

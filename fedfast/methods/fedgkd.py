@@ -106,6 +106,7 @@ class FedGKD(Method):
 @register("fedgkd_plus")
 class FedGKDPlus(FedGKD):
     """FedGKD+ (Yao et al., §5.1): FedGKD on a model with MOON's projection head (2-layer MLP, output 256)."""
+    needs_classifier = True
 
     @dataclass
     class Options(FedGKD.Options):
@@ -113,7 +114,7 @@ class FedGKDPlus(FedGKD):
                                   check=">=1")
 
     def prepare_model(self, model, seed=0):
-        return with_projection_head(model, self.opts.projection_dim, seed)
+        return with_projection_head(model, self.opts.projection_dim, seed, classifier=self.classifier_name)
 
 
 @register("fedgkd_vote")

@@ -49,7 +49,7 @@ class MOON(FedAvg):
 
     def prepare_model(self, model, seed=0):
         d = self.opts.projection_dim
-        return with_projection_head(model, d, seed) if d else model
+        return with_projection_head(model, d, seed, classifier=self.classifier_name) if d else model
 
     def check_settings(self, config, model):
         linear_only = all(isinstance(m, torch.nn.Linear) for m in model.modules()

@@ -7,10 +7,11 @@ import contextlib
 
 import numpy as np
 import torch
+from torch import nn
 
 from .. import ops
 from ..data.datasets import ArrayDataset
-from ..flat import ClientState, classifier_of, functional_forward, host_to_device
+from ..flat import ClientState, find_classifier, functional_forward, host_to_device
 from ..methods.base import Round
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
 
@@ -36,13 +37,18 @@ class EngineServices:
             self.model.train(was)
 
     def _features_module(self):
+        """The model's classifier (``features_layer``; :func:`fedfast.flat.find_classifier`): its input is
+        ``Step.features``. Found when the Simulation is built for a method that declares it needs it, else here."""
         if self._classifier is None:
-            self._classifier = classifier_of(self.model)
+            if self._classifier_name is None:
+                self._classifier_name = find_classifier(self.model, _probe_batch(self.model, self.train),
+                                                        self.cfg.features_layer)
+            self._classifier = self.model.get_submodule(self._classifier_name)
         return self._classifier
 
     def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
         """One model (flat parameters [P]) on a batch: the grouped executor with one client, else functional_call.
-        With ``features``: ``(input of the last Linear, logits)``."""
+        With ``features``: ``(input of the classifier, logits)``."""
         feat = self._features_module() if features else None
         if self._plan is not None:
             pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
@@ -111,11 +117,11 @@ class EngineServices:
         return st
 
     def head_params(self, params) -> tuple:
-        """(weight [n, C, F], bias [n, C] or None) of the classifier (the model's last nn.Linear) of n clients, from
+        """(weight [n, C, F], bias [n, C] or None) of the classifier (``features_layer``) of n clients, from
         ``{name: [n, *shape]}`` (a step's parameters) or flat rows [n, P]."""
         if self._head_names is None:
             lin = self._features_module()
-            prefix = next(n for n, m in self.model.named_modules() if m is lin)
+            prefix = self._classifier_name
             self._head_names = (f"{prefix}.weight", f"{prefix}.bias" if lin.bias is not None else None)
         if torch.is_tensor(params):
             params = self.layout.param_views(params)
@@ -123,7 +129,7 @@ class EngineServices:
         return params[w], (params[b] if b is not None else None)
 
     def head(self, params, z: torch.Tensor) -> torch.Tensor:
-        """The classifier (the model's last nn.Linear) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
+        """The classifier (``features_layer``) of each of n clients on ``z`` [n, R, F] -> [n, R, C]."""
         w, b = self.head_params(params)
         out = torch.bmm(z, w.transpose(1, 2))
         return out if b is None else out + b[:, None, :]
@@ -156,3 +162,10 @@ class EngineServices:
 
     def client_params(self, n: int) -> torch.Tensor:
         return self.stack.params[:n]
+
+
+def _probe_batch(model: nn.Module, train: ArrayDataset) -> torch.Tensor:
+    """Two training inputs (one if there is one) on the model's device: the forward that finds the classifier."""
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    x, _ = train.batch(torch.arange(min(2, len(train)), device=train.x.device))
+    return x.to(dev)
