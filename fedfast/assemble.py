@@ -6,43 +6,71 @@ line: ``fedfast run``, ``fedfast sweep`` and :mod:`fedfast.jobs` call :func:`bui
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 
 def load_data(cfg, tokenizer=None):
     """The dataset's train and test sets; a missing file names ``data_dir`` and where to get the data."""
     from .data import DATASETS
-    spec = {"data_dir": cfg["data_dir"], "tokenizer": tokenizer, "max_length": cfg["max_length"], "seed": cfg["seed"]}
+    spec = {"data_dir": cfg["data_dir"], "tokenizer": tokenizer, "max_length": cfg["max_length"], "seed": cfg["seed"],
+            "options": _options(cfg, "dataset")}
     try:
         return DATASETS[cfg["dataset"]].load(spec)
     except FileNotFoundError as e:
         msg = e.args[1] if len(e.args) > 1 and e.filename else str(e)
+        if e.filename and os.path.commonpath([os.path.abspath(str(e.filename)),
+                                              os.path.abspath(cfg["data_dir"])]) != os.path.abspath(cfg["data_dir"]):
+            raise ValueError(f"dataset: {cfg['dataset']!r} needs {e.filename}: {msg}") from None
         raise ValueError(f"data_dir: dataset {cfg['dataset']!r} needs files under data_dir = {cfg['data_dir']!r} "
                          f"(--set data_dir=PATH): {msg}") from None
 
 
+def _options(cfg, kind: str):
+    return cfg.entry_options(kind) if hasattr(cfg, "entry_options") else None
+
+
 def partition(cfg, train):
-    """The training set split into ``num_clients`` clients by the registered partition ``cfg["partition"]``."""
-    from .data import PARTITIONS
-    return PARTITIONS[cfg["partition"]](train, cfg)
+    """The training set split by the registered partition ``cfg["partition"]``: into ``num_clients`` clients, or
+    as many as the partition makes when it declares ``sets_num_clients`` (a client per user, say)."""
+    from .data import PARTITIONS, Partition
+    entry = PARTITIONS[cfg["partition"]]
+    spec = {**(cfg.values if hasattr(cfg, "values") else dict(cfg)), "options": _options(cfg, "partition")}
+    part = entry.split(train, spec)
+    if not isinstance(part, Partition):
+        raise TypeError(f"partition: {cfg['partition']!r} returned {type(part).__name__}, not a fedfast.data.Partition")
+    if entry.sets_num_clients and part.num_clients != cfg["num_clients"] and "num_clients" in getattr(cfg, "given", ()):
+        raise ValueError(f"num_clients: {cfg['num_clients']}, but partition {cfg['partition']!r} decides the number of "
+                         f"clients itself and made {part.num_clients}; leave num_clients out")
+    if not entry.sets_num_clients and part.num_clients != cfg["num_clients"]:
+        raise ValueError(f"partition: {cfg['partition']!r} made {part.num_clients} clients, num_clients is "
+                         f"{cfg['num_clients']}; a partition that decides the number of clients itself is registered "
+                         f"with sets_num_clients=True")
+    return part
 
 
 def make_model(cfg, train):
     """The registered model ``cfg["model"]`` for the dataset's classes and sample shape."""
-    from .models import REGISTRY
-    return REGISTRY[cfg["model"]](train.num_classes, tuple(train.x.shape[1:]))
+    from .models import build as build_model
+    return build_model(cfg["model"], train.num_classes, tuple(train.x.shape[1:]), _options(cfg, "model"))
 
 
 def build(cfg, device=None, group=None):
-    """The Simulation a run config describes (data, the method's held-out splits, partition, model)."""
+    """The Simulation a run config describes (data, the method's held-out splits, partition, model). The files the
+    data and a pretrained model were read from are kept as ``cfg.data_files`` (the run's fingerprint)."""
+    from ._io import record_reads
     from .data import text_datasets
     from .engine import Simulation
     torch.manual_seed(cfg["seed"])
     model = tokenizer = None
-    if cfg["model"].startswith("hf:"):  # the pretrained encoder, a new head, and the tokenizer the texts need
-        from .models import hf
-        model, tokenizer = hf.load(cfg["model"], text_datasets()[cfg["dataset"]], seed=cfg["seed"])
-    train, test = load_data(cfg, tokenizer)
+    with record_reads() as files:
+        if cfg["model"].startswith("hf:"):  # the pretrained encoder, a new head, and the tokenizer the texts need
+            from .models import hf
+            model, tokenizer = hf.load(cfg["model"], text_datasets()[cfg["dataset"]], seed=cfg["seed"])
+        train, test = load_data(cfg, tokenizer)
+    if hasattr(cfg, "values"):
+        cfg.__dict__["data_files"] = sorted(files)
     if cfg["train_fraction"] < 1:  # a seeded random subset, before the method's held-out splits and the partition
         g = torch.Generator().manual_seed(cfg["seed"] + 15485863)
         keep = torch.randperm(len(train), generator=g)[:max(1, round(cfg["train_fraction"] * len(train)))]
@@ -61,6 +89,11 @@ def build(cfg, device=None, group=None):
     method = sc.take_method()  # built once per run: its held-out splits, then the Simulation's method
     train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = partition(cfg, train)
+    if hasattr(cfg, "values") and part.num_clients != cfg["num_clients"]:  # the partition's own count is the run's
+        if cfg["clients_per_round"] > part.num_clients:
+            raise ValueError(f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
+                             f"partition {cfg['partition']!r} made")
+        cfg.values["num_clients"] = part.num_clients
     model = model if model is not None else make_model(cfg, train)
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
                       validation=validation, method=method, **splits)

@@ -258,7 +258,7 @@ def _new_config(args):
         base = pre.config(alg)
         args.plugin = list(args.plugin) + [p for p in pre.plugins if p not in args.plugin]
     cfg = build_config(args.config, args.set, base=base, plugins=args.plugin,
-                       source=pre.source if args.preset else None)
+                       source=pre.source if args.preset else None, root=pre.root if args.preset else None)
     return cfg, args.out or "runs/latest", ("force" if args.force else "new")
 
 

@@ -22,6 +22,16 @@ from .methods.base import coerce_option
 
 
 
+ENTRY_KINDS = ("dataset", "partition", "model")
+
+
+def _registry(kind: str):
+    """The registry a run key names its entry from: datasets, partitions, models."""
+    from .data import DATASETS, PARTITIONS
+    from .models import REGISTRY
+    return {"dataset": DATASETS, "partition": PARTITIONS, "model": REGISTRY}[kind]
+
+
 def _choices() -> dict:
     """The names ``dataset``, ``partition`` and ``model`` may take: the registries' (:mod:`fedfast.data.registry`,
     :data:`fedfast.models.REGISTRY`), read when a config is resolved, so a plug-in's own entries count. A model may
@@ -45,9 +55,9 @@ _RUN: dict = {
 }
 # what config.json records beside the keys (read back, not settings): plug-in content hashes and replaced built-ins
 # are checked against the files now (a changed plug-in is refused) rather than taken as settings
-RECORDED = ("determinism", "plugin_sha256", "replaced_methods")
+RECORDED = ("determinism", "plugin_sha256", "replaced_methods", "replaced_entries", "fingerprint", "world_size")
 # run defaults that differ from SimConfig's
-_SIM_OVERRIDES = {"algorithm": "fedntd", "rounds": 20, "tune_cpu_allocator": True}
+_SIM_OVERRIDES = {"rounds": 20, "tune_cpu_allocator": True}  # algorithm: "fedavg" everywhere (SimConfig's)
 _ENGINE = [f for f in fields(SimConfig) if f.name != "options"]
 KEYS: dict = {**_RUN, **{f.name: f for f in _ENGINE}}
 _POSITIVE = ("num_clients", "alpha", "shards_per_client")
@@ -68,9 +78,21 @@ class RunConfig:
     values: dict                     # run and engine keys (resolved)
     options: dict                    # the method's option tables, {table: {key: value}} as given
     plugins: tuple = ()              # plug-in files that register methods (absolute paths)
+    entries: dict = dataclasses.field(default_factory=dict)  # the dataset's, partition's and model's own option
+    #                                  tables (resolved, plain values): {name: {key: value}}, by kind in ENTRY_KINDS
+    given: frozenset = frozenset()   # the run and engine keys the configuration gave (not defaults)
 
     def __getitem__(self, k):
         return self.values[k]
+
+    def entry_options(self, kind: str):
+        """The options instance of the run's ``kind`` ("dataset", "partition", "model"), or None when it has no
+        options of its own."""
+        name = self.values[kind]
+        entry = _registry(kind).get(name)
+        if entry is None or entry.options is None:
+            return None
+        return entry.options(**self.entries.get(name, {}))
 
     def sim_config(self) -> SimConfig:
         """The engine's settings, made (and validated, the method built) once for these values: a run's config, its
@@ -92,9 +114,11 @@ class RunConfig:
         self.__dict__["_sim"] = (repr((sorted(self._engine_values().items()), self.options)), sim)
 
     def __getstate__(self):
-        """Pickled without the cached SimConfig (its method may be a plug-in's, unknown where it is unpickled)."""
+        """Pickled without the cached SimConfig (its method may be a plug-in's, unknown where it is unpickled) and
+        the data files of a build (each process records its own)."""
         state = dict(self.__dict__)
         state.pop("_sim", None)
+        state.pop("data_files", None)
         return state
 
     def __setstate__(self, state):
@@ -107,11 +131,16 @@ class RunConfig:
         from . import methods
         out = dict(self.values)
         out.update(self.sim_config().method_options())
+        out.update({name: dict(t) for name, t in self.entries.items()})
         out["plugins"] = list(self.plugins)
         out["plugin_sha256"] = {p: methods.PLUGINS.get(p) or methods.file_sha256(p) for p in self.plugins}
         rep = methods.replaced(self.values["algorithm"])
         if rep:
             out["replaced_methods"] = rep
+        entries = {kind: _registry(kind).replacements(self.values[kind]) for kind in ENTRY_KINDS}
+        entries = {k: v for k, v in entries.items() if v}
+        if entries:
+            out["replaced_entries"] = entries  # {kind: {name: {"replaced": ..., "by": ...}}}
         return out
 
 
@@ -196,23 +225,34 @@ def read_config_file(path: str) -> dict:
 
 
 def build_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None,
-                 plugins=(), source: str | None = None) -> RunConfig:
+                 plugins=(), source: str | None = None, root: str | None = None) -> RunConfig:
     """The run's configuration from a TOML file or a run's config.json (``path``) or a dict of the same shape
     (``base``; ``source``: the file it came from, for messages), then ``overrides`` (``key=value`` /
-    ``method.key=value``)."""
+    ``method.key=value``).
+
+    Paths (``data_dir``, and options declared with ``opt(..., path=True)``) are recorded absolute: a relative path
+    from ``path`` resolves against that file's directory, one from ``base`` against ``root`` (a study file's
+    directory; None: the working directory), one from ``overrides`` against the working directory."""
     raw: dict = {}
     tables: dict = {}
     loaded = dict(base or {})
     if path:
         loaded.update(read_config_file(path))
         source = path
+        root = os.path.dirname(os.path.abspath(path))
     check_plugin_hashes(loaded.get("plugin_sha256"), source)
     for k in RECORDED:
         loaded.pop(k, None)
     listed = loaded.pop("plugins", []) or []
     if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
         raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" + (f" (in {source})" if source else ""))
-    plugins = tuple(plugins) + tuple(p for p in listed if p not in plugins)
+    listed = [_path(p, "plugins", root, set()) for p in listed]  # a file's plug-ins: beside the file
+    if listed:
+        from . import methods
+        for p in listed:  # they register what the config names (a dataset, a model, a method)
+            methods.load_plugin(p)
+    plugins = tuple(os.path.abspath(p) for p in plugins)
+    plugins = plugins + tuple(p for p in listed if p not in plugins)
     for k, v in loaded.items():
         (tables if isinstance(v, dict) else raw)[k] = v
     for item in overrides or []:
@@ -226,7 +266,7 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
             raw[k] = v
     from_set = {(p.split("=", 1)[0].strip()) for p in overrides or [] if "=" in p}
     try:
-        return _resolve(raw, tables, plugins)
+        return _resolve(raw, tables, plugins, root, from_set)
     except (ValueError, TypeError) as e:
         key = str(e).split(":", 1)[0].strip()
         if key in from_set:
@@ -236,7 +276,54 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         raise
 
 
-def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
+def _path(value: str, key: str, root: str | None, from_set: set) -> str:
+    """``value`` as an absolute path: against ``root`` when it came from a file, the working directory when it
+    came from ``--set`` (or there is no file)."""
+    value = os.path.expanduser(value)
+    if not os.path.isabs(value) and root and key not in from_set:
+        value = os.path.join(root, value)
+    return os.path.abspath(value)
+
+
+def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> dict:
+    """The running dataset's, partition's and model's own option tables, taken out of ``tables`` and validated
+    (``[name]``, as a method's; paths resolved); a table of an entry that is not running is an error naming it."""
+    from . import methods
+    try:
+        method_tables = set(methods.get(vals["algorithm"]).option_tables())
+    except (ValueError, TypeError):
+        method_tables = set()
+    out = {}
+    for kind in ENTRY_KINDS:
+        name = vals[kind]
+        entry = _registry(kind).get(name) if isinstance(name, str) else None
+        if entry is None or entry.options is None:
+            continue
+        if name in method_tables:
+            raise ValueError(f"{name}: both the {kind} {name!r} and the method {vals['algorithm']} read a table of "
+                             f"this name; register the {kind} under another name")
+        from .methods.base import make_options
+        opts = make_options(name, entry.options, tables.pop(name, {}), method=f"{kind} {name!r}")
+        vals_ = dataclasses.asdict(opts)
+        for f in dataclasses.fields(opts):
+            if f.metadata.get("path") and isinstance(vals_[f.name], str) and vals_[f.name]:
+                vals_[f.name] = _path(vals_[f.name], f"{name}.{f.name}", root, from_set)
+        out[name] = vals_
+    for t in tables:
+        if t in method_tables:
+            continue
+        for kind in ENTRY_KINDS:
+            e = _registry(kind).get(t)
+            if e is not None and e.options is not None:
+                raise ValueError(f"{t}: the option table of {kind} {t!r}, but the run's {kind} is {vals[kind]!r}")
+            if e is not None and t == vals[kind]:
+                raise ValueError(f"{t}: {kind} {t!r} has no options of its own (register_{kind}(..., options=...) "
+                                 f"declares them)")
+    return out
+
+
+def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, from_set: set = frozenset()
+             ) -> RunConfig:
     vals = dict(DEFAULTS)
     for k, v in raw.items():
         if k in MOVED and k not in KEYS:
@@ -280,7 +367,9 @@ def _resolve(raw: dict, tables: dict, plugins: tuple) -> RunConfig:
     if vals["backend"] is None:
         vals["backend"] = ""
     check_device(vals["device"])
-    cfg = RunConfig(vals, tables, tuple(os.path.abspath(p) for p in plugins))
+    vals["data_dir"] = _path(vals["data_dir"], "data_dir", root, from_set)
+    entries = _entry_tables(vals, tables, root, from_set)
+    cfg = RunConfig(vals, tables, tuple(os.path.abspath(p) for p in plugins), entries, frozenset(raw))
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""

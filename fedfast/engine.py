@@ -38,6 +38,7 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, FlatLayout, find_classifier, functional_forward, host_to_device
 from .methods.base import Round, TeacherSpec
+from .methods.hooks import check_hook_return, hook_site
 from .collectives import collectives
 from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
 from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
@@ -136,7 +137,8 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             self.method.classifier_name = find_classifier(model, _probe_batch(model, train), c.features_layer)
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{self.method.name}.prepare_model: must return an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got "
+                            f"{type(model).__name__}")
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             import warnings
             warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
@@ -166,7 +168,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         self.rnd = 0
         self._head_names = None
         self.method.bind(self)
-        self.eval_flat = self.method.evaluated(self.global_flat)
+        self.eval_flat = self._evaluated(self.global_flat)
         self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
         if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
@@ -405,8 +407,8 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             return sizes.astype(np.float64) if self.cfg.aggregate_weights == "size" else np.ones(len(ids))
         w = np.asarray(w, dtype=np.float64)
         if w.shape != ids.shape or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
-            raise ValueError(f"{self.method.name}.aggregation_weights: expected {len(ids)} finite non-negative weights "
-                             f"with a positive sum, got {w.tolist()}")
+            raise ValueError(f"{hook_site(self.method, 'aggregation_weights')}: expected {len(ids)} finite "
+                             f"non-negative weights with a positive sum, got {w.tolist()}")
         return w
 
     # -- phase 2: teacher ------------------------------------------------------------------------------------
@@ -419,7 +421,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         if spec is None or not len(ctx.sampled):
             return None
         if not isinstance(spec, TeacherSpec):
-            raise TypeError(f"{self.method.name}.teacher: must return a fedfast.methods.TeacherSpec or None, "
+            raise TypeError(f"{hook_site(self.method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
                             f"got {type(spec).__name__}")
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self)
@@ -473,7 +475,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         if not got:
             return {}
         if not isinstance(got, dict):
-            raise TypeError(f"{self.method.name}.round_metrics: must return a dict of name -> number, got "
+            raise TypeError(f"{hook_site(self.method, 'round_metrics')}: must return a dict of name -> number, got "
                             f"{type(got).__name__}")
         out = {}
         for k, v in got.items():
@@ -531,8 +533,11 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
 
     def _aggregate_chunk(self, ctx: Round, lo: int, hi: int, weights: torch.Tensor) -> torch.Tensor:
         """The chunk's rows through the fused server update: returns their weighted sum [P]."""
-        agg = dict(weights=weights[lo:hi], rows=hi - lo, backend=self.backend,
-                   **self.method.chunk_aggregate(ctx, lo, hi))
+        extra = self.method.chunk_aggregate(ctx, lo, hi)
+        if not isinstance(extra, dict):
+            check_hook_return(self.method, "chunk_aggregate", extra, kind="dict",
+                              what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)")
+        agg = dict(weights=weights[lo:hi], rows=hi - lo, backend=self.backend, **extra)
         try:
             out = ops.aggregate(self.stack.params, self.global_flat, **agg)
         except ops.NonFiniteUpdate as e:
@@ -555,12 +560,21 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         if ctx.new_rows is not None:
             self.method.client_state.scatter_(ctx.sampled_t, ctx.new_rows)
         new = self.method.server(ctx, avg_sum / total_w)
-        if not (torch.is_tensor(new) and new.shape == self.global_flat.shape):
-            raise TypeError(f"{self.method.name}.server: must return the new global model [P]")
+        P = tuple(self.global_flat.shape)
+        check_hook_return(self.method, "server", new, shape=P, device=self.device,
+                          what=f"the new global model, a float tensor [P] = {P} on {self.device}")
         self.global_flat = new
-        self.eval_flat = self.method.evaluated(new)
+        self.eval_flat = self._evaluated(new)
         if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
             ops.raise_if_invalid(self.device)
+
+    def _evaluated(self, flat: torch.Tensor) -> torch.Tensor:
+        """The model the method has evaluated (``Method.evaluated``), checked: a float tensor [P] on the device."""
+        out = self.method.evaluated(flat)
+        P = tuple(self.global_flat.shape)
+        check_hook_return(self.method, "evaluated", out, shape=P, device=self.device,
+                          what=f"the model to evaluate, a float tensor [P] = {P} on {self.device}")
+        return out
 
     def _tick(self, phase: str):
         """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""

@@ -48,7 +48,8 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
         methods.load_plugin(p)
     from .runner import Interrupted, RunDiverged
     try:
-        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True)
+        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True,
+            cell=kw.get("cell"))
         import torch.distributed as dist
         dist.destroy_process_group()
         code = 0
@@ -68,7 +69,8 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
 EXIT_ERROR, EXIT_WORKER_DIED, EXIT_DIVERGED = 2, 3, 4
 
 
-def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bool = False, label: str = ""):
+def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bool = False, label: str = "",
+                cell: str | None = None):
     """``workers`` local processes over ``torch.distributed`` (gloo on loopback), each with ``cores / workers``
     intra-op threads (or ``threads``), each training its share of every round's clients (the same global model as
     one process). This process holds the run directory's lock; rank 0 writes. A worker that dies stops the others
@@ -90,7 +92,7 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
         return None
     ctx = mp.get_context("spawn")
     port = _free_port()
-    kw = dict(quiet=quiet, action=action, label=label)
+    kw = dict(quiet=quiet, action=action, label=label, cell=cell)
     procs = [ctx.Process(target=_worker_main, args=(r, workers, port, cfg, out_dir, kw), daemon=False)
              for r in range(workers)]
     try:
@@ -149,20 +151,22 @@ def _set_threads(cfg) -> None:
     cfg.values["threads"] = n
 
 
-def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str = "", attached: bool = False):
+def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str = "", attached: bool = False,
+        cell: str | None = None):
     """One run into ``out_dir`` (see :mod:`fedfast.runner`); under torchrun rank 0 holds the directory, writes and
     prints. ``mode``: ``new``, ``force``, ``resume`` or ``auto`` (:meth:`fedfast.rundir.RunDir.open`);
-    ``attached``: a worker of :func:`run_workers`, whose launcher holds the directory. Returns the history, or
-    None for a run ``auto`` skipped (finished already)."""
+    ``attached``: a worker of :func:`run_workers`, whose launcher holds the directory; ``cell``: a sweep's cell
+    directory, whose other runs must share this run's fingerprint. Returns the history, or None for a run ``auto``
+    skipped (finished already)."""
     threads = torch.get_num_threads()
     try:
-        return _run(cfg, out_dir, mode, quiet, label, attached)
+        return _run(cfg, out_dir, mode, quiet, label, attached, cell)
     finally:  # the run's thread count was the run's: the caller's process gets its own back
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
 
-def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool):
+def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, cell: str | None):
     from .rundir import RunDir, attach
     from .runner import execute, summarize
     group, device = _init_distributed(cfg)
@@ -195,7 +199,7 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool):
     own = rd is not None and not attached
     try:
         sim = build(cfg, device, group)
-        hist = execute(sim, cfg, rd, resume=action == "resume", quiet=quiet, label=label, out_dir=out_dir)
+        hist = execute(sim, cfg, rd, resume=action == "resume", quiet=quiet, label=label, out_dir=out_dir, cell=cell)
     except BaseException:
         if own:
             rd.close(failed=True)

@@ -41,6 +41,7 @@ from . import __version__
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .engine import Diverged
+from ._io import WriteError, append_line
 from .rundir import RunDir, dumps
 
 # keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed;
@@ -56,6 +57,22 @@ class Interrupted(Exception):
         super().__init__(message or f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
                                     f"`fedfast run --resume {out_dir}`")
         self.signum = signum
+
+
+class RunWriteError(OSError):
+    """Writing one of the run's files failed (a full disk, a quota, a size limit): the path, the OS's reason and
+    how to continue."""
+
+    def __init__(self, err: OSError, out_dir: str, saved_round: int):
+        super().__init__(err.errno, err.strerror)
+        path = getattr(err, "path", None) or err.filename or out_dir
+        how = (f"the run's files up to its checkpoint of round {saved_round} are intact: free space (or lift the "
+               f"limit) and continue with `fedfast run --resume {out_dir}`" if saved_round else
+               f"no round was checkpointed yet: free space (or lift the limit) and start it again with `--force`")
+        self.message = f"{path}: could not be written ({err.strerror or err}); {how}"
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RunDiverged(Exception):
@@ -240,15 +257,16 @@ def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
 
 
 def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = False, label: str = "",
-            out_dir: str | None = None) -> list[dict]:
+            out_dir: str | None = None, cell: str | None = None) -> list[dict]:
     """Run ``cfg["rounds"]`` rounds of ``sim`` (a fresh Simulation) with the run directory's bookkeeping.
     ``rd``: the run directory, held by this process (None on the ranks that do not write: torchrun's ranks > 0
-    and the worker processes of ``--workers`` but rank 0)."""
+    and the worker processes of ``--workers`` but rank 0). ``cell``: the directory of a sweep's cell (the run's
+    siblings: other seeds of the same method and grid point), whose runs must share this run's fingerprint."""
     lead = rd is not None
     out_dir = rd.path if lead else out_dir
     cfg_json = cfg.to_json()
     ck_path = os.path.join(out_dir, "checkpoint.pt")
-    _start(sim, cfg, rd, cfg_json, ck_path, resume)
+    fp = _start(sim, cfg, rd, cfg_json, ck_path, resume, cell)
     rounds = cfg["rounds"]
     tb = _tensorboard(rd, sim.rnd) if lead and cfg["tensorboard"] else None
     evs = [h["test_accuracy"] for h in sim.history if h["test_accuracy"] is not None]
@@ -264,18 +282,22 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
         rd.write("summary.json", dumps(summarize(sim.history, cfg_json, str(sim.device), complete, diverged),
                                        indent=2))
 
+    saved = {"round": sim.rnd}  # the round the newest checkpoint holds (a resumed run's: the one it restored)
+
     def checkpoint(complete: bool):
         if not lead:
             return
         rd.add("checkpoint.pt")
         save_checkpoint(ck_path, {"version": __version__, "config": _comparable(cfg_json), "state": sim.checkpoint(),
-                                  "threads": torch.get_num_threads()})
+                                  "threads": torch.get_num_threads(), "fingerprint": fp})
+        saved["round"] = sim.rnd
         summary(complete)
         rd.saved = True
 
     progress = Progress(rounds, sim.rnd, quiet or not lead, label)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
     try:
-        f = open(os.path.join(out_dir, "metrics.jsonl"), "a") if lead else None
+        f = open(metrics_path, "a") if lead else None
         try:
             while sim.rnd < rounds:
                 try:
@@ -283,13 +305,12 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                 except Diverged as e:
                     if lead:
                         if e.record is not None:
-                            f.write(dumps(_jsonable(e.record)) + "\n")
-                            f.flush()
+                            append_line(f, metrics_path, dumps(_jsonable(e.record)) + "\n")
                         summary(False, e)
                         rd.saved = True
                     raise RunDiverged(e, out_dir, best_round) from None
                 if lead:
-                    best, best_round = _write_round(rd, f, tb, sim, rec, best, best_round)
+                    best, best_round = _write_round(rd, f, metrics_path, tb, sim, rec, best, best_round)
                 progress.update(rec)
                 sig = _agreed_stop(sim, stop)
                 if sig:
@@ -299,7 +320,12 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                     checkpoint(False)
         finally:
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:
+                    pass
+    except WriteError as e:
+        raise RunWriteError(e, out_dir, saved["round"]) from None
     finally:
         progress.close()
         if tb is not None:
@@ -308,25 +334,75 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
         for s, h in old.items():
             signal.signal(s, h)
     if lead:
-        rd.write("model_final.pt", _model_bytes(sim))
-        if best is None:
-            rd.write("model_best.pt", _model_bytes(sim))
-        checkpoint(True)
+        try:
+            rd.write("model_final.pt", _model_bytes(sim))
+            if best is None:
+                rd.write("model_best.pt", _model_bytes(sim))
+            checkpoint(True)
+        except WriteError as e:
+            raise RunWriteError(e, out_dir, saved["round"]) from None
     return sim.history
 
 
-def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bool) -> None:
-    """Restore a resumed run from its checkpoint (checked against its config), and write the run's config and the
-    rounds so far (lead process only)."""
+def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bool, cell: str | None) -> dict:
+    """Restore a resumed run from its checkpoint (checked against its config and fingerprint), check a sweep's
+    cell, and write the run's config with its fingerprint and the rounds so far (lead process only); returns the
+    fingerprint."""
+    from . import fingerprint
+    ck = load_checkpoint(ck_path) if resume else None
+    recorded = (ck or {}).get("fingerprint")
+    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.world, recorded)
     if resume:
-        ck = load_checkpoint(ck_path)
         _check_resume(ck, ck_path, cfg, cfg_json)
+        if recorded is not None:
+            _check_fingerprint(recorded, fp, ck_path)
         sim.restore(ck["state"])
+    if cell is not None:
+        _check_cell(cell, fp, os.path.dirname(ck_path))
     if rd is not None:
-        rd.write("config.json", dumps({**cfg_json, "determinism": determinism()}, indent=2, sort_keys=True))
+        rd.write("config.json", dumps({**cfg_json, "determinism": determinism(), "fingerprint": fp,
+                                       "world_size": sim.world}, indent=2, sort_keys=True))
         rd.write("metrics.jsonl", "".join(dumps(_jsonable(h)) + "\n" for h in sim.history))
         if sim.history:
             rd.saved = True
+    return fp
+
+
+def _check_fingerprint(recorded: dict, now: dict, ck_path: str) -> None:
+    """A resume continues on the code and data the run started with: a change is refused, naming it; another number
+    of processes is allowed, with a warning (the sums run in another order: not bit-exact)."""
+    from .fingerprint import changes
+    what = changes(recorded, now)
+    if what:
+        raise ValueError(f"{ck_path}: what the run's results depend on changed since it started: {'; '.join(what)}. "
+                         f"Continuing would mix two versions of the run: restore them, or start a new run with --out")
+    was = recorded.get("world_size")
+    if was is not None and was != now.get("world_size"):
+        print(f"fedfast: warning: {now.get('world_size')} process(es) now, {was} when the run started: the rest of the "
+              f"run sums in another order and is not bit-exact against a run never stopped", file=sys.stderr,
+              flush=True)
+
+
+def _check_cell(cell: str, fp: dict, own: str) -> None:
+    """A sweep adds a run to a cell (a method at a grid point) only if the cell's other runs share its fingerprint:
+    seeds of other code or data are never averaged into one mean."""
+    from .fingerprint import changes, identity
+    import glob
+    mine = identity(fp)
+    for cj in sorted(glob.glob(os.path.join(cell, "*", "config.json"))):
+        if os.path.abspath(os.path.dirname(cj)) == os.path.abspath(own):
+            continue
+        try:
+            from ._io import read_json
+            other = read_json(cj, "config").get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if other is not None and identity(other) != mine:
+            what = "; ".join(changes(other, fp)) or f"fingerprint {identity(other)} then, {mine} now"
+            raise ValueError(f"sweep: {os.path.dirname(cj)} was run on other code or data than this run would be "
+                             f"({what}); "
+                             f"its seeds and this one's would be averaged into one mean. Sweep into a new study "
+                             f"directory (--out), or restore the code and data that run used")
 
 
 def _catch_stop(stop: dict) -> dict:
@@ -339,11 +415,10 @@ def _catch_stop(stop: dict) -> dict:
         return {}
 
 
-def _write_round(rd: RunDir, f, tb, sim, rec: dict, best, best_round):
+def _write_round(rd: RunDir, f, path: str, tb, sim, rec: dict, best, best_round):
     """A round's record into metrics.jsonl (flushed), a new best model into model_best.pt, TensorBoard; returns
     the best accuracy and its round."""
-    f.write(dumps(_jsonable(rec)) + "\n")
-    f.flush()
+    append_line(f, path, dumps(_jsonable(rec)) + "\n")
     rd.saved = True
     if rec["test_accuracy"] is not None and (best is None or rec["test_accuracy"] > best):
         best, best_round = rec["test_accuracy"], rec["round"]

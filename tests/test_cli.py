@@ -40,7 +40,7 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
     (["--set", "beta=5"], "beta: a method option now, spelled fedntd.beta"),
     (["--set", "asd=true"], "asd: a method option now, spelled algorithm = '<base>+asd'"),
     (["--set", "algorithm=fedntd+asd", "--set", "fedntd.tau=3"], "fedntd.tau: not used by fedntd+asd"),
-    (["--set", "fedntd.beta=abc"], "fedntd.beta: expected a number"),
+    (["--set", "algorithm=fedntd", "--set", "fedntd.beta=abc"], "fedntd.beta: expected a number"),
     (["--plugin", "/nonexistent/x.py"], "--plugin: no such file"),
     (["--set", "client_chunk=0"], "client_chunk"),
     (["--set", "dataset=synthetic", "--set", "num_clients=6", "--set", "clients_per_round=3"], "shards_per_client"),
@@ -48,6 +48,12 @@ def test_run_writes_config_and_metrics(tmp_path, capsys):
 def test_bad_config_is_rejected_naming_the_key(args, msg, capsys):
     assert main(["run", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_one_default_algorithm_everywhere():
+    """The command line, a run config and SimConfig run the same method when none is named: FedAvg."""
+    import fedfast
+    assert build_config(None, [])["algorithm"] == fedfast.SimConfig().algorithm == "fedavg"
 
 
 def test_build_config_defaults_and_types():

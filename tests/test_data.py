@@ -141,7 +141,9 @@ def _assigned_once(p, N):
                                      ("quantity_skew", dict(alpha=1.0))])
 def test_partitioners_assign_each_sample_once_and_are_deterministic(name, kw):
     y = _labels()
-    f = data.PARTITIONERS[name]
+    f = {"iid": data.iid, "shards": data.shards, "dirichlet": data.dirichlet_lda,
+         "dirichlet_balanced": data.dirichlet_balanced, "dirichlet_fedgkd": data.dirichlet_fedgkd,
+         "quantity_skew": data.quantity_skew}[name]
     p = f(y, 100, seed=7, **kw)
     n = _assigned_once(p, len(y))
     assert n == len(y)  # 6000 is divisible by 100: every scheme assigns every sample

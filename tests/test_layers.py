@@ -1,13 +1,13 @@
 """fedfast's layers, one way: a module may import its own layer and the layers below, never one above, at module
 level or inside a function (optional third-party packages aside; the package's ``__init__`` facade aside).
 
-    0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io
+    0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io, fedfast._registry
     1 parts       fedfast.flat, batched, grouped, cpu_alloc, flops, nn, data, models
     2 methods     fedfast.methods
     3 engine      fedfast.engine, sim (its parts), simconfig, local_step, collectives, sampling, teachers,
                   checkpoint
     4 config      fedfast.config, presets
-    5 runs        fedfast.runner, rundir, assemble (a run built from its config), jobs (runs run)
+    5 runs        fedfast.runner, rundir, assemble (a run built from its config), jobs (runs run), fingerprint
     6 studies     fedfast.study
     7 front ends  fedfast.cli, plot, doctor, __main__
 
@@ -22,12 +22,12 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "fedfast")
 
 LAYERS = [
-    ("ops", "triton", "_version", "_io"),
+    ("ops", "triton", "_version", "_io", "_registry"),
     ("flat", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models"),
     ("methods",),
     ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),
     ("config", "presets"),
-    ("runner", "rundir", "assemble", "jobs"),
+    ("runner", "rundir", "assemble", "jobs", "fingerprint"),
     ("study",),
     ("cli", "plot", "doctor", "__main__"),
 ]
@@ -155,9 +155,9 @@ def test_a_dataset_partition_and_model_of_your_own(tmp_path):
             from fedfast.config import build_config
             build_config(None, ["dataset=tiny_vectors", "partition=nope"])
     finally:
-        data.DATASETS.pop("tiny_vectors", None)
-        data.PARTITIONS.pop("round_robin", None)
-        models.REGISTRY.pop("linear", None)
+        data.DATASETS.remove("tiny_vectors")
+        data.PARTITIONS.remove("round_robin")
+        models.REGISTRY.remove("linear")
 
 
 def test_the_method_is_built_once_per_run(tmp_path, monkeypatch):

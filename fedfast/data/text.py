@@ -123,6 +123,7 @@ class TokenDataset(ArrayDataset):
     ``[B, 2, L]`` tensor (:class:`fedfast.models.hf.HFClassifier`)."""
 
     is_image = False
+    kind = "tokens"
 
     def __post_init__(self):
         super().__post_init__()
@@ -184,7 +185,7 @@ def _cached(path: str, read, tokenizer, num_classes: int, max_length: int, name:
     """The file ``path`` read by ``read`` and tokenised, from / into a cache file beside it (else in
     ``$FEDFAST_CACHE``): ``<file>.<digest>.tokens.npz``, the digest of the file's bytes, the tokenizer and
     ``max_length``. A cache that is unreadable or of the wrong shape is rebuilt; written atomically."""
-    from .._io import write_atomic
+    from .._io import not_data, write_atomic
     texts, labels = read(path)  # checks the file (and names it) before any cache is used
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read())
@@ -194,7 +195,7 @@ def _cached(path: str, read, tokenizer, num_classes: int, max_length: int, name:
     if cache:
         for p in places:
             try:
-                with np.load(p, allow_pickle=False) as z:
+                with not_data(), np.load(p, allow_pickle=False) as z:  # derived from `path` (recorded above)
                     x, y = z["x"], z["y"]
                 if x.dtype == np.int32 and x.ndim == 3 and x.shape[1] == 2 and 1 <= x.shape[2] <= max_length and \
                         y.dtype == np.int64 and y.shape == (len(texts),) and x.shape[0] == len(texts):

@@ -9,52 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import importlib.util
-import inspect
 import os
 import sys
 import textwrap
 import traceback
 
+from .._registry import Registry, file_sha256
 from .base import (Engine, Method, NoOptions, Round, Step, TeacherRows, TeacherSpec, cross_entropy, make_options,
                    opt, validate_options, weighted_mean_rows)
 
-REGISTRY: dict[str, type[Method]] = {}
-BUILTIN: dict[str, type[Method]] = {}    # the methods fedfast ships (filled below, after their imports)
-REPLACED: dict[str, dict] = {}          # name -> {"replaced": class (file), "by": class (file)}: register(replace=True)
+REGISTRY = Registry("method", "algorithm")  # name -> Method subclass
+BUILTIN = REGISTRY.builtin                  # the methods fedfast ships (sealed below, after their imports)
+REPLACED = REGISTRY.replaced                # name -> {"replaced": class (file), "by": class (file)}: replace=True
 PLUGINS: dict[str, str] = {}            # plug-in files loaded in this process: absolute path -> sha256 of the content
-
-
-def _origin(cls) -> tuple[str, str]:
-    """(module.Qualname, absolute source file) of a class: the file ``register`` was applied in (two plug-in
-    files of one name share a module name, so the module's ``__file__`` may be the other one's)."""
-    f = cls.__dict__.get("_registered_in")
-    if f is None:
-        try:
-            f = inspect.getsourcefile(cls) or inspect.getfile(cls)
-        except (TypeError, OSError):
-            f = None
-    return f"{cls.__module__}.{cls.__qualname__}", os.path.abspath(f) if f else "<no file>"
-
-
-def file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _same_source(a, b) -> bool:
-    """The same class loaded again: the same qualified name from the same file, or from files of equal content
-    (a plug-in loaded twice: resume, sweeps, worker processes, a copied study directory)."""
-    (qa, fa), (qb, fb) = _origin(a), _origin(b)
-    if a.__qualname__ != b.__qualname__:
-        return False
-    if fa == fb:
-        return True
-    try:
-        return file_sha256(fa) == file_sha256(fb)
-    except OSError:
-        return False
+PLUGIN_CODE: dict[str, tuple] = {}      # plug-in file -> the files of the modules it imported from outside the
+#                                         Python installation (and fedfast): part of a run's fingerprint
 
 
 def register(name: str, *, replace: bool = False):
@@ -64,7 +34,8 @@ def register(name: str, *, replace: bool = False):
     both classes and their files named: a run would otherwise report the new class's numbers under the old name.
     ``replace=True`` replaces it on purpose; runs of that name then record the replacement in ``config.json``
     (``replaced_methods``) and ``fedfast report`` marks their rows. Registering the same class from the same
-    file (or a file of the same content) again is harmless."""
+    file (or a file of the same content) again is harmless (:class:`fedfast._registry.Registry`, which datasets,
+    partitions and models share)."""
     if not isinstance(name, str) or not name or "+" in name or name != name.lower() or "." in name:
         raise ValueError(f"name: a lower-case method name without '+' or '.', got {name!r}")
 
@@ -75,38 +46,23 @@ def register(name: str, *, replace: bool = False):
             raise TypeError(f"{name}.Options: must be a dataclass")
         if "_registered_in" not in cls.__dict__:
             cls._registered_in = sys._getframe(1).f_code.co_filename  # where @register(...) was applied
-        old = REGISTRY.get(name)
-        if old is not None and old is not cls and not _same_source(old, cls):
-            (oq, of), (nq, nf) = _origin(old), _origin(cls)
-            if not replace:
-                raise ValueError(f"register({name!r}): the name {name!r} is taken by {oq} ({of}); {nq} ({nf}) would "
-                                 f"replace it, and every {name} number would silently be {nq}'s. Register it under "
-                                 f"a name of its own, or with register({name!r}, replace=True) to replace {name} on "
-                                 f"purpose (the run then records it)")
-            base = REPLACED.get(name, {}).get("replaced", f"{oq} ({of})")
-            REPLACED[name] = {"replaced": base, "by": f"{nq} ({nf})"}
+        REGISTRY.add(name, cls, replace=replace)
         cls.name = name
         if "table" not in cls.__dict__ or not cls.__dict__["table"]:
             cls.table = name
-        REGISTRY[name] = cls
         return cls
     return deco
 
 
 def unregister(name: str) -> None:
     """Remove a plug-in's method (a built-in it replaced comes back); tests and notebooks that redefine one."""
-    if name in BUILTIN:
-        REGISTRY[name] = BUILTIN[name]
-    else:
-        REGISTRY.pop(name, None)
-    REPLACED.pop(name, None)
+    REGISTRY.remove(name)
 
 
 def replaced(algorithm: str) -> dict:
     """``{name: {"replaced": ..., "by": ...}}`` for the registry names ``algorithm`` runs (``base+asd``: the
     base) that a plug-in replaced (``register(..., replace=True)``)."""
-    base = algorithm[:-4] if algorithm.endswith("+asd") else algorithm
-    return {n: dict(REPLACED[n]) for n in (base,) if n in REPLACED}
+    return REGISTRY.replacements(algorithm[:-4] if algorithm.endswith("+asd") else algorithm)
 
 
 def get(name: str) -> type[Method]:
@@ -176,6 +132,7 @@ def load_plugin(path: str) -> None:
     mod_name = "fedfast_plugin_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_").replace(".", "_")
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
+    before = set(sys.modules)
     sys.modules[mod_name] = mod
     try:
         spec.loader.exec_module(mod)
@@ -188,6 +145,46 @@ def load_plugin(path: str) -> None:
         line = f", line {where[1]}" if where else ""
         raise ValueError(f"--plugin: {path}{line}: {type(e).__name__}: {e}") from None
     PLUGINS[path] = digest
+    PLUGIN_CODE[path] = _user_code(mod, [sys.modules[n] for n in set(sys.modules) - before if n != mod_name], path)
+
+
+def _user_code(mod, new_modules: list, path: str) -> tuple:
+    """The source files of the modules a plug-in uses from outside the Python installation and fedfast: those its
+    import brought in, and those its globals refer to (modules, or the modules of its functions and classes),
+    followed through their own globals."""
+    import inspect
+
+    from .._io import is_installed
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fedfast's package
+
+    def user_file(m):
+        f = getattr(m, "__file__", None)
+        if not f or not os.path.isfile(f) or is_installed(f) or os.path.realpath(f).startswith(own):
+            return None
+        return os.path.abspath(f)
+
+    def refs(m):
+        for v in list(vars(m).values()):
+            if inspect.ismodule(v):
+                yield v
+            elif inspect.isclass(v) or inspect.isfunction(v):
+                owner = sys.modules.get(getattr(v, "__module__", None) or "")
+                if owner is not None:
+                    yield owner
+
+    files, seen, todo = set(), {id(mod)}, [*new_modules, *refs(mod)]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        f = user_file(m)
+        if f is None:
+            continue
+        files.add(f)
+        todo.extend(refs(m))
+    files.discard(path)
+    return tuple(sorted(files))
 
 
 def describe(name: str, full: bool = True) -> str:
@@ -239,10 +236,10 @@ from .fedadc import FedADC, FedADCPlus  # noqa: E402
 from .moon import MOON  # noqa: E402
 from .asd import ASD, with_asd  # noqa: E402
 
-BUILTIN.update(REGISTRY)
+REGISTRY.seal()
 
 __all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
            "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY", "register", "get",
            "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced", "BUILTIN", "REPLACED",
-           "PLUGINS", "file_sha256", "plugin_frame", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
+           "PLUGINS", "PLUGIN_CODE", "file_sha256", "plugin_frame", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
            "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv", "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn", "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]

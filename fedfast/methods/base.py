@@ -61,11 +61,13 @@ def parse_check(check: str):
     raise ValueError(f"check {check!r}: not a check; use {CHECK_VOCABULARY}")
 
 
-def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None):
+def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None, path: bool = False):
     """A method option: its default, one line naming where the default comes from (equation, table, code),
     and an optional constraint: ``check`` (:data:`CHECK_VOCABULARY`: ``">0"``, ``">=1"``, ``"[0,1]"``,
     ``"(0,1]"``, ``"[0,1)"``, ...) or ``choices``. ``None`` as default means "derived from the other options" (the
-    doc says how). A bad ``check`` is a ValueError naming the file and line of the ``opt(...)`` call."""
+    doc says how). ``path=True``: a file or directory (a dataset's, say), recorded absolute, a relative one
+    resolved against the config or study file it is written in. A bad ``check`` is a ValueError naming the file
+    and line of the ``opt(...)`` call."""
     if check is not None:
         try:
             parse_check(check)
@@ -76,7 +78,7 @@ def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = 
         caller = sys._getframe(1)
         raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(choices=...): expected a tuple of "
                          f"allowed values, got {choices!r}")
-    return field(default=default, metadata={"doc": doc, "check": check, "choices": choices})
+    return field(default=default, metadata={"doc": doc, "check": check, "choices": choices, "path": bool(path)})
 
 
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}

@@ -21,6 +21,42 @@ if TYPE_CHECKING:  # the hooks' argument types (fedfast.methods.base imports thi
     from .base import Round, Step, TeacherSpec
 
 
+def hook_site(method, hook: str) -> str:
+    """``"name.hook (FILE, line N)"``: where a method's hook is defined (the class in its MRO that defines it), for
+    errors about what the hook returned."""
+    import inspect
+    name = getattr(method, "name", "") or type(method).__name__
+    for cls in type(method).__mro__:
+        fn = cls.__dict__.get(hook)
+        if fn is not None:
+            fn = inspect.unwrap(getattr(fn, "__func__", fn))
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                return f"{name}.{hook} ({code.co_filename}, line {code.co_firstlineno})"
+            break
+    return f"{name}.{hook}"
+
+
+def describe_value(v) -> str:
+    """A short description of a returned value: a tensor's shape, dtype and device, else its type."""
+    if torch.is_tensor(v):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}"
+    return f"{type(v).__name__} {v!r}"[:120]
+
+
+def check_hook_return(method, hook: str, value, *, shape=None, device=None, kind: str = "tensor",
+                      what: str = "") -> None:
+    """TypeError naming the hook, its file and line, what it must return (``what``) and what it returned, when
+    ``value`` is not a floating tensor (of ``shape``, on ``device``; ``kind="dict"``: a dict)."""
+    if kind == "dict":
+        ok = isinstance(value, dict)
+    else:
+        ok = torch.is_tensor(value) and value.is_floating_point() and (shape is None or tuple(value.shape) == shape) \
+            and (device is None or value.device.type == torch.device(device).type)
+    if not ok:
+        raise TypeError(f"{hook_site(method, hook)}: must return {what}, got {describe_value(value)}")
+
+
 def cross_entropy(b: Step, backend) -> Tensor:
     """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
     return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,

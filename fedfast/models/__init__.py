@@ -1,46 +1,81 @@
-"""The papers' models, each usable under ``torch.func.functional_call`` / ``vmap`` (no running statistics).
+"""The papers' models, each usable under ``torch.func.functional_call`` / ``vmap`` (no running statistics), and the
+registry a run configuration's ``model = name`` reads.
 
-``MODELS[name](num_classes)`` builds a model by name; ``REGISTRY[name](num_classes, input_shape)`` is what a run
-configuration's ``model = name`` builds, sized to the dataset's samples (``register_model`` adds one; config
-validation and ``fedfast run`` read the registry). ``model = "hf:..."`` (Hugging Face) is separate
-(:mod:`fedfast.models.hf`).
+``REGISTRY[name]`` is a :class:`ModelEntry`: ``build(num_classes, input_shape)`` (``input_shape``: one sample's
+shape, e.g. ``(1, 28, 28)`` or ``(12,)`` for feature rows; None: the model's own default) sized to the dataset's
+samples. :func:`build` makes one by name; :func:`register_model` adds one (a taken name is refused unless
+``replace=True``; :class:`fedfast._registry.Registry`, shared with methods, datasets and partitions). A model may
+have options of its own (an ``options`` dataclass, the run config's ``[name]`` table: ``build(C, shape, opts)``).
+``model = "hf:..."`` (Hugging Face) is separate (:mod:`fedfast.models.hf`).
 """
 import math
+from dataclasses import dataclass
 from typing import Callable
 
+from .._registry import Registry
 from .head import ProjectionClassifier, with_projection_head
 from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, FedGenCNN, LeNet5, SimpleCNN
 from .mlp import MLP
 from .resnet import CifarResNet8, ResNet, ResNet50, resnet10, resnet18, resnet50
 
-MODELS = {
-    "fedavg_cnn_mnist": lambda C=10: FedAvgCNN(1, C, 28), "fedavg_cnn_cifar": lambda C=10: FedAvgCNN(3, C, 32),
-    "asd_cnn_cifar": ASDCifarCNN, "asd_cnn_tiny": ASDTinyImageNetCNN, "fedadc_cnn": FedADCCNN, "lenet5": LeNet5,
-    "simple_cnn": SimpleCNN, "resnet8_gn": CifarResNet8, "resnet10_bn": lambda C=10: resnet10(C, "bn"),
-    "resnet18_bn": lambda C=10: resnet18(C, "bn"), "resnet18_gn": lambda C=10: resnet18(C, "gn"),
-    "resnet50_bn": lambda C=10: resnet50(C, "bn"), "resnet50_gn": lambda C=10: resnet50(C, "gn"),
-    "mlp": lambda C=10: MLP(num_classes=C), "fedgen_cnn_mnist": lambda C=10: FedGenCNN(C),
-}
 
-REGISTRY: dict[str, Callable] = {}
+@dataclass(frozen=True)
+class ModelEntry:
+    """``build(num_classes, input_shape)`` (with ``options``: ``build(num_classes, input_shape, options)``)."""
+    build: Callable
+    options: type | None = None
 
 
-def register_model(name: str, build: Callable) -> None:
-    """Make ``model = name`` build ``build(num_classes, input_shape)`` (``input_shape``: one sample's shape)."""
+REGISTRY = Registry("model", "model")
+
+
+def register_model(name: str, build: Callable, *, options: type | None = None, replace: bool = False) -> None:
+    """Make ``model = name`` build ``build(num_classes, input_shape)`` (``input_shape``: one sample's shape, or
+    None for the model's default); with ``options`` (a dataclass, the run config's ``[name]`` table)
+    ``build(num_classes, input_shape, options)``. A taken name is refused unless ``replace=True``."""
+    import dataclasses
     if not (isinstance(name, str) and name) or name.startswith("hf:") or not callable(build):
         raise ValueError(f"register_model: a non-empty name (not 'hf:...') and a callable, got {name!r}, {build!r}")
-    REGISTRY[name] = build
+    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"register_model({name!r}): options must be a dataclass, got {options!r}")
+    REGISTRY.add(name, ModelEntry(build, options), replace=replace, call="register_model")
 
 
-for _name, _make in MODELS.items():
-    register_model(_name, lambda C, shape, make=_make: make(C))
-register_model("mlp", lambda C, shape: MLP(math.prod(shape), (200, 200), C))
+def build(name: str, num_classes: int = 10, input_shape: tuple | None = None, options=None):
+    """The registered model ``name`` for ``num_classes`` classes and samples of ``input_shape`` (None: its
+    default, e.g. 1x28x28 for the MNIST models, 3x32x32 for the CIFAR ones)."""
+    if name not in REGISTRY:
+        raise ValueError(f"model: {name!r} is not a registered model (registered: {', '.join(sorted(REGISTRY))})")
+    e = REGISTRY[name]
+    shape = tuple(input_shape) if input_shape is not None else None
+    return e.build(num_classes, shape, options) if e.options is not None else e.build(num_classes, shape)
+
+
+def _c(shape, default: int) -> int:
+    return shape[0] if shape else default
+
+
+register_model("fedavg_cnn_mnist", lambda C, shape: FedAvgCNN(1, C, 28))
+register_model("fedavg_cnn_cifar", lambda C, shape: FedAvgCNN(3, C, 32))
+register_model("asd_cnn_cifar", lambda C, shape: ASDCifarCNN(C))
+register_model("asd_cnn_tiny", lambda C, shape: ASDTinyImageNetCNN(C))
+register_model("fedadc_cnn", lambda C, shape: FedADCCNN(C))
+register_model("lenet5", lambda C, shape: LeNet5(C))
+register_model("resnet8_gn", lambda C, shape: CifarResNet8(C))
+register_model("resnet10_bn", lambda C, shape: resnet10(C, "bn"))
+register_model("resnet18_bn", lambda C, shape: resnet18(C, "bn"))
+register_model("resnet18_gn", lambda C, shape: resnet18(C, "gn"))
+register_model("fedgen_cnn_mnist", lambda C, shape: FedGenCNN(C))
+# sized to the dataset's samples: the MLP to any sample shape (images or feature rows; default 1x28x28)
+register_model("mlp", lambda C, shape: MLP(math.prod(shape) if shape else 784, (200, 200), C))
 # pfl-research's benchmark CNN, sized to the dataset's images (1x28x28: 1,199,882 parameters)
-register_model("simple_cnn", lambda C, shape: SimpleCNN(C, in_channels=shape[0], image_size=shape[1]))
+register_model("simple_cnn", lambda C, shape: SimpleCNN(C, in_channels=shape[0], image_size=shape[1]) if shape
+               else SimpleCNN(C))
 # the CIFAR stem (3x3/1, no pool), as many input channels as the images
-register_model("resnet50_bn", lambda C, shape: resnet50(C, "bn", in_channels=shape[0]))
-register_model("resnet50_gn", lambda C, shape: resnet50(C, "gn", in_channels=shape[0]))
+register_model("resnet50_bn", lambda C, shape: resnet50(C, "bn", in_channels=_c(shape, 3)))
+register_model("resnet50_gn", lambda C, shape: resnet50(C, "gn", in_channels=_c(shape, 3)))
+REGISTRY.seal()
 
-__all__ = ["REGISTRY", "register_model", "ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
-           "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "MODELS", "ProjectionClassifier",
+__all__ = ["REGISTRY", "ModelEntry", "register_model", "build", "ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
+           "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "ProjectionClassifier",
            "with_projection_head"]

@@ -67,8 +67,9 @@ class HFClassifier(nn.Module):
         """Errors naming the mismatch when ``dataset`` (a TokenDataset) was not made for this model: token ids
         beyond its vocabulary (a tokenizer of another checkpoint), sequences longer than its position table,
         other classes than its head."""
-        if getattr(dataset, "is_image", True):
-            raise ValueError(f"{name}: a text model takes tokenised texts (fedfast.data.text), not images")
+        if getattr(dataset, "kind", "images") != "tokens":
+            raise ValueError(f"{name}: a text model takes tokenised texts (fedfast.data.text), not "
+                             f"{getattr(dataset, 'kind', 'images')}")
         top = int(dataset.x[:, 0].max()) if len(dataset) else -1
         if top >= self.vocab_size:
             raise ValueError(f"{name}: token id {top} is beyond the model's vocabulary of {self.vocab_size}: the "

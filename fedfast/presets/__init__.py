@@ -83,6 +83,12 @@ class Preset:
     def packaged(self) -> bool:
         return os.path.dirname(self.source) == _DIR
 
+    @property
+    def root(self) -> str | None:
+        """The directory relative paths of the cell resolve against: the study file's; None (the working
+        directory) for the presets fedfast ships, whose ``data_dir = "data"`` is the user's data."""
+        return None if self.packaged or not self.source else os.path.dirname(self.source)
+
     def card(self) -> dict:
         """What a study directory records of its cell (study.json), so that its report needs no study file."""
         return {"name": self.name, "source": self.source, "paper": self.paper, "table": self.table,

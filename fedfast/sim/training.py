@@ -55,7 +55,12 @@ class LocalTraining:
                     lambda p2: self._step_loss(ctx, p2, x, y, valid, seg, t, hist_c[:n_act], features, True, e, s),
                     None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
-                self.optimizer.step(theta_all, grad, n_act, {**step_kw, **method.step_terms(ctx, n_act)})
+                terms = method.step_terms(ctx, n_act)
+                if not isinstance(terms, dict):
+                    from ..methods.hooks import check_hook_return
+                    check_hook_return(method, "step_terms", terms, kind="dict",
+                                      what="a dict of fedfast.ops.client_step keyword arguments ({} for none)")
+                self.optimizer.step(theta_all, grad, n_act, {**step_kw, **terms})
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self._tick("step")
         method.chunk_end(ctx, lo, hi)
@@ -89,8 +94,30 @@ class LocalTraining:
             loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
         else:
             loss = self.method.loss(ctx, Step(zf, yf, seg, n_act, t, hist, x, valid, feat, pv, perturbed, e, s))
+        if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
+            self._bad_loss(loss)
         self._tick("loss")
         return loss
+
+    def _bad_loss(self, loss) -> None:
+        """TypeError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
+        import inspect
+
+        from ..methods.hooks import describe_value, hook_site
+        if self.loss_fn is not None:
+            fn = inspect.unwrap(getattr(self.loss_fn, "__call__", self.loss_fn) if not inspect.isfunction(self.loss_fn)
+                                else self.loss_fn)
+            code = getattr(fn, "__code__", None)
+            where = f"loss_fn ({code.co_filename}, line {code.co_firstlineno})" if code else "loss_fn"
+        else:
+            where = hook_site(self.method, "loss")
+        must = ("one number: a 0-d float tensor that depends on the logits (the sum over the active clients of "
+                "each client's minibatch mean; fedfast.methods.weighted_mean_rows(rows, b.valid) makes it from "
+                "per-row losses)")
+        if torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point():
+            raise TypeError(f"{where}: must return {must}; the returned value has no gradient (computed without "
+                            f"autograd, detached, or from no input that requires grad)")
+        raise TypeError(f"{where}: must return {must}, got {describe_value(loss)}")
 
     def _batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
         """Host index math (numpy, once per epoch): each client's own data order, padded with -1."""

@@ -47,9 +47,10 @@ def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
     for r in plan:
         try:
             if workers > 1:
-                done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=quiet, label=r.label)
+                done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=quiet, label=r.label,
+                                   cell=os.path.dirname(r.dir))
             else:
-                done = run(r.cfg, r.dir, mode="auto", quiet=quiet, label=r.label)
+                done = run(r.cfg, r.dir, mode="auto", quiet=quiet, label=r.label, cell=os.path.dirname(r.dir))
             if done is None and not quiet:
                 print(f"{r.label}: {status(r.dir)}, skipped", flush=True)
         except RunLocked as e:
@@ -94,9 +95,10 @@ def _job_main(r: _Run, workers: int) -> None:
         methods.load_plugin(p)
     try:
         if workers > 1:
-            done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=True, label=r.label)
+            done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=True, label=r.label,
+                                   cell=os.path.dirname(r.dir))
         else:
-            done = run(r.cfg, r.dir, mode="auto", quiet=True, label=r.label)
+            done = run(r.cfg, r.dir, mode="auto", quiet=True, label=r.label, cell=os.path.dirname(r.dir))
         code = _RAN if done is not None else _SKIPPED
     except RunLocked as e:
         print(f"{r.label}: skipped, {e}", flush=True)

@@ -143,7 +143,8 @@ def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, over
                 sets = [f"{k}={v}" for k, v in pt]
                 try:
                     cfg = build_config(config, [*overrides, *sets, f"algorithm={m}", f"seed={s}"], base=base,
-                                       plugins=plugins, source=cell.source if cell is not None else None)
+                                       plugins=plugins, source=cell.source if cell is not None else None,
+                                       root=cell.root if cell is not None else None)
                 except (ValueError, TypeError) as e:
                     msg = str(e)
                     for k, _ in pt:  # a grid value's error names --grid, not --set

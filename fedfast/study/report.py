@@ -157,14 +157,17 @@ def study_rows(st: Study) -> list[dict]:
     """A row per method and grid point: mean ± std over seeds of each summary metric (diverged runs counted,
     not averaged), the paper's number and Δ where the cell reports one."""
     order = st.meta.get("methods") or []
+    from ..fingerprint import identity
     groups: dict[tuple, list[dict]] = {}
-    for r in st.runs:
-        groups.setdefault((r["config"]["algorithm"], point_label(r["config"], st.grid)), []).append(r)
+    for r in st.runs:  # runs of other code or data (another fingerprint) are a row of their own: never one mean
+        groups.setdefault((r["config"]["algorithm"], point_label(r["config"], st.grid),
+                           identity(r["config"].get("fingerprint")) or ""), []).append(r)
+    split = {k[:2] for k in groups if sum(1 for j in groups if j[:2] == k[:2]) > 1}
     methods = [m for m in order if any(k[0] == m for k in groups)]
     methods += sorted({k[0] for k in groups} - set(methods))
     rows = []
     for m in methods:
-        for key in sorted((k for k in groups if k[0] == m), key=lambda k: _point_order(k[1], st.meta)):
+        for key in sorted((k for k in groups if k[0] == m), key=lambda k: (_point_order(k[1], st.meta), k[2])):
             every = groups[key]
             g = [r for r in every if r["status"] != "diverged"]  # diverged runs: counted, not averaged
             div = sorted(((r["config"]["seed"], r.get("diverged_round")) for r in every if r["status"] == "diverged"),
@@ -172,8 +175,8 @@ def study_rows(st: Study) -> list[dict]:
             row = {"study": st.title, "method": m, "point": key[1], "seeds": sorted(r["config"]["seed"] for r in g),
                    "complete": all(r["complete"] for r in g), "rounds": min((r["rounds"] for r in g), default=None),
                    "diverged": div, "runs": len(every), "selected": False,
-                   "replaced": next((r["config"]["replaced_methods"] for r in every
-                                     if r["config"].get("replaced_methods")), None)}
+                   "fingerprint": (key[2] or "unrecorded") if key[:2] in split else None,
+                   "replaced": _replaced_of(every)}
             for k in _STATS:
                 row[k] = mean_std([r.get(k) for r in g])
             if m in st.reported:
@@ -297,18 +300,35 @@ def _selection_note(st: Study, rows: list[dict], picked: dict, key: str) -> list
     return out
 
 
+def _replaced_of(runs: list[dict]) -> dict | None:
+    """What the rows' runs ran under a name a plug-in replaced: the method, and the dataset, partition or model."""
+    out = {}
+    for r in runs:
+        out.update(r["config"].get("replaced_methods") or {})
+        for kind, names in (r["config"].get("replaced_entries") or {}).items():
+            out.update({f"{kind} {n}": v for n, v in names.items()})
+    return out or None
+
+
 def _label(r: dict) -> str:
-    return r["method"] + (" ‡" if r.get("replaced") else "") + (f" [{r['point']}]" if r["point"] else "")
+    return r["method"] + (" ‡" if r.get("replaced") else "") + (f" [{r['point']}]" if r["point"] else "") + \
+        (f" §{r['fingerprint']}" if r.get("fingerprint") else "")
 
 
 def _replaced_notes(rows: list[dict]) -> list[str]:
-    """Rows whose method name a plug-in replaced (register(..., replace=True)): what ran under that name."""
+    """Rows whose method name (or dataset, partition, model) a plug-in replaced (register(..., replace=True)): what
+    ran under that name; rows split by fingerprint: why."""
     seen = {}
     for r in rows:
         for name, v in (r.get("replaced") or {}).items():
             seen[name] = v
-    return [f"‡ {name} here is {v['by']}, registered with replace=True over {v['replaced']}: not fedfast's {name}."
-            for name, v in sorted(seen.items())]
+    out = [f"‡ {name} here is {v['by']}, registered with replace=True over {v['replaced']}: not fedfast's {name}."
+           for name, v in sorted(seen.items())]
+    if any(r.get("fingerprint") for r in rows):
+        out.append("§ runs of one method and grid point made with other code or data (fedfast's source, the plug-ins "
+                   "and the modules they import, the data files: the run's fingerprint, in its config.json) are rows "
+                   "of their own, marked with the fingerprint, never averaged into one mean.")
+    return out
 
 
 def _tag(r: dict) -> str:

@@ -82,7 +82,7 @@ def test_partition_from_plain_index_lists():
     with pytest.raises(ValueError, match="beyond"):
         data.Partition([[0, 10**6]], labels=train.y)
     with pytest.raises(ValueError, match="partition: holds sample indices beyond"):
-        fedfast.Simulation(cfg, model, train, test, data.Partition([[0, 1], [2, 10**6]] * 2))
+        fedfast.Simulation(cfg, model, train, test, data.Partition([[0, 1], [2, 10**6], [3, 4], [5, 6]]))
     with pytest.raises(ValueError, match="labels"):
         p2.histogram
 

@@ -156,7 +156,7 @@ def test_defaults_and_sizes():
     from fedfast import data, models
     tr, te = data.synthetic(5, 40, 10, (3, 32, 32), seed=0)
     sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedgen", clients_per_round=2, batch_size=8),
-                             models.MODELS["resnet8_gn"](5), tr, te, data.iid(tr.y, 4, seed=0))
+                             models.build("resnet8_gn", 5), tr, te, data.iid(tr.y, 4, seed=0))
     assert (sim.method.hidden, sim.method.noise_dim, sim.method.features) == (512, 64, 64)
     for key, bad in (("decay", 1.0), ("gen_lr", 0.0), ("server_steps", 0), ("gen_batch", 0)):
         with pytest.raises(ValueError, match=f"fedgen.{key}"):

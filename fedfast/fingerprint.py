@@ -1,0 +1,155 @@
+"""A run's fingerprint: what determines its result beyond its configuration, recorded in ``config.json`` and the
+checkpoint, so that a resume (or a sweep adding seeds) on other code or data is refused, naming what changed.
+
+* ``fedfast``: its version, the git commit of the checkout it runs from (if any), and a SHA-256 over its own Python
+  files (an edit without a commit counts);
+* ``code``: the plug-in files and every module they imported from outside the Python installation (a helper module
+  beside the plug-in, say), each with its SHA-256;
+* ``data``: every file the run's data came from - found by watching the files the dataset's loader opened for
+  reading (:func:`fedfast._io.record_reads`), packages' own files aside - each with its size, modification time
+  and SHA-256. A file is hashed once per (path, size, modification time): the hashes are kept in
+  ``$FEDFAST_CACHE/file-hashes.json`` (default ``~/.cache/fedfast``), and a resume whose files have the recorded
+  size and time takes the recorded hash, so large data is not read again;
+* ``world_size``: how many processes trained the run (``--workers``, ``torchrun``).
+
+:func:`changes` lists the differences between a recorded fingerprint and the files now; :func:`identity` is the
+short digest of what the results depend on (fedfast's source, the code's and the data's content; not paths, times
+or the number of processes), by which a sweep keeps runs of other code or data out of a cell and a report keeps
+them apart.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from . import __version__
+from ._io import read_json, write_atomic
+
+_MEMO: dict[tuple, str] = {}   # (path, size, mtime_ns) -> sha256, this process
+_SOURCE: dict = {}             # fedfast's own source digest, once per process
+
+
+def _cache_path() -> str:
+    root = os.environ.get("FEDFAST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fedfast")
+    return os.path.join(root, "file-hashes.json")
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_record(path: str, known: dict | None = None) -> dict:
+    """``{"size", "mtime_ns", "sha256"}`` of a file, hashed once per (path, size, mtime): ``known`` (a record of the
+    same file) or the hash cache serve a file whose size and time are unchanged."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    rec = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if known and known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns and known.get("sha256"):
+        _MEMO[key] = known["sha256"]
+    if key not in _MEMO:
+        cache = _read_cache()
+        hit = cache.get(key[0])
+        if hit and hit[:2] == [st.st_size, st.st_mtime_ns]:
+            _MEMO[key] = hit[2]
+        else:
+            _MEMO[key] = _sha256_file(path)
+            cache[key[0]] = [st.st_size, st.st_mtime_ns, _MEMO[key]]
+            _write_cache(cache)
+    return {**rec, "sha256": _MEMO[key]}
+
+
+def _read_cache() -> dict:
+    try:
+        got = read_json(_cache_path(), "file-hash cache")
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(_cache_path()), exist_ok=True)
+        write_atomic(_cache_path(), json.dumps(cache))
+    except OSError:  # a read-only home: hashed again next time, same result
+        pass
+
+
+def fedfast_source() -> dict:
+    """fedfast's version, the commit of its checkout (None from a wheel) and the SHA-256 over its Python files."""
+    if not _SOURCE:
+        from .runner import source_commit
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    p = os.path.join(d, f)
+                    h.update(os.path.relpath(p, root).encode() + b"\0")
+                    with open(p, "rb") as fh:
+                        h.update(fh.read() + b"\0")
+        _SOURCE.update(version=__version__, commit=source_commit(), source_sha256=h.hexdigest())
+    return dict(_SOURCE)
+
+
+def current(plugins, data_files, world_size: int, recorded: dict | None = None) -> dict:
+    """The fingerprint of a run now: ``plugins`` (the run's plug-in files), ``data_files`` (the files its data was
+    read from), ``world_size``. ``recorded``: a fingerprint to take unchanged files' hashes from."""
+    from .methods import PLUGIN_CODE, file_sha256
+    code = {}
+    for p in plugins:
+        for f in [p, *PLUGIN_CODE.get(p, ())]:
+            try:
+                code[f] = file_sha256(f)
+            except OSError:
+                code[f] = None
+    known = (recorded or {}).get("data") or {}
+    data = {}
+    for f in sorted(data_files):
+        try:
+            data[f] = file_record(f, known.get(f))
+        except OSError:
+            data[f] = None
+    return {"fedfast": fedfast_source(), "code": code, "data": data, "world_size": int(world_size)}
+
+
+def identity(fp: dict | None) -> str | None:
+    """A 12-character digest of what a run's results depend on: fedfast's source, the contents of its code and data
+    files (not their paths or times, nor the number of processes); None for a run recorded without one."""
+    if not fp:
+        return None
+    what = {"fedfast": (fp.get("fedfast") or {}).get("source_sha256"),
+            "code": sorted(str(v) for v in (fp.get("code") or {}).values()),
+            "data": sorted(str((r or {}).get("sha256")) for r in (fp.get("data") or {}).values())}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def changes(recorded: dict, now: dict) -> list[str]:
+    """What differs between a recorded fingerprint and the current one, one phrase each (empty: nothing)."""
+    out = []
+    a, b = recorded.get("fedfast") or {}, now.get("fedfast") or {}
+    if a.get("source_sha256") != b.get("source_sha256") or a.get("version") != b.get("version"):
+        def ver(s):
+            return f"{s.get('version')}" + (f" at commit {str(s['commit'])[:12]}" if s.get("commit") else "")
+        out.append(f"fedfast's code (then {ver(a)}, source {str(a.get('source_sha256'))[:12]}; now {ver(b)}, source "
+                   f"{str(b.get('source_sha256'))[:12]})")
+    for kind in ("code", "data"):
+        then, cur = recorded.get(kind) or {}, now.get(kind) or {}
+        for f in sorted(set(then) | set(cur)):
+            x, y = then.get(f), cur.get(f)
+            hx = x.get("sha256") if isinstance(x, dict) else x
+            hy = y.get("sha256") if isinstance(y, dict) else y
+            if f not in cur:
+                out.append(f"{kind} file {f} (read then, not now)")
+            elif f not in then:
+                out.append(f"{kind} file {f} (read now, not then)")
+            elif hy is None:
+                out.append(f"{kind} file {f} (gone)")
+            elif hx != hy:
+                out.append(f"{kind} file {f} (sha256 {str(hx)[:12]}... then, {str(hy)[:12]}... now)")
+    return out
