@@ -38,7 +38,7 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import ClientStack, FlatLayout, find_classifier, functional_forward, host_to_device
 from .methods.base import Round, TeacherSpec
-from .methods.hooks import check_hook_return, hook_site
+from .methods.hooks import HookError, check_hook_return, hook_site
 from .collectives import collectives
 from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
 from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
@@ -137,7 +137,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             self.method.classifier_name = find_classifier(model, _probe_batch(model, train), c.features_layer)
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got "
+            raise HookError(f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got "
                             f"{type(model).__name__}")
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             import warnings
@@ -421,7 +421,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         if spec is None or not len(ctx.sampled):
             return None
         if not isinstance(spec, TeacherSpec):
-            raise TypeError(f"{hook_site(self.method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
+            raise HookError(f"{hook_site(self.method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
                             f"got {type(spec).__name__}")
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self)
@@ -475,19 +475,20 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         if not got:
             return {}
         if not isinstance(got, dict):
-            raise TypeError(f"{hook_site(self.method, 'round_metrics')}: must return a dict of name -> number, got "
+            raise HookError(f"{hook_site(self.method, 'round_metrics')}: must return a dict of name -> number, got "
                             f"{type(got).__name__}")
         out = {}
         for k, v in got.items():
             if not isinstance(k, str) or not k:
-                raise TypeError(f"{self.method.name}.round_metrics: names must be non-empty strings, got {k!r}")
+                raise HookError(f"{hook_site(self.method, 'round_metrics')}: names must be non-empty strings, got "
+                                f"{k!r}")
             if torch.is_tensor(v):
                 if v.numel() != 1:
-                    raise TypeError(f"{self.method.name}.round_metrics: {k!r} must be one number, got a tensor of "
-                                    f"shape {tuple(v.shape)}")
+                    raise HookError(f"{hook_site(self.method, 'round_metrics')}: {k!r} must be one number, got a "
+                                    f"tensor of shape {tuple(v.shape)}")
                 v = v.item()
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{self.method.name}.round_metrics: {k!r} must be a number, got {v!r}")
+                raise HookError(f"{hook_site(self.method, 'round_metrics')}: {k!r} must be a number, got {v!r}")
             out[k] = float(v)
         return out
 

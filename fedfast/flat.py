@@ -230,7 +230,7 @@ def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | N
     * Otherwise, with ``probe`` (a batch of inputs), it is the last ``nn.Linear`` to run in one forward -
       execution order, not declaration order (a model may declare its head first). It is refused as ambiguous,
       naming the fix (``features_layer``), when that layer runs more than once, or when the model's output is not
-      that layer's output (something follows it: a scale, a log-softmax, a second head).
+      that layer's output or a view of it (something follows it: a scale, a log-softmax, a second head).
     * Without either, the last ``nn.Linear`` declared (no forward to watch).
 
     ValueError names ``features_layer`` (or ``model``) and the model's ``nn.Linear`` layers."""
@@ -280,7 +280,8 @@ def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | N
     if runs > 1:
         raise ValueError(f"model: its last nn.Linear to run, {last!r}, runs {runs} times in one forward, so which "
                          f"call is the classifier is ambiguous; {fix}")
-    if not scope and out is not y:
+    same = out is y or (torch.is_tensor(out) and out.numel() == y.numel() and out.data_ptr() == y.data_ptr())
+    if not scope and not same:  # the output, or a view of it (a reshape), else something follows the layer
         raise ValueError(f"model: its output is not the output of the last nn.Linear to run ({last!r}): something "
                          f"follows it, so the classifier is ambiguous; {fix}")
     return last

@@ -226,8 +226,10 @@ def plugin_where(e: BaseException) -> str:
 
 def report_failure(who: str, e: BaseException, expected=(ValueError, OSError, MemoryError)) -> int:
     """A process's end by an error: print it (naming the plug-in file and line it came from) and return
-    EXIT_ERROR; an unexpected exception outside any plug-in's code is a bug and is raised again."""
-    if isinstance(e, expected):
+    EXIT_ERROR; an unexpected exception outside any plug-in's code is a bug and is raised again. A hook's wrong
+    return (:class:`fedfast.methods.hooks.HookError`, which names the hook's file and line) is always expected."""
+    from .methods.hooks import HookError
+    if isinstance(e, (*expected, HookError)):
         print(f"fedfast: {who}: {plugin_where(e)}{e}", file=sys.stderr, flush=True)
         return EXIT_ERROR
     if not plugin_where(e):

@@ -68,6 +68,11 @@ def test_execution_order_not_declaration_order():
     assert classifier_of(a, x) is a.head
 
 
+class ReshapedOut(InOrder):
+    def forward(self, x):
+        return self.head(self.body(x)).view(x.shape[0], -1)
+
+
 def test_ambiguous_models_are_refused_naming_the_fix():
     x = torch.randn(2, 1, 6, 6)
     with pytest.raises(ValueError, match="output is not the output of the last nn.Linear to run.*features_layer"):
@@ -75,6 +80,7 @@ def test_ambiguous_models_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match="'head', runs 2 times.*features_layer"):
         find_classifier(SharedHead(), x)
     assert find_classifier(LogSoftmaxOut(), x, "head") == "head"  # named: taken as given
+    assert find_classifier(ReshapedOut(), x) == "head"  # a view of the classifier's output is its output
 
 
 def test_named_layers():

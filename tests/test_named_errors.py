@@ -153,3 +153,17 @@ def test_a_file_size_limit_names_the_file_in_a_real_process(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"{out}/model_best.pt: could not be written (File too large)" in r.stderr, r.stderr
     assert "start it again with `--force`" in r.stderr
+
+
+def test_a_hook_error_in_a_worker_process_is_a_named_error_not_a_dead_worker(tmp_path):
+    plugin = tmp_path / "rows.py"
+    plugin.write_text("import torch\nfrom fedfast.methods import FedAvg, register\n\n\n@register('rowloss2')\n"
+                      "class RowLoss(FedAvg):\n    def loss(self, ctx, b):\n"
+                      "        return torch.nn.functional.cross_entropy(b.logits, b.target, reduction='none',\n"
+                      "                                                 ignore_index=-100)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "fedfast", "run", "--plugin", str(plugin), *SMALL, "--set",
+                        "algorithm=rowloss2", "--set", "rounds=1", "--workers", "2", "--out", str(tmp_path / "r")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"rowloss2.loss ({plugin}, line 7): must return one number" in r.stderr, r.stderr

@@ -21,6 +21,11 @@ if TYPE_CHECKING:  # the hooks' argument types (fedfast.methods.base imports thi
     from .base import Round, Step, TeacherSpec
 
 
+class HookError(TypeError):
+    """A method's hook (or a ``loss_fn``) returned the wrong thing: the message names the hook, its file and line,
+    what it must return and what it returned."""
+
+
 def hook_site(method, hook: str) -> str:
     """``"name.hook (FILE, line N)"``: where a method's hook is defined (the class in its MRO that defines it), for
     errors about what the hook returned."""
@@ -46,7 +51,7 @@ def describe_value(v) -> str:
 
 def check_hook_return(method, hook: str, value, *, shape=None, device=None, kind: str = "tensor",
                       what: str = "") -> None:
-    """TypeError naming the hook, its file and line, what it must return (``what``) and what it returned, when
+    """HookError naming the hook, its file and line, what it must return (``what``) and what it returned, when
     ``value`` is not a floating tensor (of ``shape``, on ``device``; ``kind="dict"``: a dict)."""
     if kind == "dict":
         ok = isinstance(value, dict)
@@ -54,7 +59,7 @@ def check_hook_return(method, hook: str, value, *, shape=None, device=None, kind
         ok = torch.is_tensor(value) and value.is_floating_point() and (shape is None or tuple(value.shape) == shape) \
             and (device is None or value.device.type == torch.device(device).type)
     if not ok:
-        raise TypeError(f"{hook_site(method, hook)}: must return {what}, got {describe_value(value)}")
+        raise HookError(f"{hook_site(method, hook)}: must return {what}, got {describe_value(value)}")
 
 
 def cross_entropy(b: Step, backend) -> Tensor:

@@ -100,10 +100,10 @@ class LocalTraining:
         return loss
 
     def _bad_loss(self, loss) -> None:
-        """TypeError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
+        """HookError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
         import inspect
 
-        from ..methods.hooks import describe_value, hook_site
+        from ..methods.hooks import HookError, describe_value, hook_site
         if self.loss_fn is not None:
             fn = inspect.unwrap(getattr(self.loss_fn, "__call__", self.loss_fn) if not inspect.isfunction(self.loss_fn)
                                 else self.loss_fn)
@@ -115,9 +115,9 @@ class LocalTraining:
                 "each client's minibatch mean; fedfast.methods.weighted_mean_rows(rows, b.valid) makes it from "
                 "per-row losses)")
         if torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point():
-            raise TypeError(f"{where}: must return {must}; the returned value has no gradient (computed without "
+            raise HookError(f"{where}: must return {must}; the returned value has no gradient (computed without "
                             f"autograd, detached, or from no input that requires grad)")
-        raise TypeError(f"{where}: must return {must}, got {describe_value(loss)}")
+        raise HookError(f"{where}: must return {must}, got {describe_value(loss)}")
 
     def _batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
         """Host index math (numpy, once per epoch): each client's own data order, padded with -1."""
