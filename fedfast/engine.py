@@ -162,7 +162,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         self._classifier_name = None
         if eager:
             self._classifier_name = find_classifier(self.model, _probe_batch(self.model, self.train),
-                                                    self.method.classifier_name)
+                                                    getattr(self.method, "classifier_name", None))
         self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
         self._flatten_model()
         self.rnd = 0

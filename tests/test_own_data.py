@@ -314,3 +314,27 @@ def test_a_study_files_paths_resolve_against_the_file(tmp_path, monkeypatch):
     packaged = presets.get("fedntd-table1/mnist-shards")  # fedfast's own presets: the working directory's data
     cfg = build_config(base=packaged.config("fedavg"), source=packaged.source, root=packaged.root)
     assert cfg["data_dir"] == str(tmp_path / "data")
+
+
+def test_a_study_file_names_the_plugins_data_and_options_beside_it(tmp_path, monkeypatch):
+    """A study of one's own on the example: plug-in, data file and option tables in the study file, relative paths
+    to it, swept from another working directory."""
+    d = tmp_path / "study"
+    d.mkdir()
+    shutil.copy(os.path.join(EXAMPLE, "tabular.py"), d)
+    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_sensors_csv.py"), str(d / "sensors.csv")],
+                   check=True, capture_output=True)
+    (d / "own.toml").write_text(
+        '[preset]\nmethods = ["fedavg"]\nseeds = [0]\nplugins = ["tabular.py"]\n'
+        '[protocol]\ndataset = "csv"\npartition = "by_column"\nmodel = "tabular_mlp"\nclients_per_round = 4\n'
+        'rounds = 2\nbatch_size = 32\n[protocol.csv]\npath = "sensors.csv"\ntest_fraction = 0.25\n'
+        '[protocol.tabular_mlp]\nhidden = 16\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["sweep", str(d / "own.toml"), "--out", "s", "--quiet"]) == 0
+    cfgs = [json.loads(open(os.path.join(r, "config.json")).read())
+            for r, _, files in os.walk(elsewhere / "s") if "config.json" in files]
+    assert len(cfgs) == 1 and cfgs[0]["csv"]["path"] == str(d / "sensors.csv")
+    assert cfgs[0]["csv"]["test_fraction"] == 0.25 and cfgs[0]["tabular_mlp"]["hidden"] == 16
+    assert cfgs[0]["num_clients"] == 24 and str(d / "sensors.csv") in cfgs[0]["fingerprint"]["data"]
