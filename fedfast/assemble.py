@@ -11,6 +11,9 @@ import os
 import torch
 
 
+_BUILT_CODE: set = set()  # modules of the user's own that a run's build imported in this process
+
+
 def load_data(cfg, tokenizer=None):
     """The dataset's train and test sets; a missing file names ``data_dir`` and where to get the data."""
     from .data import DATASETS
@@ -58,10 +61,15 @@ def make_model(cfg, train):
 
 def build(cfg, device=None, group=None):
     """The Simulation a run config describes (data, the method's held-out splits, partition, model). The files the
-    data and a pretrained model were read from are kept as ``cfg.data_files`` (the run's fingerprint)."""
+    data and a pretrained model were read from are kept as ``cfg.data_files``, the modules of your own its build
+    imported as ``cfg.code_files`` (the run's fingerprint)."""
+    import sys
+
     from ._io import record_reads
     from .data import text_datasets
     from .engine import Simulation
+    from .methods import user_code
+    modules = set(sys.modules)  # a plug-in may import its helpers only when its loader or model runs
     torch.manual_seed(cfg["seed"])
     model = tokenizer = None
     with record_reads() as files:
@@ -95,5 +103,8 @@ def build(cfg, device=None, group=None):
                              f"partition {cfg['partition']!r} made")
         cfg.values["num_clients"] = part.num_clients
     model = model if model is not None else make_model(cfg, train)
+    _BUILT_CODE.update(user_code([sys.modules[n] for n in set(sys.modules) - modules if n in sys.modules]))
+    if hasattr(cfg, "values"):  # every build of this process: a module imported by an earlier one is not again
+        cfg.__dict__["code_files"] = sorted(_BUILT_CODE)
     return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
                       validation=validation, method=method, **splits)

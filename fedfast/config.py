@@ -119,6 +119,7 @@ class RunConfig:
         state = dict(self.__dict__)
         state.pop("_sim", None)
         state.pop("data_files", None)
+        state.pop("code_files", None)
         return state
 
     def __setstate__(self, state):

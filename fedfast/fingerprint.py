@@ -3,8 +3,8 @@ checkpoint, so that a resume (or a sweep adding seeds) on other code or data is 
 
 * ``fedfast``: its version, the git commit of the checkout it runs from (if any), and a SHA-256 over its own Python
   files (an edit without a commit counts);
-* ``code``: the plug-in files and every module they imported from outside the Python installation (a helper module
-  beside the plug-in, say), each with its SHA-256;
+* ``code``: the plug-in files and every module they import from outside the Python installation (a helper module
+  beside the plug-in, say; also one imported only when the plug-in's loader or model runs), each with its SHA-256;
 * ``data``: every file the run's data came from - found by watching the files the dataset's loader opened for
   reading (:func:`fedfast._io.record_reads`), packages' own files aside - each with its size, modification time
   and SHA-256. A file is hashed once per (path, size, modification time): the hashes are kept in
@@ -97,13 +97,14 @@ def fedfast_source() -> dict:
     return dict(_SOURCE)
 
 
-def current(plugins, data_files, world_size: int, recorded: dict | None = None) -> dict:
+def current(plugins, data_files, world_size: int, recorded: dict | None = None, code_files=()) -> dict:
     """The fingerprint of a run now: ``plugins`` (the run's plug-in files), ``data_files`` (the files its data was
-    read from), ``world_size``. ``recorded``: a fingerprint to take unchanged files' hashes from."""
+    read from), ``world_size``; ``code_files``: modules of the user's own the run's build imported (a plug-in's
+    loader importing its helpers when it runs). ``recorded``: a fingerprint to take unchanged files' hashes from."""
     from .methods import PLUGIN_CODE, file_sha256
     code = {}
-    for p in plugins:
-        for f in [p, *PLUGIN_CODE.get(p, ())]:
+    for p in [*plugins, None]:
+        for f in ([p, *PLUGIN_CODE.get(p, ())] if p is not None else list(code_files)):
             try:
                 code[f] = file_sha256(f)
             except OSError:
@@ -139,7 +140,15 @@ def changes(recorded: dict, now: dict) -> list[str]:
         out.append(f"fedfast's code (then {ver(a)}, source {str(a.get('source_sha256'))[:12]}; now {ver(b)}, source "
                    f"{str(b.get('source_sha256'))[:12]})")
     for kind in ("code", "data"):
-        then, cur = recorded.get(kind) or {}, now.get(kind) or {}
+        then, cur = recorded.get(kind) or {}, dict(now.get(kind) or {})
+        if kind == "code":  # each recorded module must be unchanged; one only now is reached through recorded code
+            for f in set(then) - set(cur):
+                try:
+                    from .methods import file_sha256
+                    cur[f] = file_sha256(f)
+                except OSError:
+                    cur[f] = None
+            cur = {f: v for f, v in cur.items() if f in then}
         for f in sorted(set(then) | set(cur)):
             x, y = then.get(f), cur.get(f)
             hx = x.get("sha256") if isinstance(x, dict) else x

@@ -351,7 +351,8 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
     from . import fingerprint
     ck = load_checkpoint(ck_path) if resume else None
     recorded = (ck or {}).get("fingerprint")
-    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.world, recorded)
+    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.world, recorded,
+                             getattr(cfg, "code_files", None) or ())
     if resume:
         _check_resume(ck, ck_path, cfg, cfg_json)
         if recorded is not None:
@@ -386,19 +387,19 @@ def _check_fingerprint(recorded: dict, now: dict, ck_path: str) -> None:
 def _check_cell(cell: str, fp: dict, own: str) -> None:
     """A sweep adds a run to a cell (a method at a grid point) only if the cell's other runs share its fingerprint:
     seeds of other code or data are never averaged into one mean."""
-    from .fingerprint import changes, identity
     import glob
-    mine = identity(fp)
+
+    from ._io import read_json
+    from .fingerprint import changes
     for cj in sorted(glob.glob(os.path.join(cell, "*", "config.json"))):
         if os.path.abspath(os.path.dirname(cj)) == os.path.abspath(own):
             continue
         try:
-            from ._io import read_json
             other = read_json(cj, "config").get("fingerprint")
         except (OSError, ValueError, AttributeError):
             continue
-        if other is not None and identity(other) != mine:
-            what = "; ".join(changes(other, fp)) or f"fingerprint {identity(other)} then, {mine} now"
+        what = "; ".join(changes(other, fp)) if other is not None else ""
+        if what:
             raise ValueError(f"sweep: {os.path.dirname(cj)} was run on other code or data than this run would be "
                              f"({what}); "
                              f"its seeds and this one's would be averaged into one mean. Sweep into a new study "

@@ -17,8 +17,9 @@ import helpers_{tag}
 
 def load(spec):
     import numpy as np
+    import lazy_{tag}  # imported only when the loader runs
     z = np.load(spec["data_dir"] + "/rows.npz")
-    x = torch.from_numpy(z["x"]) * helpers_{tag}.SCALE
+    x = torch.from_numpy(z["x"]) * helpers_{tag}.SCALE + lazy_{tag}.OFFSET
     y = torch.from_numpy(z["y"])
     return data.ArrayDataset(x[:240], y[:240], 3), data.ArrayDataset(x[240:], y[240:], 3)
 
@@ -34,6 +35,7 @@ def project(tmp_path, monkeypatch):
     d = tmp_path / "proj"
     (d / "data").mkdir(parents=True)
     (d / f"helpers_{tag}.py").write_text("SCALE = 1.0\n")
+    (d / f"lazy_{tag}.py").write_text("OFFSET = 0.0\n")
     (d / "plug.py").write_text(PLUGIN.format(tag=tag))
     rng = np.random.default_rng(0)
     np.savez(d / "data" / "rows.npz", x=rng.normal(size=(300, 6)).astype(np.float32),
@@ -55,7 +57,8 @@ def test_config_records_the_fingerprint(project, tmp_path):
     assert main(_args(project, "--set", "rounds=1", "--out", str(out))) == 0
     fp = json.loads((out / "config.json").read_text())["fingerprint"]
     tag = tmp_path.name.replace("-", "_")
-    assert set(fp["code"]) == {str(project / "plug.py"), str(project / f"helpers_{tag}.py")}
+    assert set(fp["code"]) == {str(project / "plug.py"), str(project / f"helpers_{tag}.py"),
+                               str(project / f"lazy_{tag}.py")}
     assert list(fp["data"]) == [str(project / "data" / "rows.npz")]
     assert fp["data"][str(project / "data" / "rows.npz")]["size"] == os.path.getsize(project / "data" / "rows.npz")
     assert fp["world_size"] == 1 and fp["fedfast"]["version"] == fedfast_version()
@@ -70,6 +73,7 @@ def fedfast_version():
 
 @pytest.mark.parametrize("change,named", [
     ("helper", "code file {d}/helpers_{tag}.py (sha256"),
+    ("lazy", "code file {d}/lazy_{tag}.py (sha256"),
     ("data", "data file {d}/data/rows.npz (sha256"),
     ("plugin", "plugins: {d}/plug.py changed since"),
     ("fedfast", "fedfast's code (then"),
@@ -80,6 +84,8 @@ def test_resume_refuses_a_change_and_names_it(project, tmp_path, capsys, monkeyp
     assert main(_args(project, "--set", "rounds=2", "--out", str(out))) == 0
     if change == "helper":
         (project / f"helpers_{tag}.py").write_text("SCALE = 2.0\n")
+    elif change == "lazy":
+        (project / f"lazy_{tag}.py").write_text("OFFSET = 0.5\n")
     elif change == "data":
         import numpy as np
         z = dict(np.load(project / "data" / "rows.npz"))

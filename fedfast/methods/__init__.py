@@ -148,6 +148,12 @@ def load_plugin(path: str) -> None:
     PLUGIN_CODE[path] = _user_code(mod, [sys.modules[n] for n in set(sys.modules) - before if n != mod_name], path)
 
 
+def user_code(modules: list) -> tuple:
+    """The source files of ``modules`` (and the modules their globals refer to) from outside the Python
+    installation and fedfast: a run's own code (:mod:`fedfast.fingerprint`)."""
+    return _user_code(None, list(modules), "")
+
+
 def _user_code(mod, new_modules: list, path: str) -> tuple:
     """The source files of the modules a plug-in uses from outside the Python installation and fedfast: those its
     import brought in, and those its globals refer to (modules, or the modules of its functions and classes),
@@ -172,7 +178,7 @@ def _user_code(mod, new_modules: list, path: str) -> tuple:
                 if owner is not None:
                     yield owner
 
-    files, seen, todo = set(), {id(mod)}, [*new_modules, *refs(mod)]
+    files, seen, todo = set(), {id(mod)}, [*new_modules, *(refs(mod) if mod is not None else ())]
     while todo:
         m = todo.pop()
         if id(m) in seen:
