@@ -57,6 +57,16 @@ def write_atomic(path: str, data: bytes | str) -> None:
         pass
 
 
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes (read in 4 MiB blocks)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def append_line(f, path: str, line: str) -> None:
     """Append ``line`` to the open text file ``f`` (``path``) and flush; an OSError becomes a :class:`WriteError`."""
     try:

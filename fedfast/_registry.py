@@ -8,9 +8,11 @@ content (a plug-in loaded again by a resume, a sweep, a worker process) - is har
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import inspect
 import os
+
+from ._io import file_sha256
 
 
 def _target(value):
@@ -40,11 +42,6 @@ def origin(value) -> tuple[str, str]:
     return name, os.path.abspath(f) if f else "<no file>"
 
 
-def file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def same_source(a, b) -> bool:
     """The same entry loaded again: the same object, or the same qualified name from the same file or from files
     of equal content."""
@@ -59,6 +56,16 @@ def same_source(a, b) -> bool:
         return file_sha256(fa) == file_sha256(fb)
     except OSError:
         return False
+
+
+def check_entry(call: str, name, fn, options) -> None:
+    """The arguments of a ``register_*`` call: a non-empty name, a callable, and options that are a dataclass (or
+    None); ValueError / TypeError naming the call."""
+    if not (isinstance(name, str) and name) or not callable(fn):
+        raise ValueError(f"{call}: a non-empty name and a callable, got {name!r}, {fn!r}")
+    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        raise TypeError(f"{call}({name!r}): options must be a dataclass (fields made with fedfast.methods.opt), got "
+                        f"{options!r}")
 
 
 class Registry(dict):

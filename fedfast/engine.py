@@ -133,6 +133,7 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         # the classifier (Step.features is its input): found on the user's model before prepare_model (MOON's
         # projection head replaces it), then again on the model the clients train
         eager = self.method.needs_features or self.method.needs_classifier or c.features_layer is not None
+        given = model
         if eager and isinstance(train, ArrayDataset) and isinstance(model, nn.Module):
             self.method.classifier_name = find_classifier(model, _probe_batch(model, train), c.features_layer)
         model = self.method.prepare_model(model, c.seed)
@@ -160,9 +161,10 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         self._place_data(train, test, val, aux, validation, partition, schedule)
         self._probe_model()
         self._classifier_name = None
-        if eager:
-            self._classifier_name = find_classifier(self.model, _probe_batch(self.model, self.train),
-                                                    getattr(self.method, "classifier_name", None))
+        found = getattr(self.method, "classifier_name", None)
+        if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found above
+            self._classifier_name = found if found is not None and model is given else \
+                find_classifier(self.model, _probe_batch(self.model, self.train), found)
         self._client_bytes_cache = None  # (parameter-row bytes, activation bytes) per client: _client_bytes
         self._flatten_model()
         self.rnd = 0
@@ -599,4 +601,3 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
 
 __all__ = ["SimConfig", "Simulation", "Diverged", "OutOfMemory", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
            "OnlineTeacher"]
-

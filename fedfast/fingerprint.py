@@ -12,10 +12,10 @@ checkpoint, so that a resume (or a sweep adding seeds) on other code or data is 
   size and time takes the recorded hash, so large data is not read again;
 * ``world_size``: how many processes trained the run (``--workers``, ``torchrun``).
 
-:func:`changes` lists the differences between a recorded fingerprint and the files now; :func:`identity` is the
-short digest of what the results depend on (fedfast's source, the code's and the data's content; not paths, times
-or the number of processes), by which a sweep keeps runs of other code or data out of a cell and a report keeps
-them apart.
+:func:`changes` lists the differences between a recorded fingerprint and the files now (what a resume and a
+sweep's cell check); :func:`identity` is the short digest of what the results depend on (fedfast's source, the
+code's and the data's content; not paths, times or the number of processes), by which a report keeps runs of
+other code or data in rows of their own.
 """
 from __future__ import annotations
 
@@ -24,23 +24,17 @@ import json
 import os
 
 from . import __version__
-from ._io import read_json, write_atomic
+from ._io import file_sha256, read_json, write_atomic
+
+_sha256_file = file_sha256  # data files' hashes (the name tests count calls of)
 
 _MEMO: dict[tuple, str] = {}   # (path, size, mtime_ns) -> sha256, this process
 _SOURCE: dict = {}             # fedfast's own source digest, once per process
 
 
 def _cache_path() -> str:
-    root = os.environ.get("FEDFAST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fedfast")
-    return os.path.join(root, "file-hashes.json")
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    from .data.datasets import _cache_dir
+    return os.path.join(_cache_dir(), "file-hashes.json")
 
 
 def file_record(path: str, known: dict | None = None) -> dict:
@@ -101,7 +95,7 @@ def current(plugins, data_files, world_size: int, recorded: dict | None = None, 
     """The fingerprint of a run now: ``plugins`` (the run's plug-in files), ``data_files`` (the files its data was
     read from), ``world_size``; ``code_files``: modules of the user's own the run's build imported (a plug-in's
     loader importing its helpers when it runs). ``recorded``: a fingerprint to take unchanged files' hashes from."""
-    from .methods import PLUGIN_CODE, file_sha256
+    from .methods import PLUGIN_CODE
     code = {}
     for p in [*plugins, None]:
         for f in ([p, *PLUGIN_CODE.get(p, ())] if p is not None else list(code_files)):
@@ -144,7 +138,6 @@ def changes(recorded: dict, now: dict) -> list[str]:
         if kind == "code":  # each recorded module must be unchanged; one only now is reached through recorded code
             for f in set(then) - set(cur):
                 try:
-                    from .methods import file_sha256
                     cur[f] = file_sha256(f)
                 except OSError:
                     cur[f] = None

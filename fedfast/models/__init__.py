@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .._registry import Registry
+from .._registry import Registry, check_entry
 from .head import ProjectionClassifier, with_projection_head
 from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, FedGenCNN, LeNet5, SimpleCNN
 from .mlp import MLP
@@ -33,11 +33,9 @@ def register_model(name: str, build: Callable, *, options: type | None = None, r
     """Make ``model = name`` build ``build(num_classes, input_shape)`` (``input_shape``: one sample's shape, or
     None for the model's default); with ``options`` (a dataclass, the run config's ``[name]`` table)
     ``build(num_classes, input_shape, options)``. A taken name is refused unless ``replace=True``."""
-    import dataclasses
-    if not (isinstance(name, str) and name) or name.startswith("hf:") or not callable(build):
-        raise ValueError(f"register_model: a non-empty name (not 'hf:...') and a callable, got {name!r}, {build!r}")
-    if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
-        raise TypeError(f"register_model({name!r}): options must be a dataclass, got {options!r}")
+    if isinstance(name, str) and name.startswith("hf:"):
+        raise ValueError(f"register_model: 'hf:...' names Hugging Face models, got {name!r}")
+    check_entry("register_model", name, build, options)
     REGISTRY.add(name, ModelEntry(build, options), replace=replace, call="register_model")
 
 
