@@ -40,6 +40,7 @@ matrix products and a device-to-device copy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -171,7 +172,39 @@ def _mem_peak(dev, base: int):
     return (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else None
 
 
-def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop: bool = True) -> dict:
+def _tiles(spec: str) -> dict:
+    """``fwd:BM,BN,BK,warps,stages;dgrad:...;wgrad:...`` (or ``@FILE`` holding that, as ``tune_conv.py
+    --best-out`` writes it) -> {kernel: tile} for :data:`fedfast.triton.conv.CONFIGS`."""
+    if spec.startswith("@"):
+        with open(spec[1:]) as fh:
+            spec = fh.read().strip()
+    out = {}
+    for part in filter(None, spec.split(";")):
+        kind, _, v = part.partition(":")
+        if kind not in ("fwd", "dgrad", "wgrad"):
+            raise ValueError(f"--triton-configs: unknown kernel {kind!r} (fwd, dgrad, wgrad)")
+        out[kind] = tuple(int(t) for t in v.split(","))
+    return out
+
+
+@contextlib.contextmanager
+def _using_tiles(tiles: dict | None):
+    """Run with ``tiles`` in fedfast.triton.conv.CONFIGS (restored after): the variants of one run alternate."""
+    if not tiles:
+        yield
+        return
+    from fedfast.triton import conv as tc
+    saved = dict(tc.CONFIGS)
+    tc.CONFIGS.update(tiles)
+    try:
+        yield
+    finally:
+        tc.CONFIGS.clear()
+        tc.CONFIGS.update(saved)
+
+
+def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop: bool = True,
+              tiles: dict | None = None) -> dict:
     s = dict(SHAPES[name])
     R = rounds or (s["rounds"] if dev.type == "cuda" else s.get("cpu_rounds", s["rounds"]))
     N = s["K"] * s["n"]
@@ -195,16 +228,19 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
 
     impls = {}
-    for conv in engine_convs:
+    variants = [(conv, None) for conv in engine_convs] + ([("triton", tiles)] if tiles else [])
+    for conv, vt in variants:
         cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
                                 local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"],
                                 weight_decay=s.get("weight_decay", 0.0), seed=0, eval_every=10**6, conv=conv)
         base = _mem_begin(dev)
         sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, test, part, device=dev)
-        recs = [sim.round()]  # warm-up (round 0): Triton compilation, cuDNN plans, allocator
+        with _using_tiles(vt):
+            recs = [sim.round()]  # warm-up (round 0): Triton compilation, cuDNN plans, allocator
         peak = _mem_peak(dev, base)
-        impls[f"engine[{sim.conv}]" if len(engine_convs) > 1 else "engine"] = dict(
-            kind="engine", conv=sim.conv, sim=sim, times=[], recs=recs, peak=peak,
+        label = f"engine[{sim.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
+        impls[label] = dict(
+            kind="engine", conv=sim.conv, tiles=vt, sim=sim, times=[], recs=recs, peak=peak,
             teacher_flops=teacher_rows * fwd, executor="batched" if sim.stack.plan is not None else "vmap",
             client_chunk=sim.chunk)
     if loop:
@@ -231,7 +267,8 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
     for r in range(1, R + 1):  # interleaved: engine(s), loop, engine(s), loop, ...
         for key, im in impls.items():
             if im["kind"] == "engine":
-                im["times"].append(_timed(lambda: im["recs"].append(im["sim"].round()), dev))
+                with _using_tiles(im["tiles"]):
+                    im["times"].append(_timed(lambda: im["recs"].append(im["sim"].round()), dev))
             else:
                 im["times"].append(_timed(lambda: plain_loop_round(s, im["model"], train, part, r), dev))
     ref = _flat(impls["loop"]["model"]) if loop else None
@@ -242,7 +279,8 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
                    flops_per_round=work, tflops=work / sec / 1e12, peak_memory_bytes=im["peak"])
         if im["kind"] == "engine":
             sim = im["sim"]
-            out.update(conv=im["conv"], executor=im["executor"], client_chunk=im["client_chunk"],
+            out.update(conv=im["conv"], triton_tiles={k: list(v) for k, v in im["tiles"].items()} if im["tiles"]
+                       else None, executor=im["executor"], client_chunk=im["client_chunk"],
                        timers={k: round(v, 5) for k, v in im["recs"][-1]["timers"].items()})
             if ref is not None:
                 out["max_rel_diff_vs_loop"] = _rel(sim.global_flat, ref)
@@ -305,9 +343,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per implementation (default: per shape)")
     ap.add_argument("--engine-conv", default="auto", help="SimConfig.conv values, each an engine variant")
     ap.add_argument("--no-loop", action="store_true", help="engine only (no baseline: no ratio)")
+    ap.add_argument("--triton-configs", default="",
+                    help="one more engine variant: conv 'triton' with these tiles (fwd:...;dgrad:...;wgrad:... or "
+                         "@FILE from tune_conv.py --best-out), timed in the same rounds as the others")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
+    tiles = None
+    if a.triton_configs:
+        try:
+            tiles = _tiles(a.triton_configs)
+        except (OSError, ValueError) as e:
+            ap.error(str(e) if isinstance(e, ValueError) else f"--triton-configs: {e}")
     fedfast.engine.check_device(str(dev))
     names = [x for x in a.shapes.split(",") if x]
     bad = [x for x in names if x not in SHAPES]
@@ -319,13 +366,14 @@ def main(argv=None) -> int:
     print(json.dumps({k: res[k] for k in ("machine", "ceilings")}, indent=1), flush=True)
     for name in names:
         t0 = time.perf_counter()
-        rec = run_shape(name, dev, a.rounds or None, [c for c in a.engine_conv.split(",") if c], not a.no_loop)
+        rec = run_shape(name, dev, a.rounds or None, [c for c in a.engine_conv.split(",") if c], not a.no_loop,
+                        tiles)
         res["shapes"].append(rec)
         for key, im in rec["impls"].items():
             mem = f"{im['peak_memory_bytes'] / 2**30:6.2f} GiB" if im["peak_memory_bytes"] is not None else ""
             extra = f" x{im['speedup_vs_loop']:.2f} loop, diff {im.get('max_rel_diff_vs_loop', 0):.1e}" \
                 if "speedup_vs_loop" in im else ""
-            print(f"{name:16} {key:16} {im['seconds_per_round'] * 1e3:10.2f} ms/round "
+            print(f"{name:16} {key:22} {im['seconds_per_round'] * 1e3:10.2f} ms/round "
                   f"{im['samples_per_s']:12.0f} samples/s {im['tflops']:8.3f} TFLOP/s {mem}{extra}", flush=True)
         print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
         if a.out:  # after every shape: a later failure or timeout keeps what was measured

@@ -5,14 +5,17 @@
 # losses and their eager baselines), <gpu>-compiled.json (their torch.compile baselines), <gpu>-flat.json
 # (aggregate, client step), <gpu>-engine.json (pfl-research round), <gpu>-rounds.json (the round benchmark:
 # engine vs the plain loop, same run), <gpu>-conv.json (per-client convolution implementations),
-# <gpu>-profile.txt (where a round's time goes), and the whole log to gpu_check.log. Commit the JSON files.
+# <gpu>-profile.txt (where a round's time goes), <gpu>-tune.json (each convolution kernel over candidate tiles;
+# <gpu>-tuned.txt its choice, which bench-rounds then times as engine[triton+tiles]), and the whole log to
+# gpu_check.log. Commit the JSON files.
 #
 #   bash scripts/gpu_check.sh                all stages: build test bench-distill bench-compiled bench-flat
-#                                            bench-engine bench-rounds bench-conv profile
+#                                            bench-engine tune-conv bench-rounds bench-conv profile
 #   bash scripts/gpu_check.sh build test     only those stages (a device call is limited to 10 minutes: split
 #                                            the stages over calls)
 #
-# ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS add arguments to those stages (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
+# TEST_ARGS / TUNE_ARGS / ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS add arguments to those stages; TUNE_SECONDS bounds
+# tune-conv (default 150) (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
 #
 # A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
 # STAGE_TIMEOUT (seconds, default 540) bounds each stage so that a hang still leaves the other results, and
@@ -25,7 +28,7 @@ OUT_DIR=${OUT:-benchmarks/results}
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1
-ALL=(build test bench-distill bench-compiled bench-flat bench-engine bench-rounds bench-conv profile)
+ALL=(build test bench-distill bench-compiled bench-flat bench-engine tune-conv bench-rounds bench-conv profile)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 T=${STAGE_TIMEOUT:-540}
@@ -63,7 +66,10 @@ bench() {  # the command of a benchmark stage: bench FILE JSON [PYTEST_K_EXPRESS
 for st in "${STAGES[@]}"; do
   case "$st" in
     build) run_stage build "MAX_JOBS=${MAX_JOBS:-16} FEDFAST_REQUIRE_EXT=1 python setup.py build_ext --inplace > /tmp/fedfast-build.log 2>&1 || { tail -60 /tmp/fedfast-build.log; exit 1; }; python -c 'import fedfast._C, fedfast._C_cuda; print(\"extensions OK\")'" ;;
-    test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf" ;;
+    test) run_stage test "FEDFAST_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_gpu.py -rf ${TEST_ARGS:-}" ;;
+    # each convolution kernel alone over candidate tiles, against cuDNN kernel by kernel and a float64 reference;
+    # its choice (<gpu>-tuned.txt) is timed by a later bench-rounds of the same call as one more engine variant
+    tune-conv) run_stage tune-conv "python benchmarks/tune_conv.py --device cuda --seconds ${TUNE_SECONDS:-150} ${TUNE_ARGS:-} --out $OUT_DIR/$name-tune.json --best-out $OUT_DIR/$name-tuned.txt" ;;
     # the torch.compile baselines compile one graph per (loss, shape): their own stage and file, so that slow
     # compiles cannot cost the kernels' results
     bench-distill) run_stage bench-distill "$(bench bench_distill.py "$name.json" "not compiled")" ;;
@@ -74,7 +80,8 @@ for st in "${STAGES[@]}"; do
     bench-engine) run_stage bench-engine "$(bench bench_engine.py "$name-engine.json")" ;;
     # issue 26: the engine (grouped cuDNN and implicit-GEMM convolutions) against the plain per-client loop on the
     # five shapes, in one process; the convolution implementations alone; a profile of the pfl-research rounds
-    bench-rounds) run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
+    bench-rounds) tiles=""; [ -s "$OUT_DIR/$name-tuned.txt" ] && tiles="--triton-configs @$OUT_DIR/$name-tuned.txt"
+                  run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton $tiles ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
     # by default also the weight gradient without its reduction split (the 6th number: 1), against the automatic one
     bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:---configs wgrad:64,64,32,8,2,1} --out $OUT_DIR/$name-conv.json" ;;
     profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;

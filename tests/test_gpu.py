@@ -124,6 +124,7 @@ def test_gpu_aggregate_and_client_step(backend):
     buf0 = torch.randn(n, P)
     act = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
     lr = torch.rand(n) * 0.1
+    c = torch.randn(P)
     kw = dict(momentum=0.9, weight_decay=1e-3, prox_mu=0.1, anchor=g, corr_vec=c, corr_rows=torch.randn(n, P),
               corr_rows_coef=-1.0, corr_vec_scale=torch.rand(n) + 0.5, loss_rows=torch.randn(n, P) * 0.1,
               step_vec=torch.randn(P) * 0.01, step_vec_scale=torch.rand(n) + 0.5, max_norm=5.0, active=act)
