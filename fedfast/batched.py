@@ -51,9 +51,9 @@ class Plan(list):
     """The traced program (a list of :class:`Step`). ``dense_input``: the input is only flattened (an MLP), so
     images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back. ``conv``: how a
     convolution with per-client weights runs (:func:`fedfast.ops.client_conv.client_conv2d`: ``"grouped"``,
-    ``"gemm"`` or ``"triton"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the image
+    ``"gemm"``, ``"triton"`` or ``"hybrid"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the image
     layout (None: NHWC on a CPU, where oneDNN wants it, and for Triton convolutions, whose channel loads it makes
-    contiguous; NCHW otherwise)."""
+    contiguous; NCHW otherwise, ``"hybrid"`` included: cuDNN's grouped gradients run faster in NCHW)."""
     dense_input = False
     conv = "grouped"
     channels_last: bool | None = None

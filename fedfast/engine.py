@@ -79,11 +79,11 @@ CONV_AUTO = {"cpu": "grouped", "cuda": "grouped"}
 def conv_impl(setting: str, device: torch.device) -> str:
     """The convolution implementation a run uses: ``setting`` unless "auto"; ValueError where it cannot run."""
     impl = CONV_AUTO.get(device.type, "grouped") if setting == "auto" else setting
-    if impl == "triton":
+    if impl in ("triton", "hybrid"):
         from .ops import _backend
         if not _backend.available("triton", device.type):
             why = _backend.interpreter_problem()
-            raise ValueError(f"conv: 'triton' runs on CUDA devices (with triton installed), not {device.type}"
+            raise ValueError(f"conv: {impl!r} runs on CUDA devices (with triton installed), not {device.type}"
                              + (f" ({why})" if why else "") + "; use conv = 'grouped' or 'gemm'")
     return impl
 

@@ -13,7 +13,7 @@ import torch
 from . import methods as _methods
 
 SAMPLING = ("uniform", "bernoulli", "round_seeded")
-CONV_IMPLS = ("grouped", "gemm", "triton")
+CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
 # keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
 MOVED = {
@@ -98,7 +98,8 @@ class SimConfig:
     #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
     #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
     conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
-    #   "gemm" (im2col + batched GEMMs) or "triton" (implicit GEMMs, CUDA); "auto": grouped (CONV_AUTO)
+    #   "gemm" (im2col + batched GEMMs), "triton" (implicit GEMMs, CUDA) or "hybrid" (the implicit-GEMM forward,
+    #   cuDNN's grouped gradients; CUDA); "auto": by device (engine.CONV_AUTO)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None

@@ -73,6 +73,14 @@ def test_triton_matches_reference(g, fold_below, monkeypatch):
     _check("triton", g, channels_last=g[0] % 2 == 0)
 
 
+@pytest.mark.parametrize("g", GEOMS, ids=[f"g{i}" for i in range(len(GEOMS))])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_hybrid_matches_reference(g, channels_last):
+    """The Triton forward with the grouped convolution's gradients (a strided 1 x 1 on the CPU: the subsample path)."""
+    pytest.importorskip("triton")
+    _check("hybrid", g, channels_last)
+
+
 def test_reference_is_per_client_conv():
     """The reference itself against modules: client k's slice is nn.Conv2d with client k's weights."""
     x, w, b, s, p, d = _inputs(GEOMS[2])

@@ -15,6 +15,11 @@ Implementations (``impl``), all the same function (tests/test_client_conv.py che
   through ``F.fold``, weight gradient); memory: the unfolded input, ``KH*KW`` times the input, is kept for the
   backward.
 * ``"triton"``: implicit GEMMs (:mod:`fedfast.triton.conv`), no im2col buffer; CUDA, or the Triton interpreter.
+* ``"hybrid"``: the Triton implicit GEMM forward, cuDNN's grouped input and weight gradients
+  (``aten.convolution_backward`` with ``groups = n``). Measured kernel by kernel on an H100
+  (``benchmarks/tune_conv.py``, docs/benchmarks.md): cuDNN's grouped *forward* falls to 1.6 TFLOP/s from 200
+  clients on (35 ms at 200 clients of ``simple_cnn``'s second convolution, against 1.5 ms for the implicit GEMM),
+  while its grouped gradients run at 25-34 TFLOP/s, 1.5-2x the implicit GEMMs'. Each pass is the fastest measured.
 
 On CUDA, ``"gemm"`` and ``"triton"`` use TF32 tensor cores exactly when ``torch.backends.cudnn.allow_tf32`` is
 set (PyTorch's default), i.e. when a plain per-client loop's cuDNN convolutions use them too; with it cleared
@@ -28,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .conv_cpu import conv2d
+from .conv_cpu import conv2d, takes_subsample
 
-IMPLS = ("grouped", "gemm", "triton")
+IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
 
 def _pair(v) -> tuple[int, int]:
@@ -113,7 +118,7 @@ class _TritonConv(torch.autograd.Function):
     """The implicit-GEMM kernels of :mod:`fedfast.triton.conv`: forward, input gradient, weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, w, b, stride, padding, dilation):
+    def forward(ctx, x, w, b, stride, padding, dilation, grads="triton"):
         from ..triton.conv import conv_forward
         B, _, H, W = x.shape
         n, Cout = w.shape[:2]
@@ -125,6 +130,7 @@ class _TritonConv(torch.autograd.Function):
         conv_forward(x, wc, None if b is None else b.contiguous(), stride, padding, dilation, out, _tf32(x.device))
         ctx.save_for_backward(x, wc)
         ctx.geom = (stride, padding, dilation, b is not None)
+        ctx.grads = grads
         return out
 
     @staticmethod
@@ -135,13 +141,35 @@ class _TritonConv(torch.autograd.Function):
         stride, padding, dilation, has_b = ctx.geom
         tf32 = _tf32(g.device)
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = conv_input_grad(g, w, stride, padding, dilation, torch.empty_like(x), tf32)
-        if ctx.needs_input_grad[1]:
-            gw = conv_weight_grad(g, x, stride, padding, dilation, torch.empty_like(w), tf32)
+        if ctx.grads == "cudnn":
+            gx, gw = _grouped_grads(g, x, w, stride, padding, dilation, ctx.needs_input_grad[0],
+                                    ctx.needs_input_grad[1])
+        else:
+            if ctx.needs_input_grad[0]:
+                gx = conv_input_grad(g, w, stride, padding, dilation, torch.empty_like(x), tf32)
+            if ctx.needs_input_grad[1]:
+                gw = conv_weight_grad(g, x, stride, padding, dilation, torch.empty_like(w), tf32)
         if has_b and ctx.needs_input_grad[2]:
             gb = g.sum((0, 2, 3)).view(w.shape[0], w.shape[1])
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
+
+
+def _grouped_grads(g, x, w, stride, padding, dilation, need_x: bool, need_w: bool):
+    """The grouped convolution's input and weight gradients (cuDNN on CUDA: one ``convolution_backward`` with
+    ``groups = n``, TF32 by ``torch.backends.cudnn.allow_tf32`` as everywhere). On the CPU (the Triton interpreter's
+    tests) a strided 1 x 1 kernel goes through :func:`conv_cpu.conv2d`'s exact subsample path instead."""
+    n, Cout, Cin, KH, KW = w.shape
+    w2 = w.view(n * Cout, Cin, KH, KW)
+    if takes_subsample(x, w2, stride):
+        xs, ws = x.detach().requires_grad_(need_x), w2.detach().requires_grad_(need_w)
+        with torch.enable_grad():
+            out = conv2d(xs, ws, None, stride, padding, dilation, n)
+        got = iter(torch.autograd.grad(out, [t for t, on in ((xs, need_x), (ws, need_w)) if on], g))
+        gx, gw = (next(got) if need_x else None), (next(got) if need_w else None)
+    else:
+        gx, gw, _ = torch.ops.aten.convolution_backward(g, x, w2, None, list(stride), list(padding), list(dilation),
+                                                        False, [0, 0], n, [need_x, need_w, False])
+    return gx, (gw.view(w.shape) if gw is not None else None)
 
 
 def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, dilation=1, *,
@@ -172,9 +200,9 @@ def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, paddi
     from . import _backend
     if not _backend.available("triton", x.device.type):
         why = _backend.interpreter_problem()
-        raise ValueError(f"impl: 'triton' needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "
+        raise ValueError(f"impl: {impl!r} needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "
                          f"{x.device.type}" + (f" ({why})" if why else ""))
-    return _TritonConv.apply(x, w, b, stride, padding, dilation)
+    return _TritonConv.apply(x, w, b, stride, padding, dilation, "cudnn" if impl == "hybrid" else "triton")
 
 
 __all__ = ["client_conv2d", "client_conv2d_reference", "IMPLS", "out_size"]

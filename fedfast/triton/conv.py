@@ -229,11 +229,16 @@ def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
     tl.store(d, acc, mask=m_ok[:, None] & j_ok[None, :])
 
 
-# (BM, BN, BK, num_warps, num_stages[, split]): starting points with no register spills on sm_90 (scripts/
-# triton_sm90_check.py); benchmarks/bench_conv.py times alternatives on a GPU. Folded (thin-channel) and 64-bit
-# index variants keep 2-D index tiles live and take smaller tiles. The weight gradient's optional sixth entry
-# splits its reduction over that many programs per tile (0 or absent: :func:`wgrad_split` chooses).
-CONFIGS = {"fwd": (64, 64, 16, 8, 2), "dgrad": (64, 32, 16, 4, 2), "wgrad": (64, 64, 32, 8, 2)}
+# (BM, BN, BK, num_warps, num_stages[, split]), with no register spills on sm_90 (scripts/triton_sm90_check.py,
+# both precisions). Measured on an H100 by benchmarks/tune_conv.py (benchmarks/results/nvidia-h100-80gb-hbm3-
+# tune.json: each kernel alone, 8 tiles each, on simple_cnn's second convolution at 50, 200 and 1000 clients and the
+# FedNTD CNN's 5x5 one, TF32): the weight gradient's (64, 32, 32, 4, 4) beat the tile before it, (64, 64, 32, 8,
+# 2), on all four layers (by 0-11 %). The forward's (128, 64, 16, 4, 4) and the input gradient's (128, 32, 16, 4, 4)
+# were 12-18 % faster than these on all four, but spill (192 and 92 B in the forward with TF32; 16 B in the input
+# gradient in fp32): not taken while a spill-free tile is within that margin. Folded (thin-channel) and 64-bit
+# index variants keep 2-D index tiles live and take smaller tiles (not tuned on a GPU). The weight gradient's
+# optional sixth entry splits its reduction over that many programs per tile (0 or absent: :func:`wgrad_split`).
+CONFIGS = {"fwd": (64, 64, 16, 8, 2), "dgrad": (64, 32, 16, 4, 2), "wgrad": (64, 32, 32, 4, 4)}
 CONFIGS_THIN = {"fwd": (32, 64, 16, 4, 2), "dgrad": (32, 32, 16, 4, 2), "wgrad": (32, 64, 16, 4, 2)}
 FOLD_BELOW = 16  # channel counts below this fold the taps into the reduction index (one dot per 16+ lanes)
 
