@@ -314,7 +314,7 @@ def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
     assert a.is_cuda and a.shape == (7, 10) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["grouped", "gemm", "triton"])
+@pytest.mark.parametrize("impl", ["grouped", "gemm", "triton", "hybrid"])
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_client_conv_matches_reference(impl, tf32):
     """Every per-client convolution implementation on the GPU against the float64 per-client loop: fp32 to 1e-5;
@@ -363,7 +363,7 @@ def test_gpu_triton_weight_gradient_split(split):
     assert rel_err(dw.double().cpu(), want) <= 1e-5
 
 
-@pytest.mark.parametrize("conv", ["grouped", "gemm", "triton"])
+@pytest.mark.parametrize("conv", ["grouped", "gemm", "triton", "hybrid"])
 def test_gpu_engine_conv_implementations_match_the_loop(conv):
     """A CNN round on the GPU with each convolution implementation equals the CPU loop (fp32 semantics), and the
     second round's local steps make no host sync."""
@@ -373,7 +373,7 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
     from fedfast.engine import fp32_semantics
     from sequential_loop import sequential
     from test_engine_conv import _cnn_setup
-    _need("triton") if conv == "triton" else _cuda()
+    _need("triton") if conv in ("triton", "hybrid") else _cuda()
     train, test, part, model = _cnn_setup()
     cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
                             seed=1, conv=conv)
