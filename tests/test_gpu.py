@@ -322,7 +322,7 @@ def test_gpu_client_conv_matches_reference(impl, tf32):
     from fedfast.ops.client_conv import client_conv2d
     from test_client_conv import GEOMS, _grads, _inputs
     from fedfast.ops.client_conv import client_conv2d_reference
-    _need("triton") if impl == "triton" else _cuda()
+    _need("triton") if impl in ("triton", "hybrid") else _cuda()
     old = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = tf32
     try:
