@@ -69,32 +69,33 @@ def _gib(b) -> str:
     return "-" if b is None else f"{b / 2**30:.2f} GiB"
 
 
+def _newest_first(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    return sorted(runs, key=lambda pr: pr[1]["machine"].get("date", ""), reverse=True)
+
+
 def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
-    """Every implementation of every shape, with its share of the measured fp32 matrix-product rate."""
-    runs = [(p, r) for p, r in runs if r["machine"]["device"] == device]
+    """Every implementation of every shape, with its share of the measured fp32 matrix-product rate: one table per
+    run, newest first (implementations are compared only within a run: same process, same device)."""
+    runs = _newest_first([(p, r) for p, r in runs if r["machine"]["device"] == device])
     if not runs:
         return (f"No {'GPU' if device == 'cuda' else 'CPU'} run of the round benchmark is committed yet "
                 f"(`bash scripts/gpu_check.sh build bench-rounds` makes one on a GPU).")
-    lines = []
-    for path, r in runs:
-        lines.append(f"Measured on {_machine(r['machine'])}. Ceilings measured in the same run: "
-                     f"{_ceil(r['ceilings'])}. "
-                     f"Command: `python benchmarks/{r['command']}`; data: `{path}`.")
-    lines.append("")
-    lines.append("The last column compares the global models, `max |fedfast - loop| / max |loop|`, after the first "
-                 "round and at the end. In brackets is the loop's own change after its first round when its initial "
-                 "weights are perturbed by 1e-7. That is how far float rounding alone moves this training.")
-    lines.append("")
-    lines.append("| shape | roofline | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
-                 "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    lines = ["The last column compares the global models, `max |fedfast - loop| / max |loop|`, after the first "
+             "round and at the end. In brackets is the loop's own change after its first round when its initial "
+             "weights are perturbed by 1e-7. That is how far float rounding alone moves this training."]
     from bench_rounds import floor_seconds
     for path, r in runs:
+        lines += ["", f"Measured on {_machine(r['machine'])}. Ceilings measured in the same run: "
+                      f"{_ceil(r['ceilings'])}. Command: `python benchmarks/{r['command']}`; data: `{path}`.", "",
+                  "| shape | roofline | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
+                  "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         peak = r["ceilings"]["fp32_matmul_flops"]
         for rec in r["shapes"]:
             label = f"{SHAPE_LABELS.get(rec['shape'], rec['shape'])} | {_ms(floor_seconds(rec, r['ceilings']))}"
             for key, im in rec["impls"].items():
-                name = "plain loop" if key == "loop" else f"fedfast (conv {im['conv']})"
+                tiles = " + tiles" if im.get("triton_tiles") else ""
+                name = "plain loop" if key == "loop" else f"fedfast (conv {im['conv']}{tiles})"
                 ratio = "1" if key == "loop" else (f"{im['speedup_vs_loop']:.2f}" if "speedup_vs_loop" in im else "-")
                 diff = "-"
                 if "max_rel_diff_vs_loop" in im:
@@ -107,27 +108,38 @@ def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
 
 
 def rounds_short(runs: list[tuple[str, dict]], device: str) -> str:
-    """The README's view: per shape, the loop's and fedfast's seconds per round, the ratio and fedfast's rate."""
-    runs = [(p, r) for p, r in runs if r["machine"]["device"] == device]
+    """The README's view: per shape, from the newest run that has it, the loop's and fedfast's fastest seconds per
+    round (engine variants with hand-set tiles left out), the ratio and fedfast's rate."""
+    runs = _newest_first([(p, r) for p, r in runs if r["machine"]["device"] == device])
     if not runs:
         return (f"Not measured yet: no {'GPU' if device == 'cuda' else 'CPU'} run of `benchmarks/bench_rounds.py` "
                 f"is committed.")
-    m = runs[0][1]["machine"]
-    where = m["gpu"] if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
-    lines = [f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit `{m['commit'][:12]}`; the loop "
-             f"and fedfast in one process, same clients, data order and initial weights; details and every "
-             f"implementation in [docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):", "",
-             "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |", "|---|---|---|---|---|"]
+    newest = {}
     for _, r in runs:
         for rec in r["shapes"]:
-            loop = rec["impls"].get("loop")
-            engines = {k: v for k, v in rec["impls"].items() if k != "loop"}
-            key, best = min(engines.items(), key=lambda kv: kv[1]["seconds_per_round"])
-            conv = f" ({best['conv']} conv)" if len(engines) > 1 else ""
-            lines.append(f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
-                         f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
-                         f"{_ms(best['seconds_per_round'])}{conv} | "
-                         f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |")
+            newest.setdefault(rec["shape"], (r, rec))
+    order = [s for s in SHAPE_LABELS if s in newest] + [s for s in newest if s not in SHAPE_LABELS]
+    used = [r for r in dict.fromkeys(id(newest[s][0]) for s in order)]
+    used = [next(r for _, r in runs if id(r) == i) for i in used]
+    m = used[0]["machine"]
+    where = m["gpu"] if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
+    shas = list(dict.fromkeys(r["machine"]["commit"][:12] for r in used))
+    commits = ", ".join(f"`{c}`" for c in shas)
+    lines = [f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit{'s' if len(shas) > 1 else ''} "
+             f"{commits}; per shape its newest run; the loop and fedfast in one process, same clients, data order and "
+             f"initial weights; details and every implementation in "
+             f"[docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):", "",
+             "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |", "|---|---|---|---|---|"]
+    for shape in order:
+        r, rec = newest[shape]
+        loop = rec["impls"].get("loop")
+        engines = {k: v for k, v in rec["impls"].items() if k != "loop" and not v.get("triton_tiles")}
+        key, best = min(engines.items(), key=lambda kv: kv[1]["seconds_per_round"])
+        conv = f" ({best['conv']} conv)" if len(engines) > 1 else ""
+        lines.append(f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
+                     f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
+                     f"{_ms(best['seconds_per_round'])}{conv} | "
+                     f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |")
     return "\n".join(lines)
 
 
@@ -202,10 +214,74 @@ def provenance(name: str) -> str:
     torch_v = next((b["extra_info"].get("torch") for b in d["benchmarks"] if b["extra_info"].get("torch")), None)
     files = sorted({b["fullname"].split("::")[0] for b in d["benchmarks"]})
     commit = f"`{ci['id'][:12]}`" + (" with uncommitted changes" if ci.get("dirty") else "") if ci.get("id") else "?"
-    return (f"Measured on {cpu}" + (f" ({count} logical CPUs)" if count else "") + f", Python "
+    gpu = next((b["extra_info"].get("device_name") for b in d["benchmarks"] if b["extra_info"].get("device_name")),
+               None) if any(b["extra_info"].get("device") == "cuda" for b in d["benchmarks"]) else None
+    if gpu is None and any(b["extra_info"].get("device") == "cuda" for b in d["benchmarks"]):
+        gpu = name.split("-flat")[0].split(".json")[0]  # the file is named after the GPU (gpu_check.sh)
+    if gpu:
+        cpu = f"{gpu} (host: {cpu}"
+        count = f"{count} logical CPUs)" if count else None
+    return (f"Measured on {cpu}" + (f" ({count} logical CPUs)" if count and not gpu else
+                                    (f", {count}" if count else (")" if gpu else ""))) + f", Python "
             f"{mi.get('python_version', '?')}" + (f", torch {torch_v}" if torch_v else "") + f"; fedfast commit "
             f"{commit}, {d.get('datetime', '?')[:10]}. Command: `python -m pytest {' '.join(files)} "
             f"--benchmark-only`; data: `{path}`.")
+
+
+def tune_table(name: str = "nvidia-h100-80gb-hbm3-tune.json") -> str:
+    """benchmarks/tune_conv.py: each convolution kernel alone, cuDNN's grouped call against the implicit GEMM with
+    the shipped tile (the sweep's first candidate) and with the sweep's fastest valid tile."""
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
+    with open(path) as f:
+        d = json.load(f)
+    from tune_conv import CANDIDATES
+    lines = [f"Measured on {_machine(d['machine'])}. Command: `python benchmarks/{d['command']}`; data: "
+             f"`{os.path.relpath(path, ROOT)}`. Each kernel alone, median of 10 timed calls; every result within "
+             f"the TF32 bound of a float64 reference (largest relative error "
+             f"{max(r['rel_err_fp64'] for r in d['rows'] if 'seconds' in r):.1e}).", "",
+             "| layer (clients, batch, Cin->Cout, HxW, kernel) | kernel | cuDNN grouped | implicit GEMM, shipped tile | "
+             "implicit GEMM, fastest tile (tile) |", "|---|---|---|---|---|"]
+    cells = {}
+    for r in d["rows"]:
+        if "seconds" in r and r.get("ok", True):
+            cells.setdefault((r["layer"], r["kind"]), []).append(r)
+    for (layer, kind), rows in cells.items():
+        n, B, ci, co, H, k, s_, p_ = rows[0]["geometry"]
+        cud = next((r for r in rows if r["impl"] == "cudnn"), None)
+        tri = [r for r in rows if r["impl"] == "triton"]
+        ship = next((r for r in tri if tuple(r["config"]) == tuple(CANDIDATES[kind][0])), None)
+        best = min(tri, key=lambda r: r["seconds"]) if tri else None
+        fmt = (lambda r: "-" if r is None else f"{r['seconds'] * 1e3:.3f} ms ({r['tflops']:.1f} TFLOP/s)")
+        lines.append(f"| {layer} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}x{k}) | {kind} | {fmt(cud)} | {fmt(ship)} | "
+                     f"{fmt(best)}{' ' + str(tuple(best['config'])) if best else ''} |")
+    return "\n".join(lines)
+
+
+def gpu_ops_table(losses: str = "nvidia-h100-80gb-hbm3.json", flat: str = "nvidia-h100-80gb-hbm3-flat.json") -> str:
+    """bench_distill / bench_flat on a GPU: each fused op's effective bandwidth (its minimum bytes over its median
+    time) as a share of the copy bandwidth measured in the losses' run."""
+    out, copy = [], None
+    rows = []
+    for name in (losses, flat):
+        if not os.path.exists(os.path.join(RESULTS, name)):
+            return f"Not measured yet: `benchmarks/results/{name}` is not committed."
+        path, d = _pytest_json(name)
+        out.append(provenance(name))
+        for b in d["benchmarks"]:
+            e = b["extra_info"]
+            copy = copy or e.get("copy_gbps")
+            rows.append((e, b["stats"]["median"]))
+    lines = [" ".join(out), "", f"Copy bandwidth measured in the losses' run: {copy:.0f} GB/s (bytes read + written).",
+             "", "| op | shape | implementation | median | GB/s | % of copy |", "|---|---|---|---|---|---|"]
+    for e, med in rows:
+        if "loss" in e:
+            op, shape = f"loss {e['loss']} (fwd+bwd)", f"R={e['R']}, C={e['C']}"
+        else:
+            op, shape = e["op"], f"N={e['N']}, P={e['P']:,}"
+        lines.append(f"| {op} | {shape} | {e['impl']} | {_ms(med)} | {e['gbps']:.0f} | {100 * e['gbps'] / copy:.0f} % |")
+    return "\n".join(lines)
 
 
 PEER_LABELS = {
@@ -266,6 +342,8 @@ def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
 
 TABLES = {
     "demo": demo_table,
+    "conv-kernels-gpu": tune_table,
+    "ops-gpu": gpu_ops_table,
     "peers": peers_table,
     "methods": methods_table,
     "rounds-gpu": lambda: rounds_full(_load("*-rounds*.json"), "cuda"),

@@ -71,14 +71,20 @@ class Diverged(ArithmeticError):
 
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
-# no faster rounds; docs/benchmarks.md). CUDA: grouped until the implicit-GEMM kernels have been timed against
-# cuDNN on a GPU (bench_conv.py, bench_rounds.py --engine-conv).
-CONV_AUTO = {"cpu": "grouped", "cuda": "grouped"}
+# no faster rounds; docs/benchmarks.md). CUDA: "hybrid" (the implicit-GEMM forward, cuDNN's grouped gradients;
+# bench_rounds.py on an H100, one run, benchmarks/results/nvidia-h100-80gb-hbm3-rounds-hybrid*.json: 347 ms per
+# round at 1000 clients of simple_cnn against 411 ms for "triton" and 1245 ms for "grouped"; FedNTD's MNIST 324 ms
+# against 377 and 425; pfl-research at 50 clients 34.7 ms, all three within 3 %). Without triton it is "grouped".
+CONV_AUTO = {"cpu": "grouped", "cuda": "hybrid"}
 
 
 def conv_impl(setting: str, device: torch.device) -> str:
     """The convolution implementation a run uses: ``setting`` unless "auto"; ValueError where it cannot run."""
     impl = CONV_AUTO.get(device.type, "grouped") if setting == "auto" else setting
+    if setting == "auto" and impl in ("triton", "hybrid"):
+        from .ops import _backend
+        if not _backend.available("triton", device.type):
+            impl = "grouped"  # the automatic choice needs no optional package
     if impl in ("triton", "hybrid"):
         from .ops import _backend
         if not _backend.available("triton", device.type):

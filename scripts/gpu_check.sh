@@ -14,6 +14,9 @@
 #   bash scripts/gpu_check.sh build test     only those stages (a device call is limited to 10 minutes: split
 #                                            the stages over calls)
 #
+# The device's copy of the repository may report an older commit than the tree it runs (seen 2026-11-25): put
+# FEDFAST_COMMIT=$(git rev-parse HEAD), read here, into the device command; the round and tile JSON record it.
+#
 # TEST_ARGS / TUNE_ARGS / ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS add arguments to those stages; TUNE_SECONDS bounds
 # tune-conv (default 150) (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
 #

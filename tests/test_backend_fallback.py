@@ -91,3 +91,18 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
         conv_impl("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert _backend.interpreter_problem() == ""
+
+
+def test_automatic_conv_needs_no_triton(monkeypatch):
+    """conv = "auto" picks the device's default (CUDA: "hybrid", which needs triton) and falls back to "grouped"
+    where triton cannot run; an explicit "hybrid" there is refused by name."""
+    from fedfast import engine
+    from fedfast.ops import _backend
+    monkeypatch.setitem(engine.CONV_AUTO, "cpu", "hybrid")
+    monkeypatch.setattr(_backend, "available", lambda name, dev: False)
+    assert engine.conv_impl("auto", torch.device("cpu")) == "grouped"
+    with pytest.raises(ValueError, match=r"conv: 'hybrid' runs on CUDA"):
+        engine.conv_impl("hybrid", torch.device("cpu"))
+    monkeypatch.setattr(_backend, "available", lambda name, dev: True)
+    assert engine.conv_impl("auto", torch.device("cpu")) == "hybrid"
+    assert engine.CONV_AUTO["cuda"] == "hybrid"

@@ -20,11 +20,11 @@ def _cnn_setup():
     return train, test, part, model
 
 
-@pytest.mark.parametrize("conv", ["gemm", "triton"])
+@pytest.mark.parametrize("conv", ["gemm", "triton", "hybrid"])
 def test_conv_implementations_match_the_loop(conv):
     """A CNN (padding, stride 2, GroupNorm) trained with each convolution implementation equals the literal loop;
-    'triton' runs the implicit-GEMM kernels in Triton's interpreter here."""
-    pytest.importorskip("triton") if conv == "triton" else None
+    'triton' and 'hybrid' run the implicit-GEMM kernels in Triton's interpreter here."""
+    pytest.importorskip("triton") if conv in ("triton", "hybrid") else None
     train, test, part, model = _cnn_setup()
     cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
                             seed=1, conv=conv)
