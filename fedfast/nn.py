@@ -4,7 +4,14 @@ Every module takes ``reduction="mean"|"sum"|"none"|"segment"``, ``ignore_index=-
 (auto by device, or ``FEDFAST_BACKEND``) and ``validate=None`` (see :mod:`fedfast.ops._validate`), and
 every ``forward`` takes ``segments=None`` (an int tensor [R] of sorted client ids: "mean" is taken within
 each client's rows and the client means are summed) and ``num_segments=None``. Student logits [R, C]
-need grad; teachers are detached; fp32, bf16 and fp16 inputs all work, with fp32 accumulation.
+need grad; fp32, bf16 and fp16 inputs all work, with fp32 accumulation (float64 in float64).
+
+Gradients (every module): ``detach_teacher=True`` (default): the teacher is a fixed target, and no gradient reaches
+it even when it requires grad. ``detach_teacher=False``: the teacher receives the gradient of the distillation term
+(mutual / online distillation). The default backward is fused and first-order: differentiating its gradient
+again (after ``create_graph=True``) raises a RuntimeError saying so. ``double_backward=True``: any order of derivative. Both
+non-default options compute the loss with PyTorch's autograd formulas (:mod:`fedfast.ops.distill_reference`),
+slower than the fused op; ``torch.jit.trace`` and ``torch.func`` transforms take that path automatically.
 """
 from __future__ import annotations
 
@@ -17,22 +24,30 @@ from .ops.distill import class_table
 
 
 class _DistillBase(nn.Module):
-    def __init__(self, tau: float, reduction: str, ignore_index: int, backend: str | None, validate: str | None):
+    def __init__(self, tau: float, reduction: str, ignore_index: int, backend: str | None, validate: str | None,
+                 detach_teacher: bool = True, double_backward: bool = False):
         super().__init__()
         _validate.check_tau("tau", tau)
         if reduction not in ("mean", "sum", "none", "segment"):
             raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
         self.tau, self.reduction, self.ignore_index = float(tau), reduction, int(ignore_index)
         self.backend, self.validate = backend, validate
+        for name, v in (("detach_teacher", detach_teacher), ("double_backward", double_backward)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}: expected True or False, got {v!r}")
+        self.detach_teacher, self.double_backward = detach_teacher, double_backward
 
     def _common(self, segments, num_segments):
         return dict(tau=self.tau, reduction=self.reduction, ignore_index=self.ignore_index, segments=segments,
-                    num_segments=num_segments, backend=self.backend, validate=self.validate)
+                    num_segments=num_segments, backend=self.backend, validate=self.validate,
+                    detach_teacher=self.detach_teacher, double_backward=self.double_backward)
 
     def extra_repr(self) -> str:
         keys = [k for k in ("tau", "ce_weight", "kd_weight", "beta", "lam", "gamma", "not_true", "entropy_tau",
                             "tau_squared") if hasattr(self, k)]
-        return ", ".join(f"{k}={getattr(self, k)}" for k in keys) + f", reduction={self.reduction!r}"
+        extra = [f"{k}={getattr(self, k)}" for k, d in (("detach_teacher", True), ("double_backward", False))
+                 if getattr(self, k) != d]
+        return ", ".join([f"{k}={getattr(self, k)}" for k in keys] + [f"reduction={self.reduction!r}"] + extra)
 
 
 class KDLoss(_DistillBase):
@@ -41,8 +56,9 @@ class KDLoss(_DistillBase):
     averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``."""
 
     def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
-                 reduction: str = "mean", ignore_index: int = -100, backend=None, validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 reduction: str = "mean", ignore_index: int = -100, backend=None, validate=None,
+                 detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.ce_weight, self.kd_weight, self.tau_squared = float(ce_weight), float(kd_weight), bool(tau_squared)
 
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
@@ -58,8 +74,9 @@ class NTDLoss(_DistillBase):
     softmax), ``s = tau^2`` if ``tau_squared`` (official code HEAD) else 1 (paper). No (1-beta) on CE."""
 
     def __init__(self, tau: float = 1.0, beta: float = 1.0, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 ignore_index: int = -100, backend=None, validate=None,
+                 detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.beta, self.tau_squared = float(beta), bool(tau_squared)
 
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
@@ -72,19 +89,23 @@ class NTDLoss(_DistillBase):
 class ASDLoss(_DistillBase):
     """ASD (Yashwanth et al., Eq. 2-11, official-code scaling): ``CE_mean + lam * sum_i alpha_i KL_i`` with
     ``alpha_i ∝ exp(-H(softmax(t_i/entropy_tau))) / class_prior[y_i]`` normalised to sum 1 within each
-    segment (client minibatch). ``not_true=True`` is FedNTD+ASD (KL over the not-true classes; weights
-    from the full teacher softmax). No tau^2 (paper); ``tau_squared=True`` multiplies the KD term by tau^2.
+    segment (client minibatch). ``entropy_tau=1.0`` (default) is the official code's: the entropy of the plain
+    teacher softmax, whatever the KD temperature ``tau``. ``not_true=True`` is FedNTD+ASD (KL over the not-true
+    classes; weights from the full teacher softmax). No tau^2 (paper); ``tau_squared=True`` multiplies the KD term by tau^2.
     ``class_prior`` is the client's label distribution, [C] or [num_segments, C].
 
     With ``reduction="none"`` row i returns ``CE_i + lam * n_seg * alpha_i * KL_i`` (its segment mean is
     the paper's loss); "sum" sums those rows."""
 
-    def __init__(self, tau: float = 2.0, lam: float = 10.0, not_true: bool = False, entropy_tau: float | None = None,
+    def __init__(self, tau: float = 2.0, lam: float = 10.0, not_true: bool = False, entropy_tau: float = 1.0,
                  tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100, backend=None,
-                 validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 validate=None, detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.lam, self.not_true, self.tau_squared = float(lam), bool(not_true), bool(tau_squared)
-        self.entropy_tau = self.tau if entropy_tau is None else float(entropy_tau)
+        if entropy_tau is None:
+            raise ValueError("entropy_tau: give the temperature of the teacher entropy in the ASD weights (the "
+                             "official code: 1.0, the default; None used to mean tau)")
+        self.entropy_tau = float(entropy_tau)
         _validate.check_tau("entropy_tau", self.entropy_tau)
 
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None,
@@ -106,8 +127,9 @@ class GKDLoss(_DistillBase):
     """
 
     def __init__(self, tau: float = 1.0, gamma: float = 0.2, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 ignore_index: int = -100, backend=None, validate=None,
+                 detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.gamma, self.tau_squared = float(gamma), bool(tau_squared)
 
     def forward(self, student: Tensor, teachers: Tensor | None, target: Tensor, teacher_weights=None,
@@ -125,8 +147,9 @@ class CADLoss(_DistillBase):
     ``tau_squared`` (default off, as in the paper). softCE = -sum_c p_c log q_c (= KL + H(p))."""
 
     def __init__(self, tau: float = 2.0, tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100,
-                 backend=None, validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 backend=None, validate=None,
+                 detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.tau_squared = bool(tau_squared)
 
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_alpha, segments: Tensor | None = None,
@@ -149,8 +172,9 @@ class ADCLoss(_DistillBase):
     ``p = softmax(t/tau)``, ``rho = class_freq / max(class_freq)`` per client; ``s = tau^2`` (CS-KD)."""
 
     def __init__(self, tau: float = 4.0, lam: float = 0.35, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None):
-        super().__init__(tau, reduction, ignore_index, backend, validate)
+                 ignore_index: int = -100, backend=None, validate=None,
+                 detach_teacher: bool = True, double_backward: bool = False):
+        super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam: must lie in [0, 1], got {lam!r}")
         self.lam, self.tau_squared = float(lam), bool(tau_squared)

@@ -38,7 +38,7 @@ def _(teacher, target, class_prior, segments, entropy_tau, ignore_index, backend
 
 
 def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None, *,
-                entropy_tau: float = 2.0, ignore_index: int = -100, backend: str | None = None,
+                entropy_tau: float = 1.0, ignore_index: int = -100, backend: str | None = None,
                 validate: str | None = None) -> Tensor:
     """Un-normalised ASD weights ``alphahat`` [R] (0 on ignored rows). ``class_prior`` [C] or [S, C]."""
     _validate.check_logits("teacher", teacher)

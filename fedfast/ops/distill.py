@@ -43,8 +43,9 @@ def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha
 @torch.library.custom_op("fedfast::distill_rows", mutates_args=())
 def distill_rows_op(student: Tensor, teacher: Tensor, target: Tensor, teacher_negent: Optional[Tensor],
                     class_alpha: Optional[Tensor], row_weight: Optional[Tensor], rho: Optional[Tensor],
-                    segments: Optional[Tensor], row_scale: Optional[Tensor], tau: float, ce_weight: float, kd_weight: float, ignore_index: int,
-                    not_true: bool, soft_ce: bool, backend: str) -> tuple[Tensor, Tensor]:
+                    segments: Optional[Tensor], row_scale: Optional[Tensor], tau: float, ce_weight: float,
+                    kd_weight: float, ignore_index: int, not_true: bool, soft_ce: bool,
+                    backend: str) -> tuple[Tensor, Tensor]:
     loss, grad = _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho,
                                segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce)
     return loss, grad
@@ -84,7 +85,35 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = inputs[-1]
 
 
+FIRST_ORDER = ("fedfast's fused distillation backward is first-order: it scales d(loss)/d(student) stored in the "
+               "forward, so a gradient of this gradient (create_graph=True: gradient penalties, Hessian-vector "
+               "products) would be wrong. Pass double_backward=True (fedfast.nn losses, fedfast.ops.distill) to "
+               "compute the loss with PyTorch's autograd formulas instead")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity on a first-order gradient, whose own backward raises :data:`FIRST_ORDER`: ``create_graph=True``
+    still gives the right first derivative, and only differentiating it again fails (with the reason)."""
+
+    @staticmethod
+    def forward(ctx, g, student):
+        return g.view_as(g)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(FIRST_ORDER)
+
+
+def _first_order(g: Tensor, anchor: Tensor | None) -> Tensor:
+    """``g``, tied in the graph to ``anchor`` (a 0-d tensor computed from the student: ``student[0, 0] * 0``, whose
+    graph holds no logits-sized buffer) when a backward builds one (``create_graph=True``: grad mode is on inside the
+    backward exactly then), so that a second derivative through the student's producers reaches the raising node."""
+    return _FirstOrderOnly.apply(g, anchor) if torch.is_grad_enabled() and anchor is not None else g
+
+
 def _backward(ctx, grad_loss, grad_grad):
+    if torch.is_grad_enabled():  # compiled: refused when the backward builds a graph (create_graph=True)
+        raise RuntimeError(FIRST_ORDER)
     (grad,) = ctx.saved_tensors
     g = scale_rows_op(grad, grad_loss.contiguous(), ctx.backend)
     return (g,) + (None,) * 15
@@ -98,17 +127,17 @@ class _DistillRowsFn(torch.autograd.Function):
     dispatch cost of ``torch.library.custom_op`` (~0.1 ms per call); used when not compiling."""
 
     @staticmethod
-    def forward(ctx, student, *args):
+    def forward(ctx, student, anchor, *args):
         loss, grad = _backend_rows(args[-1], student, *args[:-1])
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(grad, anchor)
         ctx.backend = args[-1]
         ctx.mark_non_differentiable(grad)
         return loss, grad
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_grad):
-        (grad,) = ctx.saved_tensors
-        return (scale_rows(grad, grad_loss.contiguous(), ctx.backend),) + (None,) * 15
+        grad, anchor = ctx.saved_tensors
+        return (_first_order(scale_rows(grad, grad_loss.contiguous(), ctx.backend), anchor),) + (None,) * 16
 
 
 def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, tau,
@@ -119,7 +148,8 @@ def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weig
             float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce), backend)
     if torch.compiler.is_compiling():
         return distill_rows_op(*args)
-    return _DistillRowsFn.apply(*args)
+    anchor = student[0, 0] * 0.0 if student.requires_grad and torch.is_grad_enabled() and student.numel() else None
+    return _DistillRowsFn.apply(student, anchor, *args[1:])
 
 
 def class_table(name: str, x, C: int, device, segments: Tensor | None) -> Tensor:
@@ -211,6 +241,8 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
                 raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
             raise ValueError(f"segments: client ids must be sorted (contiguous per client) and lie in [0, {limit})")
         row_scale = rs if need_scale else None
+        if need_scale and student.dtype == torch.float64:  # the C++ pass computes 1/n in float32
+            row_scale = row_scale_torch(target, C, ignore_index, segments, torch.float64)
     elif need_scale:
         row_scale = row_scale_torch(target, C, ignore_index, segments, _loss_dtype(student))
     return target, segments, row_scale
@@ -257,11 +289,82 @@ def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
                                                                         loss_rows)
 
 
+def _functorch_active(*ts) -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running over these tensors."""
+    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return is_wrapped is not None and any(isinstance(t, Tensor) and is_wrapped(t) for t in ts)
+
+
+def autograd_reason(student, teacher, detach_teacher: bool, double_backward: bool) -> str:
+    """Why this call computes the loss with PyTorch's autograd formulas rather than the fused first-order op
+    ("" when it does not): double backward or a teacher that receives gradients asked for, ``torch.jit.trace``
+    (which cannot record the fused op's stored gradient) or a ``torch.func`` transform."""
+    if double_backward:
+        return "double_backward=True"
+    if not detach_teacher:
+        return "detach_teacher=False"
+    if torch.compiler.is_compiling():  # the custom op, with its fake kernel and registered autograd
+        return ""
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    if _functorch_active(student, teacher):
+        return "a torch.func transform"
+    return ""
+
+
+def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, kind, soft_ce, class_alpha,
+                      row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments, backend,
+                      mode, mixture, detach_teacher):
+    """The loss as plain differentiable PyTorch ops (:func:`distill_reference`): any order of derivative, gradients
+    into the teacher unless ``detach_teacher``, traceable and transformable; slower than the fused op."""
+    from .distill_reference import distill_reference, teacher_mixture_reference
+    if backend not in (None, "reference"):
+        raise ValueError(f"backend: {backend!r} computes the fused first-order gradient; {why} needs PyTorch's "
+                         f"autograd formulas (leave backend unset, or 'reference')")
+    R, C = student.shape
+    dev = student.device
+    teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
+    if _functorch_active(target, segments):
+        mode = "off"  # a batched (vmapped) label cannot be checked on the host
+    _validate.check_target(target, R, C, ignore_index, dev, mode)
+    if segments is not None:
+        _validate.check_segments(segments, R, dev, mode, num_segments)
+    acc = _loss_dtype(student)
+    fix = (lambda t: t.detach()) if detach_teacher else (lambda t: t)
+    negent = None
+    M = teacher.shape[0]
+    if mixture is not None:
+        teacher_in, negent = fix(mixture[0]).to(acc), fix(mixture[1]).to(acc)
+    elif M > 1 or teacher_weights is not None:
+        if rho is not None:
+            raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
+        tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
+        teacher_in, negent = teacher_mixture_reference(fix(teacher), tw, target, tau=tau,
+                                                       not_true=(kind == "not_true"), ignore_index=ignore_index)
+    else:
+        teacher_in = fix(teacher[0])
+    if class_alpha is not None:
+        class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0]
+    if rho is not None:
+        rho = class_table("rho", rho, C, dev, segments)
+    if row_weight is not None:
+        if row_weight.shape != (R,):
+            raise ValueError(f"row_weight: expected shape ({R},), got {tuple(row_weight.shape)}")
+        row_weight = row_weight.to(device=dev, dtype=acc)
+    row_scale = row_scale_torch(target, C, ignore_index, segments, acc) if reduction in ("mean", "segment") else None
+    loss_rows = distill_reference(student, teacher_in, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
+                                  not_true=kind == "not_true", soft_ce=soft_ce, ignore_index=ignore_index,
+                                  class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
+                                  teacher_negent=negent, row_scale=row_scale)
+    return _reduce(loss_rows, reduction, segments, num_segments)
+
+
 def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.0, ce_weight: float = 1.0,
             kd_weight: float = 1.0, kind: str = "full", soft_ce: bool = False, class_alpha=None,
             row_weight: Tensor | None = None, rho=None, teacher_weights=None, segments: Tensor | None = None,
             reduction: str = "mean", ignore_index: int = -100, num_segments: int | None = None,
-            backend: str | None = None, validate: str | None = None, mixture=None) -> Tensor:
+            backend: str | None = None, validate: str | None = None, mixture=None, detach_teacher: bool = True,
+            double_backward: bool = False) -> Tensor:
     """Fused CE + distillation loss (see :mod:`fedfast.ops.distill_reference` for the formula).
 
     ``student`` [R, C] logits (grad flows); ``teacher`` [R, C] logits, or [M, R, C] with
@@ -273,6 +376,13 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     means (``num_segments`` avoids one host sync). ``validate``: see :mod:`fedfast.ops._validate`.
     ``mixture``: a precomputed ``(P [R, C], negent [R])`` from :func:`fedfast.ops.teacher_mixture` (the
     engine computes it once per round for VOTE); then ``teacher`` must be None.
+
+    Gradients. By default the teacher is a fixed target (``detach_teacher=True``: no gradient reaches it, even
+    when it requires grad) and the backward is first-order: the fused op stores d(loss)/d(student) in the forward
+    and the backward scales it, so asking for a gradient of that gradient (``create_graph=True``) raises. With
+    ``detach_teacher=False`` (mutual or online distillation: the teacher learns too) or ``double_backward=True``
+    (gradient penalties, Hessian-vector products) the loss is computed with PyTorch's autograd formulas (the
+    reference formulas, any device, slower); ``torch.jit.trace`` and ``torch.func`` transforms take that path too.
     """
     _validate.check_logits("student", student)
     if kind not in _KINDS:
@@ -288,6 +398,11 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         raise ValueError(f"student: needs at least 2 classes, got C={C}")
     dev = student.device
     mode = _validate.mode_for(dev, validate)
+    why = autograd_reason(student, teacher if mixture is None else mixture[0], detach_teacher, double_backward)
+    if why:
+        return _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, kind, soft_ce, class_alpha,
+                                 row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments,
+                                 backend, mode, mixture, detach_teacher)
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
     be = _backend.resolve(backend, dev.type)
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
