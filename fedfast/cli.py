@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("dirs", nargs="+", help="study or run directories")
     pl.add_argument("-o", "--out", required=True, help="PNG file to write")
     pl.add_argument("--title", default=None)
+    bn = sub.add_parser("bench", help="the fused losses against their authors' code (time, peak memory)",
+                        add_help=False)
+    bn.add_argument("bench_args", nargs=argparse.REMAINDER)
     dr = sub.add_parser("doctor", help="versions, devices, built backends; every backend checked against the "
                                        "reference (ops and an engine round)")
     dr.add_argument("--quick", action="store_true", help="ops only, no engine round")
@@ -128,6 +131,10 @@ def main(argv=None) -> int:
     ``--workers`` process died; 4 the run diverged (its directory records it); 128 + N stopped by signal N after
     a round (checkpointed: ``--resume`` continues)."""
     from .runner import Interrupted, RunDiverged
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own options (fedfast.bench.main); the subparser only lists it
+        from .bench import main as bench
+        return bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "doctor":
         if args.triton_interpret:

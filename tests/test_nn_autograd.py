@@ -67,7 +67,8 @@ def test_gradient_penalty_through_a_model_is_refused_not_wrong():
     with pytest.raises(RuntimeError, match="first-order"):
         (gp ** 2).sum().backward()
     got = []
-    for fn in (lambda o: fnn.KDLoss(tau=2.0, double_backward=True)(o, t, y), lambda o: kd_eager(o, t, y, 2.0, 1.0, 1.0)):
+    for fn in (lambda o: fnn.KDLoss(tau=2.0, double_backward=True)(o, t, y),
+               lambda o: kd_eager(o, t, y, 2.0, 1.0, 1.0)):
         lin.zero_grad()
         gp, = torch.autograd.grad(fn(lin(x)), lin.weight, create_graph=True)
         (gp ** 2).sum().backward()

@@ -18,6 +18,8 @@ import importlib
 import os
 import warnings
 
+import torch
+
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 _warned: set[str] = set()
 _ext_cache: dict[str, object] = {}
@@ -126,8 +128,10 @@ def _fallback(name: str, why: str) -> str:
     return "reference"
 
 
+@torch.compiler.assume_constant_result
 def resolve(backend: str | None, device_type: str) -> str:
-    """Return the backend that will run, given the request and the tensors' device type."""
+    """Return the backend that will run, given the request and the tensors' device type. Under ``torch.compile``
+    it runs once, eagerly, while the graph is made (it may import an extension, which traced code cannot)."""
     req = backend if backend is not None else os.environ.get("FEDFAST_BACKEND") or "auto"
     if req == "auto":
         if device_type == "cuda":  # Triton first: the interpreter-tested kernels (see the module docstring)

@@ -1,0 +1,268 @@
+"""``fedfast bench``: the fused losses against the loss code their users have, on this machine.
+
+The baselines are the losses as their authors wrote them, written out here (eager PyTorch, and the same under
+``torch.compile``); fedfast's own float64 reference is a correctness oracle, not a speed baseline:
+
+* ``ntd``: FedNTD's ``NTD_Loss`` (Lee-Gihun/FedNTD, ``algorithms/fedntd/criterion.py``): ``refine_as_not_true``
+  gathers the C-1 not-true logits through an ``arange().repeat()`` index and a boolean mask, then
+  ``CE + beta * KLDivLoss(batchmean)(log_softmax(nt_z / tau), softmax(nt_t / tau))`` (no tau^2). fedfast:
+  ``NTDLoss(tau, beta, tau_squared=False)``.
+* ``kd``: RepDistiller's ``DistillKL`` (``kl_div(log_softmax(z/T), softmax(t/T), size_average=False) * T^2 / B``)
+  plus cross-entropy. fedfast: ``KDLoss(tau=T)``.
+* ``gkd_vote3``: FedGKD-VOTE's loss lines: CE plus ``gamma/2 * sum_m w_m KL(softmax(t_m/T) || softmax(z/T))`` over 3
+  teachers, one ``kl_div`` per teacher. fedfast: ``GKDLoss(tau=T, gamma, tau_squared=False)`` with
+  ``teacher_weights``.
+* ``asd``: ASD's loss lines (FedAvg+ASD): the teacher-entropy weights ``exp(-H(softmax(t))) / prior[y]``,
+  normalised over the batch, and ``CE + lam * sum_i w_i KL_i`` at ``tau``. fedfast: ``ASDLoss(tau, lam)``.
+
+Each (loss, shape, implementation) is timed forward + backward (median of repeated calls after warm-up) at the
+process's thread count. Peak memory: each case again in a fresh process, the growth of its peak resident set
+over what its inputs hold (``ru_maxrss``), so allocator caches of earlier cases do not hide it.
+
+    fedfast bench                       # every shape, eager and compiled baselines, memory; minutes
+    fedfast bench --quick               # the four small shapes, eager baselines, no memory; under a minute
+    fedfast bench --out bench.json      # the JSON docs/benchmarks.md's table is generated from
+
+Shapes (rows R x classes C): 64 x 10, 500 x 10, 128 x 100, 8192 x 100 (federated minibatches), 4096 x 32,000 and
+1024 x 128,000 (language-model distillation).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(64, 10), (500, 10), (128, 100), (8192, 100), (4096, 32000), (1024, 128000)]
+QUICK_SHAPES = SHAPES[:4]
+LOSSES = ("ntd", "kd", "gkd_vote3", "asd")
+TAU = {"ntd": 3.0, "kd": 4.0, "gkd_vote3": 1.0, "asd": 2.0}
+BETA, GAMMA, LAM = 1.0, 0.2, 10.0
+
+
+# ---- the authors' code, written out -----------------------------------------------------------------------------
+
+def refine_as_not_true(logits, targets, num_classes):
+    """FedNTD's helper, as in its repository: the C-1 not-true logits of each row."""
+    nt_positions = torch.arange(0, num_classes).to(logits.device)
+    nt_positions = nt_positions.repeat(logits.size(0), 1)
+    nt_positions = nt_positions[nt_positions[:, :] != targets.view(-1, 1)]
+    nt_positions = nt_positions.view(-1, num_classes - 1)
+    return torch.gather(logits, 1, nt_positions)
+
+
+def ntd_authors(z, t, y, extra):
+    tau, C = TAU["ntd"], z.shape[1]
+    ce = F.cross_entropy(z, y)
+    pred = F.log_softmax(refine_as_not_true(z, y, C) / tau, dim=1)
+    with torch.no_grad():
+        dg = torch.softmax(refine_as_not_true(t, y, C) / tau, dim=1)
+    return ce + BETA * F.kl_div(pred, dg, reduction="batchmean")
+
+
+def kd_authors(z, t, y, extra):
+    T = TAU["kd"]
+    p_s = F.log_softmax(z / T, dim=1)
+    p_t = F.softmax(t / T, dim=1)
+    return F.cross_entropy(z, y) + F.kl_div(p_s, p_t, reduction="sum") * (T ** 2) / z.shape[0]
+
+
+def gkd_authors(z, t, y, extra):
+    T, w = TAU["gkd_vote3"], extra["weights"]
+    loss = F.cross_entropy(z, y)
+    log_q = F.log_softmax(z / T, dim=1)
+    for m in range(t.shape[0]):
+        loss = loss + GAMMA / 2 * w[m] * F.kl_div(log_q, F.softmax(t[m] / T, dim=1), reduction="batchmean")
+    return loss
+
+
+def asd_authors(z, t, y, extra):
+    tau, prior = TAU["asd"], extra["prior"]
+    with torch.no_grad():
+        p = F.softmax(t, dim=1)
+        ent = -(p * F.log_softmax(t, dim=1)).sum(1)
+        w = torch.exp(-ent) / prior[y]
+        w = w / w.sum()
+    kl = (F.softmax(t / tau, dim=1) * (F.log_softmax(t / tau, dim=1) - F.log_softmax(z / tau, dim=1))).sum(1)
+    return F.cross_entropy(z, y) + LAM * (w * kl).sum()
+
+
+AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd_vote3": gkd_authors, "asd": asd_authors}
+
+
+# ---- fedfast ----------------------------------------------------------------------------------------------------
+
+def fedfast_losses():
+    from . import nn as fnn
+    ntd = fnn.NTDLoss(tau=TAU["ntd"], beta=BETA, tau_squared=False)
+    kd = fnn.KDLoss(tau=TAU["kd"])
+    gkd = fnn.GKDLoss(tau=TAU["gkd_vote3"], gamma=GAMMA, tau_squared=False)
+    asd = fnn.ASDLoss(tau=TAU["asd"], lam=LAM)
+    return {"ntd": lambda z, t, y, e: ntd(z, t, y), "kd": lambda z, t, y, e: kd(z, t, y),
+            "gkd_vote3": lambda z, t, y, e: gkd(z, t, y, teacher_weights=e["weights"]),
+            "asd": lambda z, t, y, e: asd(z, t, y, e["prior"])}
+
+
+def inputs(loss: str, R: int, C: int, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(R, C, generator=g, dtype=dtype) * 2
+    M = 3 if loss == "gkd_vote3" else 1
+    t = torch.randn(M, R, C, generator=g, dtype=dtype) * 2
+    y = torch.randint(0, C, (R,), generator=g)
+    prior = torch.bincount(y, minlength=C).to(dtype) + 1.0
+    extra = {"weights": torch.softmax(torch.randn(3, generator=g, dtype=dtype), 0), "prior": prior / prior.sum()}
+    return z, (t if M > 1 else t[0]), y, extra
+
+
+def _impl(name: str, loss: str):
+    if name == "fedfast":
+        return fedfast_losses()[loss]
+    fn = AUTHORS[loss]
+    if name == "authors_compiled":
+        torch._dynamo.reset()
+        return torch.compile(fn, dynamic=False)
+    return fn
+
+
+def _step(fn, z, t, y, extra):
+    zz = z.detach().requires_grad_(True)
+    out = fn(zz, t, y, extra)
+    out.backward()
+    return out
+
+
+def time_case(impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_reps: int = 200) -> float:
+    """Median seconds of one forward + backward, after two warm-up calls (compilation for the compiled baseline)."""
+    fn = _impl(impl, loss)
+    z, t, y, extra = inputs(loss, R, C)
+    for _ in range(2):
+        _step(fn, z, t, y, extra)
+    times, start = [], time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < min_time and len(times) < max_reps):
+        t0 = time.perf_counter()
+        _step(fn, z, t, y, extra)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _maxrss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def memory_case(impl: str, loss: str, R: int, C: int) -> int:
+    """In this process (call it in a fresh one): peak resident growth of one forward + backward over the inputs."""
+    fn = _impl(impl, loss)
+    if impl == "authors_compiled":  # compile on small inputs of the same C: the compiler's own memory is not the loss's
+        zs, ts, ys, es = inputs(loss, 8, C)
+        _step(torch.compile(AUTHORS[loss], dynamic=True), zs, ts, ys, es)
+    z, t, y, extra = inputs(loss, R, C)
+    z.detach().requires_grad_(True)
+    base = _maxrss_bytes()
+    _step(fn, z, t, y, extra)
+    return max(0, _maxrss_bytes() - base)
+
+
+def _memory_in_child(impl: str, loss: str, R: int, C: int) -> int | None:
+    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--_memory", impl, loss, str(R), str(C)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        return None
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    from ._version import __version__
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    commit = os.environ.get("FEDFAST_COMMIT", "")
+    if not commit:
+        try:
+            here = os.path.dirname(os.path.abspath(__file__))
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    return dict(device="cpu", cpu=cpu, cores=len(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
+                torch=torch.__version__, python=platform.python_version(), fedfast=__version__,
+                commit=commit or "unknown",
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None, memory: bool | None = None,
+        compiled: bool | None = None, echo=print) -> dict:
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    memory = (not quick) if memory is None else memory
+    compiled = (not quick) if compiled is None else compiled
+    impls = ["authors", "fedfast"] + (["authors_compiled"] if compiled else [])
+    res = dict(benchmark="losses-vs-authors", machine=machine(), quick=quick, command=" ".join(sys.argv),
+               rows=[])
+    for loss in losses:
+        for R, C in shapes:
+            rec = dict(loss=loss, R=R, C=C, seconds={}, peak_bytes={}, logits_bytes=R * C * 4)
+            for impl in impls:
+                rec["seconds"][impl] = time_case(impl, loss, R, C, min_time=0.2 if quick else 0.5)
+                if memory:
+                    rec["peak_bytes"][impl] = _memory_in_child(impl, loss, R, C)
+            s = rec["seconds"]
+            rec["speedup_vs_authors"] = s["authors"] / s["fedfast"]
+            if "authors_compiled" in s:
+                rec["speedup_vs_compiled"] = s["authors_compiled"] / s["fedfast"]
+            res["rows"].append(rec)
+            mem = "" if not memory else "  peak " + ", ".join(
+                f"{k} {v / rec['logits_bytes']:.2f}x logits" if v is not None else f"{k} -"
+                for k, v in rec["peak_bytes"].items())
+            echo(f"{loss:10} {R:6d} x {C:<7d} " + "  ".join(f"{k} {v * 1e3:9.3f} ms" for k, v in s.items())
+                 + f"  x{rec['speedup_vs_authors']:.2f} authors" + (
+                     f", x{rec['speedup_vs_compiled']:.2f} compiled" if "speedup_vs_compiled" in rec else "") + mem)
+            if out:
+                _write(out, res)
+    return res
+
+
+def _write(path: str, res: dict) -> None:
+    from ._io import write_atomic
+    write_atomic(path, json.dumps(res, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="fedfast bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the small shapes, eager baselines only, no memory")
+    ap.add_argument("--losses", default=",".join(LOSSES))
+    ap.add_argument("--shapes", default="", help="R,C;R,C (default: all, or the small ones with --quick)")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-compiled", action="store_true")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._memory:
+        impl, loss, R, C = a._memory
+        print(memory_case(impl, loss, int(R), int(C)))
+        return 0
+    losses = [x for x in a.losses.split(",") if x]
+    bad = [x for x in losses if x not in LOSSES]
+    if bad:
+        ap.error(f"--losses: unknown {bad}; known: {', '.join(LOSSES)}")
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";") if s] or None
+    except ValueError:
+        ap.error(f"--shapes: expected 'R,C;R,C', got {a.shapes!r}")
+    run(a.quick, losses, shapes, a.out or None, memory=False if a.no_memory else None,
+        compiled=False if a.no_compiled else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

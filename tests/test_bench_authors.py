@@ -1,0 +1,48 @@
+"""fedfast bench: the authors' loss code it times against equals fedfast's losses (value and gradient), and the
+command writes its JSON (issue 36)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedfast import bench
+
+
+@pytest.mark.parametrize("loss", bench.LOSSES)
+@pytest.mark.parametrize("R,C", [(37, 10), (16, 100)])
+def test_authors_code_equals_fedfast(loss, R, C):
+    z, t, y, extra = bench.inputs(loss, R, C, seed=3, dtype=torch.float64)
+    za, zf = z.clone().requires_grad_(), z.clone().requires_grad_()
+    a = bench.AUTHORS[loss](za, t, y, extra)
+    f = bench.fedfast_losses()[loss](zf, t, y, extra)
+    a.backward()
+    f.backward()
+    assert abs(float(a.detach() - f.detach())) <= 1e-12 * abs(float(a.detach())), (float(a.detach()), float(f.detach()))
+    assert torch.allclose(za.grad, zf.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_not_true_refinement_is_the_authors_gather():
+    z = torch.arange(12.0).view(3, 4)
+    y = torch.tensor([0, 2, 3])
+    assert bench.refine_as_not_true(z, y, 4).tolist() == [[1, 2, 3], [4, 5, 7], [8, 9, 10]]
+
+
+def test_bench_command_writes_its_json(tmp_path):
+    out = tmp_path / "b.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "fedfast", "bench", "--shapes", "8,5;4,300", "--losses", "ntd,asd",
+                        "--no-compiled", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["machine"]["cores"] >= 1 and len(d["rows"]) == 4
+    for row in d["rows"]:
+        assert set(row["seconds"]) == {"authors", "fedfast"} and all(v > 0 for v in row["seconds"].values())
+        assert set(row["peak_bytes"]) == {"authors", "fedfast"}
+        assert all(isinstance(v, int) and v >= 0 for v in row["peak_bytes"].values())
+    bad = subprocess.run([sys.executable, "-m", "fedfast", "bench", "--losses", "nope"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--losses: unknown ['nope']" in bad.stderr
