@@ -16,8 +16,9 @@ The baselines are the losses as their authors wrote them, written out here (eage
   normalised over the batch, and ``CE + lam * sum_i w_i KL_i`` at ``tau``. fedfast: ``ASDLoss(tau, lam)``.
 
 Each (loss, shape, implementation) is timed forward + backward (median of repeated calls after warm-up) at the
-process's thread count. Peak memory: each case again in a fresh process, the growth of its peak resident set
-over what its inputs hold (``ru_maxrss``), so allocator caches of earlier cases do not hide it.
+process's thread count. Peak memory: each case again in a fresh process, after one call on other inputs of the
+same shape: the growth of the peak resident set over what the process holds with its inputs (Linux ``VmHWM``,
+reset before the call), so neither compilation nor earlier cases count.
 
     fedfast bench                       # every shape, eager and compiled baselines, memory; minutes
     fedfast bench --quick               # the four small shapes, eager baselines, no memory; under a minute
@@ -153,22 +154,28 @@ def time_case(impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_r
     return statistics.median(times)
 
 
-def _maxrss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise OSError(f"/proc/self/status has no {key}")
 
 
 def memory_case(impl: str, loss: str, R: int, C: int) -> int:
-    """In this process (call it in a fresh one): peak resident growth of one forward + backward over the inputs."""
+    """In this process (call it in a fresh one): the peak resident growth of one forward + backward over what the
+    process holds once its inputs exist. A first call on other inputs of the same shape runs first (compilation,
+    allocator and thread-pool set-up), then the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)."""
     fn = _impl(impl, loss)
-    if impl == "authors_compiled":  # compile on small inputs of the same C: the compiler's own memory is not the loss's
-        zs, ts, ys, es = inputs(loss, 8, C)
-        _step(torch.compile(AUTHORS[loss], dynamic=True), zs, ts, ys, es)
+    _step(fn, *inputs(loss, R, C, seed=1))
     z, t, y, extra = inputs(loss, R, C)
-    z.detach().requires_grad_(True)
-    base = _maxrss_bytes()
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS (Linux)
+        f.write("5")
+    base = _proc_status_bytes("VmRSS")
     _step(fn, z, t, y, extra)
-    return max(0, _maxrss_bytes() - base)
+    return max(0, _proc_status_bytes("VmHWM") - base)
 
 
 def _memory_in_child(impl: str, loss: str, R: int, C: int) -> int | None:
