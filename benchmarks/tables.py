@@ -284,6 +284,37 @@ def gpu_ops_table(losses: str = "nvidia-h100-80gb-hbm3.json", flat: str = "nvidi
     return "\n".join(lines)
 
 
+def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
+    """``fedfast bench``: each loss against its authors' code, eager and compiled, time and peak memory."""
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
+    with open(path) as f:
+        d = json.load(f)
+    m = d["machine"]
+    lines = [f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
+             f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `fedfast bench --out ...`; "
+             f"data: `{os.path.relpath(path, ROOT)}`. Forward + backward, median; peak memory is the growth of the "
+             f"peak resident set in a fresh process, in units of one logits buffer (R x C x 4 bytes; shown from 4 MB of "
+             f"logits, below which it is page-granular noise).", "",
+             "| loss | R x C | authors' code | fedfast | x authors | authors compiled | x compiled | peak memory: "
+             "authors / fedfast / compiled |", "|---|---|---|---|---|---|---|---|"]
+    def ms(v):
+        return f"{v * 1e3:.3f} ms" if v < 1 else f"{v:.2f} s"
+    for r in d["rows"]:
+        s_ = r["seconds"]
+        pk = (r.get("peak_bytes") or {}) if r["logits_bytes"] >= 4 << 20 else {}  # smaller: page-granular noise
+        mem = " / ".join("-" if pk.get(k) is None else f"{pk[k] / r['logits_bytes']:.2f}"
+                         for k in ("authors", "fedfast", "authors_compiled")) if pk else "-"
+        comp = s_.get("authors_compiled")
+        lines.append(f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
+                     f"{r['speedup_vs_authors']:.2f} | {ms(comp) if comp else '-'} | "
+                     f"{r['speedup_vs_compiled']:.2f} | {mem} |" if comp else
+                     f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
+                     f"{r['speedup_vs_authors']:.2f} | - | - | {mem} |")
+    return "\n".join(lines)
+
+
 PEER_LABELS = {
     "cnn_1000x60": "FedAvg, simple_cnn, 1000 × 60, 50/round, B=10",
     "cnn_100x600": "same, 100 × 600, 10/round, B=50",
@@ -343,6 +374,7 @@ def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
 TABLES = {
     "demo": demo_table,
     "conv-kernels-gpu": tune_table,
+    "losses-authors": authors_table,
     "ops-gpu": gpu_ops_table,
     "peers": peers_table,
     "methods": methods_table,

@@ -5,7 +5,8 @@ The baselines are the losses as their authors wrote them, written out here (eage
 
 * ``ntd``: FedNTD's ``NTD_Loss`` (Lee-Gihun/FedNTD, ``algorithms/fedntd/criterion.py``): ``refine_as_not_true``
   gathers the C-1 not-true logits through an ``arange().repeat()`` index and a boolean mask, then
-  ``CE + beta * KLDivLoss(batchmean)(log_softmax(nt_z / tau), softmax(nt_t / tau))`` (no tau^2). fedfast:
+  ``CE + beta * KLDivLoss(batchmean)(log_softmax(nt_z / tau), softmax(nt_t / tau))``, the form of the paper and of
+  the repository's commit 043269e (its HEAD multiplies the KL by tau^2: one scalar, no change in time). fedfast:
   ``NTDLoss(tau, beta, tau_squared=False)``.
 * ``kd``: RepDistiller's ``DistillKL`` (``kl_div(log_softmax(z/T), softmax(t/T), size_average=False) * T^2 / B``)
   plus cross-entropy. fedfast: ``KDLoss(tau=T)``.
