@@ -326,13 +326,8 @@ def machine(dev) -> dict:
         except ImportError:
             pass
     else:
-        cpu = platform.processor()
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-        except OSError:
-            pass
-        info.update(cpu=cpu, cores=len(os.sched_getaffinity(0)))
+        from fedfast.bench import cpu_model
+        info.update(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)))
     return info
 
 

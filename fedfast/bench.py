@@ -187,14 +187,20 @@ def _memory_in_child(impl: str, loss: str, R: int, C: int) -> int | None:
     return int(r.stdout.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    from ._version import __version__
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` where that is missing)."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def machine() -> dict:
+    from ._version import __version__
+    cpu = cpu_model()
     commit = os.environ.get("FEDFAST_COMMIT", "")
     if not commit:
         try:
