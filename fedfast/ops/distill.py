@@ -132,11 +132,14 @@ class _DistillRowsFn(torch.autograd.Function):
         ctx.save_for_backward(grad, anchor)
         ctx.backend = args[-1]
         ctx.mark_non_differentiable(grad)
+        ctx.set_materialize_grads(False)  # else autograd passes a zero [R, C] tensor for the unused second output
         return loss, grad
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_grad):
         grad, anchor = ctx.saved_tensors
+        if grad_loss is None:  # grads are not materialised: none reached the loss
+            return (None,) * 18
         return (_first_order(scale_rows(grad, grad_loss.contiguous(), ctx.backend), anchor),) + (None,) * 16
 
 
