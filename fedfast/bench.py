@@ -24,6 +24,7 @@ reset before the call), so neither compilation nor earlier cases count.
     fedfast bench                       # every shape, eager and compiled baselines, memory; minutes
     fedfast bench --quick               # the four small shapes, eager baselines, no memory; under a minute
     fedfast bench --out bench.json      # the JSON docs/benchmarks.md's table is generated from
+    fedfast bench --device cuda         # on a GPU: synchronised timing, the allocator's peak device memory
 
 Shapes (rows R x classes C): 64 x 10, 500 x 10, 128 x 100, 8192 x 100 (federated minibatches), 4096 x 32,000 and
 1024 x 128,000 (language-model distillation).
@@ -113,7 +114,14 @@ def fedfast_losses():
             "asd": lambda z, t, y, e: asd(z, t, y, e["prior"])}
 
 
-def inputs(loss: str, R: int, C: int, seed: int = 0, dtype=torch.float32):
+def inputs(loss: str, R: int, C: int, seed: int = 0, dtype=torch.float32, device="cpu"):
+    """The case's tensors, drawn on the CPU (the same values on any device) and moved to ``device``."""
+    z, t, y, extra = _inputs_cpu(loss, R, C, seed, dtype)
+    mv = (lambda x: x.to(device))
+    return mv(z), mv(t), mv(y), {k: mv(v) for k, v in extra.items()}
+
+
+def _inputs_cpu(loss: str, R: int, C: int, seed: int, dtype):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(R, C, generator=g, dtype=dtype) * 2
     M = 3 if loss == "gkd_vote3" else 1
@@ -141,16 +149,25 @@ def _step(fn, z, t, y, extra):
     return out
 
 
-def time_case(impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_reps: int = 200) -> float:
-    """Median seconds of one forward + backward, after two warm-up calls (compilation for the compiled baseline)."""
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_case(impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_reps: int = 200,
+              device: str = "cpu") -> float:
+    """Median seconds of one forward + backward, after two warm-up calls (compilation for the compiled baseline);
+    on a GPU each call is timed with the device synchronised before and after."""
     fn = _impl(impl, loss)
-    z, t, y, extra = inputs(loss, R, C)
+    z, t, y, extra = inputs(loss, R, C, device=device)
     for _ in range(2):
         _step(fn, z, t, y, extra)
     times, start = [], time.perf_counter()
     while len(times) < 5 or (time.perf_counter() - start < min_time and len(times) < max_reps):
+        _sync(device)
         t0 = time.perf_counter()
         _step(fn, z, t, y, extra)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -163,15 +180,23 @@ def _proc_status_bytes(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
-def memory_case(impl: str, loss: str, R: int, C: int) -> int:
+def memory_case(impl: str, loss: str, R: int, C: int, device: str = "cpu") -> int:
     """In this process (call it in a fresh one): the peak resident growth of one forward + backward over what the
     process holds once its inputs exist. A first call on other inputs of the same shape runs first (compilation,
-    allocator and thread-pool set-up), then the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)."""
+    allocator and thread-pool set-up), then the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``). On a
+    GPU: the growth of the caching allocator's peak of allocated bytes (``torch.cuda.max_memory_allocated``)."""
     fn = _impl(impl, loss)
-    _step(fn, *inputs(loss, R, C, seed=1))
-    z, t, y, extra = inputs(loss, R, C)
+    _step(fn, *inputs(loss, R, C, seed=1, device=device))
+    z, t, y, extra = inputs(loss, R, C, device=device)
     import gc
     gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        _step(fn, z, t, y, extra)
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS (Linux)
         f.write("5")
     base = _proc_status_bytes("VmRSS")
@@ -179,8 +204,9 @@ def memory_case(impl: str, loss: str, R: int, C: int) -> int:
     return max(0, _proc_status_bytes("VmHWM") - base)
 
 
-def _memory_in_child(impl: str, loss: str, R: int, C: int) -> int | None:
-    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--_memory", impl, loss, str(R), str(C)],
+def _memory_in_child(impl: str, loss: str, R: int, C: int, device: str = "cpu") -> int | None:
+    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--device", device, "--_memory", impl, loss, str(R),
+                        str(C)],
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         return None
@@ -198,7 +224,7 @@ def cpu_model() -> str:
     return cpu
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
     from ._version import __version__
     cpu = cpu_model()
     commit = os.environ.get("FEDFAST_COMMIT", "")
@@ -209,27 +235,30 @@ def machine() -> dict:
                                     timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
-    return dict(device="cpu", cpu=cpu, cores=len(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
-                torch=torch.__version__, python=platform.python_version(), fedfast=__version__,
-                commit=commit or "unknown",
+    info = dict(device=torch.device(device).type, cpu=cpu, cores=len(os.sched_getaffinity(0)),
+                threads=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
+                fedfast=__version__, commit=commit or "unknown",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    if info["device"] == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return info
 
 
 def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None, memory: bool | None = None,
-        compiled: bool | None = None, echo=print) -> dict:
+        compiled: bool | None = None, echo=print, device: str = "cpu") -> dict:
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     memory = (not quick) if memory is None else memory
     compiled = (not quick) if compiled is None else compiled
     impls = ["authors", "fedfast"] + (["authors_compiled"] if compiled else [])
-    res = dict(benchmark="losses-vs-authors", machine=machine(), quick=quick, command=" ".join(sys.argv),
+    res = dict(benchmark="losses-vs-authors", machine=machine(device), quick=quick, command=" ".join(sys.argv),
                rows=[])
     for loss in losses:
         for R, C in shapes:
             rec = dict(loss=loss, R=R, C=C, seconds={}, peak_bytes={}, logits_bytes=R * C * 4)
             for impl in impls:
-                rec["seconds"][impl] = time_case(impl, loss, R, C, min_time=0.2 if quick else 0.5)
+                rec["seconds"][impl] = time_case(impl, loss, R, C, min_time=0.2 if quick else 0.5, device=device)
                 if memory:
-                    rec["peak_bytes"][impl] = _memory_in_child(impl, loss, R, C)
+                    rec["peak_bytes"][impl] = _memory_in_child(impl, loss, R, C, device)
             s = rec["seconds"]
             rec["speedup_vs_authors"] = s["authors"] / s["fedfast"]
             if "authors_compiled" in s:
@@ -258,12 +287,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="R,C;R,C (default: all, or the small ones with --quick)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-compiled", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (GPU: device memory, synchronised timing)")
     ap.add_argument("--out", default="")
     ap.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device: expected cpu or cuda[:N], got {a.device!r}")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device: {a.device!r} is not available here (cpu" + (", cuda" if torch.cuda.is_available() else "")
+                 + ")")
     if a._memory:
         impl, loss, R, C = a._memory
-        print(memory_case(impl, loss, int(R), int(C)))
+        print(memory_case(impl, loss, int(R), int(C), a.device))
         return 0
     losses = [x for x in a.losses.split(",") if x]
     bad = [x for x in losses if x not in LOSSES]
@@ -274,7 +311,7 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--shapes: expected 'R,C;R,C', got {a.shapes!r}")
     run(a.quick, losses, shapes, a.out or None, memory=False if a.no_memory else None,
-        compiled=False if a.no_compiled else None)
+        compiled=False if a.no_compiled else None, device=a.device)
     return 0
 
 

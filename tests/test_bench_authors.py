@@ -61,3 +61,13 @@ def test_fused_loss_peak_memory_is_two_logits_buffers(loss):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split()[-1]) / (R * C * 4) <= 2.1
+
+
+def test_bench_refuses_a_device_it_cannot_use():
+    from fedfast.bench import main
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "nope"])
+    assert e.value.code == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--device", "cuda"])

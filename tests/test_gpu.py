@@ -402,3 +402,21 @@ def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     with pytest.raises(fedfast.OutOfMemory, match=r"scaffold: per-client state for 4000 clients.*state_on_host"):
         fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train.to("cuda"),
                            test.to("cuda"), part, device="cuda")
+
+
+def test_gpu_bench_losses_against_the_authors_code():
+    """fedfast bench --device cuda: the authors' code and fedfast agree on the GPU, and a run records times and the
+    allocator's peak device memory."""
+    _cuda()
+    from fedfast import bench
+    for loss in bench.LOSSES:
+        z, t, y, extra = bench.inputs(loss, 96, 50, seed=2, device="cuda")
+        za, zf = z.clone().requires_grad_(), z.clone().requires_grad_()
+        a, f = bench.AUTHORS[loss](za, t, y, extra), bench.fedfast_losses()[loss](zf, t, y, extra)
+        a.backward()
+        f.backward()
+        assert rel_err(f.detach().cpu(), a.detach().cpu()) <= 1e-5 and rel_err(zf.grad.cpu(), za.grad.cpu()) <= 1e-5
+    res = bench.run(losses=("kd",), shapes=[(256, 1000)], compiled=False, memory=True, device="cuda", echo=print)
+    row = res["rows"][0]
+    assert res["machine"]["device"] == "cuda" and "gpu" in res["machine"]
+    assert all(v > 0 for v in row["seconds"].values()) and all(v and v > 0 for v in row["peak_bytes"].values())
