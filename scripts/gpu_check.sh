@@ -81,13 +81,13 @@ for st in "${STAGES[@]}"; do
     # issue 5: the pfl-research shape (1000 clients x 50 CIFAR-sized images, 50 per round, batch 10,
     # simple_cnn), engine vs the sequential loop, and all 1000 clients in one round
     bench-engine) run_stage bench-engine "$(bench bench_engine.py "$name-engine.json")" ;;
-    # issue 26: the engine (grouped cuDNN and implicit-GEMM convolutions) against the plain per-client loop on the
+    # issue 26: the engine (grouped cuDNN, implicit-GEMM and hybrid convolutions) against the plain per-client loop on the
     # five shapes, in one process; the convolution implementations alone; a profile of the pfl-research rounds
     bench-rounds) tiles=""; [ -s "$OUT_DIR/$name-tuned.txt" ] && tiles="--triton-configs @$OUT_DIR/$name-tuned.txt"
-                  run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton $tiles ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
+                  run_stage bench-rounds "python benchmarks/bench_rounds.py --device cuda --engine-conv grouped,triton,hybrid $tiles ${ROUNDS_ARGS:-} --out $OUT_DIR/$name-rounds.json" ;;
     # by default also the weight gradient without its reduction split (the 6th number: 1), against the automatic one
     bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:---configs wgrad:64,64,32,8,2,1} --out $OUT_DIR/$name-conv.json" ;;
-    profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;
+    profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton,hybrid ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;
     *) echo "unknown stage $st (${ALL[*]})" | tee -a "$LOG"; failed+=("$st") ;;
   esac
 done
