@@ -9,9 +9,10 @@ need grad; fp32, bf16 and fp16 inputs all work, with fp32 accumulation (float64 
 Gradients (every module): ``detach_teacher=True`` (default): the teacher is a fixed target, and no gradient reaches
 it even when it requires grad. ``detach_teacher=False``: the teacher receives the gradient of the distillation term
 (mutual / online distillation). The default backward is fused and first-order: differentiating its gradient
-again (after ``create_graph=True``) raises a RuntimeError saying so. ``double_backward=True``: any order of derivative. Both
-non-default options compute the loss with PyTorch's autograd formulas (:mod:`fedfast.ops.distill_reference`),
-slower than the fused op; ``torch.jit.trace`` and ``torch.func`` transforms take that path automatically.
+again (after ``create_graph=True``) raises a RuntimeError saying so. ``double_backward=True``: any order of
+derivative. Both non-default options compute the loss with PyTorch's autograd formulas
+(:mod:`fedfast.ops.distill_reference`), slower than the fused op; ``torch.jit.trace`` and ``torch.func``
+transforms take that path automatically.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ class ASDLoss(_DistillBase):
     ``alpha_i ∝ exp(-H(softmax(t_i/entropy_tau))) / class_prior[y_i]`` normalised to sum 1 within each
     segment (client minibatch). ``entropy_tau=1.0`` (default) is the official code's: the entropy of the plain
     teacher softmax, whatever the KD temperature ``tau``. ``not_true=True`` is FedNTD+ASD (KL over the not-true
-    classes; weights from the full teacher softmax). No tau^2 (paper); ``tau_squared=True`` multiplies the KD term by tau^2.
+    classes; weights from the full teacher softmax). No tau^2 (paper); ``tau_squared=True`` multiplies the KD term
+    by tau^2.
     ``class_prior`` is the client's label distribution, [C] or [num_segments, C].
 
     With ``reduction="none"`` row i returns ``CE_i + lam * n_seg * alpha_i * KL_i`` (its segment mean is
@@ -192,4 +194,44 @@ class ADCLoss(_DistillBase):
                            rho=rho, **self._common(segments, num_segments))
 
 
-__all__ = ["KDLoss", "NTDLoss", "ASDLoss", "GKDLoss", "CADLoss", "ADCLoss", "confidence_from_freq"]
+class LinearKDLoss(nn.Module):
+    """The output layer fused with KD (or FedNTD's not-true KD), in row chunks, for large vocabularies:
+    ``ce_weight * CE(z, y) + kd_weight * s * KL(softmax(t/tau) || softmax(z/tau))`` with ``z = h @ W.T + b``
+    (``s = tau^2`` if ``tau_squared``; ``not_true=True``: the KL over the C-1 not-true classes), without the
+    ``[R, V]`` logits or their gradient ever existing whole (:func:`fedfast.ops.linear_distill`).
+
+    ``forward(hidden [R, H], weight [V, H], target [R], teacher_logits=None, *, bias=None, teacher_hidden=None,
+    teacher_weight=None, teacher_bias=None)``: the teacher as logits, or as its hidden states and output layer.
+    ``reduction``: "mean" (over rows whose target is not ``ignore_index``) or "sum". The teacher is a fixed target;
+    the backward is first-order (a second derivative raises)."""
+
+    def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
+                 not_true: bool = False, reduction: str = "mean", ignore_index: int = -100,
+                 chunk_rows: int | None = None, backend=None):
+        super().__init__()
+        _validate.check_tau("tau", tau)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction: 'mean' or 'sum', got {reduction!r}")
+        if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+            raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
+        self.tau, self.ce_weight, self.kd_weight = float(tau), float(ce_weight), float(kd_weight)
+        self.tau_squared, self.not_true, self.reduction = bool(tau_squared), bool(not_true), reduction
+        self.ignore_index, self.chunk_rows, self.backend = int(ignore_index), chunk_rows, backend
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
+                bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
+                teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None) -> Tensor:
+        s = self.tau ** 2 if self.tau_squared else 1.0
+        return ops.linear_distill(hidden, weight, target, teacher_logits, bias=bias, teacher_hidden=teacher_hidden,
+                                  teacher_weight=teacher_weight, teacher_bias=teacher_bias, tau=self.tau,
+                                  ce_weight=self.ce_weight, kd_weight=self.kd_weight * s,
+                                  kind="not_true" if self.not_true else "full", reduction=self.reduction,
+                                  ignore_index=self.ignore_index, chunk_rows=self.chunk_rows, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
+                f"tau_squared={self.tau_squared}, not_true={self.not_true}, reduction={self.reduction!r}, "
+                f"chunk_rows={self.chunk_rows}")
+
+
+__all__ = ["KDLoss", "NTDLoss", "ASDLoss", "GKDLoss", "CADLoss", "ADCLoss", "LinearKDLoss", "confidence_from_freq"]

@@ -16,10 +16,11 @@ from .asd_weights import asd_row_weight, asd_weights
 from .client_adam import client_adam
 from .client_step import client_step, drift_shift_
 from .distill import distill, row_scale_torch
+from .linear_distill import linear_distill
 from .distill_reference import (asd_weights_reference, distill_reference, distill_rows_reference,
                                 teacher_mixture_reference)
 from .teacher_mixture import teacher_mixture
 
-__all__ = ["aggregate", "NonFiniteUpdate", "client_step", "client_adam", "drift_shift_", "BACKENDS", "resolve_backend", "raise_if_invalid", "distill", "row_scale_torch", "teacher_mixture",
+__all__ = ["aggregate", "NonFiniteUpdate", "client_step", "client_adam", "drift_shift_", "BACKENDS", "resolve_backend", "raise_if_invalid", "distill", "row_scale_torch", "linear_distill", "teacher_mixture",
            "asd_weights", "asd_row_weight", "distill_reference", "distill_rows_reference",
            "teacher_mixture_reference", "asd_weights_reference"]
