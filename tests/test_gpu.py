@@ -420,3 +420,16 @@ def test_gpu_bench_losses_against_the_authors_code():
     row = res["rows"][0]
     assert res["machine"]["device"] == "cuda" and "gpu" in res["machine"]
     assert all(v > 0 for v in row["seconds"].values()) and all(v and v > 0 for v in row["peak_bytes"].values())
+
+
+def test_gpu_float64_losses_are_float64_with_the_automatic_backend():
+    _cuda()
+    from fedfast.ops.distill_reference import distill_reference
+    g = torch.Generator().manual_seed(0)
+    z, t = torch.randn(40, 9, generator=g, dtype=torch.float64), torch.randn(40, 9, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 9, (40,), generator=g)
+    want = distill_reference(z, t, y, tau=2.0, kd_weight=4.0).mean()
+    got = ffnn.KDLoss(tau=2.0)(z.cuda().requires_grad_(), t.cuda(), y.cuda())
+    assert got.dtype == torch.float64 and abs(float(got) - float(want)) <= 1e-13 * abs(float(want))
+    prior = torch.full((9,), 1.0 / 9, dtype=torch.float64)
+    assert torch.isfinite(ffnn.ASDLoss()(z.cuda(), t.cuda(), y.cuda(), prior.cuda()))

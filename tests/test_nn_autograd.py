@@ -167,3 +167,16 @@ def test_asd_loss_defaults_are_the_official_code():
     assert torch.allclose(loss(z, t, y, prior), ce + 10.0 * (w * kl).sum(), rtol=1e-12)
     with pytest.raises(ValueError, match="entropy_tau"):
         fnn.ASDLoss(entropy_tau=None)
+
+
+def test_float64_on_a_gpu_takes_the_float64_path_when_the_backend_is_automatic(monkeypatch):
+    """The GPU kernels compute in fp32 (an explicit backend='triton' refuses float64 by name); the automatic choice
+    sends a float64 loss to the float64 formulas instead of failing."""
+    from fedfast.ops import _backend
+    monkeypatch.delenv("FEDFAST_BACKEND", raising=False)
+    monkeypatch.setattr(_backend, "resolve", lambda backend, device_type: backend or "triton")
+    assert _backend.resolve_for(None, "cuda", torch.float64) == "reference"
+    assert _backend.resolve_for(None, "cuda", torch.float32) == "triton"
+    assert _backend.resolve_for("triton", "cuda", torch.float64) == "triton"
+    monkeypatch.setenv("FEDFAST_BACKEND", "triton")
+    assert _backend.resolve_for(None, "cuda", torch.float64) == "triton"

@@ -153,3 +153,16 @@ def resolve(backend: str | None, device_type: str) -> str:
         return _fallback(req, f"{mod} {ext_status(mod)}")
     why = interpreter_problem() if req == "triton" and device_type != "cuda" else ""
     raise ValueError(f"backend={req!r} cannot run on {device_type} tensors" + (f": {why}" if why else ""))
+
+
+@torch.compiler.assume_constant_result
+def resolve_for(backend: str | None, device_type: str, dtype) -> str:
+    """:func:`resolve` for a loss op on tensors of ``dtype``: with the backend chosen automatically (no ``backend=``
+    and no ``FEDFAST_BACKEND``), a float64 input on a GPU takes ``reference`` (float64 throughout), as the GPU
+    kernels compute in fp32 and refuse float64 by name when asked for explicitly."""
+    be = resolve(backend, device_type)
+    auto = backend is None and not os.environ.get("FEDFAST_BACKEND")
+    if auto and be in ("triton", "cuda") and dtype == torch.float64:
+        return "reference"
+    return be
+

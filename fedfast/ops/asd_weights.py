@@ -58,7 +58,7 @@ def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor |
         py = prior[s.long(), torch.where(valid, target, torch.zeros_like(target)).long()]
         bad = (valid & ~(py > 0)).any() | (prior < 0).any() | ~torch.isfinite(prior).all()
         _validate.check("class_prior", bad, "must be finite, >= 0 and > 0 for every class present in target", mode)
-    be = _backend.resolve(backend, dev.type)
+    be = _backend.resolve_for(backend, dev.type, teacher.dtype)
     return asd_weights_op(teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau),
                           int(ignore_index), be)
 

@@ -407,7 +407,7 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
                                  row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments,
                                  backend, mode, mixture, detach_teacher)
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
-    be = _backend.resolve(backend, dev.type)
+    be = _backend.resolve_for(backend, dev.type, student.dtype)
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
     teacher_in, negent = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind,
                                         ignore_index, be, mode)

@@ -133,7 +133,7 @@ def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logit
     chunk = default_chunk_rows(R, V) if chunk_rows is None else int(chunk_rows)
     if chunk < 1:
         raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows!r}")
-    be = _backend.resolve(backend, dev.type)
+    be = _backend.resolve_for(backend, dev.type, hidden.dtype)
     nod = (lambda x: None if x is None else x.detach())
     return _LinearDistill.apply(hidden, weight, bias, nod(teacher_logits), nod(teacher_hidden), nod(teacher_weight),
                                 nod(teacher_bias), target, float(tau), float(ce_weight), float(kd_weight),

@@ -52,6 +52,6 @@ def teacher_mixture(teachers: Tensor, weights, target: Tensor, *, tau: float = 1
         _validate.check("teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(),
                         "weights must be finite and >= 0", mode)
     _validate.check_target(target, R, C, ignore_index, dev, mode)
-    be = _backend.resolve(backend, dev.type)
+    be = _backend.resolve_for(backend, dev.type, teachers.dtype)
     return teacher_mixture_op(teachers.detach().contiguous(), w, target.contiguous(), float(tau), bool(not_true),
                               int(ignore_index), be)
