@@ -178,10 +178,8 @@ def _write(path, dev, rows):
     info = dict(device=str(dev), torch=torch.__version__, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda"
                 else None, threads=torch.get_num_threads(), machine=machine(dev),
                 command=" ".join(["bench_conv.py"] + sys.argv[1:]), rows=rows)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(info, fh, indent=1)
-    os.replace(tmp, path)
+    from fedfast._io import write_atomic
+    write_atomic(path, json.dumps(info, indent=1))
 
 
 if __name__ == "__main__":

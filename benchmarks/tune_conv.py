@@ -222,10 +222,8 @@ def _write(path, dev, rows, best, skipped, machine):
         return
     info = dict(machine=machine(dev), command=" ".join(["tune_conv.py"] + sys.argv[1:]), rows=rows,
                 best={k: list(v) for k, v in (best or {}).items()}, rows_not_run=skipped)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(info, fh, indent=1)
-    os.replace(tmp, path)
+    from fedfast._io import write_atomic
+    write_atomic(path, json.dumps(info, indent=1))
 
 
 if __name__ == "__main__":

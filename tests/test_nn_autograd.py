@@ -180,3 +180,10 @@ def test_float64_on_a_gpu_takes_the_float64_path_when_the_backend_is_automatic(m
     assert _backend.resolve_for("triton", "cuda", torch.float64) == "triton"
     monkeypatch.setenv("FEDFAST_BACKEND", "triton")
     assert _backend.resolve_for(None, "cuda", torch.float64) == "triton"
+
+
+def test_autograd_path_checks_its_inputs_like_the_fused_path():
+    z, t, y = _data()
+    for kw in ({}, {"double_backward": True}):
+        with pytest.raises(ValueError, match=r"class_alpha: per-class weights must lie in \[0, 1\]"):
+            fnn.CADLoss(**kw)(z.clone().requires_grad_(), t, y, torch.full((C,), 1.5, dtype=torch.float64))

@@ -292,6 +292,23 @@ def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
                                                                         loss_rows)
 
 
+def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc: torch.dtype, mode: str):
+    """FedCAD's per-class weights (checked in [0, 1]), FedADC+'s confidences and ASD's row weights as the row op
+    reads them (contiguous, on ``dev``; ``row_weight`` in the loss dtype ``acc``); None stays None."""
+    if class_alpha is not None:
+        class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
+        if mode != "off":
+            _validate.check("class_alpha", ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
+                            "per-class weights must lie in [0, 1]", mode)
+    if rho is not None:
+        rho = class_table("rho", rho, C, dev, segments)
+    if row_weight is not None:
+        if row_weight.shape != (R,):
+            raise ValueError(f"row_weight: expected shape ({R},), got {tuple(row_weight.shape)}")
+        row_weight = row_weight.to(device=dev, dtype=acc).contiguous()
+    return class_alpha, rho, row_weight
+
+
 def _functorch_active(*ts) -> bool:
     """Whether a torch.func transform (grad, vmap, jacrev, ...) is running over these tensors."""
     is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -346,14 +363,7 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
                                                        not_true=(kind == "not_true"), ignore_index=ignore_index)
     else:
         teacher_in = fix(teacher[0])
-    if class_alpha is not None:
-        class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0]
-    if rho is not None:
-        rho = class_table("rho", rho, C, dev, segments)
-    if row_weight is not None:
-        if row_weight.shape != (R,):
-            raise ValueError(f"row_weight: expected shape ({R},), got {tuple(row_weight.shape)}")
-        row_weight = row_weight.to(device=dev, dtype=acc)
+    class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev, acc, mode)
     row_scale = row_scale_torch(target, C, ignore_index, segments, acc) if reduction in ("mean", "segment") else None
     loss_rows = distill_reference(student, teacher_in, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
                                   not_true=kind == "not_true", soft_ce=soft_ce, ignore_index=ignore_index,
@@ -411,17 +421,8 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
     teacher_in, negent = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind,
                                         ignore_index, be, mode)
-    if class_alpha is not None:
-        class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
-        if mode != "off":
-            _validate.check("class_alpha", ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
-                            "per-class weights must lie in [0, 1]", mode)
-    if rho is not None:
-        rho = class_table("rho", rho, C, dev, segments)
-    if row_weight is not None:
-        if row_weight.shape != (R,):
-            raise ValueError(f"row_weight: expected shape ({R},), got {tuple(row_weight.shape)}")
-        row_weight = row_weight.to(device=dev, dtype=_loss_dtype(student)).contiguous()
+    class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev,
+                                               _loss_dtype(student), mode)
     s = student if student.stride(-1) == 1 else student.contiguous()
     loss_rows, _ = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale,
                                 tau, ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be)
