@@ -336,7 +336,10 @@ def _runs(out):
     for d, _, files in os.walk(out):
         if "summary.json" in files:
             s = json.load(open(os.path.join(d, "summary.json")))
-            rounds = [json.loads(x)["round"] for x in open(os.path.join(d, "metrics.jsonl"))]
+            # the runs are live: a last line without its newline is an append still under way (a reader can see
+            # part of a write), not a record yet
+            lines = open(os.path.join(d, "metrics.jsonl")).readlines()
+            rounds = [json.loads(x)["round"] for x in lines if x.endswith("\n")]
             found[os.path.relpath(d, out)] = (s["status"], rounds, json.load(open(os.path.join(d, "config.json"))))
     return found
 
