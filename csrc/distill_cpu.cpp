@@ -121,12 +121,357 @@ double row_f64(const RowArgs<double>& r, bool prob) { return row_dispatch<double
 inline float row_any(const RowArgs<float>& r, bool prob) { return row_f32(r, prob); }
 inline double row_any(const RowArgs<double>& r, bool prob) { return row_f64(r, prob); }
 
+// ---- Narrow rows (C <= kBlockMaxC): kBlock rows at once, laid out [C][kBlock] so that every loop runs across rows
+// (a whole number of SIMD vectors, no remainder) and the per-row scalars (maxima, sums, logs) are vectors too.
+// The same formula and order of operations as row_core; sums over classes as in dsum (A partials, fp64 total).
+constexpr int64_t kBlock = 16;
+constexpr int64_t kBlockMaxC = 128;  // the scratch, 11 x C x kBlock values (90 KB), stays in L2
+constexpr int64_t kSumChunk = 32;
+
+template <typename A>
+struct BlockArgs {
+  int64_t C;
+  int64_t y[kBlock];                  // target per lane (0 on lanes without a row)
+  A a[kBlock], b[kBlock], negent_in[kBlock];
+  A *Z, *ZQ, *TT, *E1, *EQ, *ET, *G, *U, *V, *RH, *L1P;  // scratch [C][kBlock]; RH, L1P: FedADC+ per lane
+  A inv_tau;
+  bool not_true, soft_ce;
+};
+
+#define FF_LANES for (int64_t l = 0; l < kBlock; ++l)
+#define FF_EACH for (int64_t j = 0; j < C; ++j) _Pragma("omp simd") FF_LANES
+// Sums across classes: fp32 (A) partials over chunks of kSumChunk classes, folded into fp64 per lane.
+#define FF_CHUNKS for (int64_t j0 = 0; j0 < C; j0 += kSumChunk)
+#define FF_CHUNK \
+  for (int64_t j = j0, j1 = C < j0 + kSumChunk ? C : j0 + kSumChunk; j < j1; ++j) _Pragma("omp simd") FF_LANES
+
+// Writes L into out[kBlock] and the gradient rows into G ([C][kBlock]).
+template <typename A, bool PROB, bool RHO>
+__attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* __restrict out) {
+  const int64_t C = r.C;
+  A *__restrict Z = r.Z, *__restrict ZQ = r.ZQ, *__restrict TT = r.TT, *__restrict E1 = r.E1;
+  A *__restrict EQ = r.EQ, *__restrict ET = r.ET, *__restrict G = r.G, *__restrict U = r.U, *__restrict V = r.V;
+  const A ninf = neg_inf<A>();
+  const int64_t* y = r.y;
+  if (r.not_true) FF_LANES {
+    ZQ[y[l] * kBlock + l] = ninf;
+    TT[y[l] * kBlock + l] = PROB ? A(0) : ninf;
+  }
+  alignas(64) A m1[kBlock], mq[kBlock], mt[kBlock], s1[kBlock], sq[kBlock], st[kBlock], W[kBlock], mvd[kBlock];
+  alignas(64) A cross[kBlock], neg[kBlock];
+  alignas(64) double d1[kBlock], dq[kBlock], dt[kBlock], dw[kBlock], dm[kBlock], dc[kBlock], dn[kBlock];
+  FF_LANES { m1[l] = ninf; mq[l] = ninf; mt[l] = ninf; }
+  FF_EACH {
+    const int64_t k = j * kBlock + l;
+    m1[l] = Z[k] > m1[l] ? Z[k] : m1[l];
+    mq[l] = ZQ[k] > mq[l] ? ZQ[k] : mq[l];
+    if (!PROB) mt[l] = TT[k] > mt[l] ? TT[k] : mt[l];
+  }
+#pragma omp simd
+  FF_LANES {
+    m1[l] = m1[l] == ninf ? A(0) : m1[l];
+    mq[l] = mq[l] == ninf ? A(0) : mq[l];
+    mt[l] = mt[l] == ninf ? A(0) : mt[l];
+    d1[l] = 0; dq[l] = 0; dt[l] = 0; dw[l] = 0; dm[l] = 0; dc[l] = 0; dn[l] = 0;
+  }
+  FF_CHUNKS {
+    FF_LANES { s1[l] = 0; sq[l] = 0; st[l] = 0; W[l] = 0; }
+    FF_CHUNK {
+      const int64_t k = j * kBlock + l;
+      E1[k] = fexp(Z[k] - m1[l]);
+      EQ[k] = fexp(ZQ[k] - mq[l]);
+      s1[l] += E1[k];
+      sq[l] += EQ[k];
+      if (!PROB) {
+        ET[k] = fexp(TT[k] - mt[l]);
+        st[l] += ET[k];
+      } else {
+        W[l] += TT[k];
+      }
+    }
+    FF_LANES { d1[l] += s1[l]; dq[l] += sq[l]; dt[l] += st[l]; dw[l] += W[l]; }
+  }
+  FF_LANES { s1[l] = A(d1[l]); sq[l] = A(dq[l]); st[l] = A(dt[l]); W[l] = PROB ? A(dw[l]) : A(1); }
+  alignas(64) A inv_s1[kBlock], inv_sq[kBlock], lsq[kBlock], ls1[kBlock], inv_st[kBlock], lst[kBlock];
+#pragma omp simd
+  FF_LANES {  // s1, sq >= 1 (the maximum's term is exp(0)); st is 0 or >= 1
+    inv_s1[l] = A(1) / s1[l];
+    inv_sq[l] = A(1) / sq[l];
+    lsq[l] = flog(sq[l]);
+    ls1[l] = flog(s1[l]);
+    inv_st[l] = st[l] > 0 ? A(1) / st[l] : A(0);
+    lst[l] = (!PROB && st[l] > 0) ? flog(st[l] > 0 ? st[l] : A(1)) : A(0);
+  }
+  if (RHO) {
+    FF_EACH {
+      const int64_t k = j * kBlock + l;
+      U[k] = r.RH[k] * ET[k];
+    }
+    FF_LANES U[y[l] * kBlock + l] = 0;
+    FF_CHUNKS {
+      FF_LANES mvd[l] = 0;
+      FF_CHUNK mvd[l] += U[j * kBlock + l];
+      FF_LANES dm[l] += mvd[l];
+    }
+#pragma omp simd
+    FF_LANES mvd[l] = A(dm[l]) * inv_st[l];
+  }
+  // True class per lane (overwritten after the elementwise loops, as in row_core).
+  alignas(64) A Py[kBlock], logPy[kBlock], logqy[kBlock], qy[kBlock], smy[kBlock];
+  FF_LANES {
+    const int64_t k = y[l] * kBlock + l;
+    if (r.not_true) {
+      Py[l] = 0;
+      logPy[l] = 0;
+    } else if (PROB) {
+      Py[l] = TT[k];
+      logPy[l] = 0;
+    } else {
+      const A py = ET[k] * inv_st[l];
+      Py[l] = RHO ? py + mvd[l] : py;
+      logPy[l] = RHO ? std::log(Py[l]) : (TT[k] - mt[l]) - lst[l];
+    }
+    logqy[l] = (ZQ[k] - mq[l]) - lsq[l];
+    qy[l] = EQ[k] * inv_sq[l];
+    smy[l] = E1[k] * inv_s1[l];
+  }
+  const A kb_scale = r.inv_tau;
+  FF_EACH {
+    const int64_t k = j * kBlock + l;
+    ZQ[k] = (ZQ[k] - mq[l]) - lsq[l];
+    EQ[k] *= inv_sq[l];
+    E1[k] *= inv_s1[l];
+    if (!PROB) {
+      if (RHO) {
+        ET[k] = (A(1) - r.RH[k]) * (ET[k] * inv_st[l]);
+        TT[k] = r.L1P[k] + ((TT[k] - mt[l]) - lst[l]);
+      } else {
+        ET[k] *= inv_st[l];
+        TT[k] = (TT[k] - mt[l]) - lst[l];
+      }
+    }
+    const A P = PROB ? TT[k] : ET[k];
+    U[k] = -P * (P > 0 ? ZQ[k] : A(0));
+    if (!PROB) V[k] = ET[k] * (ET[k] > 0 ? TT[k] : A(0));
+    G[k] = r.a[l] * E1[k] + (r.b[l] * kb_scale) * (W[l] * EQ[k] - P);
+  }
+  FF_LANES {
+    const int64_t k = y[l] * kBlock + l;
+    U[k] = Py[l] > 0 ? -Py[l] * logqy[l] : A(0);
+    if (!PROB) V[k] = Py[l] > 0 ? Py[l] * logPy[l] : A(0);
+    G[k] = r.a[l] * (smy[l] - A(1)) + (r.b[l] * kb_scale) * (W[l] * qy[l] - Py[l]);
+  }
+  FF_CHUNKS {
+    FF_LANES { cross[l] = 0; neg[l] = 0; }
+    FF_CHUNK {
+      cross[l] += U[j * kBlock + l];
+      if (!PROB) neg[l] += V[j * kBlock + l];
+    }
+    FF_LANES { dc[l] += cross[l]; dn[l] += neg[l]; }
+  }
+  FF_LANES { cross[l] = A(dc[l]); neg[l] = A(dn[l]); }
+  FF_LANES {
+    const A ce = (m1[l] - Z[y[l] * kBlock + l]) + ls1[l];
+    const A ng = PROB ? r.negent_in[l] : neg[l];
+    out[l] = r.a[l] * ce + r.b[l] * (cross[l] + (r.soft_ce ? A(0) : ng));
+  }
+}
+#undef FF_EACH
+#undef FF_CHUNKS
+#undef FF_CHUNK
+#undef FF_LANES
+
+template <typename A>
+__attribute__((always_inline)) inline void block_dispatch(const BlockArgs<A>& r, bool prob, bool rho, A* out) {
+  if (prob) return block_core<A, true, false>(r, out);
+  if (rho) return block_core<A, false, true>(r, out);
+  return block_core<A, false, false>(r, out);
+}
+
+FEDFAST_MULTIVERSION_WIDE void block_f32(const BlockArgs<float>& r, bool prob, bool rho, float* out) {
+  block_dispatch<float>(r, prob, rho, out);
+}
+void block_f64(const BlockArgs<double>& r, bool prob, bool rho, double* out) { block_dispatch<double>(r, prob, rho, out); }
+inline void block_any(const BlockArgs<float>& r, bool prob, bool rho, float* out) { block_f32(r, prob, rho, out); }
+inline void block_any(const BlockArgs<double>& r, bool prob, bool rho, double* out) { block_f64(r, prob, rho, out); }
+
+// FedGKD-VOTE inside the row op: the M teachers' mixture row P_i = sum_m w_m softmax(t_mi / tau) (over c != y with
+// not_true) and its negent_i, as fedfast/ops/teacher_mixture.py computes them, into P [C]; X, E, U are scratch.
+// The [R, C] mixture is never stored (one logits-sized buffer fewer than the two-op path).
+template <typename A>
+struct Mix {
+  int64_t M = 0;  // 0: no mixture (the teacher is logits or a precomputed P)
+  int64_t R = 0;
+  const A* w = nullptr;
+};
+
+template <typename T, typename A>
+__attribute__((always_inline)) inline A mixture_row_core(const T* tp, const Mix<A>& mix, int64_t C, int64_t i,
+                                                         int64_t y, bool not_true, A inv_tau, A* X, A* E, A* P,
+                                                         A* U) {
+  for (int64_t j = 0; j < C; ++j) P[j] = 0;
+  A ne = 0;
+  for (int64_t m = 0; m < mix.M; ++m) {
+    const T* ti = tp + (m * mix.R + i) * C;
+    for (int64_t j = 0; j < C; ++j) X[j] = static_cast<A>(ti[j]) * inv_tau;
+    if (not_true) X[y] = neg_inf<A>();
+    ne += mix_core(C, X, E, P, U, mix.w[m]);
+  }
+  return ne;
+}
+template <typename T>
+FEDFAST_MULTIVERSION float mixture_row_f32(const T* tp, const Mix<float>& mix, int64_t C, int64_t i, int64_t y,
+                                           bool not_true, float inv_tau, float* X, float* E, float* P, float* U) {
+  return mixture_row_core<T, float>(tp, mix, C, i, y, not_true, inv_tau, X, E, P, U);
+}
+template <typename T>
+inline float mixture_row(const T* tp, const Mix<float>& mix, int64_t C, int64_t i, int64_t y, bool not_true,
+                         float inv_tau, float* X, float* E, float* P, float* U) {
+  return mixture_row_f32<T>(tp, mix, C, i, y, not_true, inv_tau, X, E, P, U);
+}
+template <typename T>
+inline double mixture_row(const T* tp, const Mix<double>& mix, int64_t C, int64_t i, int64_t y, bool not_true,
+                          double inv_tau, double* X, double* E, double* P, double* U) {
+  return mixture_row_core<T, double>(tp, mix, C, i, y, not_true, inv_tau, X, E, P, U);
+}
+
+// FedGKD-VOTE's mixture for kBlock rows at once: X [C][kBlock] holds t_m / tau of one teacher (-inf at masked
+// entries); adds w * softmax(X) into P and w * sum p log p into ne, per lane (mix_core across rows).
+template <typename A>
+__attribute__((always_inline)) inline void mix_block_core(int64_t C, A* __restrict X, A* __restrict E,
+                                                          A* __restrict P, A* __restrict ne, A w) {
+  alignas(64) A m[kBlock], inv[kBlock], ls[kBlock];
+  alignas(64) double ds[kBlock], dd[kBlock];
+  for (int64_t l = 0; l < kBlock; ++l) { m[l] = neg_inf<A>(); ds[l] = 0; dd[l] = 0; }
+  for (int64_t j = 0; j < C; ++j)
+#pragma omp simd
+    for (int64_t l = 0; l < kBlock; ++l) m[l] = X[j * kBlock + l] > m[l] ? X[j * kBlock + l] : m[l];
+  for (int64_t l = 0; l < kBlock; ++l) m[l] = m[l] == neg_inf<A>() ? A(0) : m[l];  // an all -inf row adds nothing
+  for (int64_t j = 0; j < C; ++j)
+#pragma omp simd
+    for (int64_t l = 0; l < kBlock; ++l) {
+      X[j * kBlock + l] -= m[l];
+      E[j * kBlock + l] = fexp(X[j * kBlock + l]);
+    }
+  lane_sums<kBlock>(C, E, ds);
+  for (int64_t l = 0; l < kBlock; ++l) {
+    inv[l] = ds[l] > 0 ? A(1 / ds[l]) : A(0);
+    ls[l] = ds[l] > 0 ? A(std::log(ds[l])) : A(0);
+  }
+  for (int64_t j = 0; j < C; ++j)
+#pragma omp simd
+    for (int64_t l = 0; l < kBlock; ++l) {
+      const int64_t k = j * kBlock + l;
+      const A p = E[k] * inv[l];
+      X[k] = p > 0 ? p * (X[k] - ls[l]) : A(0);  // p log p, log p = (x - m) - log s
+      P[k] += w * p;
+    }
+  lane_sums<kBlock>(C, X, dd);
+  for (int64_t l = 0; l < kBlock; ++l) ne[l] += w * A(dd[l]);
+}
+FEDFAST_MULTIVERSION_WIDE void mix_block_f32(int64_t C, float* X, float* E, float* P, float* ne, float w) {
+  mix_block_core<float>(C, X, E, P, ne, w);
+}
+inline void mix_block(int64_t C, float* X, float* E, float* P, float* ne, float w) { mix_block_f32(C, X, E, P, ne, w); }
+inline void mix_block(int64_t C, double* X, double* E, double* P, double* ne, double w) {
+  mix_block_core<double>(C, X, E, P, ne, w);
+}
+
+// Narrow rows: kBlock rows per step, gathered into [C][kBlock] scratch and scattered back (see block_core).
+template <typename S, typename T, typename A>
+void distill_blocks(const S* zp, const T* tp, S* gp, A* lp, const at::Tensor& target, const A* negent,
+                    const A* alpha, const A* roww, const A* rscale, const A* rho, const A* l1p, int64_t S_rows,
+                    const c10::optional<at::Tensor>& segments, A inv_tau, A ce_w, A kd_w, int64_t ignore_index,
+                    int64_t R, int64_t C, bool not_true, bool soft_ce, bool prob, const Mix<A>& mix) {
+  const int64_t nblocks = (R + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kBlock * C));
+  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t n = C * kBlock;
+    std::vector<A> buf((rho ? 11 : 9) * n);
+    BlockArgs<A> r;
+    r.C = C;
+    r.Z = buf.data(); r.ZQ = r.Z + n; r.TT = r.ZQ + n; r.E1 = r.TT + n; r.EQ = r.E1 + n; r.ET = r.EQ + n;
+    r.G = r.ET + n; r.U = r.G + n; r.V = r.U + n;
+    r.RH = rho ? r.V + n : nullptr;
+    r.L1P = rho ? r.RH + n : nullptr;
+    r.inv_tau = inv_tau;
+    r.not_true = not_true;
+    r.soft_ce = soft_ce;
+    alignas(64) A out[kBlock];
+    bool live[kBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t i0 = blk * kBlock;
+      for (int64_t l = 0; l < kBlock; ++l) {
+        const int64_t i = i0 + l;
+        const int64_t y = i < R ? row_target(target, i, C, ignore_index) : -1;
+        live[l] = y >= 0;
+        r.y[l] = live[l] ? y : 0;
+        if (!live[l]) {  // a lane without a row (tail, ignored target): zeros, weights 0, output not used
+          for (int64_t j = 0; j < C; ++j) r.Z[j * kBlock + l] = r.ZQ[j * kBlock + l] = r.TT[j * kBlock + l] = 0;
+          if (rho)
+            for (int64_t j = 0; j < C; ++j) r.RH[j * kBlock + l] = r.L1P[j * kBlock + l] = 0;
+          r.a[l] = r.b[l] = r.negent_in[l] = 0;
+          if (prob) r.TT[l] = 1;  // a probability row summing to 1
+          continue;
+        }
+        const S* zi = zp + i * C;
+        const T* ti = tp + i * C;
+        for (int64_t j = 0; j < C; ++j) {
+          const A zj = static_cast<A>(zi[j]);
+          r.Z[j * kBlock + l] = zj;
+          r.ZQ[j * kBlock + l] = zj * inv_tau;
+        }
+        if (!mix.M) {
+          for (int64_t j = 0; j < C; ++j)
+            r.TT[j * kBlock + l] = prob ? static_cast<A>(ti[j]) : static_cast<A>(ti[j]) * inv_tau;
+          r.negent_in[l] = prob ? negent[i] : A(0);
+        }
+        if (rho) {
+          const int64_t s = row_segment(segments, i, S_rows);
+          for (int64_t j = 0; j < C; ++j) {
+            r.RH[j * kBlock + l] = rho[s * C + j];
+            r.L1P[j * kBlock + l] = l1p[s * C + j];
+          }
+        }
+        const A al = alpha ? alpha[y] : A(0);
+        const A sc = rscale ? rscale[i] : A(1);
+        r.a[l] = (alpha ? ce_w * (A(1) - al) : ce_w) * sc;
+        r.b[l] = (alpha ? kd_w * al : kd_w) * (roww ? roww[i] : A(1)) * sc;
+      }
+      if (mix.M) {  // the teachers' mixture into TT and negent_in, all lanes at once (E1, EQ as scratch)
+        for (int64_t k = 0; k < n; ++k) r.TT[k] = 0;
+        for (int64_t l = 0; l < kBlock; ++l) r.negent_in[l] = 0;
+        for (int64_t m = 0; m < mix.M; ++m) {
+          for (int64_t l = 0; l < kBlock; ++l) {
+            const int64_t i = i0 + l;
+            const T* ti = tp + (m * mix.R + (live[l] ? i : 0)) * C;
+            for (int64_t j = 0; j < C; ++j) r.E1[j * kBlock + l] = live[l] ? static_cast<A>(ti[j]) * inv_tau : A(0);
+            if (not_true) r.E1[r.y[l] * kBlock + l] = neg_inf<A>();
+          }
+          mix_block(C, r.E1, r.EQ, r.TT, r.negent_in, mix.w[m]);
+        }
+      }
+      block_any(r, prob, rho != nullptr, out);
+      for (int64_t l = 0; l < kBlock && i0 + l < R; ++l) {
+        S* gi = gp + (i0 + l) * C;
+        if (!live[l]) {
+          for (int64_t j = 0; j < C; ++j) gi[j] = S(0);
+          lp[i0 + l] = 0;
+          continue;
+        }
+        for (int64_t j = 0; j < C; ++j) gi[j] = static_cast<S>(r.G[j * kBlock + l]);
+        lp[i0 + l] = out[l];
+      }
+    }
+  });
+}
+
 template <typename S, typename T, typename A>
 void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
                   const A* negent, const A* alpha, const A* roww, const A* rscale, const A* rho, const A* l1p,
                   int64_t S_rows,
                   const c10::optional<at::Tensor>& segments, A tau, A ce_w, A kd_w, int64_t ignore_index,
-                  bool not_true, bool soft_ce, bool prob, at::Tensor& loss, at::Tensor& grad) {
+                  bool not_true, bool soft_ce, bool prob, const Mix<A>& mix, at::Tensor& loss, at::Tensor& grad) {
   const int64_t R = student.size(0), C = student.size(1);
   const S* zp = student.data_ptr<S>();
   const T* tp = teacher.data_ptr<T>();
@@ -134,8 +479,13 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
   A* lp = loss.data_ptr<A>();
   const A inv_tau = A(1) / tau;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
+  if (C <= kBlockMaxC) {
+    distill_blocks<S, T, A>(zp, tp, gp, lp, target, negent, alpha, roww, rscale, rho, l1p, S_rows, segments,
+                            inv_tau, ce_w, kd_w, ignore_index, R, C, not_true, soft_ce, prob, mix);
+    return;
+  }
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<A> buf(9 * C);
+    std::vector<A> buf((mix.M ? 12 : 9) * C);
     RowArgs<A> r;
     r.C = C;
     r.Z = buf.data(); r.ZQ = r.Z + C; r.TT = r.ZQ + C; r.E1 = r.TT + C; r.EQ = r.E1 + C; r.ET = r.EQ + C;
@@ -160,7 +510,11 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
         r.Z[j] = zj;
         r.ZQ[j] = zj * inv_tau;
       }
-      if (prob) {
+      A ne = prob && !mix.M ? negent[i] : A(0);
+      if (mix.M) {
+        A* X = r.V + C;
+        ne = mixture_row(tp, mix, C, i, y, not_true, inv_tau, X, X + C, r.TT, X + 2 * C);
+      } else if (prob) {
         for (int64_t j = 0; j < C; ++j) r.TT[j] = static_cast<A>(ti[j]);
       } else {
         for (int64_t j = 0; j < C; ++j) r.TT[j] = static_cast<A>(ti[j]) * inv_tau;
@@ -173,7 +527,7 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
       const A sc = rscale ? rscale[i] : A(1);  // reduction weight: scales the loss row and its gradient
       r.a = (alpha ? ce_w * (A(1) - al) : ce_w) * sc;
       r.b = (alpha ? kd_w * al : kd_w) * (roww ? roww[i] : A(1)) * sc;
-      r.negent_in = prob ? negent[i] : A(0);
+      r.negent_in = ne;
       lp[i] = row_any(r, prob);
       for (int64_t j = 0; j < C; ++j) gi[j] = static_cast<S>(r.G[j]);
     }
@@ -182,13 +536,24 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
+namespace {
+std::tuple<at::Tensor, at::Tensor> distill_run(
     const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& target_in,
-    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
-    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments_in, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
-  TORCH_CHECK(student_in.dim() == 2 && teacher_in.sizes() == student_in.sizes(), "student/teacher shape mismatch");
+    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& mix_weights,
+    const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
+    const c10::optional<at::Tensor>& rho, const c10::optional<at::Tensor>& segments_in,
+    const c10::optional<at::Tensor>& row_scale, double tau, double ce_weight, double kd_weight, int64_t ignore_index,
+    bool not_true, bool soft_ce) {
+  const bool mixing = mix_weights.has_value();
+  TORCH_CHECK(student_in.dim() == 2, "student must be [R, C]");
+  if (mixing) {
+    TORCH_CHECK(teacher_in.dim() == 3 && teacher_in.size(1) == student_in.size(0) &&
+                    teacher_in.size(2) == student_in.size(1) && mix_weights->dim() == 1 &&
+                    mix_weights->size(0) == teacher_in.size(0),
+                "teachers must be [M, R, C] with weights [M]");
+  } else {
+    TORCH_CHECK(teacher_in.sizes() == student_in.sizes(), "student/teacher shape mismatch");
+  }
   TORCH_CHECK(target_in.dim() == 1 && target_in.size(0) == student_in.size(0), "target shape mismatch");
   TORCH_CHECK(student_in.size(1) >= 2, "need C >= 2");
   const at::Tensor student = student_in.contiguous(), teacher = teacher_in.contiguous();
@@ -203,10 +568,10 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     return x.has_value() ? x->to(acc).contiguous() : at::Tensor();
   };
   at::Tensor neg = as_acc(teacher_negent), al = as_acc(class_alpha), rw = as_acc(row_weight), rh = as_acc(rho);
-  at::Tensor rs = as_acc(row_scale);
+  at::Tensor rs = as_acc(row_scale), mw = as_acc(mix_weights);
   at::Tensor l1p = rh.defined() ? at::log1p(-rh) : at::Tensor();
   const int64_t S_rows = rh.defined() ? rh.size(0) : 1;
-  const bool prob = neg.defined();
+  const bool prob = neg.defined() || mixing;
   if (prob) TORCH_CHECK(!rh.defined(), "rho needs teacher logits");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, student.scalar_type(), "distill_rows_cpu_s", [&] {
     using S = scalar_t;
@@ -215,15 +580,54 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
       auto run = [&](auto zero) {
         using A = decltype(zero);
         auto ptr = [](const at::Tensor& x) -> const A* { return x.defined() ? x.data_ptr<A>() : nullptr; };
+        Mix<A> mix;
+        if (mixing) {
+          mix.M = teacher.size(0);
+          mix.R = teacher.size(1);
+          mix.w = ptr(mw);
+        }
         distill_impl<S, T, A>(student, teacher, target, ptr(neg), ptr(al), ptr(rw), ptr(rs), ptr(rh), ptr(l1p),
                               S_rows,
                               segments, A(tau), A(ce_weight), A(kd_weight), ignore_index, not_true, soft_ce, prob,
-                              loss, grad);
+                              mix, loss, grad);
       };
       if (f64) run(double(0)); else run(float(0));
     });
   });
   return {loss, grad};
 }
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
+    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
+    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
+    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
+    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
+  return distill_run(student, teacher, target, teacher_negent, c10::nullopt, class_alpha, row_weight, rho, segments,
+                     row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce);
+}
+
+std::tuple<at::Tensor, at::Tensor> distill_rows_mix_cpu(
+    const at::Tensor& student, const at::Tensor& teachers, const at::Tensor& weights, const at::Tensor& target,
+    const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
+    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
+  return distill_run(student, teachers, target, c10::nullopt, weights, class_alpha, row_weight, c10::nullopt,
+                     segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce);
+}
+
+std::tuple<at::Tensor, at::Tensor, int64_t> distill_rows_asd_cpu(
+    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
+    double entropy_tau, const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale,
+    double tau, double ce_weight, double kd_weight, int64_t ignore_index, bool not_true) {
+  TORCH_CHECK(teacher.sizes() == student.sizes(), "student/teacher shape mismatch");
+  auto [rw, status] = asd_row_weight_cpu(teacher, target, class_prior, segments, entropy_tau, ignore_index);
+  auto [loss, grad] = distill_run(student, teacher, target, c10::nullopt, c10::nullopt, c10::nullopt, rw,
+                                  c10::nullopt, segments, row_scale, tau, ce_weight, kd_weight, ignore_index,
+                                  not_true, false);
+  return {loss, grad, status};
+}
+
 
 }  // namespace fedfast

@@ -19,12 +19,30 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
     double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce);
 
+// distill_rows with FedGKD-VOTE's M teachers [M, R, C] mixed (weights [M]) row by row inside the op.
+std::tuple<at::Tensor, at::Tensor> distill_rows_mix_cpu(
+    const at::Tensor& student, const at::Tensor& teachers, const at::Tensor& weights, const at::Tensor& target,
+    const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
+    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
+    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce);
+
+// distill_rows with ASD's KD row weights (asd_row_weight_cpu) computed first in the same call:
+// (loss [R], dL/dz [R, C], asd_row_weight's status).
+std::tuple<at::Tensor, at::Tensor, int64_t> distill_rows_asd_cpu(
+    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
+    double entropy_tau, const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale,
+    double tau, double ce_weight, double kd_weight, int64_t ignore_index, bool not_true);
+
 std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers, const at::Tensor& weights,
                                                        const at::Tensor& target, double tau, bool not_true,
                                                        int64_t ignore_index);
 
 at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
                            const c10::optional<at::Tensor>& segments, double entropy_tau, int64_t ignore_index);
+std::tuple<at::Tensor, int64_t> asd_row_weight_cpu(const at::Tensor& teacher, const at::Tensor& target,
+                                                   const at::Tensor& class_prior,
+                                                   const c10::optional<at::Tensor>& segments, double entropy_tau,
+                                                   int64_t ignore_index);
 
 std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c10::optional<at::Tensor>& segments,
                                               int64_t C, int64_t ignore_index, int64_t mode, int64_t limit);

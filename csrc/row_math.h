@@ -7,8 +7,11 @@
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 // Compiled twice (AVX2+FMA and baseline x86-64), chosen at load time by the CPU (gcc ifunc).
 #define FEDFAST_MULTIVERSION __attribute__((target_clones("avx2,fma", "default")))
+// Kernels whose loops run across 16 rows (one AVX-512 vector of floats): an x86-64-v4 clone as well.
+#define FEDFAST_MULTIVERSION_WIDE __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define FEDFAST_MULTIVERSION
+#define FEDFAST_MULTIVERSION_WIDE
 #endif
 
 namespace fedfast {
@@ -38,6 +41,32 @@ __attribute__((always_inline)) static inline float fexp(float x) {
 }
 static inline double fexp(double x) { return std::exp(x); }
 
+// log(x) for finite x > 0 (normal), branch-free and auto-vectorisable (Cephes logf: x = 2^e m, m in
+// [sqrt(1/2), sqrt(2)), degree-8 polynomial in m - 1; ~1 ulp). Callers select away x = 0 themselves.
+__attribute__((always_inline)) static inline float flog(float x) {
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  float e = static_cast<float>(((bits >> 23) & 0xff) - 127);
+  const float m = __builtin_bit_cast(float, (bits & 0x007fffff) | 0x3f800000);  // [1, 2)
+  const bool big = m >= 1.41421356237f;
+  const float f = big ? m * 0.5f - 1.0f : m - 1.0f;
+  e = big ? e + 1.0f : e;
+  const float z = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z;
+  y += -2.12194440e-4f * e;
+  y += -0.5f * z;
+  return (f + y) + 0.693359375f * e;
+}
+static inline double flog(double x) { return std::log(x); }
+
 template <typename A>
 inline A neg_inf() { return -std::numeric_limits<A>::infinity(); }
 
@@ -54,6 +83,49 @@ __attribute__((always_inline)) inline double dsum(const A* __restrict x, int64_t
     total += acc;
   }
   return total;
+}
+
+// E = exp(X - m) with m = max(X) (written to *m; 0 and E = 0 for an all -inf row); returns sum(E) in fp64.
+template <typename A>
+__attribute__((always_inline)) inline double row_exp(int64_t C, const A* __restrict X, A* __restrict E, A* m_out) {
+  A m = neg_inf<A>();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < C; ++j) m = X[j] > m ? X[j] : m;
+  m = m == neg_inf<A>() ? A(0) : m;
+  for (int64_t j = 0; j < C; ++j) E[j] = fexp(X[j] - m);
+  *m_out = m;
+  return dsum(E, C);
+}
+
+// Rows laid out [C][L] (column l of row j at j * L + l): acc[l] += sum_j X[j * L + l], as L-wide vector adds in A
+// over chunks of 32 classes, each chunk's partial folded into the fp64 acc (the narrow kernels' row sums).
+template <int64_t L, typename A>
+__attribute__((always_inline)) inline void lane_sums(int64_t C, const A* __restrict X, double* __restrict acc) {
+  alignas(64) A part[L];
+  for (int64_t j0 = 0; j0 < C; j0 += 32) {
+    for (int64_t l = 0; l < L; ++l) part[l] = 0;
+    for (int64_t j = j0, j1 = C < j0 + 32 ? C : j0 + 32; j < j1; ++j)
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) part[l] += X[j * L + l];
+    for (int64_t l = 0; l < L; ++l) acc[l] += part[l];
+  }
+}
+
+// Adds w * softmax(X) into P (X = t/tau, X[y] = -inf when masked); returns w * sum p log p (FedGKD-VOTE's teacher
+// mixture, fedfast/ops/teacher_mixture.py). Elementwise maps (vectorised) + dsum row sums; E, U are scratch.
+template <typename A>
+__attribute__((always_inline)) inline A mix_core(int64_t C, A* __restrict X, A* __restrict E, A* __restrict P,
+                                                 A* __restrict U, A w) {
+  A m;
+  const double s = row_exp(C, X, E, &m);
+  if (!(s > 0)) return A(0);
+  const A inv = A(1 / s), ls = A(std::log(s));  // log p = (x - m) - log s (no m + log s cancellation)
+  for (int64_t j = 0; j < C; ++j) {
+    const A p = E[j] * inv;
+    U[j] = p > 0 ? p * ((X[j] - m) - ls) : A(0);
+    P[j] += w * p;
+  }
+  return w * A(dsum(U, C));
 }
 
 }  // namespace fedfast

@@ -11,25 +11,6 @@
 namespace fedfast {
 namespace {
 
-// Adds w * softmax(X) into P (X = t/tau, X[y] = -inf when masked); returns w * sum p log p.
-// Elementwise maps (vectorised) + dsum row sums; U is scratch.
-template <typename A>
-__attribute__((always_inline)) inline A mix_core(int64_t C, A* __restrict X, A* __restrict E, A* __restrict P,
-                                                 A* __restrict U, A w) {
-  A m = neg_inf<A>();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < C; ++j) m = X[j] > m ? X[j] : m;
-  if (m == neg_inf<A>()) return A(0);
-  for (int64_t j = 0; j < C; ++j) E[j] = fexp(X[j] - m);
-  const double s = dsum(E, C);
-  const A inv = A(1 / s), ls = A(std::log(s));  // log p = (x - m) - log s (no m + log s cancellation)
-  for (int64_t j = 0; j < C; ++j) {
-    const A p = E[j] * inv;
-    U[j] = p > 0 ? p * ((X[j] - m) - ls) : A(0);
-    P[j] += w * p;
-  }
-  return w * A(dsum(U, C));
-}
 FEDFAST_MULTIVERSION float mix_f32(int64_t C, float* X, float* E, float* P, float* U, float w) {
   return mix_core<float>(C, X, E, P, U, w);
 }

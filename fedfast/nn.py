@@ -112,13 +112,10 @@ class ASDLoss(_DistillBase):
 
     def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None,
                 num_segments: int | None = None) -> Tensor:
-        _validate.check_logits("student", student)
-        ahat = ops.asd_weights(teacher, target, class_prior, segments, entropy_tau=self.entropy_tau,
-                               ignore_index=self.ignore_index, backend=self.backend, validate=self.validate)
-        rw = ops.asd_row_weight(ahat, target, student.shape[1], segments, self.ignore_index)
         s = self.tau ** 2 if self.tau_squared else 1.0
         return ops.distill(student, teacher, target, kind="not_true" if self.not_true else "full",
-                           kd_weight=self.lam * s, row_weight=rw, **self._common(segments, num_segments))
+                           kd_weight=self.lam * s, class_prior=class_prior, entropy_tau=self.entropy_tau,
+                           **self._common(segments, num_segments))
 
 
 class GKDLoss(_DistillBase):

@@ -31,7 +31,10 @@ def test_round_benchmark_records_both_implementations(bench_rounds, tmp_path):
     # the loop runs the teacher on every training sample, the engine once per row of the round
     assert loop["flops_per_round"] - rec["train_flops"] == 2 * (eng["flops_per_round"] - rec["train_flops"])
     assert len(eng["round_seconds"]) == len(loop["round_seconds"]) == 2
-    assert eng["max_rel_diff_vs_loop"] <= 1e-4 and eng["rel_diff_vs_loop_first_round"] <= 1e-5  # the same training
+    # the same training: after one round equal to float32 rounding; after two, rounding differences have grown with
+    # the small-batch SGD's chaotic dynamics (measured 1.3e-5 with the row-at-a-time cpu distillation kernel,
+    # 1.4e-4 with the 16-row kernel of equal accuracy; both reach 4e-4 to 1.3e-3 by round 4). A wrong formula is O(1).
+    assert eng["max_rel_diff_vs_loop"] <= 1e-3 and eng["rel_diff_vs_loop_first_round"] <= 1e-5
     assert 0 < rec["loop_sensitivity_first_round"] < 1e-3
     assert rec["param_traffic_bytes"] == 2 * 4 * 2 * rec["params"] * 4 * 7  # steps x P x 4 B x (5 + momentum 2)
     assert eng["speedup_vs_loop"] == pytest.approx(loop["seconds_per_round"] / eng["seconds_per_round"])

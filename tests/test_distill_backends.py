@@ -9,7 +9,9 @@ from conftest import cpu_backends
 from helpers import make_inputs, rel_err
 
 BACKENDS = cpu_backends()
-SHAPES = [(1, 2), (3, 2), (5, 3), (17, 10), (9, 100), (4, 1000), (3, 1023)]
+# the cpu backend runs rows of C <= 128 sixteen at a time (csrc/distill_cpu.cpp): whole and partial blocks on both
+# sides of that bound
+SHAPES = [(1, 2), (3, 2), (5, 3), (17, 10), (9, 100), (37, 128), (18, 129), (4, 1000), (3, 1023)]
 SHAPES_SLOW = [(2, 32000)]
 
 
@@ -148,16 +150,99 @@ def test_asd_weights_match_reference(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_vote_through_op_matches_sum_of_kls(backend):
-    """distill with M teachers equals sum_m w_m KL_m (loss and gradient), computed term by term in fp64."""
-    M, R, C = 3, 8, 10
+@pytest.mark.parametrize("R,C", [(8, 10), (35, 10), (5, 300)])
+@pytest.mark.parametrize("not_true", [False, True])
+def test_vote_through_op_matches_sum_of_kls(backend, R, C, not_true):
+    """distill with M teachers equals sum_m w_m KL_m (loss and gradient), computed term by term in fp64 (the cpu
+    backend mixes the teachers inside the row op: narrow blocks and wide rows)."""
+    M = 3
     z, _, y = make_inputs(R, C)
     T = torch.randn(M, R, C) * 2
     w = torch.tensor([0.5, 0.3, 0.2])
-    l1, g1 = _run(backend, z, T, y, tau=2.0, kd_weight=0.4, teacher_weights=w)
+    kind = "not_true" if not_true else "full"
+    l1, g1 = _run(backend, z, T, y, tau=2.0, kd_weight=0.4, teacher_weights=w, kind=kind)
     z64 = z.double().requires_grad_(True)
     tot = distill_reference(z64, T[0].double(), y, tau=2.0, ce_weight=1.0, kd_weight=0.0)
     for m in range(M):
-        tot = tot + distill_reference(z64, T[m].double(), y, tau=2.0, ce_weight=0.0, kd_weight=0.4 * float(w[m]))
+        tot = tot + distill_reference(z64, T[m].double(), y, tau=2.0, ce_weight=0.0, kd_weight=0.4 * float(w[m]),
+                                      not_true=not_true)
     (g0,) = torch.autograd.grad(tot.sum(), z64)
     assert rel_err(l1, tot.detach()) <= 1e-5 and rel_err(g1, g0) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_asd_row_weights_in_one_call_match_the_two_ops(backend):
+    """ops.asd_row_weights (one C++ pass on the cpu backend) equals asd_weights + asd_row_weight in float64, with
+    per-client priors, segments and an ignored row; and distill(class_prior=...) equals distill(row_weight=...)."""
+    R, C, S = 37, 10, 3
+    dt, tol = (torch.float64, 1e-12) if backend in ("cpu", "reference") else (torch.float32, 1e-5)  # GPU kernels: fp32
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(R, C, generator=g, dtype=torch.float64)
+    t = torch.randn(R, C, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, C, (R,), generator=g)
+    y[4] = -100
+    seg = torch.sort(torch.randint(0, S, (R,), generator=g)).values
+    prior = torch.rand(S, C, generator=g, dtype=torch.float64) + 0.05
+    want = ops.asd_row_weight(ops.asd_weights_reference(t, y, prior, seg, entropy_tau=1.5), y, C, seg)
+    z, t, prior = z.to(dt), t.to(dt), prior.to(dt)
+    got = ops.asd_row_weights(t, y, prior, seg, entropy_tau=1.5, backend=backend)
+    assert rel_err(got, want) <= tol and got[4] == 0
+    for kind in ("full", "not_true"):
+        kw = dict(tau=2.0, kd_weight=3.0, segments=seg, kind=kind, backend=backend)
+        a = z.clone().requires_grad_()
+        la = ops.distill(a, t, y, class_prior=prior, entropy_tau=1.5, **kw)
+        la.backward()
+        b = z.clone().requires_grad_()
+        lb = ops.distill(b, t, y, row_weight=want.to(dt), **kw)
+        lb.backward()
+        assert rel_err(la, lb) <= tol and rel_err(a.grad, b.grad) <= tol
+
+
+def test_asd_row_weights_refuse_bad_inputs_by_name():
+    R, C = 6, 4
+    t, y = torch.randn(R, C), torch.randint(0, C, (R,))
+    zero = torch.ones(C)
+    zero[int(y[0])] = 0.0
+    with pytest.raises(ValueError, match="class_prior: must be finite"):
+        ops.asd_row_weights(t, y, zero)
+    with pytest.raises(ValueError, match="class_prior: must be finite"):
+        ops.distill(torch.randn(R, C, requires_grad=True), t, y, class_prior=zero)
+    with pytest.raises(ValueError, match="target: class indices"):
+        ops.asd_row_weights(t, torch.full((R,), C), torch.ones(C))
+    with pytest.raises(ValueError, match="segments: client ids must be sorted"):
+        ops.asd_row_weights(t, y, torch.ones(C), torch.tensor([1, 0, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="class_prior: ASD computes the KD row weights"):
+        ops.distill(torch.randn(R, C), t, y, class_prior=torch.ones(C), row_weight=torch.ones(R))
+    with pytest.raises(ValueError, match="class_prior: ASD's weights need a single teacher"):
+        ops.distill(torch.randn(R, C), torch.randn(2, R, C), y, class_prior=torch.ones(C))
+    with pytest.raises(ValueError, match="entropy_tau"):
+        ops.distill(torch.randn(R, C), t, y, class_prior=torch.ones(C), entropy_tau=0.0)
+
+
+def test_vote_teacher_weights_checked_on_the_fused_path():
+    R, C = 5, 4
+    with pytest.raises(ValueError, match="teacher_weights: weights must be finite and >= 0"):
+        ops.distill(torch.randn(R, C, requires_grad=True), torch.randn(2, R, C), torch.zeros(R, dtype=torch.long),
+                    teacher_weights=torch.tensor([0.5, -0.5]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none", "segment"])
+def test_backward_twice_with_retain_graph(backend, reduction):
+    """The eager backward scales the stored gradient in place only on its last use: with retain_graph=True the
+    gradient stays intact for a second backward (equal results), and a kept graph (create_graph) gets a copy."""
+    R, C = 9, 7
+    z, t, y = make_inputs(R, C)
+    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    zz = z.clone().requires_grad_()
+    loss = ops.distill(zz, t, y, tau=2.0, kd_weight=2.0, reduction=reduction, segments=seg, backend=backend)
+    w = torch.linspace(0.5, 2.0, loss.numel()).reshape(loss.shape)
+    (loss * w).sum().backward(retain_graph=True)
+    first = zz.grad.clone()
+    zz.grad = None
+    (loss * w).sum().backward()
+    assert torch.equal(zz.grad, first)
+    z2 = z.clone().requires_grad_()
+    l2 = ops.distill(z2, t, y, tau=2.0, kd_weight=2.0, reduction=reduction, segments=seg, backend=backend)
+    g, = torch.autograd.grad((l2 * w).sum(), z2)
+    assert torch.equal(g, first)

@@ -161,8 +161,22 @@ def resolve_for(backend: str | None, device_type: str, dtype) -> str:
     and no ``FEDFAST_BACKEND``), a float64 input on a GPU takes ``reference`` (float64 throughout), as the GPU
     kernels compute in fp32 and refuse float64 by name when asked for explicitly."""
     be = resolve(backend, device_type)
-    auto = backend is None and not os.environ.get("FEDFAST_BACKEND")
-    if auto and be in ("triton", "cuda") and dtype == torch.float64:
-        return "reference"
+    if be in ("triton", "cuda") and dtype == torch.float64 and backend is None:
+        if not os.environ.get("FEDFAST_BACKEND"):
+            return "reference"
     return be
 
+
+def functorch_active(*ts) -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running, or wraps one of these tensors."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:  # inside a transform, whichever tensors it wraps
+        return True
+    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return is_wrapped is not None and any(isinstance(t, torch.Tensor) and is_wrapped(t) for t in ts)
+
+
+def plain_eager(*ts) -> bool:
+    """Not compiling, not tracing, no torch.func transform: a backend kernel can be called directly, without its
+    ``torch.library`` custom op (whose Python dispatch costs ~0.1 ms a call)."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active(*ts))

@@ -16,9 +16,8 @@ from .distill import class_table, segment_counts, valid_rows
 from .distill_reference import asd_weights_reference
 
 
-@torch.library.custom_op("fedfast::asd_weights", mutates_args=())
-def asd_weights_op(teacher: Tensor, target: Tensor, class_prior: Tensor, segments: Tensor | None,
-                   entropy_tau: float, ignore_index: int, backend: str) -> Tensor:
+def _asd_weights_rows(teacher: Tensor, target: Tensor, class_prior: Tensor, segments: Tensor | None,
+                      entropy_tau: float, ignore_index: int, backend: str) -> Tensor:
     if backend == "reference":
         return asd_weights_reference(teacher, target, class_prior, segments, entropy_tau=entropy_tau,
                                      ignore_index=ignore_index)
@@ -29,6 +28,10 @@ def asd_weights_op(teacher: Tensor, target: Tensor, class_prior: Tensor, segment
         return _backend.cuda_ext().asd_weights(*args)
     from ..triton.asd_weights import asd_weights_triton
     return asd_weights_triton(*args)
+
+
+# The op for torch.compile; eager calls go to the backend directly (a custom op's Python dispatch costs ~0.1 ms).
+asd_weights_op = torch.library.custom_op("fedfast::asd_weights", mutates_args=())(_asd_weights_rows)
 
 
 @asd_weights_op.register_fake
@@ -51,16 +54,61 @@ def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor |
         _validate.check_segments(segments, R, dev, mode, None)
         segments = segments.contiguous()
     prior = class_table("class_prior", class_prior, C, dev, segments)
+    _check_prior(prior, target, segments, C, ignore_index, mode)
+    be = _backend.resolve_for(backend, dev.type, teacher.dtype)
+    op = _asd_weights_rows if _backend.plain_eager(teacher, target, segments) else asd_weights_op
+    return op(teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau),
+              int(ignore_index), be)
+
+
+def asd_prior_table(class_prior, teacher: Tensor, segments: Tensor | None) -> Tensor:
+    """``class_prior`` ([C] or [S, C]) as the contiguous [S, C] table the kernels read; checked with
+    ``entropy_tau``-independent rules by the C++ pass (status) or :func:`_check_prior`."""
+    return class_table("class_prior", class_prior, teacher.shape[1], teacher.device, segments)
+
+
+def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: int, mode: str) -> None:
     if mode != "off":
         S = prior.shape[0]
         valid = valid_rows(target, C, ignore_index)
         s = torch.zeros_like(target) if (segments is None or S == 1) else segments.long().clamp(0, S - 1)
         py = prior[s.long(), torch.where(valid, target, torch.zeros_like(target)).long()]
         bad = (valid & ~(py > 0)).any() | (prior < 0).any() | ~torch.isfinite(prior).all()
-        _validate.check("class_prior", bad, "must be finite, >= 0 and > 0 for every class present in target", mode)
+        _validate.check("class_prior", bad, PRIOR_MESSAGE, mode)
+
+
+PRIOR_MESSAGE = "must be finite, >= 0 and > 0 for every class present in target"
+
+
+def asd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None, *,
+                    entropy_tau: float = 1.0, ignore_index: int = -100, backend: str | None = None,
+                    validate: str | None = None) -> Tensor:
+    """ASD's KD row weights ``n_seg(i) * alpha_i`` [R] (:func:`asd_weights` normalised by :func:`asd_row_weight`),
+    the ``row_weight`` of :func:`fedfast.ops.distill`. On the cpu backend in eager mode one C++ pass computes the
+    weights, their per-segment normalisation and the ``class_prior`` check."""
+    _validate.check_logits("teacher", teacher)
+    _validate.check_tau("entropy_tau", entropy_tau)
+    R, C = teacher.shape
+    dev = teacher.device
     be = _backend.resolve_for(backend, dev.type, teacher.dtype)
-    return asd_weights_op(teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau),
-                          int(ignore_index), be)
+    mode = _validate.mode_for(dev, validate)
+    if be != "cpu" or mode == "defer" or not _backend.plain_eager(teacher, target, segments):
+        ahat = asd_weights(teacher, target, class_prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index,
+                           backend=backend, validate=validate)
+        return asd_row_weight(ahat, target, C, segments, ignore_index)
+    _validate.check_target(target, R, C, ignore_index, dev, "off")  # types and shapes; values in the C++ pass
+    if segments is not None:
+        _validate.check_segments(segments, R, dev, "off", None)
+    prior = class_table("class_prior", class_prior, C, dev, segments)
+    rw, status = _backend.cpu_ext().asd_row_weight(teacher.detach(), target, prior, segments, float(entropy_tau),
+                                                   int(ignore_index))
+    if status and mode != "off":
+        if status & 2:
+            raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
+        if status & 4:
+            raise ValueError(f"segments: client ids must be sorted (contiguous per client) and lie in [0, {R})")
+        raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
+    return rw
 
 
 def asd_row_weight(alphahat: Tensor, target: Tensor, C: int, segments: Tensor | None = None,

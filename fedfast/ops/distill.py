@@ -22,7 +22,18 @@ def _loss_dtype(student: Tensor) -> torch.dtype:
 
 
 def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments,
-                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce):
+                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None):
+    """(loss rows, d(loss)/d(student)) from a backend. ``asd`` (cpu backend, eager only): ``(class_prior [S, C],
+    entropy_tau, validate mode)``: ASD's row weights computed from the teacher in the same C++ call."""
+    if asd is not None:
+        prior, entropy_tau, mode = asd
+        loss, grad, status = _backend.cpu_ext().distill_rows_asd(
+            student, teacher, target, prior, float(entropy_tau), segments, row_scale, float(tau), float(ce_weight),
+            float(kd_weight), int(ignore_index), bool(not_true))
+        if status and mode != "off":
+            from .asd_weights import PRIOR_MESSAGE
+            raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
+        return loss, grad
     if backend == "reference":
         return distill_rows_reference(student, teacher, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
                                       not_true=not_true, soft_ce=soft_ce, ignore_index=ignore_index,
@@ -31,6 +42,9 @@ def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha
     args = (student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale,
             float(tau), float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce))
     if backend == "cpu":
+        if teacher.dim() == 3:  # M teachers mixed inside the op, their weights [M] in the teacher_negent slot
+            return tuple(_backend.cpu_ext().distill_rows_mix(student, teacher, teacher_negent, target, class_alpha,
+                                                             row_weight, segments, row_scale, *args[9:]))
         return tuple(_backend.cpu_ext().distill_rows(*args))
     if backend == "cuda":
         return tuple(_backend.cuda_ext().distill_rows(*args))
@@ -104,11 +118,11 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError(FIRST_ORDER)
 
 
-def _first_order(g: Tensor, anchor: Tensor | None) -> Tensor:
-    """``g``, tied in the graph to ``anchor`` (a 0-d tensor computed from the student: ``student[0, 0] * 0``, whose
-    graph holds no logits-sized buffer) when a backward builds one (``create_graph=True``: grad mode is on inside the
+def _first_order(g: Tensor, anchor: Tensor) -> Tensor:
+    """``g``, tied in the graph to ``anchor`` (the op's own saved output, whose graph leads back to the student and
+    holds no logits-sized buffer) when a backward builds one (``create_graph=True``: grad mode is on inside the
     backward exactly then), so that a second derivative through the student's producers reaches the raising node."""
-    return _FirstOrderOnly.apply(g, anchor) if torch.is_grad_enabled() and anchor is not None else g
+    return _FirstOrderOnly.apply(g, anchor) if torch.is_grad_enabled() else g
 
 
 def _backward(ctx, grad_loss, grad_grad):
@@ -122,37 +136,52 @@ def _backward(ctx, grad_loss, grad_grad):
 distill_rows_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _scale_stored(grad: Tensor, grad_loss: Tensor, backend: str) -> Tensor:
+    """The backward of the eager path: the stored gradient times ``grad_loss`` (0-d for a summed loss, else [R]).
+    In place when this backward is the stored gradient's last use (the graph is not kept: no ``retain_graph``,
+    no ``create_graph``) and it is in the accumulation dtype, so the gradient handed on is the one logits-sized
+    buffer the forward wrote; otherwise a scaled copy (:func:`scale_rows`)."""
+    if grad.dtype in (torch.float32, torch.float64) and not torch._C._autograd._get_current_graph_task_keep_graph():
+        gl = grad_loss.to(grad.dtype)
+        return grad.mul_(gl if gl.dim() == 0 else gl[:, None])
+    if grad_loss.dim() == 0:
+        grad_loss = grad_loss.expand(grad.shape[0])
+    return scale_rows(grad, grad_loss.contiguous(), backend)
+
+
 class _DistillRowsFn(torch.autograd.Function):
-    """Eager fast path: the same backend calls as ``fedfast::distill_rows`` without the Python
-    dispatch cost of ``torch.library.custom_op`` (~0.1 ms per call); used when not compiling."""
+    """Eager fast path: the same backend calls as ``fedfast::distill_rows`` without the Python dispatch cost of
+    ``torch.library.custom_op`` (~0.1 ms per call); used when not compiling. One output: the loss rows, or their
+    sum (``total``), so autograd keeps no node for the reduction. The arguments after ``teacher`` travel as one
+    tuple (autograd inspects each positional argument of ``apply``)."""
 
     @staticmethod
-    def forward(ctx, student, anchor, *args):
-        loss, grad = _backend_rows(args[-1], student, *args[:-1])
-        ctx.save_for_backward(grad, anchor)
-        ctx.backend = args[-1]
-        ctx.mark_non_differentiable(grad)
-        ctx.set_materialize_grads(False)  # else autograd passes a zero [R, C] tensor for the unused second output
-        return loss, grad
+    def forward(ctx, student, teacher, rest):
+        *args, backend, total, asd = rest
+        loss, grad = (_backend_rows(backend, student, teacher, *args) if asd is None else
+                      _backend_rows(backend, student, teacher, *args, asd=asd))
+        out = loss.sum() if total else loss
+        # The output is saved as the anchor of a second derivative (see _first_order): no logits-sized buffer.
+        ctx.save_for_backward(grad, out)
+        ctx.backend = backend
+        return out
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_grad):
-        grad, anchor = ctx.saved_tensors
-        if grad_loss is None:  # grads are not materialised: none reached the loss
-            return (None,) * 18
-        return (_first_order(scale_rows(grad, grad_loss.contiguous(), ctx.backend), anchor),) + (None,) * 16
+    def backward(ctx, grad_loss):
+        grad, out = ctx.saved_tensors
+        return _first_order(_scale_stored(grad, grad_loss, ctx.backend), out), None, None
 
 
 def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                 ce_weight, kd_weight, ignore_index, not_true, soft_ce, backend):
-    """Per-row loss [R] (differentiable in ``student``) and the stored gradient: the custom op while
-    ``torch.compile`` traces, the autograd.Function fast path in eager mode."""
-    args = (student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, float(tau),
+                 ce_weight, kd_weight, ignore_index, not_true, soft_ce, backend, total: bool = False, asd=None):
+    """The loss rows [R] (their sum with ``total``), differentiable in ``student``: the custom op while
+    ``torch.compile`` traces, the autograd.Function fast path in eager mode (``asd``: see :func:`_backend_rows`)."""
+    args = (target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, float(tau),
             float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce), backend)
     if torch.compiler.is_compiling():
-        return distill_rows_op(*args)
-    anchor = student[0, 0] * 0.0 if student.requires_grad and torch.is_grad_enabled() and student.numel() else None
-    return _DistillRowsFn.apply(student, anchor, *args[1:])
+        loss_rows, _ = distill_rows_op(student, teacher, *args)
+        return loss_rows.sum() if total else loss_rows
+    return _DistillRowsFn.apply(student, teacher, args + (bool(total), asd))
 
 
 def class_table(name: str, x, C: int, device, segments: Tensor | None) -> Tensor:
@@ -254,7 +283,8 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
 def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind: str, ignore_index: int,
                    be: str, mode: str):
     """What the fused rows read as the teacher: one teacher's logits, or M teachers' (or a precomputed) mixture
-    ``P`` with its negative entropy."""
+    ``P`` with its negative entropy; on the cpu backend in eager mode the M teachers [M, R, C] themselves with their
+    weights [M] (the op mixes each row)."""
     dev = student.device
     teacher = teacher.detach()
     negent = None
@@ -265,8 +295,11 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
     elif M > 1 or teacher_weights is not None:
         if rho is not None:
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
-        from .teacher_mixture import teacher_mixture
+        from .teacher_mixture import mixture_weights, teacher_mixture
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
+        if be == "cpu" and _backend.plain_eager(student, teacher):
+            # mixed row by row inside the row op (the [R, C] mixture never exists); its weights ride in negent's slot
+            return teacher.contiguous(), mixture_weights(tw, M, dev, teacher.dtype, mode)
         P, negent = teacher_mixture(teacher, tw, target, tau=tau, not_true=(kind == "not_true"),
                                     ignore_index=ignore_index, backend=be, validate=mode)
         teacher_in = P
@@ -309,12 +342,6 @@ def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc
     return class_alpha, rho, row_weight
 
 
-def _functorch_active(*ts) -> bool:
-    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running over these tensors."""
-    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return is_wrapped is not None and any(isinstance(t, Tensor) and is_wrapped(t) for t in ts)
-
-
 def autograd_reason(student, teacher, detach_teacher: bool, double_backward: bool) -> str:
     """Why this call computes the loss with PyTorch's autograd formulas rather than the fused first-order op
     ("" when it does not): double backward or a teacher that receives gradients asked for, ``torch.jit.trace``
@@ -327,7 +354,7 @@ def autograd_reason(student, teacher, detach_teacher: bool, double_backward: boo
         return ""
     if torch.jit.is_tracing():
         return "torch.jit.trace"
-    if _functorch_active(student, teacher):
+    if _backend.functorch_active(student, teacher):
         return "a torch.func transform"
     return ""
 
@@ -344,7 +371,7 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
     R, C = student.shape
     dev = student.device
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
-    if _functorch_active(target, segments):
+    if _backend.functorch_active(target, segments):
         mode = "off"  # a batched (vmapped) label cannot be checked on the host
     _validate.check_target(target, R, C, ignore_index, dev, mode)
     if segments is not None:
@@ -377,14 +404,17 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
             row_weight: Tensor | None = None, rho=None, teacher_weights=None, segments: Tensor | None = None,
             reduction: str = "mean", ignore_index: int = -100, num_segments: int | None = None,
             backend: str | None = None, validate: str | None = None, mixture=None, detach_teacher: bool = True,
-            double_backward: bool = False) -> Tensor:
+            double_backward: bool = False, class_prior=None, entropy_tau: float = 1.0) -> Tensor:
     """Fused CE + distillation loss (see :mod:`fedfast.ops.distill_reference` for the formula).
 
     ``student`` [R, C] logits (grad flows); ``teacher`` [R, C] logits, or [M, R, C] with
     ``teacher_weights`` [M] (default uniform) for a weighted sum of M KL terms (FedGKD-VOTE, reduced to
     one target mixture exactly); ``target`` [R] int. ``kind``: ``"full"`` or ``"not_true"`` (FedNTD).
     ``class_alpha`` [C]: FedCAD per-class weights; ``rho`` [C] or [S, C]: FedADC+ confidences;
-    ``row_weight`` [R]: extra per-row KD weight (ASD). ``segments`` [R] sorted client ids: "mean" is
+    ``row_weight`` [R]: extra per-row KD weight. ``class_prior`` [C] or [S, C] (the client's label distribution):
+    ASD's row weights ``n_seg * alpha_i`` from the teacher's entropy at ``entropy_tau`` (official code: 1.0) and
+    this prior (:func:`fedfast.ops.asd_row_weights`), computed in the same C++ call on the cpu backend; excludes
+    ``row_weight``. ``segments`` [R] sorted client ids: "mean" is
     taken within each segment and the means are summed; ``reduction="segment"`` returns per-segment
     means (``num_segments`` avoids one host sync). ``validate``: see :mod:`fedfast.ops._validate`.
     ``mixture``: a precomputed ``(P [R, C], negent [R])`` from :func:`fedfast.ops.teacher_mixture` (the
@@ -412,18 +442,40 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
     dev = student.device
     mode = _validate.mode_for(dev, validate)
     why = autograd_reason(student, teacher if mixture is None else mixture[0], detach_teacher, double_backward)
+    be = None if why else _backend.resolve_for(backend, dev.type, student.dtype)
+    asd = None
+    if class_prior is not None:
+        _validate.check_tau("entropy_tau", entropy_tau)
+        if row_weight is not None:
+            raise ValueError("class_prior: ASD computes the KD row weights; pass row_weight or class_prior, not both")
+        if mixture is not None or teacher_weights is not None or not isinstance(teacher, Tensor) or (
+                teacher.dim() == 3 and teacher.shape[0] != 1):
+            raise ValueError("class_prior: ASD's weights need a single teacher's logits [R, C]")
+        t2 = teacher if teacher.dim() == 2 else teacher[0]
+        if t2.shape != student.shape:
+            raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
+        if be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
+            from .asd_weights import asd_prior_table
+            asd = (asd_prior_table(class_prior, t2, segments), float(entropy_tau), mode)
+        else:
+            from .asd_weights import asd_row_weights
+            row_weight = asd_row_weights(t2, target, class_prior, segments, entropy_tau=entropy_tau,
+                                         ignore_index=ignore_index, backend=None if why else backend,
+                                         validate=validate)
     if why:
         return _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, kind, soft_ce, class_alpha,
                                  row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments,
                                  backend, mode, mixture, detach_teacher)
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
-    be = _backend.resolve_for(backend, dev.type, student.dtype)
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
     teacher_in, negent = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind,
                                         ignore_index, be, mode)
     class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev,
                                                _loss_dtype(student), mode)
     s = student if student.stride(-1) == 1 else student.contiguous()
-    loss_rows, _ = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale,
-                                tau, ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be)
-    return _reduce(loss_rows, reduction, segments, num_segments)
+    total = reduction in ("mean", "sum") or (reduction == "segment" and segments is None)
+    loss = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
+                        ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be, total=total, asd=asd)
+    if total:  # "mean": rows carry 1/n (or 1/n_segment) already
+        return loss.reshape(1) if reduction == "segment" else loss
+    return _reduce(loss, reduction, segments, num_segments)
