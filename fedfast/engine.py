@@ -470,8 +470,12 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         timers.update({f"local.{k}": v for k, v in self._prof.items()})
         self._method_metrics = self._round_metrics(ctx)
         t1 = time.perf_counter()
+        self.rnd += 1  # the only place the round advances (restore sets it from a checkpoint)
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
-            rec = self._evaluate_round(totals, loss_sum, timers, t1)
+            rec, class_acc = self._evaluate_round(self.rnd, totals, loss_sum, timers, t1)
+        if class_acc is not None:
+            self._class_acc.append(class_acc)
+        self.history.append(rec)
         rec["seconds"] = time.perf_counter() - t0
         self._check_finite(rec)
         return rec

@@ -114,6 +114,34 @@ def test_metrics_per_class_accuracy_and_forgetting():
     assert hist[-1]["best_test_accuracy"] == max(h["test_accuracy"] for h in hist)
 
 
+def test_only_round_advances_the_round():
+    """Evaluation measures and returns a record; the round counter and the history change in round() alone (issue
+    37: the counter used to advance inside evaluation). No other assignment to the counter in the engine's sources,
+    apart from construction and restoring a checkpoint."""
+    import inspect
+    import re
+    from fedfast import engine
+    from fedfast.sim import evaluation, services, sizing, snapshots, training
+    train, test, part, model = _setup()
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=4, eval_every=2, local_epochs=1,
+                            batch_size=16, lr=0.1, seed=0)
+    sim = fedfast.Simulation(cfg, model, train, test, part)
+    for want in range(1, 3):
+        acc = sim.evaluate()
+        assert sim.rnd == want - 1 and len(sim.history) == want - 1 and len(sim._class_acc) == (want - 1) // 2
+        rec = sim.round()
+        assert sim.rnd == want and sim.history[-1] is rec and rec["round"] == want
+        assert (rec["test_accuracy"] is not None) == (want % 2 == 0) and acc[0] > 0
+    rec, class_acc = sim._evaluate_round(4, {"steps": 1, "clients": 3}, 0.0, {}, 0.0)
+    assert rec["round"] == 4 and class_acc is not None and sim.rnd == 2 and len(sim.history) == 2
+    sets = {m.__name__: re.findall(r"self\.rnd\s*(?:\+=|=(?!=))", inspect.getsource(m))
+            for m in (engine, evaluation, services, sizing, snapshots, training)}
+    assert sets == {"fedfast.engine": ["self.rnd =", "self.rnd +="], "fedfast.sim.evaluation": [],
+                    "fedfast.sim.services": [], "fedfast.sim.sizing": [], "fedfast.sim.snapshots": ["self.rnd ="],
+                    "fedfast.sim.training": []}
+    assert "self.rnd += 1" in inspect.getsource(fedfast.Simulation.round)
+
+
 def test_config_errors_name_the_option():
     train, test, part, model = _setup()
     with pytest.raises(ValueError, match="val"):

@@ -13,33 +13,32 @@ class Evaluation:
     """Mixin of :class:`fedfast.Simulation`: evaluation."""
 
     # -- phase 6: evaluation --------------------------------------------------------------------------------
-    def _evaluate_round(self, totals: dict, loss_sum, timers: dict, t1: float) -> dict:
-        """Test metrics of the evaluated model on every ``eval_every``-th round and after the last one; other
-        rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds)."""
+    def _evaluate_round(self, rnd: int, totals: dict, loss_sum, timers: dict, t1: float) -> tuple[dict, object]:
+        """Round ``rnd``'s record (1-based) and the per-class test accuracy it measured (None when it did not
+        evaluate): test metrics of the evaluated model on every ``eval_every``-th round and after the last one;
+        other rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds).
+        Changes no counter and no history: :meth:`fedfast.Simulation.round` keeps both."""
         c = self.cfg
-        self.rnd += 1
         acc = test_loss = class_acc = val = None
-        if self.rnd % c.eval_every == 0 or self.rnd >= c.rounds:
+        if rnd % c.eval_every == 0 or rnd >= c.rounds:
             acc, test_loss, class_acc = self.evaluate()
-            self._class_acc.append(class_acc)
             if self.validation is not None:
                 val = self.evaluate(self.validation)
         timers["eval"] = time.perf_counter() - t1
         self._load_into_model(self.eval_flat)
         accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
             ([acc] if acc is not None else [])
-        rec = {"round": self.rnd, "test_accuracy": acc, "test_loss": test_loss,
+        rec = {"round": rnd, "test_accuracy": acc, "test_loss": test_loss,
                "train_loss": float(loss_sum) / max(totals["steps"], 1),
                "best_test_accuracy": max(accs) if accs else None,
-               "forgetting": self.forgetting() if acc is not None else None,
+               "forgetting": forgetting(self._class_acc + [class_acc]) if acc is not None else None,
                "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
                "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
         if self.validation is not None:
             rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
         if self._method_metrics:
             rec["method_metrics"] = self._method_metrics
-        self.history.append(rec)
-        return rec
+        return rec, class_acc
 
     @torch.no_grad()
     def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
@@ -64,8 +63,14 @@ class Evaluation:
         return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
 
     def forgetting(self) -> float | None:
-        """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds."""
-        if len(self._class_acc) < 2:
-            return None
-        A = torch.stack(self._class_acc)
-        return float((A[:-1] - A[-1]).max(0).values.mean())
+        """FedNTD's forgetting over the rounds evaluated so far (:func:`forgetting`)."""
+        return forgetting(self._class_acc)
+
+
+def forgetting(class_accs: list) -> float | None:
+    """FedNTD's forgetting (Eq. 5): F = (1/C) sum_c max_{t < T} (A_c^t - A_c^T) over the evaluated rounds' per-class
+    test accuracies (oldest first); None before two evaluations."""
+    if len(class_accs) < 2:
+        return None
+    A = torch.stack(class_accs)
+    return float((A[:-1] - A[-1]).max(0).values.mean())
