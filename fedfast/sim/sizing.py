@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..local_step import OPTIMIZERS, SAMGradient
-from .memory import CPU_CHUNK_PARAM_BYTES, OutOfMemory, _free_bytes, _gib, _is_oom, fp32_semantics
+from . import budget
+from .memory import OutOfMemory, _free_bytes, _gib, _is_oom, fp32_semantics
 
 
 class Sizing:
@@ -78,33 +79,26 @@ class Sizing:
         return ""
 
     def _auto_chunk(self, P: int) -> int:
-        """Clients per chunk: parameter-sized rows (4 B per parameter each) plus activations (measured on one
-        probe samples, x3 for backward) must fit the budget (default 80 % of free GPU memory, 60 % of the CPU's
-        MemAvailable). On a CPU also at most ``CPU_CHUNK_PARAM_BYTES`` of the chunk's parameters: per client-sample
-        larger chunks are slower there (2-core VM, FedAvg CNN, 200 clients x 50, batch 10, bench_engine
-        ``test_cpu_chunk_size``: chunks of 10-25 clients 965-1021 samples/s, of 100-200 clients 488-644), while
-        a GPU needs them."""
+        """Clients per chunk (:func:`fedfast.sim.budget.chunk_clients`): parameter-sized rows plus activations must
+        fit the budget (default 80 % of free GPU memory, 60 % of the CPU's MemAvailable). On a CPU also at most
+        ``CPU_CHUNK_PARAM_BYTES`` of the chunk's parameters: per client-sample larger chunks are slower there
+        (2-core VM, FedAvg CNN, 200 clients x 50, batch 10, bench_engine ``test_cpu_chunk_size``: chunks of 10-25
+        clients 965-1021 samples/s, of 100-200 clients 488-644), while a GPU needs them."""
         c = self.cfg
-        frac = 0.8 if self.device.type == "cuda" else 0.6
-        budget = (c.memory_budget_gb * 2**30) if c.memory_budget_gb else frac * _free_bytes(self.device)
+        free = 0 if c.memory_budget_gb else _free_bytes(self.device)
         rows, act = self._client_bytes(P)
-        n = max(1, int(budget // max(rows + act, 1)))
-        if self.device.type == "cpu":
-            n = min(n, max(1, CPU_CHUNK_PARAM_BYTES // (4 * P)))
-        return n
+        return budget.chunk_clients(budget.budget_bytes(c.memory_budget_gb, self.device.type, free), rows, act, P,
+                                    self.device.type)
 
     def _client_bytes(self, P: int) -> tuple[int, int]:
-        """Bytes one client of a chunk needs: its parameter-sized fp32 rows, and its activations (measured on two
-        probe samples, x3 for the backward, times the batch size)."""
+        """Bytes one client of a chunk needs (:func:`fedfast.sim.budget.client_bytes`): its parameter-sized fp32
+        rows, and its activations measured here on two probe samples."""
         if self._client_bytes_cache is not None:
             return self._client_bytes_cache
         c = self.cfg
-        # parameters, the flat gradient buffer, autograd's per-parameter gradients (transient), momentum,
-        # per-client state rows (gathered and updated)
         state = self.method.client_state
-        sam = self.method.sam  # SAM steps (declared): the first gradient and the perturbed weights
-        rows = 3 + OPTIMIZERS[c.client_optimizer].rows(c) + \
-            (2 * state.data.shape[1] // max(P, 1) if state is not None else 0) + (SAMGradient.rows if sam else 0)
+        rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), state.data.shape[1] if state is not None
+                                 else None, P, SAMGradient.rows if self.method.sam else 0)
         acts = []
 
         def hook(m, inp, o):
@@ -118,7 +112,7 @@ class Sizing:
         finally:
             for h in hooks:
                 h.remove()
-        self._client_bytes_cache = (4 * P * rows, 3 * 4 * sum(acts) // 2 * c.batch_size)  # acts: 2 probe samples
+        self._client_bytes_cache = budget.client_bytes(P, rows, sum(acts), c.batch_size)
         return self._client_bytes_cache
 
     @contextlib.contextmanager
@@ -139,18 +133,7 @@ class Sizing:
         return f"{_gib(_free_bytes(self.device))} available on the CPU"
 
     def _oom_message(self, what: str, key: str) -> str:
-        c = self.cfg
         rows, act = self._client_bytes(self.num_params)
-        when = "" if what.startswith("allocating") else f"round {self.rnd + 1}: "
-        head = f"{when}out of memory in {what} ({self._memory_state()}). "
-        if key == "client_chunk":
-            per = rows + act
-            return head + (
-                f"Training {self.chunk} clients at once needs about {_gib(self.chunk * per)} by fedfast's estimate "
-                f"({per / 2**20:.1f} MiB per client: {self.num_params} parameters x "
-                f"{rows // max(4 * self.num_params, 1)} parameter-sized fp32 buffers, plus batch-{c.batch_size} "
-                f"activations). Set client_chunk = "
-                f"{max(1, self.chunk // 2)} (or a lower memory_budget_gb) to train fewer clients at a time; results "
-                f"do not depend on it.")
-        return head + (f"Set eval_batch lower than {self.eval_batch} (rows per forward pass); results do not depend "
-                       f"on it.")
+        return budget.oom_message(what, key, next_round=self.rnd + 1, memory_state=self._memory_state(),
+                                  chunk=self.chunk, num_params=self.num_params, row_bytes=rows, act_bytes=act,
+                                  batch_size=self.cfg.batch_size, eval_batch=self.eval_batch)
