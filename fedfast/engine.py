@@ -43,6 +43,7 @@ from .collectives import collectives
 from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
 from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
 from .local_step import client_optimizer
+from .sim import plan
 from .sim.evaluation import Evaluation
 from .sim.memory import CPU_CHUNK_PARAM_BYTES, OutOfMemory, _free_bytes, _gib, fp32_semantics  # noqa: F401 (re-exported)
 from .sim.services import EngineServices, _probe_batch
@@ -302,35 +303,12 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
 
     # -- phase 1: sample -------------------------------------------------------------------------------------
     def _max_cohort(self) -> int:
-        """Clients per round to size the stack for: clients_per_round, or for Bernoulli sampling its mean plus
-        four standard deviations (a larger cohort trains in two chunks)."""
         c = self.cfg
-        if c.client_sampling != "bernoulli":
-            return c.clients_per_round
-        p = c.clients_per_round / self.K
-        return min(self.K, int(np.ceil(self.K * p + 4 * np.sqrt(self.K * p * (1 - p)))))
+        return plan.max_cohort(c.clients_per_round, self.K, c.client_sampling)
 
     def _round_clients(self) -> np.ndarray:
         c = self.cfg
-        if self.schedule is None:
-            if c.client_sampling == "bernoulli":
-                return sample_clients_bernoulli(c.seed, self.rnd, self.K, c.clients_per_round / self.K)
-            if c.client_sampling == "round_seeded":
-                return sample_clients_round_seeded(self.rnd, self.K, c.clients_per_round)
-            return sample_clients(c.seed, self.rnd, self.K, c.clients_per_round)
-        if callable(self.schedule):
-            ids = self.schedule(self.rnd)
-        else:
-            if self.rnd >= len(self.schedule):
-                raise ValueError(f"schedule: has {len(self.schedule)} rounds, round {self.rnd + 1} was asked for")
-            ids = self.schedule[self.rnd]
-        ids = np.asarray(ids.cpu() if torch.is_tensor(ids) else ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"schedule: round {self.rnd + 1}: expected a non-empty 1-d list of client ids, got {ids!r}")
-        if ids.min() < 0 or ids.max() >= self.K or len(np.unique(ids)) != len(ids):
-            raise ValueError(f"schedule: round {self.rnd + 1}: client ids must be distinct and in [0, {self.K}), "
-                             f"got {ids.tolist()}")
-        return ids.astype(np.int64)
+        return plan.round_clients(c.seed, self.rnd, self.K, c.clients_per_round, c.client_sampling, self.schedule)
 
     def _sample(self) -> tuple[Round, dict]:
         """The round's clients in stack order (this rank's share) and the round totals over all ranks."""
@@ -376,37 +354,13 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
         return ctx, totals
 
     def _steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
-        """``local_steps`` mode: rows ``[hi-lo, T*B]`` of T minibatches per client, taken from successive passes
-        over its data (pass e in the order of ``client_order(seed, round, client, e, n)``), the last partial
-        batch of each pass padded with -1 (a smaller step, as a DataLoader without drop_last gives it), or left
-        out with ``drop_last``."""
-        B = self.cfg.batch_size
-        out = np.full((hi - lo, T * B), -1, dtype=np.int64)
-        for j in range(hi - lo):
-            k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
-            nb = int(ctx.data_batches[lo + j])  # full batches only with drop_last
-            rows, e = [], 0
-            while len(rows) < T:
-                perm = self._order(k, e, nk)
-                idx = self._idx_host[k][perm]
-                for b in range(nb):
-                    chunk = np.full(B, -1, dtype=np.int64)
-                    part = idx[b * B:(b + 1) * B]
-                    chunk[:len(part)] = part
-                    rows.append(chunk)
-                e += 1
-            out[j] = np.concatenate(rows[:T])
-        return out
+        """``local_steps`` mode's rows for the round's clients ``lo:hi`` (:func:`fedfast.sim.plan.steps_table`)."""
+        return plan.steps_table(ctx.sampled[lo:hi], ctx.sizes[lo:hi], ctx.data_batches[lo:hi], T,
+                                self.cfg.batch_size, self._idx_host, self._order)
 
     def _order(self, k: int, epoch: int, nk: int) -> np.ndarray:
-        """Client ``k``'s data order in local pass ``epoch`` (``data_order`` if given, else seeded)."""
-        if self.data_order is None:
-            return client_order(self.cfg.seed, self.rnd, k, epoch, nk)
-        perm = np.asarray(self.data_order(self.rnd, k, epoch, nk))
-        if perm.shape != (nk,) or not np.array_equal(np.sort(perm), np.arange(nk)):
-            raise ValueError(f"data_order: round {self.rnd + 1}, client {k}, epoch {epoch}: expected a "
-                             f"permutation of range({nk})")
-        return perm
+        """Client ``k``'s data order in local pass ``epoch`` (:func:`fedfast.sim.plan.data_order`)."""
+        return plan.data_order(self.cfg.seed, self.rnd, k, epoch, nk, self.data_order)
 
     def _aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray:
         """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""
