@@ -146,7 +146,7 @@ def main(argv=None):
                             tc.CONFIGS.update(default_tiles)
                             for kind, v in (sw or {}).items():
                                 tc.CONFIGS[kind] = tuple(int(t) for t in v.split(","))
-                        from fedfast.engine import _free_bytes
+                        from fedfast.sim.memory import _free_bytes
                         need, free = need_bytes(geom, impl), _free_bytes(dev)
                         if need > 0.8 * free:
                             rows.append(dict(layer=name, impl=impl, layout=layout, tf32=tf32,

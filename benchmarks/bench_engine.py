@@ -92,7 +92,7 @@ def test_round(benchmark, shape, impl):
 
     e5 = shape.endswith("e5")
     benchmark.pedantic(run, rounds=1 if e5 else 2, iterations=1, warmup_rounds=0 if e5 else 1)
-    samples = cfg.local_epochs * sum(len(part.indices[k]) for k in fedfast.engine.sample_clients(0, 0, part.num_clients,
+    samples = cfg.local_epochs * sum(len(part.indices[k]) for k in fedfast.sampling.sample_clients(0, 0, part.num_clients,
                                                                                cfg.clients_per_round))
     med = benchmark.stats.stats.median
     info = dict(shape=shape, impl=impl, device=DEVICE, client_samples=samples, threads=torch.get_num_threads())

@@ -62,7 +62,7 @@ def _fits(N, model, buffers: int):
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info()[0]
     else:
-        from fedfast.engine import _free_bytes
+        from fedfast.sim.memory import _free_bytes
         free = _free_bytes(torch.device("cpu"))
     if need > 0.9 * free:
         pytest.skip(f"needs {need / 2**30:.1f} GiB ({buffers} x [{N}, {_PARAMS[model]}] fp32), "

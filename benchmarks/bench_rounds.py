@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import fedfast  # noqa: E402
 from fedfast import data, flops, models  # noqa: E402
-from fedfast.engine import sample_clients  # noqa: E402
+from fedfast.sampling import sample_clients  # noqa: E402
 from plain_loop import plain_loop_round  # noqa: E402
 
 SHAPES = {
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
             tiles = _tiles(a.triton_configs)
         except (OSError, ValueError) as e:
             ap.error(str(e) if isinstance(e, ValueError) else f"--triton-configs: {e}")
-    fedfast.engine.check_device(str(dev))
+    fedfast.simconfig.check_device(str(dev))
     names = [x for x in a.shapes.split(",") if x]
     bad = [x for x in names if x not in SHAPES]
     if bad:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfast import data, models
-from fedfast.engine import client_order, sample_clients
+from fedfast.sampling import client_order, sample_clients
 
 
 class Wrapped(nn.Module):

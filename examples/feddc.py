@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedfast.flat import host_to_device
+from fedfast._io import host_to_device
 from fedfast.methods import FedAvg, opt, register
 
 _CODE = "gaoliang13/FedDC, example_code_cifar10.py and utils_general.py"

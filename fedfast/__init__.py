@@ -2,7 +2,9 @@
 from ._version import __version__  # noqa: E402
 
 from . import methods, nn, ops  # noqa: E402
-from .engine import Diverged, OutOfMemory, SimConfig, Simulation  # noqa: E402
+from .engine import Diverged, Simulation  # noqa: E402
+from .sim.memory import OutOfMemory  # noqa: E402
+from .simconfig import SimConfig  # noqa: E402
 from .cpu_alloc import tune_cpu_allocator  # noqa: E402
 
 __all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "Diverged", "OutOfMemory", "tune_cpu_allocator", "__version__"]

@@ -1,7 +1,7 @@
 """The lowest layer's plumbing, shared by every layer above: atomic file writes (a failure is a :class:`WriteError`
 naming the path), reading a JSON file fedfast wrote,
-and a host-to-device copy without a host sync. (Re-exported where they were first defined: ``fedfast.checkpoint.
-write_atomic``, ``fedfast.rundir.read_json``, ``fedfast.flat.host_to_device``.)"""
+and a host-to-device copy without a host sync. Their one address is here (``tests/test_layers.py`` keeps re-exports
+out)."""
 from __future__ import annotations
 
 import functools

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ._io import write_atomic  # noqa: F401  (re-exported: its first home)
+from ._io import write_atomic
 
 MAGIC = b"FEDFAST-CHECKPOINT v1\n"
 

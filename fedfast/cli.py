@@ -18,10 +18,7 @@ import sys
 
 import torch
 
-# the library below the command line (re-exported here for code that imported them from fedfast.cli)
-from .assemble import build  # noqa: F401
-from .jobs import (EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, _free_port,  # noqa: F401
-                   plugin_where, run, run_workers)
+from .jobs import EXIT_DIVERGED, EXIT_WORKER_DIED, WorkerDied, plugin_where, run, run_workers
 
 
 def _methods_cmd(name: str | None) -> int:
@@ -230,7 +227,7 @@ def _resumed_config(args, methods):
     cfg_path = os.path.join(args.resume, "config.json")
     if not os.path.isdir(args.resume):
         raise ValueError(f"--resume: {args.resume}: no such run directory")
-    from .rundir import read_json
+    from ._io import read_json
     try:
         base = read_json(cfg_path, "config")
     except FileNotFoundError:

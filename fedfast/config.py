@@ -2,7 +2,7 @@
 rejected with a message naming the key. Values come from a TOML file and ``--set key=value`` overrides.
 
 Top-level keys are the run's own (dataset, partition, model, device, ...) plus the engine's settings (every field
-of :class:`fedfast.engine.SimConfig`). A method's options are its own table: ``[fedntd]`` / ``beta = 1.0`` in
+of :class:`fedfast.simconfig.SimConfig`). A method's options are its own table: ``[fedntd]`` / ``beta = 1.0`` in
 TOML, ``--set fedntd.beta=1.0`` on the command line (``fedfast methods NAME`` lists them). An option table of a
 method that is not running is an error naming it and the running method; a key that was a flat option before
 the per-method tables (``beta``) is an error naming its new spelling. ``config.json`` records the resolved

@@ -36,21 +36,21 @@ from torch import nn
 from . import ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import ClientStack, FlatLayout, find_classifier, functional_forward, host_to_device
+from ._io import host_to_device
+from .flat import ClientStack, FlatLayout, find_classifier, functional_forward
 from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site
 from .collectives import collectives
-from .sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded  # noqa: F401
 from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
 from .local_step import client_optimizer
 from .sim import plan
 from .sim.evaluation import Evaluation
-from .sim.memory import CPU_CHUNK_PARAM_BYTES, OutOfMemory, _free_bytes, _gib, fp32_semantics  # noqa: F401 (re-exported)
+from .sim.memory import OutOfMemory, _free_bytes, _gib
 from .sim.services import EngineServices, _probe_batch
 from .sim.sizing import Sizing
 from .sim.training import LocalTraining
 from .sim.snapshots import Snapshots
-from .simconfig import MOVED, SimConfig, check_device  # noqa: F401 (SimConfig and check_device re-exported)
+from .simconfig import SimConfig, check_device
 
 
 
@@ -563,5 +563,4 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             self.round()
         return self.history
 
-__all__ = ["SimConfig", "Simulation", "Diverged", "OutOfMemory", "check_device", "client_order", "sample_clients", "MOVED", "CachedTeacher", "CachedMixture",
-           "OnlineTeacher"]
+__all__ = ["Simulation", "Diverged", "conv_impl", "CONV_AUTO"]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._io import host_to_device  # noqa: F401  (re-exported: its first home)
 
 
 @dataclass(frozen=True)

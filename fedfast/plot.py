@@ -25,7 +25,8 @@ def _plt():
 def _series(run_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
     """(config, rounds, accuracies) of the evaluated rounds of one run directory (a diverged round's
     non-finite accuracy is ``null`` and left out)."""
-    from .rundir import read_json, read_jsonl
+    from ._io import read_json
+    from .rundir import read_jsonl
     cfg_path = os.path.join(run_dir, "config.json")
     cfg = read_json(cfg_path, "config")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("algorithm"), str):
@@ -49,7 +50,7 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
         prefix = f"{os.path.basename(os.path.abspath(root))}: " if len(dirs) > 1 else ""
         order = []
         if os.path.isfile(os.path.join(root, STUDY)):
-            from .rundir import read_json
+            from ._io import read_json
             spec = read_json(os.path.join(root, STUDY), "study")
             order = spec.get("methods", []) if isinstance(spec, dict) else []
         from .rundir import status
@@ -88,7 +89,7 @@ def _study_of(d: str, root: str) -> str | None:
 def _label(cfg: dict, d: str, root: str, grids: dict) -> str:
     """A run's line: ``cell: `` for a part of a study of several cells, the method, `` [fedprox.mu=0.1]`` for a
     grid point."""
-    from .rundir import read_json
+    from ._io import read_json
     from .study import STUDY, point_label
     s = _study_of(d, root)
     if s is None:

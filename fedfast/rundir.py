@@ -29,7 +29,7 @@ import socket
 import time
 
 from . import __version__
-from ._io import read_json, write_atomic  # noqa: F401  (read_json re-exported: its first home)
+from ._io import read_json, write_atomic
 
 MARKER = ".fedfast-run.json"
 LOCK = ".fedfast.lock"

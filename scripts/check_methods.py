@@ -22,7 +22,7 @@ def _warns(st, method: str) -> bool:
     gives the method's RuntimeWarning, as the run itself did before its first round."""
     import warnings
 
-    from fedfast.cli import build
+    from fedfast.assemble import build
     from fedfast.config import build_config
     run = next(r for r in st.runs if r["config"]["algorithm"] == method)
     with warnings.catch_warnings(record=True) as got:

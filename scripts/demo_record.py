@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("seeds", nargs="?", help="the same preset over several seeds (runs/demo-seeds)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "demo-results.json"))
     a = ap.parse_args(argv)
-    from fedfast.checkpoint import write_atomic
+    from fedfast._io import write_atomic
     write_atomic(a.out, json.dumps(record(a.demo, a.seeds), indent=1) + "\n")
     print(f"wrote {a.out}; now run: python benchmarks/tables.py")
     return 0

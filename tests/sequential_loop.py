@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fedfast
 from fedfast import data, models
 from fedfast import nn as ffnn
-from fedfast.engine import client_order, sample_clients
+from fedfast.sampling import client_order, sample_clients
 from fedfast.ops import distill_reference
 
 

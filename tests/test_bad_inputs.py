@@ -468,16 +468,16 @@ def test_a_failed_force_run_in_an_existing_directory_leaves_it_as_the_user_had_i
 
 
 def test_write_atomic_leaves_no_temporary_file_on_failure(tmp_path, monkeypatch):
-    from fedfast import checkpoint
+    from fedfast import _io
 
     def full(*a):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint.os, "replace", full)
+    monkeypatch.setattr(_io.os, "replace", full)
     with pytest.raises(OSError, match="No space"):
-        checkpoint.write_atomic(str(tmp_path / "x.json"), "{}")
+        _io.write_atomic(str(tmp_path / "x.json"), "{}")
     assert os.listdir(tmp_path) == []
     with pytest.raises(TypeError, match="data"):
-        checkpoint.write_atomic(str(tmp_path / "x.json"), 3)
+        _io.write_atomic(str(tmp_path / "x.json"), 3)
 
 
 def _spawn(out, *extra):

@@ -9,7 +9,7 @@ import torch
 
 import fedfast
 from fedfast import data, models
-from fedfast.engine import client_order, sample_clients
+from fedfast.sampling import client_order, sample_clients
 from sequential_loop import engine_vs_loop, flat as _flat, sequential as _sequential, setup_data as _setup
 
 
@@ -84,7 +84,7 @@ def test_thousand_clients_all_participating_and_memory_chunks():
 def test_cpu_auto_chunk_caps_parameter_bytes():
     """On a CPU the automatic chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters (larger chunks measured
     up to 2x slower per sample there); an explicit client_chunk is honoured."""
-    from fedfast.engine import CPU_CHUNK_PARAM_BYTES
+    from fedfast.sim.memory import CPU_CHUNK_PARAM_BYTES
     train, test = data.synthetic(10, 3000, 50, (1, 28, 28), separation=1.0, seed=0)
     part = data.iid(train.y, 60, seed=0)
     model = models.FedAvgCNN(1, 10, 28)

@@ -289,7 +289,7 @@ def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
 
     import fedfast
     from fedfast import data, models
-    from fedfast.engine import fp32_semantics
+    from fedfast.sim.memory import fp32_semantics
     _cuda()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from plain_loop import plain_loop_round
@@ -370,7 +370,7 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
     import copy
 
     import fedfast
-    from fedfast.engine import fp32_semantics
+    from fedfast.sim.memory import fp32_semantics
     from sequential_loop import sequential
     from test_engine_conv import _cnn_setup
     _need("triton") if conv in ("triton", "hybrid") else _cuda()

@@ -16,6 +16,7 @@ does a listed one that is gone (the list only shrinks).
 """
 import ast
 import os
+import sys
 
 import pytest
 
@@ -37,8 +38,8 @@ KNOWN_UPWARD: set = set()
 
 
 # names the package root re-exports, and the module each comes from
-FACADE = {"__version__": "_version", "SimConfig": "engine", "Simulation": "engine", "Diverged": "engine",
-          "OutOfMemory": "engine", "tune_cpu_allocator": "cpu_alloc"}
+FACADE = {"__version__": "_version", "SimConfig": "simconfig", "Simulation": "engine", "Diverged": "engine",
+          "OutOfMemory": "sim", "tune_cpu_allocator": "cpu_alloc"}
 
 
 def layer_of(top: str) -> int:
@@ -176,3 +177,89 @@ def test_the_method_is_built_once_per_run(tmp_path, monkeypatch):
     assert main(["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
                  "--set", "rounds=2", "--set", "algorithm=fedgkd_vote", "--out", str(tmp_path / "r"), "--quiet"]) == 0
     assert built == ["fedgkd_vote"], built
+
+
+# -- one address per name (issue 37) -------------------------------------------------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module_file(mod: str):
+    """(path, is_package) of a fedfast module, or (None, False)."""
+    p = os.path.join(REPO, *mod.split("."))
+    if os.path.exists(os.path.join(p, "__init__.py")):
+        return os.path.join(p, "__init__.py"), True
+    return (p + ".py", False) if os.path.exists(p + ".py") else (None, False)
+
+
+def _defined(path: str) -> set:
+    """The names a module defines at its top level (functions, classes, assignments; also under an ``if``)."""
+    names = set()
+    for node in ast.parse(open(path, encoding="utf-8").read(), path).body:
+        for n in (node.body + node.orelse if isinstance(node, (ast.If, ast.Try)) else [node]):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    names.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+    return names
+
+
+def re_exports() -> list:
+    """Names a module (not a package's ``__init__`` facade) imports from another and never uses itself."""
+    out = []
+    for path, rel in _modules():
+        if rel.endswith("__init__"):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        for node in tree.body:
+            for n in (node.body if isinstance(node, ast.If) else [node]):
+                if isinstance(n, ast.ImportFrom) and n.module != "__future__":
+                    out += [f"fedfast.{rel}: {a.asname or a.name}" for a in n.names if (a.asname or a.name) not in used]
+    return out
+
+
+def borrowed_addresses() -> list:
+    """In-tree ``from fedfast.<module> import name`` (fedfast, tests, benchmarks, scripts, examples) where the module
+    does not define the name (it only imports it): each name has one address, its home."""
+    out = []
+    for d in ("fedfast", "tests", "benchmarks", "scripts", "examples"):
+        for dirpath, _, files in os.walk(os.path.join(REPO, d)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                pkg = os.path.relpath(dirpath, REPO).split(os.sep)
+                for n in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                    if not isinstance(n, ast.ImportFrom) or n.module == "__future__":
+                        continue
+                    mod = ".".join((pkg[:len(pkg) - n.level + 1] if n.level else []) +
+                                   ([n.module] if n.module else []))
+                    mf, is_pkg = _module_file(mod) if mod.startswith("fedfast") else (None, False)
+                    if mf is None or is_pkg:
+                        continue
+                    defs = _defined(mf)
+                    out += [f"{os.path.relpath(path, REPO)}:{n.lineno}: {a.name} from {mod}" for a in n.names
+                            if a.name not in defs and _module_file(f"{mod}.{a.name}")[0] is None]
+    return out
+
+
+def test_no_re_exports_and_one_address_per_name():
+    """The shims issue 37 removed stay gone: no module re-exports a name it does not use (packages' ``__init__``
+    facades aside), and every in-tree import names a module that defines the name."""
+    assert re_exports() == []
+    assert borrowed_addresses() == []
+
+
+def test_the_address_checks_see_a_shim(tmp_path, monkeypatch):
+    mod = tmp_path / "fedfast"
+    (mod / "sub").mkdir(parents=True)
+    (mod / "__init__.py").write_text("")
+    (mod / "home.py").write_text("def f():\n    return 1\n")
+    (mod / "shim.py").write_text("from .home import f\n")
+    (mod / "sub" / "__init__.py").write_text("")
+    (mod / "sub" / "user.py").write_text("from fedfast.shim import f\n\nf()\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(mod))
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    assert re_exports() == ["fedfast.shim: f"]
+    assert borrowed_addresses() == ["fedfast/sub/user.py:1: f from fedfast.shim"]

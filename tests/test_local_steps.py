@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fedfast
-from fedfast.engine import client_order, sample_clients
+from fedfast.sampling import client_order, sample_clients
 from sequential_loop import flat, setup_data
 
 

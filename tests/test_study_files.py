@@ -231,7 +231,7 @@ def test_selection_is_on_validation_not_test(tmp_path, capsys):
 
 
 def test_val_fraction_holds_out_a_validation_split(tmp_path):
-    from fedfast.cli import build
+    from fedfast.assemble import build
     from fedfast.config import build_config
     base = [*TINY, "rounds=2", "algorithm=fedavg"]
     plain = build(build_config(None, base))
@@ -438,7 +438,7 @@ def test_sweep_under_torch_distributed_skips_a_held_run_on_every_rank(tmp_path):
     held = RunDir(os.path.join(out, "fedavg", "seed0"))
     assert held.open("new") == "new"  # this process holds seed0
     try:
-        from fedfast.cli import _free_port
+        from fedfast.jobs import _free_port
         mp.spawn(_sweep_rank, args=(2, _free_port(), out, str(tmp_path / "done")), nprocs=2, join=True)
     finally:
         held.close(failed=True)

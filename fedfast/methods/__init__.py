@@ -15,9 +15,10 @@ import sys
 import textwrap
 import traceback
 
-from .._registry import Registry, file_sha256
-from .base import (Engine, Method, NoOptions, Round, Step, TeacherRows, TeacherSpec, cross_entropy, make_options,
-                   opt, validate_options, weighted_mean_rows)
+from .._io import file_sha256
+from .._registry import Registry
+from .base import Engine, Method, NoOptions, Round, Step, TeacherRows, TeacherSpec, make_options, opt, validate_options
+from .hooks import cross_entropy, weighted_mean_rows
 
 REGISTRY = Registry("method", "algorithm")  # name -> Method subclass
 BUILTIN = REGISTRY.builtin                  # the methods fedfast ships (sealed below, after their imports)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .hooks import ClientHooks, ServerHooks, cross_entropy, weighted_mean_rows  # noqa: F401 (re-exported)
+from .hooks import ClientHooks, ServerHooks
 
 
 # -- options ------------------------------------------------------------------------------------------------
@@ -556,4 +556,4 @@ def unpack_state(p, current, device, where: str):
 
 
 __all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
-           "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows"]
+           "validate_options", "NoOptions"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import nn as fnn
-from ..flat import host_to_device
+from .._io import host_to_device
 from ..ops.client_step import drift_shift_
 from . import register
 from .base import TeacherSpec, opt

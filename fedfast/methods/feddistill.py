@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import nn as fnn
-from ..flat import host_to_device
+from .._io import host_to_device
 from . import register
-from .base import cross_entropy, opt
+from .base import opt
+from .hooks import cross_entropy
 from .fedavg import FedAvg
 
 _CODE = "CGCL-codes/FedGKD @72e7bac, worker_feddistill.py"

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
-from .base import cross_entropy, opt
+from .base import opt
+from .hooks import cross_entropy
 from .fedavg import FedAvg
 
 _CODE = "zhuangdizhu/FedGen @dd5807c"

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from .. import nn as fnn
 from ..models.head import with_projection_head
 from . import register
-from .base import Method, TeacherSpec, cross_entropy, opt
+from .base import Method, TeacherSpec, opt
+from .hooks import cross_entropy
 
 _CODE = "official code 72e7bac, pcode/workers/worker.py: clip_grad_norm 10 every step"
 

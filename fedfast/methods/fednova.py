@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..flat import host_to_device
+from .._io import host_to_device
 from . import register
 from .base import opt
 from .fedavg import FedAvg

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import cross_entropy, opt
+from .base import opt
+from .hooks import cross_entropy
 from .fedavg import FedAvg
 
 _CODE = "lxcnju/FedRepo @48288a1, algorithms/fedrs.py"

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from .. import nn as fnn
 from . import register
-from .base import Method, TeacherSpec, cross_entropy, opt
+from .base import Method, TeacherSpec, opt
+from .hooks import cross_entropy
 
 
 class _FromGlobal(Method):

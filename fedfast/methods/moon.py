@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..models.head import with_projection_head
 from . import register
-from .base import cross_entropy, opt, weighted_mean_rows
+from .base import opt
+from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from .. import ops
 from ..data.datasets import ArrayDataset
-from ..flat import ClientState, find_classifier, functional_forward, host_to_device
+from .._io import host_to_device
+from ..flat import ClientState, find_classifier, functional_forward
 from ..methods.base import Round
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
 

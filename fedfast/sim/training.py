@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..flat import host_to_device
+from .._io import host_to_device
 from ..local_step import PlainGradient, SAMGradient
 from ..methods.base import Round, Step
 

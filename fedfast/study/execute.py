@@ -23,7 +23,8 @@ def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
     """Each run's intra-op threads: the user's; an interrupted run's recorded number (so it resumes bit-exact);
     else the cores divided between the runs at once (and their worker processes)."""
     import torch
-    from ..rundir import read_json, status
+    from .._io import read_json
+    from ..rundir import status
     # the cores this process may use (a scheduler's allocation, not the machine's), divided between the runs
     default = max(1, _cores() // (jobs * workers)) if jobs > 1 else (
         0 if workers > 1 else min(torch.get_num_threads(), _cores()))

@@ -53,7 +53,7 @@ def run_dirs(root: str) -> list[str]:
 
 def load_run(d: str) -> dict:
     """A run's summary.json with its config.json (``config``); ValueError naming a damaged file."""
-    from ..rundir import read_json
+    from .._io import read_json
     s = read_json(os.path.join(d, "summary.json"), "summary")
     c = read_json(os.path.join(d, "config.json"), "config")
     for path, obj, key in (("summary.json", s, "rounds"), ("config.json", c, "algorithm")):
@@ -69,7 +69,7 @@ def _read_study(d: str) -> dict:
     path = os.path.join(d, STUDY)
     if not os.path.isfile(path):
         return {}
-    from ..rundir import read_json
+    from .._io import read_json
     meta = read_json(path, "study")
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: damaged (expected a JSON object)")
