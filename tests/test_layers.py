@@ -263,3 +263,11 @@ def test_the_address_checks_see_a_shim(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
     assert re_exports() == ["fedfast.shim: f"]
     assert borrowed_addresses() == ["fedfast/sub/user.py:1: f from fedfast.shim"]
+
+
+def test_the_readme_table_lists_the_layers():
+    """README.md's "Where things live" table: one row per layer, its modules exactly LAYERS' (in order)."""
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    rows = text.split("<!-- layers -->")[1].split("<!-- /layers -->")[0].strip().splitlines()[2:]
+    got = [tuple(m.strip().strip("`") for m in row.split("|")[2].split(",")) for row in rows]
+    assert got == LAYERS
