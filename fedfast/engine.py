@@ -335,9 +335,10 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             positions = positions[self.rank::self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
         hist = self.label_hist[sampled_t]
-        ctx = Round(self.rnd, sampled, sizes, steps, epochs, c.lr * c.lr_decay ** self.rnd, sampled_t,
-                    hist, host_to_device(positions, self.device), num_total, weights=weights, clients=everyone,
-                    data_batches=batches)
+        ctx = Round(index=self.rnd, sampled=sampled, sizes=sizes, steps=steps, epochs=epochs,
+                    lr=c.lr * c.lr_decay ** self.rnd, sampled_t=sampled_t, hist=hist,
+                    positions=host_to_device(positions, self.device), num_total=num_total, weights=weights,
+                    clients=everyone, data_batches=batches)
         self._step_rows = None
         if c.local_steps:  # each client's rows for its local_steps steps
             self._step_rows = self._steps_table(ctx, 0, len(sampled), c.local_steps)

@@ -271,3 +271,26 @@ def test_the_readme_table_lists_the_layers():
     rows = text.split("<!-- layers -->")[1].split("<!-- /layers -->")[0].strip().splitlines()[2:]
     got = [tuple(m.strip().strip("`") for m in row.split("|")[2].split(",")) for row in rows]
     assert got == LAYERS
+
+
+# public classes users construct (``SimConfig(algorithm=...)``, ``ArrayDataset(x, y, num_classes)``, ...)
+USER_BUILT = {"SimConfig", "Preset", "ArrayDataset", "TokenDataset"}
+
+
+def test_records_of_more_than_five_fields_are_built_by_keyword():
+    """The dataclasses fedfast builds with more than five fields take keywords only (issue 37: ``Step(...)`` took 13
+    positional arguments), so a field added or moved cannot shift the others silently. Exempt: the classes users
+    build themselves, whose leading positional fields are their documented calling form."""
+    import dataclasses
+    import importlib
+    wide = []
+    for path, rel in _modules():
+        if rel == "__main__" or rel.startswith("triton"):  # runs the command line; GPU kernels (no dataclasses)
+            continue
+        mod = importlib.import_module("fedfast" if rel == "__init__" else "fedfast." + rel.removesuffix(".__init__"))
+        for obj in vars(mod).values():
+            if dataclasses.is_dataclass(obj) and isinstance(obj, type) and obj.__module__ == mod.__name__:
+                fields = [f for f in dataclasses.fields(obj) if f.init]
+                if len(fields) > 5 and not all(f.kw_only for f in fields) and obj.__name__ not in USER_BUILT:
+                    wide.append(f"{mod.__name__}.{obj.__name__} ({len(fields)} fields)")
+    assert wide == [], wide

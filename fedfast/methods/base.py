@@ -173,9 +173,9 @@ class NoOptions:
 
 
 # -- per-round values -----------------------------------------------------------------------------------------
-@dataclass
+@dataclass(kw_only=True)
 class Round:
-    """One round's data in stack order (this rank's clients under torch.distributed)."""
+    """One round's data in stack order (this rank's clients under torch.distributed). Built by keyword."""
     index: int                       # 0-based round number
     sampled: np.ndarray              # client ids
     sizes: np.ndarray                # local data sizes
@@ -229,9 +229,9 @@ class TeacherRows:
         return dict(teacher=self.logits, teacher_weights=self.weights)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Step:
-    """One local step of all active clients (the first ``num_clients`` rows of the stack)."""
+    """One local step of all active clients (the first ``num_clients`` rows of the stack). Built by keyword."""
     logits: Tensor                   # [R, C] student logits, R = num_clients * B (requires grad)
     target: Tensor                   # [R] labels; -100 on the padding rows of a client's last partial batch
     segments: Tensor                 # [R] the row's client (0 .. num_clients-1)

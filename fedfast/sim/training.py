@@ -49,10 +49,12 @@ class LocalTraining:
                 t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
                 self._tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                loss = self._step_loss(ctx, pv, x, y, valid, seg, t, hist_c[:n_act], features, False, e, s)
+                batch = dict(x=x, y=y, valid=valid, seg=seg, teacher=t, hist=hist_c[:n_act], features=features,
+                             epoch=e, step=s)
+                loss = self._step_loss(ctx, pv, perturbed=False, **batch)
                 grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
                     self.stack, loss, pv, n_act,
-                    lambda p2: self._step_loss(ctx, p2, x, y, valid, seg, t, hist_c[:n_act], features, True, e, s),
+                    lambda p2: self._step_loss(ctx, p2, perturbed=True, **batch),
                     None if self.gradbuf is None else self.gradbuf[:n_act])
                 self._tick("backward")
                 terms = method.step_terms(ctx, n_act)
@@ -83,7 +85,8 @@ class LocalTraining:
             x, y = self.train.batch(ridx)
         return x, torch.where(valid, y, torch.full_like(y, -100)), valid, ridx
 
-    def _step_loss(self, ctx: Round, pv, x, y, valid, seg, t, hist, features, perturbed: bool, e: int, s: int):
+    def _step_loss(self, ctx: Round, pv, *, x, y, valid, seg, teacher, hist, features, perturbed: bool, epoch: int,
+                   step: int):
         """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss."""
         n_act = x.shape[0]
         out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
@@ -91,9 +94,11 @@ class LocalTraining:
         self._tick("forward")
         zf, yf = z.reshape(-1, z.shape[-1]), y.reshape(-1)
         if self.loss_fn is not None:
-            loss = self.loss_fn(zf, t.logits if t is not None else None, yf, seg, n_act)
+            loss = self.loss_fn(zf, teacher.logits if teacher is not None else None, yf, seg, n_act)
         else:
-            loss = self.method.loss(ctx, Step(zf, yf, seg, n_act, t, hist, x, valid, feat, pv, perturbed, e, s))
+            loss = self.method.loss(ctx, Step(logits=zf, target=yf, segments=seg, num_clients=n_act, teacher=teacher,
+                                              hist=hist, x=x, valid=valid, features=feat, params=pv,
+                                              perturbed=perturbed, epoch=epoch, step=step))
         if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
             self._bad_loss(loss)
         self._tick("loss")

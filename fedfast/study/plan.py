@@ -82,7 +82,7 @@ def point_label(cfg_json: dict, keys: list[str]) -> str:
 
 # -- runs and studies on disk --------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     method: str
     seed: int
@@ -156,7 +156,8 @@ def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, over
                 if d in seen:  # two spellings of one value (0.1, 0.10): one run
                     continue
                 seen.add(d)
-                plan.append(_Run(m, s, point, cfg, d, _given("threads", overrides, file_keys, base)))
+                plan.append(_Run(method=m, seed=s, point=point, cfg=cfg, dir=d,
+                                 threads_given=_given("threads", overrides, file_keys, base)))
     return plan
 
 
