@@ -13,7 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "distill_rows with ASD's row weights from the teacher in the same call: (loss [R], dL/dz [R, C], status)");
   m.def("teacher_mixture", &fedfast::teacher_mixture_cpu, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
   m.def("asd_weights", &fedfast::asd_weights_cpu, "ASD alphahat [R]");
-  m.def("asd_row_weight", &fedfast::asd_row_weight_cpu, "ASD KD row weights n_seg alpha_i [R], prior check: (rw, status)");
+  m.def("asd_row_weight", &fedfast::asd_row_weight_cpu,
+        "ASD KD row weights n_seg alpha_i [R], prior check: (rw, status)");
   m.def("aggregate", &fedfast::aggregate_cpu, "fused server update (see fedfast/ops/aggregate_reference.py)");
   m.def("client_step", &fedfast::client_step_cpu, "fused all-client optimizer step, in place");
   m.def("client_adam", &fedfast::client_adam_cpu, "fused all-client Adam / AdamW step, in place");

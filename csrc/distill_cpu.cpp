@@ -126,7 +126,6 @@ inline double row_any(const RowArgs<double>& r, bool prob) { return row_f64(r, p
 // The same formula and order of operations as row_core; sums over classes as in dsum (A partials, fp64 total).
 constexpr int64_t kBlock = 16;
 constexpr int64_t kBlockMaxC = 128;  // the scratch, 11 x C x kBlock values (90 KB), stays in L2
-constexpr int64_t kSumChunk = 32;
 
 template <typename A>
 struct BlockArgs {
@@ -140,10 +139,11 @@ struct BlockArgs {
 
 #define FF_LANES for (int64_t l = 0; l < kBlock; ++l)
 #define FF_EACH for (int64_t j = 0; j < C; ++j) _Pragma("omp simd") FF_LANES
-// Sums across classes: fp32 (A) partials over chunks of kSumChunk classes, folded into fp64 per lane.
-#define FF_CHUNKS for (int64_t j0 = 0; j0 < C; j0 += kSumChunk)
+// The exp pass's sums (fused with the pass itself; sums of stored arrays go through lane_sums): as lane_sums does,
+// A partials over chunks of kLaneSumChunk classes folded into fp64 per lane.
+#define FF_CHUNKS for (int64_t j0 = 0; j0 < C; j0 += kLaneSumChunk)
 #define FF_CHUNK \
-  for (int64_t j = j0, j1 = C < j0 + kSumChunk ? C : j0 + kSumChunk; j < j1; ++j) _Pragma("omp simd") FF_LANES
+  for (int64_t j = j0, j1 = C < j0 + kLaneSumChunk ? C : j0 + kLaneSumChunk; j < j1; ++j) _Pragma("omp simd") FF_LANES
 
 // Writes L into out[kBlock] and the gradient rows into G ([C][kBlock]).
 template <typename A, bool PROB, bool RHO>
@@ -208,11 +208,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
       U[k] = r.RH[k] * ET[k];
     }
     FF_LANES U[y[l] * kBlock + l] = 0;
-    FF_CHUNKS {
-      FF_LANES mvd[l] = 0;
-      FF_CHUNK mvd[l] += U[j * kBlock + l];
-      FF_LANES dm[l] += mvd[l];
-    }
+    lane_sums<kBlock>(C, U, dm);
 #pragma omp simd
     FF_LANES mvd[l] = A(dm[l]) * inv_st[l];
   }
@@ -261,14 +257,8 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     if (!PROB) V[k] = Py[l] > 0 ? Py[l] * logPy[l] : A(0);
     G[k] = r.a[l] * (smy[l] - A(1)) + (r.b[l] * kb_scale) * (W[l] * qy[l] - Py[l]);
   }
-  FF_CHUNKS {
-    FF_LANES { cross[l] = 0; neg[l] = 0; }
-    FF_CHUNK {
-      cross[l] += U[j * kBlock + l];
-      if (!PROB) neg[l] += V[j * kBlock + l];
-    }
-    FF_LANES { dc[l] += cross[l]; dn[l] += neg[l]; }
-  }
+  lane_sums<kBlock>(C, U, dc);
+  if (!PROB) lane_sums<kBlock>(C, V, dn);
   FF_LANES { cross[l] = A(dc[l]); neg[l] = A(dn[l]); }
   FF_LANES {
     const A ce = (m1[l] - Z[y[l] * kBlock + l]) + ls1[l];
@@ -291,7 +281,9 @@ __attribute__((always_inline)) inline void block_dispatch(const BlockArgs<A>& r,
 FEDFAST_MULTIVERSION_WIDE void block_f32(const BlockArgs<float>& r, bool prob, bool rho, float* out) {
   block_dispatch<float>(r, prob, rho, out);
 }
-void block_f64(const BlockArgs<double>& r, bool prob, bool rho, double* out) { block_dispatch<double>(r, prob, rho, out); }
+void block_f64(const BlockArgs<double>& r, bool prob, bool rho, double* out) {
+  block_dispatch<double>(r, prob, rho, out);
+}
 inline void block_any(const BlockArgs<float>& r, bool prob, bool rho, float* out) { block_f32(r, prob, rho, out); }
 inline void block_any(const BlockArgs<double>& r, bool prob, bool rho, double* out) { block_f64(r, prob, rho, out); }
 

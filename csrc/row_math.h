@@ -97,14 +97,17 @@ __attribute__((always_inline)) inline double row_exp(int64_t C, const A* __restr
   return dsum(E, C);
 }
 
-// Rows laid out [C][L] (column l of row j at j * L + l): acc[l] += sum_j X[j * L + l], as L-wide vector adds in A
-// over chunks of 32 classes, each chunk's partial folded into the fp64 acc (the narrow kernels' row sums).
+// The narrow kernels' row sums: L-wide vector adds in the element type over chunks of kLaneSumChunk classes, each
+// chunk's partial folded into fp64 (as dsum does along a row).
+constexpr int64_t kLaneSumChunk = 32;
+
+// Rows laid out [C][L] (column l of row j at j * L + l): acc[l] += sum_j X[j * L + l].
 template <int64_t L, typename A>
 __attribute__((always_inline)) inline void lane_sums(int64_t C, const A* __restrict X, double* __restrict acc) {
   alignas(64) A part[L];
-  for (int64_t j0 = 0; j0 < C; j0 += 32) {
+  for (int64_t j0 = 0; j0 < C; j0 += kLaneSumChunk) {
     for (int64_t l = 0; l < L; ++l) part[l] = 0;
-    for (int64_t j = j0, j1 = C < j0 + 32 ? C : j0 + 32; j < j1; ++j)
+    for (int64_t j = j0, j1 = C < j0 + kLaneSumChunk ? C : j0 + kLaneSumChunk; j < j1; ++j)
 #pragma omp simd
       for (int64_t l = 0; l < L; ++l) part[l] += X[j * L + l];
     for (int64_t l = 0; l < L; ++l) acc[l] += part[l];

@@ -167,13 +167,18 @@ def resolve_for(backend: str | None, device_type: str, dtype) -> str:
     return be
 
 
+def functorch_wrapped(*ts) -> bool:
+    """Whether a torch.func transform wraps one of these tensors (a batched or traced value: no host reads)."""
+    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return is_wrapped is not None and any(isinstance(t, torch.Tensor) and is_wrapped(t) for t in ts)
+
+
 def functorch_active(*ts) -> bool:
     """Whether a torch.func transform (grad, vmap, jacrev, ...) is running, or wraps one of these tensors."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     if peek is not None and peek() is not None:  # inside a transform, whichever tensors it wraps
         return True
-    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return is_wrapped is not None and any(isinstance(t, torch.Tensor) and is_wrapped(t) for t in ts)
+    return functorch_wrapped(*ts)
 
 
 def plain_eager(*ts) -> bool:

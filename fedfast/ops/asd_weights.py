@@ -61,12 +61,6 @@ def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor |
               int(ignore_index), be)
 
 
-def asd_prior_table(class_prior, teacher: Tensor, segments: Tensor | None) -> Tensor:
-    """``class_prior`` ([C] or [S, C]) as the contiguous [S, C] table the kernels read; checked with
-    ``entropy_tau``-independent rules by the C++ pass (status) or :func:`_check_prior`."""
-    return class_table("class_prior", class_prior, teacher.shape[1], teacher.device, segments)
-
-
 def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: int, mode: str) -> None:
     if mode != "off":
         S = prior.shape[0]

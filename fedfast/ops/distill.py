@@ -22,9 +22,10 @@ def _loss_dtype(student: Tensor) -> torch.dtype:
 
 
 def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments,
-                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None):
-    """(loss rows, d(loss)/d(student)) from a backend. ``asd`` (cpu backend, eager only): ``(class_prior [S, C],
-    entropy_tau, validate mode)``: ASD's row weights computed from the teacher in the same C++ call."""
+                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None, mix_weights=None):
+    """(loss rows, d(loss)/d(student)) from a backend. Eager cpu only: ``asd`` = ``(class_prior [S, C], entropy_tau,
+    validate mode)``: ASD's row weights computed from the teacher in the same C++ call; ``mix_weights`` [M]: the
+    teacher is M teachers' logits [M, R, C], mixed row by row inside the op (FedGKD-VOTE)."""
     if asd is not None:
         prior, entropy_tau, mode = asd
         loss, grad, status = _backend.cpu_ext().distill_rows_asd(
@@ -42,8 +43,8 @@ def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha
     args = (student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale,
             float(tau), float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce))
     if backend == "cpu":
-        if teacher.dim() == 3:  # M teachers mixed inside the op, their weights [M] in the teacher_negent slot
-            return tuple(_backend.cpu_ext().distill_rows_mix(student, teacher, teacher_negent, target, class_alpha,
+        if mix_weights is not None:
+            return tuple(_backend.cpu_ext().distill_rows_mix(student, teacher, mix_weights, target, class_alpha,
                                                              row_weight, segments, row_scale, *args[9:]))
         return tuple(_backend.cpu_ext().distill_rows(*args))
     if backend == "cuda":
@@ -153,13 +154,13 @@ class _DistillRowsFn(torch.autograd.Function):
     """Eager fast path: the same backend calls as ``fedfast::distill_rows`` without the Python dispatch cost of
     ``torch.library.custom_op`` (~0.1 ms per call); used when not compiling. One output: the loss rows, or their
     sum (``total``), so autograd keeps no node for the reduction. The arguments after ``teacher`` travel as one
-    tuple (autograd inspects each positional argument of ``apply``)."""
+    tuple (autograd inspects each positional argument of ``apply``); ``cpu_only``: :func:`_backend_rows`' eager
+    cpu keywords that are set."""
 
     @staticmethod
     def forward(ctx, student, teacher, rest):
-        *args, backend, total, asd = rest
-        loss, grad = (_backend_rows(backend, student, teacher, *args) if asd is None else
-                      _backend_rows(backend, student, teacher, *args, asd=asd))
+        *args, backend, total, cpu_only = rest
+        loss, grad = _backend_rows(backend, student, teacher, *args, **cpu_only)
         out = loss.sum() if total else loss
         # The output is saved as the anchor of a second derivative (see _first_order): no logits-sized buffer.
         ctx.save_for_backward(grad, out)
@@ -173,15 +174,18 @@ class _DistillRowsFn(torch.autograd.Function):
 
 
 def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                 ce_weight, kd_weight, ignore_index, not_true, soft_ce, backend, total: bool = False, asd=None):
+                 ce_weight, kd_weight, ignore_index, not_true, soft_ce, backend, total: bool = False, asd=None,
+                 mix_weights=None):
     """The loss rows [R] (their sum with ``total``), differentiable in ``student``: the custom op while
-    ``torch.compile`` traces, the autograd.Function fast path in eager mode (``asd``: see :func:`_backend_rows`)."""
+    ``torch.compile`` traces, the autograd.Function fast path in eager mode (``asd``, ``mix_weights``: eager cpu
+    only, see :func:`_backend_rows`)."""
     args = (target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, float(tau),
             float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce), backend)
     if torch.compiler.is_compiling():
         loss_rows, _ = distill_rows_op(student, teacher, *args)
         return loss_rows.sum() if total else loss_rows
-    return _DistillRowsFn.apply(student, teacher, args + (bool(total), asd))
+    cpu_only = {k: v for k, v in (("asd", asd), ("mix_weights", mix_weights)) if v is not None}
+    return _DistillRowsFn.apply(student, teacher, args + (bool(total), cpu_only))
 
 
 def class_table(name: str, x, C: int, device, segments: Tensor | None) -> Tensor:
@@ -283,8 +287,8 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
 def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind: str, ignore_index: int,
                    be: str, mode: str):
     """What the fused rows read as the teacher: one teacher's logits, or M teachers' (or a precomputed) mixture
-    ``P`` with its negative entropy; on the cpu backend in eager mode the M teachers [M, R, C] themselves with their
-    weights [M] (the op mixes each row)."""
+    ``P`` with its negative entropy, and None; on the cpu backend in eager mode the M teachers [M, R, C] themselves,
+    no negentropy, and their weights [M] (the op mixes each row)."""
     dev = student.device
     teacher = teacher.detach()
     negent = None
@@ -297,9 +301,8 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
         from .teacher_mixture import mixture_weights, teacher_mixture
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
-        if be == "cpu" and _backend.plain_eager(student, teacher):
-            # mixed row by row inside the row op (the [R, C] mixture never exists); its weights ride in negent's slot
-            return teacher.contiguous(), mixture_weights(tw, M, dev, teacher.dtype, mode)
+        if be == "cpu" and _backend.plain_eager(student, teacher):  # mixed inside the row op: no [R, C] mixture
+            return teacher.contiguous(), None, mixture_weights(tw, M, dev, teacher.dtype, mode)
         P, negent = teacher_mixture(teacher, tw, target, tau=tau, not_true=(kind == "not_true"),
                                     ignore_index=ignore_index, backend=be, validate=mode)
         teacher_in = P
@@ -307,7 +310,7 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
         teacher_in = teacher[0]
     if teacher_in.stride(-1) != 1:
         teacher_in = teacher_in.contiguous()
-    return teacher_in, negent
+    return teacher_in, negent, None
 
 
 def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
@@ -371,7 +374,7 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
     R, C = student.shape
     dev = student.device
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
-    if _backend.functorch_active(target, segments):
+    if _backend.functorch_wrapped(target, segments):
         mode = "off"  # a batched (vmapped) label cannot be checked on the host
     _validate.check_target(target, R, C, ignore_index, dev, mode)
     if segments is not None:
@@ -455,8 +458,7 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         if t2.shape != student.shape:
             raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
         if be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
-            from .asd_weights import asd_prior_table
-            asd = (asd_prior_table(class_prior, t2, segments), float(entropy_tau), mode)
+            asd = (class_table("class_prior", class_prior, C, dev, segments), float(entropy_tau), mode)
         else:
             from .asd_weights import asd_row_weights
             row_weight = asd_row_weights(t2, target, class_prior, segments, entropy_tau=entropy_tau,
@@ -468,14 +470,15 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
                                  backend, mode, mixture, detach_teacher)
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
-    teacher_in, negent = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind,
-                                        ignore_index, be, mode)
+    teacher_in, negent, mix_weights = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
+                                                     kind, ignore_index, be, mode)
     class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev,
                                                _loss_dtype(student), mode)
     s = student if student.stride(-1) == 1 else student.contiguous()
     total = reduction in ("mean", "sum") or (reduction == "segment" and segments is None)
     loss = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                        ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be, total=total, asd=asd)
+                        ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be, total=total, asd=asd,
+                        mix_weights=mix_weights)
     if total:  # "mean": rows carry 1/n (or 1/n_segment) already
         return loss.reshape(1) if reduction == "segment" else loss
     return _reduce(loss, reduction, segments, num_segments)
