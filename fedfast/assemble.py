@@ -94,7 +94,7 @@ def build(cfg, device=None, group=None):
         validation = train.subset(perm[:n_val].sort().values)
         train = train.subset(perm[n_val:].sort().values)
     sc = cfg.sim_config()
-    method = sc.take_method()  # built once per run: its held-out splits, then the Simulation's method
+    method = sc.method()  # the run's one instance: its held-out splits, then the Simulation's method
     train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = partition(cfg, train)
     if hasattr(cfg, "values") and part.num_clients != cfg["num_clients"]:  # the partition's own count is the run's

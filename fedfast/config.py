@@ -17,9 +17,25 @@ import tomllib
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
-from .simconfig import MOVED, SimConfig, check_device
+from .simconfig import SimConfig, check_device
 from .methods.base import coerce_option
 
+# keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
+# (a config file or --set giving one is told the new spelling)
+MOVED = {
+    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
+    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
+    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
+    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
+    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
+    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
+    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
+    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
+    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
+    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
+    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
+    "val_fraction": "fedgkd_vote.val_fraction",
+}
 
 
 ENTRY_KINDS = ("dataset", "partition", "model")
@@ -84,6 +100,14 @@ class RunConfig:
 
     def __getitem__(self, k):
         return self.values[k]
+
+    def replace(self, **values) -> "RunConfig":
+        """A copy with run or engine keys ``values`` set (a number resolved at run time, e.g. ``threads``); this
+        config is left as it is."""
+        unknown = sorted(set(values) - set(self.values))
+        if unknown:
+            raise KeyError(f"{unknown[0]}: not a run or engine key")
+        return dataclasses.replace(self, values={**self.values, **values})
 
     def entry_options(self, kind: str):
         """The options instance of the run's ``kind`` ("dataset", "partition", "model"), or None when it has no

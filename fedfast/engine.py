@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import ops
+from . import methods as _methods, ops
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from ._io import host_to_device
@@ -118,8 +118,8 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
     ``process_group``: a ``torch.distributed`` group (or ``"default"``): each rank trains every world-th of the
     round's clients (same seeds, same data on every rank); sums and updated client state rows are exchanged with
     all_reduce / all_gather, so every rank holds the same global model and state after each round.
-    ``method``: the method instance to run, built from ``config`` (``config.take_method()``, as
-    :func:`fedfast.assemble.build` does so that a run builds its method once); default: the config's."""
+    ``method``: the method instance to run, built from ``config`` (``config.method()``; :func:`fedfast.assemble.build`
+    builds one per run, whose ``hold_out`` made the server-held splits); default: a new instance of the config's."""
 
     def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
@@ -133,10 +133,11 @@ class Simulation(LocalTraining, EngineServices, Sizing, Evaluation, Snapshots):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         # the method: loss, client-step terms, server rule, state; ``method``: an instance built from this config
         # already (fedfast.assemble builds it once per run), else the config's own
-        if method is not None and (type(method) is not type(c.method_spec()) or method.options() != c.method_options()):
+        if method is not None and (type(method) is not _methods.get(c.algorithm) or
+                                   method.options() != c.method_options()):
             raise ValueError(f"method: a {type(method).__name__} with other options than config's "
-                             f"{c.algorithm!r}; build it with config.take_method()")
-        self.method = method if method is not None else c.take_method()
+                             f"{c.algorithm!r}; build it with config.method()")
+        self.method = method if method is not None else c.method()
         # the classifier (Step.features is its input): found on the user's model before prepare_model (MOON's
         # projection head replaces it), then again on the model the clients train
         eager = self.method.needs_features or self.method.needs_classifier or c.features_layer is not None

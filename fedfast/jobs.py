@@ -84,7 +84,7 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
     from .rundir import RunDir
     from .runner import Interrupted, RunDiverged
     if cfg["threads"] == 0:
-        cfg.values["threads"] = max(1, (os.cpu_count() or workers) // workers)
+        cfg = cfg.replace(threads=max(1, (os.cpu_count() or workers) // workers))
     rd = RunDir(out_dir)
     action = rd.open(mode)
     if action == "skip":
@@ -142,13 +142,13 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
     return True
 
 
-def _set_threads(cfg) -> None:
-    """Intra-op threads: the config's ``threads`` or torch's default; the number used goes into config.json (a
-    resume uses it again, so it stays bit-exact)."""
+def _set_threads(cfg):
+    """Intra-op threads: the config's ``threads`` or torch's default. Returns the config with the number used
+    (config.json records it, so a resume uses it again and stays bit-exact)."""
     n = cfg["threads"] or torch.get_num_threads()
     if n != torch.get_num_threads():
         torch.set_num_threads(n)
-    cfg.values["threads"] = n
+    return cfg.replace(threads=n)
 
 
 def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str = "", attached: bool = False,
@@ -171,7 +171,7 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
     from .runner import execute, summarize
     group, device = _init_distributed(cfg)
     lead = group is None or torch.distributed.get_rank() == 0
-    _set_threads(cfg)
+    cfg = _set_threads(cfg)
     rd, action, err = None, ("resume" if mode == "resume" else "new"), None
     if lead:
         try:

@@ -4,7 +4,6 @@ settings without the engine's machinery."""
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,21 +14,6 @@ from . import methods as _methods
 SAMPLING = ("uniform", "bernoulli", "round_seeded")
 CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
-# keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
-MOVED = {
-    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
-    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
-    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
-    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
-    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
-    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
-    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
-    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
-    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
-    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
-    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
-    "val_fraction": "fedgkd_vote.val_fraction",
-}
 
 
 def check_device(dev: str, key: str = "device") -> None:
@@ -109,8 +93,7 @@ class SimConfig:
             raise TypeError(f"options: expected a dict of option tables, got {type(self.options).__name__}")
         cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
         self.options = self._tables(cls)
-        method = self.method()  # validates every option (messages name table.key)
-        _remember(self, method)  # a run takes this instance (take_method): the method is built once
+        method = self.method()  # validates every option (messages name table.key); the run builds its own
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
@@ -192,47 +175,7 @@ class SimConfig:
         """A fresh instance of the configured method with its resolved options."""
         return _methods.build(self.algorithm, self.options)
 
-    def take_method(self):
-        """The method instance this config was validated with, the first time it is asked for (so a run builds its
-        method once: validation, the held-out splits and the Simulation share it); a fresh instance after."""
-        entry = _INSTANCES.get(id(self))
-        if entry is not None and entry[0] is not None:
-            m, entry[0] = entry[0], None
-            return m
-        return self.method()
-
-    def method_spec(self):
-        """The instance this config was validated with (for its options; :meth:`take_method` gives the one to run)."""
-        entry = _INSTANCES.get(id(self))
-        if entry is None:
-            _remember(self, self.method())
-            entry = _INSTANCES[id(self)]
-        return entry[1]
-
     def method_options(self) -> dict:
-        """The method's resolved option tables (``{table: {key: value}}``)."""
-        return self.method_spec().options()
+        """The method's resolved option tables (``{table: {key: value}}``, of a fresh instance)."""
+        return self.method().options()
 
-
-# The method instances a SimConfig was validated with, kept beside it (not in its fields or __dict__, so that
-# ``SimConfig(**cfg.__dict__)``, copies and pickles see only the settings): id -> [instance to run, instance].
-_INSTANCES: dict[int, list] = {}
-
-
-def _remember(cfg: SimConfig, method) -> None:
-    _INSTANCES[id(cfg)] = [method, method]
-    weakref.finalize(cfg, _INSTANCES.pop, id(cfg), None)
-
-
-_dc_init = SimConfig.__init__
-
-
-def _init(self, *args, **kw):
-    for k in kw:
-        if k in MOVED:
-            raise TypeError(f"SimConfig: {k!r} is a method option now: {MOVED[k]}, passed as "
-                            f"SimConfig(algorithm=..., options={{'<method>': {{'<key>': value}}}})")
-    _dc_init(self, *args, **kw)
-
-
-SimConfig.__init__ = _init

@@ -161,22 +161,22 @@ def test_a_dataset_partition_and_model_of_your_own(tmp_path):
         models.REGISTRY.remove("linear")
 
 
-def test_the_method_is_built_once_per_run(tmp_path, monkeypatch):
-    """fedfast run builds the method once: config validation, the held-out splits, the Simulation and config.json
-    share one instance."""
-    from fedfast import methods
+def test_one_method_instance_runs_per_run(tmp_path, monkeypatch):
+    """fedfast run builds the run's method in assemble.build: the instance whose hold_out made the server-held
+    splits is the one the Simulation binds, and no method instance is kept anywhere else (SimConfig validates with
+    a throw-away instance; nothing keyed by id())."""
+    from fedfast import simconfig
     from fedfast.cli import main
-    built = []
-    real = methods.build
-
-    def counting(name, options=None):
-        m = real(name, options)
-        built.append(name)
-        return m
-    monkeypatch.setattr(methods, "build", counting)
+    from fedfast.methods.fedgkd import FedGKDVote
+    held, bound = [], []
+    real_hold, real_bind = FedGKDVote.hold_out, FedGKDVote.bind
+    monkeypatch.setattr(FedGKDVote, "hold_out", lambda self, *a, **k: held.append(id(self)) or real_hold(self, *a, **k))
+    monkeypatch.setattr(FedGKDVote, "bind", lambda self, e: bound.append(id(self)) or real_bind(self, e))
     assert main(["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
                  "--set", "rounds=2", "--set", "algorithm=fedgkd_vote", "--out", str(tmp_path / "r"), "--quiet"]) == 0
-    assert built == ["fedgkd_vote"], built
+    assert len(held) == 1 and bound == held, (held, bound)
+    assert not [k for k, v in vars(simconfig).items() if isinstance(v, dict) and k.isupper() or k == "_INSTANCES"]
+    assert simconfig.SimConfig.__init__.__qualname__ == "SimConfig.__init__"  # the dataclass's own, not patched
 
 
 # -- one address per name (issue 37) -------------------------------------------------------------------------------
@@ -294,3 +294,31 @@ def test_records_of_more_than_five_fields_are_built_by_keyword():
                 if len(fields) > 5 and not all(f.kw_only for f in fields) and obj.__name__ not in USER_BUILT:
                     wide.append(f"{mod.__name__}.{obj.__name__} ({len(fields)} fields)")
     assert wide == [], wide
+
+
+def test_no_module_rewrites_threads_in_a_run_config():
+    """The thread count a run resolves is a new config (``RunConfig.replace``), never written into the one the
+    caller holds (jobs, run_workers and a study's plan each did)."""
+    hits = []
+    for root, _, files in os.walk(os.path.join(REPO, "fedfast")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            for node in ast.walk(ast.parse(open(path).read())):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and \
+                            t.value.attr == "values" and isinstance(t.slice, ast.Constant) and t.slice.value == "threads":
+                        hits.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert not hits, hits
+
+
+def test_run_config_replace_leaves_the_original():
+    from fedfast.config import build_config
+    cfg = build_config(None, ["dataset=synthetic"])
+    new = cfg.replace(threads=3)
+    assert (new["threads"], cfg["threads"]) == (3, 0) and new.options == cfg.options
+    with pytest.raises(KeyError, match="nope: not a run or engine key"):
+        cfg.replace(nope=1)

@@ -343,7 +343,9 @@ class Method(ClientHooks, ServerHooks):
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of
-        this method's own table (``FedNTD(beta=0.5)``)."""
+        this method's own table (``FedNTD(beta=0.5)``). Construction resolves and validates the options and does
+        nothing else (a SimConfig builds an instance to validate its options; a run builds its own in
+        :func:`fedfast.assemble.build`): allocate state in :meth:`setup`."""
         tables = dict(options or {})
         own = tables.get(self.table_name(), {})
         if kw:

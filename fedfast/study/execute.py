@@ -37,7 +37,7 @@ def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
                 n = int(read_json(os.path.join(r.dir, "config.json"), "config").get("threads") or n)
             except (ValueError, TypeError, AttributeError):
                 pass
-        r.cfg.values["threads"] = n
+        r.cfg = r.cfg.replace(threads=n)
 
 
 def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
