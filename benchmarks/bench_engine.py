@@ -246,11 +246,11 @@ def test_transformer_round(benchmark, name, impl):
     else:
         c = dataclasses.replace(cfg, executor="vmap" if impl == "engine_vmap" else "auto")
         sim = fedfast.Simulation(c, copy.deepcopy(model), train, test, part)
-        assert (sim.stack.plan is None) == (impl == "engine_vmap")
+        assert (sim.trainer.stack.plan is None) == (impl == "engine_vmap")
         chunk = sim.chunk  # CPU: at most 128 MiB of client parameters per chunk (DistilBERT dims: 1 client)
 
         def run():
-            sim.rnd = 0  # every timed round is round 0: the same clients and data as the loop's
+            sim.state.round = 0  # every timed round is round 0: the same clients and data as the loop's
             sim.round()
     big = name == "distilbert_dims"
     benchmark.pedantic(run, rounds=1 if big else 3, iterations=1, warmup_rounds=1)

@@ -93,5 +93,5 @@ def test_method_vs_literal_loop(benchmark, method):
     benchmark.extra_info.update(method=method, threads=torch.get_num_threads(), round_flops=flops,
                                 sgemm_flops_per_s=peak, engine_s=eng, loop_s=lp, speedup=lp / eng,
                                 engine_roofline=flops / eng / peak, loop_roofline=flops / lp / peak,
-                                executor="batched" if sim.stack.plan is not None else "vmap", client_chunk=sim.chunk)
+                                executor="batched" if sim.trainer.stack.plan is not None else "vmap", client_chunk=sim.chunk)
     assert np.isfinite(eng) and np.isfinite(lp)

@@ -131,7 +131,7 @@ def test_engine_vs_plain_loop(benchmark, name):
         engine_s=eng, loop_s=loop, speedup=loop / eng, engine_roofline=flops / eng / peak,
         loop_roofline=flops / loop / peak, param_traffic_bytes=traffic, stream_bytes_per_s=bw,
         engine_bandwidth_roofline=traffic / eng / bw,
-        executor="batched" if sim.stack.plan is not None else "vmap", client_chunk=sim.chunk)
+        executor="batched" if sim.trainer.stack.plan is not None else "vmap", client_chunk=sim.chunk)
     assert np.isfinite(eng) and np.isfinite(loop)
 
 

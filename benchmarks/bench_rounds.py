@@ -241,7 +241,7 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
         label = f"engine[{sim.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
         impls[label] = dict(
             kind="engine", conv=sim.conv, tiles=vt, sim=sim, times=[], recs=recs, peak=peak,
-            teacher_flops=teacher_rows * fwd, executor="batched" if sim.stack.plan is not None else "vmap",
+            teacher_flops=teacher_rows * fwd, executor="batched" if sim.trainer.stack.plan is not None else "vmap",
             client_chunk=sim.chunk)
     if loop:
         base = _mem_begin(dev)

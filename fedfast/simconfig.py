@@ -83,7 +83,7 @@ class SimConfig:
     #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
     conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
     #   "gemm" (im2col + batched GEMMs), "triton" (implicit GEMMs, CUDA) or "hybrid" (the implicit-GEMM forward,
-    #   cuDNN's grouped gradients; CUDA); "auto": by device (engine.CONV_AUTO)
+    #   cuDNN's grouped gradients; CUDA); "auto": by device (fedfast.sim.runtime.CONV_AUTO)
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None

@@ -86,7 +86,7 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
         _backend.resolve("triton", "cpu")
     with pytest.raises(ValueError, match="triton>=3.7 or numpy<2.4"):
         client_conv2d(torch.zeros(1, 4, 5, 5), torch.zeros(1, 3, 4, 3, 3), None, impl="triton")
-    from fedfast.engine import conv_impl
+    from fedfast.sim.runtime import conv_impl
     with pytest.raises(ValueError, match=r"conv: 'triton' .*triton>=3.7 or numpy<2.4.*use conv"):
         conv_impl("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -96,13 +96,13 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
 def test_automatic_conv_needs_no_triton(monkeypatch):
     """conv = "auto" picks the device's default (CUDA: "hybrid", which needs triton) and falls back to "grouped"
     where triton cannot run; an explicit "hybrid" there is refused by name."""
-    from fedfast import engine
     from fedfast.ops import _backend
-    monkeypatch.setitem(engine.CONV_AUTO, "cpu", "hybrid")
+    from fedfast.sim import runtime
+    monkeypatch.setitem(runtime.CONV_AUTO, "cpu", "hybrid")
     monkeypatch.setattr(_backend, "available", lambda name, dev: False)
-    assert engine.conv_impl("auto", torch.device("cpu")) == "grouped"
+    assert runtime.conv_impl("auto", torch.device("cpu")) == "grouped"
     with pytest.raises(ValueError, match=r"conv: 'hybrid' runs on CUDA"):
-        engine.conv_impl("hybrid", torch.device("cpu"))
+        runtime.conv_impl("hybrid", torch.device("cpu"))
     monkeypatch.setattr(_backend, "available", lambda name, dev: True)
-    assert engine.conv_impl("auto", torch.device("cpu")) == "hybrid"
-    assert engine.CONV_AUTO["cuda"] == "hybrid"
+    assert runtime.conv_impl("auto", torch.device("cpu")) == "hybrid"
+    assert runtime.CONV_AUTO["cuda"] == "hybrid"

@@ -126,8 +126,8 @@ def test_engine_uses_the_executor_for_wrapped_and_residual_models_and_warns_othe
     for model in (_Wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))),
                   models.resnet18(3, "gn", gn_groups=4)):
         sim = fedfast.Simulation(cfg, model, train, test, part)
-        assert sim.stack.plan is not None
+        assert sim.trainer.stack.plan is not None
     with pytest.warns(RuntimeWarning, match="vmap.*running statistics"):
         sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
                                                     nn.Linear(144, 3)), train, test, part)
-    assert sim.stack.plan is None
+    assert sim.trainer.stack.plan is None

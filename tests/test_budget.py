@@ -52,9 +52,10 @@ def test_engine_chunk_and_message_come_from_the_functions():
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, memory_budget_gb=1e-4, seed=0)
     sim = fedfast.Simulation(cfg, model, train, test, part)
     from fedfast.local_step import OPTIMIZERS
-    rows, act = sim._client_bytes(sim.num_params)
+    rows, act = sim.budget.client_bytes()
     want = budget.param_rows(OPTIMIZERS[cfg.client_optimizer].rows(cfg), None, sim.num_params, 0)
     assert rows == 4 * sim.num_params * want and act > 0
-    assert sim._auto_chunk(sim.num_params) == budget.chunk_clients(1e-4 * 2**30, rows, act, sim.num_params, "cpu")
-    assert sim._oom_message("evaluation", "eval_batch").startswith(f"round {sim.rnd + 1}: out of memory in evaluation")
+    assert sim.budget.auto_chunk() == budget.chunk_clients(1e-4 * 2**30, rows, act, sim.num_params, "cpu")
+    assert sim.budget.oom_message("evaluation", "eval_batch", next_round=sim.rnd + 1, chunk=sim.chunk).startswith(
+        f"round {sim.rnd + 1}: out of memory in evaluation")
     assert torch.is_tensor(sim.global_flat)

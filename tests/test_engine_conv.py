@@ -29,7 +29,7 @@ def test_conv_implementations_match_the_loop(conv):
     cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
                             seed=1, conv=conv)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
-    assert sim.conv == conv and sim.stack.plan is not None and sim.stack.plan.conv == conv
+    assert sim.conv == conv and sim.trainer.stack.plan is not None and sim.trainer.stack.plan.conv == conv
     ref = _sequential(cfg, copy.deepcopy(model), train, part, cfg.rounds)
     sim.run()
     assert (sim.global_flat - ref).abs().max() <= 1e-4 * ref.abs().max()
@@ -40,7 +40,7 @@ def test_conv_setting_is_checked_and_auto_is_grouped_on_cpu(monkeypatch):
     with pytest.raises(ValueError, match="conv: one of"):
         fedfast.SimConfig(conv="cudnn")
     sim = fedfast.Simulation(fedfast.SimConfig(clients_per_round=2), model, train, test, part)
-    assert sim.conv == "grouped" and sim.stack.plan.conv == "grouped"
+    assert sim.conv == "grouped" and sim.trainer.stack.plan.conv == "grouped"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="conv: 'triton' runs on CUDA"):
         fedfast.Simulation(fedfast.SimConfig(clients_per_round=2, conv="triton"), model, train, test, part)
@@ -54,12 +54,12 @@ def test_out_of_memory_in_a_round_names_the_setting(monkeypatch):
 
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    monkeypatch.setattr(sim, "_train_chunk", boom)
+    monkeypatch.setattr(sim.trainer, "train_chunk", boom)
     with pytest.raises(fedfast.OutOfMemory, match=r"round 1: out of memory in local training of a chunk of 4 "
                                                   r"clients.*client_chunk = 2") as e:
         sim.round()
     assert "MiB per client" in str(e.value) and isinstance(e.value, MemoryError)
-    monkeypatch.setattr(sim, "_train_chunk", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    monkeypatch.setattr(sim.trainer, "train_chunk", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     with pytest.raises(RuntimeError, match="other"):  # other errors pass through unchanged
         sim.round()
 
@@ -67,7 +67,7 @@ def test_out_of_memory_in_a_round_names_the_setting(monkeypatch):
 def test_out_of_memory_in_evaluation_names_eval_batch(monkeypatch):
     train, test, part, model = _cnn_setup()
     sim = fedfast.Simulation(fedfast.SimConfig(clients_per_round=2), model, train, test, part)
-    monkeypatch.setattr(sim, "evaluate", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(sim.evaluator, "evaluate", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99 bytes")))
     with pytest.raises(fedfast.OutOfMemory, match="evaluation.*eval_batch"):
         sim.round()
@@ -76,19 +76,20 @@ def test_out_of_memory_in_evaluation_names_eval_batch(monkeypatch):
 def test_client_state_that_cannot_fit_is_refused_with_its_bytes(monkeypatch):
     """Per-client state larger than the free memory is refused before allocating, with the bytes and the
     settings that shrink or move it."""
-    from fedfast.sim import services
+    from fedfast.sim import sizing
     train, test, part, model = _cnn_setup()
-    monkeypatch.setattr(services, "_free_bytes", lambda dev: 1000)  # where new_client_state reads it
+    monkeypatch.setattr(sizing, "_free_bytes", lambda dev: 1000)  # where new_client_state reads it
     with pytest.raises(fedfast.OutOfMemory, match=r"scaffold: per-client state for 6 clients.*GiB.*state_on_host"):
         fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train, test, part)
 
 
 def test_cli_prints_out_of_memory_without_traceback(tmp_path, monkeypatch, capsys):
-    from fedfast import cli, engine
+    from fedfast import cli
+    from fedfast.sim.trainer import ChunkTrainer
 
     def boom(self, *a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory.")
-    monkeypatch.setattr(engine.Simulation, "_train_chunk", boom)
+    monkeypatch.setattr(ChunkTrainer, "train_chunk", boom)
     code = cli.main(["run", "--quiet", "--out", str(tmp_path / "r"), "--set", "dataset=synthetic", "--set",
                      "num_clients=4", "--set", "clients_per_round=2", "--set", "rounds=1", "--set", "partition=iid",
                      "--set", "algorithm=fedavg"])

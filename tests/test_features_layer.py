@@ -142,7 +142,7 @@ def test_moon_on_a_head_first_model_equals_the_loop_on_the_same_network(projecti
     kw = dict(algorithm="moon", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16, lr=0.05, seed=3,
               momentum=0.9, options={"moon": {"mu": 1.0, "projection_dim": projection_dim}})
     sim = fedfast.Simulation(fedfast.SimConfig(**kw), a, train, test, part)
-    assert sim._classifier_name == ("head" if projection_dim == 0 else "head.3")
+    assert sim.runtime.classifier_name == ("head" if projection_dim == 0 else "head.3")
     twin = with_projection_head(b, projection_dim, 3, classifier="head") if projection_dim else b  # the same seed
     ref = sequential(fedfast.SimConfig(**kw), copy.deepcopy(twin), train, part, 2)
     sim.run()

@@ -178,7 +178,7 @@ def test_gpu_engine_matches_sequential_loop(backend, algorithm, options, extra):
 
 def _strict_local_training(sim):
     """Make every synchronizing call during the simulation's local training raise (CUDA sync-debug mode)."""
-    orig = sim._train_chunk
+    orig = sim.trainer.train_chunk
 
     def strict(*a, **k):
         torch.cuda.synchronize()
@@ -187,7 +187,7 @@ def _strict_local_training(sim):
             return orig(*a, **k)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sim._train_chunk = strict
+    sim.trainer.train_chunk = strict
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -238,7 +238,7 @@ def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
     ref = sequential(cfg, model, train, part, 1)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
                              device="cuda")
-    assert isinstance(sim.stack.plan, grouped.GroupedPlan)
+    assert isinstance(sim.trainer.stack.plan, grouped.GroupedPlan)
     sim.round()
     g = sim.global_flat.cpu()
     keep = torch.ones_like(g0, dtype=torch.bool)

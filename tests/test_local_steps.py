@@ -67,7 +67,7 @@ def test_local_steps_rounds_and_methods_see_the_steps():
     cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=3, rounds=1, batch_size=16, lr=0.05,
                             local_steps=7)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
-    ctx, totals = sim._sample()
+    ctx, totals, _ = sim.plan.sample(sim.rnd)
     assert (ctx.steps == 7).all() and ctx.epochs == 1 and totals["steps"] == 21
     assert (ctx.data_batches == np.ceil(ctx.sizes / 16)).all() and (np.diff(ctx.data_batches) <= 0).all()
     # the labels of the rows each client trains on (FedGen's label counts)
@@ -88,7 +88,7 @@ def test_drop_last_in_epochs_mode_equals_the_literal_loop_and_refuses_small_clie
     sim.run()
     ref = literal(cfg, model, train, part, 2)
     assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-4
-    ctx, _ = sim._sample()
+    ctx, _, _ = sim.plan.sample(sim.rnd)
     assert ctx.seen_hist.sum(1).tolist() == [float(2 * 6 * (n // 6)) for n in ctx.sizes]
     big = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, batch_size=64, drop_last=True)
     with pytest.raises(ValueError, match="drop_last: client.*fewer than batch_size = 64"):

@@ -119,7 +119,7 @@ def test_feature_rows_equal_the_literal_loop(algorithm, options, executor):
     cfg = fedfast.SimConfig(algorithm=algorithm, options=options, clients_per_round=4, rounds=2, local_epochs=2,
                             batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, seed=3, executor=executor)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
-    assert (sim._plan is not None) == (executor == "auto")
+    assert (sim.runtime.plan is not None) == (executor == "auto")
     ref = sequential(cfg, copy.deepcopy(sim.model), train, part, 2)
     sim.run()
     assert float((sim.global_flat - ref).abs().max() / ref.abs().max()) <= 1e-5

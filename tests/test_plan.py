@@ -57,8 +57,8 @@ def test_engine_plans_with_these_functions():
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, local_steps=3, seed=4)
     sim = fedfast.Simulation(cfg, model, train, test, part)
     sim.round()
-    assert np.array_equal(sim._round_clients(), sample_clients(4, 1, sim.K, 3))
-    ctx, _ = sim._sample()
-    want = plan.steps_table(ctx.sampled, ctx.sizes, ctx.data_batches, 3, cfg.batch_size, sim._idx_host,
+    assert np.array_equal(sim.plan.clients(sim.rnd), sample_clients(4, 1, sim.K, 3))
+    ctx, _, step_rows = sim.plan.sample(sim.rnd)
+    want = plan.steps_table(ctx.sampled, ctx.sizes, ctx.data_batches, 3, cfg.batch_size, sim.plan.client_rows,
                             lambda k, e, n: client_order(4, 1, k, e, n))
-    assert np.array_equal(sim._step_rows, want)
+    assert np.array_equal(step_rows, want)

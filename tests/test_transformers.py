@@ -126,7 +126,7 @@ def test_rounds_match_the_sequential_loop(task, algorithm, options, executor):
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=test)
     g0 = _flat(sim.model)  # the model the engine trains (MOON: with its projection head)
     ref = sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds, val=test)
-    assert isinstance(sim.stack.plan, grouped.GroupedPlan) == (executor == "auto")
+    assert isinstance(sim.trainer.stack.plan, grouped.GroupedPlan) == (executor == "auto")
     sim.run()
     err = _update_err(sim, sim.global_flat, ref, g0)
     assert err <= 1e-3, err

@@ -1,6 +1,8 @@
-"""The parts of :class:`fedfast.Simulation` besides the round itself (``fedfast/engine.py``), each a mixin the
-Simulation class combines: :mod:`.training` (a chunk's local steps), :mod:`.services` (the engine interface a method uses, :class:`fedfast.methods.Engine`),
-:mod:`.sizing` (probing the model, the executor, the chunk size and memory errors), :mod:`.evaluation` (test and
-validation metrics, forgetting) and :mod:`.snapshots` (checkpoint, restore, the trained model's weights);
-:mod:`.memory` holds the memory helpers they share. :mod:`.plan` (the round plan) and :mod:`.budget` (the memory
-budget) are pure functions the engine calls, each tested alone."""
+"""The parts a :class:`fedfast.Simulation` (``fedfast/engine.py``) wires together, each built and tested alone:
+:mod:`.runtime` (the model as the engine runs it: layout, verified executor, forwards, predictions, the head),
+:mod:`.plan` (the round plan: cohort, weights, data order, batch tables, minibatches, from the data's placement),
+:mod:`.sizing` (the memory budget: a client's bytes, the chunk, per-client state, out-of-memory messages; its
+arithmetic in :mod:`.budget`), :mod:`.trainer` (a chunk's local training and its buffers), :mod:`.evaluation`
+(test and validation metrics, a round's record, forgetting), :mod:`.state` (all that crosses rounds, and its
+checkpoint) and :mod:`.facade` (the engine as a method sees it); :mod:`.memory` holds the memory helpers they
+share."""

@@ -1,4 +1,4 @@
-"""Test (and validation) metrics of the evaluated model, per class, and FedNTD's forgetting."""
+"""Test (and validation) metrics of the evaluated model, per class, a round's record, and FedNTD's forgetting."""
 from __future__ import annotations
 
 import time
@@ -9,50 +9,28 @@ import torch.nn.functional as F
 from ..data.datasets import ArrayDataset
 
 
-class Evaluation:
-    """Mixin of :class:`fedfast.Simulation`: evaluation."""
+class Evaluator:
+    """Measures a model (flat parameters) on the test set and the validation split, and makes a round's record
+    from the measurements. Holds no run state: every call returns what it measured and changes nothing.
+    ``runtime``: the :class:`~fedfast.sim.runtime.ModelRuntime`; ``comm``: the run's collectives (each process
+    evaluates its share of the rows, the sums are all-reduced)."""
 
-    # -- phase 6: evaluation --------------------------------------------------------------------------------
-    def _evaluate_round(self, rnd: int, totals: dict, loss_sum, timers: dict, t1: float) -> tuple[dict, object]:
-        """Round ``rnd``'s record (1-based) and the per-class test accuracy it measured (None when it did not
-        evaluate): test metrics of the evaluated model on every ``eval_every``-th round and after the last one;
-        other rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds).
-        Changes no counter and no history: :meth:`fedfast.Simulation.round` keeps both."""
-        c = self.cfg
-        acc = test_loss = class_acc = val = None
-        if rnd % c.eval_every == 0 or rnd >= c.rounds:
-            acc, test_loss, class_acc = self.evaluate()
-            if self.validation is not None:
-                val = self.evaluate(self.validation)
-        timers["eval"] = time.perf_counter() - t1
-        self._load_into_model(self.eval_flat)
-        accs = [h["test_accuracy"] for h in self.history if h["test_accuracy"] is not None] + \
-            ([acc] if acc is not None else [])
-        rec = {"round": rnd, "test_accuracy": acc, "test_loss": test_loss,
-               "train_loss": float(loss_sum) / max(totals["steps"], 1),
-               "best_test_accuracy": max(accs) if accs else None,
-               "forgetting": forgetting(self._class_acc + [class_acc]) if acc is not None else None,
-               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
-               "clients": totals["clients"], "timers": timers, "client_chunk": self.chunk}
-        if self.validation is not None:
-            rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
-        if self._method_metrics:
-            rec["method_metrics"] = self._method_metrics
-        return rec, class_acc
+    def __init__(self, cfg, runtime, comm, test: ArrayDataset, validation: ArrayDataset | None):
+        self.cfg, self.runtime, self.comm, self.test, self.validation = cfg, runtime, comm, test, validation
 
     @torch.no_grad()
-    def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
-        """Accuracy, mean loss and per-class accuracy [C] of the evaluated model (the method's ``evaluated``: the
-        global model; FedDyn: the participants' average, not the cloud model) on ``dataset`` (default the test
-        set). Under torch.distributed each rank evaluates its share and the sums are all-reduced."""
+    def evaluate(self, flat: torch.Tensor, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
+        """Accuracy, mean loss and per-class accuracy [C] of the model ``flat`` on ``dataset`` (default the test
+        set)."""
         data = self.test if dataset is None else dataset
+        rt = self.runtime
         C = data.num_classes
-        acc = torch.zeros(2 * C + 1, device=self.device, dtype=torch.float64)  # correct [C], count [C], loss
-        rows = torch.arange(len(data), device=self.device).tensor_split(self.world)[self.rank]
-        with self.eval_mode():
-            for chunk in rows.split(self.eval_batch):
+        acc = torch.zeros(2 * C + 1, device=rt.device, dtype=torch.float64)  # correct [C], count [C], loss
+        rows = torch.arange(len(data), device=rt.device).tensor_split(self.comm.world)[self.comm.rank]
+        with rt.eval_mode():
+            for chunk in rows.split(rt.eval_batch):
                 x, y = data.batch(chunk)
-                z = self.forward(self.eval_flat, x).float()
+                z = rt.forward(flat, x).float()
                 acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
                 acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
                 acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
@@ -62,9 +40,32 @@ class Evaluation:
         class_acc = (correct / count.clamp_min(1)).float().cpu()
         return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
 
-    def forgetting(self) -> float | None:
-        """FedNTD's forgetting over the rounds evaluated so far (:func:`forgetting`)."""
-        return forgetting(self._class_acc)
+    def record(self, rnd: int, flat: torch.Tensor, history: list, class_accs: list, totals: dict, loss_sum,
+               timers: dict, t1: float, *, chunk: int, method_metrics: dict) -> tuple[dict, object]:
+        """Round ``rnd``'s record (1-based) and the per-class test accuracy it measured (None when it did not
+        evaluate): test metrics of the model ``flat`` on every ``eval_every``-th round and after the last one;
+        other rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds of
+        ``history`` and ``class_accs``, the earlier rounds'). ``timers["eval"]``: the seconds since ``t1``."""
+        c = self.cfg
+        acc = test_loss = class_acc = val = None
+        if rnd % c.eval_every == 0 or rnd >= c.rounds:
+            acc, test_loss, class_acc = self.evaluate(flat)
+            if self.validation is not None:
+                val = self.evaluate(flat, self.validation)
+        timers["eval"] = time.perf_counter() - t1
+        accs = [h["test_accuracy"] for h in history if h["test_accuracy"] is not None] + \
+            ([acc] if acc is not None else [])
+        rec = {"round": rnd, "test_accuracy": acc, "test_loss": test_loss,
+               "train_loss": float(loss_sum) / max(totals["steps"], 1),
+               "best_test_accuracy": max(accs) if accs else None,
+               "forgetting": forgetting(class_accs + [class_acc]) if acc is not None else None,
+               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
+               "clients": totals["clients"], "timers": timers, "client_chunk": chunk}
+        if self.validation is not None:
+            rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
+        if method_metrics:
+            rec["method_metrics"] = method_metrics
+        return rec, class_acc
 
 
 def forgetting(class_accs: list) -> float | None:

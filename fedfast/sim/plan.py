@@ -1,7 +1,7 @@
 """The round plan as pure functions of the seed, the round and the data's placement (issue 37, "the round plan"):
-who trains (the cohort), in which order each client reads its data, and ``local_steps`` mode's table of rows per
-step. Nothing here reads the engine; each function is tested alone (``tests/test_plan.py``) and the engine's
-phase 1 calls them."""
+who trains (the cohort), in which order each client reads its data, ``local_steps`` mode's table of rows per step,
+and :class:`RoundPlan`, which holds the placement and gives each round's context, weights, batch tables and
+augmented minibatches. Nothing here reads the engine; each part is tested alone (``tests/test_plan.py``)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -9,6 +9,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .._io import host_to_device
+from ..data.augment import augmented_batch
+from ..methods.base import Round
+from ..methods.hooks import hook_site
 from ..sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded
 
 
@@ -81,3 +85,141 @@ def steps_table(clients: np.ndarray, sizes: np.ndarray, data_batches: np.ndarray
             e += 1
         out[j] = np.concatenate(rows[:steps])
     return out
+
+
+class RoundPlan:
+    """The round plan of a run: its data's placement (each client's rows of the training set, sizes, label
+    histograms, this process's share of a cohort) and, from it, round by round, a pure function of the seed and the
+    round: the cohort in stack order (:meth:`sample`), the aggregation weights, each client's data order and batch
+    tables, and each step's minibatch with its augmentation (:meth:`minibatch`). ``method`` is asked for its
+    aggregation weights only (``Method.aggregation_weights``)."""
+
+    def __init__(self, cfg, train, partition, method, *, device: torch.device, rank: int = 0, world: int = 1,
+                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None):
+        self.cfg, self.train, self.method, self.device = cfg, train, method, device
+        self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
+        self.num_clients = K = partition.num_clients
+        self.client_rows = [np.asarray(i.cpu(), dtype=np.int64) for i in partition.indices]
+        self.client_sizes = np.array([len(i) for i in self.client_rows], dtype=np.int64)
+        if any(len(i) and (int(i.max()) >= len(train)) for i in self.client_rows):
+            raise ValueError(f"partition: holds sample indices beyond the training set ({len(train)} samples)")
+        if partition.num_classes is not None and partition.num_classes != train.num_classes:
+            raise ValueError(f"partition: made for {partition.num_classes} classes, the training set has "
+                             f"{train.num_classes}")
+        if schedule is None and cfg.clients_per_round > K:
+            raise ValueError(f"clients_per_round: {cfg.clients_per_round} > {K} clients")
+        self.num_classes = C = train.num_classes
+        y_host = train.y.cpu()
+        self.labels = y_host.numpy()
+        self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=C)
+                                       for i in self.client_rows]).float().to(device)  # [K, C]
+        self._arange_b = torch.arange(cfg.batch_size, device=device)
+
+    def max_cohort(self) -> int:
+        """The most clients a round of this run can have (:func:`max_cohort`; a schedule: every client)."""
+        c = self.cfg
+        return max_cohort(c.clients_per_round, self.num_clients, c.client_sampling) if self.schedule is None \
+            else self.num_clients
+
+    def clients(self, rnd: int) -> np.ndarray:
+        """Round ``rnd``'s participants (:func:`round_clients`)."""
+        c = self.cfg
+        return round_clients(c.seed, rnd, self.num_clients, c.clients_per_round, c.client_sampling, self.schedule)
+
+    def order(self, rnd: int, k: int, epoch: int, nk: int) -> np.ndarray:
+        """Client ``k``'s data order in local pass ``epoch`` of round ``rnd`` (:func:`data_order`)."""
+        return data_order(self.cfg.seed, rnd, k, epoch, nk, self.user_order)
+
+    def sample(self, rnd: int):
+        """Round ``rnd``'s plan: ``(ctx, totals, step_rows)``, the round's context with its clients in stack order
+        (this process's share: every world-th, most local steps first, so the clients still training at any step
+        are a prefix), the totals over all processes (weight, steps, every client's id) and ``local_steps``
+        mode's row table (None otherwise)."""
+        c = self.cfg
+        sampled = self.clients(rnd)
+        sizes = self.client_sizes[sampled]
+        batches = (sizes // c.batch_size if c.drop_last else np.ceil(sizes / c.batch_size)).astype(int)  # per pass
+        if c.drop_last and (batches == 0).any():
+            small = sampled[batches == 0].tolist()
+            raise ValueError(f"drop_last: client(s) {small[:5]} hold fewer than batch_size = {c.batch_size} samples, "
+                             f"so drop_last leaves them no batch; use a smaller batch_size or drop_last = false")
+        order = np.argsort(-batches, kind="stable")  # most steps first: active clients are a prefix
+        sampled, sizes, batches = sampled[order], sizes[order], batches[order]
+        epochs = 1 if c.local_steps else c.local_epochs
+        steps = np.full(len(sampled), c.local_steps, dtype=int) if c.local_steps else batches  # per "epoch"
+        weights = self.aggregation_weights(sampled, sizes, steps * epochs)
+        totals = dict(weight=float(weights.sum()), steps=int(steps.sum()) * epochs, clients=sampled.tolist())
+        everyone = sampled
+        positions = np.arange(len(sampled))
+        num_total = len(sampled)
+        if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
+            sampled, sizes, steps, batches, weights = (a[self.rank::self.world] for a in (sampled, sizes, steps,
+                                                                                          batches, weights))
+            positions = positions[self.rank::self.world]
+        sampled_t = torch.from_numpy(sampled).to(self.device)
+        hist = self.label_hist[sampled_t]
+        ctx = Round(index=rnd, sampled=sampled, sizes=sizes, steps=steps, epochs=epochs,
+                    lr=c.lr * c.lr_decay ** rnd, sampled_t=sampled_t, hist=hist,
+                    positions=host_to_device(positions, self.device), num_total=num_total, weights=weights,
+                    clients=everyone, data_batches=batches)
+        step_rows = None
+        if c.local_steps:  # each client's rows for its local_steps steps
+            step_rows = self.steps_table(ctx, 0, len(sampled), c.local_steps)
+        if c.local_steps or c.drop_last:  # the labels of the rows each client trains on
+            tables = [step_rows] if c.local_steps else \
+                [self.batch_table(ctx, 0, len(sampled), e, int(steps[0]) * c.batch_size) for e in range(epochs)]
+            seen = np.zeros((len(sampled), self.num_classes), dtype=np.int64)
+            for t in tables:
+                for j, r in enumerate(t):
+                    seen[j] += np.bincount(self.labels[r[r >= 0]], minlength=self.num_classes)
+            ctx.seen_hist = host_to_device(seen.astype(np.float32), self.device)
+        else:
+            ctx.seen_hist = hist * epochs
+        return ctx, totals, step_rows
+
+    def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray:
+        """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""
+        w = self.method.aggregation_weights(ids, sizes, local_steps)
+        if w is None:
+            return sizes.astype(np.float64) if self.cfg.aggregate_weights == "size" else np.ones(len(ids))
+        w = np.asarray(w, dtype=np.float64)
+        if w.shape != ids.shape or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+            raise ValueError(f"{hook_site(self.method, 'aggregation_weights')}: expected {len(ids)} finite "
+                             f"non-negative weights with a positive sum, got {w.tolist()}")
+        return w
+
+    def steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
+        """``local_steps`` mode's rows for the round's clients ``lo:hi`` (:func:`steps_table`)."""
+        return steps_table(ctx.sampled[lo:hi], ctx.sizes[lo:hi], ctx.data_batches[lo:hi], T, self.cfg.batch_size,
+                           self.client_rows, lambda k, e, n: self.order(ctx.index, k, e, n))
+
+    def batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
+        """The round's clients ``lo:hi``: their rows in local pass ``epoch``, each in its own data order, padded
+        with -1 to ``width`` (host index math, once per pass)."""
+        c = self.cfg
+        table = np.full((hi - lo, width), -1, dtype=np.int64)
+        for j in range(hi - lo):
+            k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
+            perm = self.order(ctx.index, k, epoch, nk)
+            take = min(nk if not c.drop_last else (nk // c.batch_size) * c.batch_size, width)
+            table[j, :take] = self.client_rows[k][perm[:take]]
+        return table
+
+    def minibatch(self, ctx: Round, table: torch.Tensor, lo: int, n_act: int, e: int, s: int,
+                  gen: torch.Generator):
+        """Step ``s`` of pass ``e`` for the chunk starting at ``lo``: the active clients' inputs [n_act, B, ...]
+        (augmented with ``gen`` re-seeded from (seed, round, epoch, step) and each row's position in the whole
+        cohort: the same for any chunking or number of processes), labels (-100 on padding rows), the valid-row
+        mask and the row indices."""
+        c, B = self.cfg, self.cfg.batch_size
+        rows = table[:n_act, s * B:(s + 1) * B]
+        valid = rows >= 0
+        ridx = rows.clamp_min(0)
+        if c.augment != "none":
+            gen.manual_seed(int(np.random.SeedSequence([c.seed, 104729, ctx.index, e, s])
+                                .generate_state(1, np.uint64)[0]) & (2**63 - 1))
+            pos = (ctx.positions[lo:lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
+            x, y = augmented_batch(self.train, ridx, gen, pipeline=c.augment, select=(ctx.num_total * B, pos))
+        else:
+            x, y = self.train.batch(ridx)
+        return x, torch.where(valid, y, torch.full_like(y, -100)), valid, ridx

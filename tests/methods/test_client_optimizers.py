@@ -22,7 +22,7 @@ def test_matches_sequential_loop(optimizer, algorithm, options, extra):
     err, sim, _ = engine_vs_loop(algorithm, options, momentum=0.0, client_optimizer=optimizer, lr=1e-3,
                                  weight_decay=1e-2, adam_betas=(0.8, 0.99), **extra)
     assert err <= 1e-4, err
-    assert isinstance(sim.optimizer, Adam) and sim.optimizer.decoupled == (optimizer == "adamw")
+    assert isinstance(sim.trainer.optimizer, Adam) and sim.trainer.optimizer.decoupled == (optimizer == "adamw")
 
 
 def test_a_wrong_moment_or_bias_correction_is_caught():

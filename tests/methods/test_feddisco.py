@@ -68,7 +68,7 @@ def test_feddisco_asd_matches_literal_loop(options, executor):
 def test_matches_literal_loop(options, extra, executor):
     err, sim, loop = engine_vs(DiscoLoop, "feddisco", options, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
-    assert (sim.stack.plan is None) == (executor == "vmap")
+    assert (sim.trainer.stack.plan is None) == (executor == "vmap")
 
 
 def test_weights_differ_from_fedavg():

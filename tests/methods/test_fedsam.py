@@ -116,14 +116,14 @@ def test_matches_literal_loop(algorithm, options, extra, executor):
     loop = SpeedLoop if algorithm.startswith("fedspeed") else SAMLoop
     sim = _check(loop, algorithm, options, executor, **extra)
     if sim.method.sam_rho(None):
-        assert sim._sam is not None
+        assert sim.trainer.sam is not None
 
 
 def test_sam_changes_training_and_rho_zero_is_the_plain_step():
     """rho = 0 takes the plain step (FedSAM is then FedAvg bit for bit); rho > 0 changes the model."""
     _, sam0, _ = engine_vs(SAMLoop, "fedsam", dict(rho=0.0), max_grad_norm=10.0)
     _, avg, _ = engine_vs(PlainLoop, "fedavg", {}, max_grad_norm=10.0)
-    assert torch.equal(sam0.global_flat, avg.global_flat) and sam0._sam is None
+    assert torch.equal(sam0.global_flat, avg.global_flat) and sam0.trainer.sam is None
     _, sam, _ = engine_vs(SAMLoop, "fedsam", dict(rho=0.5), max_grad_norm=10.0)
     assert float((sam.global_flat - avg.global_flat).abs().max() / avg.global_flat.abs().max()) > 1e-3
 

@@ -1,0 +1,185 @@
+"""A chunk's local training: the clients' parameter stack, the client optimiser, SAM's buffers and the flat gradient
+buffer, and every local step of a chunk of clients at once - the minibatch tables of the round plan, the batched
+forward and the method's (or a user's) loss, the gradient (plain or SAM's) and the client optimiser's fused step
+with the method's terms. It also gives a method the clients' gradients at their trained weights."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import numpy as np
+import torch
+
+from .. import ops
+from .._io import host_to_device
+from ..flat import ClientStack
+from ..local_step import PlainGradient, SAMGradient, client_optimizer
+from ..methods.base import Round, Step
+from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
+from .memory import OutOfMemory, _free_bytes, _gib
+
+
+class ChunkTrainer:
+    """Owns the buffers of a chunk of ``chunk`` clients (``stack`` [chunk, P], the client optimiser's state,
+    ``gradbuf``, SAM's rows made on first use) and trains the round's clients ``lo:hi`` in them
+    (:meth:`train_chunk`). ``runtime``: the :class:`~fedfast.sim.runtime.ModelRuntime`; ``plan``: the
+    :class:`~fedfast.sim.plan.RoundPlan` (batch tables, minibatches); ``loss_fn``: the user's loss replacing the
+    method's (``Simulation(loss_fn=)``); ``row_bytes``: one client's parameter-sized buffers (the budget's)."""
+
+    def __init__(self, cfg, method, runtime, plan, *, chunk: int, device: torch.device, loss_fn=None,
+                 row_bytes: int = 0):
+        self.cfg, self.method, self.runtime, self.plan, self.device = cfg, method, runtime, plan, device
+        self.chunk, self.loss_fn = chunk, loss_fn
+        P = runtime.num_params
+        free = _free_bytes(device)
+        if device.type == "cuda" and chunk * row_bytes > free:
+            raise OutOfMemory(f"client_chunk: {chunk} clients' parameter buffers need {_gib(chunk * row_bytes)} "
+                              f"({P} parameters x {row_bytes // (4 * P)} fp32 buffers each), {_gib(free)} is free "
+                              f"on {device}; set client_chunk = {max(1, int(0.8 * free // max(row_bytes, 1)))} or "
+                              f"lower")
+        self.stack = ClientStack(runtime.model, chunk, device=device, use_executor=False)
+        self.stack.plan = runtime.plan  # the verified program (None: vmap)
+        self.optimizer = client_optimizer(cfg, self.stack.params)  # SGD / Adam / AdamW state, reset every chunk
+        # the C++ and Triton client steps read autograd's per-parameter gradients in place; the CUDA backend takes
+        # one flat [n, P] gradient, reused every step
+        self.gradbuf = None if ops._backend.resolve(cfg.backend, device.type) in ("cpu", "triton") else \
+            torch.empty_like(self.stack.params)
+        self.sam = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
+        self.prof: dict = {}  # profile=True: seconds per part of the local steps, this round
+        self._last = 0.0
+
+    # -- timers --------------------------------------------------------------------------------------------------
+    def sync(self):
+        """Phase boundaries only (a few per round): makes the per-phase timers true on GPUs."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def tick(self, phase: str):
+        """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""
+        if not self.cfg.profile:
+            return
+        self.sync()
+        now = time.perf_counter()
+        self.prof[phase] = self.prof.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    # -- phase 3 -------------------------------------------------------------------------------------------------
+    def train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum: torch.Tensor, *, start: torch.Tensor,
+                    step_rows: np.ndarray | None, gen: torch.Generator) -> None:
+        """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the
+        global model ``start``; adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync).
+        ``step_rows``: ``local_steps`` mode's row table; ``gen``: the augmentation generator."""
+        c, method = self.cfg, self.method
+        self._last = time.perf_counter()
+        steps = ctx.steps
+        n, B, S = hi - lo, c.batch_size, int(steps[lo])
+        theta_all = self.stack.params
+        self.stack.broadcast_(start, rows=slice(0, n))
+        self.optimizer.reset(n)
+        step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
+        ctx.chunk = None
+        ctx.chunk = method.chunk_start(ctx, lo, hi)  # the method's own per-chunk state, handed back as ctx.chunk
+        hist_c = ctx.hist[lo:hi]
+        features = self.runtime.features_module() if method.needs_features else None
+        rho = float(method.sam_rho(ctx))
+        if not rho >= 0:
+            raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
+        if rho and not method.sam:
+            raise ValueError(f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
+                             f"memory budget counts SAM's two extra parameter rows per client only then)")
+        if rho and self.sam is None:
+            self.sam = SAMGradient(self.stack.params)
+        rule = self.sam if rho else PlainGradient()
+        if rho:
+            rule.rho = rho
+        for e in range(ctx.epochs):
+            rows = step_rows[lo:hi] if step_rows is not None else self.plan.batch_table(ctx, lo, hi, e, S * B)
+            table = host_to_device(rows, self.device)
+            for s in range(S):
+                n_act = int((steps[lo:hi] > s).sum())
+                x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, gen)
+                self.tick("data")
+                pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
+                t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
+                self.tick("teacher")
+                seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+                batch = dict(x=x, y=y, valid=valid, seg=seg, teacher=t, hist=hist_c[:n_act], features=features,
+                             epoch=e, step=s)
+                loss = self.step_loss(ctx, pv, perturbed=False, **batch)
+                grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
+                    self.stack, loss, pv, n_act,
+                    lambda p2: self.step_loss(ctx, p2, perturbed=True, **batch),
+                    None if self.gradbuf is None else self.gradbuf[:n_act])
+                self.tick("backward")
+                terms = method.step_terms(ctx, n_act)
+                if not isinstance(terms, dict):
+                    check_hook_return(method, "step_terms", terms, kind="dict",
+                                      what="a dict of fedfast.ops.client_step keyword arguments ({} for none)")
+                self.optimizer.step(theta_all, grad, n_act, {**step_kw, **terms})
+                loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+                self.tick("step")
+        method.chunk_end(ctx, lo, hi)
+
+    def step_loss(self, ctx: Round, pv, *, x, y, valid, seg, teacher, hist, features, perturbed: bool, epoch: int,
+                  step: int):
+        """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss."""
+        n_act = x.shape[0]
+        out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
+        feat, z = out if features is not None else (None, out)
+        self.tick("forward")
+        zf, yf = z.reshape(-1, z.shape[-1]), y.reshape(-1)
+        if self.loss_fn is not None:
+            loss = self.loss_fn(zf, teacher.logits if teacher is not None else None, yf, seg, n_act)
+        else:
+            loss = self.method.loss(ctx, Step(logits=zf, target=yf, segments=seg, num_clients=n_act, teacher=teacher,
+                                              hist=hist, x=x, valid=valid, features=feat, params=pv,
+                                              perturbed=perturbed, epoch=epoch, step=step))
+        if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
+            self._bad_loss(loss)
+        self.tick("loss")
+        return loss
+
+    def _bad_loss(self, loss) -> None:
+        """HookError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
+        if self.loss_fn is not None:
+            fn = inspect.unwrap(getattr(self.loss_fn, "__call__", self.loss_fn) if not inspect.isfunction(self.loss_fn)
+                                else self.loss_fn)
+            code = getattr(fn, "__code__", None)
+            where = f"loss_fn ({code.co_filename}, line {code.co_firstlineno})" if code else "loss_fn"
+        else:
+            where = hook_site(self.method, "loss")
+        must = ("one number: a 0-d float tensor that depends on the logits (the sum over the active clients of "
+                "each client's minibatch mean; fedfast.methods.weighted_mean_rows(rows, b.valid) makes it from "
+                "per-row losses)")
+        if torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point():
+            raise HookError(f"{where}: must return {must}; the returned value has no gradient (computed without "
+                            f"autograd, detached, or from no input that requires grad)")
+        raise HookError(f"{where}: must return {must}, got {describe_value(loss)}")
+
+    # -- what a method reads of the chunk ----------------------------------------------------------------------------
+    def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int, gen: torch.Generator):
+        """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
+        order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
+        n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
+        (a buffer reused by the next step). FedCurv's Fisher information."""
+        B, C = self.cfg.batch_size, self.runtime.train.num_classes
+        batches = np.asarray(batches, dtype=np.int64)
+        if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
+                (batches > ctx.data_batches[lo:hi]).any():
+            raise ValueError(f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
+                             f"got {batches.tolist()}")
+        S = int(batches[0]) if len(batches) else 0
+        table = self.plan.batch_table(ctx, lo, hi, epoch, S * B)
+        table[np.arange(S * B)[None, :] >= (batches * B)[:, None]] = -1
+        table = host_to_device(table, self.device)
+        buf = self.gradbuf if self.gradbuf is not None else \
+            torch.empty(hi - lo, self.runtime.num_params, device=self.device)
+        for s in range(S):
+            n_act = int((batches > s).sum())
+            x, y, valid, _ = self.plan.minibatch(ctx, table, lo, n_act, epoch, s, gen)
+            pv = self.stack.leaf_views(slice(0, n_act))
+            z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv).reshape(-1, C)
+            seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+            loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
+                               num_segments=n_act, reduction="mean", backend=self.cfg.backend)
+            yield s, n_act, self.stack.flat_grad(loss, pv, buf[:n_act])
