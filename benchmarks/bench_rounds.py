@@ -238,9 +238,9 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
         with _using_tiles(vt):
             recs = [sim.round()]  # warm-up (round 0): Triton compilation, cuDNN plans, allocator
         peak = _mem_peak(dev, base)
-        label = f"engine[{sim.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
+        label = f"engine[{sim.runtime.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
         impls[label] = dict(
-            kind="engine", conv=sim.conv, tiles=vt, sim=sim, times=[], recs=recs, peak=peak,
+            kind="engine", conv=sim.runtime.conv, tiles=vt, sim=sim, times=[], recs=recs, peak=peak,
             teacher_flops=teacher_rows * fwd, executor="batched" if sim.trainer.stack.plan is not None else "vmap",
             client_chunk=sim.chunk)
     if loop:

@@ -94,7 +94,7 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
         groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
     steps = s["E"] * -(-s["n"] // s["B"]) * -(-s["m"] // sim.chunk)  # local steps per round (chunks run in turn)
     launches = _launches(prof, dev) / rounds
-    lines = [f"== {name}, conv={sim.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
+    lines = [f"== {name}, conv={sim.runtime.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
              f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
              f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
              f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "

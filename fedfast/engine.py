@@ -47,16 +47,17 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import find_classifier
 from .methods.base import Round, TeacherSpec
-from .methods.hooks import HookError, check_hook_return, hook_site
+from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.evaluation import Evaluator, forgetting
 from .sim.facade import EngineView
+from .sim.inputs import check_inputs
 from .sim.plan import RoundPlan
 from .sim.runtime import ModelRuntime, probe_batch
 from .sim.sizing import MemoryBudget
 from .sim.state import RunState
 from .sim.trainer import ChunkTrainer
 from .simconfig import SimConfig, check_device
-from .teachers import CachedMixture, CachedTeacher, OnlineTeacher
+from .teachers import OnlineTeacher, cached_teacher
 
 
 class Diverged(ArithmeticError):
@@ -131,7 +132,7 @@ class Simulation:
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
         datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
-        self._check_inputs(model, datasets, partition, loss_fn, schedule, data_order)
+        check_inputs(c, model, datasets, partition, loss_fn, schedule, data_order)
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
         # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
         self.comm = collectives(process_group)
@@ -170,40 +171,6 @@ class Simulation:
                                         loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
         self._method_metrics: dict = {}
         self._warn_batch_statistics()
-
-    def _check_inputs(self, model, datasets, partition, loss_fn, schedule, data_order) -> None:
-        """The arguments' types and agreement (classes, frozen parameters, augmentation of non-images, a model's
-        own data checks): a clear error naming the argument, before anything is allocated."""
-        c = self.cfg
-        train = datasets[0][1]
-        for name, ds in datasets:
-            if ds is not None and not isinstance(ds, ArrayDataset):
-                raise TypeError(f"{name}: expected a fedfast.data.ArrayDataset, got {type(ds).__name__}")
-            if ds is not None and ds.num_classes != train.num_classes:
-                raise ValueError(f"{name}: has {ds.num_classes} classes, the training set {train.num_classes}")
-        if not isinstance(partition, Partition):
-            raise TypeError(f"partition: expected a fedfast.data.Partition, got {type(partition).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
-        if schedule is not None and not (callable(schedule) or isinstance(schedule, (list, tuple, np.ndarray))):
-            raise TypeError("schedule: expected a sequence of client-id arrays (one per round) or a callable round -> ids")
-        if schedule is not None and c.client_sampling != "uniform":
-            raise ValueError(f"client_sampling: {c.client_sampling!r} draws the cohorts, and so does schedule; give one")
-        if data_order is not None and not callable(data_order):
-            raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"model: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} are frozen "
-                             f"(requires_grad=False); the engine trains every parameter of the model, so train a "
-                             f"model without them (e.g. move frozen layers into preprocessing)")
-        if c.augment != "none" and not train.is_image:
-            raise ValueError(f"augment: {c.augment!r} augments images; the training set holds {train.name or 'tokens'}"
-                             f" (use augment = 'none')")
-        check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
-        if callable(check):
-            for name, ds in datasets:
-                if ds is not None:
-                    check(ds, name)
 
     def _warn_batch_statistics(self) -> None:
         """Where a model that normalises with batch statistics cannot equal a per-client loop: say so once."""
@@ -255,21 +222,10 @@ class Simulation:
     def num_classes(self) -> int:
         return self.train.num_classes
 
-    @property
-    def world(self) -> int:
-        return self.comm.world
-
-    @property
-    def layout(self):
-        return self.runtime.layout
-
-    @property
-    def conv(self) -> str:
-        return self.runtime.conv
-
     # -- phase 2: teacher ------------------------------------------------------------------------------------
     def _teacher(self, ctx: Round):
-        """The round's teacher (None, a cached table, or an online teacher)."""
+        """The round's teacher: None, a table made once (:func:`fedfast.teachers.cached_teacher`), or run on every
+        step's rows (:class:`fedfast.teachers.OnlineTeacher`)."""
         if self.loss_fn is not None:
             spec = TeacherSpec.of(self.global_flat) if self.loss_needs_teacher else None
         else:
@@ -281,21 +237,9 @@ class Simulation:
                             f"got {type(spec).__name__}")
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self.engine)
-        rows = self.plan.client_rows
-        idx = host_to_device(np.concatenate([rows[k] for k in ctx.sampled]), self.device)
-        N, C = len(self.train), self.num_classes
-        predict = self.runtime.predict
-        if spec.weights is not None:  # M teachers: their mixture at the method's temperature, cached once
-            T = torch.stack([predict(m, self.train, idx) for m in spec.models])
-            Pm, neg = ops.teacher_mixture(T, spec.weights, self.train.y[idx], tau=spec.tau, backend=self.cfg.backend)
-            P_all = torch.zeros(N, C, device=self.device)
-            neg_all = torch.zeros(N, device=self.device)
-            P_all[idx], neg_all[idx] = Pm.float(), neg.float()
-            return CachedMixture(P_all, neg_all)
+        idx = host_to_device(np.concatenate([self.plan.client_rows[k] for k in ctx.sampled]), self.device)
         dt = torch.bfloat16 if self.cfg.teacher_cache_dtype == "bfloat16" else torch.float32
-        cache = torch.zeros(N, C, device=self.device, dtype=dt)
-        cache[idx] = predict(spec.models[0], self.train, idx, dt)
-        return CachedTeacher(cache)
+        return cached_teacher(spec, self.runtime.predict, self.train, idx, backend=self.cfg.backend, dtype=dt)
 
     # -- one round -------------------------------------------------------------------------------------------
     def round(self) -> dict:
@@ -319,7 +263,7 @@ class Simulation:
             raise Diverged(st.round + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self.trainer.prof.items()})
-        self._method_metrics = self._round_metrics(ctx)
+        self._method_metrics = round_metrics(self.method, ctx)
         t1 = time.perf_counter()
         st.round += 1  # the only place the round advances (restore replaces the state with a checkpoint's)
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
@@ -332,30 +276,6 @@ class Simulation:
         rec["seconds"] = time.perf_counter() - t0
         self._check_finite(rec)
         return rec
-
-    def _round_metrics(self, ctx) -> dict:
-        """The method's own values for this round's record (``Method.round_metrics``): names to numbers (read to
-        the host once per round)."""
-        got = self.method.round_metrics(ctx)
-        if not got:
-            return {}
-        if not isinstance(got, dict):
-            raise HookError(f"{hook_site(self.method, 'round_metrics')}: must return a dict of name -> number, got "
-                            f"{type(got).__name__}")
-        out = {}
-        for k, v in got.items():
-            if not isinstance(k, str) or not k:
-                raise HookError(f"{hook_site(self.method, 'round_metrics')}: names must be non-empty strings, got "
-                                f"{k!r}")
-            if torch.is_tensor(v):
-                if v.numel() != 1:
-                    raise HookError(f"{hook_site(self.method, 'round_metrics')}: {k!r} must be one number, got a "
-                                    f"tensor of shape {tuple(v.shape)}")
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise HookError(f"{hook_site(self.method, 'round_metrics')}: {k!r} must be a number, got {v!r}")
-            out[k] = float(v)
-        return out
 
     def _check_finite(self, rec: dict) -> None:
         """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
@@ -410,7 +330,7 @@ class Simulation:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
         except ops.NonFiniteUpdate as e:
             who = [int(ctx.sampled[lo + r]) for r in e.rows]
-            if self.world == 1:
+            if self.comm.world == 1:
                 raise Diverged(self.state.round + 1, self.method.name, f"the update of client(s) {who}" if who else
                                "the clients' weighted average", self.cfg) from None
             # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
@@ -446,7 +366,7 @@ class Simulation:
 
     def _memory(self, what: str, key: str):
         """An allocation failure inside the block becomes :class:`OutOfMemory` naming ``what`` and ``key``."""
-        return self.budget.guard(what, key, next_round=self.state.round + 1, chunk=getattr(self, "chunk", 0))
+        return self.budget.guard(what, key, next_round=self.state.round + 1, chunk=self.chunk)
 
     # -- what a user reads and runs --------------------------------------------------------------------------
     def run(self) -> list[dict]:

@@ -275,7 +275,7 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
                      key=lambda h: h["test_accuracy"], default={}).get("round")
     stop: dict = {}
 
-    old = _catch_stop(stop) if lead or sim.world > 1 else {}
+    old = _catch_stop(stop) if lead or sim.comm.world > 1 else {}
 
     def summary(complete: bool, diverged=None):
         rd.write("metrics.csv", _csv_text(sim.history))
@@ -351,7 +351,7 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
     from . import fingerprint
     ck = load_checkpoint(ck_path) if resume else None
     recorded = (ck or {}).get("fingerprint")
-    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.world, recorded,
+    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.comm.world, recorded,
                              getattr(cfg, "code_files", None) or ())
     if resume:
         _check_resume(ck, ck_path, cfg, cfg_json)
@@ -362,7 +362,7 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
         _check_cell(cell, fp, os.path.dirname(ck_path))
     if rd is not None:
         rd.write("config.json", dumps({**cfg_json, "determinism": determinism(), "fingerprint": fp,
-                                       "world_size": sim.world}, indent=2, sort_keys=True))
+                                       "world_size": sim.comm.world}, indent=2, sort_keys=True))
         rd.write("metrics.jsonl", "".join(dumps(_jsonable(h)) + "\n" for h in sim.history))
         if sim.history:
             rd.saved = True
@@ -443,7 +443,7 @@ def _tb_log(tb, rec: dict) -> None:
 def _agreed_stop(sim, stop: dict) -> int:
     """The signal that stops the run after this round (under torch.distributed: any rank's, on every rank)."""
     sig = int(stop.get("sig", 0))
-    if sim.world > 1:  # one read of a device tensor: only where there is something to agree on
+    if sim.comm.world > 1:  # one read of a device tensor: only where there is something to agree on
         t = torch.tensor([sig], device=sim.device)
         sim.comm.max_(t)
         sig = int(t)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .methods.base import TeacherRows, TeacherSpec
 
 
@@ -44,3 +45,23 @@ class OnlineTeacher:
         if s.weights is None:
             return TeacherRows(logits=out[0])
         return TeacherRows(logits=torch.stack(out), weights=s.weights)
+
+
+def cached_teacher(spec: TeacherSpec, predict, train, idx: torch.Tensor, *, backend=None,
+                   dtype: torch.dtype = torch.float32):
+    """The round's teacher computed once, on rows ``idx`` of ``train`` (the cohort's rows) with ``predict(model,
+    dataset, idx[, dtype])`` in large batches: a :class:`CachedTeacher` of logits (``dtype``: the cache's, float32
+    or bfloat16), or for M teachers a :class:`CachedMixture` of their mixture at ``spec.tau``
+    (:func:`fedfast.ops.teacher_mixture`). Rows outside ``idx`` hold zeros."""
+    N, C = len(train), train.num_classes
+    dev = idx.device
+    if spec.weights is not None:  # M teachers: their mixture at the method's temperature, cached once
+        T = torch.stack([predict(m, train, idx) for m in spec.models])
+        Pm, neg = ops.teacher_mixture(T, spec.weights, train.y[idx], tau=spec.tau, backend=backend)
+        P_all = torch.zeros(N, C, device=dev)
+        neg_all = torch.zeros(N, device=dev)
+        P_all[idx], neg_all[idx] = Pm.float(), neg.float()
+        return CachedMixture(P_all, neg_all)
+    cache = torch.zeros(N, C, device=dev, dtype=dtype)
+    cache[idx] = predict(spec.models[0], train, idx, dtype)
+    return CachedTeacher(cache)

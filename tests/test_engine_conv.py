@@ -29,7 +29,7 @@ def test_conv_implementations_match_the_loop(conv):
     cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
                             seed=1, conv=conv)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
-    assert sim.conv == conv and sim.trainer.stack.plan is not None and sim.trainer.stack.plan.conv == conv
+    assert sim.runtime.conv == conv and sim.trainer.stack.plan is not None and sim.trainer.stack.plan.conv == conv
     ref = _sequential(cfg, copy.deepcopy(model), train, part, cfg.rounds)
     sim.run()
     assert (sim.global_flat - ref).abs().max() <= 1e-4 * ref.abs().max()
@@ -40,7 +40,7 @@ def test_conv_setting_is_checked_and_auto_is_grouped_on_cpu(monkeypatch):
     with pytest.raises(ValueError, match="conv: one of"):
         fedfast.SimConfig(conv="cudnn")
     sim = fedfast.Simulation(fedfast.SimConfig(clients_per_round=2), model, train, test, part)
-    assert sim.conv == "grouped" and sim.trainer.stack.plan.conv == "grouped"
+    assert sim.runtime.conv == "grouped" and sim.trainer.stack.plan.conv == "grouped"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="conv: 'triton' runs on CUDA"):
         fedfast.Simulation(fedfast.SimConfig(clients_per_round=2, conv="triton"), model, train, test, part)

@@ -242,7 +242,7 @@ def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
     sim.round()
     g = sim.global_flat.cpu()
     keep = torch.ones_like(g0, dtype=torch.bool)
-    for s in sim.layout.params:  # the attention key bias has a zero gradient (see test_transformers)
+    for s in sim.runtime.layout.params:  # the attention key bias has a zero gradient (see test_transformers)
         if s.name.endswith("k_lin.bias"):
             keep[s.offset:s.offset + s.numel] = False
     assert float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max()) <= 1e-3

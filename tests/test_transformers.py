@@ -40,7 +40,7 @@ def task():
 def _update_err(sim, g, ref, g0):
     """max |engine - loop| / max |loop - start| over the identifiable parameters."""
     keep = torch.ones_like(g0, dtype=torch.bool)
-    for s in sim.layout.params:
+    for s in sim.runtime.layout.params:
         if s.name.endswith(UNIDENTIFIABLE):
             keep[s.offset:s.offset + s.numel] = False
     return float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max())

@@ -62,6 +62,31 @@ def check_hook_return(method, hook: str, value, *, shape=None, device=None, kind
         raise HookError(f"{hook_site(method, hook)}: must return {what}, got {describe_value(value)}")
 
 
+def round_metrics(method, ctx) -> dict:
+    """``method``'s own values for round ``ctx``'s record (``Method.round_metrics``), checked: names to numbers
+    (read to the host once per round); HookError naming the hook otherwise."""
+    got = method.round_metrics(ctx)
+    if not got:
+        return {}
+    if not isinstance(got, dict):
+        raise HookError(f"{hook_site(method, 'round_metrics')}: must return a dict of name -> number, got "
+                        f"{type(got).__name__}")
+    out = {}
+    for k, v in got.items():
+        if not isinstance(k, str) or not k:
+            raise HookError(f"{hook_site(method, 'round_metrics')}: names must be non-empty strings, got "
+                            f"{k!r}")
+        if torch.is_tensor(v):
+            if v.numel() != 1:
+                raise HookError(f"{hook_site(method, 'round_metrics')}: {k!r} must be one number, got a "
+                                f"tensor of shape {tuple(v.shape)}")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise HookError(f"{hook_site(method, 'round_metrics')}: {k!r} must be a number, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
 def cross_entropy(b: Step, backend) -> Tensor:
     """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
     return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,
