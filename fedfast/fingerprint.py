@@ -76,7 +76,7 @@ def _write_cache(cache: dict) -> None:
 def fedfast_source() -> dict:
     """fedfast's version, the commit of its checkout (None from a wheel) and the SHA-256 over its Python files."""
     if not _SOURCE:
-        from .runner import source_commit
+        from .callbacks import source_commit
         root = os.path.dirname(os.path.abspath(__file__))
         h = hashlib.sha256()
         for d, dirs, files in sorted(os.walk(root)):

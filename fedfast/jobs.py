@@ -168,7 +168,8 @@ def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str
 
 def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, cell: str | None):
     from .rundir import RunDir, attach
-    from .runner import execute, summarize
+    from .callbacks import summarize
+    from .runner import execute
     group, device = _init_distributed(cfg)
     lead = group is None or torch.distributed.get_rank() == 0
     cfg = _set_threads(cfg)

@@ -7,7 +7,8 @@ level or inside a function (optional third-party packages aside; the package's `
     3 engine      fedfast.engine, sim (its parts), simconfig, local_step, collectives, sampling, teachers,
                   checkpoint
     4 config      fedfast.config, presets
-    5 runs        fedfast.runner, rundir, assemble (a run built from its config), jobs (runs run), fingerprint
+    5 runs        fedfast.runner, callbacks (the run loop and its callbacks), rundir, assemble (a run built from its
+                  config), jobs (runs run), fingerprint
     6 studies     fedfast.study
     7 front ends  fedfast.cli, plot, doctor, bench, __main__
 
@@ -28,7 +29,7 @@ LAYERS = [
     ("methods",),
     ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),
     ("config", "presets"),
-    ("runner", "rundir", "assemble", "jobs", "fingerprint"),
+    ("runner", "callbacks", "rundir", "assemble", "jobs", "fingerprint"),
     ("study",),
     ("cli", "plot", "doctor", "bench", "__main__"),
 ]

@@ -194,7 +194,7 @@ def test_fidelity_note_and_provenance_in_the_report(tmp_path, capsys):
     """FedNTD's MNIST cells carry the authors' statement on their reported numbers; report puts a † on Δ and the
     note under the table, and lists each run's fedfast version (and commit from a checkout), torch and device."""
     from fedfast import presets
-    from fedfast.runner import source_commit
+    from fedfast.callbacks import source_commit
     note = presets.get("fedntd-table1/mnist-shards").reported_note
     assert "Lee-Gihun/FedNTD/issues/4" in note and "CutOut" in note and "95.8" in note
     assert presets.get("fedntd-table1/mnist-lda").reported_note == note
