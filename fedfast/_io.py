@@ -5,8 +5,12 @@ out)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import site
+import sys
+import sysconfig
 
 import torch
 
@@ -59,7 +63,6 @@ def write_atomic(path: str, data: bytes | str) -> None:
 
 def file_sha256(path: str) -> str:
     """The SHA-256 of a file's bytes (read in 4 MiB blocks)."""
-    import hashlib
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -113,9 +116,6 @@ _CODE = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")
 def installation_dirs() -> tuple[str, ...]:
     """The Python installation's directories (the standard library, site-packages, the environment's prefix):
     files there are not the user's code or data (fedfast's and other packages' versions say what they are)."""
-    import site
-    import sys
-    import sysconfig
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     dirs.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
     try:
@@ -170,7 +170,6 @@ class record_reads:
 
     def __enter__(self) -> set:
         if not _HOOKED[0]:
-            import sys
             sys.addaudithook(_audit)
             _HOOKED[0] = True
         self.files: set = set()

@@ -7,8 +7,15 @@ line: ``fedfast run``, ``fedfast sweep`` and :mod:`fedfast.jobs` call :func:`bui
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
+
+from ._io import record_reads
+from .data import DATASETS, PARTITIONS, Partition, text_datasets
+from .engine import Simulation
+from .methods import user_code
+from .models import build as build_model, hf
 
 
 _BUILT_CODE: set = set()  # modules of the user's own that a run's build imported in this process
@@ -16,7 +23,6 @@ _BUILT_CODE: set = set()  # modules of the user's own that a run's build importe
 
 def load_data(cfg, tokenizer=None):
     """The dataset's train and test sets; a missing file names ``data_dir`` and where to get the data."""
-    from .data import DATASETS
     spec = {"data_dir": cfg["data_dir"], "tokenizer": tokenizer, "max_length": cfg["max_length"], "seed": cfg["seed"],
             "options": _options(cfg, "dataset")}
     try:
@@ -37,7 +43,6 @@ def _options(cfg, kind: str):
 def partition(cfg, train):
     """The training set split by the registered partition ``cfg["partition"]``: into ``num_clients`` clients, or
     as many as the partition makes when it declares ``sets_num_clients`` (a client per user, say)."""
-    from .data import PARTITIONS, Partition
     entry = PARTITIONS[cfg["partition"]]
     spec = {**(cfg.values if hasattr(cfg, "values") else dict(cfg)), "options": _options(cfg, "partition")}
     part = entry.split(train, spec)
@@ -55,7 +60,6 @@ def partition(cfg, train):
 
 def make_model(cfg, train):
     """The registered model ``cfg["model"]`` for the dataset's classes and sample shape."""
-    from .models import build as build_model
     return build_model(cfg["model"], train.num_classes, tuple(train.x.shape[1:]), _options(cfg, "model"))
 
 
@@ -63,18 +67,11 @@ def build(cfg, device=None, group=None):
     """The Simulation a run config describes (data, the method's held-out splits, partition, model). The files the
     data and a pretrained model were read from are kept as ``cfg.data_files``, the modules of your own its build
     imported as ``cfg.code_files`` (the run's fingerprint)."""
-    import sys
-
-    from ._io import record_reads
-    from .data import text_datasets
-    from .engine import Simulation
-    from .methods import user_code
     modules = set(sys.modules)  # a plug-in may import its helpers only when its loader or model runs
     torch.manual_seed(cfg["seed"])
     model = tokenizer = None
     with record_reads() as files:
         if cfg["model"].startswith("hf:"):  # the pretrained encoder, a new head, and the tokenizer the texts need
-            from .models import hf
             model, tokenizer = hf.load(cfg["model"], text_datasets()[cfg["dataset"]], seed=cfg["seed"])
         train, test = load_data(cfg, tokenizer)
     if hasattr(cfg, "values"):

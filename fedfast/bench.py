@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -43,6 +44,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from . import nn as fnn
+from ._io import write_atomic
+from ._version import __version__
 
 SHAPES = [(64, 10), (500, 10), (128, 100), (8192, 100), (4096, 32000), (1024, 128000)]
 QUICK_SHAPES = SHAPES[:4]
@@ -104,7 +109,6 @@ AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd_vote3": gkd_authors, "asd"
 # ---- fedfast ----------------------------------------------------------------------------------------------------
 
 def fedfast_losses():
-    from . import nn as fnn
     ntd = fnn.NTDLoss(tau=TAU["ntd"], beta=BETA, tau_squared=False)
     kd = fnn.KDLoss(tau=TAU["kd"])
     gkd = fnn.GKDLoss(tau=TAU["gkd_vote3"], gamma=GAMMA, tau_squared=False)
@@ -188,7 +192,6 @@ def memory_case(impl: str, loss: str, R: int, C: int, device: str = "cpu") -> in
     fn = _impl(impl, loss)
     _step(fn, *inputs(loss, R, C, seed=1, device=device))
     z, t, y, extra = inputs(loss, R, C, device=device)
-    import gc
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -225,7 +228,6 @@ def cpu_model() -> str:
 
 
 def machine(device: str = "cpu") -> dict:
-    from ._version import __version__
     cpu = cpu_model()
     commit = os.environ.get("FEDFAST_COMMIT", "")
     if not commit:
@@ -276,7 +278,6 @@ def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None,
 
 
 def _write(path: str, res: dict) -> None:
-    from ._io import write_atomic
     write_atomic(path, json.dumps(res, indent=1) + "\n")
 
 

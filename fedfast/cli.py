@@ -18,11 +18,18 @@ import sys
 
 import torch
 
+from . import __version__, methods, presets
+from ._io import read_json
+from .bench import main as bench
+from .config import build_config
+from .doctor import main as doctor
 from .jobs import EXIT_DIVERGED, EXIT_WORKER_DIED, WorkerDied, plugin_where, run, run_workers
+from .plot import accuracy_curves
+from .runner import Interrupted, RunDiverged
+from .study import parse_shard, report, sweep
 
 
 def _methods_cmd(name: str | None) -> int:
-    from . import methods
     if name:
         print(methods.describe(name))
         return 0
@@ -56,7 +63,6 @@ def console() -> None:
 def _parser() -> argparse.ArgumentParser:
     """The command line: every subcommand with its arguments."""
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
-    from . import __version__
     ap.add_argument("--version", action="version",
                     version=f"fedfast {__version__} (torch {torch.__version__}, python {sys.version.split()[0]})")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -127,16 +133,13 @@ def main(argv=None) -> int:
     """Exit status: 0 done; 2 bad input (config, files, a directory in use: the message names it); 3 a
     ``--workers`` process died; 4 the run diverged (its directory records it); 128 + N stopped by signal N after
     a round (checkpointed: ``--resume`` continues)."""
-    from .runner import Interrupted, RunDiverged
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its own options (fedfast.bench.main); the subparser only lists it
-        from .bench import main as bench
         return bench(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "doctor":
         if args.triton_interpret:
             os.environ["TRITON_INTERPRET"] = "1"
-        from .doctor import main as doctor
         return doctor(quick=args.quick)
     try:
         code = _dispatch(args)
@@ -167,7 +170,6 @@ def main(argv=None) -> int:
 
 
 def _dispatch(args) -> int:
-    from . import methods
     for p in args.plugin if hasattr(args, "plugin") else []:
         methods.load_plugin(p)
     if args.cmd == "methods":
@@ -175,12 +177,10 @@ def _dispatch(args) -> int:
     if args.cmd == "presets":
         return _presets_cmd(args.name)
     if args.cmd == "report":
-        from .study import report
         text, _ = report(args.dirs, args.format, args.select, args.out)
         print(text, end="")
         return 0
     if args.cmd == "plot":
-        from .plot import accuracy_curves
         accuracy_curves(args.dirs, args.out, title=args.title)
         print(f"wrote {args.out}")
         return 0
@@ -198,18 +198,15 @@ def _dispatch(args) -> int:
 
 def _sweep_cmd(args) -> int:
     """``fedfast sweep``: the study's runs, then its report."""
-    from .study import sweep
     ms = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
-    from .study import parse_shard
     sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
           plugins=args.plugin, quiet=args.quiet, workers=args.workers, grid=args.grid, jobs=args.jobs,
           shard=parse_shard(args.shard))
     if not args.quiet and int(os.environ.get("RANK", "0")) == 0:
-        from .study import report
         print(report(args.out)[0], end="")
     return 0
 
@@ -217,7 +214,6 @@ def _sweep_cmd(args) -> int:
 def _resumed_config(args, methods):
     """``fedfast run --resume DIR``: the run's own config.json with the few keys a resume may change; (config,
     directory, mode)."""
-    from .config import build_config
     given = [f for f, v in (("a config file", args.config), ("--out", args.out), ("--preset", args.preset),
                             ("--force", args.force)) if v]
     if given:
@@ -227,7 +223,6 @@ def _resumed_config(args, methods):
     cfg_path = os.path.join(args.resume, "config.json")
     if not os.path.isdir(args.resume):
         raise ValueError(f"--resume: {args.resume}: no such run directory")
-    from ._io import read_json
     try:
         base = read_json(cfg_path, "config")
     except FileNotFoundError:
@@ -246,9 +241,7 @@ def _resumed_config(args, methods):
 
 def _new_config(args):
     """``fedfast run [CONFIG | --preset NAME]``: the config of a new run; (config, directory, mode)."""
-    from .config import build_config
     base = None
-    from . import presets
     if args.config and presets.names_study(args.config):
         if args.preset:  # `fedfast run STUDY.toml/CELL` is `--preset STUDY.toml/CELL`
             raise ValueError(f"{args.config} is a study file; give it or --preset, not both")
@@ -270,7 +263,6 @@ RESUME_SET = ("rounds", "eval_every", "checkpoint_every", "tensorboard", "device
 
 
 def _presets_cmd(name: str | None) -> int:
-    from . import presets
     cells = presets.resolve(name, "presets") if name else []
     if len(cells) > 1:  # a study file (or a preset file): its cells
         for p in cells:

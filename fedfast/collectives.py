@@ -5,6 +5,7 @@ The engine calls these and never asks how many processes there are to decide whe
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 class Local:
@@ -26,7 +27,6 @@ class Distributed:
     """A ``torch.distributed`` process group (``None``: the default group)."""
 
     def __init__(self, group=None):
-        import torch.distributed as dist
         if not dist.is_initialized():
             raise ValueError("process_group: torch.distributed is not initialised")
         self.dist, self.group = dist, group

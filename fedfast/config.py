@@ -17,8 +17,12 @@ import tomllib
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
+from . import methods
+from ._io import read_json
+from .data import DATASETS, PARTITIONS, text_datasets
+from .methods.base import coerce_option, make_options
+from .models import REGISTRY
 from .simconfig import SimConfig, check_device
-from .methods.base import coerce_option
 
 # keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
 # (a config file or --set giving one is told the new spelling)
@@ -43,8 +47,6 @@ ENTRY_KINDS = ("dataset", "partition", "model")
 
 def _registry(kind: str):
     """The registry a run key names its entry from: datasets, partitions, models."""
-    from .data import DATASETS, PARTITIONS
-    from .models import REGISTRY
     return {"dataset": DATASETS, "partition": PARTITIONS, "model": REGISTRY}[kind]
 
 
@@ -52,8 +54,6 @@ def _choices() -> dict:
     """The names ``dataset``, ``partition`` and ``model`` may take: the registries' (:mod:`fedfast.data.registry`,
     :data:`fedfast.models.REGISTRY`), read when a config is resolved, so a plug-in's own entries count. A model may
     also be "hf:<hub id or directory>": a Hugging Face sequence classifier (fedfast.models.hf)."""
-    from .data import DATASETS, PARTITIONS
-    from .models import REGISTRY
     return {"dataset": tuple(DATASETS), "partition": tuple(PARTITIONS), "model": tuple(REGISTRY)}
 
 
@@ -153,7 +153,6 @@ class RunConfig:
         """The resolved configuration: run and engine keys, the method's resolved option tables, the plug-in files
         with their content hashes, and a built-in the running method's name replaces (``register(...,
         replace=True)``)."""
-        from . import methods
         out = dict(self.values)
         out.update(self.sim_config().method_options())
         out.update({name: dict(t) for name, t in self.entries.items()})
@@ -172,7 +171,6 @@ class RunConfig:
 def check_plugin_hashes(recorded, source: str | None) -> None:
     """Each plug-in file a run recorded must have the same content now (``--resume``, ``fedfast run
     DIR/config.json``): a changed file would continue or repeat the run with another method."""
-    from . import methods
     if not recorded:
         return
     if not isinstance(recorded, dict):
@@ -229,7 +227,6 @@ def read_config_file(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a text file (not UTF-8 at byte {e.start})") from None
     if path.endswith(".json"):
-        from ._io import read_json
         data = read_json(path, "config")
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of config keys, got {type(data).__name__}")
@@ -273,7 +270,6 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" + (f" (in {source})" if source else ""))
     listed = [_path(p, "plugins", root, set()) for p in listed]  # a file's plug-ins: beside the file
     if listed:
-        from . import methods
         for p in listed:  # they register what the config names (a dataset, a model, a method)
             methods.load_plugin(p)
     plugins = tuple(os.path.abspath(p) for p in plugins)
@@ -313,7 +309,6 @@ def _path(value: str, key: str, root: str | None, from_set: set) -> str:
 def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> dict:
     """The running dataset's, partition's and model's own option tables, taken out of ``tables`` and validated
     (``[name]``, as a method's; paths resolved); a table of an entry that is not running is an error naming it."""
-    from . import methods
     try:
         method_tables = set(methods.get(vals["algorithm"]).option_tables())
     except (ValueError, TypeError):
@@ -327,7 +322,6 @@ def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> 
         if name in method_tables:
             raise ValueError(f"{name}: both the {kind} {name!r} and the method {vals['algorithm']} read a table of "
                              f"this name; register the {kind} under another name")
-        from .methods.base import make_options
         opts = make_options(name, entry.options, tables.pop(name, {}), method=f"{kind} {name!r}")
         vals_ = dataclasses.asdict(opts)
         for f in dataclasses.fields(opts):
@@ -375,7 +369,6 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
         raise ValueError(f"train_fraction: must lie in (0, 1], got {vals['train_fraction']!r}")
     if vals["max_length"] < 2:
         raise ValueError(f"max_length: must be >= 2, got {vals['max_length']!r}")
-    from .data import text_datasets
     texts = text_datasets()  # text datasets and their classes: they need an "hf:" model
     text, hf = vals["dataset"] in texts, vals["model"].startswith("hf:")
     if text and not hf:

@@ -10,15 +10,21 @@ interpreted but never executed in fedfast's CI, are verified in one command. Exi
 """
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import sys
 import time
+from importlib import metadata
 
 import torch
 
-from . import __version__, ops
+import fedfast
+
+from . import __version__, data, models, ops
 from .ops import _backend
+from .ops.aggregate_reference import aggregate_reference
+from .ops.client_step_reference import client_step_reference
 
 TOL = 2e-5
 
@@ -66,8 +72,6 @@ def _check_distill(backend, dev):
 
 
 def _check_flat(backend, dev):
-    from .ops.aggregate_reference import aggregate_reference
-    from .ops.client_step_reference import client_step_reference
     g = torch.Generator().manual_seed(1)
     N, P = 5, 1031
     theta, grad = torch.randn(N, P, generator=g), torch.randn(N, P, generator=g)
@@ -87,10 +91,6 @@ def _check_flat(backend, dev):
 
 
 def _check_round(backend, dev):
-    import copy
-
-    import fedfast
-    from fedfast import data, models
     train, test = data.synthetic(4, 240, 60, (1, 6, 6), seed=0)
     part = data.dirichlet_lda(train.y, 6, alpha=0.5, seed=1, min_size=5)
     torch.manual_seed(0)
@@ -124,7 +124,6 @@ def main(quick: bool = False) -> int:
             print(f"  TRITON_INTERPRET=1, but {why}; the 'triton' backend is off on the CPU")
     except Exception:  # noqa: BLE001
         print("triton: not importable")
-    from importlib import metadata
     extras = []
     for pkg in ("transformers", "tokenizers", "tqdm", "matplotlib", "tensorboard"):  # optional (extras): versions only
         try:

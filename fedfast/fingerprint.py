@@ -25,6 +25,9 @@ import os
 
 from . import __version__
 from ._io import file_sha256, read_json, write_atomic
+from .callbacks import source_commit
+from .data.datasets import _cache_dir
+from .methods import PLUGIN_CODE
 
 _sha256_file = file_sha256  # data files' hashes (the name tests count calls of)
 
@@ -33,7 +36,6 @@ _SOURCE: dict = {}             # fedfast's own source digest, once per process
 
 
 def _cache_path() -> str:
-    from .data.datasets import _cache_dir
     return os.path.join(_cache_dir(), "file-hashes.json")
 
 
@@ -76,7 +78,6 @@ def _write_cache(cache: dict) -> None:
 def fedfast_source() -> dict:
     """fedfast's version, the commit of its checkout (None from a wheel) and the SHA-256 over its Python files."""
     if not _SOURCE:
-        from .callbacks import source_commit
         root = os.path.dirname(os.path.abspath(__file__))
         h = hashlib.sha256()
         for d, dirs, files in sorted(os.walk(root)):
@@ -95,7 +96,6 @@ def current(plugins, data_files, world_size: int, recorded: dict | None = None, 
     """The fingerprint of a run now: ``plugins`` (the run's plug-in files), ``data_files`` (the files its data was
     read from), ``world_size``; ``code_files``: modules of the user's own the run's build imported (a plug-in's
     loader importing its helpers when it runs). ``recorded``: a fingerprint to take unchanged files' hashes from."""
-    from .methods import PLUGIN_CODE
     code = {}
     for p in [*plugins, None]:
         for f in ([p, *PLUGIN_CODE.get(p, ())] if p is not None else list(code_files)):

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from .batched import plan
 
 
 
@@ -113,7 +116,6 @@ class ClientStack:
         self.params = torch.empty(self.N, self.layout.P, dtype=dtype, device=dev)
         self.buffers = torch.empty(self.N, self.layout.B, dtype=dtype, device=dev)
         self.broadcast_module_(module)
-        from .batched import plan
         self.plan = plan(module)[0] if use_executor else None  # None: torch.func.vmap of functional_call
 
     def leaf_views(self, rows: slice) -> "OrderedDict[str, Tensor]":
@@ -209,8 +211,6 @@ class ClientStack:
         ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted. ``features``:
         a submodule of the model whose *input* is returned too, ``(features [n, batch, d], out)`` (MOON's
         representation: the classifier's input, see :func:`classifier_of`)."""
-        from torch.func import vmap
-
         p = self.param_views(rows) if params is None else params
         if self.plan is not None:  # a vmap-free executor: fedfast.batched (traced graph) or fedfast.grouped
             return self.plan.forward(p, x, self.module.training, features)
@@ -293,8 +293,6 @@ def classifier_of(module: nn.Module, probe: Tensor | None = None, name: str | No
 
 def functional_forward(module: nn.Module, features: nn.Module | None = None):
     """``f(params, buffers, x)`` -> ``out`` (or ``(input of features, out)``) with ``functional_call``."""
-    from torch.func import functional_call
-
     if features is None:
         def f(pp, bb, xx):
             return functional_call(module, {**pp, **bb}, (xx,))

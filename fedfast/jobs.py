@@ -5,17 +5,28 @@ each run's Simulation.
 """
 from __future__ import annotations
 
+import datetime
 import os
+import signal as _signal
+import socket
 import sys
+import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from . import methods
 from .assemble import build
+from .callbacks import summarize
+from .methods import plugin_frame
+from .methods.hooks import HookError
+from .rundir import RunDir, RunLocked, attach
+from .runner import Interrupted, RunDiverged, execute
 
 
 def _init_distributed(cfg):
     """Under ``torchrun`` (WORLD_SIZE > 1): one process per GPU (nccl) or CPU process (gloo)."""
-    import torch.distributed as dist
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None, cfg["device"]
     dev = cfg["device"]
@@ -23,7 +34,6 @@ def _init_distributed(cfg):
         dev = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        import datetime
         timeout = datetime.timedelta(seconds=float(os.environ.get("FEDFAST_DIST_TIMEOUT", "300")))
         dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo", timeout=timeout)
     return "default", dev
@@ -34,7 +44,6 @@ class WorkerDied(RuntimeError):
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         return sk.getsockname()[1]
@@ -43,14 +52,11 @@ def _free_port() -> int:
 def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
-    from . import methods
     for p in cfg.plugins:
         methods.load_plugin(p)
-    from .runner import Interrupted, RunDiverged
     try:
         run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True,
             cell=kw.get("cell"))
-        import torch.distributed as dist
         dist.destroy_process_group()
         code = 0
     except Interrupted as e:
@@ -76,13 +82,6 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
     one process). This process holds the run directory's lock; rank 0 writes. A worker that dies stops the others
     within a second and raises :class:`WorkerDied` naming it; the run can then continue from its last checkpoint
     with ``--resume``. ``mode``: as :meth:`fedfast.rundir.RunDir.open`; returns None for a skipped run."""
-    import signal as _signal
-    import time
-
-    import torch.multiprocessing as mp
-
-    from .rundir import RunDir
-    from .runner import Interrupted, RunDiverged
     if cfg["threads"] == 0:
         cfg = cfg.replace(threads=max(1, (os.cpu_count() or workers) // workers))
     rd = RunDir(out_dir)
@@ -167,9 +166,6 @@ def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str
 
 
 def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, cell: str | None):
-    from .rundir import RunDir, attach
-    from .callbacks import summarize
-    from .runner import execute
     group, device = _init_distributed(cfg)
     lead = group is None or torch.distributed.get_rank() == 0
     cfg = _set_threads(cfg)
@@ -182,7 +178,6 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard of it
             err = e
     if group is not None:  # rank 0's verdict on the directory, to every rank
-        from .rundir import RunLocked
         code = torch.tensor([0 if err is None else 2 if isinstance(err, RunLocked) else 1,
                              ("new", "resume", "skip").index(action)])
         torch.distributed.broadcast(code, 0)
@@ -220,7 +215,6 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
 
 def plugin_where(e: BaseException) -> str:
     """``"in plug-in FILE, line N, in FUNC: "`` when the exception was raised inside a loaded plug-in's code."""
-    from .methods import plugin_frame
     hit = plugin_frame(e.__traceback__)
     return f"in plug-in {hit[0]}, line {hit[1]}, in {hit[2]}: " if hit else ""
 
@@ -229,7 +223,6 @@ def report_failure(who: str, e: BaseException, expected=(ValueError, OSError, Me
     """A process's end by an error: print it (naming the plug-in file and line it came from) and return
     EXIT_ERROR; an unexpected exception outside any plug-in's code is a bug and is raised again. A hook's wrong
     return (:class:`fedfast.methods.hooks.HookError`, which names the hook's file and line) is always expected."""
-    from .methods.hooks import HookError
     if isinstance(e, (*expected, HookError)):
         print(f"fedfast: {who}: {plugin_where(e)}{e}", file=sys.stderr, flush=True)
         return EXIT_ERROR

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .ops import _validate
-from .ops.distill import class_table
+from .ops._rows import class_table
 
 
 class _DistillBase(nn.Module):

@@ -7,9 +7,14 @@
 """
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
+
+from ._io import read_json, write_atomic
+from .rundir import read_jsonl, status
+from .study import STUDY, point_label
 
 
 def _plt():
@@ -25,8 +30,6 @@ def _plt():
 def _series(run_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
     """(config, rounds, accuracies) of the evaluated rounds of one run directory (a diverged round's
     non-finite accuracy is ``null`` and left out)."""
-    from ._io import read_json
-    from .rundir import read_jsonl
     cfg_path = os.path.join(run_dir, "config.json")
     cfg = read_json(cfg_path, "config")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("algorithm"), str):
@@ -41,7 +44,6 @@ def _series(run_dir: str) -> tuple[dict, np.ndarray, np.ndarray]:
 
 def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
     """``{label: (rounds, mean, std, n_seeds)}`` over the runs below each directory (rounds every seed has)."""
-    from .study import STUDY
     groups: dict[str, list] = {}
     for root in dirs:
         runs = [d for d, _, files in os.walk(root) if "metrics.jsonl" in files and "config.json" in files]
@@ -50,10 +52,8 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
         prefix = f"{os.path.basename(os.path.abspath(root))}: " if len(dirs) > 1 else ""
         order = []
         if os.path.isfile(os.path.join(root, STUDY)):
-            from ._io import read_json
             spec = read_json(os.path.join(root, STUDY), "study")
             order = spec.get("methods", []) if isinstance(spec, dict) else []
-        from .rundir import status
         grids: dict = {}  # study directory -> its grid's keys (each study.json read once)
         for d in sorted(runs):
             if status(d) == "diverged":  # as in the report: a diverged run is out of the mean (the report counts it)
@@ -76,7 +76,6 @@ def curves(dirs: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarra
 
 def _study_of(d: str, root: str) -> str | None:
     """The nearest directory from ``d`` up to ``root`` that holds a study.json."""
-    from .study import STUDY
     d, root = os.path.abspath(d), os.path.abspath(root)
     while True:
         if os.path.isfile(os.path.join(d, STUDY)):
@@ -89,8 +88,6 @@ def _study_of(d: str, root: str) -> str | None:
 def _label(cfg: dict, d: str, root: str, grids: dict) -> str:
     """A run's line: ``cell: `` for a part of a study of several cells, the method, `` [fedprox.mu=0.1]`` for a
     grid point."""
-    from ._io import read_json
-    from .study import STUDY, point_label
     s = _study_of(d, root)
     if s is None:
         return cfg["algorithm"]
@@ -145,9 +142,6 @@ def partition_heatmap(partition, out: str) -> None:
 
 
 def _save(fig, out: str) -> None:
-    import io
-
-    from ._io import write_atomic
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     d = os.path.dirname(os.path.abspath(out))

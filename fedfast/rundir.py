@@ -30,6 +30,7 @@ import time
 
 from . import __version__
 from ._io import read_json, write_atomic
+from .checkpoint import MAGIC
 
 MARKER = ".fedfast-run.json"
 LOCK = ".fedfast.lock"
@@ -226,7 +227,6 @@ class RunDir:
     def _legacy(self) -> dict | None:
         """A run directory written before markers existed (its checkpoint.pt has fedfast's header): adopted, with
         the outputs it holds listed."""
-        from .checkpoint import MAGIC
         try:
             with open(self._p("checkpoint.pt"), "rb") as f:
                 if f.read(len(MAGIC)) != MAGIC:

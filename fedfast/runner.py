@@ -27,18 +27,21 @@ model, and no checkpoint or ``model_final.pt`` of the diverged model is written.
 """
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
 
 import torch
 
-from . import __version__
-from .checkpoint import load as load_checkpoint
+from . import __version__, fingerprint
+from ._io import WriteError, read_json
 from .callbacks import (Callback, Checkpointer, Progress, RunFiles, StopOnSignal, TensorBoard, best_round, jsonable,
                         run_rounds)
+from .checkpoint import load as load_checkpoint
+from .config import check_plugin_hashes
 from .engine import Diverged
-from ._io import WriteError
+from .fingerprint import changes
 from .rundir import RunDir, dumps
 
 # keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed;
@@ -101,7 +104,6 @@ def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
     mine, theirs = _comparable(cfg_json), ck.get("config", {})
     diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if "plugin_sha256" in diff:
-        from .config import check_plugin_hashes
         check_plugin_hashes(theirs.get("plugin_sha256"), ck_path)
     if diff:
         raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
@@ -159,7 +161,6 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
     """Restore a resumed run from its checkpoint (checked against its config and fingerprint), check a sweep's
     cell, and write the run's config with its fingerprint and the rounds so far (lead process only); returns the
     fingerprint."""
-    from . import fingerprint
     ck = load_checkpoint(ck_path) if resume else None
     recorded = (ck or {}).get("fingerprint")
     fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.comm.world, recorded,
@@ -183,7 +184,6 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
 def _check_fingerprint(recorded: dict, now: dict, ck_path: str) -> None:
     """A resume continues on the code and data the run started with: a change is refused, naming it; another number
     of processes is allowed, with a warning (the sums run in another order: not bit-exact)."""
-    from .fingerprint import changes
     what = changes(recorded, now)
     if what:
         raise ValueError(f"{ck_path}: what the run's results depend on changed since it started: {'; '.join(what)}. "
@@ -198,10 +198,6 @@ def _check_fingerprint(recorded: dict, now: dict, ck_path: str) -> None:
 def _check_cell(cell: str, fp: dict, own: str) -> None:
     """A sweep adds a run to a cell (a method at a grid point) only if the cell's other runs share its fingerprint:
     seeds of other code or data are never averaged into one mean."""
-    import glob
-
-    from ._io import read_json
-    from .fingerprint import changes
     for cj in sorted(glob.glob(os.path.join(cell, "*", "config.json"))):
         if os.path.abspath(os.path.dirname(cj)) == os.path.abspath(own):
             continue

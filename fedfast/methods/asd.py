@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from . import names
 from .. import nn as fnn
 from .base import Method, TeacherSpec, make_options, opt
 
@@ -111,7 +112,6 @@ _COMPOSED: dict[type, type] = {}
 def with_asd(base: type[Method]) -> type[Method]:
     """The method ``base`` with the ASD add-on (registered name ``base.name + "+asd"``)."""
     if not base.accepts_asd:
-        from . import names
         raise ValueError(f"algorithm: the ASD add-on composes with {', '.join(n[:-4] for n in names() if n.endswith('+asd'))}"
                          f", not {base.name!r}")
     if base not in _COMPOSED:

@@ -24,6 +24,7 @@ import dataclasses
 import math
 import re
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -480,7 +481,6 @@ _NOT_STATE = ("engine", "opts", "client_state", "classifier_name")
 def _is_constant_object(method, v) -> bool:
     """Values that come from the configuration or the engine, not from training: option dataclasses, datasets
     (the engine's and its server-held splits), functions and bound methods."""
-    import types
     if isinstance(v, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)):
         return True
     if dataclasses.is_dataclass(v) and not isinstance(v, type) and type(v).__name__ == "Options":

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import nn as fnn
 from . import register
-from .kd import _FromGlobal
+from .. import nn as fnn
+from ..data.partition import per_class_sample
 from .base import opt
+from .kd import _FromGlobal
 
 
 @register("fedcad")
@@ -60,14 +61,12 @@ class FedCAD(_FromGlobal):
     def hold_out(self, train, seed=0):
         if not self.opts.aux_holdout:
             return train, {}
-        from ..data.partition import per_class_sample
         pick = per_class_sample(train.y.cpu(), self.opts.aux_per_class, seed + 7919)
         keep = torch.ones(len(train), dtype=torch.bool)
         keep[pick] = False
         return train.subset(keep), {"aux": train.subset(pick)}
 
     def setup(self):
-        from ..data.partition import per_class_sample
         e, o = self.engine, self.opts
         self.kd = fnn.CADLoss(tau=o.tau, tau_squared=o.tau_squared, backend=e.backend)
         given = e.server_data("aux")  # server-held auxiliary data, or aux_per_class per class of the training set

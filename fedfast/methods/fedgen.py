@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
-from .base import opt
+from .base import STATE_FORMAT, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 
@@ -256,7 +256,6 @@ class FedGen(FedAvg):
     # the generator, its Adam optimizer and gen_rounds are checkpointed as attributes (Method.state_dict); the
     # override below reads checkpoints written before that
     def load_state_dict(self, state):
-        from .base import STATE_FORMAT
         if STATE_FORMAT in state:
             return super().load_state_dict(state)
         state = dict(state)

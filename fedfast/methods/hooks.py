@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +30,6 @@ class HookError(TypeError):
 def hook_site(method, hook: str) -> str:
     """``"name.hook (FILE, line N)"``: where a method's hook is defined (the class in its MRO that defines it), for
     errors about what the hook returned."""
-    import inspect
     name = getattr(method, "name", "") or type(method).__name__
     for cls in type(method).__mro__:
         fn = cls.__dict__.get(hook)

@@ -16,6 +16,8 @@ import copy
 import torch
 from torch import nn
 
+from ..flat import find_classifier
+
 
 class ProjectionClassifier(nn.Sequential):
     """``Linear(F, F) -> ReLU -> Linear(F, dim) -> Linear(dim, C)``: the projection head and the new classifier."""
@@ -30,7 +32,6 @@ def with_projection_head(model: nn.Module, dim: int = 256, seed: int = 0, *, cla
     ``classifier``: the qualified name of the classifier to replace; None: :func:`fedfast.flat.find_classifier`
     with ``probe`` (inputs: the last ``nn.Linear`` to run), or without it the model's ``features_layer``
     attribute, else the last ``nn.Linear`` declared. The engine passes the classifier it found."""
-    from ..flat import find_classifier
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not (isinstance(dim, int) and dim >= 1):

@@ -45,7 +45,6 @@ def _load(modname: str):
 
 
 def _torch_version() -> str:
-    import torch
     return torch.__version__
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from .distill import class_table, segment_counts, valid_rows
+from ._rows import class_table, segment_counts, valid_rows
 from .distill_reference import asd_weights_reference
 
 

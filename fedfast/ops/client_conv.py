@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _backend
 from .conv_cpu import conv2d, takes_subsample
 
 IMPLS = ("grouped", "gemm", "triton", "hybrid")
@@ -197,7 +198,6 @@ def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, paddi
         raise TypeError(f"x, w: impl={impl!r} computes in fp32, got {x.dtype} and {w.dtype} (use impl='grouped')")
     if impl == "gemm":
         return _GemmConv.apply(x, w, b, stride, padding, dilation)
-    from . import _backend
     if not _backend.available("triton", x.device.type):
         why = _backend.interpreter_problem()
         raise ValueError(f"impl: {impl!r} needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "

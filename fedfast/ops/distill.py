@@ -12,7 +12,10 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from .distill_reference import distill_rows_reference
+from ._rows import class_table, segment_counts, valid_rows
+from .asd_weights import PRIOR_MESSAGE, asd_row_weights
+from .distill_reference import distill_reference, distill_rows_reference, teacher_mixture_reference
+from .teacher_mixture import mixture_weights, teacher_mixture
 
 _KINDS = ("full", "not_true")
 
@@ -32,7 +35,6 @@ def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha
             student, teacher, target, prior, float(entropy_tau), segments, row_scale, float(tau), float(ce_weight),
             float(kd_weight), int(ignore_index), bool(not_true))
         if status and mode != "off":
-            from .asd_weights import PRIOR_MESSAGE
             raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
         return loss, grad
     if backend == "reference":
@@ -188,31 +190,6 @@ def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weig
     return _DistillRowsFn.apply(student, teacher, args + (bool(total), cpu_only))
 
 
-def class_table(name: str, x, C: int, device, segments: Tensor | None) -> Tensor:
-    """A per-class table ([C], or [num_segments, C] with ``segments``) as a contiguous [S, C] tensor on
-    ``device``: fp64 if given fp64, else fp32."""
-    t = torch.as_tensor(x, device=device)
-    if t.dim() == 1:
-        t = t[None]
-    if t.dim() != 2 or t.shape[1] != C:
-        raise ValueError(f"{name}: expected shape [{C}] or [num_segments, {C}], got {tuple(t.shape)}")
-    if t.shape[0] > 1 and segments is None:
-        raise ValueError(f"{name}: a per-segment table [{t.shape[0]}, {C}] needs `segments`")
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).contiguous()
-
-
-def valid_rows(target: Tensor, C: int, ignore_index: int) -> Tensor:
-    return (target != ignore_index) & (target >= 0) & (target < C)
-
-
-def segment_counts(segments: Tensor, valid: Tensor) -> Tensor:
-    """Per-row count of valid rows in the row's segment, [R] int (no host sync)."""
-    R = segments.shape[0]
-    seg = segments.long().clamp(0, max(R - 1, 0))
-    counts = torch.zeros(R, dtype=torch.int32, device=segments.device).index_add_(0, seg, valid.to(torch.int32))
-    return counts[seg]
-
-
 def row_scale_torch(target: Tensor, C: int, ignore_index: int, segments: Tensor | None,
                     dtype: torch.dtype = torch.float32) -> Tensor:
     """Reduction weights with tensor ops (no host sync): 1/#valid rows, or 1/#valid rows of the row's segment."""
@@ -299,7 +276,6 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
     elif M > 1 or teacher_weights is not None:
         if rho is not None:
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
-        from .teacher_mixture import mixture_weights, teacher_mixture
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
         if be == "cpu" and _backend.plain_eager(student, teacher):  # mixed inside the row op: no [R, C] mixture
             return teacher.contiguous(), None, mixture_weights(tw, M, dev, teacher.dtype, mode)
@@ -367,7 +343,6 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
                       mode, mixture, detach_teacher):
     """The loss as plain differentiable PyTorch ops (:func:`distill_reference`): any order of derivative, gradients
     into the teacher unless ``detach_teacher``, traceable and transformable; slower than the fused op."""
-    from .distill_reference import distill_reference, teacher_mixture_reference
     if backend not in (None, "reference"):
         raise ValueError(f"backend: {backend!r} computes the fused first-order gradient; {why} needs PyTorch's "
                          f"autograd formulas (leave backend unset, or 'reference')")
@@ -460,7 +435,6 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         if be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
             asd = (class_table("class_prior", class_prior, C, dev, segments), float(entropy_tau), mode)
         else:
-            from .asd_weights import asd_row_weights
             row_weight = asd_row_weights(t2, target, class_prior, segments, entropy_tau=entropy_tau,
                                          ignore_index=ignore_index, backend=None if why else backend,
                                          validate=validate)

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from .distill import _backend_rows, _loss_dtype, valid_rows
+from ._rows import valid_rows
+from .distill import _backend_rows, _loss_dtype
 
 _FIRST_ORDER = ("linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
                 "for a second derivative use the unfused layer and fedfast.nn.KDLoss(double_backward=True)")

@@ -34,6 +34,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import methods
+from ..config import read_config_file
+
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _TOP = ("preset", "protocol", "options", "engine", "grid", "cells")
 _META = ("paper", "table", "metric", "seeds", "notes", "methods", "plugins", "select")
@@ -63,9 +66,8 @@ class Preset:
 
     def config(self, algorithm: str) -> dict:
         """The config dict (as a TOML file would give it) of ``algorithm`` in this cell."""
-        from ..methods import get
         out = {**self.keys, **self.engine.get(algorithm, {}), "algorithm": algorithm}
-        own = get(algorithm).table_name()
+        own = methods.get(algorithm).table_name()
         for k, v in self.options.get(algorithm, {}).items():  # flat keys: the method's own table
             if isinstance(v, dict):
                 out.setdefault(k, {}).update(v)
@@ -123,7 +125,6 @@ def flat_grid(path: str, grid: dict, where: str = "grid") -> dict:
 def load_file(path: str) -> list[Preset]:
     """The cells of a study file, its plug-in method files imported; ValueError naming the file and key of what
     is wrong."""
-    from ..config import read_config_file
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"study file {path}: no such file")
@@ -157,7 +158,6 @@ def load_file(path: str) -> list[Preset]:
             raise _fail(path, "preset.plugins", f"{p}: no such file beside the study file ({full})")
         plugins.append(os.path.abspath(full))
     if plugins:
-        from .. import methods
         for p in plugins:
             methods.load_plugin(p)
     protocol = _table(path, "protocol", d.get("protocol", {}))
@@ -195,7 +195,6 @@ def is_study_file(path: str) -> bool:
     (whose keys can be none of them)."""
     if not (path.endswith(".toml") and os.path.isfile(path)):
         return False
-    from ..config import read_config_file
     d = read_config_file(path)
     return any(k in d for k in _TOP)
 

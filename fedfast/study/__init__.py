@@ -32,7 +32,9 @@ from __future__ import annotations
 import json
 import os
 
+from .. import presets as _presets
 from .._io import write_atomic
+from ..config import read_config_file
 from .execute import _assign_threads, _run_jobs, _run_serial, _study_lock
 from .plan import (GRID_VAL_FRACTION, STUDY, _applies, _given, _merge_spec, _plan, _protocol, _token, parse_grid,
                    parse_shard, point_label)
@@ -55,7 +57,6 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
     study (shards, restarted jobs, other machines on a shared filesystem) split its runs: a run another process
     holds is skipped at once. A diverged run is recorded and the sweep goes on. Every config is validated before
     anything is written. Returns the run directories of this process's part."""
-    from .. import presets as _presets
     overrides = list(overrides or [])
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun rank 0 speaks for the study
         quiet = True
@@ -71,7 +72,6 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         preset, config = config, None
     cells = _presets.resolve(preset) if preset else [None]
     cli_grid = parse_grid(grid or [])
-    from ..config import read_config_file
     file_keys = read_config_file(config) if config else {}
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} is a file, not a study directory")

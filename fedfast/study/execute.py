@@ -3,10 +3,19 @@ passed on, the study's lock, and the lines that say how each run ended."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
 import sys
 import time
+
+import torch
+
+from .. import methods
+from .._io import read_json
+from ..jobs import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, exit_now, report_failure, run, run_workers
+from ..rundir import RunLocked, status
+from ..runner import Interrupted, RunDiverged
 from .plan import _Run
 from .report import load_run
 
@@ -22,9 +31,6 @@ def _cores() -> int:
 def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
     """Each run's intra-op threads: the user's; an interrupted run's recorded number (so it resumes bit-exact);
     else the cores divided between the runs at once (and their worker processes)."""
-    import torch
-    from .._io import read_json
-    from ..rundir import status
     # the cores this process may use (a scheduler's allocation, not the machine's), divided between the runs
     default = max(1, _cores() // (jobs * workers)) if jobs > 1 else (
         0 if workers > 1 else min(torch.get_num_threads(), _cores()))
@@ -41,9 +47,6 @@ def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
 
 
 def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
-    from ..jobs import run, run_workers
-    from ..rundir import RunLocked, status
-    from ..runner import Interrupted, RunDiverged
     dirs, held, diverged = [], [], []
     for r in plan:
         try:
@@ -83,10 +86,6 @@ _RAN, _SKIPPED, _HELD = 0, 10, 11
 
 def _job_main(r: _Run, workers: int) -> None:
     """One run of ``sweep --jobs`` in its own process; the exit code says how it ended."""
-    from .. import methods
-    from ..jobs import EXIT_DIVERGED, EXIT_WORKER_DIED, WorkerDied, exit_now, report_failure, run, run_workers
-    from ..rundir import RunLocked
-    from ..runner import Interrupted, RunDiverged
     # started with SIGINT/SIGTERM blocked (no KeyboardInterrupt while starting up): ignored until the run installs
     # its handler (it then stops after a round); the sweep passes the signal on again every second till then
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -119,7 +118,6 @@ def _job_main(r: _Run, workers: int) -> None:
 
 def _pass_on(signum, _frame):
     """A ``--jobs`` process with ``--workers``: the signal goes on to its worker processes."""
-    import multiprocessing as mp
     for p in mp.active_children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signum)
@@ -129,10 +127,6 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
     """``jobs`` runs at once, each in a process of its own. SIGINT/SIGTERM: no new run starts, the running ones
     checkpoint after their round and stop, and the sweep raises :class:`fedfast.runner.Interrupted` (the same
     command continues it). A run that fails stops new starts too; the others finish."""
-    import multiprocessing as mp
-
-    from ..jobs import EXIT_ERROR, EXIT_WORKER_DIED
-    from ..runner import Interrupted
     ctx = mp.get_context("spawn")
     pending, running, dirs, held, diverged, failed = list(plan), {}, [], [], [], []
     stop: dict = {}
@@ -196,8 +190,6 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
 
 def _ended(r: _Run, code, stop: dict, quiet: bool, held: list, diverged: list, failed: list) -> None:
     """A run's process ended with ``code``: say so, or file it as held elsewhere, diverged or failed."""
-    from ..jobs import EXIT_DIVERGED
-    from ..rundir import status
     if code == _RAN:
         if not quiet:
             print(_finished_line(r), flush=True)

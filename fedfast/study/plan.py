@@ -7,6 +7,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from .. import methods as _methods
+from ..config import KEYS, build_config
+
 
 
 STUDY = "study.json"
@@ -114,15 +117,12 @@ def _given(key: str, overrides: list[str], file_keys, base: dict) -> bool:
 
 def _applies(key: str, methods: list[str]) -> bool:
     """Whether a grid key varies some of ``methods``: an engine or run key, or an option table one reads."""
-    from .. import methods as _methods
     return "." not in key or any(key.split(".", 1)[0] in _methods.get(m).option_tables() for m in methods)
 
 
 def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, overrides: list[str],
           config: str | None, file_keys, plugins) -> list[_Run]:
     """Every (method, grid point, seed) of one study with its config, built (so validated) before any run."""
-    from .. import methods as _methods
-    from ..config import KEYS, build_config
     for k in grid:
         if k in ("algorithm", "seed"):
             raise ValueError(f"--grid {k}: use --{'methods' if k == 'algorithm' else 'seeds'} for it")

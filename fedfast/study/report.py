@@ -8,7 +8,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from .._io import write_atomic
+from .. import presets
+from .._io import read_json, write_atomic
+from ..fingerprint import identity
 from .plan import STUDY, _label_value, point_label
 
 
@@ -53,7 +55,6 @@ def run_dirs(root: str) -> list[str]:
 
 def load_run(d: str) -> dict:
     """A run's summary.json with its config.json (``config``); ValueError naming a damaged file."""
-    from .._io import read_json
     s = read_json(os.path.join(d, "summary.json"), "summary")
     c = read_json(os.path.join(d, "config.json"), "config")
     for path, obj, key in (("summary.json", s, "rounds"), ("config.json", c, "algorithm")):
@@ -69,7 +70,6 @@ def _read_study(d: str) -> dict:
     path = os.path.join(d, STUDY)
     if not os.path.isfile(path):
         return {}
-    from .._io import read_json
     meta = read_json(path, "study")
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: damaged (expected a JSON object)")
@@ -148,7 +148,6 @@ def _load_study(d: str, meta: dict) -> Study:
         raise ValueError(f"{d}: no finished or checkpointed runs (no summary.json below it)")
     cell = meta.get("cell")
     if cell is None and meta.get("preset"):  # a study from before study.json carried its cell: the package's
-        from .. import presets
         cell = presets.get(meta["preset"], what=f"{os.path.join(d, STUDY)}: preset").card()
     return Study(d, meta, cell, runs, list((meta.get("grid") or {}).keys()))
 
@@ -157,7 +156,6 @@ def study_rows(st: Study) -> list[dict]:
     """A row per method and grid point: mean ± std over seeds of each summary metric (diverged runs counted,
     not averaged), the paper's number and Δ where the cell reports one."""
     order = st.meta.get("methods") or []
-    from ..fingerprint import identity
     groups: dict[tuple, list[dict]] = {}
     for r in st.runs:  # runs of other code or data (another fingerprint) are a row of their own: never one mean
         groups.setdefault((r["config"]["algorithm"], point_label(r["config"], st.grid),

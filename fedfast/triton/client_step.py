@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._io import host_to_device
+
 
 @triton.jit
 def _loss_grad(th_ptr, g_ptrs, a_ptr, lrows_ptr, offs, cols, m, mu, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr):
@@ -136,7 +138,6 @@ def piece_table(pieces, BLOCK: int):
     """The int64 block table of :func:`_piece_block` for these pieces (its static part cached per layout; the
     addresses change with every step), on the pieces' device without a host sync; with the number of pieces and
     of blocks."""
-    from .._io import host_to_device
     n = pieces[0].shape[0]
     widths = tuple(g.numel() // n if n else 0 for g in pieces)
     dev = pieces[0].device
