@@ -6,6 +6,7 @@ line: ``fedfast run``, ``fedfast sweep`` and :mod:`fedfast.jobs` call :func:`bui
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -64,9 +65,16 @@ def make_model(cfg, train):
 
 
 def build(cfg, device=None, group=None):
-    """The Simulation a run config describes (data, the method's held-out splits, partition, model). The files the
-    data and a pretrained model were read from are kept as ``cfg.data_files``, the modules of your own its build
-    imported as ``cfg.code_files`` (the run's fingerprint)."""
+    """The Simulation a run config describes (:func:`build_run` without the resolved config)."""
+    return build_run(cfg, device, group)[1]
+
+
+def build_run(cfg, device=None, group=None):
+    """``(resolved config, Simulation)`` of a run config (data, the method's held-out splits, partition, model).
+    The resolved config is a new one (``cfg`` is left as it is) holding what the build found out: the number of
+    clients a partition that decides it made, the files the data and a pretrained model were read from
+    (``data_files``) and the modules of your own the builds of this process imported (``code_files``): the run's
+    fingerprint."""
     modules = set(sys.modules)  # a plug-in may import its helpers only when its loader or model runs
     torch.manual_seed(cfg["seed"])
     model = tokenizer = None
@@ -74,8 +82,6 @@ def build(cfg, device=None, group=None):
         if cfg["model"].startswith("hf:"):  # the pretrained encoder, a new head, and the tokenizer the texts need
             model, tokenizer = hf.load(cfg["model"], text_datasets()[cfg["dataset"]], seed=cfg["seed"])
         train, test = load_data(cfg, tokenizer)
-    if hasattr(cfg, "values"):
-        cfg.__dict__["data_files"] = sorted(files)
     if cfg["train_fraction"] < 1:  # a seeded random subset, before the method's held-out splits and the partition
         g = torch.Generator().manual_seed(cfg["seed"] + 15485863)
         keep = torch.randperm(len(train), generator=g)[:max(1, round(cfg["train_fraction"] * len(train)))]
@@ -94,14 +100,14 @@ def build(cfg, device=None, group=None):
     method = sc.method()  # the run's one instance: its held-out splits, then the Simulation's method
     train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     part = partition(cfg, train)
-    if hasattr(cfg, "values") and part.num_clients != cfg["num_clients"]:  # the partition's own count is the run's
-        if cfg["clients_per_round"] > part.num_clients:
-            raise ValueError(f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
-                             f"partition {cfg['partition']!r} made")
-        cfg.values["num_clients"] = part.num_clients
+    if part.num_clients != cfg["num_clients"] and cfg["clients_per_round"] > part.num_clients:
+        raise ValueError(f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
+                         f"partition {cfg['partition']!r} made")
     model = model if model is not None else make_model(cfg, train)
+    # every build of this process: a module imported by an earlier one is not imported again
     _BUILT_CODE.update(user_code([sys.modules[n] for n in set(sys.modules) - modules if n in sys.modules]))
-    if hasattr(cfg, "values"):  # every build of this process: a module imported by an earlier one is not again
-        cfg.__dict__["code_files"] = sorted(_BUILT_CODE)
-    return Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
-                      validation=validation, method=method, **splits)
+    resolved = dataclasses.replace(cfg.replace(num_clients=part.num_clients), data_files=tuple(sorted(files)),
+                                   code_files=tuple(sorted(_BUILT_CODE)))
+    resolved._keep_sim(sc)  # the same engine settings: the SimConfig (and its validation) is not made again
+    return resolved, Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
+                                validation=validation, method=method, **splits)

@@ -89,7 +89,7 @@ def _engine_default(f):
 DEFAULTS: dict = {**{k: d for k, (_, d) in _RUN.items()}, **{f.name: _engine_default(f) for f in _ENGINE}}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig:
     values: dict                     # run and engine keys (resolved)
     options: dict                    # the method's option tables, {table: {key: value}} as given
@@ -97,6 +97,8 @@ class RunConfig:
     entries: dict = dataclasses.field(default_factory=dict)  # the dataset's, partition's and model's own option
     #                                  tables (resolved, plain values): {name: {key: value}}, by kind in ENTRY_KINDS
     given: frozenset = frozenset()   # the run and engine keys the configuration gave (not defaults)
+    data_files: tuple = ()           # a built run's (fedfast.assemble.build_run): the files its data was read from
+    code_files: tuple = ()           # ... and the modules of the user's own its build imported (its fingerprint)
 
     def __getitem__(self, k):
         return self.values[k]
@@ -138,12 +140,9 @@ class RunConfig:
         self.__dict__["_sim"] = (repr((sorted(self._engine_values().items()), self.options)), sim)
 
     def __getstate__(self):
-        """Pickled without the cached SimConfig (its method may be a plug-in's, unknown where it is unpickled) and
-        the data files of a build (each process records its own)."""
+        """Pickled without the cached SimConfig (its method may be a plug-in's, unknown where it is unpickled)."""
         state = dict(self.__dict__)
         state.pop("_sim", None)
-        state.pop("data_files", None)
-        state.pop("code_files", None)
         return state
 
     def __setstate__(self, state):
@@ -387,7 +386,8 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
     check_device(vals["device"])
     vals["data_dir"] = _path(vals["data_dir"], "data_dir", root, from_set)
     entries = _entry_tables(vals, tables, root, from_set)
-    cfg = RunConfig(vals, tables, tuple(os.path.abspath(p) for p in plugins), entries, frozenset(raw))
+    cfg = RunConfig(values=vals, options=tables, plugins=tuple(os.path.abspath(p) for p in plugins), entries=entries,
+                    given=frozenset(raw))
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""

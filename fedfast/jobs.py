@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import methods
-from .assemble import build
+from .assemble import build_run
 from .callbacks import summarize
 from .methods import plugin_frame
 from .methods.hooks import HookError
@@ -194,7 +194,7 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
         return None
     own = rd is not None and not attached
     try:
-        sim = build(cfg, device, group)
+        cfg, sim = build_run(cfg, device, group)
         hist = execute(sim, cfg, rd, resume=action == "resume", quiet=quiet, label=label, out_dir=out_dir, cell=cell)
     except BaseException:
         if own:

@@ -163,8 +163,7 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
     fingerprint."""
     ck = load_checkpoint(ck_path) if resume else None
     recorded = (ck or {}).get("fingerprint")
-    fp = fingerprint.current(cfg.plugins, getattr(cfg, "data_files", None) or (), sim.comm.world, recorded,
-                             getattr(cfg, "code_files", None) or ())
+    fp = fingerprint.current(cfg.plugins, cfg.data_files, sim.comm.world, recorded, cfg.code_files)
     if resume:
         _check_resume(ck, ck_path, cfg, cfg_json)
         if recorded is not None:

@@ -298,9 +298,10 @@ def test_records_of_more_than_five_fields_are_built_by_keyword():
     assert wide == [], wide
 
 
-def test_no_module_rewrites_threads_in_a_run_config():
-    """The thread count a run resolves is a new config (``RunConfig.replace``), never written into the one the
-    caller holds (jobs, run_workers and a study's plan each did)."""
+def test_no_module_writes_into_a_run_config():
+    """What a run resolves (its thread count, the clients a partition made, the files its build read) is a new
+    config (``RunConfig.replace``, ``assemble.build_run``), never written into the one the caller holds: no
+    assignment to a ``.values[...]`` or ``.__dict__[...]`` item anywhere in fedfast but config.py's own cache."""
     hits = []
     for root, _, files in os.walk(os.path.join(REPO, "fedfast")):
         for f in files:
@@ -312,9 +313,20 @@ def test_no_module_rewrites_threads_in_a_run_config():
                     [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
                 for t in targets:
                     if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and \
-                            t.value.attr == "values" and isinstance(t.slice, ast.Constant) and t.slice.value == "threads":
-                        hits.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+                            t.value.attr in ("values", "__dict__"):
+                        where = f"{os.path.relpath(path, REPO)}:{node.lineno}"
+                        if not (f == "config.py" and ast.unparse(t.value) == "self.__dict__"):
+                            hits.append(where)
     assert not hits, hits
+
+
+def test_build_run_leaves_the_callers_config():
+    from fedfast.assemble import build_run
+    from fedfast.config import build_config
+    cfg = build_config(None, ["dataset=synthetic", "num_clients=5", "clients_per_round=2"])
+    resolved, sim = build_run(cfg)
+    assert resolved is not cfg and cfg.data_files == () and resolved["num_clients"] == sim.num_clients == 5
+    assert resolved.sim_config() is cfg.sim_config()  # the same engine settings: not validated again
 
 
 def test_run_config_replace_leaves_the_original():
