@@ -387,3 +387,15 @@ def test_imports_are_at_module_level_unless_they_must_not_be():
             bad.append(f"{rel}: {text}")
     assert not bad, "function-local imports that belong at module level: " + "; ".join(bad)
     assert set(LOCAL_IMPORTS) <= seen, f"listed but gone (remove them from LOCAL_IMPORTS): {set(LOCAL_IMPORTS) - seen}"
+
+
+def test_the_engine_is_a_conductor_not_a_mixin_stack():
+    """Simulation inherits nothing (its parts are fields, each built alone: fedfast/sim), and engine.py stays about
+    400 lines (issue 37: 962 lines over six files of mixins before)."""
+    import fedfast
+    from fedfast import sim
+    assert fedfast.Simulation.__bases__ == (object,)
+    mixins = [f for f in os.listdir(os.path.dirname(sim.__file__)) if f.endswith(".py") and
+              "Mixin of" in open(os.path.join(os.path.dirname(sim.__file__), f)).read()]
+    assert not mixins, mixins
+    assert sum(1 for _ in open(os.path.join(REPO, "fedfast", "engine.py"))) <= 420
