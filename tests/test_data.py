@@ -131,7 +131,7 @@ def _labels(N=6000, C=10, seed=0):
 
 
 def _assigned_once(p, N):
-    allidx = torch.cat(p.indices)
+    allidx = p.rows  # every client's indices, client after client (torch.cat(list(p.indices)))
     assert allidx.numel() == torch.unique(allidx).numel()  # no duplicates
     return allidx.numel()
 
@@ -295,7 +295,7 @@ def test_femnist_leaf_json_and_writer_partition(tmp_path):
     assert part.num_clients == 5 and sorted(len(i) for i in part.indices) == [3] * 5
     grouped = data.by_writer(wtr, num_clients=2, seed=0, labels=tr.y)  # FedCAD: writers grouped into K clients
     assert grouped.num_clients == 2 and sorted(len(i) for i in grouped.indices) == [6, 9]
-    assert sorted(torch.cat(grouped.indices).tolist()) == list(range(15))
+    assert sorted(grouped.rows.tolist()) == list(range(15))
     for idx in grouped.indices:  # a writer's samples stay together
         ws = {wtr[i] for i in idx.tolist()}
         assert all(sum(w == v for v in wtr) == sum(wtr[i] == w for i in idx.tolist()) for w in ws)

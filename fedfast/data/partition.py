@@ -12,61 +12,119 @@
   over contiguous data chunks, redraw until min size >= 0.5 * chunk/10.
 * :func:`quantity_skew` - IID labels, client sizes ~ Dir(alpha) (at least ``min_size`` each).
 
-Each returns a :class:`Partition`: per-client index tensors, the [K, C] class histogram and sizes;
+Each returns a :class:`Partition` (compact: one index array and per-client offsets; ``indices[k]`` a view), the
+[K, C] class histogram and sizes;
 :func:`fedfast.plot.partition_heatmap` draws the class-by-client matrix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 
-@dataclass
+class ClientIndices(Sequence):
+    """The per-client index arrays of a compact partition, made on demand: ``[k]`` is client k's indices, a view
+    of ``rows[offsets[k]:offsets[k+1]]`` (no copy; a tensor or a numpy array as ``rows`` is)."""
+
+    __slots__ = ("rows", "offsets")
+
+    def __init__(self, rows, offsets):
+        self.rows, self.offsets = rows, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        n = len(self)
+        k = int(k)
+        if not -n <= k < n:
+            raise IndexError(f"client {k} of {n}")
+        k %= n
+        return self.rows[int(self.offsets[k]):int(self.offsets[k + 1])]
+
+    def __iter__(self):
+        for k in range(len(self)):
+            yield self[k]
+
+
 class Partition:
-    """Which training samples each client holds: ``indices`` (one index array per client: lists, numpy arrays
-    or tensors). ``labels`` (the training set's labels) and ``num_classes`` are optional: the histogram and
-    summary need the labels, the engine derives what it needs from the training set.
+    """Which training samples each client holds, stored compactly (CSR): ``rows`` (every client's sample indices,
+    client after client, int64 [N]) and ``offsets`` (int64 [K + 1]: client k holds ``rows[offsets[k]:offsets[k+1]]``),
+    so memory and set-up grow with the samples, not with a Python object per client. ``indices[k]`` gives client
+    k's indices as a view. Made from a per-client list (lists, numpy arrays or tensors; or a 2-d array, one row per
+    client) or with :meth:`from_csr`. ``labels`` (the training set's labels) and ``num_classes`` are optional: the
+    histogram and summary need the labels, the engine derives what it needs from the training set.
 
     A sample is held by one client, once: two clients holding the same sample (or one client holding it twice)
     is refused, naming the sample and the clients, unless ``overlapping=True`` says the clients share samples on
-    purpose (a partition with replication, say).
+    purpose (a partition with replication, say). Every check is vectorised (no loop over clients).
 
     >>> Partition([np.arange(0, 600), np.arange(600, 1000)])       # e.g. another framework's client split
+    >>> Partition.from_csr(np.arange(1000), [0, 600, 1000])        # the same, compact
     """
-    indices: list
-    num_classes: int | None = None
-    labels: Tensor | None = field(default=None, repr=False)
-    method: str = ""
-    overlapping: bool = False
 
-    def __post_init__(self):
-        if isinstance(self.indices, (Tensor, np.ndarray)) and getattr(self.indices, "ndim", 1) == 2:
-            self.indices = list(self.indices)
-        if not isinstance(self.indices, (list, tuple)) or not len(self.indices):
-            raise ValueError("indices: expected a non-empty list of per-client index arrays")
-        out = []
-        for k, idx in enumerate(self.indices):
-            a = idx.detach().cpu().numpy() if isinstance(idx, Tensor) else np.asarray(idx)
-            if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-                raise ValueError(f"indices: client {k}: expected a 1-d array of integer sample indices, got "
-                                 f"shape {a.shape} and dtype {a.dtype}")
-            if a.size and a.min() < 0:
-                raise ValueError(f"indices: client {k}: negative sample index {int(a.min())}")
-            if a.size == 0:
-                raise ValueError(f"indices: client {k} holds no samples")
-            out.append(torch.from_numpy(a.astype(np.int64, copy=False)))
-        self.indices = out
-        if not self.overlapping:
-            _check_disjoint(out)
-        if self.labels is not None:
-            y = self.labels.detach().cpu() if isinstance(self.labels, Tensor) else torch.as_tensor(np.asarray(self.labels))
+    def __init__(self, indices, num_classes: int | None = None, labels=None, method: str = "",
+                 overlapping: bool = False):
+        if isinstance(indices, (Tensor, np.ndarray)) and getattr(indices, "ndim", 1) == 2:
+            a = indices.detach().cpu().numpy() if isinstance(indices, Tensor) else np.asarray(indices)
+            indices = list(a)
+        if isinstance(indices, ClientIndices):
+            rows, offsets = indices.rows, indices.offsets
+        else:
+            if not isinstance(indices, (list, tuple)) or not len(indices):
+                raise ValueError("indices: expected a non-empty list of per-client index arrays")
+            parts = []
+            for k, idx in enumerate(indices):
+                a = idx.detach().cpu().numpy() if isinstance(idx, Tensor) else np.asarray(idx)
+                if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                    raise ValueError(f"indices: client {k}: expected a 1-d array of integer sample indices, got "
+                                     f"shape {a.shape} and dtype {a.dtype}")
+                parts.append(a.astype(np.int64, copy=False))
+            offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum([len(p) for p in parts], out=offsets[1:])
+            rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self._set(rows, offsets, num_classes, labels, method, overlapping, "indices")
+
+    @classmethod
+    def from_csr(cls, rows, offsets, num_classes: int | None = None, labels=None, method: str = "",
+                 overlapping: bool = False) -> "Partition":
+        """A partition from its compact form: ``rows`` (int [N]: every client's sample indices, client after
+        client) and ``offsets`` (int [K + 1], 0 first and N last, non-decreasing). O(N) to check and store."""
+        part = cls.__new__(cls)
+        part._set(rows, offsets, num_classes, labels, method, overlapping, "rows")
+        return part
+
+    def _set(self, rows, offsets, num_classes, labels, method, overlapping, key: str) -> None:
+        r = rows.detach().cpu().numpy() if isinstance(rows, Tensor) else np.asarray(rows)
+        o = offsets.detach().cpu().numpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
+        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+            raise ValueError(f"{key}: expected a 1-d array of integer sample indices, got shape {r.shape} and dtype "
+                             f"{r.dtype}")
+        if o.ndim != 1 or len(o) < 2 or not np.issubdtype(o.dtype, np.integer) or o[0] != 0 or o[-1] != len(r) \
+                or (np.diff(o) < 0).any():
+            raise ValueError(f"offsets: expected K + 1 >= 2 non-decreasing integers from 0 to len(rows) = {len(r)}")
+        r, o = r.astype(np.int64, copy=False), o.astype(np.int64, copy=False)
+        sizes = np.diff(o)
+        if (sizes == 0).any():
+            raise ValueError(f"indices: client {int(np.flatnonzero(sizes == 0)[0])} holds no samples")
+        if r.min() < 0:
+            at = int(np.argmin(r))
+            raise ValueError(f"indices: client {_owner(o, at)}: negative sample index {int(r[at])}")
+        self.rows, self.offsets = torch.from_numpy(r), torch.from_numpy(o)
+        if not overlapping:
+            _check_disjoint(r, o)
+        self.method, self.overlapping, self.num_classes, self.labels = method, overlapping, num_classes, None
+        if labels is not None:
+            y = labels.detach().cpu() if isinstance(labels, Tensor) else torch.as_tensor(np.asarray(labels))
             if y.dim() != 1:
                 raise ValueError(f"labels: expected a 1-d array of class ids, got shape {tuple(y.shape)}")
             self.labels = y.long()
-            top = max(int(i.max()) for i in out)
+            top = int(r.max())
             if top >= len(y):
                 raise ValueError(f"indices: sample index {top} beyond the {len(y)} labels")
             if self.num_classes is None:
@@ -74,23 +132,35 @@ class Partition:
         if self.num_classes is not None and int(self.num_classes) < 1:
             raise ValueError(f"num_classes: must be >= 1, got {self.num_classes}")
 
+    def __repr__(self) -> str:
+        return (f"Partition(num_clients={self.num_clients}, num_samples={len(self.rows)}, "
+                f"num_classes={self.num_classes}, method={self.method!r})")
+
+    @property
+    def indices(self) -> ClientIndices:
+        """Client k's sample indices as ``indices[k]`` (int64 tensor views of :attr:`rows`)."""
+        return ClientIndices(self.rows, self.offsets)
+
     @property
     def num_clients(self) -> int:
-        return len(self.indices)
+        return len(self.offsets) - 1
 
     @property
     def sizes(self) -> Tensor:
-        return torch.tensor([len(i) for i in self.indices])
+        """[K] samples per client."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def owners(self) -> Tensor:
+        """[N] the client of each entry of :attr:`rows`."""
+        return torch.repeat_interleave(torch.arange(self.num_clients), self.sizes)
 
     @property
     def histogram(self) -> Tensor:
-        """[K, C] number of samples of each class held by each client."""
+        """[K, C] number of samples of each class held by each client (one bincount over all rows)."""
         if self.labels is None:
             raise ValueError("labels: this Partition was made without labels; pass labels=train.y for histograms")
-        h = torch.zeros(self.num_clients, self.num_classes, dtype=torch.long)
-        for k, idx in enumerate(self.indices):
-            h[k] = torch.bincount(self.labels[idx], minlength=self.num_classes)
-        return h
+        K, C = self.num_clients, self.num_classes
+        return torch.bincount(self.owners() * C + self.labels[self.rows], minlength=K * C).reshape(K, C)
 
     def summary(self) -> dict:
         h = self.histogram
@@ -101,15 +171,18 @@ class Partition:
                 "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
                 "classes_per_client_max": int(classes.max())}
 
-def _check_disjoint(indices: list) -> None:
+def _owner(offsets: np.ndarray, pos) -> int:
+    """The client whose slice of ``rows`` holds position ``pos``."""
+    return int(np.searchsorted(offsets, pos, side="right")) - 1
+
+
+def _check_disjoint(rows: np.ndarray, offsets: np.ndarray) -> None:
     """Each sample in one client's indices, once; ValueError naming the first sample held twice and by whom."""
-    cat = torch.cat(indices).numpy()
-    order = np.argsort(cat, kind="stable")
-    srt = cat[order]
+    order = np.argsort(rows, kind="stable")
+    srt = rows[order]
     dup = np.flatnonzero(srt[1:] == srt[:-1])
     if dup.size:
-        owner = np.repeat(np.arange(len(indices)), [len(i) for i in indices])
-        a, b = int(owner[order[dup[0]]]), int(owner[order[dup[0] + 1]])
+        a, b = _owner(offsets, order[dup[0]]), _owner(offsets, order[dup[0] + 1])
         n = len(np.unique(srt[dup]))
         who = f"clients {a} and {b}" if a != b else f"client {a} twice"
         raise ValueError(f"indices: sample {int(srt[dup[0]])} is held by {who} ({n} sample(s) held more than once); "
@@ -143,7 +216,11 @@ def iid(labels, num_clients: int, seed: int = 0) -> Partition:
     y = _labels(labels)
     _check_K(num_clients, len(y))
     perm = np.random.default_rng(seed).permutation(len(y))
-    return _make(np.array_split(perm, num_clients), y, "iid")
+    n, K = len(y), num_clients  # np.array_split's sizes: the first n % K clients one more; contiguous in perm
+    sizes = np.full(K, n // K, dtype=np.int64)
+    sizes[:n % K] += 1
+    return Partition.from_csr(perm, np.concatenate([[0], np.cumsum(sizes)]), int(y.max()) + 1, torch.from_numpy(y),
+                              "iid")
 
 
 def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) -> Partition:

@@ -11,6 +11,7 @@ import torch
 
 from .._io import host_to_device
 from ..data.augment import augmented_batch
+from ..data.partition import ClientIndices
 from ..methods.base import Round
 from ..methods.hooks import hook_site
 from ..sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded
@@ -99,9 +100,10 @@ class RoundPlan:
         self.cfg, self.train, self.method, self.device = cfg, train, method, device
         self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
         self.num_clients = K = partition.num_clients
-        self.client_rows = [np.asarray(i.cpu(), dtype=np.int64) for i in partition.indices]
-        self.client_sizes = np.array([len(i) for i in self.client_rows], dtype=np.int64)
-        if any(len(i) and (int(i.max()) >= len(train)) for i in self.client_rows):
+        rows, offsets = partition.rows.numpy(), partition.offsets.numpy()
+        self.client_rows = ClientIndices(rows, offsets)  # client k's rows of the training set: a view, on demand
+        self.client_sizes = np.diff(offsets)
+        if int(rows.max()) >= len(train):
             raise ValueError(f"partition: holds sample indices beyond the training set ({len(train)} samples)")
         if partition.num_classes is not None and partition.num_classes != train.num_classes:
             raise ValueError(f"partition: made for {partition.num_classes} classes, the training set has "
@@ -109,10 +111,10 @@ class RoundPlan:
         if schedule is None and cfg.clients_per_round > K:
             raise ValueError(f"clients_per_round: {cfg.clients_per_round} > {K} clients")
         self.num_classes = C = train.num_classes
-        y_host = train.y.cpu()
-        self.labels = y_host.numpy()
-        self.label_hist = torch.stack([torch.bincount(y_host[torch.from_numpy(i)], minlength=C)
-                                       for i in self.client_rows]).float().to(device)  # [K, C]
+        self.labels = train.y.cpu().numpy()
+        owner = np.repeat(np.arange(K, dtype=np.int64), self.client_sizes)  # [K, C] label counts: one bincount
+        self.label_hist = torch.from_numpy(np.bincount(owner * C + self.labels[rows], minlength=K * C)
+                                           .reshape(K, C)).float().to(device)
         self._arange_b = torch.arange(cfg.batch_size, device=device)
 
     def max_cohort(self) -> int:
