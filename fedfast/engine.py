@@ -237,7 +237,7 @@ class Simulation:
                             f"got {type(spec).__name__}")
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self.engine)
-        idx = host_to_device(np.concatenate([self.plan.client_rows[k] for k in ctx.sampled]), self.device)
+        idx = host_to_device(self.plan.cohort_rows(ctx.sampled)[0], self.device)
         dt = torch.bfloat16 if self.cfg.teacher_cache_dtype == "bfloat16" else torch.float32
         return cached_teacher(spec, self.runtime.predict, self.train, idx, backend=self.cfg.backend, dtype=dt)
 

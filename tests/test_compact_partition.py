@@ -85,3 +85,27 @@ def test_the_round_plan_reads_the_compact_form():
     a.round()
     b.round()
     assert torch.equal(a.global_flat, b.global_flat)
+
+
+def test_cohort_rows_and_histograms_gather_the_cohorts_rows_only():
+    train, test, part, model = setup_data()
+    cfg = fedfast.SimConfig(clients_per_round=4, batch_size=16, lr=0.05, seed=1)
+    plan = RoundPlan(cfg, train, part, cfg.method(), device=torch.device("cpu"))
+    clients = np.array([6, 1, 3])
+    rows, owner = plan.cohort_rows(clients)
+    assert rows.tolist() == np.concatenate([part.indices[k].numpy() for k in clients]).tolist()
+    assert owner.tolist() == np.repeat([0, 1, 2], [len(part.indices[k]) for k in clients]).tolist()
+    want = torch.stack([torch.bincount(train.y[part.indices[k]], minlength=5) for k in clients]).float()
+    assert torch.equal(plan.histograms(clients), want)
+    assert plan._label_hist is None  # [K, C] only when asked for
+
+
+def test_every_clients_histogram_is_made_only_for_a_method_that_reads_it():
+    train, test, part, model = setup_data()
+    runs = {}
+    for algorithm in ("fedavg", "feddisco"):
+        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, batch_size=16, lr=0.05)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        sim.round()
+        runs[algorithm] = sim.plan._label_hist
+    assert runs["fedavg"] is None and runs["feddisco"].shape == (8, 5)

@@ -15,13 +15,18 @@ class EngineView:
     classifier head, the clients' gradients and their live parameter rows."""
 
     __slots__ = ("_sim", "device", "backend", "num_clients", "num_params", "num_classes", "seed", "train", "config",
-                 "label_hist", "client_sizes")
+                 "client_sizes")
 
     def __init__(self, sim):
         self._sim = sim
         self.device, self.backend, self.seed, self.config = sim.device, sim.cfg.backend, sim.cfg.seed, sim.cfg
         self.num_clients, self.num_params, self.num_classes = sim.num_clients, sim.num_params, sim.num_classes
-        self.train, self.label_hist, self.client_sizes = sim.train, sim.plan.label_hist, sim.plan.client_sizes
+        self.train, self.client_sizes = sim.train, sim.plan.client_sizes
+
+    @property
+    def label_hist(self) -> torch.Tensor:
+        """[K, C] every client's label counts (made on first use)."""
+        return self._sim.plan.label_hist
 
     @property
     def global_flat(self) -> torch.Tensor:

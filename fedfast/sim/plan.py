@@ -100,7 +100,7 @@ class RoundPlan:
         self.cfg, self.train, self.method, self.device = cfg, train, method, device
         self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
         self.num_clients = K = partition.num_clients
-        rows, offsets = partition.rows.numpy(), partition.offsets.numpy()
+        self.rows, self.offsets = rows, offsets = partition.rows.numpy(), partition.offsets.numpy()
         self.client_rows = ClientIndices(rows, offsets)  # client k's rows of the training set: a view, on demand
         self.client_sizes = np.diff(offsets)
         if int(rows.max()) >= len(train):
@@ -110,12 +110,34 @@ class RoundPlan:
                              f"{train.num_classes}")
         if schedule is None and cfg.clients_per_round > K:
             raise ValueError(f"clients_per_round: {cfg.clients_per_round} > {K} clients")
-        self.num_classes = C = train.num_classes
+        self.num_classes = train.num_classes
         self.labels = train.y.cpu().numpy()
-        owner = np.repeat(np.arange(K, dtype=np.int64), self.client_sizes)  # [K, C] label counts: one bincount
-        self.label_hist = torch.from_numpy(np.bincount(owner * C + self.labels[rows], minlength=K * C)
-                                           .reshape(K, C)).float().to(device)
+        self._label_hist = None
         self._arange_b = torch.arange(cfg.batch_size, device=device)
+
+    def cohort_rows(self, clients: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, owner)``: every row of the training set the clients hold, client after client, and the position
+        in ``clients`` of each row's client (vectorised gathers over the compact partition: O(their samples))."""
+        lens = self.client_sizes[clients]
+        owner = np.repeat(np.arange(len(clients), dtype=np.int64), lens)
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens - self.offsets[clients],
+                                                                      lens)
+        return self.rows[pos], owner
+
+    def histograms(self, clients: np.ndarray) -> torch.Tensor:
+        """[len(clients), C] float label counts of the clients (one bincount over their rows), on the device."""
+        rows, owner = self.cohort_rows(clients)
+        C = self.num_classes
+        counts = np.bincount(owner * C + self.labels[rows], minlength=len(clients) * C)
+        return torch.from_numpy(counts.reshape(len(clients), C)).float().to(self.device)
+
+    @property
+    def label_hist(self) -> torch.Tensor:
+        """[K, C] every client's label counts (the Engine's ``label_hist``), made on first use: a run whose method
+        does not read it never holds a row per client."""
+        if self._label_hist is None:
+            self._label_hist = self.histograms(np.arange(self.num_clients))
+        return self._label_hist
 
     def max_cohort(self) -> int:
         """The most clients a round of this run can have (:func:`max_cohort`; a schedule: every client)."""
@@ -159,7 +181,7 @@ class RoundPlan:
                                                                                           batches, weights))
             positions = positions[self.rank::self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
-        hist = self.label_hist[sampled_t]
+        hist = self.histograms(sampled)
         ctx = Round(index=rnd, sampled=sampled, sizes=sizes, steps=steps, epochs=epochs,
                     lr=c.lr * c.lr_decay ** rnd, sampled_t=sampled_t, hist=hist,
                     positions=host_to_device(positions, self.device), num_total=num_total, weights=weights,
