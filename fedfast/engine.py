@@ -298,7 +298,7 @@ class Simulation:
         m = len(ctx.sampled)
         if self.method.client_state is not None:
             ctx.rows = self.method.client_state.gather(ctx.sampled_t)  # the method's per-client state rows
-            ctx.new_rows = torch.empty(m, self.method.client_state.data.shape[1], device=self.device)
+            ctx.new_rows = torch.empty(m, self.method.client_state.cols, device=self.device)
         weights = host_to_device(ctx.weights, self.device, torch.float32)
         tr = self.trainer
         tr.sync()
@@ -346,7 +346,10 @@ class Simulation:
         if ctx.new_rows is not None:
             ctx.sampled_t, ctx.new_rows = self.comm.gather_rows(ctx.sampled_t, ctx.new_rows)
         if ctx.new_rows is not None:
-            self.method.client_state.scatter_(ctx.sampled_t, ctx.new_rows)
+            st = self.method.client_state
+            with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values each, "
+                              f"growing with the clients trained)", "state_dtype"):
+                st.scatter_(ctx.sampled_t, ctx.new_rows)
         new = self.method.server(ctx, avg_sum / total_w)
         P = tuple(self.global_flat.shape)
         check_hook_return(self.method, "server", new, shape=P, device=self.device,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
@@ -310,37 +311,72 @@ def functional_forward(module: nn.Module, features: nn.Module | None = None):
 
 
 class ClientState:
-    """Per-client state ``[K, P]`` for all K clients (FedDyn h_k, SCAFFOLD c_k, MOON's previous model).
+    """Per-client state of K clients (FedDyn h_k, SCAFFOLD c_k, MOON's previous model), ``cols`` values each,
+    stored for the clients that were written only: a client never written reads as ``fill`` (its initial
+    value), so memory grows with the clients a run trains (at most rounds x cohort), not with K.
 
-    ``dtype`` fp32 or bf16 (storage; gathered rows are returned in fp32), ``pin_memory=True`` keeps it in
-    pinned host memory (rows are copied to ``device`` asynchronously). Rows are addressed by client id.
-    """
+    Rows live in one table ``[1 + written, cols]`` (row 0: the initial value) that doubles as it fills; the
+    client -> row map is a host int64 array [K] (8 bytes a client, no Python object per client); a gather and a
+    scatter are one ``index_select`` / ``index_copy_`` each. ``dtype`` fp32 or bf16 (storage; gathered rows are
+    fp32), ``pin_memory=True`` keeps the table in pinned host memory (rows copied to ``device``). Rows are
+    addressed by client id (a tensor, array or list; a device tensor is read to the host once per call)."""
 
     def __init__(self, num_clients: int, P: int, *, device=None, dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False, fill: float = 0.0):
+                 pin_memory: bool = False, fill=0.0):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype: per-client state is fp32 or bf16, got {dtype}")
         if int(num_clients) < 1 or int(P) < 1:
             raise ValueError(f"num_clients and P: must be >= 1, got {num_clients}, {P}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        store_dev = torch.device("cpu") if pin_memory else self.device
-        self.data = torch.full((int(num_clients), int(P)), float(fill), dtype=dtype, device=store_dev)
-        if pin_memory and torch.cuda.is_available():
-            self.data = self.data.pin_memory()
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.store_device = torch.device("cpu") if pin_memory else self.device
+        self.dtype, self.cols, self.num_clients = dtype, int(P), int(num_clients)
+        init = torch.as_tensor(fill, dtype=torch.float32).reshape(-1)
+        if init.numel() not in (1, self.cols):
+            raise ValueError(f"fill: a number or {self.cols} values (a client's initial row), got {init.numel()}")
+        self.table = self._alloc(1)
+        self.table[0] = init.expand(self.cols).to(self.store_device, dtype)
+        self.slot_of = np.zeros(self.num_clients, dtype=np.int64)  # 0: never written (reads the initial row)
+        self.used = 1
+
+    def _alloc(self, rows: int) -> Tensor:
+        t = torch.empty(rows, self.cols, dtype=self.dtype, device=self.store_device)
+        return t.pin_memory() if self.pin else t
 
     @property
     def K(self) -> int:
-        return self.data.shape[0]
+        return self.num_clients
 
-    def _ids(self, ids) -> Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.data.device)
-        if ids.dim() != 1:
-            raise ValueError(f"ids: expected a 1-d list of client ids, got shape {tuple(ids.shape)}")
-        return ids
+    @property
+    def shape(self) -> tuple:
+        """``(K, cols)``: the state as if every client's row were stored."""
+        return (self.num_clients, self.cols)
+
+    @property
+    def written(self) -> int:
+        """Clients with a row of their own."""
+        return self.used - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the table as allocated and the client -> row map."""
+        return self.table.numel() * self.table.element_size() + self.slot_of.nbytes
+
+    def _ids(self, ids) -> np.ndarray:
+        a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"ids: expected a 1-d list of client ids, got shape {a.shape}")
+        if a.size and (a.min() < 0 or a.max() >= self.num_clients):
+            raise ValueError(f"ids: client ids in [0, {self.num_clients}), got {int(a.min())}..{int(a.max())}")
+        return a.astype(np.int64, copy=False)
+
+    def _slots(self, slots: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots)).to(self.store_device, non_blocking=True)
 
     def gather(self, ids, out: Tensor | None = None) -> Tensor:
-        """Rows of clients ``ids`` as fp32 ``[n, P]`` on ``self.device``."""
-        rows = self.data.index_select(0, self._ids(ids))
+        """Rows of clients ``ids`` as fp32 ``[n, cols]`` on ``self.device`` (the initial row for a client never
+        written)."""
+        rows = self.table.index_select(0, self._slots(self.slot_of[self._ids(ids)]))
         rows = rows.to(self.device, non_blocking=True).float()
         if out is not None:
             out.copy_(rows)
@@ -348,12 +384,57 @@ class ClientState:
         return rows
 
     def scatter_(self, ids, rows: Tensor) -> None:
-        """Write fp32 rows ``[n, P]`` back for clients ``ids`` (rounded to the storage dtype)."""
-        ids = self._ids(ids)
-        if rows.shape != (ids.numel(), self.data.shape[1]):
-            raise ValueError(f"rows: expected shape ({ids.numel()}, {self.data.shape[1]}), got {tuple(rows.shape)}")
-        self.data.index_copy_(0, ids, rows.to(self.data.device, self.data.dtype))
+        """Write fp32 rows ``[n, cols]`` for clients ``ids`` (rounded to the storage dtype); a client written for
+        the first time gets a row of its own (the table doubles when full)."""
+        a = self._ids(ids)
+        if rows.shape != (len(a), self.cols):
+            raise ValueError(f"rows: expected shape ({len(a)}, {self.cols}), got {tuple(rows.shape)}")
+        if len(np.unique(a)) != len(a):
+            raise ValueError("ids: a client written twice in one scatter")
+        new = a[self.slot_of[a] == 0]
+        if len(new):
+            need = self.used + len(new)
+            if need > self.table.shape[0]:
+                grown = self._alloc(max(need, 2 * self.table.shape[0]))
+                grown[:self.used] = self.table[:self.used]
+                self.table = grown
+            self.slot_of[new] = np.arange(self.used, need)
+            self.used = need
+        self.table.index_copy_(0, self._slots(self.slot_of[a]), rows.to(self.store_device, self.dtype))
 
     def mean(self) -> Tensor:
-        """Mean over all K clients in fp32 (FedDyn's server correction)."""
-        return self.data.float().mean(0).to(self.device)
+        """Mean over all K clients in fp32 (FedDyn's server correction): the written rows' sum and the initial
+        row for every client never written."""
+        total = self.table[1:self.used].float().sum(0) + (self.num_clients - self.written) * self.table[0].float()
+        return (total / self.num_clients).to(self.device)
+
+    def dense(self) -> Tensor:
+        """Every client's row, ``[K, cols]`` fp32 on the storage device (K rows: small populations and tests)."""
+        return self.table.index_select(0, self._slots(self.slot_of)).float()
+
+    def state_dict(self) -> dict:
+        """Plain data for a checkpoint: the written clients' ids and rows (storage dtype) and the initial row."""
+        ids = np.flatnonzero(self.slot_of)
+        rows = self.table.index_select(0, self._slots(self.slot_of[ids])).cpu()
+        return {"ids": torch.from_numpy(ids), "rows": rows, "init": self.table[0].cpu(), "num_clients": self.num_clients}
+
+    def load_state_dict(self, state) -> None:
+        """Back to :meth:`state_dict`'s state (or a dense ``[K, cols]`` tensor, as fedfast 0.1 checkpointed it:
+        every client then has a row); ValueError naming what does not fit."""
+        if torch.is_tensor(state):
+            if tuple(state.shape) != self.shape:
+                raise ValueError(f"state: client_state has shape {tuple(state.shape)}, expected {self.shape}")
+            state = {"ids": torch.arange(self.num_clients), "rows": state, "init": self.table[0].cpu(),
+                     "num_clients": self.num_clients}
+        ids, rows = state["ids"], state["rows"]
+        if state.get("num_clients") != self.num_clients or rows.dim() != 2 or rows.shape[1] != self.cols or \
+                tuple(ids.shape) != (rows.shape[0],):
+            raise ValueError(f"state: client_state of {state.get('num_clients')} clients x {tuple(rows.shape[1:])} "
+                             f"values, expected {self.num_clients} x ({self.cols},)")
+        n = rows.shape[0]
+        table = self._alloc(1 + n)
+        table[0] = state["init"].to(self.store_device, self.dtype)
+        table[1:] = rows.to(self.store_device, self.dtype)
+        slot_of = np.zeros(self.num_clients, dtype=np.int64)
+        slot_of[self._ids(ids)] = np.arange(1, 1 + n)
+        self.table, self.slot_of, self.used = table, slot_of, 1 + n

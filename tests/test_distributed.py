@@ -43,7 +43,7 @@ def _worker(rank, world, port, out_dir):
                                      val=test)
             hist = sim.run()
             st = sim.method.client_state
-            state = st.data if st is not None else torch.zeros(1)
+            state = st.dense() if st is not None else torch.zeros(1)
             torch.save(dict(g=sim.global_flat, ev=sim.eval_flat, state=state, loss=hist[-1]["train_loss"],
                             acc=hist[-1]["test_accuracy"], test_loss=hist[-1]["test_loss"]),
                        os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
@@ -71,8 +71,8 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert (ranks[0]["g"] - ref).abs().max() <= 1e-5 * ref.abs().max(), algorithm
         assert (ranks[1]["ev"] - sim.eval_flat).abs().max() <= 1e-5 * sim.eval_flat.abs().max(), algorithm
         if sim.method.client_state is not None:
-            assert (ranks[1]["state"] - sim.method.client_state.data).abs().max() <= 1e-5 * (
-                sim.method.client_state.data.abs().max() + 1e-12), algorithm
+            assert (ranks[1]["state"] - sim.method.client_state.dense()).abs().max() <= 1e-5 * (
+                sim.method.client_state.dense().abs().max() + 1e-12), algorithm
         assert abs(ranks[0]["loss"] - hist[-1]["train_loss"]) <= 1e-5 * abs(hist[-1]["train_loss"])
         # the test set is split between the ranks and the sums all-reduced: the same evaluation as one process
         assert ranks[0]["acc"] == ranks[1]["acc"] == hist[-1]["test_accuracy"], algorithm

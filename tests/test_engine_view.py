@@ -43,6 +43,6 @@ def test_a_method_is_bound_to_the_view_and_sees_the_run_through_it():
     torch.testing.assert_close(e.predict(e.global_flat, train, torch.arange(6)), sim.predict(e.global_flat, train,
                                                                                             torch.arange(6)))
     st = e.new_client_state(fill=torch.ones(sim.num_params), rows=2)
-    assert st.data.shape == (8, 2 * sim.num_params) and bool((st.data == 1).all())
+    assert st.shape == (8, 2 * sim.num_params) and bool((st.dense() == 1).all())
     assert e.client_params(2).data_ptr() == sim.trainer.stack.params.data_ptr()
     assert e.server_data("val") is None and torch.equal(e.label_hist, sim.plan.label_hist)

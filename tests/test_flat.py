@@ -1,6 +1,7 @@
 """fedfast.flat: N models in one flat buffer, zero-copy views, torch.func batching, exact round trips."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -117,21 +118,46 @@ def test_partial_rows_and_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_client_state_gather_scatter(dtype):
     K, P = 1000, 37
-    st = ClientState(K, P, dtype=dtype)
+    fill = torch.randn(P)
+    st = ClientState(K, P, dtype=dtype, fill=fill)
+    init = fill.to(dtype).float()
+    assert st.written == 0 and st.shape == (K, P) and torch.equal(st.gather([5, 7]), init.expand(2, P))
     ids = torch.tensor([3, 999, 0, 512])
     rows = torch.randn(4, P)
     st.scatter_(ids, rows)
     got = st.gather(ids)
-    assert got.dtype == torch.float32 and got.shape == (4, P)
-    if dtype == torch.float32:
-        assert torch.equal(got, rows)
-    else:
-        assert torch.equal(got, rows.to(torch.bfloat16).float())  # exactly one rounding
-    assert (st.gather([1, 2]) == 0).all()
-    expect = torch.zeros(P)
-    expect += got.sum(0)
-    assert torch.allclose(st.mean(), expect / K, atol=1e-7)
+    assert got.dtype == torch.float32 and got.shape == (4, P) and st.written == 4
+    assert torch.equal(got, rows.to(dtype).float())  # exactly one rounding (none in fp32)
+    assert torch.equal(st.gather([1, 2]), init.expand(2, P))  # never written: the initial row
+    st.scatter_([0, 4], torch.ones(2, P))  # one written again, one new
+    assert st.written == 5 and torch.equal(st.gather([0, 4, 3]), torch.cat([torch.ones(2, P), got[:1]]))
+    dense = st.dense()
+    assert dense.shape == (K, P) and torch.equal(dense[4], torch.ones(P)) and torch.equal(dense[6], init)
+    torch.testing.assert_close(st.mean(), dense.mean(0), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="rows"):
         st.scatter_(ids, torch.randn(3, P))
+    with pytest.raises(ValueError, match="ids: a client written twice"):
+        st.scatter_([1, 1], torch.randn(2, P))
+    with pytest.raises(ValueError, match=r"ids: client ids in \[0, 1000\)"):
+        st.gather([1000])
     with pytest.raises(TypeError, match="dtype"):
         ClientState(K, P, dtype=torch.float16)
+
+
+def test_client_state_grows_with_the_clients_written_and_round_trips():
+    K, P = 1_000_000, 8
+    st = ClientState(K, P, fill=0.5)
+    assert st.nbytes <= 8 * K + 4 * P  # the map (8 bytes a client) and the initial row
+    for r in range(5):
+        ids = np.random.default_rng(r).choice(K, 100, replace=False)
+        st.scatter_(ids, torch.full((100, P), float(r)))
+    assert st.written <= 500 and st.table.shape[0] <= 2 * (st.written + 1)
+    back = ClientState(K, P, fill=0.0)
+    back.load_state_dict(st.state_dict())
+    probe = np.random.default_rng(9).choice(K, 1000, replace=False)
+    assert back.written == st.written and torch.equal(back.gather(probe), st.gather(probe))
+    small = ClientState(4, P)
+    small.load_state_dict(torch.arange(4 * P, dtype=torch.float32).reshape(4, P))  # an older checkpoint: dense
+    assert small.written == 4 and torch.equal(small.dense()[3], torch.arange(3 * P, 4 * P, dtype=torch.float32))
+    with pytest.raises(ValueError, match="state: client_state of 1000000 clients"):
+        small.load_state_dict(st.state_dict())

@@ -424,7 +424,7 @@ class Method(ClientHooks, ServerHooks):
             attrs[k] = pack_state(v, f"{self.name or type(self).__name__}.{k}")
         out = {STATE_FORMAT: 2, "attrs": attrs}
         if self.client_state is not None:
-            out["client_state"] = self.client_state.data
+            out["client_state"] = self.client_state.state_dict()  # the written clients' rows only
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -443,11 +443,7 @@ class Method(ClientHooks, ServerHooks):
             raise ValueError(f"state: {self.name} keeps {'no ' if self.client_state is None else ''}per-client "
                              f"state, the checkpoint {'has' if 'client_state' in state else 'has none'}")
         if self.client_state is not None:
-            v = state["client_state"]
-            if v.shape != self.client_state.data.shape:
-                raise ValueError(f"state: client_state has shape {tuple(v.shape)}, expected "
-                                 f"{tuple(self.client_state.data.shape)}")
-            self.client_state.data.copy_(v)
+            self.client_state.load_state_dict(state["client_state"])
         for k, packed in state["attrs"].items():
             setattr(self, k, unpack_state(packed, getattr(self, k, None), self.engine.device, f"{self.name}.{k}"))
 
@@ -460,10 +456,7 @@ class Method(ClientHooks, ServerHooks):
             raise ValueError(f"state: {self.name} keeps {sorted(expect)}, the checkpoint has {sorted(state)}")
         for k, v in state.items():
             if k == "client_state":
-                if v.shape != self.client_state.data.shape:
-                    raise ValueError(f"state: client_state has shape {tuple(v.shape)}, expected "
-                                     f"{tuple(self.client_state.data.shape)}")
-                self.client_state.data.copy_(v)
+                self.client_state.load_state_dict(v)
             elif isinstance(getattr(self, k, None), int) and not isinstance(getattr(self, k), bool):
                 setattr(self, k, int(v))
             else:

@@ -96,8 +96,8 @@ class FedSpeed(FedDyn):
         e = self.engine
         self.wsum = None
         if self.opts.evaluated == "all_clients":  # [h_k | the client's latest local model (w_0 before it trains)]
-            self.client_state = e.new_client_state(rows=2)
-            self.client_state.data[:, e.num_params:] = e.global_flat
+            self.client_state = e.new_client_state(fill=torch.cat([torch.zeros_like(e.global_flat), e.global_flat]),
+                                                   rows=2)
             self.wsum = e.global_flat * e.num_clients
 
     def round_start(self, ctx):

@@ -44,7 +44,7 @@ def oom_message(what: str, key: str, *, next_round: int, memory_state: str, chun
                 row_bytes: int, act_bytes: int, batch_size: int, eval_batch: int) -> str:
     """The message of an out-of-memory failure in ``what`` (during round ``next_round``, 1-based, unless ``what`` is
     an allocation at set-up): the memory state, the estimate, and the setting ``key`` (``client_chunk`` or
-    ``eval_batch``) to lower; results do not depend on either."""
+    ``eval_batch``, whose results do not depend on them; ``state_dtype``: the per-client state store)."""
     when = "" if what.startswith("allocating") else f"round {next_round}: "
     head = f"{when}out of memory in {what} ({memory_state}). "
     if key == "client_chunk":
@@ -56,4 +56,8 @@ def oom_message(what: str, key: str, *, next_round: int, memory_state: str, chun
             f"activations). Set client_chunk = "
             f"{max(1, chunk // 2)} (or a lower memory_budget_gb) to train fewer clients at a time; results "
             f"do not depend on it.")
+    if key == "state_dtype":
+        return head + ("The store holds a row for every client trained so far: state_dtype = 'bfloat16' halves it, "
+                       "state_on_host = true moves it to host memory, fewer rounds or a smaller cohort touch fewer "
+                       "clients.")
     return head + f"Set eval_batch lower than {eval_batch} (rows per forward pass); results do not depend on it."

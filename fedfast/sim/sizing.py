@@ -28,7 +28,7 @@ class MemoryBudget:
         if self._client_bytes is None:
             c, P = self.cfg, self.runtime.num_params
             state = self.method.client_state
-            rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), state.data.shape[1] if state is not None
+            rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), state.cols if state is not None
                                      else None, P, SAMGradient.rows if self.method.sam else 0)
             act = self.runtime.activation_elems(with_im2col=self.runtime.conv == "gemm")
             self._client_bytes = budget.client_bytes(P, rows, act, c.batch_size)
@@ -72,28 +72,16 @@ class MemoryBudget:
             raise OutOfMemory(self.oom_message(what, key, next_round=next_round, chunk=chunk)) from None
 
     def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1) -> ClientState:
-        """Per-client state ``[num_clients, rows * P]`` (``rows`` parameter-sized rows per client), in the settings'
-        dtype and place; ``fill`` [P] repeated into every row. OutOfMemory names the settings that shrink it."""
-        c, P, K = self.cfg, self.runtime.num_params, num_clients
+        """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each, in the settings' dtype
+        and place (:class:`fedfast.flat.ClientState`: rows held for the clients written only); ``fill``: a
+        client's initial value, [P] (repeated ``rows`` times) or [rows * P]."""
+        c, P = self.cfg, self.runtime.num_params
         if not (isinstance(rows, int) and rows >= 1):
             raise ValueError(f"rows: a positive number of parameter-sized rows per client, got {rows!r}")
+        if fill is not None and fill.numel() not in (P, rows * P):
+            raise ValueError(f"fill: {P} or {rows * P} values (a client's initial row), got {fill.numel()}")
+        init = 0.0 if fill is None else (fill.repeat(rows) if fill.numel() == P else fill).detach().float().cpu()
         dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
-        need = K * rows * P * (2 if dtype == torch.bfloat16 else 4)
-        where = torch.device("cpu") if c.state_on_host else self.device
-        free = _free_bytes(where)
-        hint = ("state_on_host = true keeps it in (pinned) host memory, rows copied per round; "
-                if not c.state_on_host else "") + ("state_dtype = 'bfloat16' halves it" if dtype == torch.float32
-                                                   else "fewer clients shrink it")
-        if need > free:
-            raise OutOfMemory(f"{self.method.name}: per-client state for {K} clients x {rows} x {P} parameters needs "
-                              f"{_gib(need)}, {_gib(free)} is free on {where}; {hint}")
-        try:
-            st = ClientState(K, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype)
-        except Exception as e:  # noqa: BLE001
-            if not _is_oom(e):
-                raise
-            raise OutOfMemory(f"{self.method.name}: per-client state for {K} clients needs {_gib(need)} "
-                              f"({self.memory_state()}); {hint}") from None
-        if fill is not None:
-            st.data.copy_(fill.repeat(rows).expand(K, rows * P))
-        return st
+        with self.guard(f"the per-client state store of {self.method.name}", "state_dtype", next_round=1, chunk=0):
+            return ClientState(num_clients, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype,
+                               fill=init)

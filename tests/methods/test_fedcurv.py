@@ -54,10 +54,10 @@ def test_matches_literal_loop(options, extra, executor):
     assert err <= 1e-4, err
     m, P = sim.method, sim.num_params
     seen = sorted(loop.u)
-    u = m.client_state.data[seen, :P]
+    u = m.client_state.dense()[seen, :P]
     assert float((u - torch.stack([loop.u[k] for k in seen])).abs().max() / u.abs().max()) <= 1e-3
     for total, cols in ((m.U, slice(0, P)), (m.V, slice(P, 2 * P))):  # U, V: the sums of the clients' rows
-        rows = m.client_state.data[:, cols].sum(0)
+        rows = m.client_state.dense()[:, cols].sum(0)
         assert float((total - rows).abs().max() / rows.abs().max()) <= 1e-5
 
 

@@ -66,7 +66,7 @@ def test_matches_literal_loop(options, extra, executor):
     err, sim, _ = engine_vs(NovaLoop, "fednova", options, rounds=3, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
     if sim.method.opts.ccvr:
-        assert sim.method.client_state.data.abs().max() > 0
+        assert sim.method.client_state.dense().abs().max() > 0
     if sim.method.opts.ccvr_server:
         assert sim.method.c.abs().max() > 0
 

@@ -10,7 +10,7 @@ from sequential_loop import engine_vs_loop
 def test_matches_sequential_loop(options, extra):
     err, sim, _ = engine_vs_loop("scaffold", options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
-    assert sim.method.c.abs().max() > 0 and sim.method.client_state.data.abs().max() > 0
+    assert sim.method.c.abs().max() > 0 and sim.method.client_state.dense().abs().max() > 0
 
 
 def test_defaults():
