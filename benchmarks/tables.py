@@ -371,8 +371,36 @@ def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
     return "\n".join(lines)
 
 
+def population_table(name: str = "cpu-2core-amd-epyc-population.json") -> str:
+    """bench_population: K clients of which 1000 train per round, FedAvg and SCAFFOLD (issue 38)."""
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
+    with open(path) as f:
+        d = json.load(f)
+    m = d["machine"]
+    lines = [f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
+             f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `python "
+             f"benchmarks/bench_population.py --out ...`; data: `{os.path.relpath(path, ROOT)}`. Set-up: the "
+             f"synthetic data and the compact partition; s/round: the mean after the first round; state: the "
+             f"per-client state held (rows of the clients trained, the table as allocated, the client map).", "",
+             "| K | samples/client | method | rounds | set-up s | init s | s/round | peak RSS GB | data GB | "
+             "state GB (clients with a row) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | {r['rounds']} | failed: "
+                         f"{r['error'][-80:]} | | | | | |")
+            continue
+        lines.append(f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | {r['rounds']} | "
+                     f"{r['setup_s']:.2f} | {r['init_s']:.2f} | {r['s_per_round']:.3f} | "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['data_bytes'] / 2**30:.2f} | "
+                     f"{r['state_bytes'] / 2**30:.3f} ({r['state_rows']:,}) |")
+    return "\n".join(lines)
+
+
 TABLES = {
     "demo": demo_table,
+    "population": population_table,
     "conv-kernels-gpu": tune_table,
     "losses-authors": authors_table,
     "ops-gpu": gpu_ops_table,

@@ -76,7 +76,11 @@ class ArrayDataset:
                              f"{int(self.y.min())}..{int(self.y.max())}")
         self._check_normalisation()
         if self.x.is_floating_point() and len(self.x):
-            bad = ~torch.isfinite(self.x.reshape(len(self.x), -1)).all(1)
+            flat = self.x.reshape(len(self.x), -1)
+            bad = torch.empty(len(flat), dtype=torch.bool, device=flat.device)
+            step = max(1, (1 << 22) // max(flat.shape[1], 1))  # 4M values at a time: no full-size temporary
+            for s in range(0, len(flat), step):
+                bad[s:s + step] = ~torch.isfinite(flat[s:s + step]).all(1)
             if bool(bad.any()):
                 rows = torch.nonzero(bad).flatten()
                 who = f"{self.name} " if self.name else ""
