@@ -284,17 +284,26 @@ def gpu_ops_table(losses: str = "nvidia-h100-80gb-hbm3.json", flat: str = "nvidi
     return "\n".join(lines)
 
 
-def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
-    """``fedfast bench``: each loss against its authors' code, eager and compiled, time and peak memory."""
+def _own_json(name: str, command: str) -> tuple[dict | None, str]:
+    """A JSON written by fedfast's own benchmark scripts (a ``machine`` dict, no pytest-benchmark) and the sentence
+    saying where, when and how it was measured; ``(None, "Not measured yet ...")`` when it is not committed."""
     path = os.path.join(RESULTS, name)
     if not os.path.exists(path):
-        return f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
+        return None, f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
     with open(path) as f:
         d = json.load(f)
     m = d["machine"]
-    lines = [f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
-             f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `fedfast bench --out ...`; "
-             f"data: `{os.path.relpath(path, ROOT)}`. Forward + backward, median; peak memory is the growth of the "
+    return d, (f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
+               f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `{command}`; data: "
+               f"`{os.path.relpath(path, ROOT)}`.")
+
+
+def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
+    """``fedfast bench``: each loss against its authors' code, eager and compiled, time and peak memory."""
+    d, head = _own_json(name, "fedfast bench --out ...")
+    if d is None:
+        return head
+    lines = [f"{head} Forward + backward, median; peak memory is the growth of the "
              f"peak resident set in a fresh process, in units of one logits buffer (R x C x 4 bytes; shown from 4 MB of "
              f"logits, below which it is page-granular noise).", "",
              "| loss | R x C | authors' code | fedfast | x authors | authors compiled | x compiled | peak memory: "
@@ -373,16 +382,10 @@ def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
 
 def population_table(name: str = "cpu-2core-amd-epyc-population.json") -> str:
     """bench_population: K clients of which 1000 train per round, FedAvg and SCAFFOLD (issue 38)."""
-    path = os.path.join(RESULTS, name)
-    if not os.path.exists(path):
-        return f"Not measured yet: `{os.path.relpath(path, ROOT)}` is not committed."
-    with open(path) as f:
-        d = json.load(f)
-    m = d["machine"]
-    lines = [f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
-             f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `python "
-             f"benchmarks/bench_population.py --out ...`; data: `{os.path.relpath(path, ROOT)}`. Set-up: the "
-             f"synthetic data and the compact partition; s/round: the mean after the first round; state: the "
+    d, head = _own_json(name, "python benchmarks/bench_population.py --out ...")
+    if d is None:
+        return head
+    lines = [f"{head} Set-up: the synthetic data and the compact partition; s/round: the mean after the first round; state: the "
              f"per-client state held (rows of the clients trained, the table as allocated, the client map).", "",
              "| K | samples/client | method | rounds | set-up s | init s | s/round | peak RSS GB | data GB | "
              "state GB (clients with a row) |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -169,7 +169,6 @@ class Simulation:
         with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
             self.trainer = ChunkTrainer(c, self.method, rt, self.plan, chunk=self.chunk, device=self.device,
                                         loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
-        self._method_metrics: dict = {}
         self._warn_batch_statistics()
 
     def _warn_batch_statistics(self) -> None:
@@ -263,12 +262,12 @@ class Simulation:
             raise Diverged(st.round + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self.trainer.prof.items()})
-        self._method_metrics = round_metrics(self.method, ctx)
+        method_metrics = round_metrics(self.method, ctx)
         t1 = time.perf_counter()
         st.round += 1  # the only place the round advances (restore replaces the state with a checkpoint's)
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
             rec, class_acc = self.evaluator.record(st.round, st.eval_flat, st.history, st.class_acc, totals, loss_sum,
-                                                   timers, t1, chunk=self.chunk, method_metrics=self._method_metrics)
+                                                   timers, t1, chunk=self.chunk, method_metrics=method_metrics)
         self.runtime.load_into_model(st.eval_flat)
         if class_acc is not None:
             st.class_acc.append(class_acc)
@@ -297,7 +296,7 @@ class Simulation:
     def _local(self, ctx: Round, teacher, step_rows):
         m = len(ctx.sampled)
         if self.method.client_state is not None:
-            ctx.rows = self.method.client_state.gather(ctx.sampled_t)  # the method's per-client state rows
+            ctx.rows = self.method.client_state.gather(ctx.sampled)  # the method's per-client state rows (host ids)
             ctx.new_rows = torch.empty(m, self.method.client_state.cols, device=self.device)
         weights = host_to_device(ctx.weights, self.device, torch.float32)
         tr = self.trainer

@@ -209,7 +209,7 @@ def _check_positive(name: str, v: float):
 
 def _make(parts, y, method) -> Partition:
     C = int(y.max()) + 1
-    return Partition([torch.from_numpy(np.asarray(p, dtype=np.int64)) for p in parts], C, torch.from_numpy(y), method)
+    return Partition([np.asarray(p, dtype=np.int64) for p in parts], C, torch.from_numpy(y), method)
 
 
 def iid(labels, num_clients: int, seed: int = 0) -> Partition:

@@ -82,6 +82,7 @@ class MemoryBudget:
             raise ValueError(f"fill: {P} or {rows * P} values (a client's initial row), got {fill.numel()}")
         init = 0.0 if fill is None else (fill.repeat(rows) if fill.numel() == P else fill).detach().float().cpu()
         dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
-        with self.guard(f"the per-client state store of {self.method.name}", "state_dtype", next_round=1, chunk=0):
+        with self.guard(f"allocating the per-client state store of {self.method.name}", "state_dtype", next_round=1,
+                        chunk=0):
             return ClientState(num_clients, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype,
                                fill=init)
