@@ -64,17 +64,17 @@ def make_model(cfg, train):
     return build_model(cfg["model"], train.num_classes, tuple(train.x.shape[1:]), _options(cfg, "model"))
 
 
-def build(cfg, device=None, group=None):
+def build(cfg, device=None, group=None, state_dir: str | None = None):
     """The Simulation a run config describes (:func:`build_run` without the resolved config)."""
-    return build_run(cfg, device, group)[1]
+    return build_run(cfg, device, group, state_dir)[1]
 
 
-def build_run(cfg, device=None, group=None):
+def build_run(cfg, device=None, group=None, state_dir: str | None = None):
     """``(resolved config, Simulation)`` of a run config (data, the method's held-out splits, partition, model).
     The resolved config is a new one (``cfg`` is left as it is) holding what the build found out: the number of
     clients a partition that decides it made, the files the data and a pretrained model were read from
     (``data_files``) and the modules of your own the builds of this process imported (``code_files``): the run's
-    fingerprint."""
+    fingerprint. ``state_dir``: the run directory, where a per-client state store kept on disk has its file."""
     modules = set(sys.modules)  # a plug-in may import its helpers only when its loader or model runs
     torch.manual_seed(cfg["seed"])
     model = tokenizer = None
@@ -110,4 +110,4 @@ def build_run(cfg, device=None, group=None):
                                    code_files=tuple(sorted(_BUILT_CODE)))
     resolved._keep_sim(sc)  # the same engine settings: the SimConfig (and its validation) is not made again
     return resolved, Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
-                                validation=validation, method=method, **splits)
+                                validation=validation, method=method, state_dir=state_dir, **splits)

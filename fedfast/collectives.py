@@ -22,6 +22,20 @@ class Local:
         """Every process's (client id, state row) pairs."""
         return ids, rows
 
+    def gather_ids(self, ids: torch.Tensor):
+        """Every process's ids in rank order, and where this process's begin."""
+        return ids, 0
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        """``t`` of process ``src`` into every process's ``t``."""
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+
+    def any_(self, flag: bool, device=None) -> bool:
+        """Whether ``flag`` holds in any process."""
+        return bool(flag)
+
 
 class Distributed:
     """A ``torch.distributed`` process group (``None``: the default group)."""
@@ -56,6 +70,30 @@ class Distributed:
         ids, rows = torch.cat(all_ids), torch.cat(all_rows)
         keep = ids >= 0
         return ids[keep], rows[keep]
+
+
+    def gather_ids(self, ids: torch.Tensor):
+        """All ranks' ids (rank order, on the host) and the offset of this rank's."""
+        n = torch.tensor([len(ids)], device=ids.device)
+        counts = [torch.zeros_like(n) for _ in range(self.world)]
+        self.dist.all_gather(counts, n, group=self.group)
+        counts = [int(c) for c in counts]
+        pad = torch.full((max(counts),), -1, dtype=torch.long, device=ids.device)
+        pad[:len(ids)] = ids
+        got = [torch.empty_like(pad) for _ in range(self.world)]
+        self.dist.all_gather(got, pad, group=self.group)
+        return torch.cat([g[:c] for g, c in zip(got, counts)]), sum(counts[:self.rank])
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        self.dist.broadcast(t, src, group=self.group)
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+    def any_(self, flag: bool, device=None) -> bool:
+        t = torch.tensor([int(bool(flag))], device=device)
+        self.max_(t)
+        return bool(t.item())
 
 
 def collectives(process_group):

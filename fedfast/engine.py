@@ -53,6 +53,7 @@ from .sim.facade import EngineView
 from .sim.inputs import check_inputs
 from .sim.plan import RoundPlan
 from .sim.runtime import ModelRuntime, probe_batch
+from .sim.rows import store_rows
 from .sim.sizing import MemoryBudget
 from .sim.state import RunState
 from .sim.trainer import ChunkTrainer
@@ -106,7 +107,7 @@ class Simulation:
                  partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
                  loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None,
                  schedule: Sequence | Callable | None = None, data_order: Callable | None = None,
-                 validation: ArrayDataset | None = None, method=None):
+                 validation: ArrayDataset | None = None, method=None, state_dir: str | None = None):
         c = self.cfg = self.config = config
         if not isinstance(config, SimConfig):
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
@@ -155,7 +156,7 @@ class Simulation:
                 rt.classifier_name = found
             else:
                 rt.find_classifier(found)
-        self.budget = MemoryBudget(c, self.method, rt, self.device)
+        self.budget = MemoryBudget(c, self.method, rt, self.device, state_dir, self.plan.max_cohort())
         self.evaluator = Evaluator(c, rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed)
         self.engine = EngineView(self)  # all a method may touch of the engine
@@ -343,12 +344,10 @@ class Simulation:
         # sums over all ranks' clients; every rank learns every updated client's state row (one process: as is)
         self.comm.sum_(avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce)))
         if ctx.new_rows is not None:
-            ctx.sampled_t, ctx.new_rows = self.comm.gather_rows(ctx.sampled_t, ctx.new_rows)
-        if ctx.new_rows is not None:
             st = self.method.client_state
             with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values each, "
                               f"growing with the clients trained)", "state_dtype"):
-                st.scatter_(ctx.sampled_t, ctx.new_rows)
+                store_rows(self.comm, st, ctx.sampled_t, ctx.new_rows)
         new = self.method.server(ctx, avg_sum / total_w)
         P = tuple(self.global_flat.shape)
         check_hook_return(self.method, "server", new, shape=P, device=self.device,

@@ -13,6 +13,10 @@ rows of the participating clients are gathered into / scattered from a ``[n, P]`
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,6 +26,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from .batched import plan
+from .rowfile import RowFile
 
 
 
@@ -310,34 +315,70 @@ def functional_forward(module: nn.Module, features: nn.Module | None = None):
     return g
 
 
+def _physical_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
 class ClientState:
     """Per-client state of K clients (FedDyn h_k, SCAFFOLD c_k, MOON's previous model), ``cols`` values each,
     stored for the clients that were written only: a client never written reads as ``fill`` (its initial
     value), so memory grows with the clients a run trains (at most rounds x cohort), not with K.
 
-    Rows live in one table ``[1 + written, cols]`` (row 0: the initial value) that doubles as it fills; the
+    Rows live in one table ``[1 + written, cols]`` (row 0: the initial value) that grows as it fills; the
     client -> row map is a host int64 array [K] (8 bytes a client, no Python object per client); a gather and a
     scatter are one ``index_select`` / ``index_copy_`` each. ``dtype`` fp32 or bf16 (storage; gathered rows are
     fp32), ``pin_memory=True`` keeps the table in pinned host memory (rows copied to ``device``). Rows are
-    addressed by client id (a tensor, array or list; a device tensor is read to the host once per call)."""
+    addressed by client id (a tensor, array or list; a device tensor is read to the host once per call).
+
+    ``store``: where the table lives. ``"memory"`` (the default): device or host memory. ``"disk"``: a
+    memory-mapped file (:mod:`fedfast.rowfile`, ``<directory>/<name>.rows`` and ``.stamps``) from the first write
+    on. ``"auto"``: memory while the table fits ``memory_budget`` bytes, then the file (the rows written so far
+    are copied there once). Without ``directory`` the file is in a temporary directory removed with the store,
+    and :meth:`state_dict` holds the rows (as in memory). With ``directory`` (a run's directory) the file outlives
+    the process and a checkpoint refers to it instead of copying it: then rows are copy-on-write (a scatter writes
+    new rows, never a row the latest checkpoint holds, so a process killed during a scatter loses nothing) and a
+    row superseded since the latest :meth:`state_dict` is reused after the next one; the newest checkpoint is
+    always resumable, an older one whose rows were reused is refused by :meth:`load_state_dict` (each row's
+    stamp), never read as garbage. ``max_rows``: the most rows a run can write (``1 + min(K, rounds x cohort)``;
+    a hint that caps growth, not a limit)."""
 
     def __init__(self, num_clients: int, P: int, *, device=None, dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False, fill=0.0):
+                 pin_memory: bool = False, fill=0.0, store: str = "memory", directory: str | None = None,
+                 memory_budget: int | None = None, name: str = "client-state", max_rows: int | None = None):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype: per-client state is fp32 or bf16, got {dtype}")
         if int(num_clients) < 1 or int(P) < 1:
             raise ValueError(f"num_clients and P: must be >= 1, got {num_clients}, {P}")
+        if store not in ("memory", "disk", "auto"):
+            raise ValueError(f"store: 'memory', 'disk' or 'auto', got {store!r}")
+        if memory_budget is not None and not memory_budget > 0:
+            raise ValueError(f"memory_budget: bytes > 0 (or None: no limit), got {memory_budget!r}")
+        if directory is not None and not os.path.isdir(directory):
+            raise ValueError(f"directory: {directory!r} is not a directory")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.pin = pin_memory and torch.cuda.is_available()
-        self.store_device = torch.device("cpu") if pin_memory else self.device
+        self.store, self.directory, self.memory_budget, self.name = store, directory, memory_budget, name
+        self.max_rows = 1 + int(num_clients) if max_rows is None else max(1, int(max_rows))
+        self.pin = pin_memory and torch.cuda.is_available() and store == "memory"
+        self.store_device = torch.device("cpu") if pin_memory or store == "disk" else self.device
         self.dtype, self.cols, self.num_clients = dtype, int(P), int(num_clients)
+        self.row_bytes = self.cols * torch.empty((), dtype=dtype).element_size()
         init = torch.as_tensor(fill, dtype=torch.float32).reshape(-1)
         if init.numel() not in (1, self.cols):
             raise ValueError(f"fill: a number or {self.cols} values (a client's initial row), got {init.numel()}")
+        self.file: RowFile | None = None  # the disk tier, once the table moved there
+        self._tmp = None                   # the temporary directory of a file without ``directory``
         self.table = self._alloc(1)
         self.table[0] = init.expand(self.cols).to(self.store_device, dtype)
         self.slot_of = np.zeros(self.num_clients, dtype=np.int64)  # 0: never written (reads the initial row)
-        self.used = 1
+        self._written = 0
+        self.used = 1        # rows [0, used) of the table are allocated
+        self.seq = 0         # writes so far (a row's stamp: the write that filled it)
+        self.commit_seq = 0  # the write count at the latest state_dict / load_state_dict
+        self.free = np.empty(0, dtype=np.int64)     # rows to reuse (copy-on-write files)
+        self.pending = np.empty(0, dtype=np.int64)  # superseded rows the latest checkpoint may hold
 
     def _alloc(self, rows: int) -> Tensor:
         t = torch.empty(rows, self.cols, dtype=self.dtype, device=self.store_device)
@@ -355,12 +396,40 @@ class ClientState:
     @property
     def written(self) -> int:
         """Clients with a row of their own."""
-        return self.used - 1
+        return self._written
+
+    @property
+    def on_disk(self) -> bool:
+        return self.file is not None
+
+    @property
+    def cow(self) -> bool:
+        """Rows are copy-on-write: the table is a file a checkpoint refers to (``directory`` given)."""
+        return self.file is not None and self._tmp is None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the table as allocated and the client -> row map."""
-        return self.table.numel() * self.table.element_size() + self.slot_of.nbytes
+        """Bytes held in memory: the table's rows in use (a host table reserves the run's rows, and pages never
+        written take no memory; a device or pinned table: as allocated; a file: none) and the client -> row map."""
+        if self.on_disk:
+            table = 0
+        elif self.store_device.type == "cpu" and not self.pin:
+            table = self.used * self.row_bytes
+        else:
+            table = self.table.numel() * self.table.element_size()
+        return table + self.slot_of.nbytes + self.free.nbytes + self.pending.nbytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the file's rows written so far (0 in memory)."""
+        return self.used * self.row_bytes if self.on_disk else 0
+
+    def file_paths(self) -> tuple[str, str] | tuple:
+        """The paths of the rows and stamps files in ``directory`` (whether made yet or not); () without one."""
+        if self.directory is None:
+            return ()
+        base = os.path.join(self.directory, self.name)
+        return base + ".rows", base + ".stamps"
 
     def _ids(self, ids) -> np.ndarray:
         a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
@@ -377,35 +446,159 @@ class ClientState:
         """Rows of clients ``ids`` as fp32 ``[n, cols]`` on ``self.device`` (the initial row for a client never
         written)."""
         rows = self.table.index_select(0, self._slots(self.slot_of[self._ids(ids)]))
+        if self.file is not None:
+            self.file.release()  # the rows are copied out: the process keeps no mapping of them
         rows = rows.to(self.device, non_blocking=True).float()
         if out is not None:
             out.copy_(rows)
             return out
         return rows
 
-    def scatter_(self, ids, rows: Tensor) -> None:
+    def scatter_(self, ids, rows: Tensor, *, spill: bool = True) -> None:
         """Write fp32 rows ``[n, cols]`` for clients ``ids`` (rounded to the storage dtype); a client written for
-        the first time gets a row of its own (the table doubles when full)."""
+        the first time gets a row of its own (the table grows when full; ``store="auto"`` moves it to the file
+        beyond ``memory_budget``, unless ``spill=False``)."""
         a = self._ids(ids)
         if rows.shape != (len(a), self.cols):
             raise ValueError(f"rows: expected shape ({len(a)}, {self.cols}), got {tuple(rows.shape)}")
         if len(np.unique(a)) != len(a):
             raise ValueError("ids: a client written twice in one scatter")
-        new = a[self.slot_of[a] == 0]
-        if len(new):
-            need = self.used + len(new)
-            if need > self.table.shape[0]:
-                grown = self._alloc(max(need, 2 * self.table.shape[0]))
-                grown[:self.used] = self.table[:self.used]
-                self.table = grown
-            self.slot_of[new] = np.arange(self.used, need)
-            self.used = need
-        self.table.index_copy_(0, self._slots(self.slot_of[a]), rows.to(self.store_device, self.dtype))
+        slots = self.allocate(a, spill=spill)
+        self.write(slots, rows)
+        self.assign(a, slots)
+
+    # -- the steps of a scatter (several processes sharing one file run them apart: fedfast.sim.rows) ----------
+    def spills(self, ids) -> bool:
+        """Whether writing clients ``ids`` moves an ``"auto"`` table from memory to the file (or a ``"disk"`` one
+        makes its file)."""
+        if self.on_disk or self.store == "memory":
+            return False
+        if self.store == "disk":
+            return True
+        need = self.used + self._new_rows(self._ids(ids))
+        return self.memory_budget is not None and need * self.row_bytes > self.memory_budget
+
+    def _new_rows(self, a: np.ndarray) -> int:
+        return len(a) if self.cow else int(np.count_nonzero(self.slot_of[a] == 0))
+
+    def allocate(self, ids, *, spill: bool = True) -> np.ndarray:
+        """Rows for clients ``ids`` to be written: a new client's next free row; a client with a row keeps it,
+        or, copy-on-write, gets a free or new one. Grows the table (``spill=False``: never into the file)."""
+        a = self._ids(ids)
+        if spill and self.spills(a):
+            self.spill()
+        slots = self.slot_of[a].copy()
+        fresh = np.ones(len(a), dtype=bool) if self.cow else slots == 0
+        n = int(fresh.sum())
+        reuse = self.free[:n]
+        self.free = self.free[n:]
+        need = self.used + n - len(reuse)
+        self._grow(need)
+        slots[fresh] = np.concatenate([reuse, np.arange(self.used, need, dtype=np.int64)])
+        self.used = need
+        return slots
+
+    def write(self, slots: np.ndarray, rows: Tensor) -> None:
+        """Rows ``[n, cols]`` (fp32) into table rows ``slots``, stamped with this write's number."""
+        self.table.index_copy_(0, self._slots(slots), rows.to(self.store_device, self.dtype))
+        if self.file is not None:
+            self.file.stamps[slots] = self.seq + 1
+            self.file.release()
+
+    def assign(self, ids, slots: np.ndarray, *, track: bool = True) -> None:
+        """Clients ``ids`` read rows ``slots`` from now on (after :meth:`write`); ``track=False``: a process that
+        does not allocate (another process's rows of a shared file) keeps no free list."""
+        a = self._ids(ids)
+        old = self.slot_of[a]
+        self.slot_of[a] = slots
+        self.seq += 1
+        self._written += int(np.count_nonzero(old == 0))
+        if len(slots):
+            self.used = max(self.used, int(slots.max()) + 1)
+        if track and self.cow:
+            gone = old[(old != 0) & (old != slots)]
+            held = self.file.stamps[gone] <= self.commit_seq  # filled before the latest checkpoint: it may hold it
+            self.pending = np.concatenate([self.pending, gone[held]])
+            self.free = np.concatenate([self.free, gone[~held]])
+
+    def _grow(self, need: int) -> None:
+        if self.file is not None:
+            self.file.grow(need)
+            self.table = self.file.rows
+            return
+        cap = self.table.shape[0]
+        if need <= cap:
+            return
+        # host memory: all the rows the run can write (``max_rows``) at once, up to the memory budget, as a
+        # reservation (pages untouched take no memory: the rows written are what the process holds; no copy
+        # later). Else (device memory, or past it): doubling while small, then by a quarter (a growth copies:
+        # old and new are held at once), never past ``max_rows``
+        cap_rows = self.max_rows if self.memory_budget is None else min(self.max_rows, self.memory_budget //
+                                                                         self.row_bytes)
+        if self.store_device.type == "cpu" and not self.pin and cap_rows * self.row_bytes <= _physical_bytes():
+            new = max(need, cap_rows)
+        else:
+            new = max(need, min(2 * cap if cap * self.row_bytes < 2**26 else cap + cap // 4, self.max_rows))
+        if self.store == "auto" and self.memory_budget is not None:
+            new = max(need, min(new, self.memory_budget // self.row_bytes))
+        grown = self._alloc(new)
+        grown[:self.used] = self.table[:self.used]
+        self.table = grown
+
+    def spill(self) -> None:
+        """Move the table to the file (``<directory>/<name>``, or a temporary directory): the rows written so far
+        are copied once; later growth extends the file."""
+        if self.file is not None:
+            return
+        directory = self.directory
+        if directory is None:
+            self._tmp = tempfile.mkdtemp(prefix="fedfast-state-")
+            weakref.finalize(self, shutil.rmtree, self._tmp, True)
+            directory = self._tmp
+        f = RowFile.create(os.path.join(directory, self.name), self.cols, self.dtype, max(self.used, 1))
+        for s in range(0, self.used, 4096):  # blocks: no second full-size table
+            e = min(self.used, s + 4096)
+            f.rows[s:e] = self.table[s:e].cpu()
+        f.stamps[:self.used] = self.seq
+        self.commit_seq = -1  # no checkpoint refers to the file yet: a superseded row is free at once
+        self.file, self.table, self.store_device = f, f.rows, torch.device("cpu")
+        self.pin = False
+
+    def attach(self, uid: str | None = None) -> None:
+        """Map the file another process made (the table moves there; ``uid``: the file it must be)."""
+        if self.file is None:
+            if self.directory is None:
+                raise ValueError("directory: a store shared by several processes keeps its file in a directory they "
+                                 "all see (a run directory)")
+            self.file = RowFile.open(os.path.join(self.directory, self.name), self.cols, self.dtype, uid)
+            self.table, self.store_device, self.pin = self.file.rows, torch.device("cpu"), False
+
+    def follow(self, slots: np.ndarray) -> None:
+        """Map the file as far as rows ``slots`` (grown by the process that allocated them)."""
+        if len(slots):
+            self.file.follow(int(slots.max()) + 1)
+            self.table = self.file.rows
+
+    def _referenced(self) -> tuple[np.ndarray, np.ndarray]:
+        """The written clients and their rows, in row order (a checkpoint restores the same table)."""
+        ids = np.flatnonzero(self.slot_of)
+        ids = ids[np.argsort(self.slot_of[ids], kind="stable")]
+        return ids, self.slot_of[ids]
 
     def mean(self) -> Tensor:
         """Mean over all K clients in fp32 (FedDyn's server correction): the written rows' sum and the initial
         row for every client never written."""
-        total = self.table[1:self.used].float().sum(0) + (self.num_clients - self.written) * self.table[0].float()
+        written = self.written
+        if self.on_disk:  # only referenced rows (copy-on-write leaves others between them), in blocks
+            _, slots = self._referenced()
+            total = torch.zeros(self.cols)
+            for s in range(0, len(slots), 4096):
+                total += self.table.index_select(0, self._slots(slots[s:s + 4096])).float().sum(0)
+            total = total.to(self.table.device)
+            self.file.release()
+        else:
+            total = self.table[1:self.used].float().sum(0)
+        total = total + (self.num_clients - written) * self.table[0].float()
         return (total / self.num_clients).to(self.device)
 
     def dense(self) -> Tensor:
@@ -413,10 +606,24 @@ class ClientState:
         return self.table.index_select(0, self._slots(self.slot_of)).float()
 
     def state_dict(self) -> dict:
-        """Plain data for a checkpoint: the written clients' ids and rows (storage dtype) and the initial row."""
-        ids = np.flatnonzero(self.slot_of)
-        rows = self.table.index_select(0, self._slots(self.slot_of[ids])).cpu()
-        return {"ids": torch.from_numpy(ids), "rows": rows, "init": self.table[0].cpu(), "num_clients": self.num_clients}
+        """Plain data for a checkpoint. In memory (or a temporary file): the written clients' ids and rows
+        (storage dtype) and the initial row. A file in ``directory``: flushed, and referred to by name and id
+        with each written client's row and stamp (the rows stay in the file; rows superseded before this call
+        are reused from now on, so only the newest checkpoint is resumable)."""
+        ids, slots = self._referenced()
+        if not self.cow:
+            rows = self.table.index_select(0, self._slots(slots)).cpu()
+            return {"ids": torch.from_numpy(ids), "rows": rows, "init": self.table[0].cpu(),
+                    "num_clients": self.num_clients}
+        self.file.flush()
+        out = {"file": self.name, "uuid": self.file.uuid, "ids": torch.from_numpy(ids),
+               "slots": torch.from_numpy(slots.copy()), "stamps": torch.from_numpy(np.array(self.file.stamps[slots])),
+               "used": self.used, "seq": self.seq, "num_clients": self.num_clients, "cols": self.cols,
+               "dtype": str(self.dtype).replace("torch.", "")}
+        self.free = np.concatenate([self.free, self.pending])
+        self.pending = np.empty(0, dtype=np.int64)
+        self.commit_seq = self.seq
+        return out
 
     def load_state_dict(self, state) -> None:
         """Back to :meth:`state_dict`'s state (or a dense ``[K, cols]`` tensor, as fedfast 0.1 checkpointed it:
@@ -426,15 +633,62 @@ class ClientState:
                 raise ValueError(f"state: client_state has shape {tuple(state.shape)}, expected {self.shape}")
             state = {"ids": torch.arange(self.num_clients), "rows": state, "init": self.table[0].cpu(),
                      "num_clients": self.num_clients}
+        if "file" in state:
+            return self._load_file(state)
         ids, rows = state["ids"], state["rows"]
         if state.get("num_clients") != self.num_clients or rows.dim() != 2 or rows.shape[1] != self.cols or \
                 tuple(ids.shape) != (rows.shape[0],):
             raise ValueError(f"state: client_state of {state.get('num_clients')} clients x {tuple(rows.shape[1:])} "
                              f"values, expected {self.num_clients} x ({self.cols},)")
-        n = rows.shape[0]
-        table = self._alloc(1 + n)
-        table[0] = state["init"].to(self.store_device, self.dtype)
-        table[1:] = rows.to(self.store_device, self.dtype)
-        slot_of = np.zeros(self.num_clients, dtype=np.int64)
-        slot_of[self._ids(ids)] = np.arange(1, 1 + n)
-        self.table, self.slot_of, self.used = table, slot_of, 1 + n
+        a = self._ids(ids)
+        self._reset(state["init"])
+        for s in range(0, len(a), 4096):  # through the store's own growth (a large state goes to the file)
+            part = a[s:s + 4096]
+            slots = self.allocate(part)
+            self.write(slots, rows[s:s + 4096].float())
+            self.assign(part, slots)
+        self.commit_seq = self.seq
+
+    def _reset(self, init: Tensor) -> None:
+        if self.file is not None:
+            if self._tmp is None:  # the run's file is replaced by rows of this state (a new id: older
+                self.file = RowFile.create(self.file.base, self.cols, self.dtype, 1)  # checkpoints are refused)
+            self.file.stamps[0] = 0
+            self.table = self.file.rows
+        else:
+            self.table = self._alloc(1)
+        self.table[0] = init.to(self.store_device, self.dtype)
+        self.slot_of[:] = 0
+        self.used, self.seq, self.commit_seq, self._written = 1, 0, 0, 0
+        self.free = self.pending = np.empty(0, dtype=np.int64)
+
+    def _load_file(self, state: dict) -> None:
+        if state.get("num_clients") != self.num_clients or state.get("cols") != self.cols or \
+                state.get("dtype") != str(self.dtype).replace("torch.", ""):
+            raise ValueError(f"state: client_state of {state.get('num_clients')} clients x {state.get('cols')} "
+                             f"{state.get('dtype')} values, expected {self.num_clients} x {self.cols} "
+                             f"{str(self.dtype).replace('torch.', '')}")
+        if self.directory is None:
+            raise ValueError(f"state: the checkpoint's per-client state is in the file {state['file']}.rows of its "
+                             f"run directory: restore it with that directory as the store's directory "
+                             f"(Simulation(..., state_dir=...))")
+        self.name = state["file"]
+        f = RowFile.open(os.path.join(self.directory, self.name), self.cols, self.dtype, state["uuid"])
+        ids, slots = self._ids(state["ids"]), state["slots"].numpy().astype(np.int64)
+        used = int(state["used"])
+        if len(slots) and (slots.min() < 1 or slots.max() >= used or used > f.capacity):
+            raise ValueError(f"{f.paths[0]}: holds {f.capacity} rows, the checkpoint refers to rows up to {used - 1}")
+        stale = np.flatnonzero(np.asarray(f.stamps[slots]) != state["stamps"].numpy())
+        if len(stale):
+            raise ValueError(f"{f.paths[0]}: the rows of {len(stale)} client(s) (e.g. client {int(ids[stale[0]])}) "
+                             f"were overwritten after this checkpoint was taken: only the run's newest checkpoint "
+                             f"can be resumed")
+        self.file, self._tmp, self.table, self.store_device, self.pin = f, None, f.rows, torch.device("cpu"), False
+        self.slot_of[:] = 0
+        self.slot_of[ids] = slots
+        self.used, self.seq, self._written = used, int(state["seq"]), len(ids)
+        self.commit_seq = self.seq
+        taken = np.zeros(used, dtype=bool)
+        taken[0] = True
+        taken[slots] = True
+        self.free, self.pending = np.flatnonzero(~taken).astype(np.int64), np.empty(0, dtype=np.int64)

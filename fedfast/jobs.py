@@ -194,7 +194,7 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
         return None
     own = rd is not None and not attached
     try:
-        cfg, sim = build_run(cfg, device, group)
+        cfg, sim = build_run(cfg, device, group, state_dir=out_dir)
         hist = execute(sim, cfg, rd, resume=action == "resume", quiet=quiet, label=label, out_dir=out_dir, cell=cell)
     except BaseException:
         if own:

@@ -135,6 +135,9 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
     callbacks: list[Callback] = []
     files = ckpt = None
     if lead:
+        store = sim.method.client_state
+        if store is not None:  # the per-client state's file, if the store moves to disk (state_store)
+            rd.add(*(os.path.basename(p) for p in store.file_paths()))
         files = RunFiles(rd, cfg_json, sim.history)
         callbacks.append(files)
         if cfg["tensorboard"]:

@@ -78,6 +78,9 @@ class SimConfig:
     eval_every: int = 1        # evaluate every this many rounds, and always after the last (``rounds``)
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
+    state_store: str = "auto"  # per-client state rows: "memory"; "disk" (a memory-mapped file in the run directory);
+    # "auto": memory up to state_memory_gb, then the file
+    state_memory_gb: float | None = None  # "auto"'s limit; None: a quarter of the store's device memory at set-up
     executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
     features_layer: str | None = None  # the model's classifier by name ("fc2"; a module holding it: its last Linear
     #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
@@ -130,6 +133,7 @@ class SimConfig:
             self.aggregate_weights = cls.aggregation
         choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
                    "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
+                   "state_store": ("auto", "memory", "disk"),
                    "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
@@ -158,6 +162,12 @@ class SimConfig:
                              f"{self.features_layer!r}")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
+        if self.state_memory_gb is not None and not self.state_memory_gb > 0:
+            raise ValueError(f"state_memory_gb: must be > 0 (None: a quarter of the memory), got "
+                             f"{self.state_memory_gb}")
+        if self.state_memory_gb is not None and self.state_store != "auto":
+            raise ValueError(f"state_memory_gb: the limit of state_store = 'auto', not used by "
+                             f"state_store = {self.state_store!r}")
 
     def _tables(self, cls) -> dict:
         """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""

@@ -7,6 +7,9 @@ plainly (independently of fedfast's method classes: options are read from the re
 """
 import collections
 import copy
+import dataclasses
+import os
+import tempfile
 
 import numpy as np
 import torch
@@ -264,7 +267,24 @@ def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
     ref = sequential(cfg, copy.deepcopy(sim.model).cpu(), train, part, cfg.rounds, val=val)  # its head too (MOON)
     hist = sim.run()
     g = sim.global_flat.cpu()
+    on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
+                                                           train, test, part, val=val, device=device, state_dir=d))
     return float((g - ref).abs().max() / ref.abs().max()), sim, hist
+
+
+def on_disk_too(sim, make) -> None:
+    """A method with per-client state: the same run with the store forced to a file (``make(state_store="disk")``
+    builds it in directory ``d``) ends with the same global model and client state, bit for bit, so the literal-loop
+    comparison holds for the disk store too (issue 38)."""
+    if sim.method.client_state is None:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        disk = make(d, state_store="disk", state_memory_gb=None)
+        disk.run()
+        st = disk.method.client_state
+        assert st.on_disk and os.path.exists(st.file_paths()[0])
+        assert torch.equal(disk.global_flat, sim.global_flat), f"{sim.cfg.algorithm}: the disk store changed the run"
+        assert torch.equal(st.dense(), sim.method.client_state.dense().to(st.dense().device))
 
 
 def asd_term(z, t, y, prior, a):
@@ -383,6 +403,8 @@ def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, execut
     ref = loop.run(rounds)
     sim.run()
     g = sim.global_flat.cpu()
+    on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
+                                                           train, test, part, device=device, state_dir=d))
     return float((g - ref).abs().max() / ref.abs().max()), sim, loop
 
 

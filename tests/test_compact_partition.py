@@ -109,3 +109,73 @@ def test_every_clients_histogram_is_made_only_for_a_method_that_reads_it():
         sim.round()
         runs[algorithm] = sim.plan._label_hist
     assert runs["fedavg"] is None and runs["feddisco"].shape == (8, 5)
+
+
+# -- the partitioners produce the compact form, with the draws of their per-client loops -------------------------
+def _split_at_loop(class_idx, cuts, K):
+    """The per-client loop the vectorised split replaced: piece k of each class, in class order, to client k."""
+    parts = [[] for _ in range(K)]
+    for idx, cut in zip(class_idx, cuts):
+        for k, piece in enumerate(np.split(idx, cut)):
+            parts[k].extend(piece.tolist())
+    return parts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dirichlet_split_equals_the_per_client_loop(seed):
+    from fedfast.data.partition import _split_at
+    rng = np.random.default_rng(seed)
+    K, C = 7, 4
+    class_idx = [rng.permutation(rng.integers(0, 10**6, rng.integers(0, 40))) for _ in range(C)]
+    cuts = [np.sort(rng.integers(0, len(i) + 1, K - 1)) for i in class_idx]  # empty pieces and classes included
+    rows, offsets = _split_at(class_idx, cuts, K)
+    want = _split_at_loop(class_idx, cuts, K)
+    assert [rows[offsets[k]:offsets[k + 1]].tolist() for k in range(K)] == want
+
+
+def test_partitioners_build_the_compact_form_with_their_loops_draws():
+    """Each partitioner against its per-client loop written out (the same RNG stream): equal partitions."""
+    from fedfast.data import partition as P
+    rng = np.random.default_rng(0)
+    y, w = rng.integers(0, 10, 3000), rng.integers(0, 200, 3000)
+    # quantity skew: Dir sizes, consecutive pieces of one permutation
+    got = P.quantity_skew(y, 40, 0.5, seed=1, min_size=5)
+    r = np.random.default_rng(1)
+    p = r.dirichlet(0.5 * np.ones(40))
+    sizes = 5 + np.floor(p * (3000 - 200)).astype(int)
+    sizes[: 3000 - sizes.sum()] += 1
+    want = np.split(r.permutation(3000), np.cumsum(sizes)[:-1])
+    assert [i.tolist() for i in got.indices] == [a.tolist() for a in want]
+    # writers into 13 groups: array_split of a permutation of the writers
+    got = P.by_writer(w, 13, seed=3, labels=y)
+    ids, inv = np.unique(w, return_inverse=True)
+    groups = np.empty(len(ids), dtype=np.int64)
+    for g, chunk in enumerate(np.array_split(np.random.default_rng(3).permutation(len(ids)), 13)):
+        groups[chunk] = g
+    assert [i.tolist() for i in got.indices] == [np.flatnonzero(groups[inv] == k).tolist() for k in range(13)]
+    # LDA: each accepted draw's pieces, each client's samples shuffled in client order
+    got = P.dirichlet_lda(y, 20, 0.5, seed=2, min_size=5)
+    r = np.random.default_rng(2)
+    by_class = [np.flatnonzero(y == c) for c in range(10)]
+    while True:
+        sizes, class_idx, cuts = np.zeros(20, dtype=np.int64), [], []
+        for idx in by_class:
+            idx = idx[r.permutation(len(idx))]
+            class_idx.append(idx)
+            cuts.append(P._class_cut(len(idx), sizes, 0.5, 3000 / 20, r))
+        if sizes.min() >= 5:
+            break
+    want = [r.permutation(np.array(b, dtype=np.int64)) for b in _split_at_loop(class_idx, cuts, 20)]
+    assert [i.tolist() for i in got.indices] == [a.tolist() for a in want]
+
+
+def test_a_million_writers_partition_without_a_loop_over_clients():
+    w = np.random.default_rng(0).integers(0, 10**6, 5 * 10**6)
+    t = time.perf_counter()
+    part = fedfast.data.by_writer(w)
+    took = time.perf_counter() - t
+    assert part.num_clients == len(np.unique(w)) and int(part.sizes.sum()) == 5 * 10**6
+    assert took < 10, f"by_writer of 1M writers took {took:.1f} s"
+    t = time.perf_counter()
+    fedfast.data.quantity_skew(np.zeros(5 * 10**6, dtype=np.int64), 10**6, 1.0, min_size=2)
+    assert time.perf_counter() - t < 10

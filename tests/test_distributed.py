@@ -18,6 +18,9 @@ CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(alpha=0.1)), ("fednt
          # aggregation weights, keep two rows per client or take SAM steps
          ("fedcurv", {}), ("fednova", dict(ccvr_server=True)), ("feddisco", {}), ("feddistill_plus", {}),
          ("fedgen", dict(hidden=16, server_steps=5)), ("fedspeed", dict(evaluated="all_clients")), ("fedsam", {})]
+# the per-client state in one memory-mapped file both ranks share: from the start, and moved there in round 2
+STORES = {"scaffold": dict(state_store="disk"), "fedcurv": dict(state_store="disk"),
+          "feddyn": dict(state_store="auto", state_memory_gb=7 * 677 * 4 / 2**30)}  # 677 parameters
 
 
 def _setup():
@@ -27,9 +30,9 @@ def _setup():
     return train, test, part, models.MLP(36, (16,), 5)
 
 
-def _cfg(algorithm, extra):
+def _cfg(algorithm, extra, **store):
     return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=3, local_epochs=1, batch_size=16,
-                             lr=0.05, seed=3, momentum=0.9, options=extra)
+                             lr=0.05, seed=3, momentum=0.9, options=extra, **store)
 
 
 def _worker(rank, world, port, out_dir):
@@ -47,6 +50,18 @@ def _worker(rank, world, port, out_dir):
             torch.save(dict(g=sim.global_flat, ev=sim.eval_flat, state=state, loss=hist[-1]["train_loss"],
                             acc=hist[-1]["test_accuracy"], test_loss=hist[-1]["test_loss"]),
                        os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
+        for algorithm, extra in CASES:
+            if algorithm not in STORES:
+                continue
+            train, test, part, model = _setup()
+            d = os.path.join(out_dir, f"store-{algorithm}")
+            os.makedirs(d, exist_ok=True)
+            sim = fedfast.Simulation(_cfg(algorithm, extra, **STORES[algorithm]), model, train, test, part,
+                                     process_group="default", val=test, state_dir=d)
+            sim.run()
+            st = sim.method.client_state
+            torch.save(dict(g=sim.global_flat, state=st.dense(), on_disk=st.on_disk),
+                       os.path.join(out_dir, f"{algorithm}-disk-{rank}.pt"))
     finally:
         dist.destroy_process_group()
     os._exit(0)  # results are saved: skip interpreter teardown, where gloo's threads occasionally abort the process
@@ -77,3 +92,11 @@ def test_two_ranks_equal_one_process(tmp_path):
         # the test set is split between the ranks and the sums all-reduced: the same evaluation as one process
         assert ranks[0]["acc"] == ranks[1]["acc"] == hist[-1]["test_accuracy"], algorithm
         assert abs(ranks[1]["test_loss"] - hist[-1]["test_loss"]) <= 1e-5 * hist[-1]["test_loss"], algorithm
+        if algorithm in STORES:  # the shared file: both ranks read the one-process state from it
+            disk = [torch.load(tmp_path / f"{algorithm}-disk-{r}.pt") for r in range(2)]
+            assert disk[0]["on_disk"] and disk[1]["on_disk"], algorithm
+            assert torch.equal(disk[0]["g"], ranks[0]["g"]) and torch.equal(disk[1]["g"], ranks[1]["g"]), algorithm
+            assert torch.equal(disk[0]["state"], disk[1]["state"]), algorithm
+            assert torch.equal(disk[0]["state"], ranks[0]["state"]), algorithm
+            assert sorted(os.listdir(tmp_path / f"store-{algorithm}")) == [
+                f"client-state-{algorithm}.rows", f"client-state-{algorithm}.stamps"]

@@ -387,8 +387,8 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
 
 
 def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
-    """A chunk or per-client state larger than the GPU is refused with fedfast.OutOfMemory naming the bytes and
-    the setting, not a CUDA allocator traceback."""
+    """A chunk larger than the GPU is refused with fedfast.OutOfMemory naming the bytes and the setting, not a CUDA
+    allocator traceback; per-client state for more clients than the GPU holds is not allocated up front."""
     import fedfast
     from fedfast import data
     from torch import nn
@@ -399,9 +399,11 @@ def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     big = fedfast.SimConfig(clients_per_round=4000, client_chunk=4000, batch_size=1)
     with pytest.raises(fedfast.OutOfMemory, match=r"client_chunk: 4000 clients.*GiB.*client_chunk = \d+"):
         fedfast.Simulation(big, model, train.to("cuda"), test.to("cuda"), part, device="cuda")
-    with pytest.raises(fedfast.OutOfMemory, match=r"scaffold: per-client state for 4000 clients.*state_on_host"):
-        fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train.to("cuda"),
-                           test.to("cuda"), part, device="cuda")
+    # per-client state of 4000 clients x 10.5M parameters (168 GB dense) holds rows only for the clients trained
+    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train.to("cuda"),
+                             test.to("cuda"), part, device="cuda")
+    st = sim.method.client_state
+    assert st.written == 0 and st.nbytes < 2 * st.row_bytes + st.slot_of.nbytes
 
 
 def test_gpu_bench_losses_against_the_authors_code():

@@ -36,6 +36,17 @@ CINIC_MEAN, CINIC_STD = (0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.238
 CINIC_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
+def _all_finite(x: Tensor) -> bool:
+    """No NaN or inf in ``x``: the min and max of 16M-value blocks (both NaN if one is; one host read per block,
+    no bool temporary). The rows at fault are found only if this says no."""
+    v = x.reshape(-1)
+    for s in range(0, len(v), 1 << 24):
+        lo, hi = torch.aminmax(v[s:s + (1 << 24)])
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return False
+    return True
+
+
 @dataclass
 class ArrayDataset:
     """Samples ``x`` and labels ``y`` [N] int64: images [N, C, H, W] (uint8 0..255, or float16/float32 already
@@ -75,7 +86,7 @@ class ArrayDataset:
             raise ValueError(f"y: labels must lie in [0, {self.num_classes}) for {self.num_classes} classes, got "
                              f"{int(self.y.min())}..{int(self.y.max())}")
         self._check_normalisation()
-        if self.x.is_floating_point() and len(self.x):
+        if self.x.is_floating_point() and len(self.x) and not _all_finite(self.x):
             flat = self.x.reshape(len(self.x), -1)
             bad = torch.empty(len(flat), dtype=torch.bool, device=flat.device)
             step = max(1, (1 << 22) // max(flat.shape[1], 1))  # 4M values at a time: no full-size temporary
@@ -118,6 +129,10 @@ class ArrayDataset:
         return "images" if self.x.dim() == 4 else "rows" if self.x.dim() == 2 else "samples"
 
     def to(self, device) -> "ArrayDataset":
+        """The dataset on ``device`` (itself if it is there already: nothing copied or checked again)."""
+        d = torch.device(device)
+        if self.x.device == d and self.y.device == d and (self.groups is None or self.groups.device == d):
+            return self
         return dataclasses.replace(self, x=self.x.to(device), y=self.y.to(device))
 
     def subset(self, idx) -> "ArrayDataset":

@@ -177,7 +177,11 @@ def _owner(offsets: np.ndarray, pos) -> int:
 
 
 def _check_disjoint(rows: np.ndarray, offsets: np.ndarray) -> None:
-    """Each sample in one client's indices, once; ValueError naming the first sample held twice and by whom."""
+    """Each sample in one client's indices, once; ValueError naming the first sample held twice and by whom. One
+    bincount when the indices are dense enough (O(N)); the sort that names the culprits only when one is found."""
+    if len(rows) and int(rows.max()) < 4 * len(rows) + 1024 and \
+            int(np.bincount(rows, minlength=0).max(initial=0)) <= 1:
+        return
     order = np.argsort(rows, kind="stable")
     srt = rows[order]
     dup = np.flatnonzero(srt[1:] == srt[:-1])
@@ -207,9 +211,25 @@ def _check_positive(name: str, v: float):
         raise ValueError(f"{name}: must be > 0, got {v}")
 
 
-def _make(parts, y, method) -> Partition:
-    C = int(y.max()) + 1
-    return Partition([np.asarray(p, dtype=np.int64) for p in parts], C, torch.from_numpy(y), method)
+def _csr(parts) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client index arrays (a partitioner's draws, made one client at a time) joined into ``rows`` and
+    ``offsets``."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts)), out=offsets[1:])
+    return np.concatenate(parts).astype(np.int64, copy=False), offsets
+
+
+def _make(rows: np.ndarray, offsets: np.ndarray, y: np.ndarray, method: str) -> Partition:
+    return Partition.from_csr(rows, offsets, int(y.max()) + 1, torch.from_numpy(y), method)
+
+
+def _permute_each(rows: np.ndarray, offsets: np.ndarray, rng) -> np.ndarray:
+    """Each client's slice of ``rows`` in a random order (``rng.permutation`` per client, in client order: the
+    draws of a per-client loop)."""
+    out = np.empty_like(rows)
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        out[a:b] = rng.permutation(rows[a:b])
+    return out
 
 
 def iid(labels, num_clients: int, seed: int = 0) -> Partition:
@@ -240,20 +260,16 @@ def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) 
         size = len(idx) // per_class
         if size == 0:
             raise ValueError(f"shards_per_client: class {c} has {len(idx)} samples, fewer than its {per_class} shards")
-        pieces = [list(idx[i * size:(i + 1) * size]) for i in range(per_class)]
-        for j, extra in enumerate(idx[per_class * size:]):  # leftovers: one each to the first shards
-            pieces[j].append(extra)
-        class_shards.append(pieces)
+        extra = idx[per_class * size:]  # leftovers: one each to the first shards
+        class_shards.append([np.append(idx[i * size:(i + 1) * size], extra[i:i + 1]) for i in range(per_class)])
     shard_labels = np.array(list(range(C)) * per_class)
     rng.shuffle(shard_labels)
     shard_labels = shard_labels.reshape(K, s)
     parts = []
-    for k in range(K):
-        got = []
-        for c in shard_labels[k]:
-            got.extend(class_shards[c].pop(rng.integers(len(class_shards[c]))))
-        parts.append(rng.permutation(np.array(got, dtype=np.int64)))
-    return _make(parts, y, f"shards(s={s})")
+    for k in range(K):  # each client's s shards drawn in turn, then shuffled (FedNTD's code: one RNG stream)
+        got = np.concatenate([class_shards[c].pop(rng.integers(len(class_shards[c]))) for c in shard_labels[k]])
+        parts.append(rng.permutation(got))
+    return _make(*_csr(parts), y, f"shards(s={s})")
 
 
 def _class_cut(n: int, sizes: np.ndarray, alpha: float, cap: float, rng) -> np.ndarray:
@@ -267,13 +283,15 @@ def _class_cut(n: int, sizes: np.ndarray, alpha: float, cap: float, rng) -> np.n
     return cut
 
 
-def _split_at(class_idx: list, cuts: list, K: int) -> list:
-    """Each class's sample indices cut at its cut points, the k-th pieces joined as client k's samples."""
-    parts = [[] for _ in range(K)]
-    for idx, cut in zip(class_idx, cuts):
-        for k, piece in enumerate(np.split(idx, cut)):
-            parts[k].extend(piece.tolist())
-    return parts
+def _split_at(class_idx: list, cuts: list, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each class's sample indices cut at its cut points, the k-th pieces joined (in class order) as client k's
+    samples: ``(rows, offsets)``, by one stable sort on the client of each sample (no loop over clients)."""
+    owner = np.concatenate([np.repeat(np.arange(K), np.diff(cut, prepend=0, append=len(idx)))
+                            for idx, cut in zip(class_idx, cuts)])
+    order = np.argsort(owner, kind="stable")
+    offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=K), out=offsets[1:])
+    return np.concatenate(class_idx).astype(np.int64, copy=False)[order], offsets
 
 
 def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10,
@@ -294,8 +312,8 @@ def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
             class_idx.append(idx)
             cuts.append(_class_cut(len(idx), sizes, alpha, N / K, rng))
         if sizes.min() >= min_size:
-            parts = _split_at(class_idx, cuts, K)
-            return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"lda(alpha={alpha})")
+            rows, offsets = _split_at(class_idx, cuts, K)
+            return _make(_permute_each(rows, offsets, rng), offsets, y, f"lda(alpha={alpha})")
     raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} tries")
 
 
@@ -334,7 +352,8 @@ def dirichlet_balanced(labels, num_clients: int, delta: float, seed: int = 0) ->
         quota[k] -= 1
         if quota[k] == 0:
             open_clients.pop(j)
-    return _make([rng.permutation(np.array(b, dtype=np.int64)) for b in parts], y, f"balanced_dirichlet(delta={delta})")
+    return _make(*_csr([rng.permutation(np.array(b, dtype=np.int64)) for b in parts]), y,
+                 f"balanced_dirichlet(delta={delta})")
 
 
 def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, group: int = 10,
@@ -353,7 +372,7 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
     n_groups = int(np.ceil(K / group))
     chunks = np.array_split(order, n_groups)
     C = int(y.max()) + 1
-    parts = []
+    rows, offsets = [], [np.zeros(1, dtype=np.int64)]
     for gi, chunk in enumerate(chunks):
         kg = min(group, K - gi * group)
         target = len(chunk) / kg
@@ -366,9 +385,10 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
         else:
             raise ValueError(f"alpha: no draw met FedGKD's size floor (every client >= half the mean size) in "
                              f"{max_tries} tries; use more samples per client or a larger alpha")
-        batch = _split_at(by_class, cuts, kg)
-        parts.extend(rng.permutation(np.array(b, dtype=np.int64)) for b in batch)
-    return _make(parts, y, f"fedgkd_dirichlet(alpha={alpha})")
+        r, o = _split_at(by_class, cuts, kg)
+        rows.append(_permute_each(r, o, rng))
+        offsets.append(o[1:] + offsets[-1][-1])
+    return _make(np.concatenate(rows), np.concatenate(offsets), y, f"fedgkd_dirichlet(alpha={alpha})")
 
 
 def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10) -> Partition:
@@ -384,7 +404,7 @@ def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     sizes = min_size + np.floor(p * (N - K * min_size)).astype(int)
     sizes[: N - sizes.sum()] += 1
     perm = rng.permutation(N)
-    return _make(np.split(perm, np.cumsum(sizes)[:-1]), y, f"quantity_skew(alpha={alpha})")
+    return _make(perm, np.concatenate([[0], np.cumsum(sizes)]), y, f"quantity_skew(alpha={alpha})")
 
 
 def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=None,
@@ -403,16 +423,17 @@ def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=Non
         if not 1 <= int(num_clients) <= len(ids):
             raise ValueError(f"num_clients: must be in 1..{len(ids)} (the number of writers), got {num_clients}")
         perm = np.random.default_rng(seed).permutation(len(ids))
-        groups = np.empty(len(ids), dtype=np.int64)
-        for g, chunk in enumerate(np.array_split(perm, int(num_clients))):
-            groups[chunk] = g
+        K, n = int(num_clients), len(ids)
+        sizes = np.full(K, n // K, dtype=np.int64)  # np.array_split's groups of the shuffled writers
+        sizes[:n % K] += 1
+        groups = np.empty(n, dtype=np.int64)
+        groups[perm] = np.repeat(np.arange(K), sizes)
     client = groups[inv]
     order = np.argsort(client, kind="stable")
     bounds = np.searchsorted(client[order], np.arange(int(client.max()) + 2))
-    parts = [order[bounds[k]:bounds[k + 1]] for k in range(int(client.max()) + 1)]
     y = torch.from_numpy(_labels(labels)) if labels is not None else None
     C = num_classes if num_classes is not None else (int(y.max()) + 1 if y is not None else None)
-    return Partition([torch.from_numpy(p.astype(np.int64)) for p in parts], C, y, "by_writer")
+    return Partition.from_csr(order.astype(np.int64), bounds, C, y, "by_writer")
 
 
 def per_class_sample(labels, per_class: int, seed: int = 0) -> torch.Tensor:

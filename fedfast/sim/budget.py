@@ -58,6 +58,7 @@ def oom_message(what: str, key: str, *, next_round: int, memory_state: str, chun
             f"do not depend on it.")
     if key == "state_dtype":
         return head + ("The store holds a row for every client trained so far: state_dtype = 'bfloat16' halves it, "
-                       "state_on_host = true moves it to host memory, fewer rounds or a smaller cohort touch fewer "
-                       "clients.")
+                       "state_on_host = true moves it to host memory, state_store = 'disk' (or a lower "
+                       "state_memory_gb with state_store = 'auto') keeps the rows in a memory-mapped file of the run "
+                       "directory, fewer rounds or a smaller cohort touch fewer clients.")
     return head + f"Set eval_batch lower than {eval_batch} (rows per forward pass); results do not depend on it."

@@ -5,6 +5,7 @@ measured on two probe samples), how many clients a chunk holds, the per-client s
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -18,8 +19,9 @@ class MemoryBudget:
     """The memory budget of a run of ``method`` with the model ``runtime`` runs (:class:`ModelRuntime`) on
     ``device``."""
 
-    def __init__(self, cfg, method, runtime, device: torch.device):
+    def __init__(self, cfg, method, runtime, device: torch.device, state_dir: str | None = None, max_cohort: int = 1):
         self.cfg, self.method, self.runtime, self.device = cfg, method, runtime, device
+        self.state_dir, self.max_cohort = state_dir, max_cohort
         self._client_bytes = None
 
     def client_bytes(self) -> tuple[int, int]:
@@ -82,7 +84,13 @@ class MemoryBudget:
             raise ValueError(f"fill: {P} or {rows * P} values (a client's initial row), got {fill.numel()}")
         init = 0.0 if fill is None else (fill.repeat(rows) if fill.numel() == P else fill).detach().float().cpu()
         dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
+        limit = None
+        if c.state_store == "auto":  # the table's memory: state_memory_gb, else a quarter of its device's
+            where = torch.device("cpu") if c.state_on_host else self.device
+            limit = int(c.state_memory_gb * 2**30) if c.state_memory_gb else _free_bytes(where) // 4
         with self.guard(f"allocating the per-client state store of {self.method.name}", "state_dtype", next_round=1,
                         chunk=0):
             return ClientState(num_clients, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype,
-                               fill=init)
+                               fill=init, store=c.state_store, directory=self.state_dir, memory_budget=limit,
+                               name="client-state-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", self.method.name),
+                               max_rows=1 + min(num_clients, c.rounds * self.max_cohort))
