@@ -81,7 +81,7 @@ def case(K: int, per: int, algorithm: str, rounds: int, hidden: tuple, store: st
     st = sim.method.client_state
     return dict(K=K, samples_per_client=per, algorithm=algorithm, rounds=rounds, num_params=sim.num_params,
                 setup_s=t1 - t0, init_s=t2 - t1, first_round_s=times[0],
-                s_per_round=sum(times[1:]) / max(len(times) - 1, 1),
+                s_per_round=sum(times[1:]) / max(len(times) - 1, 1), round_s=[round(t, 4) for t in times],
                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 data_bytes=x.numel() * x.element_size() + y.numel() * y.element_size(),
                 state_bytes=st.nbytes if st is not None else 0, state_rows=st.written if st is not None else 0,
