@@ -406,6 +406,28 @@ def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     assert st.written == 0 and st.nbytes < 2 * st.row_bytes + st.slot_of.nbytes
 
 
+def test_gpu_state_store_in_pinned_memory_and_on_disk_equals_the_device_store(tmp_path):
+    """SCAFFOLD on the GPU with its per-client state on the device, in pinned host memory, and in the disk store's
+    file: the same global model and state, bit for bit."""
+    import fedfast
+    from fedfast import data, models
+    _cuda()
+    train, test = data.synthetic(3, 600, 60, (16,), seed=0)
+    part = data.iid(train.y, 40, seed=0)
+    out = []
+    for kw in (dict(state_store="memory"), dict(state_store="auto", state_on_host=True), dict(state_store="disk")):
+        torch.manual_seed(0)
+        cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=8, rounds=4, **kw)
+        sim = fedfast.Simulation(cfg, models.MLP(16, (32,), 3), train.to("cuda"), test.to("cuda"), part,
+                                 device="cuda", state_dir=str(tmp_path))
+        sim.run()
+        st = sim.method.client_state
+        assert st.on_disk == (kw["state_store"] == "disk") and st.pin == bool(kw.get("state_on_host"))
+        out.append((sim.global_flat.cpu(), st.dense().cpu()))
+    for g, d in out[1:]:
+        assert torch.equal(g, out[0][0]) and torch.equal(d, out[0][1])
+
+
 def test_gpu_bench_losses_against_the_authors_code():
     """fedfast bench --device cuda: the authors' code and fedfast agree on the GPU, and a run records times and the
     allocator's peak device memory."""

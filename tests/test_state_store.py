@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fedfast
+from fedfast import checkpoint
 from fedfast.cli import main
 from fedfast.flat import ClientState
 from fedfast.rowfile import RowFile
@@ -229,17 +230,25 @@ def _same_run(a, b):
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_a_kill_during_the_scatter_loses_nothing_and_resume_is_bit_exact(tmp_path):
+# "auto" with room for 12 rows of the MLP's 199,210 parameters: in memory for two rounds, then the file (round 3)
+STORES = {"disk": [], "auto": ["--set", "state_store=auto", "--set", "state_memory_gb=0.009"]}
+
+
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_a_kill_during_the_scatter_loses_nothing_and_resume_is_bit_exact(tmp_path, store):
+    args = [*ARGS, *STORES[store]]
     ref = tmp_path / "ref"
-    assert main(["run", *ARGS, "--set", "rounds=6", "--out", str(ref), "--quiet"]) == 0
+    assert main(["run", *args, "--set", "rounds=6", "--out", str(ref), "--quiet"]) == 0
     assert os.path.getsize(ref / "client-state-scaffold.rows") > 4096  # the rows are in the run's file
     marker = json.load(open(ref / ".fedfast-run.json"))
     assert {"client-state-scaffold.rows", "client-state-scaffold.stamps"} <= set(marker["files"])
     out = tmp_path / "killed"
-    p = subprocess.run([sys.executable, "-c", KILL_IN_SCATTER, "run", *ARGS, "--set", "rounds=6", "--out", str(out),
+    p = subprocess.run([sys.executable, "-c", KILL_IN_SCATTER, "run", *args, "--set", "rounds=6", "--out", str(out),
                         "--quiet"], capture_output=True, text=True)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert len(_metrics(out)) == 3  # killed inside round 4's scatter, after round 3's checkpoint
+    ck = checkpoint.load(str(out / "checkpoint.pt"))["state"]["method"]["client_state"]
+    assert "file" in ck and "rows" not in ck  # round 3's checkpoint refers to the file ("auto": moved there then)
     assert main(["run", "--resume", str(out), "--quiet"]) == 0
     _same_run(out, ref)
 

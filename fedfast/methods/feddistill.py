@@ -20,7 +20,8 @@ Readings. Public-code quirks not reproduced: the worker receives the global logi
 buffer, so its teacher stays all-zero (a uniform target); and its tracker is never reset, so it accumulates over
 every client and round the worker process simulated. fedfast implements the intended method: the client's own
 logits of the round, the others' means as the target. On a SAM step the tracked logits are the first pass's.
-State: ``A`` [K, C, C] (K x C^2 floats: 1 MB for 100 clients of CIFAR-100).
+State: ``A_k`` [C, C] per client in the per-client state store (``client_state``: rows for the clients that
+trained, zeros read for the others; 40 KB a client of CIFAR-100); ``sum_j A_j`` is the store's mean times K.
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import nn as fnn
-from .._io import host_to_device
 from . import register
 from .base import opt
 from .hooks import cross_entropy
@@ -53,7 +53,6 @@ class FedDistillPlus(FedAvg):
     paper = "Seo et al., Federated Knowledge Distillation, 2020 (FedDistill+, with parameter sharing, as Yao et al.)"
     max_grad_norm, max_grad_norm_source = 10.0, "CGCL-codes/FedGKD @72e7bac, pcode/workers/worker.py: clip 10"
     accepts_asd = False
-    state = ("logits",)
 
     @dataclass
     class Options:
@@ -66,14 +65,14 @@ class FedDistillPlus(FedAvg):
         e, o = self.engine, self.opts
         C = e.num_classes
         self.kd = fnn.KDLoss(tau=o.tau, kd_weight=o.coef, tau_squared=o.tau_squared, backend=e.backend)
-        self.logits = torch.zeros(e.num_clients, C, C, device=e.device)  # A_k: every client's latest upload
+        self.client_state = e.new_client_state(cols=C * C)  # A_k: every client's latest upload (zeros before)
 
     def round_start(self, ctx):
         e, C = self.engine, self.engine.num_classes
         K = e.num_clients
-        total = self.logits.sum(0)
-        self.target = (total - self.logits[ctx.sampled_t]) / max(K - 1, 1)  # G_k of this rank's clients [m, C, C]
-        ctx.reduce["logits"] = torch.zeros(ctx.num_total, C * C, device=e.device)  # new A rows by round position
+        total = self.client_state.mean() * K  # sum_j A_j
+        own = self.client_state.gather(ctx.sampled)
+        self.target = ((total - own) / max(K - 1, 1)).reshape(-1, C, C)  # G_k of this rank's clients [m, C, C]
 
     def chunk_start(self, ctx, lo, hi):
         C, n = self.engine.num_classes, hi - lo
@@ -94,10 +93,4 @@ class FedDistillPlus(FedAvg):
     def collect(self, ctx, out, lo, hi):
         C = self.engine.num_classes
         avg = ctx.chunk.sum / ctx.chunk.count[:, None]
-        ctx.reduce["logits"].index_copy_(0, ctx.positions[lo:hi], avg.reshape(hi - lo, C * C))
-
-    def server(self, ctx, avg):
-        C = self.engine.num_classes
-        ids = host_to_device(ctx.clients, self.engine.device)
-        self.logits[ids] = ctx.reduce["logits"].reshape(-1, C, C)
-        return super().server(ctx, avg)
+        ctx.new_rows[lo:hi] = avg.reshape(hi - lo, C * C)  # the engine stores them after the round

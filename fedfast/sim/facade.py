@@ -69,10 +69,12 @@ class EngineView:
     def predict(self, flat: torch.Tensor, dataset, idx: torch.Tensor | None = None, dtype=torch.float32):
         return self._sim.runtime.predict(flat, dataset, idx, dtype)
 
-    def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1) -> ClientState:
+    def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1, *,
+                         cols: int | None = None) -> ClientState:
         """Per-client state ``[K, rows * P]`` (``rows`` parameter-sized rows per client, e.g. FedCurv's Fisher and
-        Fisher-weighted model); ``fill`` [P] repeated into every row."""
-        return self._sim.budget.client_state(self.num_clients, fill, rows)
+        Fisher-weighted model); ``fill`` [P] repeated into every row; ``cols``: rows of ``cols`` values instead
+        (``fill`` then [cols])."""
+        return self._sim.budget.client_state(self.num_clients, fill, rows, cols=cols)
 
     def head_params(self, params) -> tuple:
         return self._sim.runtime.head_params(params)

@@ -73,11 +73,16 @@ class MemoryBudget:
                 raise
             raise OutOfMemory(self.oom_message(what, key, next_round=next_round, chunk=chunk)) from None
 
-    def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1) -> ClientState:
-        """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each, in the settings' dtype
-        and place (:class:`fedfast.flat.ClientState`: rows held for the clients written only); ``fill``: a
-        client's initial value, [P] (repeated ``rows`` times) or [rows * P]."""
+    def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1, *,
+                     cols: int | None = None) -> ClientState:
+        """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each (or ``cols`` values), in
+        the settings' dtype and place (:class:`fedfast.flat.ClientState`: rows held for the clients written only);
+        ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols])."""
         c, P = self.cfg, self.runtime.num_params
+        if cols is not None:
+            if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1 or rows != 1:
+                raise ValueError(f"cols: a positive number of values per client (without rows), got {cols!r}")
+            P = cols
         if not (isinstance(rows, int) and rows >= 1):
             raise ValueError(f"rows: a positive number of parameter-sized rows per client, got {rows!r}")
         if fill is not None and fill.numel() not in (P, rows * P):
