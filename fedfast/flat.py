@@ -535,13 +535,18 @@ class ClientState:
         # old and new are held at once), never past ``max_rows``
         cap_rows = self.max_rows if self.memory_budget is None else min(self.max_rows, self.memory_budget //
                                                                          self.row_bytes)
-        if self.store_device.type == "cpu" and not self.pin and cap_rows * self.row_bytes <= _physical_bytes():
-            new = max(need, cap_rows)
-        else:
+        grown = None
+        if self.store_device.type == "cpu" and not self.pin and need <= cap_rows and \
+                cap_rows * self.row_bytes <= _physical_bytes():
+            try:
+                grown = self._alloc(cap_rows)
+            except RuntimeError:  # no room to reserve (a strict overcommit policy): grow as needed instead
+                grown = None
+        if grown is None:
             new = max(need, min(2 * cap if cap * self.row_bytes < 2**26 else cap + cap // 4, self.max_rows))
-        if self.store == "auto" and self.memory_budget is not None:
-            new = max(need, min(new, self.memory_budget // self.row_bytes))
-        grown = self._alloc(new)
+            if self.store == "auto" and self.memory_budget is not None:
+                new = max(need, min(new, self.memory_budget // self.row_bytes))
+            grown = self._alloc(new)
         grown[:self.used] = self.table[:self.used]
         self.table = grown
 
@@ -640,9 +645,9 @@ class ClientState:
                              f"values, expected {self.num_clients} x ({self.cols},)")
         a = self._ids(ids)
         self._reset(state["init"])
-        for s in range(0, len(a), 4096):  # through the store's own growth (a large state goes to the file)
-            part = a[s:s + 4096]
-            slots = self.allocate(part)
+        for s in range(0, len(a), 4096):  # through the store's own growth, in memory as it was checkpointed (a
+            part = a[s:s + 4096]  # move to the file is the next scatter's: all processes of a group decide it)
+            slots = self.allocate(part, spill=False)
             self.write(slots, rows[s:s + 4096].float())
             self.assign(part, slots)
         self.commit_seq = self.seq

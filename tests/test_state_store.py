@@ -143,6 +143,16 @@ def test_auto_moves_to_the_file_past_its_limit_with_the_rows_so_far(tmp_path):
         assert st.on_disk == (r >= 4) and torch.equal(st.dense(), ref)
     assert st.nbytes == st.slot_of.nbytes + st.free.nbytes + st.pending.nbytes  # the table left memory
     assert st.file_bytes == st.used * P * 4
+    # a checkpoint of rows in memory loads into memory (every process alike); the next scatter moves them
+    mem = ClientState(K, P, store="memory")
+    mem.scatter_(np.arange(12), ref[:12])
+    os.makedirs(tmp_path / "b")
+    back = ClientState(K, P, store="auto", directory=str(tmp_path / "b"), memory_budget=10 * P * 4)
+    back.load_state_dict(mem.state_dict())
+    assert not back.on_disk and torch.equal(back.dense(), mem.dense())
+    back.scatter_([30], torch.ones(1, P))
+    assert back.on_disk and torch.equal(back.gather(np.arange(12)), ref[:12]) and torch.equal(
+        back.gather([30]), torch.ones(1, P))
 
 
 def _rss() -> int:
