@@ -524,6 +524,7 @@ class ClientState:
     def _grow(self, need: int) -> None:
         if self.file is not None:
             self.file.grow(need)
+            self.file.reserve(self.used, need)
             self.table = self.file.rows
             return
         cap = self.table.shape[0]
@@ -561,6 +562,7 @@ class ClientState:
             weakref.finalize(self, shutil.rmtree, self._tmp, True)
             directory = self._tmp
         f = RowFile.create(os.path.join(directory, self.name), self.cols, self.dtype, max(self.used, 1))
+        f.reserve(0, self.used)
         for s in range(0, self.used, 4096):  # blocks: no second full-size table
             e = min(self.used, s + 4096)
             f.rows[s:e] = self.table[s:e].cpu()

@@ -13,6 +13,7 @@ or against another file, is refused instead of reading garbage. Several processe
 grows it, the others :meth:`follow` its size)."""
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -20,6 +21,8 @@ import uuid as _uuid
 
 import numpy as np
 import torch
+
+from ._io import WriteError
 
 HEADER = 4096
 MAGIC = b"FEDFAST-ROWS 1\n"
@@ -51,10 +54,13 @@ class RowFile:
         uid = _uuid.uuid4().hex
         head = MAGIC + json.dumps({"uuid": uid, "cols": int(cols), "dtype": _NAMES[dtype]}).encode() + b"\n"
         rows_path, stamps_path = base + ".rows", base + ".stamps"
-        with open(rows_path, "wb") as f:
-            f.write(head.ljust(HEADER, b"\0"))
-        with open(stamps_path, "wb"):
-            pass
+        try:
+            with open(rows_path, "wb") as f:
+                f.write(head.ljust(HEADER, b"\0"))
+            with open(stamps_path, "wb"):
+                pass
+        except OSError as e:
+            raise WriteError(getattr(e, "filename", None) or rows_path, e) from None
         f = cls(base, cols, dtype, uid)
         f.grow(rows)
         return f
@@ -111,6 +117,23 @@ class RowFile:
         os.truncate(rows_path, HEADER + n * self.row_bytes)  # sparse: pages never written take no disk
         os.truncate(stamps_path, n * 8)
         self._remap()
+
+    def reserve(self, start: int, stop: int) -> None:
+        """Disk blocks for rows ``[start, stop)`` and their stamps before they are written (``posix_fallocate``):
+        a full disk or quota is then a :class:`fedfast._io.WriteError` naming the file here, not a SIGBUS when a
+        write through the mapping finds no block. A file system that cannot reserve: nothing reserved."""
+        if stop <= start:
+            return
+        for path, off, size in ((self.paths[0], HEADER + start * self.row_bytes, (stop - start) * self.row_bytes),
+                                (self.paths[1], start * 8, (stop - start) * 8)):
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, off, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise WriteError(path, e) from None
+            finally:
+                os.close(fd)
 
     def follow(self, rows: int) -> None:
         """Map at least ``rows`` rows another process grew the files to."""

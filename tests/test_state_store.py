@@ -205,6 +205,21 @@ def test_the_python_api_without_a_directory_keeps_the_file_temporary_and_checkpo
     assert not os.path.exists(tmp)  # the temporary directory goes with the store
 
 
+def test_a_full_disk_while_the_file_grows_is_a_write_error_naming_it(tmp_path, monkeypatch):
+    """The rows a round writes get their disk blocks first (posix_fallocate): a full disk is a WriteError naming the
+    file there, never a SIGBUS from a write through the mapping."""
+    from fedfast._io import WriteError
+    st = ClientState(K, P, store="disk", directory=str(tmp_path))
+    st.scatter_(np.arange(3), torch.ones(3, P))
+
+    def full(fd, off, size):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(WriteError, match=r"client-state.rows: could not be written \(No space left on device"):
+        st.scatter_(np.arange(3, 40), torch.ones(37, P))
+    assert st.written == 3 and torch.equal(st.gather([0, 5]), torch.tensor([[1.0] * P, [0.0] * P]))
+
+
 # -- runs: the CLI with the store forced to disk -----------------------------------------------------------------
 ARGS = ["--set", "dataset=synthetic", "--set", "num_clients=20", "--set", "clients_per_round=5", "--set",
         "algorithm=scaffold", "--set", "local_epochs=1", "--set", "batch_size=20", "--set", "model=mlp",
@@ -259,6 +274,27 @@ def test_a_kill_during_the_scatter_loses_nothing_and_resume_is_bit_exact(tmp_pat
     assert len(_metrics(out)) == 3  # killed inside round 4's scatter, after round 3's checkpoint
     ck = checkpoint.load(str(out / "checkpoint.pt"))["state"]["method"]["client_state"]
     assert "file" in ck and "rows" not in ck  # round 3's checkpoint refers to the file ("auto": moved there then)
+    assert main(["run", "--resume", str(out), "--quiet"]) == 0
+    _same_run(out, ref)
+
+
+def test_a_run_whose_state_file_meets_a_full_disk_stops_naming_it_and_resumes(tmp_path, monkeypatch, capsys):
+    ref, out = tmp_path / "ref", tmp_path / "full"
+    assert main(["run", *ARGS, "--set", "rounds=4", "--out", str(ref), "--quiet"]) == 0
+    real, calls = os.posix_fallocate, {"n": 0}
+
+    def full(fd, off, size):
+        calls["n"] += 1
+        if calls["n"] > 4:  # the file made and round 1's rows reserved (rows and stamps each); then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(fd, off, size)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    capsys.readouterr()
+    assert main(["run", *ARGS, "--set", "rounds=4", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "client-state-scaffold.rows: could not be written (No space left on device); the run's files up to its " \
+           "checkpoint of round 1 are intact" in err, err
+    monkeypatch.setattr(os, "posix_fallocate", real)
     assert main(["run", "--resume", str(out), "--quiet"]) == 0
     _same_run(out, ref)
 
