@@ -90,15 +90,42 @@ def case(K: int, per: int, algorithm: str, rounds: int, hidden: tuple, store: st
                 final_test_accuracy=sim.history[-1]["test_accuracy"])
 
 
+def scatter_repeat(stores: int = 3, rounds: int = 10) -> list:
+    """The disk store's scatter alone: ``stores`` stores one after another in this process (each removed before the
+    next), each taking ``rounds`` scatters of 1000 new clients' rows of 55,050 fp32 values (220 MB) into its file;
+    the median seconds per scatter of each store (the first pays for page-cache memory the machine never used)."""
+    import shutil
+    import numpy as np
+    from fedfast.flat import ClientState
+    rows, out = torch.randn(COHORT, 55_050), []
+    for _ in range(stores):
+        d = tempfile.mkdtemp(prefix="fedfast-bench-scatter-")
+        st = ClientState(1_000_000, rows.shape[1], store="disk", directory=d, max_rows=1 + rounds * COHORT)
+        rng, times = np.random.default_rng(0), []
+        for _ in range(rounds):
+            ids = rng.choice(1_000_000, COHORT, replace=False)
+            t = time.perf_counter()
+            st.scatter_(ids, rows)
+            times.append(time.perf_counter() - t)
+        out.append(float(np.median(times[2:])))
+        del st
+        shutil.rmtree(d)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
     ap.add_argument("--max-k", type=int, default=10_000_000, help="skip cases with more clients")
     ap.add_argument("--_case", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="run only the cases of this method")
+    ap.add_argument("--scatter", action="store_true", help="only time the disk store's scatter (scatter_repeat)")
     a = ap.parse_args(argv)
     if a._case:
         print(json.dumps(case(*json.loads(a._case))))
+        return 0
+    if a.scatter:
+        print(json.dumps({"median_s_per_scatter": scatter_repeat()}))
         return 0
     res = dict(benchmark="population", machine=machine("cpu"), command=" ".join(sys.argv), rows=[])
     for K, per, alg, rounds, hidden, store in CASES:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from .batched import plan
-from .rowfile import RowFile
+from .rowfile import RowFile, paths_of
 
 
 
@@ -426,10 +426,7 @@ class ClientState:
 
     def file_paths(self) -> tuple[str, str] | tuple:
         """The paths of the rows and stamps files in ``directory`` (whether made yet or not); () without one."""
-        if self.directory is None:
-            return ()
-        base = os.path.join(self.directory, self.name)
-        return base + ".rows", base + ".stamps"
+        return () if self.directory is None else paths_of(os.path.join(self.directory, self.name))
 
     def _ids(self, ids) -> np.ndarray:
         a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
@@ -568,8 +565,11 @@ class ClientState:
             f.rows[s:e] = self.table[s:e].cpu()
         f.stamps[:self.used] = self.seq
         self.commit_seq = -1  # no checkpoint refers to the file yet: a superseded row is free at once
-        self.file, self.table, self.store_device = f, f.rows, torch.device("cpu")
-        self.pin = False
+        self._use(f)
+
+    def _use(self, f: RowFile) -> None:
+        """The table is the file's rows from now on (host memory: the mapping)."""
+        self.file, self.table, self.store_device, self.pin = f, f.rows, torch.device("cpu"), False
 
     def attach(self, uid: str | None = None) -> None:
         """Map the file another process made (the table moves there; ``uid``: the file it must be)."""
@@ -577,8 +577,7 @@ class ClientState:
             if self.directory is None:
                 raise ValueError("directory: a store shared by several processes keeps its file in a directory they "
                                  "all see (a run directory)")
-            self.file = RowFile.open(os.path.join(self.directory, self.name), self.cols, self.dtype, uid)
-            self.table, self.store_device, self.pin = self.file.rows, torch.device("cpu"), False
+            self._use(RowFile.open(os.path.join(self.directory, self.name), self.cols, self.dtype, uid))
 
     def follow(self, slots: np.ndarray) -> None:
         """Map the file as far as rows ``slots`` (grown by the process that allocated them)."""
@@ -688,7 +687,8 @@ class ClientState:
             raise ValueError(f"{f.paths[0]}: the rows of {len(stale)} client(s) (e.g. client {int(ids[stale[0]])}) "
                              f"were overwritten after this checkpoint was taken: only the run's newest checkpoint "
                              f"can be resumed")
-        self.file, self._tmp, self.table, self.store_device, self.pin = f, None, f.rows, torch.device("cpu"), False
+        self._tmp = None
+        self._use(f)
         self.slot_of[:] = 0
         self.slot_of[ids] = slots
         self.used, self.seq, self._written = used, int(state["seq"]), len(ids)

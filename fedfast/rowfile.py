@@ -30,6 +30,11 @@ _NP = {torch.float32: np.float32, torch.bfloat16: np.uint16}
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
+def paths_of(base: str) -> tuple[str, str]:
+    """The row file and the stamp file of the store at ``base``."""
+    return base + ".rows", base + ".stamps"
+
+
 class RowFile:
     """The row and stamp files at ``base`` (a path without suffix), mapped. Use :meth:`create` or :meth:`open`."""
 
@@ -44,7 +49,7 @@ class RowFile:
 
     @property
     def paths(self) -> tuple[str, str]:
-        return self.base + ".rows", self.base + ".stamps"
+        return paths_of(self.base)
 
     @classmethod
     def create(cls, base: str, cols: int, dtype: torch.dtype, rows: int) -> "RowFile":
@@ -53,7 +58,7 @@ class RowFile:
             raise TypeError(f"dtype: the state file holds float32 or bfloat16 rows, got {dtype}")
         uid = _uuid.uuid4().hex
         head = MAGIC + json.dumps({"uuid": uid, "cols": int(cols), "dtype": _NAMES[dtype]}).encode() + b"\n"
-        rows_path, stamps_path = base + ".rows", base + ".stamps"
+        rows_path, stamps_path = paths_of(base)
         try:
             with open(rows_path, "wb") as f:
                 f.write(head.ljust(HEADER, b"\0"))
@@ -69,7 +74,7 @@ class RowFile:
     def open(cls, base: str, cols: int, dtype: torch.dtype, uid: str | None) -> "RowFile":
         """The existing files at ``base``; ValueError if they are missing or not the store ``uid`` describes (None:
         any store of ``cols`` ``dtype`` values)."""
-        path = base + ".rows"
+        path = paths_of(base)[0]
         try:
             with open(path, "rb") as f:
                 head = f.read(HEADER)

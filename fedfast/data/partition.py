@@ -85,9 +85,7 @@ class Partition:
                     raise ValueError(f"indices: client {k}: expected a 1-d array of integer sample indices, got "
                                      f"shape {a.shape} and dtype {a.dtype}")
                 parts.append(a.astype(np.int64, copy=False))
-            offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-            np.cumsum([len(p) for p in parts], out=offsets[1:])
-            rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            rows, offsets = _csr(parts)
         self._set(rows, offsets, num_classes, labels, method, overlapping, "indices")
 
     @classmethod

@@ -68,16 +68,13 @@ class FedDistillPlus(FedAvg):
         self.client_state = e.new_client_state(cols=C * C)  # A_k: every client's latest upload (zeros before)
 
     def round_start(self, ctx):
-        e, C = self.engine, self.engine.num_classes
-        K = e.num_clients
-        total = self.client_state.mean() * K  # sum_j A_j
-        own = self.client_state.gather(ctx.sampled)
-        self.target = ((total - own) / max(K - 1, 1)).reshape(-1, C, C)  # G_k of this rank's clients [m, C, C]
+        self.total = self.client_state.mean() * self.engine.num_clients  # sum_j A_j [C * C]
 
     def chunk_start(self, ctx, lo, hi):
-        C, n = self.engine.num_classes, hi - lo
+        C, n, K = self.engine.num_classes, hi - lo, self.engine.num_clients
+        target = (self.total - ctx.rows[lo:hi]) / max(K - 1, 1)  # G_k = (sum_j A_j - A_k) / (K - 1); ctx.rows: A_k
         return _Logits(torch.zeros(n * C, C, device=self.engine.device), torch.ones(n * C, device=self.engine.device),
-                       self.target[lo:hi].reshape(n * C, C))
+                       target.reshape(n * C, C))
 
     def loss(self, ctx, b):
         C = self.engine.num_classes
