@@ -6,17 +6,17 @@ convolution, but moves the client dimension between layers with copies and build
 per-parameter slices with a full-size zero fill per parameter. This executor traces the model once with
 ``torch.fx`` into a small program and runs it with the activations in the grouped layout ``[B, n*C, H, W]`` for
 the convolutional part (convolution = one grouped ``conv2d``, or batched GEMMs: ``Plan.conv``; GroupNorm = one
-GroupNorm with ``n*G`` groups; BatchNorm with batch statistics = one ``batch_norm`` over ``n*C`` channels, i.e.
-each client's own statistics;
-ReLU, pooling, dropout and residual additions elementwise on that layout) and ``[n, B, F]`` for the dense part
+GroupNorm with ``n*G`` groups; BatchNorm = :func:`fedfast.ops.client_batch_norm` over ``n*C`` channels, i.e.
+each client's own statistics over its valid rows (not the padding of a partial minibatch), each client's running
+buffers read in eval mode and updated by a local step's forward; ReLU, pooling, dropout and residual additions elementwise on that layout) and ``[n, B, F]`` for the dense part
 (Linear = one ``baddbmm``), so the only layout changes are at the input and where the model flattens or
 average-pools to a vector.
 
 Supported, as modules or functions: Conv2d (``padding_mode='zeros'``, numeric padding), Linear, ReLU, LeakyReLU,
 Tanh, Sigmoid, GELU, Identity, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Flatten (from dim 1), Dropout,
-GroupNorm, BatchNorm1d/2d without running statistics (``track_running_stats=False``), ``x + y`` (residual),
+GroupNorm, BatchNorm1d/2d (with or without running statistics), ``x + y`` (residual),
 ``torch.relu`` / ``F.relu``, ``torch.flatten(x, 1)`` / ``x.flatten(1)`` / ``x.view(x.size(0), -1)``,
-``x.mean((2, 3))`` (global average pooling). Anything else (running statistics, attention, custom functions):
+``x.mean((2, 3))`` (global average pooling). Anything else (attention, custom functions):
 :func:`plan` returns ``(None, reason)`` and the engine uses vmap, with a warning saying why. Results equal the
 per-client modules up to floating point summation order (the engine checks this on a probe batch).
 """
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops.client_batch_norm import client_batch_norm
 from .ops.client_conv import client_conv2d
 from .ops.conv_cpu import PointwiseConv2d, conv2d
 
@@ -58,13 +59,14 @@ class Plan(list):
     conv = "grouped"
     channels_last: bool | None = None
 
-    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None):
+    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None, *,
+                buffers: dict | None = None, valid: Tensor | None = None, update: bool = False):
         """:func:`batched_forward` of this program (the executors' common call, as
         :meth:`fedfast.grouped.GroupedPlan.forward`)."""
         cl = self.channels_last
         if cl is None:
             cl = x.device.type == "cpu" or self.conv == "triton"
-        return batched_forward(self, params, x, training, features, cl)
+        return batched_forward(self, params, x, training, features, cl, buffers=buffers, valid=valid, update=update)
 
 
 def _module_ok(m: nn.Module) -> str:
@@ -74,8 +76,6 @@ def _module_ok(m: nn.Module) -> str:
         return "a Conv2d with non-zero or string padding"
     if isinstance(m, nn.Flatten) and (m.start_dim != 1 or m.end_dim != -1):
         return "a Flatten that is not from dim 1"
-    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and m.track_running_stats:
-        return "BatchNorm with running statistics (use track_running_stats=False or GroupNorm)"
     return ""
 
 
@@ -245,7 +245,8 @@ def _input_layout(x: Tensor, dense_input: bool, cl: bool):
 
 
 def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dict, n: int, B: int, training: bool,
-                  conv: str, cl: bool, dense):
+                  conv: str, cl: bool, dense, buffers: dict | None = None, valid: Tensor | None = None,
+                  update: bool = False):
     """One layer for all n clients at once, with each client's own parameters; returns (output, grouped)."""
     nhwc = torch.channels_last
     if isinstance(m, nn.Conv2d):
@@ -262,15 +263,21 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dic
         w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
         h = F.group_norm(h, n * m.num_groups, None if w is None else w.reshape(-1),
                          None if b is None else b.reshape(-1), m.eps)
-    elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # batch statistics per client and channel
+    elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # per client: its statistics, weights, running buffers
+        run = {}
+        if m.running_mean is not None:
+            if buffers is None or f"{name}.running_mean" not in buffers:
+                raise ValueError(f"model: BatchNorm {name!r} keeps running statistics; the forward needs its buffers")
+            run = dict(running_mean=buffers[f"{name}.running_mean"], running_var=buffers[f"{name}.running_var"],
+                       num_batches_tracked=buffers.get(f"{name}.num_batches_tracked"))
+        kw = dict(valid=valid, use_batch_stats=training or not run, update=bool(update and training and run),
+                  momentum=m.momentum, eps=m.eps, **run)
         w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-        w = None if w is None else w.reshape(-1)
-        b = None if b is None else b.reshape(-1)
         if grouped:
-            h = F.batch_norm(h, None, None, w, b, True, 0.0, m.eps)
+            h = client_batch_norm(h, n, w, b, **kw)
         else:  # [n, B, F] -> [B, n*F]
             Fd = h.shape[-1]
-            h = F.batch_norm(h.transpose(0, 1).reshape(B, n * Fd), None, None, w, b, True, 0.0, m.eps)
+            h = client_batch_norm(h.transpose(0, 1).reshape(B, n * Fd), n, w, b, **kw)
             h = h.reshape(B, n, Fd).transpose(0, 1)
     elif isinstance(m, nn.Flatten):
         h, grouped = dense(h, grouped), False
@@ -288,9 +295,12 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dic
 
 
 def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, features: nn.Module | None = None,
-                    channels_last: bool | None = None):
+                    channels_last: bool | None = None, *, buffers: dict | None = None, valid: Tensor | None = None,
+                    update: bool = False):
     """Run the program from :func:`plan` for n clients: ``params[name.weight]`` is ``[n, *shape]``, ``x`` is
-    ``[n, B, ...]``. Returns ``[n, B, out]`` (or ``(input of features [n, B, d], out)``)."""
+    ``[n, B, ...]``. Returns ``[n, B, out]`` (or ``(input of features [n, B, d], out)``). ``buffers``:
+    ``{name: [n, *shape]}`` (BatchNorm's running statistics); ``valid`` [n, B]: the rows that enter BatchNorm's
+    batch statistics (None: all); ``update``: a training forward updates the running buffers in place."""
     n, B = x.shape[0], x.shape[1]
     feat = None
     # CPU: oneDNN convolution and pooling are much faster in NHWC (a 2x2 max-pool: ~10x); a convolution whose
@@ -336,7 +346,8 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
         m, name = s.module, s.name
         if m is features:
             feat = h if not grouped else h.reshape(B, n, -1).transpose(0, 1)
-        h, grouped = _apply_module(m, name, h, grouped, params, n, B, training, conv, cl, dense)
+        h, grouped = _apply_module(m, name, h, grouped, params, n, B, training, conv, cl, dense, buffers, valid,
+                                   update)
         vals[i] = (h, grouped)
     h, grouped = out
     if grouped:  # [B, n*C, H, W] -> [n, B, C, H, W]

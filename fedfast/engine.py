@@ -35,7 +35,6 @@ import time
 import warnings
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +47,8 @@ from .data.partition import Partition
 from .flat import find_classifier
 from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
+from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers, local_statistics_store,
+                          restore_local_statistics)
 from .sim.evaluation import Evaluator, forgetting
 from .sim.facade import EngineView
 from .sim.inputs import check_inputs
@@ -158,7 +159,8 @@ class Simulation:
                 rt.find_classifier(found)
         self.budget = MemoryBudget(c, self.method, rt, self.device, state_dir, self.plan.max_cohort())
         self.evaluator = Evaluator(c, rt, self.comm, self.test, self.validation)
-        self.state = RunState.start(rt.initial, rt.initial, c.seed)
+        self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
+        self.client_buffers = local_statistics_store(c, rt, self.budget, self.num_clients)  # bn_stats = "local"
         self.engine = EngineView(self)  # all a method may touch of the engine
         self.method.bind(self.engine)
         self.state.eval_flat = self._evaluated(rt.initial)
@@ -170,22 +172,7 @@ class Simulation:
         with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
             self.trainer = ChunkTrainer(c, self.method, rt, self.plan, chunk=self.chunk, device=self.device,
                                         loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
-        self._warn_batch_statistics()
-
-    def _warn_batch_statistics(self) -> None:
-        """Where a model that normalises with batch statistics cannot equal a per-client loop: say so once."""
-        c = self.cfg
-        if not self.runtime.batch_stats:
-            return
-        if self._uses_teacher and c.teacher == "cache":
-            warnings.warn("teacher: the model normalises with batch statistics, so cached teacher logits (computed "
-                          "in large evaluation batches) differ from a per-client loop's teacher; teacher='online' "
-                          "runs the teacher on each client's own batch.", stacklevel=3)
-        if (self.plan.client_sizes % c.batch_size).any() and not c.drop_last:
-            warnings.warn("model: it normalises with batch statistics (BatchNorm/InstanceNorm) and some clients' last "
-                          "minibatch is partial; the engine pads those batches to batch_size, so the padding rows "
-                          "enter that batch's statistics (a per-client loop would not). Use GroupNorm, or client "
-                          "sizes divisible by batch_size, for results equal to the sequential loop.", stacklevel=3)
+        check_batch_norm(c, self.runtime, self.plan, self._uses_teacher)
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
     @property
@@ -235,6 +222,7 @@ class Simulation:
         if not isinstance(spec, TeacherSpec):
             raise HookError(f"{hook_site(self.method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
                             f"got {type(spec).__name__}")
+        check_teacher_buffers(spec, self.runtime.num_buffers, self.method)
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self.engine)
         idx = host_to_device(self.plan.cohort_rows(ctx.sampled)[0], self.device)
@@ -255,10 +243,10 @@ class Simulation:
             self.trainer.sync()
         timers["teacher"] = time.perf_counter() - t1
         with self._memory(f"local training of a chunk of {self.chunk} clients", "client_chunk"):
-            avg_sum, loss_sum, t_local, t_agg = self._local(ctx, teacher, step_rows)
+            avg_sum, loss_sum, bufs, t_local, t_agg = self._local(ctx, teacher, step_rows)
         t1 = time.perf_counter()
         try:
-            self._server(ctx, avg_sum, loss_sum, totals["weight"])
+            self._server(ctx, avg_sum, loss_sum, totals["weight"], bufs)
         except ops.NonFiniteUpdate:
             raise Diverged(st.round + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
@@ -283,7 +271,8 @@ class Simulation:
         what = []
         if not math.isfinite(rec["train_loss"]):
             what.append("the training loss")
-        ok = torch.stack([torch.isfinite(self.global_flat).all(), torch.isfinite(self.eval_flat).all()]).tolist()
+        ok = torch.stack([torch.isfinite(self.global_flat).all() & torch.isfinite(self.state.global_buffers).all(),
+                          torch.isfinite(self.eval_flat).all()]).tolist()
         if not ok[0]:
             what.append("the global model")
         elif not ok[1]:
@@ -306,18 +295,21 @@ class Simulation:
         avg_sum = torch.zeros_like(self.global_flat)
         ctx.incr = torch.zeros_like(self.global_flat)  # e.g. SCAFFOLD sum of (c_k' - c_k)/N, FedDyn sum of (w_k - g)/N
         loss_sum = torch.zeros((), device=self.device)
+        bufs = RoundBuffers(self.runtime.layout, m, self.device, self.client_buffers, ctx.sampled)
         tr.prof = {}
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
             t1 = time.perf_counter()
-            tr.train_chunk(ctx, lo, hi, teacher, loss_sum, start=self.global_flat, step_rows=step_rows,
+            tr.train_chunk(ctx, lo, hi, teacher, loss_sum, start=self.global_flat,
+                           start_buffers=bufs.start(lo, hi, self.state.global_buffers), step_rows=step_rows,
                            gen=self.state.augment)
             tr.sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
             avg_sum += self._aggregate_chunk(ctx, lo, hi, weights)
+            bufs.add(lo, hi, weights, tr.stack.buffers)
             t_agg += time.perf_counter() - t1
-        return avg_sum, loss_sum, t_local, t_agg
+        return avg_sum, loss_sum, bufs, t_local, t_agg
 
     def _aggregate_chunk(self, ctx: Round, lo: int, hi: int, weights: torch.Tensor) -> torch.Tensor:
         """The chunk's rows through the fused server update: returns their weighted sum [P]."""
@@ -340,14 +332,17 @@ class Simulation:
         return weights[lo:hi].sum() * out["average"]
 
     # -- phase 5: server ---------------------------------------------------------------------------------------
-    def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float):
+    def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float, bufs: RoundBuffers):
         # sums over all ranks' clients; every rank learns every updated client's state row (one process: as is)
-        self.comm.sum_(avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce)))
-        if ctx.new_rows is not None:
-            st = self.method.client_state
-            with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values each, "
-                              f"growing with the clients trained)", "state_dtype"):
-                store_rows(self.comm, st, ctx.sampled_t, ctx.new_rows)
+        self.comm.sum_(avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce)),
+                       *([bufs.sum] if bufs.sum.numel() else []))
+        for st, rows in ((self.method.client_state, ctx.new_rows), (self.client_buffers, bufs.rows)):
+            if rows is not None:
+                with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values "
+                                  f"each, growing with the clients trained)", "state_dtype"):
+                    store_rows(self.comm, st, ctx.sampled_t, rows)
+        if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
+            self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg_sum / total_w)
         P = tuple(self.global_flat.shape)
         check_hook_return(self.method, "server", new, shape=P, device=self.device,
@@ -377,9 +372,10 @@ class Simulation:
         return self.history
 
     def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
-                dtype=torch.float32) -> torch.Tensor:
-        """Logits of the model ``flat`` on rows ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
-        return self.runtime.predict(flat, dataset, idx, dtype)
+                dtype=torch.float32, buffers: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the model ``flat`` (``buffers``: its BatchNorm statistics, default the global model's) on rows
+        ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
+        return self.runtime.predict(flat, dataset, idx, dtype, buffers)
 
     def evaluate(self, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
         """Accuracy, mean loss and per-class accuracy [C] of the evaluated model (the method's ``evaluated``: the
@@ -394,17 +390,26 @@ class Simulation:
     def _shape(self) -> dict:
         return {"num_params": self.num_params, "num_clients": self.num_clients, "num_classes": self.num_classes}
 
+    @property
+    def stores(self) -> list:
+        """The run's per-client stores (ClientState): the method's, the clients' BatchNorm statistics (local)."""
+        return [st for st in (self.method.client_state, self.client_buffers) if st is not None]
+
     def checkpoint(self) -> dict:
         """Everything the next rounds depend on, as plain data (tensors on the CPU): the run state (global and
-        evaluated models, round, metrics so far, generators) and the method's state. :meth:`restore` on a
-        Simulation built with the same config and data continues bit for bit (CPU)."""
-        return self.state.checkpoint(self.method.state_dict(), self._shape())
+        evaluated models and buffers, round, metrics so far, generators), the method's state and the clients'
+        own BatchNorm statistics (``bn_stats = "local"``). :meth:`restore` on a Simulation built with the same
+        config and data continues bit for bit (CPU)."""
+        ck = self.state.checkpoint(self.method.state_dict(), self._shape())
+        return {**ck, "client_buffers": self.client_buffers.state_dict()} if self.client_buffers is not None else ck
 
     def restore(self, ck: dict) -> None:
         """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
         RunState.check(ck, self._shape())
+        restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats)
         self.method.load_state_dict(ck["method"])
         self.state = self.state.restored(ck)
+        self.runtime.buffers = self.state.global_buffers
         self.runtime.load_into_model(self.state.eval_flat)
 
     def state_dict(self) -> dict:

@@ -12,6 +12,10 @@ checkpoint, so that a resume (or a sweep adding seeds) on other code or data is 
   size and time takes the recorded hash, so large data is not read again;
 * ``world_size``: how many processes trained the run (``--workers``, ``torchrun``).
 
+A module of the user's own that a run imports only once its rounds run (a hook that imports a helper) is added to
+``code`` by :class:`CodeWatch` after the round that imported it, before that round's checkpoint is written (and
+``config.json`` rewritten): every module a run executed is recorded where a resume or a sweep checks it.
+
 :func:`changes` lists the differences between a recorded fingerprint and the files now (what a resume and a
 sweep's cell check); :func:`identity` is the short digest of what the results depend on (fedfast's source, the
 code's and the data's content; not paths, times or the number of processes), by which a report keeps runs of
@@ -22,12 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 from . import __version__
 from ._io import file_sha256, read_json, write_atomic
-from .callbacks import source_commit
+from .callbacks import Callback, source_commit
 from .data.datasets import _cache_dir
-from .methods import PLUGIN_CODE
+from .methods import PLUGIN_CODE, user_code
+from .rundir import dumps
 
 _sha256_file = file_sha256  # data files' hashes (the name tests count calls of)
 
@@ -111,6 +117,45 @@ def current(plugins, data_files, world_size: int, recorded: dict | None = None, 
         except OSError:
             data[f] = None
     return {"fedfast": fedfast_source(), "code": code, "data": data, "world_size": int(world_size)}
+
+
+_ROUND_CODE: set = set()  # user modules the rounds of this process's runs imported (a later run uses them too)
+
+
+class CodeWatch(Callback):
+    """Adds the user's modules first imported while the rounds run (a plug-in's hook importing a helper at round
+    time) to the run's fingerprint ``fp`` (the dict the checkpoint's header holds: updated in place, so the next
+    checkpoint records them) and rewrites ``config.json``'s in ``rd``. Put it before the
+    :class:`~fedfast.callbacks.Checkpointer`. A module an earlier run of this process imported at its round time
+    is not imported again: it is added to every later run's fingerprint too."""
+
+    def __init__(self, rd, fp: dict):
+        self.rd, self.fp = rd, fp
+        self.before = set(sys.modules)
+
+    def on_start(self, sim) -> None:
+        self._check()
+
+    def on_round(self, sim, rec: dict) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        new = set(sys.modules) - self.before
+        if new:
+            self.before |= new
+            _ROUND_CODE.update(user_code([sys.modules[n] for n in new if n in sys.modules]))
+        missing = sorted(_ROUND_CODE - set(self.fp["code"]))
+        if not missing:
+            return
+        for f in missing:
+            try:
+                self.fp["code"][f] = file_sha256(f)
+            except OSError:
+                self.fp["code"][f] = None
+        path = os.path.join(self.rd.path, "config.json")
+        cfg = read_json(path, "config")
+        cfg["fingerprint"] = self.fp
+        self.rd.write("config.json", dumps(cfg, indent=2, sort_keys=True))
 
 
 def identity(fp: dict | None) -> str | None:

@@ -13,9 +13,12 @@ rows of the participating clients are gathered into / scattered from a ``[n, P]`
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import shutil
 import tempfile
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from .batched import plan
+from .ops.client_batch_norm_reference import client_batch_norm_reference
 from .rowfile import RowFile, paths_of
 
 
@@ -47,10 +51,23 @@ def _layout(named) -> tuple[list[_Slot], int]:
     return slots, off
 
 
-def _float_buffers(module: nn.Module):
-    """Floating-point buffers (BatchNorm running statistics, ...); integer ones (num_batches_tracked) are
-    model bookkeeping, not state to average, and stay in the module."""
-    return [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+def _model_buffers(module: nn.Module):
+    """The buffers a client's model carries: the floating-point ones (BatchNorm running statistics, ...) and
+    BatchNorm's ``num_batches_tracked`` (held as a float in the flat buffer vector: exact up to 2^24 steps). Other
+    integer and boolean buffers (position ids, masks) are constants of the architecture and stay in the module."""
+    out = []
+    for mod_name, mod in module.named_modules():
+        for n, b in mod.named_buffers(recurse=False):
+            if b is not None and (b.is_floating_point() or (
+                    n == "num_batches_tracked" and isinstance(mod, nn.modules.batchnorm._NormBase))):
+                out.append((f"{mod_name}.{n}" if mod_name else n, b))
+    return out
+
+
+def has_running_stats(module: nn.Module) -> bool:
+    """Whether the model has BatchNorm layers that keep running statistics (``track_running_stats=True``)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+               for m in module.modules())
 
 
 class FlatLayout:
@@ -58,12 +75,15 @@ class FlatLayout:
 
     def __init__(self, module: nn.Module):
         self.params, self.P = _layout(module.named_parameters())
-        self.buffers, self.B = _layout(_float_buffers(module))
+        self.buffers, self.B = _layout(_model_buffers(module))
+        # the buffer slots that hold integers (num_batches_tracked): averaged, then rounded to the nearest integer
+        self.integer_buffers = [s for s, (_, b) in zip(self.buffers, _model_buffers(module)) if not b.is_floating_point()]
 
     @staticmethod
     def _views(flat: Tensor, slots: list[_Slot]) -> "OrderedDict[str, Tensor]":
         lead = flat.shape[:-1]
-        return OrderedDict((s.name, flat[..., s.offset:s.offset + s.numel].view(*lead, *s.shape)) for s in slots)
+        return OrderedDict((s.name, flat[..., s.offset:s.offset + s.numel].view(tuple(lead) + tuple(s.shape)))
+                           for s in slots)
 
     def param_views(self, flat: Tensor) -> "OrderedDict[str, Tensor]":
         """Zero-copy views ``[*lead, *shape]`` of a ``[*lead, P]`` parameter buffer."""
@@ -77,7 +97,20 @@ class FlatLayout:
         return self._flatten([p for _, p in module.named_parameters()], self.P, out)
 
     def flatten_buffers(self, module: nn.Module, out: Tensor | None = None) -> Tensor:
-        return self._flatten([b for _, b in _float_buffers(module)], self.B, out)
+        return self._flatten([b for _, b in _model_buffers(module)], self.B, out)
+
+    def integer_mask(self, device=None) -> Tensor:
+        """[B] True at the buffer values that are integers in the module (BatchNorm's num_batches_tracked)."""
+        m = torch.zeros(self.B, dtype=torch.bool, device=device)
+        for s in self.integer_buffers:
+            m[s.offset:s.offset + s.numel] = True
+        return m
+
+    def load_buffers(self, module: nn.Module, flat: Tensor) -> None:
+        """The module's buffers set to ``flat`` [B] (integers rounded to the nearest)."""
+        with torch.no_grad():
+            for (_, b), v in zip(_model_buffers(module), self.buffer_views(flat).values()):
+                b.copy_(v if b.is_floating_point() else v.round())
 
     @staticmethod
     def _flatten(tensors, n, out):
@@ -189,8 +222,7 @@ class ClientStack:
         with torch.no_grad():
             for (name, p), v in zip(module.named_parameters(), self.param_views(slice(k, k + 1)).values()):
                 p.copy_(v[0])
-            for (name, b), v in zip(_float_buffers(module), self.buffer_views(slice(k, k + 1)).values()):
-                b.copy_(v[0])
+        self.layout.load_buffers(module, self.buffers[k])
         return module
 
     def state_dict(self, k: int) -> "OrderedDict[str, Tensor]":
@@ -211,18 +243,58 @@ class ClientStack:
 
     # -- batched forward ------------------------------------------------------------------------------
     def vmap_forward(self, x: Tensor, rows: slice | None = None, *, params: dict | None = None,
-                     features: nn.Module | None = None):
+                     features: nn.Module | None = None, buffers: dict | None = None, valid: Tensor | None = None,
+                     update: bool = False):
         """``f(theta_k, x_k)`` for every row k at once: ``x`` is ``[n, batch, ...]``, returns ``[n, batch, ...]``.
 
         ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted. ``features``:
         a submodule of the model whose *input* is returned too, ``(features [n, batch, d], out)`` (MOON's
-        representation: the classifier's input, see :func:`classifier_of`)."""
+        representation: the classifier's input, see :func:`classifier_of`). ``buffers``: ``{name: [n, *shape]}``
+        (default: this stack's buffer rows). ``valid`` [n, batch]: the rows that are data (False: the padding of a
+        client's last partial minibatch), which alone enter BatchNorm's batch statistics. ``update``: a training
+        forward updates BatchNorm's running buffers in ``buffers`` (the local step's forward; no other)."""
         p = self.param_views(rows) if params is None else params
+        b = self.buffer_views(rows) if buffers is None else buffers
         if self.plan is not None:  # a vmap-free executor: fedfast.batched (traced graph) or fedfast.grouped
-            return self.plan.forward(p, x, self.module.training, features)
-        b = self.buffer_views(rows)
-        f = functional_forward(self.module, features)
-        return vmap(f, in_dims=(0, 0, 0), randomness="different")(p, b, x)  # dropout: independent per client
+            return self.plan.forward(p, x, self.module.training, features, buffers=b, valid=valid, update=update)
+        f = functional_forward(self.module, features, update=update)
+        with fedfast_batch_norm(self.module):  # dropout: independent per client
+            return vmap(f, in_dims=(0, 0, 0, None if valid is None else 0), randomness="different")(p, b, x, valid)
+
+
+# -- BatchNorm on the vmap path ------------------------------------------------------------------------------
+_BN_STEP: contextvars.ContextVar = contextvars.ContextVar("fedfast_bn_step", default=None)
+
+
+def _bn_forward(self, input):
+    """``nn.BatchNorm``'s forward as fedfast runs it (:func:`fedfast.ops.client_batch_norm_reference` with n = 1):
+    two-pass statistics over the valid rows only, running buffers updated only by a local step's forward (the
+    ``(valid, update)`` of the call in ``_BN_STEP``)."""
+    valid, update = _BN_STEP.get() or (None, False)
+    self._check_input_dim(input)
+    tracks = self.running_mean is not None and self.running_var is not None
+
+    def one(t):
+        return None if t is None else t[None]
+    return client_batch_norm_reference(
+        input, 1, one(self.weight), one(self.bias), valid=one(valid), running_mean=one(self.running_mean),
+        running_var=one(self.running_var), num_batches_tracked=one(self.num_batches_tracked) if tracks else None,
+        use_batch_stats=self.training or not tracks, update=bool(update and self.training and tracks),
+        momentum=self.momentum, eps=self.eps)
+
+
+@contextlib.contextmanager
+def fedfast_batch_norm(module: nn.Module):
+    """Inside the block, the BatchNorm layers of ``module`` run :func:`_bn_forward` (the model's forward through
+    ``functional_call``: the vmap executor and single-model forwards); as they were after."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and "forward" not in vars(m)]
+    for m in bns:
+        m.forward = types.MethodType(_bn_forward, m)
+    try:
+        yield
+    finally:
+        for m in bns:
+            vars(m).pop("forward", None)
 
 
 def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | None = None) -> str:
@@ -297,22 +369,22 @@ def classifier_of(module: nn.Module, probe: Tensor | None = None, name: str | No
     return module.get_submodule(find_classifier(module, probe, name))
 
 
-def functional_forward(module: nn.Module, features: nn.Module | None = None):
-    """``f(params, buffers, x)`` -> ``out`` (or ``(input of features, out)``) with ``functional_call``."""
-    if features is None:
-        def f(pp, bb, xx):
-            return functional_call(module, {**pp, **bb}, (xx,))
-        return f
-
-    def g(pp, bb, xx):
+def functional_forward(module: nn.Module, features: nn.Module | None = None, *, update: bool = False):
+    """``f(params, buffers, x, valid)`` -> ``out`` (or ``(input of features, out)``) with ``functional_call``; run
+    it inside :func:`fedfast_batch_norm` so BatchNorm layers leave ``valid``'s padding rows (None: none) out of
+    their statistics and update their running buffers only when ``update``."""
+    def f(pp, bb, xx, vv=None):
         got = []
-        h = features.register_forward_pre_hook(lambda _m, inp: got.append(inp[0]))
+        h = features.register_forward_pre_hook(lambda _m, inp: got.append(inp[0])) if features is not None else None
+        token = _BN_STEP.set((vv, update))
         try:
             out = functional_call(module, {**pp, **bb}, (xx,))
         finally:
-            h.remove()
-        return got[-1], out
-    return g
+            _BN_STEP.reset(token)
+            if h is not None:
+                h.remove()
+        return (got[-1], out) if features is not None else out
+    return f
 
 
 def _physical_bytes() -> int:

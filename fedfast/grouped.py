@@ -140,9 +140,12 @@ class GroupedPlan:
     def __init__(self, model: nn.Module, ctx: _Ctx, names: dict):
         self.model, self.ctx, self.names = model, ctx, names  # names: id(original layer) -> its grouped copy
 
-    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None):
+    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None, *,
+                buffers: dict | None = None, valid: Tensor | None = None, update: bool = False):
         """``params[name]`` ``[n, *shape]``, ``x`` ``[n, B, ...]`` -> ``[n, B, out]`` (or ``(input of
-        features [n, B, d], out)``; ``features`` is a module of the original model)."""
+        features [n, B, d], out)``; ``features`` is a module of the original model). ``buffers``, ``valid`` and
+        ``update`` (the executors' common call) change nothing here: no layer of a grouped copy couples the rows
+        of a batch or updates a buffer (BatchNorm is refused), so its buffers are the model's constants."""
         n, B = x.shape[0], x.shape[1]
         c = self.ctx
         c.params, c.n, c.B = params, n, B

@@ -135,8 +135,7 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
     callbacks: list[Callback] = []
     files = ckpt = None
     if lead:
-        store = sim.method.client_state
-        if store is not None:  # the per-client state's file, if the store moves to disk (state_store)
+        for store in sim.stores:  # the per-client state's files, if a store moves to disk (state_store)
             rd.add(*(os.path.basename(p) for p in store.file_paths()))
         files = RunFiles(rd, cfg_json, sim.history)
         callbacks.append(files)
@@ -145,7 +144,8 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
     callbacks.append(Progress(cfg["rounds"], sim.rnd, quiet or not lead, label))
     if lead or sim.comm.world > 1:
         callbacks.append(StopOnSignal())
-    if lead:
+    if lead:  # modules first imported at round time join the fingerprint before the round's checkpoint
+        callbacks.append(fingerprint.CodeWatch(rd, fp))
         ckpt = Checkpointer(rd, ck_path, {"version": __version__, "config": _comparable(cfg_json), "fingerprint": fp},
                             cfg["checkpoint_every"], cfg["rounds"], files, saved_round=sim.rnd)
         callbacks.append(ckpt)

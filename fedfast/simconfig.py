@@ -82,6 +82,9 @@ class SimConfig:
     # "auto": memory up to state_memory_gb, then the file
     state_memory_gb: float | None = None  # "auto"'s limit; None: a quarter of the store's device memory at set-up
     executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    bn_stats: str = "global"   # BatchNorm running statistics: "global" (averaged like the weights; every client starts
+    #   from the global model's), or "local" (each client keeps its own between rounds, as FedBN; the global model's
+    #   average is still made, for evaluation)
     features_layer: str | None = None  # the model's classifier by name ("fc2"; a module holding it: its last Linear
     #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
     #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
@@ -133,7 +136,7 @@ class SimConfig:
             self.aggregate_weights = cls.aggregation
         choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
                    "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
-                   "state_store": ("auto", "memory", "disk"),
+                   "state_store": ("auto", "memory", "disk"), "bn_stats": ("global", "local"),
                    "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:

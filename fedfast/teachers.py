@@ -15,7 +15,7 @@ class CachedTeacher:
     """Teacher logits [N, C] for the round's training rows (zero elsewhere), made once per round."""
     logits: torch.Tensor
 
-    def rows(self, idx: torch.Tensor, x: torch.Tensor) -> TeacherRows:
+    def rows(self, idx: torch.Tensor, x: torch.Tensor, valid=None) -> TeacherRows:
         return TeacherRows(logits=self.logits[idx].float())
 
 
@@ -25,7 +25,7 @@ class CachedMixture:
     probs: torch.Tensor
     negent: torch.Tensor
 
-    def rows(self, idx, x) -> TeacherRows:
+    def rows(self, idx, x, valid=None) -> TeacherRows:
         return TeacherRows(mixture=(self.probs[idx], self.negent[idx]))
 
 
@@ -36,12 +36,13 @@ class OnlineTeacher:
     sim: object  # the fedfast.Simulation whose forward_each / eval_mode run the teacher
 
     @torch.no_grad()
-    def rows(self, idx, x) -> TeacherRows:
+    def rows(self, idx, x, valid=None) -> TeacherRows:
         """Each teacher on every client's own batch (one grouped forward: a model that normalises with batch
-        statistics sees the same batches as in a per-client loop)."""
+        statistics sees the same batches as in a per-client loop, ``valid`` [n, B] its rows without padding)."""
         sim, s = self.sim, self.spec
         with sim.eval_mode():
-            out = [sim.forward_each(m, x).float().reshape(-1, sim.num_classes) for m in s.models]
+            out = [sim.forward_each(m, x, buffers=s.buffers_of(i), valid=valid).float().reshape(-1, sim.num_classes)
+                   for i, m in enumerate(s.models)]
         if s.weights is None:
             return TeacherRows(logits=out[0])
         return TeacherRows(logits=torch.stack(out), weights=s.weights)
@@ -56,12 +57,12 @@ def cached_teacher(spec: TeacherSpec, predict, train, idx: torch.Tensor, *, back
     N, C = len(train), train.num_classes
     dev = idx.device
     if spec.weights is not None:  # M teachers: their mixture at the method's temperature, cached once
-        T = torch.stack([predict(m, train, idx) for m in spec.models])
+        T = torch.stack([predict(m, train, idx, buffers=spec.buffers_of(i)) for i, m in enumerate(spec.models)])
         Pm, neg = ops.teacher_mixture(T, spec.weights, train.y[idx], tau=spec.tau, backend=backend)
         P_all = torch.zeros(N, C, device=dev)
         neg_all = torch.zeros(N, device=dev)
         P_all[idx], neg_all[idx] = Pm.float(), neg.float()
         return CachedMixture(P_all, neg_all)
     cache = torch.zeros(N, C, device=dev, dtype=dtype)
-    cache[idx] = predict(spec.models[0], train, idx, dtype)
+    cache[idx] = predict(spec.models[0], train, idx, dtype, buffers=spec.buffers_of(0))
     return CachedTeacher(cache)

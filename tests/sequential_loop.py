@@ -22,10 +22,17 @@ from fedfast.sampling import client_order, sample_clients
 from fedfast.ops import distill_reference
 
 
-def setup_data():
+def setup_data(model: str = "mlp"):
+    """The shared synthetic data (1x6x6 images, 5 classes, 8 clients of unequal sizes: partial batches) and a model:
+    ``"mlp"``, or ``"bn"``, a CNN with BatchNorm layers that keep running statistics (2-d after a convolution, 1-d
+    after a Linear), whose buffers the engine keeps per client and averages."""
     train, test = data.synthetic(5, 400, 100, (1, 6, 6), separation=0.7, seed=0)
     part = data.dirichlet_lda(train.y, 8, alpha=0.5, seed=1, min_size=5)  # unequal sizes: exercises masking
     torch.manual_seed(0)
+    if model == "bn":
+        nn = torch.nn
+        return train, test, part, nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                                nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
     model = models.MLP(36, (16,), 5)
     return train, test, part, model
 
@@ -75,9 +82,11 @@ def _options(cfg):
     return cfg.algorithm, {**vars(m.opts)}, None
 
 
-def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order_fn=None, client_loss=None):
+def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order_fn=None, client_loss=None,
+               out: dict | None = None):
     """The literal loop (see the module docstring); returns the global model's flat parameters. ``client_loss(z, t,
-    y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise)."""
+    y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise). ``out``: receives the final
+    global model's ``state_dict`` (``out["state"]``)."""
     alg, o, asd = _options(cfg)
     glob = copy.deepcopy(model)
     w0 = copy.deepcopy(model).eval()
@@ -109,12 +118,15 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
             vote_models = [mdl for mdl, _ in vote_hist[-o["buffer"]:]]
             vote_w = torch.softmax(-torch.tensor([v for _, v in vote_hist[-o["buffer"]:]]) / o["beta"], 0) \
                 if vote_hist else None
-        if alg == "fedgkd" and o["buffer"] > 1 and gkd_hist:  # parameter average of the buffered globals
-            _load_(teacher, torch.stack(gkd_hist[-o["buffer"]:]).mean(0))
+        if alg == "fedgkd" and o["buffer"] > 1 and gkd_hist:  # the average of the buffered globals' state_dicts
+            last = gkd_hist[-o["buffer"]:]   # (parameters, and a BatchNorm model's running statistics: the code's)
+            teacher.load_state_dict({k: torch.stack([sd[k].double() for sd in last]).mean(0).to(last[0][k].dtype)
+                                     for k in last[0]})
         if alg == "fedcad":
             with torch.no_grad():
                 xa, ya = train.batch(aux)
-                py = torch.softmax(glob(xa) / o["alpha_tau"], 1).gather(1, ya[:, None]).squeeze(1)
+                # the global model in eval mode (as the engine predicts)
+                py = torch.softmax(teacher(xa) / o["alpha_tau"], 1).gather(1, ya[:, None]).squeeze(1)
                 mean_py = torch.stack([py[ya == c].mean() for c in range(train.num_classes)])
                 class_alpha = o["beta"] + (o["gamma"] - o["beta"]) * mean_py
         for k in sampled:
@@ -228,6 +240,9 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
         else:
             w = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
         avg = {key: sum(w[i] * states[i][key] for i in range(len(states))) for key in states[0]}
+        for key in avg:  # integers (BatchNorm's num_batches_tracked): the weighted average, rounded to the nearest
+            if not states[0][key].is_floating_point():
+                avg[key] = sum(float(w[i]) * states[i][key].double() for i in range(len(states))).round()
         glob.load_state_dict(avg)
         aflat = flat(glob)
         if alg == "fedavgm":
@@ -246,30 +261,54 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
         else:
             newg = aflat
         _load_(glob, newg)
-        gkd_hist.append(newg.clone())
+        gkd_hist.append(copy.deepcopy(glob.state_dict()))
         if alg == "fedgkd_vote":
             with torch.no_grad():
                 xv, yv = val.batch(torch.arange(len(val)))
-                vote_hist.append((copy.deepcopy(glob).eval(), float(F.cross_entropy(glob(xv), yv))))
+                vote_hist.append((copy.deepcopy(glob).eval(), float(F.cross_entropy(glob.eval()(xv), yv))))
+                glob.train()
+    if out is not None:
+        out["state"] = copy.deepcopy(glob.state_dict())
     return flat(glob)
 
 
-def engine_vs_loop(algorithm, options=None, device=None, **cfg_kw):
+def engine_vs_loop(algorithm, options=None, device=None, model="mlp", **cfg_kw):
     """Run ``algorithm`` with the engine (on ``device``) and with the literal loop (CPU) on the same data, seeds and
-    batch order; returns (relative error of the global models, the Simulation, its history)."""
-    train, test, part, model = setup_data()
+    batch order; returns (relative error of the global models, the Simulation, its history). ``model``: of
+    :func:`setup_data` ("bn": BatchNorm with running statistics; the global models' buffers must then agree too)."""
+    train, test, part, model = setup_data(model)
     val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
     kw = dict(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16, lr=0.05,
               weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {})
     kw.update(cfg_kw)
     cfg = fedfast.SimConfig(**kw)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val, device=device)
-    ref = sequential(cfg, copy.deepcopy(sim.model).cpu(), train, part, cfg.rounds, val=val)  # its head too (MOON)
+    final = {}
+    ref = sequential(cfg, copy.deepcopy(sim.model).cpu(), train, part, cfg.rounds, val=val, out=final)  # its head too
     hist = sim.run()
     g = sim.global_flat.cpu()
     on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
                                                            train, test, part, val=val, device=device, state_dir=d))
-    return float((g - ref).abs().max() / ref.abs().max()), sim, hist
+    err = float((g - ref).abs().max() / ref.abs().max())
+    if sim.runtime.num_buffers:  # every buffer of the global model too (running statistics, num_batches_tracked)
+        err = max(err, buffers_error(sim.state_dict(), final["state"]))
+    return err, sim, hist
+
+
+def buffers_error(got: dict, want: dict) -> float:
+    """The largest relative error over the floating-point buffers of two ``state_dict``s of a model; integer buffers
+    (num_batches_tracked) must be equal (inf otherwise)."""
+    err = 0.0
+    for name, b in want.items():
+        if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            continue
+        a = got[name]
+        if not b.is_floating_point():
+            if not torch.equal(a.cpu(), b.cpu()):
+                return float("inf")
+            continue
+        err = max(err, float((a.cpu().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)))
+    return err
 
 
 def on_disk_too(sim, make) -> None:
@@ -379,8 +418,11 @@ class PlainLoop:
             self.client_end(int(k), local, nsteps)
             states.append(local.state_dict())
         w = self.weights(sampled)
-        self.glob.load_state_dict({key: sum(float(w[i]) * states[i][key] for i in range(len(states)))
-                                   for key in states[0]})
+        avg = {key: sum(float(w[i]) * states[i][key] for i in range(len(states))) for key in states[0]}
+        for key in avg:  # integers (BatchNorm's num_batches_tracked): the weighted average, rounded to the nearest
+            if not states[0][key].is_floating_point():
+                avg[key] = sum(float(w[i]) * states[i][key].double() for i in range(len(states))).round()
+        self.glob.load_state_dict(avg)
         _load_(self.glob, self.server(flat(self.glob), sampled))
 
     def run(self, rounds):
@@ -405,7 +447,10 @@ def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, execut
     g = sim.global_flat.cpu()
     on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
                                                            train, test, part, device=device, state_dir=d))
-    return float((g - ref).abs().max() / ref.abs().max()), sim, loop
+    err = float((g - ref).abs().max() / ref.abs().max())
+    if sim.runtime.num_buffers:  # every buffer of the global model too
+        err = max(err, buffers_error(sim.state_dict(), loop.glob.state_dict()))
+    return err, sim, loop
 
 
 def plugin_fixture(path, name):

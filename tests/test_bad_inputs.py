@@ -20,6 +20,7 @@ from fedfast.rundir import LOCK, MARKER, RunDir
 
 SMALL = ["--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3", "--set",
          "model=mlp", "--set", "rounds=2", "--set", "algorithm=fedavg"]
+SWEEP_SMALL = SMALL[:-2]  # a sweep's methods are --methods (--set algorithm is refused there)
 
 
 def sets(*kv):
@@ -227,8 +228,8 @@ def test_doctor_refuses_unknown_backend_variable(capsys, monkeypatch):
 
 
 def test_sweep_needs_methods(capsys, tmp_path):
-    code, err = cli(capsys, "sweep", *SMALL, "--out", tmp_path / "s")
-    assert code == 2 and "--methods" in err and not (tmp_path / "s").exists()
+    code, err = cli(capsys, "sweep", *SWEEP_SMALL, "--out", tmp_path / "s")
+    assert code == 2 and "--methods: which methods to run" in err and not (tmp_path / "s").exists()
 
 
 def test_sweep_bad_seeds(capsys, tmp_path):
@@ -242,13 +243,13 @@ def test_sweep_bad_key_leaves_nothing(capsys, tmp_path):
 
 
 def test_sweep_unknown_method_leaves_nothing(capsys, tmp_path):
-    code, err = cli(capsys, "sweep", "--methods", "fedavg,nosuch", *SMALL, "--out", tmp_path / "s")
+    code, err = cli(capsys, "sweep", "--methods", "fedavg,nosuch", *SWEEP_SMALL, "--out", tmp_path / "s")
     assert code == 2 and "nosuch" in err and not (tmp_path / "s").exists()
 
 
 def test_sweep_out_is_a_file(capsys, tmp_path):
     (tmp_path / "f").write_text("x")
-    code, err = cli(capsys, "sweep", "--methods", "fedavg", *SMALL, "--out", tmp_path / "f")
+    code, err = cli(capsys, "sweep", "--methods", "fedavg", *SWEEP_SMALL, "--out", tmp_path / "f")
     assert code == 2 and "is a file" in err
 
 
@@ -265,7 +266,7 @@ def test_sweep_damaged_study_json(capsys, tmp_path):
     s = tmp_path / "s"
     s.mkdir()
     (s / "study.json").write_text("{")
-    code, err = cli(capsys, "sweep", "--methods", "fedavg", *SMALL, "--out", s)
+    code, err = cli(capsys, "sweep", "--methods", "fedavg", *SWEEP_SMALL, "--out", s)
     assert code == 2 and "study.json: damaged" in err
 
 
@@ -532,7 +533,8 @@ def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, capsys):
 def test_two_sweeps_split_a_study(tmp_path):
     """Two ``fedfast sweep`` processes on one study run each run once between them."""
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "fedfast", "sweep", "--methods", "fedavg,fedprox", "--seeds", "0,1", *SMALL,
+    cmd = [sys.executable, "-m", "fedfast", "sweep", "--methods", "fedavg,fedprox", "--seeds", "0,1",
+           *SWEEP_SMALL,
            "--set", "rounds=15", "--set", "threads=1", "--out", str(out)]  # one core each
     a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     b = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -548,6 +550,7 @@ def test_two_sweeps_split_a_study(tmp_path):
 
 # -- divergence -------------------------------------------------------------------------------------------------------
 DIVERGE = ["--set", "lr=0.3", "--set", "momentum=0.9", "--set", "rounds=8", "--set", "algorithm=fedntd"]
+SWEEP_DIVERGE = DIVERGE[:-2]  # a sweep's methods are --methods
 
 
 def test_a_diverged_run_is_a_result_not_a_success(tmp_path, capsys):
@@ -580,10 +583,12 @@ def test_engine_raises_diverged():
 
 def test_report_and_sweep_mark_diverged_runs(tmp_path, capsys):
     out = tmp_path / "study"
-    code, err = cli(capsys, "sweep", "--methods", "fedntd", "--seeds", "0", *SMALL, *DIVERGE, "--out", out)
+    code, err = cli(capsys, "sweep", "--methods", "fedntd", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE, "--out",
+                    out)
     assert code == 0, err  # the sweep went on and finished
     assert "diverged" in err
-    code, err = cli(capsys, "sweep", "--methods", "fedntd,fedavg", "--seeds", "0", *SMALL, *DIVERGE, "--out", out)
+    code, err = cli(capsys, "sweep", "--methods", "fedntd,fedavg", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE,
+                    "--out", out)
     assert code == 0 and "fedntd seed 0: diverged, skipped" in err, err
     code, text = cli(capsys, "report", out)
     assert code == 0

@@ -108,13 +108,13 @@ def test_unsupported_models_fall_back_to_vmap():
         def forward(self, x):
             return self.l(x) if x.sum() > 0 else -self.l(x)
 
-    for model, why in ((nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), "running statistics"),
-                       (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")), "padding"),
+    for model, why in ((nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")), "padding"),
                        (nn.Sequential(nn.Flatten(0)), "Flatten"), (Cat(), "cat"), (Branchy(), "torch.fx"),
                        (nn.Sequential(nn.LSTM(3, 3)), "LSTM")):
         prog, reason = plan(model)
         assert prog is None and why in reason, (model, reason)
     assert plan(models.resnet10(10))[0] is not None  # residual graphs take the fast path
+    assert plan(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))[0] is not None  # running statistics too
 
 
 def test_engine_uses_the_executor_for_wrapped_and_residual_models_and_warns_otherwise():
@@ -127,7 +127,10 @@ def test_engine_uses_the_executor_for_wrapped_and_residual_models_and_warns_othe
                   models.resnet18(3, "gn", gn_groups=4)):
         sim = fedfast.Simulation(cfg, model, train, test, part)
         assert sim.trainer.stack.plan is not None
-    with pytest.warns(RuntimeWarning, match="vmap.*running statistics"):
-        sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
-                                                    nn.Linear(144, 3)), train, test, part)
+    sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                                                nn.Linear(144, 3)), train, test, part)
+    assert sim.trainer.stack.plan is not None  # BatchNorm with running statistics: per-client buffers
+    with pytest.warns(RuntimeWarning, match="vmap.*padding"):
+        sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.Flatten(),
+                                                    nn.Linear(256, 3)), train, test, part)
     assert sim.trainer.stack.plan is None

@@ -23,11 +23,27 @@ STORES = {"scaffold": dict(state_store="disk"), "fedcurv": dict(state_store="dis
           "feddyn": dict(state_store="auto", state_memory_gb=7 * 677 * 4 / 2**30)}  # 677 parameters
 
 
-def _setup():
+# a model with BatchNorm running statistics (issue 46): the clients' buffers summed across ranks, and under
+# bn_stats = "local" each client's own rows exchanged as per-client state
+BN_CASES = [("bn-global", "fedavg", {}), ("bn-local", "fedavg", dict(bn_stats="local")),
+            ("bn-moon", "moon", dict(options=dict(projection_dim=0)))]
+
+
+def _setup(bn=False):
     train, test = data.synthetic(5, 400, 100, (1, 6, 6), separation=0.7, seed=0)
     part = data.dirichlet_lda(train.y, 8, alpha=0.5, seed=1, min_size=5)
     torch.manual_seed(0)
+    if bn:
+        nn = torch.nn
+        return train, test, part, nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                                nn.Linear(64, 5))
     return train, test, part, models.MLP(36, (16,), 5)
+
+
+def _bn_cfg(algorithm, extra):
+    extra = dict(extra)
+    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=3, local_epochs=1, batch_size=16,
+                             lr=0.05, seed=3, momentum=0.9, options=extra.pop("options", {}), **extra)
 
 
 def _cfg(algorithm, extra, **store):
@@ -62,6 +78,13 @@ def _worker(rank, world, port, out_dir):
             st = sim.method.client_state
             torch.save(dict(g=sim.global_flat, state=st.dense(), on_disk=st.on_disk),
                        os.path.join(out_dir, f"{algorithm}-disk-{rank}.pt"))
+        for name, algorithm, extra in BN_CASES:
+            train, test, part, model = _setup(bn=True)
+            sim = fedfast.Simulation(_bn_cfg(algorithm, extra), model, train, test, part, process_group="default")
+            sim.run()
+            own = sim.client_buffers.dense() if sim.client_buffers is not None else torch.zeros(1)
+            torch.save(dict(g=sim.global_flat, b=sim.state.global_buffers, own=own),
+                       os.path.join(out_dir, f"{name}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
     os._exit(0)  # results are saved: skip interpreter teardown, where gloo's threads occasionally abort the process
@@ -100,3 +123,16 @@ def test_two_ranks_equal_one_process(tmp_path):
             assert torch.equal(disk[0]["state"], ranks[0]["state"]), algorithm
             assert sorted(os.listdir(tmp_path / f"store-{algorithm}")) == [
                 f"client-state-{algorithm}.rows", f"client-state-{algorithm}.stamps"]
+    for name, algorithm, extra in BN_CASES:
+        train, test, part, model = _setup(bn=True)
+        sim = fedfast.Simulation(_bn_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)
+        sim.run()
+        ranks = [torch.load(tmp_path / f"{name}-{r}.pt") for r in range(2)]
+        assert torch.equal(ranks[0]["g"], ranks[1]["g"]) and torch.equal(ranks[0]["b"], ranks[1]["b"]), name
+        assert (ranks[0]["g"] - sim.global_flat).abs().max() <= 1e-5 * sim.global_flat.abs().max(), name
+        ref = sim.state.global_buffers
+        assert ref.numel() and (ranks[1]["b"] - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+        if sim.client_buffers is not None:
+            own = sim.client_buffers.dense()
+            assert torch.equal(ranks[0]["own"], ranks[1]["own"]), name
+            assert (ranks[0]["own"] - own).abs().max() <= 1e-5 * own.abs().max(), name

@@ -203,14 +203,24 @@ def test_bf16_teacher_cache_close_to_fp32():
     assert 0 < rel <= 1e-2  # bf16 logits (8 mantissa bits) perturb the KD target slightly, not more
 
 
-def test_batch_statistics_with_padding_warns():
+def test_batch_statistics_with_padding_rows_equal_the_loop_without_a_warning():
+    """Partial batches padded to batch_size: the padding rows stay out of each client's BatchNorm statistics (issue
+    46; the engine warned and differed before), so the run equals the per-client loop and says nothing."""
+    import warnings
+
+    from sequential_loop import PlainLoop
     train, test = data.synthetic(3, 90, 30, (3, 8, 8), seed=0)
     part = data.iid(train.y, 4, seed=0)  # sizes 22/23: not multiples of 16
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False),
                                 torch.nn.Flatten(), torch.nn.Linear(144, 3))
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=2, batch_size=16)
-    with pytest.warns(UserWarning, match="batch statistics"):
-        fedfast.Simulation(cfg, model, train, test, part)
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=2, batch_size=16, lr=0.05, rounds=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    sim.run()
+    ref = PlainLoop(cfg, copy.deepcopy(model), train, part).run(2)
+    assert (sim.global_flat - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("algorithm,options,extra", [("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),

@@ -164,3 +164,57 @@ def test_world_size_is_recorded_with_workers(project, tmp_path):
     assert main(_args(project, "--set", "rounds=1", "--workers", "2", "--out", str(out))) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["fingerprint"]["world_size"] == 2
+
+
+LATE_METHOD = """
+from fedfast import methods
+from fedfast.methods import FedAvg
+from fedfast.methods.hooks import cross_entropy
+
+
+@methods.register("fp_late_{tag}")
+class Late(FedAvg):
+    def round_start(self, ctx):
+        import late_{tag}  # first imported at round time, by the hook
+        self.scale = float(late_{tag}.SCALE)
+
+    def loss(self, ctx, b):
+        return self.scale * cross_entropy(b, self.engine.backend)
+"""
+
+
+def test_a_module_first_imported_at_round_time_is_fingerprinted(project, tmp_path, capsys):
+    """A helper a plug-in's hook imports only when a round runs is in config.json's and the checkpoint's
+    fingerprint after that round; edited before --resume, the resume is refused naming it (it resumed silently
+    and ended 9.8 accuracy points off before, issue 46); a sweep seed on the edited helper is refused too."""
+    tag = tmp_path.name.replace("-", "_")
+    (project / f"late_{tag}.py").write_text("SCALE = 1.0\n")
+    (project / "late_plug.py").write_text(LATE_METHOD.format(tag=tag))
+    out = tmp_path / "r"
+    args = _args(project, "--plugin", str(project / "late_plug.py"), "--set", f"algorithm=fp_late_{tag}")
+    try:
+        assert main([*args, "--set", "rounds=2", "--out", str(out)]) == 0
+        late = str(project / f"late_{tag}.py")
+        fp = json.loads((out / "config.json").read_text())["fingerprint"]
+        assert late in fp["code"], sorted(fp["code"])
+        from fedfast.checkpoint import load
+        assert late in load(str(out / "checkpoint.pt"))["fingerprint"]["code"]
+        (project / f"late_{tag}.py").write_text("SCALE = 3.0\n")
+        capsys.readouterr()
+        assert main(["run", "--resume", str(out), "--set", "rounds=3", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"code file {late} (sha256" in err, err
+        assert len([x for x in (out / "metrics.jsonl").read_text().splitlines() if x]) == 2  # nothing ran
+        # a sweep: seed 0 on the helper as it is now, then the helper edited; seed 1 is refused
+        (project / f"late_{tag}.py").write_text("SCALE = 1.0\n")
+        study = tmp_path / "study"
+        sweep = ["sweep", *_args(project, "--plugin", str(project / "late_plug.py"))[1:], "--methods",
+                 f"fp_late_{tag}", "--set", "rounds=1", "--out", str(study)]
+        assert main([*sweep, "--seeds", "0"]) == 0
+        (project / f"late_{tag}.py").write_text("SCALE = 2.0\n")
+        capsys.readouterr()
+        assert main([*sweep, "--seeds", "0,1"]) == 2
+        err = capsys.readouterr().err
+        assert "was run on other code or data" in err and f"late_{tag}.py" in err, err
+    finally:
+        methods.unregister(f"fp_late_{tag}")

@@ -25,11 +25,16 @@ class _Engine:
                 engine.modes.append("train")
         return _Mode()
 
-    def forward_each(self, flat, x):
+    def forward_each(self, flat, x, buffers=None, valid=None):
+        self.modes.append(("buffers", buffers, "valid", valid))
         return x.reshape(x.shape[0], x.shape[1], -1) @ flat.view(3, -1).T
 
 
-def _predict(flat, dataset, idx, dtype=torch.float32):
+_SEEN = []
+
+
+def _predict(flat, dataset, idx, dtype=torch.float32, buffers=None):
+    _SEEN.append(buffers)
     x, _ = dataset.batch(idx)
     return (x.reshape(len(idx), -1) @ flat.view(3, -1).T).to(dtype)
 
@@ -47,12 +52,18 @@ def test_online_teacher_runs_each_model_on_the_steps_rows_in_eval_mode():
     e = _Engine()
     m1, m2 = torch.randn(12), torch.randn(12)
     x = torch.randn(2, 4, 1, 2, 2)  # 2 clients x 4 rows
-    one = OnlineTeacher(TeacherSpec.of(m1), e).rows(None, x)
+    valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    one = OnlineTeacher(TeacherSpec.of(m1), e).rows(None, x, valid)
     torch.testing.assert_close(one.logits, e.forward_each(m1, x).reshape(-1, 3))
-    assert e.modes == ["eval", "train"] and one.weights is None
+    # the model's buffers (None: the global model's) and the step's valid rows reach the forward
+    assert e.modes[0] == "eval" and e.modes[1] == ("buffers", None, "valid", valid) and e.modes[2] == "train"
+    assert one.weights is None
     w = torch.tensor([0.25, 0.75])
-    two = OnlineTeacher(TeacherSpec(models=[m1, m2], weights=w, tau=2.0), e).rows(None, x)
+    bufs = torch.randn(2, 5)
+    e.modes.clear()
+    two = OnlineTeacher(TeacherSpec(models=[m1, m2], weights=w, tau=2.0, buffers=bufs), e).rows(None, x)
     assert two.logits.shape == (2, 8, 3) and torch.equal(two.weights, w)
+    assert [torch.equal(m[1], bufs[i]) for i, m in enumerate(e.modes[1:3])] == [True, True]
 
 
 def test_cached_teacher_holds_the_predictions_on_the_cohorts_rows_only():
@@ -69,3 +80,7 @@ def test_cached_teacher_holds_the_predictions_on_the_cohorts_rows_only():
     torch.testing.assert_close(mix.probs[idx], P.float())
     torch.testing.assert_close(mix.negent[idx], neg.float())
     assert mix.probs[0].abs().sum() == 0
+    _SEEN.clear()
+    bufs = torch.randn(2, 4)
+    cached_teacher(TeacherSpec(models=models, weights=w, tau=1.5, buffers=bufs), _predict, train, idx)
+    assert torch.equal(_SEEN[0], bufs[0]) and torch.equal(_SEEN[1], bufs[1])  # each teacher with its own buffers

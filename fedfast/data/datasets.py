@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .._io import depends_on, not_data, write_atomic
+from .partition import class_ids
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # FedNTD's constants
@@ -77,7 +78,7 @@ class ArrayDataset:
         if self.groups is not None and tuple(self.groups.shape) != (self.y.shape[0],):
             raise ValueError(f"groups: expected one group id per sample ({self.y.shape[0]}), got shape "
                              f"{tuple(self.groups.shape)}")
-        self.y = self.y.long()
+        self.y = class_ids(self.y, "y")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, (int, np.integer)) or \
                 self.num_classes < 1:
             raise ValueError(f"num_classes: must be an integer >= 1, got {self.num_classes!r}")

@@ -121,7 +121,7 @@ class Partition:
             y = labels.detach().cpu() if isinstance(labels, Tensor) else torch.as_tensor(np.asarray(labels))
             if y.dim() != 1:
                 raise ValueError(f"labels: expected a 1-d array of class ids, got shape {tuple(y.shape)}")
-            self.labels = y.long()
+            self.labels = class_ids(y)
             top = int(r.max())
             if top >= len(y):
                 raise ValueError(f"indices: sample index {top} beyond the {len(y)} labels")
@@ -192,11 +192,27 @@ def _check_disjoint(rows: np.ndarray, offsets: np.ndarray) -> None:
                          f"samples on purpose")
 
 
+def class_ids(y, key: str = "labels") -> Tensor:
+    """``y`` as int64 class ids: integers, bools, or floats that hold whole numbers (a CSV read as floats); a
+    fractional or non-finite float label is a ValueError naming ``key``, the first such sample and its value
+    (``.long()`` would truncate 0.5 and 1.5 to the classes 0 and 1 without a word)."""
+    t = y if isinstance(y, Tensor) else torch.as_tensor(np.asarray(y))
+    if t.is_floating_point() or t.is_complex():
+        bad = ~torch.isfinite(t) | (t != t.round()) if t.is_floating_point() else t.imag != 0
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0, 0])
+            raise ValueError(f"{key}: class ids must be whole numbers, but sample {i} has the label "
+                             f"{t.reshape(-1)[i].item()!r} ({int(bad.sum())} such label(s)); labels are class "
+                             f"indices 0..C-1, not regression targets or soft labels")
+        t = t.real if t.is_complex() else t
+    return t.long()
+
+
 def _labels(labels) -> np.ndarray:
     y = labels.cpu().numpy() if isinstance(labels, Tensor) else np.asarray(labels)
     if y.ndim != 1 or y.size == 0:
         raise ValueError("labels: expected a non-empty 1-d array of class ids")
-    return y.astype(np.int64)
+    return class_ids(y).numpy() if np.issubdtype(y.dtype, np.floating) else y.astype(np.int64)
 
 
 def _check_K(K: int, n: int):

@@ -204,15 +204,23 @@ class Round:
 @dataclass(frozen=True)
 class TeacherSpec:
     """What a method distils from in one round: ``models`` [M, P] flat parameter rows; with M > 1, ``weights``
-    [M] (summing to 1) mix the M teachers' softmaxes at temperature ``tau`` (FedGKD-VOTE)."""
+    [M] (summing to 1) mix the M teachers' softmaxes at temperature ``tau`` (FedGKD-VOTE). ``buffers`` [M, B]:
+    each teacher's buffers (BatchNorm's running statistics, which a teacher in eval mode normalises with); None:
+    the global model's (exact for the global model itself; a method whose teachers are other models of a
+    BatchNorm network with running statistics passes theirs)."""
     models: Tensor
     weights: Tensor | None = None
     tau: float = 1.0
+    buffers: Tensor | None = None
 
     @staticmethod
-    def of(flat: Tensor) -> "TeacherSpec":
-        """One model (flat parameters [P]) as the teacher."""
-        return TeacherSpec(flat[None])
+    def of(flat: Tensor, buffers: Tensor | None = None) -> "TeacherSpec":
+        """One model (flat parameters [P], its buffers [B] or None: the global model's) as the teacher."""
+        return TeacherSpec(flat[None], buffers=None if buffers is None else buffers[None])
+
+    def buffers_of(self, m: int) -> Tensor | None:
+        """Teacher ``m``'s buffers [B] (None: the global model's)."""
+        return None if self.buffers is None else self.buffers[m]
 
 
 @dataclass(frozen=True)
@@ -246,6 +254,9 @@ class Step:
     params: dict | None = None       # the active clients' parameters {name: [num_clients, *shape]} (autograd
     #                                  leaves: a loss term on them, e.g. the classifier on other inputs)
     perturbed: bool = False          # the second pass of a SAM step (at w + rho g/||g||): no side effects
+    bn_valid: Tensor | None = None   # ``valid`` on a step where some client's batch has padding rows, else None: pass
+    #                                  it as ``valid=`` to the engine's forwards on ``x`` (BatchNorm's batch
+    #                                  statistics then skip the padding, as a per-client loop never sees it)
     epoch: int = 0                   # the local epoch and the step within it (random draws keyed by them are the
     step: int = 0                    # same for any chunking or number of processes)
 
@@ -268,22 +279,34 @@ class Engine(Protocol):
     @property
     def global_flat(self) -> Tensor: ...        # [P] the model the clients start from this round (read only)
 
+    num_buffers: int                  # B, buffer values of the model (BatchNorm's running statistics; 0 without)
+
+    @property
+    def global_buffers(self) -> Tensor: ...     # [B] the global model's buffers (read only)
+
     @property
     def round_index(self) -> int: ...           # 0-based index of the current round
 
     def server_data(self, name: str): ...       # a server-held split ("val", "aux") or None
 
-    def forward(self, flat: Tensor, x: Tensor, *, features: bool = False): ...
-    # one model (flat parameters [P]) on a batch x [R, ...] -> logits [R, C] (or (features, logits))
+    def forward(self, flat: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
+                valid: Tensor | None = None): ...
+    # one model (flat parameters [P]) on a batch x [R, ...] -> logits [R, C] (or (features, logits)). ``buffers``
+    # [B]: the model's (default the global model's); ``valid`` [R]: the rows BatchNorm's batch statistics take
+    # (default all). No forward but a local step's updates running statistics
 
-    def forward_clients(self, rows: Tensor, x: Tensor, *, features: bool = False): ...
-    # n models (rows [n, P]) on x [n, B, ...] -> logits [n, B, C] (or (features [n, B, F], logits))
+    def forward_clients(self, rows: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
+                        valid: Tensor | None = None): ...
+    # n models (rows [n, P], buffers [n, B] or [B]) on x [n, B, ...] -> logits [n, B, C] (or (features [n, B, F],
+    # logits)); ``valid`` [n, B] (Step.valid on a step with padding rows)
 
-    def forward_each(self, flat: Tensor, x: Tensor, *, features: bool = False): ...
+    def forward_each(self, flat: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
+                     valid: Tensor | None = None): ...
     # one model on each client's own batch x [n, B, ...] -> [n, B, C] (or (features, logits)); a model with
-    # batch-statistics norms sees each client's batch alone, as in a per-client loop
+    # batch-statistics norms sees each client's batch alone (its valid rows), as in a per-client loop
 
-    def predict(self, flat: Tensor, dataset, idx: Tensor | None = None) -> Tensor: ...
+    def predict(self, flat: Tensor, dataset, idx: Tensor | None = None, dtype=torch.float32,
+                buffers: Tensor | None = None) -> Tensor: ...
     # logits [len(idx), C] of one model on rows of a dataset, in large batches, eval mode, no grad
 
     def eval_mode(self) -> contextlib.AbstractContextManager: ...
@@ -307,6 +330,9 @@ class Engine(Protocol):
 
     def client_params(self, n: int) -> Tensor: ...
     # the live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)
+
+    def client_buffers(self, n: int) -> Tensor: ...
+    # the live buffer rows [n, B] of the chunk's first n clients (BatchNorm statistics after their local steps)
 
 
 # -- the method --------------------------------------------------------------------------------------------

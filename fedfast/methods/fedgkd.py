@@ -78,6 +78,9 @@ class FedGKD(Method):
         self.count = 0  # models in the buffer
         self.buf = torch.zeros(o.buffer, e.num_params, device=e.device) if self._buffered() else None
         self.avg = None  # the parameter average of the buffer (the teacher); None: the global model (M = 1)
+        if self._buffered() and e.num_buffers:  # a BatchNorm model's running statistics beside each buffered
+            self.buf_buffers = torch.zeros(o.buffer, e.num_buffers, device=e.device)  # model (the code averages
+            self.avg_buffers = None  # whole state_dicts); absent without, so older checkpoints still resume
 
     def _buffered(self):
         return self.opts.buffer > 1
@@ -85,7 +88,9 @@ class FedGKD(Method):
     def teacher(self, ctx):
         if self.opts.skip_first_round and ctx.index == 0:
             return None
-        return TeacherSpec.of(self.avg if self.avg is not None else self.engine.global_flat)
+        if self.avg is None:
+            return TeacherSpec.of(self.engine.global_flat)
+        return TeacherSpec.of(self.avg, getattr(self, "avg_buffers", None))
 
     def loss(self, ctx, b):
         if b.teacher is None:
@@ -102,6 +107,13 @@ class FedGKD(Method):
     def after_server(self, ctx, out):
         if self.buf is not None:
             self.buf, self.avg = out["ring"], out["ring_mean"]
+            self._push_buffers(ctx)
+
+    def _push_buffers(self, ctx):
+        """The new global model's buffers into their ring (the slot the fused update gave its parameters)."""
+        if hasattr(self, "buf_buffers"):
+            self.buf_buffers[ctx.index % self.opts.buffer] = self.engine.global_buffers
+            self.avg_buffers = self.buf_buffers[:self.count].mean(0)
 
 
 @register("fedgkd_plus")
@@ -159,12 +171,17 @@ class FedGKDVote(FedGKD):
         self.buf = torch.zeros(o.buffer, e.num_params, device=e.device)
         self.val_loss = torch.zeros(o.buffer, device=e.device)
         self.avg = None
+        if e.num_buffers:  # each buffered model's running statistics (absent without: older checkpoints resume)
+            self.buf_buffers = torch.zeros(o.buffer, e.num_buffers, device=e.device)
+            self.avg_buffers = None
 
     def teacher(self, ctx):
         if self.count == 0:
             return None  # round 1: no buffered global model yet, no KD (Eq. 5)
         w = torch.softmax(-self.val_loss[:self.count] / self.opts.beta, 0)
-        return TeacherSpec(self.buf[:self.count], w, tau=self.opts.tau)
+        bufs = getattr(self, "buf_buffers", None)
+        return TeacherSpec(self.buf[:self.count], w, tau=self.opts.tau,
+                           buffers=None if bufs is None else bufs[:self.count])
 
     def loss(self, ctx, b):
         if b.teacher is None:
@@ -175,6 +192,7 @@ class FedGKDVote(FedGKD):
 
     def after_server(self, ctx, out):
         self.buf = out["ring"]  # the teachers are the buffered models themselves
+        self._push_buffers(ctx)
         g = out["global"]
         self.val_loss[ctx.index % self.opts.buffer] = F.cross_entropy(self.engine.predict(g, self.val).float(),
                                                                       self.val.y)

@@ -11,7 +11,8 @@ contrast its output, as FedGKD's and FedADC's MOON rows do; FedNTD's code has no
 output of ``linear_1`` after ReLU, the classifier's input (``projection_dim = 0``; its presets set it). ``r_g``
 is that of the frozen global model and ``r_prev`` that of the client's own model after its previous
 participation (the initial global model before its first). The reference models run in eval mode (no dropout),
-as a teacher. State: one previous local model per client (``[K, P]`` rows). Defaults ``mu = 1``, ``T = 0.5``
+as a teacher. State: one previous local model per client (``[K, P]`` rows; ``[K, P + B]`` with its buffers for a
+BatchNorm model that keeps running statistics, which the previous model normalises with in eval mode). Defaults ``mu = 1``, ``T = 0.5``
 (FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
 """
 from __future__ import annotations
@@ -62,16 +63,22 @@ class MOON(FedAvg):
 
     def setup(self):
         e = self.engine
-        self.client_state = e.new_client_state(fill=e.global_flat)  # previous local models
+        if e.num_buffers:  # previous local models with their buffers (BatchNorm's running statistics)
+            self.client_state = e.new_client_state(fill=torch.cat([e.global_flat, e.global_buffers]),
+                                                   cols=e.num_params + e.num_buffers)
+        else:
+            self.client_state = e.new_client_state(fill=e.global_flat)  # previous local models
 
     def chunk_start(self, ctx, lo, hi):
-        return ctx.rows[lo:hi]  # the chunk's clients' previous local models
+        return ctx.rows[lo:hi]  # the chunk's clients' previous local models (and their buffers)
 
     def loss(self, ctx, b):
-        e, o, n = self.engine, self.opts, b.num_clients
+        e, o, n, P = self.engine, self.opts, b.num_clients, self.engine.num_params
+        prev = ctx.chunk[:n]
         with torch.no_grad(), e.eval_mode():  # frozen references, each on its client's own batch
-            rg, _ = e.forward_each(e.global_flat, b.x, features=True)
-            rp, _ = e.forward_clients(ctx.chunk[:n], b.x, features=True)
+            rg, _ = e.forward_each(e.global_flat, b.x, features=True, valid=b.bn_valid)
+            rp, _ = e.forward_clients(prev[:, :P], b.x, features=True, valid=b.bn_valid,
+                                      buffers=prev[:, P:] if e.num_buffers else None)
         r = b.features.reshape(-1, b.features.shape[-1])
         sims = torch.stack([F.cosine_similarity(r, rg.reshape(r.shape), dim=-1),
                             F.cosine_similarity(r, rp.reshape(r.shape), dim=-1)], 1) / o.tau
@@ -79,4 +86,7 @@ class MOON(FedAvg):
         return cross_entropy(b, e.backend) + o.mu * weighted_mean_rows(lcon, b.valid)
 
     def collect(self, ctx, out, lo, hi):
-        ctx.new_rows[lo:hi] = self.engine.client_params(hi - lo)
+        e, P = self.engine, self.engine.num_params
+        ctx.new_rows[lo:hi, :P] = e.client_params(hi - lo)
+        if e.num_buffers:
+            ctx.new_rows[lo:hi, P:] = e.client_buffers(hi - lo)

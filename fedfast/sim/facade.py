@@ -15,13 +15,14 @@ class EngineView:
     classifier head, the clients' gradients and their live parameter rows."""
 
     __slots__ = ("_sim", "device", "backend", "num_clients", "num_params", "num_classes", "seed", "train", "config",
-                 "client_sizes")
+                 "client_sizes", "num_buffers")
 
     def __init__(self, sim):
         self._sim = sim
         self.device, self.backend, self.seed, self.config = sim.device, sim.cfg.backend, sim.cfg.seed, sim.cfg
         self.num_clients, self.num_params, self.num_classes = sim.num_clients, sim.num_params, sim.num_classes
         self.train, self.client_sizes = sim.train, sim.plan.client_sizes
+        self.num_buffers = sim.runtime.num_buffers
 
     @property
     def label_hist(self) -> torch.Tensor:
@@ -32,6 +33,11 @@ class EngineView:
     def global_flat(self) -> torch.Tensor:
         """[P] the model the clients start from this round."""
         return self._sim.state.global_flat
+
+    @property
+    def global_buffers(self) -> torch.Tensor:
+        """[B] the global model's buffers (BatchNorm's running statistics; empty without)."""
+        return self._sim.state.global_buffers
 
     @property
     def round_index(self) -> int:
@@ -45,29 +51,36 @@ class EngineView:
     def eval_mode(self):
         return self._sim.runtime.eval_mode()
 
-    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        return self._sim.runtime.forward(flat, x, features=features)
+    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
+                buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+        return self._sim.runtime.forward(flat, x, features=features, buffers=buffers, valid=valid)
 
-    def forward_clients(self, rows: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        """Models ``rows`` [n, P] on ``x`` [n, B, ...] (the trainer stack's batched forward)."""
+    def forward_clients(self, rows: torch.Tensor, x: torch.Tensor, *, features: bool = False,
+                        buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+        """Models ``rows`` [n, P] (buffers [n, B] or [B], default the global model's) on ``x`` [n, B, ...] (the
+        trainer stack's batched forward)."""
         rt, n = self._sim.runtime, rows.shape[0]
-        return self._sim.trainer.stack.vmap_forward(x, rows=slice(0, n), params=rt.layout.param_views(rows),
-                                                    features=rt.features_module() if features else None)
+        b = rt.buffers if buffers is None else buffers
+        return self._sim.trainer.stack.vmap_forward(
+            x, rows=slice(0, n), params=rt.layout.param_views(rows), features=rt.features_module() if features else None,
+            buffers=rt.layout.buffer_views(b.expand(n, -1) if b.dim() == 1 else b), valid=valid)
 
-    def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
+    def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
+                     buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
         """One model (flat [P]) on each client's own batch ``x`` [n, B, ...] -> [n, B, C] (or (features, logits)).
         Models that normalise with batch statistics see each client's batch alone (a grouped forward, as in a
         per-client loop); other models run once on the n*B rows (the same values, without n weight copies)."""
         n, B = x.shape[0], x.shape[1]
         if self._sim.runtime.batch_stats:
-            return self.forward_clients(flat.expand(n, -1), x, features=features)
-        out = self.forward(flat, x.reshape(n * B, *x.shape[2:]), features=features)
+            return self.forward_clients(flat.expand(n, -1), x, features=features, buffers=buffers, valid=valid)
+        out = self.forward(flat, x.reshape(n * B, *x.shape[2:]), features=features, buffers=buffers)
         if features:
             return out[0].reshape(n, B, -1), out[1].reshape(n, B, -1)
         return out.reshape(n, B, -1)
 
-    def predict(self, flat: torch.Tensor, dataset, idx: torch.Tensor | None = None, dtype=torch.float32):
-        return self._sim.runtime.predict(flat, dataset, idx, dtype)
+    def predict(self, flat: torch.Tensor, dataset, idx: torch.Tensor | None = None, dtype=torch.float32,
+                buffers: torch.Tensor | None = None):
+        return self._sim.runtime.predict(flat, dataset, idx, dtype, buffers)
 
     def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1, *,
                          cols: int | None = None) -> ClientState:
@@ -88,3 +101,8 @@ class EngineView:
     def client_params(self, n: int) -> torch.Tensor:
         """The live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)."""
         return self._sim.trainer.stack.params[:n]
+
+    def client_buffers(self, n: int) -> torch.Tensor:
+        """The live buffer rows [n, B] of the chunk's first n clients (BatchNorm's running statistics as their
+        local steps left them)."""
+        return self._sim.trainer.stack.buffers[:n]

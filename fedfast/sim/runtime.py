@@ -12,7 +12,7 @@ from torch.func import functional_call
 
 from .. import batched, grouped
 from ..data.datasets import ArrayDataset
-from ..flat import FlatLayout, find_classifier, functional_forward
+from ..flat import FlatLayout, fedfast_batch_norm, find_classifier, functional_forward, has_running_stats
 from ..ops import _backend
 from .memory import fp32_semantics
 
@@ -44,24 +44,48 @@ def probe_batch(model: nn.Module, train: ArrayDataset) -> torch.Tensor:
     return x.to(dev)
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """The model's buffers as they were before the block (a probe forward in training mode updates BatchNorm's
+    running statistics and ``num_batches_tracked``; the run starts from the model as given)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
 class ModelRuntime:
-    """``model`` (on ``device``) checked on two training samples and flattened: ``layout`` (flat parameters [P]),
-    ``plan`` (the batched executor, None: vmap), ``conv``, ``batch_stats`` (BatchNorm/InstanceNorm), ``initial``
-    (the model's flat parameters), ``eval_batch``; ``classifier_name`` found by :meth:`find_classifier` (or on
-    first use). ``train`` serves the probes only."""
+    """``model`` (on ``device``) checked on two training samples and flattened: ``layout`` (flat parameters [P],
+    buffers [B]: floating-point buffers and BatchNorm's ``num_batches_tracked``), ``plan`` (the batched executor,
+    None: vmap), ``conv``, ``batch_stats`` (BatchNorm/InstanceNorm), ``running_stats`` (BatchNorm that keeps
+    running statistics), ``initial`` / ``initial_buffers`` (the model's flat parameters and buffers as given),
+    ``buffers`` (the global model's buffers, which forwards use unless given others: the engine sets them after
+    every round), ``eval_batch``; ``classifier_name`` found by :meth:`find_classifier` (or on first use).
+    ``train`` serves the probes only."""
 
     def __init__(self, cfg, model: nn.Module, train: ArrayDataset, device: torch.device):
         self.cfg, self.model, self.train, self.device = cfg, model, train, device
         self.eval_batch = cfg.eval_batch or (1024 if device.type == "cpu" else 4096)
-        self.check_model()
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
+                raise ValueError(f"model: {name!r} is an InstanceNorm with track_running_stats=True; fedfast keeps "
+                                 f"per-client running statistics for BatchNorm layers only: use "
+                                 f"track_running_stats=False (InstanceNorm's default)")
+        with buffers_kept(model):
+            self.check_model()
         self.layout = FlatLayout(model)
         self.num_params = self.layout.P
+        self.num_buffers = self.layout.B
         self.batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                for mod in model.modules())  # BatchNorm/InstanceNorm: batch statistics
+        self.running_stats = has_running_stats(model)
         self.conv = conv_impl(cfg.conv, device)
+        self.initial_buffers = self.layout.flatten_buffers(model).to(device)
+        self.buffers = self.initial_buffers
         self.plan = self._batched_plan()
-        self.buffers = self.layout.flatten_buffers(model).to(device)
-        self._fwd = functional_forward(model)
         self.classifier_name: str | None = None
         self._classifier = None
         self._head_names = None
@@ -114,11 +138,12 @@ class ModelRuntime:
         for k, v in self.model.named_parameters():
             noise = torch.randn(v.shape, generator=gen).to(v.device, v.dtype)
             pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise])
+        bv = {k: v[None].expand(2, *v.shape) for k, v in self.layout.buffer_views(self.initial_buffers).items()}
         with self.eval_mode(), fp32_semantics():  # TF32 (cuDNN's default) would differ by ~1e-3 on both sides
             try:
                 ref = torch.stack([functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float()
                                    for i in range(2)])
-                got = prog.forward(pv, torch.stack([x, x]), False).float()
+                got = prog.forward(pv, torch.stack([x, x]), False, buffers=bv).float()
             except (RuntimeError, ValueError, TypeError) as e:
                 return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
         err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
@@ -143,13 +168,26 @@ class ModelRuntime:
             acts.append(o.numel() if torch.is_tensor(o) else 0)
             if with_im2col and isinstance(m, nn.Conv2d) and m.groups == 1:  # im2col: kept and its gradient
                 acts.append(2 * inp[0].numel() * m.kernel_size[0] * m.kernel_size[1] // 3)
-        hooks = [m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())]
+        self._probe([m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())])
+        return sum(acts)
+
+    @torch.no_grad()
+    def batch_norm_positions(self) -> dict:
+        """``{name: S}``: each BatchNorm layer's values per channel and sample in training (its input's spatial
+        positions, 1 after a Linear), from one forward of two training samples (the buffers kept)."""
+        out = {}
+        self._probe([m.register_forward_hook(lambda m_, inp, o, n=n: out.__setitem__(n, inp[0][0, 0].numel()))
+                     for n, m in self.model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)])
+        return out
+
+    def _probe(self, hooks: list) -> None:
+        """One forward of two training samples in the model's mode (its buffers kept), then ``hooks`` removed."""
         try:
-            self.model(self.train.batch(torch.arange(2, device=self.device) % len(self.train))[0])
+            with buffers_kept(self.model):
+                self.model(self.train.batch(torch.arange(2, device=self.device) % len(self.train))[0])
         finally:
             for h in hooks:
                 h.remove()
-        return sum(acts)
 
     # -- running one model -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -171,28 +209,36 @@ class ModelRuntime:
             self._classifier = self.model.get_submodule(self.classifier_name)
         return self._classifier
 
-    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False):
-        """One model (flat parameters [P]) on a batch: the batched executor with one client, else functional_call.
-        With ``features``: ``(input of the classifier, logits)``."""
+    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
+                buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+        """One model (flat parameters [P], ``buffers`` [B], default the global model's) on a batch ``x`` [R, ...]:
+        the batched executor with one client, else functional_call. With ``features``: ``(input of the
+        classifier, logits)``. ``valid`` [R]: the rows that enter BatchNorm's batch statistics (None: all). Never
+        updates running statistics (only a local step's forward does)."""
         feat = self.features_module() if features else None
+        b = self.buffers if buffers is None else buffers
         if self.plan is not None:
             pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
-            out = self.plan.forward(pv, x[None], self.model.training, feat)
+            bv = {k: v[None] for k, v in self.layout.buffer_views(b).items()}
+            out = self.plan.forward(pv, x[None], self.model.training, feat, buffers=bv,
+                                    valid=None if valid is None else valid[None])
             return (out[0][0], out[1][0]) if features else out[0]
-        fwd = self._fwd if feat is None else functional_forward(self.model, feat)
-        return fwd(self.layout.param_views(flat), self.layout.buffer_views(self.buffers), x)
+        fwd = functional_forward(self.model, feat)
+        with fedfast_batch_norm(self.model):
+            return fwd(self.layout.param_views(flat), self.layout.buffer_views(b), x, valid)
 
     @torch.no_grad()
     def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
-                dtype=torch.float32) -> torch.Tensor:
-        """Logits of the model ``flat`` on rows ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
+                dtype=torch.float32, buffers: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the model ``flat`` (with ``buffers``, default the global model's) on rows ``idx`` of
+        ``dataset`` (default all), in large batches, eval mode."""
         if idx is None:
             idx = torch.arange(len(dataset), device=self.device)
         out = torch.empty(len(idx), dataset.num_classes, device=self.device, dtype=dtype)
         with self.eval_mode():
             for s in range(0, len(idx), self.eval_batch):
                 x, _ = dataset.batch(idx[s:s + self.eval_batch])
-                out[s:s + self.eval_batch] = self.forward(flat, x).to(dtype)
+                out[s:s + self.eval_batch] = self.forward(flat, x, buffers=buffers).to(dtype)
         return out
 
     def head_params(self, params) -> tuple:
@@ -215,12 +261,15 @@ class ModelRuntime:
 
     # -- the trained model -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_into_model(self, flat: torch.Tensor) -> None:
-        """The model's parameters set to ``flat`` [P]."""
+    def load_into_model(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> None:
+        """The model's parameters set to ``flat`` [P], its buffers to ``buffers`` [B] (default the global
+        model's)."""
         for p, v in zip(self.model.parameters(), self.layout.param_views(flat).values()):
             p.copy_(v)
+        self.layout.load_buffers(self.model, self.buffers if buffers is None else buffers)
 
     def state_dict(self, flat: torch.Tensor) -> dict:
-        """``flat`` as a ``state_dict`` of the model (copies; the model holds ``flat`` after)."""
+        """``flat`` (with the global model's buffers) as a ``state_dict`` of the model (copies; the model holds
+        them after)."""
         self.load_into_model(flat)
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

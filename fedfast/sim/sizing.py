@@ -74,10 +74,12 @@ class MemoryBudget:
             raise OutOfMemory(self.oom_message(what, key, next_round=next_round, chunk=chunk)) from None
 
     def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1, *,
-                     cols: int | None = None) -> ClientState:
+                     cols: int | None = None, name: str | None = None, float32: bool = False) -> ClientState:
         """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each (or ``cols`` values), in
         the settings' dtype and place (:class:`fedfast.flat.ClientState`: rows held for the clients written only);
-        ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols])."""
+        ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols]).
+        ``name``: the store's (its file's) name, default the method's; ``float32``: whatever ``state_dtype`` says
+        (the engine's own store of BatchNorm statistics)."""
         c, P = self.cfg, self.runtime.num_params
         if cols is not None:
             if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1 or rows != 1:
@@ -88,14 +90,14 @@ class MemoryBudget:
         if fill is not None and fill.numel() not in (P, rows * P):
             raise ValueError(f"fill: {P} or {rows * P} values (a client's initial row), got {fill.numel()}")
         init = 0.0 if fill is None else (fill.repeat(rows) if fill.numel() == P else fill).detach().float().cpu()
-        dtype = torch.bfloat16 if c.state_dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if c.state_dtype == "bfloat16" and not float32 else torch.float32
         limit = None
         if c.state_store == "auto":  # the table's memory: state_memory_gb, else a quarter of its device's
             where = torch.device("cpu") if c.state_on_host else self.device
             limit = int(c.state_memory_gb * 2**30) if c.state_memory_gb else _free_bytes(where) // 4
-        with self.guard(f"allocating the per-client state store of {self.method.name}", "state_dtype", next_round=1,
-                        chunk=0):
+        with self.guard(f"allocating the per-client state store of {name or self.method.name}", "state_dtype",
+                        next_round=1, chunk=0):
             return ClientState(num_clients, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype,
                                fill=init, store=c.state_store, directory=self.state_dir, memory_budget=limit,
-                               name="client-state-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", self.method.name),
+                               name=name or "client-state-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", self.method.name),
                                max_rows=1 + min(num_clients, c.rounds * self.max_cohort))

@@ -65,16 +65,21 @@ class ChunkTrainer:
 
     # -- phase 3 -------------------------------------------------------------------------------------------------
     def train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum: torch.Tensor, *, start: torch.Tensor,
-                    step_rows: np.ndarray | None, gen: torch.Generator) -> None:
+                    start_buffers: torch.Tensor | None = None, step_rows: np.ndarray | None,
+                    gen: torch.Generator) -> None:
         """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the
-        global model ``start``; adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync).
-        ``step_rows``: ``local_steps`` mode's row table; ``gen``: the augmentation generator."""
+        global model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's
+        own); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync). ``step_rows``:
+        ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer rows hold the
+        clients' buffers after it (BatchNorm's running statistics as their local steps left them)."""
         c, method = self.cfg, self.method
         self._last = time.perf_counter()
         steps = ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(start, rows=slice(0, n))
+        if start_buffers is not None and self.runtime.num_buffers:
+            self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
         self.optimizer.reset(n)
         step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
         ctx.chunk = None
@@ -98,13 +103,15 @@ class ChunkTrainer:
             for s in range(S):
                 n_act = int((steps[lo:hi] > s).sum())
                 x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, gen)
+                # BatchNorm's statistics leave padding rows out: the mask only on steps that have any (host table)
+                bn_valid = valid if (rows[:n_act, s * B:(s + 1) * B] < 0).any() else None
                 self.tick("data")
                 pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
-                t = teacher.rows(ridx.reshape(-1), x) if teacher is not None else None
+                t = teacher.rows(ridx.reshape(-1), x, bn_valid) if teacher is not None else None
                 self.tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
                 batch = dict(x=x, y=y, valid=valid, seg=seg, teacher=t, hist=hist_c[:n_act], features=features,
-                             epoch=e, step=s)
+                             epoch=e, step=s, bn_valid=bn_valid)
                 loss = self.step_loss(ctx, pv, perturbed=False, **batch)
                 grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
                     self.stack, loss, pv, n_act,
@@ -121,10 +128,14 @@ class ChunkTrainer:
         method.chunk_end(ctx, lo, hi)
 
     def step_loss(self, ctx: Round, pv, *, x, y, valid, seg, teacher, hist, features, perturbed: bool, epoch: int,
-                  step: int):
-        """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss."""
+                  step: int, bn_valid=None):
+        """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss. The
+        forward updates BatchNorm's running statistics in the clients' buffer rows, except SAM's second pass
+        (``perturbed``), as SAM's reference implementations disable them there. ``bn_valid``: the rows that enter
+        BatchNorm's batch statistics (None: every row)."""
         n_act = x.shape[0]
-        out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features)
+        out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features, valid=bn_valid,
+                                      update=not perturbed)
         feat, z = out if features is not None else (None, out)
         self.tick("forward")
         zf, yf = z.reshape(-1, z.shape[-1]), y.reshape(-1)
@@ -133,7 +144,7 @@ class ChunkTrainer:
         else:
             loss = self.method.loss(ctx, Step(logits=zf, target=yf, segments=seg, num_clients=n_act, teacher=teacher,
                                               hist=hist, x=x, valid=valid, features=feat, params=pv,
-                                              perturbed=perturbed, epoch=epoch, step=step))
+                                              perturbed=perturbed, epoch=epoch, step=step, bn_valid=bn_valid))
         if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
             self._bad_loss(loss)
         self.tick("loss")
@@ -161,7 +172,8 @@ class ChunkTrainer:
         """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
         order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
         n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
-        (a buffer reused by the next step). FedCurv's Fisher information."""
+        (a buffer reused by the next step). FedCurv's Fisher information. The forwards use the clients' buffer rows
+        and update no running statistics (only a local step's forward does)."""
         B, C = self.cfg.batch_size, self.runtime.train.num_classes
         batches = np.asarray(batches, dtype=np.int64)
         if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
@@ -171,6 +183,7 @@ class ChunkTrainer:
         S = int(batches[0]) if len(batches) else 0
         table = self.plan.batch_table(ctx, lo, hi, epoch, S * B)
         table[np.arange(S * B)[None, :] >= (batches * B)[:, None]] = -1
+        host = table
         table = host_to_device(table, self.device)
         buf = self.gradbuf if self.gradbuf is not None else \
             torch.empty(hi - lo, self.runtime.num_params, device=self.device)
@@ -178,7 +191,8 @@ class ChunkTrainer:
             n_act = int((batches > s).sum())
             x, y, valid, _ = self.plan.minibatch(ctx, table, lo, n_act, epoch, s, gen)
             pv = self.stack.leaf_views(slice(0, n_act))
-            z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv).reshape(-1, C)
+            bn_valid = valid if (host[:n_act, s * B:(s + 1) * B] < 0).any() else None
+            z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, valid=bn_valid).reshape(-1, C)
             seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
             loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
                                num_segments=n_act, reduction="mean", backend=self.cfg.backend)

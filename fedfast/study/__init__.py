@@ -36,8 +36,8 @@ from .. import presets as _presets
 from .._io import write_atomic
 from ..config import read_config_file
 from .execute import _assign_threads, _run_jobs, _run_serial, _study_lock
-from .plan import (GRID_VAL_FRACTION, STUDY, _applies, _given, _merge_spec, _plan, _protocol, _token, parse_grid,
-                   parse_shard, point_label)
+from .plan import (GRID_VAL_FRACTION, STUDY, _applies, _given, _merge_spec, _plan, _protocol, _sweep_axes, _token,
+                   check_grid, parse_grid, parse_shard, point_label)
 from .report import (DEFAULT_SELECT, FORMATS, SELECT, SELECT_ALIASES, Study, _read_study, load_run, load_studies,
                      mean_std, report, run_dirs, select, select_key, study_rows, tex)
 
@@ -73,6 +73,7 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
     cells = _presets.resolve(preset) if preset else [None]
     cli_grid = parse_grid(grid or [])
     file_keys = read_config_file(config) if config else {}
+    methods, seeds = _sweep_axes(overrides, file_keys, config, methods, seeds)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out: {out} is a file, not a study directory")
     multi = len(cells) > 1
@@ -83,8 +84,14 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         if not ms:
             raise ValueError("--methods: which methods to run (a preset's or study file's rows are the default)")
         ss = list(seeds) if seeds else (c.seeds if c is not None else [0])
+        if c is not None:
+            check_grid(c.grid, c.methods, f"{c.source}: [grid]")  # the study's own grid against its own rows
         g = {k: [_token(v) for v in vals] for k, vals in (c.grid if c is not None else {}).items()
              if k not in cli_grid and _applies(k, ms)}  # the file's grid over methods this sweep runs
+        skipped = sorted(set(c.grid if c is not None else {}) - set(g) - set(cli_grid))
+        if skipped and not quiet:
+            print(f"grid: {', '.join(skipped)} of {c.source} vary no method of --methods {','.join(ms)}: not swept",
+                  flush=True)
         g.update(cli_grid)
         ov = list(overrides)
         base_keys = c.keys if c is not None else {}

@@ -120,6 +120,45 @@ def _applies(key: str, methods: list[str]) -> bool:
     return "." not in key or any(key.split(".", 1)[0] in _methods.get(m).option_tables() for m in methods)
 
 
+def _sweep_axes(overrides: list[str], file_keys: dict, config: str | None, methods, seeds):
+    """The sweep's methods and seeds, with what would otherwise be silently dropped refused or used: ``--set
+    algorithm`` / ``--set seed`` (a sweep's methods and seeds are ``--methods`` and ``--seeds``), a config file's
+    ``algorithm`` not among ``--methods``; a config file's ``algorithm`` / ``seed`` are the defaults of
+    ``--methods`` / ``--seeds``."""
+    for o in overrides:
+        k, _, v = o.partition("=")
+        if k.strip() in ("algorithm", "seed"):
+            axis = "methods" if k.strip() == "algorithm" else "seeds"
+            raise ValueError(f"--set {k.strip()}: a sweep runs the {axis} of --{axis} (or the study's); use "
+                             f"--{axis} {v.strip()}")
+    methods, seeds = list(methods or []), list(seeds or [])
+    algo = file_keys.get("algorithm")
+    if algo is not None:
+        if methods and algo not in methods:
+            raise ValueError(f"{config}: algorithm = {algo!r} is not among --methods {','.join(methods)}: a sweep "
+                             f"runs the --methods; drop the file's algorithm or add it to --methods")
+        methods = methods or [algo]
+    if file_keys.get("seed") is not None and not seeds:
+        seeds = [int(file_keys["seed"])]
+    return methods, seeds
+
+
+def check_grid(grid: dict, methods, where: str) -> None:
+    """A study's grid keys against its methods: a ``table.key`` that no registered method reads (a misspelled
+    table) or that none of ``methods`` reads is an error naming ``where`` and the key (it would vary nothing)."""
+    known = {t for name in _methods.names() for t in _methods.get(name).option_tables()}
+    for k in grid:
+        if "." not in k:
+            continue
+        table = k.split(".", 1)[0]
+        if table not in known:
+            raise ValueError(f"{where} {k}: no method reads an option table {table!r} (misspelled? the tables: "
+                             f"{', '.join(sorted(known))})")
+        if methods and not _applies(k, list(methods)):
+            raise ValueError(f"{where} {k}: none of the study's methods ({', '.join(methods)}) reads the table "
+                             f"{table!r}, so the grid would vary nothing; add the method that reads it, or drop the key")
+
+
 def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, overrides: list[str],
           config: str | None, file_keys, plugins) -> list[_Run]:
     """Every (method, grid point, seed) of one study with its config, built (so validated) before any run."""

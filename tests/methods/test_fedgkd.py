@@ -105,3 +105,15 @@ def test_fedgkd_plus_defaults():
     assert (o.projection_dim, o.gamma, o.buffer, o.skip_first_round, cfg.max_grad_norm) == (256, 0.2, 5, True, 10.0)
     with pytest.raises(ValueError, match="fedgkd_plus.projection_dim"):
         fedfast.SimConfig(algorithm="fedgkd_plus", options={"projection_dim": 0})
+
+
+@pytest.mark.parametrize("algorithm,options,rounds", [("fedgkd", dict(buffer=3, skip_first_round=False), 4),
+                                                      ("fedgkd_vote", dict(buffer=2), 3)])
+def test_batchnorm_teachers_carry_their_running_statistics(algorithm, options, rounds):
+    """A model whose BatchNorm keeps running statistics (issue 46): FedGKD's teacher is the average of the buffered
+    globals' whole state_dicts (parameters and statistics, as the code averages them) and VOTE's teachers are the
+    buffered globals with their own statistics; equal to the loop, every buffer too."""
+    err, sim, _ = engine_vs_loop(algorithm, options, model="bn", rounds=rounds, lr_decay=0.99)
+    assert sim.runtime.num_buffers and err <= 1e-4, err
+    bufs = sim.method.buf_buffers
+    assert bufs.shape == (options["buffer"], sim.runtime.num_buffers) and not torch.equal(bufs[0], bufs[1])

@@ -182,3 +182,37 @@ def test_sam_is_declared_not_detected():
     sim.method.__class__ = Undeclared
     with pytest.raises(ValueError, match="undeclared.sam_rho: 0.1 > 0, but the method does not declare sam = True"):
         sim.round()
+
+
+class FrozenStatsSAMLoop(SAMLoop):
+    """SAMLoop on a BatchNorm model with running statistics: the second pass (at w + e) leaves the buffers as the
+    first pass left them, as SAM's reference code does with ``disable_running_stats`` (the engine's rule)."""
+
+    def step(self, local, opt, x, y, k):
+        saved, first = [], self.loss
+
+        def loss(local, x, y, k):
+            saved.append([b.detach().clone() for b in local.buffers()])  # before each pass
+            return first(local, x, y, k)
+        self.loss = loss
+        try:
+            super().step(local, opt, x, y, k)
+        finally:
+            del self.loss
+        if len(saved) == 2:  # back to the buffers as the first pass left them (after the backward, which reads them)
+            with torch.no_grad():
+                for b, v in zip(local.buffers(), saved[1]):
+                    b.copy_(v)
+
+
+@pytest.mark.parametrize("executor", ["auto", "vmap"])
+def test_sam_on_a_batchnorm_model_updates_running_statistics_once_per_step(executor):
+    """A model with BatchNorm running statistics: the SAM step's first pass updates them, the perturbed pass does not;
+    every buffer of the global model equals the loop's (num_batches_tracked counts steps)."""
+    from sequential_loop import setup_data
+    err, sim, loop = engine_vs(FrozenStatsSAMLoop, "fedsam", dict(rho=0.1), model=setup_data("bn")[3],
+                               executor=executor, lr_decay=0.99)
+    assert (sim.trainer.stack.plan is not None) == (executor == "auto")
+    assert sim.runtime.num_buffers and err <= 1e-4, err
+    nbt = sim.state_dict()["1.num_batches_tracked"]
+    assert int(nbt) == int(loop.glob.state_dict()["1.num_batches_tracked"]) > 0

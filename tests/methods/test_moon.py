@@ -40,3 +40,12 @@ def test_projection_head_is_the_default_and_optional():
 def test_without_head_matches_sequential_loop(executor):
     err, _, _ = engine_vs_loop("moon", dict(projection_dim=0), lr_decay=0.99, executor=executor)
     assert err <= 1e-4, err
+
+
+@pytest.mark.parametrize("options", [dict(projection_dim=0), {}])
+def test_batchnorm_previous_models_keep_their_running_statistics(options):
+    """A model whose BatchNorm keeps running statistics (issue 46): each client's previous local model is kept with
+    its own statistics (rows of P + B), which it normalises with in eval mode, as the loop's deep copy does."""
+    err, sim, _ = engine_vs_loop("moon", options, model="bn", lr_decay=0.99)
+    P, B = sim.num_params, sim.runtime.num_buffers
+    assert B and sim.method.client_state.cols == P + B and err <= 1e-4, err
