@@ -261,6 +261,22 @@ class Step:
     step: int = 0                    # same for any chunking or number of processes)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClientData:
+    """One slice of the chunk's clients' own data run through their models (``Engine.client_data``): up to ``b``
+    samples of each of the n clients, every sample of a client once over the slices, in the client's order in the
+    partition, un-augmented. ``rows`` [n, b] int64: the samples' indices in the training set (-1: none, the client
+    has fewer); ``y`` [n, b] int64 (-100 where none); ``valid`` [n, b] bool; ``logits`` [n, b, C] float32;
+    ``features`` [n, b, F] float32 (the classifier's input) or None; ``start``: the position in each client's data
+    of the slice's first sample. All on the engine's device, computed without autograd."""
+    rows: Tensor
+    y: Tensor
+    valid: Tensor
+    logits: Tensor
+    features: Tensor | None
+    start: int
+
+
 # -- the engine as a method sees it --------------------------------------------------------------------------
 @runtime_checkable
 class Engine(Protocol):
@@ -333,6 +349,16 @@ class Engine(Protocol):
 
     def client_buffers(self, n: int) -> Tensor: ...
     # the live buffer rows [n, B] of the chunk's first n clients (BatchNorm statistics after their local steps)
+
+    @property
+    def feature_width(self) -> int: ...         # F, the classifier's input width (Step.features' last dim)
+
+    def client_data(self, ctx, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
+                    train_mode: bool = False): ...
+    # the chunk's clients' models (stack rows 0:hi-lo, as they are now: trained, in chunk_end and collect) over
+    # their own samples, each once, un-augmented, ``batch`` (default batch_size) per client at a time, in eval mode
+    # (``train_mode``: the model's training mode, batch statistics without running-statistics updates), without
+    # autograd: yields ``ClientData`` (FedProto's prototypes, CCVR's feature statistics, calibration)
 
 
 # -- the method --------------------------------------------------------------------------------------------
@@ -577,5 +603,5 @@ def unpack_state(p, current, device, where: str):
     return p
 
 
-__all__ = ["Method", "Engine", "Round", "Step", "TeacherSpec", "TeacherRows", "opt", "make_options",
+__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "TeacherSpec", "TeacherRows", "opt", "make_options",
            "validate_options", "NoOptions"]

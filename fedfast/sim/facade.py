@@ -102,6 +102,17 @@ class EngineView:
         """The live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)."""
         return self._sim.trainer.stack.params[:n]
 
+    @property
+    def feature_width(self) -> int:
+        """F, the classifier's input width (``Step.features`` is ``[n, B, F]``)."""
+        return self._sim.runtime.features_module().in_features
+
+    def client_data(self, ctx: Round, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
+                    train_mode: bool = False):
+        """The chunk's clients' models over their own samples, each once, un-augmented, in slices of ``batch`` per
+        client (:meth:`fedfast.sim.trainer.ChunkTrainer.client_data`): yields ``fedfast.methods.ClientData``."""
+        return self._sim.trainer.client_data(ctx, lo, hi, features=features, batch=batch, train_mode=train_mode)
+
     def client_buffers(self, n: int) -> torch.Tensor:
         """The live buffer rows [n, B] of the chunk's first n clients (BatchNorm's running statistics as their
         local steps left them)."""

@@ -4,6 +4,7 @@ forward and the method's (or a user's) loss, the gradient (plain or SAM's) and t
 with the method's terms. It also gives a method the clients' gradients at their trained weights."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -14,7 +15,7 @@ from .. import ops
 from .._io import host_to_device
 from ..flat import ClientStack
 from ..local_step import PlainGradient, SAMGradient, client_optimizer
-from ..methods.base import Round, Step
+from ..methods.base import ClientData, Round, Step
 from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
 from .memory import OutOfMemory, _free_bytes, _gib
 
@@ -168,6 +169,40 @@ class ChunkTrainer:
         raise HookError(f"{where}: must return {must}, got {describe_value(loss)}")
 
     # -- what a method reads of the chunk ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def client_data(self, ctx: Round, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
+                    train_mode: bool = False):
+        """The chunk's clients' models (stack rows ``0:hi-lo``, as they are now) over their own samples: every
+        sample of each client once, in the partition's order, un-augmented, ``batch`` samples per client at a time
+        (default ``batch_size``); yields :class:`fedfast.methods.ClientData`. Eval mode unless ``train_mode`` (the
+        model's modules are in that mode during each slice's forward only); no running statistics are updated; a
+        client whose data is exhausted in a slice runs on its own first samples, marked invalid (and, for BatchNorm
+        statistics, kept apart from the other clients'), so every value is finite."""
+        b = self.cfg.batch_size if batch is None else batch
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+            raise ValueError(f"batch: samples per client and slice, an integer >= 1, got {batch!r}")
+        n = hi - lo
+        clients = np.asarray(ctx.sampled[lo:hi])
+        sizes = self.plan.client_sizes[clients]
+        rows, owner = self.plan.cohort_rows(clients)
+        pos = np.arange(len(rows)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        table = np.full((n, int(sizes.max()) if n else 0), -1, dtype=np.int64)
+        table[owner, pos] = rows
+        feat = self.runtime.features_module() if features else None
+        for s in range(0, table.shape[1], int(b)):
+            part = table[:, s:s + int(b)]
+            ok = part >= 0
+            idx = host_to_device(np.where(ok, part, table[:, :1]), self.device)  # exhausted: own first samples
+            x, y = self.runtime.train.batch(idx)
+            valid = host_to_device(ok, self.device)
+            # BatchNorm: each client's valid rows; an exhausted client's (unused) rows form their own statistics
+            bn = None if ok.all() else host_to_device(ok | ~ok.any(1, keepdims=True), self.device)
+            with contextlib.nullcontext() if train_mode else self.runtime.eval_mode():
+                out = self.stack.vmap_forward(x, rows=slice(0, n), features=feat, valid=bn)
+            f, z = out if features else (None, out)
+            yield ClientData(rows=host_to_device(part, self.device), y=torch.where(valid, y, torch.full_like(y, -100)),
+                             valid=valid, logits=z.float(), features=None if f is None else f.float(), start=s)
+
     def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int, gen: torch.Generator):
         """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
         order of local epoch ``epoch``, at their current parameters (stack rows ``0:hi-lo``): yields ``(step,
