@@ -507,3 +507,21 @@ def test_batch_statistics_resnet_on_mnist_shards_equals_the_loop(executor):
         return float((a.double() - b.double()).abs().max() / b.double().abs().max())
     own = rel(ref32, ref64)
     assert rel(sim.global_flat, ref64) <= 4 * own, (rel(sim.global_flat, ref64), own)
+
+
+def test_local_statistics_on_disk_equal_in_memory(tmp_path):
+    """bn_stats = "local" with the per-client store in the run directory's file (state_store = "disk"): the same
+    run bit for bit as in memory, the file named client-buffers."""
+    import os
+    cfg, model, train, test, part = _resnet_run(smooth=True, bn_stats="local", rounds=2, clients_per_round=3)
+    mem = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    mem.run()
+    disk = fedfast.Simulation(dataclasses.replace(cfg, state_store="disk"), copy.deepcopy(model), train, test,
+                              part, state_dir=str(tmp_path))
+    disk.run()
+    assert disk.client_buffers.on_disk and sorted(os.listdir(tmp_path)) == ["client-buffers.rows",
+                                                                           "client-buffers.stamps"]
+    assert disk.stores == [disk.client_buffers]
+    assert torch.equal(disk.global_flat, mem.global_flat)
+    assert torch.equal(disk.state.global_buffers, mem.state.global_buffers)
+    assert torch.equal(disk.client_buffers.dense(), mem.client_buffers.dense())
