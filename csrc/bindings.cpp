@@ -7,6 +7,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedfast CPU kernels";
   m.def("distill_rows", &fedfast::distill_rows_cpu, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
+  m.def("distill_rows_inplace", &fedfast::distill_rows_inplace_cpu,
+        "distill_rows with dL/dz written over the (contiguous) student logits: loss [R]");
   m.def("distill_rows_mix", &fedfast::distill_rows_mix_cpu,
         "distill_rows with M teachers [M, R, C] mixed inside the op: (loss [R], dL/dz [R, C])");
   m.def("distill_rows_asd", &fedfast::distill_rows_asd_cpu,

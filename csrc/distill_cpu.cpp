@@ -535,7 +535,7 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
     const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
     const c10::optional<at::Tensor>& rho, const c10::optional<at::Tensor>& segments_in,
     const c10::optional<at::Tensor>& row_scale, double tau, double ce_weight, double kd_weight, int64_t ignore_index,
-    bool not_true, bool soft_ce) {
+    bool not_true, bool soft_ce, bool in_place = false) {
   const bool mixing = mix_weights.has_value();
   TORCH_CHECK(student_in.dim() == 2, "student must be [R, C]");
   if (mixing) {
@@ -555,7 +555,9 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
   const bool f64 = student.scalar_type() == at::kDouble;
   const auto acc = f64 ? at::kDouble : at::kFloat;
   auto loss = at::empty({student.size(0)}, student.options().dtype(acc));
-  auto grad = at::empty_like(student);
+  // in place: each row (or block of rows) is read whole into the scratch before its gradient is written over it
+  TORCH_CHECK(!in_place || student.is_same(student_in), "in place: the student must be contiguous");
+  auto grad = in_place ? student : at::empty_like(student);
   auto as_acc = [&](const c10::optional<at::Tensor>& x) -> at::Tensor {
     return x.has_value() ? x->to(acc).contiguous() : at::Tensor();
   };
@@ -598,6 +600,14 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
     double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
   return distill_run(student, teacher, target, teacher_negent, c10::nullopt, class_alpha, row_weight, rho, segments,
                      row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce);
+}
+
+at::Tensor distill_rows_inplace_cpu(at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
+                                   const c10::optional<at::Tensor>& row_scale, double tau, double ce_weight,
+                                   double kd_weight, int64_t ignore_index, bool not_true) {
+  return std::get<0>(distill_run(student, teacher, target, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt,
+                                 c10::nullopt, c10::nullopt, row_scale, tau, ce_weight, kd_weight, ignore_index,
+                                 not_true, false, /*in_place=*/true));
 }
 
 std::tuple<at::Tensor, at::Tensor> distill_rows_mix_cpu(

@@ -10,6 +10,9 @@ The baselines are the losses as their authors wrote them, written out here (eage
   ``NTDLoss(tau, beta, tau_squared=False)``.
 * ``kd``: RepDistiller's ``DistillKL`` (``kl_div(log_softmax(z/T), softmax(t/T), size_average=False) * T^2 / B``)
   plus cross-entropy. fedfast: ``KDLoss(tau=T)``.
+* ``gkd``: plain FedGKD (one teacher, the averaged past global models), its code's loss line:
+  ``CE + distillation_coefficient * T^2 * kl_div(log_softmax(z/T), softmax(t/T), batchmean)`` with
+  ``distillation_coefficient = gamma / 2``. fedfast: ``GKDLoss(tau=T, gamma)``.
 * ``gkd_vote3``: FedGKD-VOTE's loss lines: CE plus ``gamma/2 * sum_m w_m KL(softmax(t_m/T) || softmax(z/T))`` over 3
   teachers, one ``kl_div`` per teacher. fedfast: ``GKDLoss(tau=T, gamma, tau_squared=False)`` with
   ``teacher_weights``.
@@ -28,6 +31,15 @@ reset before the call), so neither compilation nor earlier cases count.
 
 Shapes (rows R x classes C): 64 x 10, 500 x 10, 128 x 100, 8192 x 100 (federated minibatches), 4096 x 32,000 and
 1024 x 128,000 (language-model distillation).
+
+The output layer fused in (``fedfast.nn.LinearKDLoss``), at rows R x hidden H x vocabulary V = 4096 x 1024 x
+32,000 and 4096 x 4096 x 128,000 (``--quick``: 512 x 256 x 8,000), the teacher given as logits: against the
+unfused pair a user writes, ``F.linear`` + ``KDLoss``, and against ``F.linear`` + RepDistiller's loss lines (the
+``kd`` baseline above). Each in its own process: one call to warm up, then timed calls (the first also measures
+the peak resident growth over the inputs); reported beyond the outputs too (the gradients of the hidden states and
+the weight, which every implementation returns).
+
+    fedfast bench --linear-only           # the LinearKDLoss comparison alone (about 15 minutes on 2 cores)
 """
 from __future__ import annotations
 
@@ -51,9 +63,12 @@ from ._version import __version__
 
 SHAPES = [(64, 10), (500, 10), (128, 100), (8192, 100), (4096, 32000), (1024, 128000)]
 QUICK_SHAPES = SHAPES[:4]
-LOSSES = ("ntd", "kd", "gkd_vote3", "asd")
-TAU = {"ntd": 3.0, "kd": 4.0, "gkd_vote3": 1.0, "asd": 2.0}
+LOSSES = ("ntd", "kd", "gkd", "gkd_vote3", "asd")
+TAU = {"ntd": 3.0, "kd": 4.0, "gkd": 1.0, "gkd_vote3": 1.0, "asd": 2.0}
 BETA, GAMMA, LAM = 1.0, 0.2, 10.0
+LINEAR_SHAPES = [(4096, 1024, 32000), (4096, 4096, 128000)]
+QUICK_LINEAR_SHAPES = [(512, 256, 8000)]
+LINEAR_IMPLS = ("fused", "unfused", "authors")
 
 
 # ---- the authors' code, written out -----------------------------------------------------------------------------
@@ -83,6 +98,12 @@ def kd_authors(z, t, y, extra):
     return F.cross_entropy(z, y) + F.kl_div(p_s, p_t, reduction="sum") * (T ** 2) / z.shape[0]
 
 
+def gkd_one_authors(z, t, y, extra):
+    T, coef = TAU["gkd"], GAMMA / 2
+    return F.cross_entropy(z, y) + coef * T ** 2 * F.kl_div(F.log_softmax(z / T, dim=1), F.softmax(t / T, dim=1),
+                                                           reduction="batchmean")
+
+
 def gkd_authors(z, t, y, extra):
     T, w = TAU["gkd_vote3"], extra["weights"]
     loss = F.cross_entropy(z, y)
@@ -103,7 +124,8 @@ def asd_authors(z, t, y, extra):
     return F.cross_entropy(z, y) + LAM * (w * kl).sum()
 
 
-AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd_vote3": gkd_authors, "asd": asd_authors}
+AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd": gkd_one_authors, "gkd_vote3": gkd_authors,
+           "asd": asd_authors}
 
 
 # ---- fedfast ----------------------------------------------------------------------------------------------------
@@ -112,8 +134,10 @@ def fedfast_losses():
     ntd = fnn.NTDLoss(tau=TAU["ntd"], beta=BETA, tau_squared=False)
     kd = fnn.KDLoss(tau=TAU["kd"])
     gkd = fnn.GKDLoss(tau=TAU["gkd_vote3"], gamma=GAMMA, tau_squared=False)
+    gkd1 = fnn.GKDLoss(tau=TAU["gkd"], gamma=GAMMA)
     asd = fnn.ASDLoss(tau=TAU["asd"], lam=LAM)
     return {"ntd": lambda z, t, y, e: ntd(z, t, y), "kd": lambda z, t, y, e: kd(z, t, y),
+            "gkd": lambda z, t, y, e: gkd1(z, t, y),
             "gkd_vote3": lambda z, t, y, e: gkd(z, t, y, teacher_weights=e["weights"]),
             "asd": lambda z, t, y, e: asd(z, t, y, e["prior"])}
 
@@ -216,6 +240,97 @@ def _memory_in_child(impl: str, loss: str, R: int, C: int, device: str = "cpu") 
     return int(r.stdout.strip().splitlines()[-1])
 
 
+# ---- the output layer fused in: LinearKDLoss against F.linear + KDLoss and F.linear + the authors' lines ---------
+
+def _linear_inputs(R: int, H: int, V: int, device: str):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(R, H, generator=g) * H ** -0.5
+    W = torch.randn(V, H, generator=g) * 2
+    t = torch.randn(R, V, generator=g) * 2
+    y = torch.randint(0, V, (R,), generator=g)
+    return tuple(x.to(device) for x in (h, W, t, y))
+
+
+def _linear_loss(impl: str):
+    T = TAU["kd"]
+    if impl == "fused":
+        loss = fnn.LinearKDLoss(tau=T)
+        return lambda h, W, t, y: loss(h, W, y, t)
+    if impl == "unfused":
+        loss = fnn.KDLoss(tau=T)
+        return lambda h, W, t, y: loss(F.linear(h, W), t, y)
+    if impl == "authors":
+        return lambda h, W, t, y: kd_authors(F.linear(h, W), t, y, None)
+    raise ValueError(f"impl: one of {LINEAR_IMPLS}, got {impl!r}")
+
+
+def linear_case(impl: str, R: int, H: int, V: int, reps: int, device: str = "cpu") -> dict:
+    """In this process (call it in a fresh one): one forward + backward to warm up, then ``reps`` timed ones; the
+    first timed call also gives the peak growth over the inputs (resident set on a CPU, the allocator's peak on a
+    GPU). ``{"seconds": [...], "peak_bytes": int, "outputs_bytes": int}``."""
+    fn = _linear_loss(impl)
+    h, W, t, y = _linear_inputs(R, H, V, device)
+    h.requires_grad_(True)
+    W.requires_grad_(True)
+    cuda = torch.device(device).type == "cuda"
+
+    def step():
+        h.grad = W.grad = None
+        gc.collect()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(h, W, t, y).backward()
+        _sync(device)
+        return time.perf_counter() - t0
+    step()
+    h.grad = W.grad = None
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _proc_status_bytes("VmRSS")
+    times = [step()]
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else _proc_status_bytes("VmHWM")) - base
+    times += [step() for _ in range(reps - 1)]
+    return dict(seconds=times, peak_bytes=max(0, peak), outputs_bytes=(R * H + V * H) * h.element_size())
+
+
+def _linear_in_child(impl: str, R: int, H: int, V: int, reps: int, device: str) -> dict | None:
+    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--device", device, "--_linear", impl, str(R), str(H),
+                        str(V), str(reps)], capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:  # killed for memory (-9), or an error: recorded as not measured, with the reason
+        return dict(error=f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_linear(shapes, res: dict, out: str | None, echo=print, device: str = "cpu", reps: int | None = None) -> None:
+    """The LinearKDLoss rows of ``res["linear"]``: per shape, each implementation in its own process."""
+    res["linear"] = []
+    for R, H, V in shapes:
+        n = reps or (3 if R * H * V > 2e12 else 5)
+        rec = dict(R=R, H=H, V=V, logits_bytes=R * V * 4, flops=3 * 2 * R * H * V, cases={})
+        for impl in LINEAR_IMPLS:
+            c = _linear_in_child(impl, R, H, V, n, device)
+            if "seconds" in c:
+                c["median_s"] = statistics.median(c["seconds"])
+                c["beyond_outputs_logits"] = (c["peak_bytes"] - c["outputs_bytes"]) / rec["logits_bytes"]
+            rec["cases"][impl] = c
+        cs = rec["cases"]
+        if "median_s" in cs["fused"]:
+            for base in ("unfused", "authors"):
+                if "median_s" in cs[base]:
+                    rec[f"speedup_vs_{base}"] = cs[base]["median_s"] / cs["fused"]["median_s"]
+        res["linear"].append(rec)
+        echo(f"linear {R} x {H} x {V}: " + "  ".join(
+            f"{k} {c['median_s']:.2f} s, {c['beyond_outputs_logits']:.2f} logits beyond outputs" if "median_s" in c
+            else f"{k} {c['error']}" for k, c in cs.items()))
+        if out:
+            _write(out, res)
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` where that is missing)."""
     cpu = platform.processor()
@@ -247,7 +362,8 @@ def machine(device: str = "cpu") -> dict:
 
 
 def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None, memory: bool | None = None,
-        compiled: bool | None = None, echo=print, device: str = "cpu") -> dict:
+        compiled: bool | None = None, echo=print, device: str = "cpu", linear_shapes=None) -> dict:
+    given = bool(shapes)
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     memory = (not quick) if memory is None else memory
     compiled = (not quick) if compiled is None else compiled
@@ -274,6 +390,10 @@ def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None,
                      f", x{rec['speedup_vs_compiled']:.2f} compiled" if "speedup_vs_compiled" in rec else "") + mem)
             if out:
                 _write(out, res)
+    if linear_shapes is None:  # with loss shapes given, the LinearKDLoss shapes only when asked for (--linear)
+        linear_shapes = [] if given else QUICK_LINEAR_SHAPES if quick else LINEAR_SHAPES
+    if linear_shapes:
+        run_linear(linear_shapes, res, out, echo, device, reps=3 if quick else None)
     return res
 
 
@@ -290,7 +410,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compiled", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (GPU: device memory, synchronised timing)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--linear", default="", help="LinearKDLoss shapes R,H,V;R,H,V (default: the two language-model "
+                    "shapes, or the quick one with --quick); 'none' to skip")
+    ap.add_argument("--linear-only", action="store_true", help="the LinearKDLoss comparison alone")
     ap.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--_linear", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
         dev = torch.device(a.device)
@@ -299,6 +423,10 @@ def main(argv=None) -> int:
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         ap.error(f"--device: {a.device!r} is not available here (cpu" + (", cuda" if torch.cuda.is_available() else "")
                  + ")")
+    if a._linear:
+        impl, R, H, V, reps = a._linear
+        print(json.dumps(linear_case(impl, int(R), int(H), int(V), int(reps), a.device)))
+        return 0
     if a._memory:
         impl, loss, R, C = a._memory
         print(memory_case(impl, loss, int(R), int(C), a.device))
@@ -311,8 +439,26 @@ def main(argv=None) -> int:
         shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";") if s] or None
     except ValueError:
         ap.error(f"--shapes: expected 'R,C;R,C', got {a.shapes!r}")
+    linear = None
+    if a.linear == "none":
+        linear = []
+    elif a.linear:
+        try:
+            linear = [tuple(int(v) for v in s.split(",")) for s in a.linear.split(";") if s]
+        except ValueError:
+            linear = None
+        if not linear or any(len(x) != 3 or min(x) < 1 for x in linear):
+            ap.error(f"--linear: expected 'R,H,V;R,H,V' or 'none', got {a.linear!r}")
+    if a.linear_only:
+        if linear == []:
+            ap.error("--linear-only with --linear none: nothing to run")
+        res = dict(benchmark="losses-vs-authors", machine=machine(a.device), quick=a.quick,
+                   command=" ".join(sys.argv), rows=[])
+        run_linear(linear or (QUICK_LINEAR_SHAPES if a.quick else LINEAR_SHAPES), res, a.out or None,
+                   device=a.device, reps=3 if a.quick else None)
+        return 0
     run(a.quick, losses, shapes, a.out or None, memory=False if a.no_memory else None,
-        compiled=False if a.no_compiled else None, device=a.device)
+        compiled=False if a.no_compiled else None, device=a.device, linear_shapes=linear)
     return 0
 
 

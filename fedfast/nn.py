@@ -1,6 +1,7 @@
 """Drop-in fused distillation losses (``torch.nn.Module``s), thin wrappers over :func:`fedfast.ops.distill`.
 
-Every module takes ``reduction="mean"|"sum"|"none"|"segment"``, ``ignore_index=-100``, ``backend=None``
+Every module (:class:`LinearKDLoss` included) takes ``reduction="mean"|"sum"|"none"|"segment"``,
+``ignore_index=-100``, ``backend=None``
 (auto by device, or ``FEDFAST_BACKEND``) and ``validate=None`` (see :mod:`fedfast.ops._validate`), and
 every ``forward`` takes ``segments=None`` (an int tensor [R] of sorted client ids: "mean" is taken within
 each client's rows and the client means are summed) and ``num_segments=None``. Student logits [R, C]
@@ -12,7 +13,15 @@ it even when it requires grad. ``detach_teacher=False``: the teacher receives th
 again (after ``create_graph=True``) raises a RuntimeError saying so. ``double_backward=True``: any order of
 derivative. Both non-default options compute the loss with PyTorch's autograd formulas
 (:mod:`fedfast.ops.distill_reference`), slower than the fused op; ``torch.jit.trace`` and ``torch.func``
-transforms take that path automatically.
+transforms take that path automatically. :class:`LinearKDLoss` (the output layer fused in) refuses both options by
+name (its point is never forming the logits); under ``torch.func`` it runs its chunks per model, and
+``create_graph=True`` gives it the right first derivative and refuses a second one when taken.
+
+The modules (each formula in its docstring, the authors' flags mapped in docs/kernels.md): :class:`KDLoss`
+(Hinton KD; RepDistiller's ``DistillKL`` alone with ``ce_weight=0``, no target needed), :class:`NTDLoss` (FedNTD),
+:class:`ASDLoss` (ASD's entropy-weighted KD), :class:`GKDLoss` (FedGKD, and FedGKD-VOTE with several teachers),
+:class:`CADLoss` (FedCAD), :class:`ADCLoss` (FedADC+), :class:`LinearKDLoss` (any of the KD/NTD forms with the
+output layer fused in, for large vocabularies).
 """
 from __future__ import annotations
 
@@ -54,7 +63,8 @@ class _DistillBase(nn.Module):
 class KDLoss(_DistillBase):
     """Hinton KD: ``ce_weight * CE(z, y) + kd_weight * s * KL(softmax(t/tau) || softmax(z/tau))``, ``s = tau^2``
     if ``tau_squared`` else 1 (Hinton et al. 2015; FedNTD Eq. 3 without the (1-beta)). FedGKD with one
-    averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``."""
+    averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``. With ``ce_weight=0`` the target may be omitted:
+    ``KDLoss(tau=T, ce_weight=0, kd_weight=1)(z, t)`` is RepDistiller's ``DistillKL(T)(z, t)`` (every row counts)."""
 
     def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
                  reduction: str = "mean", ignore_index: int = -100, backend=None, validate=None,
@@ -62,9 +72,16 @@ class KDLoss(_DistillBase):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.ce_weight, self.kd_weight, self.tau_squared = float(ce_weight), float(kd_weight), bool(tau_squared)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
+    def forward(self, student: Tensor, teacher: Tensor, target: Tensor | None = None, segments: Tensor | None = None,
                 num_segments: int | None = None) -> Tensor:
         s = self.tau ** 2 if self.tau_squared else 1.0
+        if target is None:  # the KD term alone (DistillKL): every row is a row of the mean
+            if self.ce_weight != 0:
+                raise ValueError(f"target: KDLoss's cross-entropy (ce_weight={self.ce_weight:g}) needs the labels; "
+                                 f"without them use ce_weight=0 (the KD term alone, RepDistiller's DistillKL)")
+            if not isinstance(student, Tensor) or student.dim() != 2:
+                _validate.check_logits("student", student)
+            target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
         return ops.distill(student, teacher, target, kind="full", ce_weight=self.ce_weight,
                            kd_weight=self.kd_weight * s, **self._common(segments, num_segments))
 
@@ -197,33 +214,55 @@ class LinearKDLoss(nn.Module):
     (``s = tau^2`` if ``tau_squared``; ``not_true=True``: the KL over the C-1 not-true classes), without the
     ``[R, V]`` logits or their gradient ever existing whole (:func:`fedfast.ops.linear_distill`).
 
-    ``forward(hidden [R, H], weight [V, H], target [R], teacher_logits=None, *, bias=None, teacher_hidden=None,
-    teacher_weight=None, teacher_bias=None)``: the teacher as logits, or as its hidden states and output layer.
-    ``reduction``: "mean" (over rows whose target is not ``ignore_index``) or "sum". The teacher is a fixed target;
-    the backward is first-order (a second derivative raises)."""
+    ``forward(hidden [..., H], weight [V, H], target [...], teacher_logits=None, *, bias=None, teacher_hidden=None,
+    teacher_weight=None, teacher_bias=None, segments=None, num_segments=None)``: the teacher as logits ``[..., V]``,
+    or as its hidden states ``[..., Ht]`` and output layer; ``hidden`` may carry any leading dimensions (a language
+    model's ``[B, T, H]`` with ``[B, T]`` labels, ``ignore_index`` for padding). Options as the other modules':
+    ``reduction`` "mean" | "sum" | "none" | "segment" (with ``segments``: each segment's mean, summed for "mean"),
+    ``ignore_index``, ``backend``, ``validate``. Composes with ``torch.compile(fullgraph=True)``, ``torch.export``,
+    ``torch.jit.trace``, ``torch.func.grad`` and ``vmap``; no gradient work under ``torch.no_grad()``; the
+    weight's gradient is written once (``W.grad`` is the tensor the chunks accumulate into). Two options the other modules take are refused by name here: a
+    teacher that receives gradients (``detach_teacher=False``) and second derivatives (``double_backward=True``);
+    use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default an eighth)."""
 
     def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
                  not_true: bool = False, reduction: str = "mean", ignore_index: int = -100,
-                 chunk_rows: int | None = None, backend=None):
+                 chunk_rows: int | None = None, backend=None, validate=None, detach_teacher: bool = True,
+                 double_backward: bool = False):
         super().__init__()
         _validate.check_tau("tau", tau)
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction: 'mean' or 'sum', got {reduction!r}")
-        if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        if reduction not in ("mean", "sum", "none", "segment"):
+            raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
+        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or
+                                       chunk_rows < 1):
             raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
+        for name, v in (("detach_teacher", detach_teacher), ("double_backward", double_backward)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}: expected True or False, got {v!r}")
+        if not detach_teacher:
+            raise ValueError("detach_teacher: LinearKDLoss's teacher is a fixed target (its logits, or its hidden "
+                             "states and head, get no gradient); for mutual distillation use the unfused layer with "
+                             "KDLoss(detach_teacher=False)")
+        if double_backward:
+            raise ValueError("double_backward: LinearKDLoss's fused backward is first-order (its gradients are formed "
+                             "in the forward); for a second derivative use the unfused layer with "
+                             "KDLoss(double_backward=True)")
         self.tau, self.ce_weight, self.kd_weight = float(tau), float(ce_weight), float(kd_weight)
         self.tau_squared, self.not_true, self.reduction = bool(tau_squared), bool(not_true), reduction
-        self.ignore_index, self.chunk_rows, self.backend = int(ignore_index), chunk_rows, backend
+        self.ignore_index, self.chunk_rows, self.backend, self.validate = int(ignore_index), chunk_rows, backend, \
+            validate
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
                 bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
-                teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None) -> Tensor:
+                teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None,
+                segments: Tensor | None = None, num_segments: int | None = None) -> Tensor:
         s = self.tau ** 2 if self.tau_squared else 1.0
         return ops.linear_distill(hidden, weight, target, teacher_logits, bias=bias, teacher_hidden=teacher_hidden,
                                   teacher_weight=teacher_weight, teacher_bias=teacher_bias, tau=self.tau,
                                   ce_weight=self.ce_weight, kd_weight=self.kd_weight * s,
                                   kind="not_true" if self.not_true else "full", reduction=self.reduction,
-                                  ignore_index=self.ignore_index, chunk_rows=self.chunk_rows, backend=self.backend)
+                                  ignore_index=self.ignore_index, segments=segments, num_segments=num_segments,
+                                  chunk_rows=self.chunk_rows, backend=self.backend, validate=self.validate)
 
     def extra_repr(self) -> str:
         return (f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "

@@ -72,3 +72,36 @@ def test_bench_refuses_a_device_it_cannot_use():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             main(["--device", "cuda"])
+
+
+def test_linear_baselines_equal_the_fused_loss():
+    """The LinearKDLoss comparison's three implementations (fused, F.linear + KDLoss, F.linear + RepDistiller's
+    lines) compute the same loss and gradients."""
+    h, W, t, y = bench._linear_inputs(24, 8, 50, "cpu")
+    h, W, t = h.double(), W.double(), t.double()
+    res = {}
+    for impl in bench.LINEAR_IMPLS:
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        loss = bench._linear_loss(impl)(hh, WW, t, y)
+        loss.backward()
+        res[impl] = (loss.detach(), hh.grad, WW.grad)
+    for impl in ("unfused", "authors"):
+        for a, e in zip(res["fused"], res[impl]):
+            assert torch.allclose(a, e, rtol=1e-10, atol=1e-14), impl
+
+
+def test_bench_linear_writes_its_json(tmp_path, capsys):
+    """``fedfast bench --linear-only``: each implementation in its own process, times and peak memory in the JSON;
+    a malformed --linear refused by name."""
+    out = tmp_path / "l.json"
+    assert bench.main(["--linear-only", "--linear", "8,4,40", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(x["R"], x["H"], x["V"]) for x in d["linear"]] == [(8, 4, 40)]
+    for rec in d["linear"]:
+        assert set(rec["cases"]) == set(bench.LINEAR_IMPLS) and rec["speedup_vs_unfused"] > 0
+        for c in rec["cases"].values():
+            assert len(c["seconds"]) == 5 and c["peak_bytes"] >= 0 and c["median_s"] > 0
+    for arg in ("1,2", "4,0,5", "a,b,c"):
+        with pytest.raises(SystemExit):
+            bench.main(["--linear", arg])
+        assert "--linear: expected 'R,H,V;R,H,V' or 'none'" in capsys.readouterr().err

@@ -28,5 +28,5 @@ def segment_counts(segments: Tensor, valid: Tensor) -> Tensor:
     """Per-row count of valid rows in the row's segment, [R] int (no host sync)."""
     R = segments.shape[0]
     seg = segments.long().clamp(0, max(R - 1, 0))
-    counts = torch.zeros(R, dtype=torch.int32, device=segments.device).index_add_(0, seg, valid.to(torch.int32))
+    counts = torch.zeros(R, dtype=torch.int32, device=segments.device).index_add(0, seg, valid.to(torch.int32))
     return counts[seg]

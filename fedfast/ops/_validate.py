@@ -11,7 +11,11 @@ Host-side checks (shapes, dtypes, scalars) always run and cost nothing. Checks o
   memory-safe on bad values meanwhile (an out-of-range target row is treated as ignored).
 * ``validate="off"`` skips value checks.
 
-``FEDFAST_VALIDATE`` overrides the default.
+``FEDFAST_VALIDATE`` overrides the default. Inside ``torch.compile``, ``torch.export`` and ``torch.jit.trace`` an
+eager check cannot run on the host at trace time (it would be recorded as a constant: a later call's bad target
+silently dropped): the target and segment checks go into the graph instead (mode ``"graph"``: the
+``fedfast::checked_target`` / ``fedfast::checked_segments`` ops, which raise when the graph runs). Inside a
+``torch.func.vmap`` transform values are batched and cannot be read: checks are off there.
 """
 from __future__ import annotations
 
@@ -27,9 +31,36 @@ def mode_for(device: torch.device, validate: str | None) -> str:
     m = validate or os.environ.get("FEDFAST_VALIDATE") or ("eager" if device.type == "cpu" else "defer")
     if m not in ("eager", "defer", "off"):
         raise ValueError(f"validate must be 'eager', 'defer' or 'off', got {m!r}")
-    if torch.compiler.is_compiling() and m == "eager":
-        return "off"  # data-dependent raises would break the graph; checks run eagerly outside compile
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return "graph" if m == "eager" else m  # a host check would be a trace-time constant: ops of the graph
+    if m != "off" and in_vmap():
+        return "off"  # a batched value cannot be read on the host (nor flagged: no vmap rule for the status write)
     return m
+
+
+def in_vmap() -> bool:
+    """Whether a ``torch.func.vmap`` transform is running (at any level): values are batched, and reading one on
+    the host (a value check) raises. Under vmap the value checks are skipped; an out-of-range target row counts
+    as ignored (zero loss and gradient), as every backend treats it."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # pragma: no cover - a torch without functorch
+        return False
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def segment_count(segments: torch.Tensor, num_segments) -> int:
+    """The number of segments of reduction="segment": ``num_segments``, else the largest id + 1 (read on the
+    host: refused by name under ``torch.func.vmap``, where the ids are batched)."""
+    if num_segments is not None:
+        return int(num_segments)
+    if segments.shape[0] == 0:
+        return 1
+    if in_vmap():
+        raise ValueError("num_segments: reduction='segment' under torch.func.vmap needs num_segments (the count "
+                         "of segments is otherwise read from the batched ids)")
+    return int(segments.max()) + 1
 
 
 def status(device: torch.device) -> torch.Tensor:
@@ -55,8 +86,9 @@ def raise_if_invalid(device: torch.device | str | None = None) -> None:
 
 
 def check(name: str, bad: torch.Tensor, message: str, mode: str) -> None:
-    """``bad`` is a 0-dim bool tensor that is True when the argument ``name`` is invalid."""
-    if mode == "off":
+    """``bad`` is a 0-dim bool tensor that is True when the argument ``name`` is invalid. (Mode ``"graph"``: the
+    targets' and segments' checks are graph ops, :func:`in_graph`; the others are off in a traced graph.)"""
+    if mode in ("off", "graph"):
         return
     if mode == "eager":
         if bool(bad):
@@ -101,8 +133,53 @@ def check_target(target: torch.Tensor, R: int, C: int, ignore_index: int, device
         raise ValueError(f"target: on {target.device}, student is on {device}")
     if R and mode != "off":
         bad = ((target < 0) | (target >= C)) & (target != ignore_index)
-        check("target", bad.any(), f"class indices must lie in [0, {C}) or equal ignore_index={ignore_index}",
-              mode)
+        check("target", bad.any(), _TARGET_MESSAGE.format(C=C, ignore_index=ignore_index), mode)
+
+
+_TARGET_MESSAGE = "class indices must lie in [0, {C}) or equal ignore_index={ignore_index}"
+_SEGMENT_MESSAGE = "client ids must be sorted (contiguous per client) and lie in [0, {hi})"
+
+
+@torch.library.custom_op("fedfast::checked_target", mutates_args=())
+def checked_target(target: torch.Tensor, C: int, ignore_index: int) -> torch.Tensor:
+    """``target`` (a copy), after checking its values: the target check as an op of a traced graph (mode
+    ``"graph"``), which raises the eager check's ValueError when the graph runs."""
+    bad = ((target < 0) | (target >= C)) & (target != ignore_index)
+    if target.numel() and bool(bad.any()):
+        raise ValueError("target: " + _TARGET_MESSAGE.format(C=C, ignore_index=ignore_index))
+    return target.clone()
+
+
+@checked_target.register_fake
+def _(target, C, ignore_index):
+    return torch.empty_like(target)
+
+
+@torch.library.custom_op("fedfast::checked_segments", mutates_args=())
+def checked_segments(segments: torch.Tensor, hi: int) -> torch.Tensor:
+    """``segments`` (a copy), after the eager check of their values, as an op of a traced graph."""
+    bad = (segments < 0).any() | (segments >= hi).any()
+    if segments.numel() > 1:
+        bad = bad | (segments[1:] < segments[:-1]).any()
+    if segments.numel() and bool(bad):
+        raise ValueError("segments: " + _SEGMENT_MESSAGE.format(hi=hi))
+    return segments.clone()
+
+
+@checked_segments.register_fake
+def _(segments, hi):
+    return torch.empty_like(segments)
+
+
+def in_graph(target: torch.Tensor, segments, C: int, ignore_index: int, num_segments, mode: str):
+    """``(target, segments)``: as given, or, in mode ``"graph"`` (a traced graph), passed through the checking ops
+    so that the graph checks every call's values (use the returned tensors)."""
+    if mode != "graph":
+        return target, segments
+    target = checked_target(target, int(C), int(ignore_index))
+    if segments is not None:
+        segments = checked_segments(segments, int(num_segments) if num_segments is not None else segments.shape[0])
+    return target, segments
 
 
 def check_segments(segments: torch.Tensor, R: int, device, mode: str, num_segments: int | None) -> None:
@@ -119,4 +196,4 @@ def check_segments(segments: torch.Tensor, R: int, device, mode: str, num_segmen
         bad = (segments < 0).any() | (segments >= hi).any()
         if R > 1:
             bad = bad | (segments[1:] < segments[:-1]).any()
-        check("segments", bad, f"client ids must be sorted (contiguous per client) and lie in [0, {hi})", mode)
+        check("segments", bad, _SEGMENT_MESSAGE.format(hi=hi), mode)

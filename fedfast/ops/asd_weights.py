@@ -105,6 +105,22 @@ def asd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tens
     return rw
 
 
+def asd_autograd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None,
+                             entropy_tau: float, ignore_index: int, mode: str) -> Tensor:
+    """ASD's row weights ``n_seg(i) * alpha_i`` with PyTorch's formulas (:func:`asd_weights_reference`, then
+    :func:`asd_row_weight`): differentiable in ``teacher`` (mutual distillation, ``detach_teacher=False``: the
+    gradient reaches the teacher through the weights too) and transformable (``torch.func``). ``class_prior``
+    checked as :func:`asd_weights` checks it (``mode``)."""
+    R, C = teacher.shape
+    if _backend.functorch_wrapped(target, segments):
+        mode = "off"  # a batched label cannot be checked on the host
+    _validate.check_target(target, R, C, ignore_index, teacher.device, mode)
+    prior = class_table("class_prior", class_prior, C, teacher.device, segments)
+    _check_prior(prior, target, segments, C, ignore_index, mode)
+    ahat = asd_weights_reference(teacher, target, prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index)
+    return asd_row_weight(ahat, target, C, segments, ignore_index)
+
+
 def asd_row_weight(alphahat: Tensor, target: Tensor, C: int, segments: Tensor | None = None,
                    ignore_index: int = -100) -> Tensor:
     """``n_seg(i) * alpha_i`` with ``alpha`` normalised to sum 1 over each segment's valid rows (no host sync)."""
@@ -116,7 +132,7 @@ def asd_row_weight(alphahat: Tensor, target: Tensor, C: int, segments: Tensor | 
         return torch.where(valid, alphahat * n / total.clamp_min(torch.finfo(alphahat.dtype).tiny),
                            torch.zeros_like(alphahat))
     seg = segments.long().clamp(0, max(R - 1, 0))
-    sums = torch.zeros(R, dtype=alphahat.dtype, device=alphahat.device).index_add_(0, seg, alphahat)[seg]
+    sums = torch.zeros(R, dtype=alphahat.dtype, device=alphahat.device).index_add(0, seg, alphahat)[seg]
     n = segment_counts(segments, valid).to(alphahat.dtype)
     return torch.where(valid, alphahat * n / sums.clamp_min(torch.finfo(alphahat.dtype).tiny),
                        torch.zeros_like(alphahat))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import _backend, _validate
 from ._rows import class_table, segment_counts, valid_rows
-from .asd_weights import PRIOR_MESSAGE, asd_row_weights
+from .asd_weights import PRIOR_MESSAGE, asd_autograd_row_weights, asd_row_weights
 from .distill_reference import distill_reference, distill_rows_reference, teacher_mixture_reference
 from .teacher_mixture import mixture_weights, teacher_mixture
 
@@ -242,7 +242,7 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     if segments is not None:
         _validate.check_segments(segments, R, dev, "off" if fast else mode, num_segments)
         segments = segments.contiguous()
-    target = target.contiguous()
+    target, segments = _validate.in_graph(target.contiguous(), segments, C, ignore_index, num_segments, mode)
     need_scale = reduction in ("mean", "segment")
     row_scale = None
     if fast:
@@ -292,16 +292,16 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
 def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
     """The loss rows reduced: "none" as they are, "mean" summed (each row carries 1/n of its client already),
     "segment" summed per client."""
-    R, dev = loss_rows.shape[0], loss_rows.device
+    dev = loss_rows.device
     if reduction == "none":
         return loss_rows
     if reduction != "segment":
         return loss_rows.sum()  # "mean": rows carry 1/n (or 1/n_segment) already
     if segments is None:
         return loss_rows.sum().reshape(1)
-    S = int(num_segments) if num_segments is not None else (int(segments.max()) + 1 if R else 1)
-    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add_(0, segments.long().clamp(0, S - 1),
-                                                                        loss_rows)
+    S = _validate.segment_count(segments, num_segments)
+    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add(0, segments.long().clamp(0, S - 1),
+                                                                       loss_rows)
 
 
 def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc: torch.dtype, mode: str):
@@ -354,6 +354,7 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
     _validate.check_target(target, R, C, ignore_index, dev, mode)
     if segments is not None:
         _validate.check_segments(segments, R, dev, mode, num_segments)
+    target, segments = _validate.in_graph(target, segments, C, ignore_index, num_segments, mode)
     acc = _loss_dtype(student)
     fix = (lambda t: t.detach()) if detach_teacher else (lambda t: t)
     negent = None
@@ -432,7 +433,10 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         t2 = teacher if teacher.dim() == 2 else teacher[0]
         if t2.shape != student.shape:
             raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
-        if be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
+        if why:  # PyTorch's formulas: differentiable in the teacher (detach_teacher=False), transformable (vmap)
+            row_weight = asd_autograd_row_weights(t2 if not detach_teacher else t2.detach(), target, class_prior,
+                                                  segments, entropy_tau, ignore_index, mode)
+        elif be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
             asd = (class_table("class_prior", class_prior, C, dev, segments), float(entropy_tau), mode)
         else:
             row_weight = asd_row_weights(t2, target, class_prior, segments, entropy_tau=entropy_tau,

@@ -27,7 +27,6 @@ Rows whose target is ``ignore_index`` (or out of range) give ``L_i = 0`` and zer
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -52,13 +51,19 @@ def _seg_rows(table: torch.Tensor, segments: torch.Tensor | None, R: int) -> tor
     return table[segments.long().clamp(0, table.shape[0] - 1)]
 
 
+def _onehot(y: torch.Tensor, C: int) -> torch.Tensor:
+    """[R, C] bool, True at each row's label: a comparison, not ``F.one_hot`` (which reads the labels' maximum on
+    the host: data-dependent, so ``torch.func.vmap`` over per-model labels cannot run it)."""
+    return y[:, None] == torch.arange(C, device=y.device)
+
+
 def _setup(student, target, ignore_index, not_true):
     """Accumulation dtype, student in it, valid rows, safe labels, one-hot and the not-true drop mask."""
     acc = _acc(student)
     C = student.shape[1]
     valid = _valid(target, C, ignore_index)
     y = torch.where(valid, target, torch.zeros_like(target)).long()
-    onehot = F.one_hot(y, C).bool()
+    onehot = _onehot(y, C)
     drop = onehot if not_true else torch.zeros_like(onehot)
     return acc, student.to(acc), valid, y, onehot, drop
 
@@ -121,7 +126,7 @@ def teacher_mixture_reference(teachers, weights, target, *, tau=1.0, not_true=Fa
     M, R, C = teachers.shape
     valid = _valid(target, C, ignore_index)
     y = torch.where(valid, target, torch.zeros_like(target)).long()
-    drop = (F.one_hot(y, C).bool() & valid[:, None]) if not_true else \
+    drop = (_onehot(y, C) & valid[:, None]) if not_true else \
         torch.zeros(R, C, dtype=torch.bool, device=teachers.device)
     logp = torch.log_softmax((teachers.to(acc) / tau).masked_fill(drop, float("-inf")), dim=2)
     p = torch.exp(logp)

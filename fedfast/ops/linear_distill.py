@@ -2,124 +2,409 @@
 distillation), where the ``[R, V]`` logits and their gradient are the largest tensors of a step.
 
 ``linear_distill(h, W, target, teacher_logits=..., bias=b)`` is the value of
-``distill(h @ W.T + b, teacher, target, ...)`` (:func:`fedfast.ops.distill`, same formula and options), computed
-``chunk_rows`` rows at a time: each chunk's logits are formed, the fused row op gives the chunk's loss and its
-gradient in the logits, and that gradient is folded at once into the gradients of ``h``, ``W`` and ``b``
-(``g @ W``, ``g.T @ h``, ``g.sum(0)``) and dropped. The teacher can be given as logits ``[R, V]`` or as its hidden
-states and output layer (``teacher_hidden`` ``[R, Ht]``, ``teacher_weight`` ``[V, Ht]``, ``teacher_bias``), whose
-logits are then formed chunk by chunk too. Peak memory beyond the inputs: the gradients of ``h``, ``W`` and ``b``
-and one chunk's logits, gradient and teacher logits, never an ``[R, V]`` tensor. Like Liger-Kernel's fused linear
-cross-entropy, the gradients are computed in the forward and the backward scales them.
+``distill(h @ W.T + b, teacher, target, ...)`` (:func:`fedfast.ops.distill`, same formula), computed ``chunk_rows``
+rows at a time: each chunk's logits are formed, the fused row op gives the chunk's loss and its gradient in the
+logits, and that gradient is folded at once into the gradients of ``h``, ``W`` and ``b`` (``g @ W``, ``W``'s
+gradient accumulated in place by one GEMM per chunk, ``g.sum(0)``) and dropped. The teacher is given as logits
+``[..., V]`` or as its hidden states and output layer (``teacher_hidden`` ``[..., Ht]``, ``teacher_weight``
+``[V, Ht]``, ``teacher_bias``), whose logits are then formed chunk by chunk too. ``hidden`` may have any leading
+dimensions (``[B, T, H]`` with ``[B, T]`` targets: a language model's), flattened to rows.
 
-Supported: ``kind`` "full" | "not_true", ``tau``, ``ce_weight``, ``kd_weight``, ``reduction`` "mean" (over the rows
-whose target is not ``ignore_index``) | "sum". The teacher is a fixed target (no gradient reaches it). The backward
-is first-order: differentiating the gradient again raises (use the unfused layer with
-``fedfast.nn.KDLoss(double_backward=True)``).
+Reductions: ``"mean"`` (over the rows whose target is not ``ignore_index``; with ``segments``, within each segment,
+the segment means summed) and ``"sum"``, computed as Liger-Kernel's fused linear cross-entropy is: the gradients
+are formed in the forward and the backward scales them (in place: the weight's gradient is written once, and with
+nothing else holding it autograd takes it as ``W.grad``); ``"none"`` (per-row losses, shaped as the target) and
+``"segment"`` (per-segment means ``[num_segments]``): the forward forms the losses only and the backward runs the
+chunks again with each row's incoming gradient (twice the forward's logits GEMMs). Without anything to
+differentiate (``torch.no_grad()``, or no input requiring grad) no gradient is formed.
+
+Memory beyond the inputs and the gradients: one chunk's logits, row gradient and teacher logits. Chunks: an eighth
+of the rows by default (``default_chunk_rows``): three eighths of a logits buffer, and GEMMs over 512 rows at
+4096 rows, where the weight gradient's per-chunk update stays compute-bound (chunks of 32 rows made it
+memory-bound: 405 s at 4096 x 4096 x 128,000).
+
+Composes with ``torch.compile(fullgraph=True)``, ``torch.export`` and ``torch.jit.trace`` (custom ops
+``fedfast::linear_distill_total`` / ``_rows`` / ``_rows_backward`` with fake kernels and registered autograd; an
+exported or traced graph forms the gradient of every floating input, as it cannot know which will require grad
+when it runs) and with ``torch.func`` (``grad``, ``vmap`` over models each with its own weight, data and labels:
+one model's chunks after another). ``create_graph=True`` gives the right first derivative; a second derivative is
+refused when taken. Not supported, refused by name: a teacher that receives gradients (``detach_teacher=False``)
+and second derivatives (``double_backward=True``): use the unfused layer with :class:`fedfast.nn.KDLoss`.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _backend, _validate
 from ._rows import valid_rows
-from .distill import _backend_rows, _loss_dtype
+from .distill import _backend_rows, _loss_dtype, row_scale_torch
 
 _FIRST_ORDER = ("linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
                 "for a second derivative use the unfused layer and fedfast.nn.KDLoss(double_backward=True)")
+_REDUCTIONS = ("mean", "sum", "none", "segment")
 
 
 def default_chunk_rows(R: int, V: int) -> int:
-    """Rows per chunk: about 2**22 logits (16 MB in fp32) per chunk, at least 1, at most R."""
-    return max(1, min(R, (1 << 22) // max(V, 1)))
+    """Rows per chunk: a quarter of the rows (a chunk's logits, over which the row op writes their gradient, and
+    the teacher's logits when given as hidden states: at most half a logits buffer), at least 1."""
+    return max(1, -(-R // 4))
 
 
-class _LinearDistill(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, W, b, teacher_logits, th, tW, tb, target, tau, ce_weight, kd_weight, not_true, reduction,
-                ignore_index, chunk, backend):
-        R, V = h.shape[0], W.shape[0]
-        acc = _loss_dtype(h)
-        valid = valid_rows(target, V, ignore_index)
-        scale = (1.0 / valid.sum().clamp_min(1).to(acc)) if reduction == "mean" else torch.ones((), dtype=acc,
-                                                                                                 device=h.device)
-        need_h, need_W, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and \
-            ctx.needs_input_grad[2]
-        gh = torch.zeros_like(h) if need_h else None
-        gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
-        gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
-        total = torch.zeros((), dtype=acc, device=h.device)
-        for r0 in range(0, R, chunk):
-            r1 = min(R, r0 + chunk)
-            hc = h[r0:r1]
-            z = hc @ W.T
-            if b is not None:
-                z = z + b
-            if teacher_logits is not None:
-                t = teacher_logits[r0:r1]
+def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, kd_weight: float, not_true: bool,
+          ignore_index: int, chunk: int, backend: str, need_h: bool, need_W: bool, need_b: bool, rows: bool,
+          functional: bool = False):
+    """One pass over the row chunks: ``(loss, gh, gW, gb)`` with ``loss`` the scaled rows' sum (or the rows [R],
+    ``rows``) and the gradients of ``sum_i scale_i L_i`` (None where not needed). ``gh`` is written chunk by chunk,
+    ``gW`` accumulated in place (fp32; the weight's dtype after, one conversion for a half-precision weight);
+    ``functional``: out of place (tensors a torch.func transform wraps)."""
+    R, V = h.shape[0], W.shape[0]
+    acc = _loss_dtype(h)
+    if functional:
+        return _pass_functional(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true,
+                                ignore_index, chunk, backend, need_h, need_W, need_b, rows)
+    gh = torch.empty_like(h) if need_h else None
+    gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
+    gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
+    out = torch.empty(R, dtype=acc, device=h.device) if rows else torch.zeros((), dtype=acc, device=h.device)
+    Wa = W if W.dtype == h.dtype else W.to(h.dtype)
+    n0 = min(chunk, R)
+    # one chunk's logits (and teacher logits) buffer for the whole pass, written by the GEMMs (out=): no fresh
+    # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
+    zbuf = h.new_empty((n0, V))
+    tbuf = th.new_empty((n0, V)) if t is None and R else None
+    ext = _backend.cpu_ext() if backend == "cpu" else None
+    for r0 in range(0, R, chunk):
+        r1 = min(R, r0 + chunk)
+        hc = h[r0:r1]
+        z = torch.mm(hc, Wa.T, out=zbuf[:r1 - r0])
+        if b is not None:
+            z.add_(b)
+        if t is not None:
+            tc = t[r0:r1].contiguous()
+        else:
+            tc = torch.mm(th[r0:r1], tW.T, out=tbuf[:r1 - r0])
+            if tb is not None:
+                tc.add_(tb)
+        if ext is not None:
+            loss_rows = ext.distill_rows_inplace(z, tc, target[r0:r1].contiguous(), scale[r0:r1].contiguous(), tau,
+                                                 ce_weight, kd_weight, ignore_index, not_true)
+            g = z
+        else:
+            loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1].contiguous(), None, None, None, None, None,
+                                         scale[r0:r1].contiguous(), tau, ce_weight, kd_weight, ignore_index,
+                                         not_true, False)
+        if rows:
+            out[r0:r1] = loss_rows
+        else:
+            out = out + loss_rows.sum()
+        if need_h:
+            if gh.dtype == Wa.dtype == g.dtype:
+                torch.mm(g, Wa, out=gh[r0:r1])
             else:
-                t = th[r0:r1] @ tW.T
-                if tb is not None:
-                    t = t + tb
-            t = t.detach().contiguous()
-            rs = scale.expand(r1 - r0).contiguous()
-            loss_rows, g = _backend_rows(backend, z.contiguous(), t, target[r0:r1].contiguous(), None, None, None,
-                                         None, None, rs, tau, ce_weight, kd_weight, ignore_index, not_true, False)
-            total = total + loss_rows.sum()
-            if need_h:
-                gh[r0:r1] = (g.to(W.dtype) @ W).to(h.dtype)
-            if need_W:
-                gW += g.to(acc).T @ hc.to(acc)
-            if need_b:
-                gb += g.to(acc).sum(0)
-            del z, t, g
-        ctx.save_for_backward(gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype))
-        return total
+                gh[r0:r1] = (g.to(Wa.dtype) @ Wa).to(h.dtype)
+        if need_W:
+            gW.addmm_(g.to(acc).T, hc.to(acc))  # in place: no weight-sized temporary per chunk
+        if need_b:
+            gb += g.to(acc).sum(0)
+        del g, z, tc
+    if gW is not None and gW.dtype != W.dtype:
+        gW = gW.to(W.dtype)
+    if gb is not None and gb.dtype != b.dtype:
+        gb = gb.to(b.dtype)
+    return out, gh, gW, gb
+
+
+def _pass_functional(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                     backend, need_h, need_W, need_b, rows):
+    """:func:`_pass` out of place, for a backward under ``torch.func`` (whose saved tensors may be batched)."""
+    acc = _loss_dtype(h)
+    R = h.shape[0]
+    Wa = W if W.dtype == h.dtype else W.to(h.dtype)
+    outs, ghs, gW, gb = [], [], None, None
+    for r0 in range(0, R, chunk):
+        r1 = min(R, r0 + chunk)
+        hc = h[r0:r1]
+        z = hc @ Wa.T if b is None else hc @ Wa.T + b
+        if t is not None:
+            tc = t[r0:r1]
+        else:
+            tc = th[r0:r1] @ tW.T if tb is None else th[r0:r1] @ tW.T + tb
+        loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1], None, None, None, None, None, scale[r0:r1], tau,
+                                     ce_weight, kd_weight, ignore_index, not_true, False)
+        outs.append(loss_rows if rows else loss_rows.sum())
+        if need_h:
+            ghs.append((g.to(Wa.dtype) @ Wa).to(h.dtype))
+        if need_W:
+            d = g.to(acc).T @ hc.to(acc)
+            gW = d if gW is None else gW + d
+        if need_b:
+            d = g.to(acc).sum(0)
+            gb = d if gb is None else gb + d
+    out = torch.cat(outs) if rows else torch.stack(outs).sum()
+    gh = torch.cat(ghs) if need_h else None
+    return out, gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype)
+
+
+def _vmap_loop(fn, info, in_dims, inputs, n_out: int):
+    """A vmap rule for the chunked Functions: each model's slice in turn (the chunk loop is the work; a batched
+    weight would make each GEMM a batch of them anyway), the results stacked along dim 0."""
+    per = []
+    for i in range(info.batch_size):
+        args = [x.select(d, i) if d is not None else x for x, d in zip(inputs[:9], in_dims[:9])]
+        out = fn(*args, *inputs[9:])
+        per.append(out if isinstance(out, tuple) else (out,))
+    stacked = tuple(None if per[0][k] is None else torch.stack([p[k] for p in per]) for k in range(n_out))
+    dims = tuple(None if x is None else 0 for x in stacked)
+    return (stacked, dims) if n_out > 1 else (stacked[0], dims[0])
+
+
+def _empty(x: Tensor | None, like: Tensor) -> Tensor:
+    """A custom op returns tensors only: a gradient not formed is an empty tensor."""
+    return x if x is not None else like.new_empty(0)
+
+
+# -- torch.compile / torch.export / torch.jit.trace: custom ops with fake kernels and registered autograd ----------
+@torch.library.custom_op("fedfast::linear_distill_total", mutates_args=())
+def _total_op(h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor], th: Optional[Tensor],
+              tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, scale: Tensor, tau: float, ce_weight: float,
+              kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str, need_h: bool,
+              need_W: bool, need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    loss, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true,
+                             ignore_index, chunk, backend, need_h, need_W, need_b, rows=False)
+    return loss, _empty(gh, h), _empty(gW, W), _empty(gb, h)
+
+
+@_total_op.register_fake
+def _(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
+      need_h, need_W, need_b):
+    return (h.new_empty((), dtype=_loss_dtype(h)), torch.empty_like(h) if need_h else h.new_empty(0),
+            torch.empty_like(W) if need_W else W.new_empty(0),
+            torch.empty_like(b) if need_b and b is not None else h.new_empty(0))
+
+
+def _total_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.need = inputs[-3:]
+
+
+def _total_backward(ctx, grad_loss, *_):
+    if torch.is_grad_enabled():
+        raise RuntimeError(_FIRST_ORDER)
+    gh, gW, gb = ctx.saved_tensors
+    out = [g * grad_loss.to(g.dtype) if need else None for g, need in zip((gh, gW, gb), ctx.need)]
+    return (out[0], out[1], out[2]) + (None,) * 16
+
+
+_total_op.register_autograd(_total_backward, setup_context=_total_setup)
+
+
+@torch.library.custom_op("fedfast::linear_distill_rows_backward", mutates_args=())
+def _rows_backward_op(grad_scale: Tensor, h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor],
+                      th: Optional[Tensor], tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, tau: float,
+                      ce_weight: float, kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str,
+                      need_h: bool, need_W: bool, need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, grad_scale, tau, ce_weight, kd_weight, not_true,
+                          ignore_index, chunk, backend, need_h, need_W, need_b, rows=False)
+    return _empty(gh, h), _empty(gW, W), _empty(gb, h)
+
+
+@_rows_backward_op.register_fake
+def _(grad_scale, h, W, b, t, th, tW, tb, target, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
+      need_h, need_W, need_b):
+    return (torch.empty_like(h) if need_h else h.new_empty(0), torch.empty_like(W) if need_W else W.new_empty(0),
+            torch.empty_like(b) if need_b and b is not None else h.new_empty(0))
+
+
+@torch.library.custom_op("fedfast::linear_distill_rows", mutates_args=())
+def _rows_op(h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor], th: Optional[Tensor],
+             tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, scale: Tensor, tau: float, ce_weight: float,
+             kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str, need_h: bool,
+             need_W: bool, need_b: bool) -> Tensor:
+    return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                 backend, False, False, False, rows=True)[0]
+
+
+@_rows_op.register_fake
+def _(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
+      need_h, need_W, need_b):
+    return h.new_empty((h.shape[0],), dtype=_loss_dtype(h))
+
+
+def _rows_setup(ctx, inputs, output):
+    h, W, b, t, th, tW, tb, target, scale = inputs[:9]
+    ctx.save_for_backward(h, W, b, t, th, tW, tb, target, scale)
+    ctx.args = inputs[9:]
+
+
+def _rows_backward(ctx, grad_rows):
+    if torch.is_grad_enabled():
+        raise RuntimeError(_FIRST_ORDER)
+    h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
+    *args, need_h, need_W, need_b = ctx.args
+    gh, gW, gb = _rows_backward_op(grad_rows.to(scale.dtype) * scale, h, W, b, t, th, tW, tb, target, *args,
+                                   need_h, need_W, need_b)
+    return ((gh if need_h else None), (gW if need_W else None), (gb if need_b else None)) + (None,) * 16
+
+
+_rows_op.register_autograd(_rows_backward, setup_context=_rows_setup)
+
+
+# -- eager (and torch.func): autograd Functions without a custom op's dispatch, the gradients taken, not copied -------
+class _Total(torch.autograd.Function):
+    """Eager ``sum_i scale_i L_i`` with the gradients formed in the forward. The backward scales them in place and
+    hands them on with no other reference (``W.grad`` is then that tensor: the weight gradient written once); with
+    the graph kept (``retain_graph``) or under a ``torch.func`` transform it scales copies."""
 
     @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_FIRST_ORDER)
-        gh, gW, gb = ctx.saved_tensors
-        sc = (lambda g: None if g is None else g * grad_out.to(g.dtype))
-        return (sc(gh), sc(gW), sc(gb)) + (None,) * 13
+    def forward(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                backend, need_h, need_W, need_b):
+        return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                     backend, need_h, need_W, need_b, rows=False)
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _vmap_loop(_Total.forward, info, in_dims, inputs, 4)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grads = [g for g in output[1:] if g is not None]
+        ctx.mark_non_differentiable(*grads)
+        ctx.transformed = _backend.functorch_active(*inputs[:2])
+        ctx.anchors = [x for x, need in zip(inputs[:3], inputs[-3:]) if need]
+        if ctx.transformed:
+            ctx.save_for_backward(*grads)
+            ctx.layout = [g is not None for g in output[1:]]
+        else:  # held by ctx alone, so that the backward can give them away
+            ctx.grads = list(output[1:])
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if ctx.transformed:
+            saved = iter(ctx.saved_tensors)
+            grads = [next(saved) if present else None for present in ctx.layout]
+            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 16
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("linear_distill: backward through the graph a second time; pass retain_graph=True to "
+                               "the first backward")
+        keep = torch._C._autograd._get_current_graph_task_keep_graph() or torch.is_grad_enabled()
+        if keep:
+            ctx.grads = grads
+            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 16
+        return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + (None,) * 16
 
 
-def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
-                   bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
-                   teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None, tau: float = 1.0,
-                   ce_weight: float = 1.0, kd_weight: float = 1.0, kind: str = "full", reduction: str = "mean",
-                   ignore_index: int = -100, chunk_rows: int | None = None, backend: str | None = None) -> Tensor:
-    """The fused linear + distillation loss (see the module docstring); a scalar, differentiable in ``hidden``,
-    ``weight`` and ``bias``."""
-    for name, x, nd in (("hidden", hidden, 2), ("weight", weight, 2)):
-        if not isinstance(x, Tensor) or x.dim() != nd or not x.is_floating_point():
-            raise ValueError(f"{name}: expected a floating [{'R, H' if name == 'hidden' else 'V, H'}] tensor, got "
-                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    R, H = hidden.shape
-    V = weight.shape[0]
+class _Rows(torch.autograd.Function):
+    """Eager per-row losses ``scale_i L_i`` (reductions "none" and "segment"); the backward runs the chunks again
+    with each row's incoming gradient."""
+
+    @staticmethod
+    def forward(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                backend, need_h, need_W, need_b):
+        return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
+                     backend, False, False, False, rows=True)[0]
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _vmap_loop(_Rows.forward, info, in_dims, inputs, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:9])
+        ctx.args = list(inputs[9:])
+        ctx.functional = _backend.functorch_active(*inputs[:2])
+        if ctx.functional:  # the saved tensors come back wrapped (and batched under vmap): torch ops, out of place
+            ctx.args[6] = "reference"
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
+        *args, need_h, need_W, need_b = ctx.args
+        with torch.no_grad():
+            _, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, grad_rows.to(scale.dtype) * scale, *args, need_h,
+                                  need_W, need_b, rows=False, functional=ctx.functional)
+        if torch.is_grad_enabled():  # create_graph=True or a torch.func transform: right, and refused once differentiated
+            anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b)) if need]
+            return _scaled([gh, gW, gb], None, anchors) + (None,) * 16
+        return (gh, gW, gb) + (None,) * 16
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``g * s``, whose own derivative raises :data:`_FIRST_ORDER`: a backward that builds a graph
+    (``create_graph=True``, ``torch.func.grad``) gets the right first derivative, and only differentiating it again
+    (through ``anchors``, the inputs the gradient belongs to) fails, with the reason."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(g, s, *anchors):
+        return g * s if s is not None else g.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_FIRST_ORDER)
+
+
+def _scaled(grads, s, anchors) -> tuple:
+    """The gradients times the incoming gradient ``s`` (None: 1), new tensors tied to ``anchors`` when grad mode is
+    on (see :class:`_FirstOrderOnly`)."""
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+        elif torch.is_grad_enabled():
+            out.append(_FirstOrderOnly.apply(g, None if s is None else s.to(g.dtype), *anchors))
+        else:
+            out.append(g * s.to(g.dtype) if s is not None else g)
+    return tuple(out)
+
+
+def _check(hidden, weight, target, teacher_logits, bias, teacher_hidden, teacher_weight, teacher_bias, kind, reduction,
+           detach_teacher, double_backward):
+    """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. Returns (lead, H, V)."""
+    if not isinstance(hidden, Tensor) or hidden.dim() < 1 or not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating [..., H] tensor, got "
+                         f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight: expected a floating [V, H] tensor, got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    lead, H, V = tuple(hidden.shape[:-1]), hidden.shape[-1], weight.shape[0]
     if weight.shape[1] != H:
-        raise ValueError(f"weight: expected [V, {H}] to match hidden [R, {H}], got {tuple(weight.shape)}")
+        raise ValueError(f"weight: expected [V, {H}] to match hidden [..., {H}], got {tuple(weight.shape)}")
     if V < 2:
         raise ValueError(f"weight: needs at least 2 output classes, got V={V}")
+    if not isinstance(target, Tensor) or tuple(target.shape) != lead:
+        raise ValueError(f"target: expected shape {lead} (hidden's leading dimensions), got "
+                         f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
     if bias is not None and tuple(bias.shape) != (V,):
         raise ValueError(f"bias: expected shape ({V},), got {tuple(bias.shape)}")
     if kind not in ("full", "not_true"):
         raise ValueError(f"kind: must be 'full' or 'not_true', got {kind!r}")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction: 'mean' or 'sum' (a per-row or per-segment loss needs the [R, V] logits: use "
-                         f"fedfast.nn losses on the layer's output), got {reduction!r}")
-    _validate.check_tau("tau", tau)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: one of {_REDUCTIONS}, got {reduction!r}")
+    if detach_teacher is not True:
+        raise ValueError("detach_teacher: linear_distill's teacher is a fixed target (its logits, or its hidden "
+                         "states and head, get no gradient); for mutual distillation use the unfused layer with "
+                         "fedfast.nn.KDLoss(detach_teacher=False)")
+    if double_backward is not False:
+        raise ValueError("double_backward: " + _FIRST_ORDER.split(": ", 1)[1])
     if (teacher_logits is None) == (teacher_hidden is None):
-        raise ValueError("teacher_logits / teacher_hidden: give the teacher's logits [R, V], or its hidden states "
+        raise ValueError("teacher_logits / teacher_hidden: give the teacher's logits [..., V], or its hidden states "
                          "with teacher_weight (and teacher_bias), not both")
     if teacher_logits is not None:
-        if tuple(teacher_logits.shape) != (R, V):
-            raise ValueError(f"teacher_logits: expected [{R}, {V}], got {tuple(teacher_logits.shape)}")
+        if tuple(teacher_logits.shape) != lead + (V,):
+            raise ValueError(f"teacher_logits: expected {list(lead + (V,))}, got {tuple(teacher_logits.shape)}")
     else:
-        if teacher_weight is None or teacher_hidden.dim() != 2 or teacher_hidden.shape[0] != R or \
-                teacher_weight.dim() != 2 or teacher_weight.shape != (V, teacher_hidden.shape[1]):
-            raise ValueError(f"teacher_hidden / teacher_weight: expected [{R}, Ht] and [{V}, Ht], got "
+        if teacher_weight is None or tuple(teacher_hidden.shape[:-1]) != lead or teacher_weight.dim() != 2 or \
+                teacher_weight.shape != (V, teacher_hidden.shape[-1]):
+            raise ValueError(f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
                              f"{tuple(teacher_hidden.shape)} and "
                              f"{None if teacher_weight is None else tuple(teacher_weight.shape)}")
         if teacher_bias is not None and tuple(teacher_bias.shape) != (V,):
@@ -130,15 +415,61 @@ def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logit
                     ("teacher_bias", teacher_bias), ("target", target)):
         if x is not None and x.device != dev:
             raise ValueError(f"{name}: on {x.device}, hidden is on {dev}")
-    _validate.check_target(target, R, V, ignore_index, dev, _validate.mode_for(dev, None))
-    chunk = default_chunk_rows(R, V) if chunk_rows is None else int(chunk_rows)
-    if chunk < 1:
-        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows!r}")
-    be = _backend.resolve_for(backend, dev.type, hidden.dtype)
+    return lead, H, V
+
+
+def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
+                   bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
+                   teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None, tau: float = 1.0,
+                   ce_weight: float = 1.0, kd_weight: float = 1.0, kind: str = "full", reduction: str = "mean",
+                   ignore_index: int = -100, segments: Tensor | None = None, num_segments: int | None = None,
+                   chunk_rows: int | None = None, backend: str | None = None, validate: str | None = None,
+                   detach_teacher: bool = True, double_backward: bool = False) -> Tensor:
+    """The fused linear + distillation loss (see the module docstring): a scalar ("mean", "sum"), per-row losses
+    shaped as ``target`` ("none") or per-segment means (``"segment"``), differentiable in ``hidden``, ``weight``
+    and ``bias``."""
+    lead, H, V = _check(hidden, weight, target, teacher_logits, bias, teacher_hidden, teacher_weight, teacher_bias,
+                        kind, reduction, detach_teacher, double_backward)
+    _validate.check_tau("tau", tau)
+    h = hidden.reshape(-1, H)
+    R = h.shape[0]
+    y = target.reshape(-1)
+    dev = hidden.device
+    mode = _validate.mode_for(dev, validate)
+    _validate.check_target(y, R, V, ignore_index, dev, mode)
+    if segments is not None:
+        segments = segments.reshape(-1)
+        _validate.check_segments(segments, R, dev, mode, num_segments)
+    elif reduction == "segment":
+        raise ValueError("reduction: 'segment' needs `segments`")
+    y, segments = _validate.in_graph(y.contiguous(), segments, V, ignore_index, num_segments, mode)
+    chunk = default_chunk_rows(R, V) if chunk_rows is None else chunk_rows
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
+    be = _backend.resolve_for(backend, dev.type, h.dtype)
     nod = (lambda x: None if x is None else x.detach())
-    return _LinearDistill.apply(hidden, weight, bias, nod(teacher_logits), nod(teacher_hidden), nod(teacher_weight),
-                                nod(teacher_bias), target, float(tau), float(ce_weight), float(kd_weight),
-                                kind == "not_true", reduction, int(ignore_index), chunk, be)
+    t = nod(teacher_logits.reshape(R, V)) if teacher_logits is not None else None
+    th = nod(teacher_hidden.reshape(R, -1)) if teacher_hidden is not None else None
+    acc = _loss_dtype(h)
+    scale = row_scale_torch(y, V, ignore_index, segments, acc) if reduction in ("mean", "segment") else \
+        torch.ones(R, dtype=acc, device=dev)
+    grad_on = torch.is_grad_enabled()
+    traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    # torch.compile guards on requires_grad; an exported or traced graph is run later with whichever inputs require
+    # grad then, so it forms every gradient (unless grad mode was off when it was made)
+    fixed = torch.jit.is_tracing() or torch.compiler.is_exporting()
+    need = [grad_on and x is not None and (fixed or x.requires_grad) for x in (hidden, weight, bias)]
+    args = (h, weight, bias, t, th, nod(teacher_weight), nod(teacher_bias), y, scale, float(tau), float(ce_weight),
+            float(kd_weight), kind == "not_true", int(ignore_index), int(chunk), be, *need)
+    if reduction in ("mean", "sum"):
+        if traced:  # torch.compile, torch.export, torch.jit.trace: the custom op
+            return _total_op(*args)[0]
+        return _Total.apply(*args)[0]
+    rows = _rows_op(*args) if traced else _Rows.apply(*args)
+    if reduction == "none":
+        return rows.reshape(lead)
+    S = _validate.segment_count(segments, num_segments)
+    return torch.zeros(S, dtype=rows.dtype, device=dev).index_add(0, segments.long().clamp(0, S - 1), rows)
 
 
 __all__ = ["linear_distill", "default_chunk_rows"]
