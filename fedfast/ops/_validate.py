@@ -42,6 +42,9 @@ def in_vmap() -> bool:
     """Whether a ``torch.func.vmap`` transform is running (at any level): values are batched, and reading one on
     the host (a value check) raises. Under vmap the value checks are skipped; an out-of-range target row counts
     as ignored (zero loss and gradient), as every backend treats it."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is None:  # no transform at all: the common, eager case (0.1 us)
+        return False
     try:
         from torch._C._functorch import TransformType
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
