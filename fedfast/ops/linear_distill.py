@@ -188,11 +188,15 @@ def _(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true
 def _total_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[1:])
     ctx.need = inputs[-3:]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zeros shaped as gh and gW for the gradient outputs
 
 
 def _total_backward(ctx, grad_loss, *_):
     if torch.is_grad_enabled():
         raise RuntimeError(_FIRST_ORDER)
+    if grad_loss is None:
+        return (None,) * 19
     gh, gW, gb = ctx.saved_tensors
     out = [g * grad_loss.to(g.dtype) if need else None for g, need in zip((gh, gW, gb), ctx.need)]
     return (out[0], out[1], out[2]) + (None,) * 16
@@ -272,6 +276,7 @@ class _Total(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         grads = [g for g in output[1:] if g is not None]
         ctx.mark_non_differentiable(*grads)
+        ctx.set_materialize_grads(False)  # else autograd hands the backward zeros shaped as gh and gW: a weight's worth
         ctx.transformed = _backend.functorch_active(*inputs[:2])
         ctx.anchors = [x for x, need in zip(inputs[:3], inputs[-3:]) if need]
         if ctx.transformed:
@@ -282,6 +287,8 @@ class _Total(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        if grad_loss is None:  # not materialised: the loss itself received no gradient
+            return (None,) * 19
         if ctx.transformed:
             saved = iter(ctx.saved_tensors)
             grads = [next(saved) if present else None for present in ctx.layout]
