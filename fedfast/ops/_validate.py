@@ -23,6 +23,12 @@ import os
 
 import torch
 
+try:  # functorch's interpreter stack (which transforms are running): for in_vmap
+    from torch._C._functorch import TransformType as _TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+except ImportError:  # pragma: no cover - a torch without functorch
+    _TransformType = _interpreters = None
+
 _CHECKS = ("target", "segments", "class_prior", "class_alpha", "class_freq", "teacher_weights")
 _status: dict[torch.device, torch.Tensor] = {}
 
@@ -45,12 +51,9 @@ def in_vmap() -> bool:
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     if peek is not None and peek() is None:  # no transform at all: the common, eager case (0.1 us)
         return False
-    try:
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    except ImportError:  # pragma: no cover - a torch without functorch
+    if _interpreters is None:  # pragma: no cover - a torch without functorch
         return False
-    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+    return any(i.key() == _TransformType.Vmap for i in _interpreters())
 
 
 def segment_count(segments: torch.Tensor, num_segments) -> int:

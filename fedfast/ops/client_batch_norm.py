@@ -4,7 +4,7 @@ with the statistics taken once without autograd and an explicit backward.
 
 Why not ``F.batch_norm`` over ``n*C`` channels alone: (1) a client's padding rows (its last partial minibatch) must
 not enter its statistics, and (2) PyTorch's CPU forward for channels-last (NHWC, the layout the CPU convolutions
-use) loses accuracy as a channel's mean grows against its spread (measured on the 2-core EPYC, [50, 48, 14, 14],
+use) loses accuracy as a channel's mean grows against its spread (measured on the 2-core Intel Xeon VM, [50, 48, 14, 14],
 std 0.5: 2.2e-6 max error at mean 0, 1.1e-5 at mean 3, 1.1e-4 at mean 30, against 4e-7 / 7e-7 / 3.8e-6 for
 NCHW); an untrained residual network amplified that to 1e-4 of its weights in one round (issue 46). Here the
 statistics are two-pass (the mean, then the centred squares): 1.6e-7 from float64 in either layout.
@@ -19,7 +19,7 @@ with ~1e-5 error, 1e-7 here).
 
 Bytes, with A the activation's size: forward ~9 A (reads x twice, the shifted temporary four times, writes it,
 y), backward ~9 A (g three times, xhat twice, a temporary, gx), against PyTorch's ~3 A each way. Measured on
-the 2-core EPYC, [50, 640, 16, 16] NHWC fp32, forward + backward: 20 ms against PyTorch's 10 ms; the layers of
+the 2-core Intel Xeon VM, [50, 640, 16, 16] NHWC fp32, forward + backward: 20 ms against PyTorch's 10 ms; the layers of
 ``benchmarks/bench_batch_norm.py``: 1.3 to 2.5x PyTorch's time (docs/benchmarks.md, "BatchNorm"). A fused CPU
 kernel is the way to PyTorch's speed at this accuracy.
 """

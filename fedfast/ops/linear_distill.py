@@ -39,7 +39,6 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from ._rows import valid_rows
 from .distill import _backend_rows, _loss_dtype, row_scale_torch
 
 _FIRST_ORDER = ("linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
