@@ -137,3 +137,23 @@ def test_nan_row_is_refused_and_bad_input(backend):
         ops.aggregate(X, g, rows=torch.tensor([0, 4]), backend=backend)
     with pytest.raises(ValueError, match="state_rows"):
         ops.aggregate(X, g, state_rows=torch.randn(3, 50), backend=backend)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton (interpreter) not available")
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_triton_unrolled_rows_give_the_same_bits(unroll):
+    """The Triton aggregate with several rows loaded per iteration (n not a multiple of it, a NaN row among them):
+    the same bits as one row per iteration (the sum keeps its order), the NaN row flagged."""
+    from fedfast.triton.aggregate import aggregate_triton
+    N, P = 7, 300
+    X, g, R = torch.randn(N, P), torch.randn(P), torch.randn(5, P)
+    rows = torch.tensor([6, 0, 3, 2, 5])
+    w = torch.rand(5)
+    X[3, 11] = float("nan")
+    args = (X, rows, g, w / w.sum(), 0.9, 1.0, 1.0, torch.randn(P), R, torch.rand(5), None, None, 0, 0)
+    one = aggregate_triton(*args, config=(128, 1, 4))
+    many = aggregate_triton(*args, config=(128, unroll, 4))
+    for a, b in zip(one, many):
+        if a is not None:
+            assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert many[-1].tolist() == [False, False, True, False, False, True]

@@ -457,3 +457,143 @@ def test_gpu_float64_losses_are_float64_with_the_automatic_backend():
     assert got.dtype == torch.float64 and abs(float(got) - float(want)) <= 1e-13 * abs(float(want))
     prior = torch.full((9,), 1.0 / 9, dtype=torch.float64)
     assert torch.isfinite(ffnn.ASDLoss()(z.cuda(), t.cuda(), y.cuda(), prior.cuda()))
+
+
+# -- issue 45: what issues 46 and 47 added, on the GPU; the engine with TF32 on as well as off -------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_gpu_client_batch_norm_matches_the_float64_reference(layout):
+    """The per-client BatchNorm op in fp32 on the GPU (padding rows masked, running buffers updated) against its
+    float64 reference on the CPU: outputs, the three gradients and the buffers to 1e-5."""
+    _cuda()
+    from fedfast.ops.client_batch_norm import client_batch_norm
+    from fedfast.ops.client_batch_norm_reference import client_batch_norm_reference
+    g = torch.Generator().manual_seed(0)
+    n, C, B = 5, 16, 20
+    x = torch.randn(B, n * C, 7, 7, generator=g, dtype=torch.float64) * 2 + 3
+    w, b = torch.rand(n, C, generator=g, dtype=torch.float64) + 0.5, torch.randn(n, C, generator=g, dtype=torch.float64)
+    valid = torch.ones(n, B, dtype=torch.bool)
+    valid[1, 13:] = False
+    valid[4, 3:] = False
+    gy = torch.randn(x.shape, generator=g, dtype=torch.float64) * valid.t().repeat_interleave(C, 1)[:, :, None, None]
+    running = (torch.randn(n, C, generator=g, dtype=torch.float64), torch.rand(n, C, generator=g, dtype=torch.float64) + 0.5,
+               torch.full((n,), 3.0, dtype=torch.float64))
+    outs = []
+    for fn, dev, dt in ((client_batch_norm_reference, "cpu", torch.float64), (client_batch_norm, "cuda", torch.float32)):
+        xx = x.to(dev, dt)
+        if layout == "nhwc":
+            xx = xx.contiguous(memory_format=torch.channels_last)
+        xx, ww, bb = (t.to(dev, dt).detach().clone().requires_grad_() for t in (xx, w, b))
+        rm, rv, nbt = (t.to(dev, dt).clone() for t in running)
+        y = fn(xx, n, ww, bb, valid=valid.to(dev), running_mean=rm, running_var=rv, num_batches_tracked=nbt,
+               update=True, momentum=0.1)
+        (y * gy.to(dev, dt)).sum().backward()
+        outs.append([t.detach().double().cpu() for t in (y, xx.grad, ww.grad, bb.grad, rm, rv)])
+    m = valid.t().repeat_interleave(C, 1)[:, :, None, None].expand_as(x)  # padding rows: outputs unused
+    for i, (a, e) in enumerate(zip(outs[1], outs[0])):
+        if i < 2:
+            a, e = a[m], e[m]
+        assert rel_err(a, e) <= 1e-5, i
+
+
+@pytest.mark.parametrize("executor", ["auto", "vmap"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_gpu_batch_norm_resnet_equals_the_loop(executor, tf32):
+    """Issue 46's ResNet-18 layout with running statistics (4 clients with partial batches, 3 rounds) on the GPU,
+    every parameter and buffer against the float64 loop on the CPU: with TF32 off within 5x the fp32 GPU loop's own
+    distance from it, with TF32 on within 5x the TF32 GPU loop's (the loop's own rounding sensitivity either way)."""
+    _cuda()
+    import copy
+    from contextlib import nullcontext
+
+    import fedfast
+    from fedfast.sim.memory import fp32_semantics
+    from sequential_loop import PlainLoop
+    from test_batch_norm import _Data, _max_rel, _resnet_run
+    cfg, model, train, test, part = _resnet_run(executor, smooth=True)
+    ref = PlainLoop(cfg, copy.deepcopy(model).double(), _Data(train), part)
+    ref.run(cfg.rounds)
+    ref64 = ref.glob.state_dict()
+    floats = [k for k, v in ref64.items() if v.is_floating_point()]
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        with (nullcontext() if tf32 else fp32_semantics()):
+            if tf32:
+                torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+            loop = PlainLoop(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part)
+            loop.run(cfg.rounds)
+            sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+            sim.run()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    cpu = lambda sd: {k: v.cpu() for k, v in sd.items()}  # noqa: E731
+    own = _max_rel(cpu(loop.glob.state_dict()), ref64, floats)
+    err = _max_rel(cpu(sim.state_dict()), ref64, floats)
+    print(f"executor={executor} tf32={tf32}: engine {err:.2e}, GPU loop {own:.2e} from the float64 loop")
+    assert err <= max(5 * own, 1e-4), (err, own)
+    for k, v in cpu(loop.glob.state_dict()).items():
+        if not v.is_floating_point():
+            assert torch.equal(sim.state_dict()[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("conv", ["triton", "hybrid"])
+def test_gpu_engine_with_tf32_on_is_as_close_as_the_tf32_loop(conv):
+    """The CNN round of test_gpu_engine_conv_implementations_match_the_loop with TF32 on (PyTorch's cuDNN default):
+    the engine's distance from the float64 loop within 5x the TF32 GPU loop's own."""
+    import copy
+
+    import fedfast
+    from sequential_loop import sequential
+    from test_batch_norm import _Data
+    from test_engine_conv import _cnn_setup
+    _need("triton")
+    train, test, part, model = _cnn_setup()
+    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
+                            seed=1, conv=conv)
+    ref = sequential(cfg, copy.deepcopy(model).double(), _Data(train), part, cfg.rounds).cpu()
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        loop = sequential(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part, cfg.rounds).cpu()
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+        sim.run()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    rel = lambda a: float((a.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
+    err, own = rel(sim.global_flat.cpu()), rel(loop)
+    print(f"conv={conv} tf32: engine {err:.2e}, GPU loop {own:.2e} from the float64 loop")
+    assert own > 0 and err <= max(5 * own, 1e-5), (err, own)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "segment", "none"])
+def test_gpu_linear_kd_loss_matches_the_unfused_float64_loss(backend, reduction):
+    """LinearKDLoss in fp32 on the GPU (chunks of 96 rows, a padded label, the teacher as hidden states + head)
+    against Linear + KDLoss in float64 on the CPU: value and the hidden, weight and bias gradients to 1e-5."""
+    _need(backend)
+    import fedfast.nn as fnn
+    g = torch.Generator().manual_seed(0)
+    R, H, V = 300, 64, 1000
+    h, th = torch.randn(R, H, generator=g, dtype=torch.float64), torch.randn(R, 32, generator=g, dtype=torch.float64)
+    W, tW = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2, torch.randn(V, 32, generator=g,
+                                                                                  dtype=torch.float64) * 0.2
+    b, tb = torch.randn(V, generator=g, dtype=torch.float64), torch.randn(V, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (R,), generator=g)
+    y[5] = -100
+    seg = torch.arange(R) // 40
+    kw = dict(segments=seg, num_segments=8) if reduction == "segment" else {}
+    plain = fnn.KDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction, backend="reference")
+    want = plain(h.requires_grad_() @ W.requires_grad_().T + b.requires_grad_(), th @ tW.T + tb, y, **kw)
+    wgt = torch.linspace(0.5, 2.0, want.numel(), dtype=torch.float64).reshape(want.shape)
+    gw = torch.autograd.grad((want * wgt).sum(), (h, W, b))
+    fused = fnn.LinearKDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction, chunk_rows=96,
+                             backend=backend)
+    cu = lambda t: t.detach().float().cuda()  # noqa: E731
+    hc, Wc, bc = (cu(t).requires_grad_() for t in (h, W, b))
+    from fedfast.sim.memory import fp32_semantics
+    with fp32_semantics():
+        got = fused(hc, Wc, y.cuda(), bias=bc, teacher_hidden=cu(th), teacher_weight=cu(tW), teacher_bias=cu(tb),
+                    **{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()})
+        gg = torch.autograd.grad((got * cu(wgt)).sum(), (hc, Wc, bc))
+    assert got.shape == want.shape and rel_err(got.detach().double().cpu(), want.detach()) <= 1e-5
+    for a, e in zip(gg, gw):
+        assert rel_err(a.double().cpu(), e) <= 1e-5

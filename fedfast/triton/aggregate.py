@@ -16,18 +16,24 @@ import triton.language as tl
 def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_ptr, coef_ptr, shift_ptr, change_ptr,
                       ring_ptr, gout_ptr, avg_ptr, bad_ptr, n, P, beta, scale, lr, slot, HAS_M: tl.constexpr,
                       KEEP_M: tl.constexpr, STATE: tl.constexpr, SHIFT: tl.constexpr, RING: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cm = cols < P
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, n):
-        r = tl.load(rows_ptr + k).to(tl.int64)
-        x = tl.load(x_ptr + r * P + cols, mask=cm, other=0.0).to(tl.float32)
-        acc += tl.load(w_ptr + k) * x
-        # flag row k if any element is NaN/inf: a masked atomic issues no memory op for finite data and needs
-        # no cross-warp reduction (a tl.max + atomic per row costs a barrier per iteration)
-        nonfinite = cm & ((x != x) | (tl.abs(x) == float("inf")))
-        tl.atomic_max(bad_ptr + k + tl.zeros([BLOCK], dtype=tl.int64), tl.full([BLOCK], 1, tl.int32), mask=nonfinite)
+    # UNROLL rows per iteration: their loads are independent, so UNROLL row blocks are in flight at once (the
+    # sum's order is still k = 0, 1, ..., n - 1: the same bits for any UNROLL)
+    for k0 in range(0, n, UNROLL):
+        for j in tl.static_range(UNROLL):
+            k = k0 + j
+            ok = k < n
+            r = tl.load(rows_ptr + k, mask=ok, other=0).to(tl.int64)
+            x = tl.load(x_ptr + r * P + cols, mask=cm & ok, other=0.0).to(tl.float32)
+            acc += tl.load(w_ptr + k, mask=ok, other=0.0) * x
+            # flag row k if any element is NaN/inf: a masked atomic issues no memory op for finite data and needs
+            # no cross-warp reduction (a tl.max + atomic per row costs a barrier per iteration)
+            nonfinite = cm & ok & ((x != x) | (tl.abs(x) == float("inf")))
+            tl.atomic_max(bad_ptr + k + tl.zeros([BLOCK], dtype=tl.int64), tl.full([BLOCK], 1, tl.int32),
+                          mask=nonfinite)
     g = tl.load(g_ptr + cols, mask=cm, other=0.0)
     mm = scale * (g - acc)  # m' = beta m + scale (g - avg) ; g' = g - lr m'
     if HAS_M:
@@ -57,10 +63,14 @@ def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_pt
         tl.store(ring_ptr + slot * P + cols, newg, mask=cm)
 
 
+# (BLOCK columns per program, rows loaded per iteration, warps): benchmarks/gpu_probe.py sweeps these on a GPU
+CONFIG = (1024, 1, 4)
+
+
 def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state_coef, state_shift, ring, slot,
-                     count):
+                     count, config=None):
     """Same contract as the C++ ``aggregate``: returns [global, average, momentum, state_rows, state_change, ring,
-    ring_mean, bad (n + 1 flags)]."""
+    ring_mean, bad (n + 1 flags)]. ``config``: (BLOCK, UNROLL, num_warps), default :data:`CONFIG`."""
     X = X.contiguous()
     n, P = rows.numel(), X.shape[1]
     dev = X.device
@@ -76,11 +86,12 @@ def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state
     bad = torch.zeros(n + 1, dtype=torch.int32, device=dev)
     d = gout  # placeholder pointer for unused arguments
     o = lambda t: t if t is not None else d  # noqa: E731
-    BLOCK = 1024
+    BLOCK, UNROLL, warps = config or CONFIG
     _aggregate_kernel[(triton.cdiv(P, BLOCK),)](
         X, rows.long().contiguous(), w, g, o(m), o(mo), o(r), o(ro), o(coef), o(shift), o(change), o(rb), gout, avg,
         bad, n, P, float(beta), float(scale), float(lr), int(slot), HAS_M=m is not None, KEEP_M=keep_m,
-        STATE=r is not None, SHIFT=shift is not None, RING=rb is not None, BLOCK=BLOCK, num_warps=4)
+        STATE=r is not None, SHIFT=shift is not None, RING=rb is not None, BLOCK=BLOCK, UNROLL=UNROLL,
+        num_warps=warps)
     badb = bad.bool()
     badb[n] = ~torch.isfinite(avg).all()
     ring_mean = rb[:count].mean(0) if rb is not None else None

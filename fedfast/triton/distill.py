@@ -220,7 +220,8 @@ def launch_config(C: int, elem_budget: int = 2048, max_block_c: int = 4096, elem
 
 
 def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                        ce_weight, kd_weight, ignore_index, not_true, soft_ce):
+                        ce_weight, kd_weight, ignore_index, not_true, soft_ce, config=None):
+    """``config``: (BLOCK_R, BLOCK_C, num_warps) instead of :func:`launch_config`'s (benchmarks/gpu_probe.py)."""
     R, C = student.shape
     if student.dtype == torch.float64:
         raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
@@ -233,6 +234,9 @@ def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weigh
     l1p = torch.log1p(-rho.float()).contiguous() if rho is not None else None
     S = rho.shape[0] if rho is not None else 1
     BR, BC, single, nw = launch_config(C)
+    if config is not None:
+        BR, BC, nw = config
+        single = C <= BC
     _distill_kernel[(triton.cdiv(R, BR),)](
         student, teacher, target, f32(negent), f32(class_alpha), f32(row_weight), f32(row_scale), f32(rho), f32(l1p),
         segments if segments is not None else target, loss, grad,
