@@ -263,6 +263,19 @@ def _n_block(c: int, bn: int) -> int:
     return max(16, min(bn, triton.next_power_of_2(int(c))))
 
 
+# What "TF32 allowed" runs as: "tf32" (one TF32 product, ~1e-3 relative per product, as cuDNN's TF32 kernels) or
+# "tf32x3" (three TF32 products with the operands' low parts: fp32 accuracy on the tensor cores)
+TF32_PRECISION = "tf32"
+
+
+def _prec(tf32: bool) -> str:
+    if not tf32:
+        return "ieee"
+    if TF32_PRECISION not in ("tf32", "tf32x3"):
+        raise ValueError(f"fedfast.triton.conv.TF32_PRECISION: 'tf32' or 'tf32x3', not {TF32_PRECISION!r}")
+    return TF32_PRECISION
+
+
 def conv_forward(x, w, b, stride, padding, dilation, out, tf32: bool = False, cfg=None):
     """``out[B, n*Cout, OH, OW] = conv(x, w_k) + b_k`` for every client k (``out`` preallocated, any strides)."""
     B, _, H, W = x.shape
@@ -275,7 +288,7 @@ def conv_forward(x, w, b, stride, padding, dilation, out, tf32: bool = False, cf
     _conv_fwd_kernel[grid](x, w, b if b is not None else w, out, B, Cin, H, W, Cout, OH, OW,
                            *_strides(x), *_strides(out), KH=KH, KW=KW, SH=stride[0], SW=stride[1],
                            PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_BIAS=b is not None,
-                           FOLD=fold, IDX64=i64, PREC="tf32" if tf32 else "ieee",
+                           FOLD=fold, IDX64=i64, PREC=_prec(tf32),
                            BM=BM, BN=BN, BK=BK,
                            num_warps=nw, num_stages=ns)
     return out
@@ -293,7 +306,7 @@ def conv_input_grad(g, w, stride, padding, dilation, dx, tf32: bool = False, cfg
     _conv_dgrad_kernel[grid](g, w, dx, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(dx),
                              KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
                              DH=dilation[0], DW=dilation[1], FOLD=fold, IDX64=i64,
-                             PREC="tf32" if tf32 else "ieee",
+                             PREC=_prec(tf32),
                              BM=BM, BN=BN, BK=BK,
                              num_warps=nw, num_stages=ns)
     return dx
@@ -342,7 +355,7 @@ def conv_weight_grad(g, x, stride, padding, dilation, dw, tf32: bool = False, cf
     _conv_wgrad_kernel[grid](g, x, dst, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(x), n, split, kchunk,
                              KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
                              DH=dilation[0], DW=dilation[1], FOLD=fold, IDX64=i64,
-                             PREC="tf32" if tf32 else "ieee",
+                             PREC=_prec(tf32),
                              BM=BM, BN=BN, BK=BK,
                              num_warps=nw, num_stages=ns)
     if split > 1:
