@@ -149,3 +149,16 @@ def test_weight_gradient_split_choice(monkeypatch):
     assert conv.wgrad_split(250, 98000, 32, cuda) == 2           # FedNTD's conv2 at 10 clients: 250 tiles
     assert conv.wgrad_split(9, 7840, 32, cuda) == 7840 // (32 * conv.MIN_SPLIT_STEPS)  # one client: capped by length
     assert conv.wgrad_split(9, 100, 32, cuda) == 1                # too short to split
+
+
+def test_tf32_precision_is_three_products_by_default_and_checked_by_name(monkeypatch):
+    """Where TF32 is allowed the Triton convolutions take three TF32 products (fp32 accuracy: one put the engine 60x
+    further from the float64 loop than the TF32 loop on an H100); a bad TF32_PRECISION is refused by name."""
+    pytest.importorskip("triton")
+    from fedfast.triton import conv
+    assert conv.TF32_PRECISION == "tf32x3" and conv._prec(True) == "tf32x3" and conv._prec(False) == "ieee"
+    monkeypatch.setattr(conv, "TF32_PRECISION", "tf32")
+    assert conv._prec(True) == "tf32"
+    monkeypatch.setattr(conv, "TF32_PRECISION", "bf16")
+    with pytest.raises(ValueError, match="TF32_PRECISION"):
+        conv._prec(True)

@@ -22,8 +22,13 @@ Implementations (``impl``), all the same function (tests/test_client_conv.py che
   while its grouped gradients run at 25-34 TFLOP/s, 1.5-2x the implicit GEMMs'. Each pass is the fastest measured.
 
 On CUDA, ``"gemm"`` and ``"triton"`` use TF32 tensor cores exactly when ``torch.backends.cudnn.allow_tf32`` is
-set (PyTorch's default), i.e. when a plain per-client loop's cuDNN convolutions use them too; with it cleared
-they compute in fp32.
+set (PyTorch's default), i.e. when a plain per-client loop's cuDNN convolutions may use them too; with it cleared
+they compute in fp32. The Triton kernels then take three TF32 products per product (``"tf32x3"``: the operands'
+high and low parts, fp32 accuracy), not one: cuDNN picks fp32 kernels for many small layers even with TF32 allowed,
+and a single TF32 product put the engine 60x further from the float64 loop than the TF32 loop was on a small CNN
+(1.9e-3 against 3.0e-5 after two rounds; 7.8e-2 against 6.3e-3 on a BatchNorm ResNet; H100, 2026-11-27,
+benchmarks/results/nvidia-h100-80gb-hbm3-tf32.json). It costs 24 % of a pfl_cifar_50 round there (28.4 against
+22.9 ms); ``fedfast.triton.conv.TF32_PRECISION = "tf32"`` opts into the single product.
 """
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def _n_block(c: int, bn: int) -> int:
 
 # What "TF32 allowed" runs as: "tf32" (one TF32 product, ~1e-3 relative per product, as cuDNN's TF32 kernels) or
 # "tf32x3" (three TF32 products with the operands' low parts: fp32 accuracy on the tensor cores)
-TF32_PRECISION = "tf32"
+TF32_PRECISION = "tf32x3"
 
 
 def _prec(tf32: bool) -> str:
