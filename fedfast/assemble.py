@@ -98,13 +98,19 @@ def build_run(cfg, device=None, group=None, state_dir: str | None = None):
         train = train.subset(perm[n_val:].sort().values)
     sc = cfg.sim_config()
     method = sc.method()  # the run's one instance: its held-out splits, then the Simulation's method
-    n_loaded = len(train) if cfg["train_fraction"] == 1 and cfg["val_fraction"] == 0 else -1
-    train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
-    if (cfg.values if hasattr(cfg, "values") else cfg).get("split_stream") == "authors" and len(train) != n_loaded:
+    authors = (cfg.values if hasattr(cfg, "values") else cfg).get("split_stream") == "authors"
+    if authors and (cfg["train_fraction"] < 1 or cfg["val_fraction"] > 0):
         raise ValueError("split_stream: the authors' splits are drawn over the whole training set as their code "
-                         "loads it, but train_fraction, val_fraction or the method's held-out split "
-                         f"({cfg['algorithm']}) took samples out first; use split_stream = \"fedfast\"")
-    part = partition(cfg, train)
+                         "loads it, but train_fraction or val_fraction took samples out first; use "
+                         "split_stream = \"fedfast\"")
+    part = partition(cfg, train) if authors else None  # the authors' code splits the set as loaded
+    loaded = train
+    train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
+    if authors and len(train) != len(loaded) and not (
+            train.x.data_ptr() == loaded.x.data_ptr() and int(part.rows.max()) < len(train)):
+        raise ValueError(f"split_stream: the method's held-out split ({cfg['algorithm']}) takes samples that the "
+                         f"authors' split gives to clients; use split_stream = \"fedfast\"")
+    part = part if authors else partition(cfg, train)
     if part.num_clients != cfg["num_clients"] and cfg["clients_per_round"] > part.num_clients:
         raise ValueError(f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
                          f"partition {cfg['partition']!r} made")

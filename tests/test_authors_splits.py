@@ -209,3 +209,94 @@ def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mn
         cfg = build_config(base=base, source=p.source, root=p.root)
         assert cfg["split_stream"] == "authors" and cfg["split_seed"] == 19940817
         _same(partition(cfg, train), want, mnist_y)
+
+
+def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1):
+    """FedGKD's pipeline (72e7bac): define_val_dataset's "origin" split (the leading 90 %), DataPartitioner with
+    build_non_iid_by_dirichlet drawing from conf.random_state = RandomState(manual_seed), then partition_indices'
+    equal windows; returns client id - 1 -> indices."""
+    import functools
+    import math
+    random_state = np.random.RandomState(seed)
+    data_size = len(targets)
+    train_idx = np.arange(data_size)[:int((1 - val_ratio) * 1.0 * data_size)]
+    indices2targets = np.array([(idx, t) for idx, t in enumerate(targets) if idx < len(train_idx)])
+    num_indices, n_workers, num_classes = len(train_idx), n_clients, len(np.unique(targets))
+    n_auxi_workers = 10
+    random_state.shuffle(indices2targets)
+    from_index, splitted_targets = 0, []
+    num_splits = math.ceil(n_workers / n_auxi_workers)
+    for idx in range(num_splits):
+        to_index = from_index + int(n_auxi_workers / n_workers * num_indices)
+        splitted_targets.append(indices2targets[from_index:(num_indices if idx == num_splits - 1 else to_index)])
+        from_index = to_index
+    idx_batch = []
+    for _targets in splitted_targets:
+        _targets = np.array(_targets)
+        _targets_size = len(_targets)
+        _n_workers = min(n_auxi_workers, n_workers)
+        n_workers = n_workers - n_auxi_workers
+        min_size = 0
+        while min_size < int(0.50 * _targets_size / _n_workers):
+            _idx_batch = [[] for _ in range(_n_workers)]
+            for _class in range(num_classes):
+                idx_class = _targets[np.where(_targets[:, 1] == _class)[0], 0]
+                proportions = random_state.dirichlet(np.repeat(alpha, _n_workers))
+                proportions = np.array([p * (len(idx_j) < _targets_size / _n_workers)
+                                        for p, idx_j in zip(proportions, _idx_batch)])
+                proportions = proportions / proportions.sum()
+                proportions = (np.cumsum(proportions) * len(idx_class)).astype(int)[:-1]
+                _idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(_idx_batch, np.split(idx_class, proportions))]
+                min_size = min([len(idx_j) for idx_j in _idx_batch])
+        idx_batch += _idx_batch
+    indices = functools.reduce(lambda a, b: a + b, idx_batch)
+    out, from_index = {}, 0
+    for k in range(n_clients):
+        to_index = from_index + int(1.0 / n_clients * num_indices)
+        out[k] = indices[from_index:to_index]
+        from_index = to_index
+    return out
+
+
+@pytest.mark.parametrize("K,alpha,seed", [(20, 0.1, 7), (20, 1.0, 0), (25, 0.5, 3)])
+def test_fedgkd_split_gives_every_client_the_authors_samples(K, alpha, seed):
+    """CIFAR-10's label counts (a shuffled order), FedGKD's 20 clients at alpha 0.1 and 1 (and 25 clients: a short
+    last group): every client's window equal to the code's, the validation tail given to no client."""
+    y = np.random.default_rng(seed).permutation(np.repeat(np.arange(10), 5000))
+    want = fedgkd_split_as_written(y, K, alpha, seed)
+    part = authors.fedgkd_dirichlet(y, K, alpha, seed=seed)
+    _same(part, want, y)
+    assert int(part.rows.max()) < 45000 and (part.sizes == 45000 // K).all()
+
+
+def _write_cifar10(root, n_per_batch, seed=0):
+    import pickle
+    rng = np.random.default_rng(seed)
+    d = root / "cifar-10-batches-py"
+    d.mkdir()
+    for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(d / n, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+                         b"labels": rng.integers(0, 10, n_per_batch).tolist()}, f)
+
+
+def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
+    """A run on (small, written) CIFAR-10 files: FedGKD-VOTE's validation split is the tail FedGKD's code holds out,
+    so the authors' split is built with it; the clients hold the code's windows; FedCAD's held-out samples (drawn
+    from every class) are refused by name, as is Tiny-ImageNet."""
+    from fedfast.assemble import build_run
+    _write_cifar10(tmp_path, 300)
+    keys = [f"data_dir={tmp_path}", "dataset=cifar10", "partition=dirichlet_fedgkd", "alpha=0.5", "num_clients=10",
+            "clients_per_round=2", "split_stream=authors", "seed=7", "model=mlp", "rounds=1"]
+    from fedfast.data import load_cifar
+    _, sim = build_run(build_config(None, keys + ["algorithm=fedgkd_vote"]))
+    assert len(sim.train) == 1350  # 1500 less the last 10 %
+    want = fedgkd_split_as_written(load_cifar(str(tmp_path), 10)[0].y.numpy(), 10, 0.5, 7)
+    got = [sim.plan.rows[sim.plan.offsets[k]:sim.plan.offsets[k + 1]] for k in range(10)]
+    for k in range(10):
+        assert np.array_equal(got[k], np.asarray(want[k])), k
+    with pytest.raises(ValueError, match="split_stream.*fedcad"):
+        build_run(build_config(None, keys + ["algorithm=fedcad", "fedcad.aux_holdout=true"]))
+    with pytest.raises(ValueError, match="split_stream.*tiny_imagenet"):
+        build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", "dataset=tiny_imagenet",
+                            "model=mlp"])

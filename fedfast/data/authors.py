@@ -12,6 +12,12 @@ sample indices as the released code, in the same order:
   be00ee5, ``train_tools/preprocessing/datasetter.py``: ``sharding_partition``, ``lda_partition``). ``main.py``
   seeds ``np.random`` and ``random`` with 19940817 right before ``data_distributer``, so every run seed of theirs
   trains on one split: the default ``seed`` here.
+* :func:`fedgkd_dirichlet` - FedGKD's split (Yao et al.; github.com/CGCL-codes/FedGKD at 72e7bac,
+  ``pcode/create_dataset.py`` and ``pcode/datasets/partition_data.py``): the first 90 % of the training set in
+  order (the last 10 % is the validation split), FedDF's ``build_non_iid_by_dirichlet`` drawn from
+  ``np.random.RandomState(manual_seed)`` (the run seed), and then the clients' lists concatenated and cut into
+  equal windows of ``int(N_train / K)`` samples (``DataPartitioner.partition_indices``): client k trains on window
+  k, not on the k-th Dirichlet list.
 * :func:`feddyn_dirichlet` - FedDyn's balanced Dirichlet (Acar et al., ICLR 2021; github.com/alpemreacar/FedDyn,
   ``utils_dataset.py``, ``rule == 'Dirichlet'``), the split ASD's code was built from (ASD's released code seeds
   ``np.random`` with the run seed right before it; its own partition code is commented out at HEAD 6cb4b68).
@@ -48,6 +54,17 @@ def _checked(labels, num_clients, alpha, seed):
     if not alpha > 0:
         raise ValueError(f"alpha: must be > 0, got {alpha!r}")
     return y, K, len(y), np.random.RandomState(seed)
+
+
+def _append_class(rs, batch: list, idx: np.ndarray, alpha: float, cap: float) -> list:
+    """One class of the NIID-Bench / FedDF Dirichlet loop, as both codes write it: ``p ~ rs.dirichlet(alpha 1_k)``,
+    zeroed for the clients already holding >= ``cap``, renormalised; the class's indices ``idx`` (in their order)
+    cut at ``(cumsum(p) * len(idx)).astype(int)[:-1]`` and piece j appended to client j's list."""
+    p = rs.dirichlet(np.repeat(alpha, len(batch)))
+    p = np.array([pk * (len(b) < cap) for pk, b in zip(p, batch)])
+    p = p / p.sum()
+    cut = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+    return [b + piece.tolist() for b, piece in zip(batch, np.split(idx, cut))]
 
 
 def fedntd_shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = FEDNTD_SPLIT_SEED) -> Partition:
@@ -106,11 +123,7 @@ def fedntd_lda(labels, num_clients: int, alpha: float, seed: int = FEDNTD_SPLIT_
         for c in range(C):
             idx = np.where(y == c)[0]
             rs.shuffle(idx)
-            p = rs.dirichlet(np.repeat(alpha, K))
-            p = np.array([pk * (len(b) < N / K) for pk, b in zip(p, batch)])
-            p = p / p.sum()
-            cut = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            batch = [b + piece.tolist() for b, piece in zip(batch, np.split(idx, cut))]
+            batch = _append_class(rs, batch, idx, alpha, N / K)
             smallest = min(len(b) for b in batch)
         if smallest >= min_size:
             break
@@ -168,16 +181,69 @@ def feddyn_dirichlet(labels, num_clients: int, alpha: float, seed: int, shuffle_
     return _from_lists(slots, y, f"balanced_dirichlet(alpha={alpha}, authors: FedDyn, seed {seed})")
 
 
+def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_fraction: float = 0.1,
+                     group: int = 10, max_tries: int = 100000) -> Partition:
+    """FedGKD's released split (CIFAR-10/100): ``n_train = int((1 - val_fraction) * N)`` leading samples ("origin"
+    order); their ``(index, label)`` rows shuffled by ``RandomState(seed).shuffle``; cut into ``ceil(K / group)``
+    chunks of ``int(group / K * n_train)`` rows (the last to the end); in each chunk, until every one of its
+    ``min(group, K left)`` clients holds at least ``int(0.5 * chunk / clients)``: per class c = 0..C-1, ``p ~
+    dirichlet(alpha)``, zeroed for clients holding >= chunk / clients, renormalised, the class's rows (in shuffled
+    order) cut at ``(cumsum(p) * n_c).astype(int)[:-1]``. The lists of all chunks are concatenated and client k
+    takes the k-th window of ``int(n_train / K)`` samples. The validation tail belongs to no client (FedGKD-VOTE's
+    held-out split is the same tail)."""
+    y, K, N, rs = _checked(labels, num_clients, alpha, seed)
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction: in [0, 1), got {val_fraction!r}")
+    if K < group:
+        raise ValueError(f"num_clients: FedGKD's code needs at least {group} clients (its n_auxi_workers), got {K}")
+    n_train = int((1 - val_fraction) * 1.0 * N)
+    C = len(np.unique(y))
+    pairs = np.stack([np.arange(n_train), y[:n_train]], axis=1).astype(np.int64)
+    rs.shuffle(pairs)
+    n_splits = int(np.ceil(K / group))
+    chunks, start = [], 0
+    for i in range(n_splits):
+        stop = start + int(group / K * n_train)
+        chunks.append(pairs[start:(n_train if i == n_splits - 1 else stop)])
+        start = stop
+    lists, left = [], K
+    for chunk in chunks:
+        size, k = len(chunk), min(group, left)
+        left -= group
+        smallest, tries = 0, 0
+        while smallest < int(0.50 * size / k):
+            tries += 1
+            if tries > max_tries:
+                raise ValueError(f"alpha: FedGKD's draw found no split of a {size}-sample chunk over {k} clients with "
+                                 f"each >= half the mean in {max_tries} tries; raise alpha")
+            batch = [[] for _ in range(k)]
+            for c in range(C):
+                batch = _append_class(rs, batch, chunk[np.where(chunk[:, 1] == c)[0], 0], alpha, size / k)
+                smallest = min(len(b) for b in batch)
+        lists += batch
+    flat = np.array([i for b in lists for i in b], dtype=np.int64)
+    w = int(1.0 / K * n_train)
+    return _from_lists([flat[k * w:(k + 1) * w] for k in range(K)], y,
+                       f"fedgkd_dirichlet(alpha={alpha}, authors: FedGKD, seed {seed})")
+
+
 # the partitions with an authors' version: name -> (function, the authors' split seed or None for the run seed)
 AUTHORS = {"shards": ("FedNTD", FEDNTD_SPLIT_SEED), "dirichlet": ("FedNTD", FEDNTD_SPLIT_SEED),
-           "dirichlet_balanced": ("FedDyn / ASD", None)}
+           "dirichlet_balanced": ("FedDyn / ASD", None), "dirichlet_fedgkd": ("FedGKD", None)}
+# FedGKD's code shuffles Tiny-ImageNet before its validation split and samples the text sets: not transcribed
+FEDGKD_DATASETS = ("cifar10", "cifar100")
 
 
-def default_seed(partition: str, run_seed: int) -> int:
-    """The split seed of the authors' code for ``partition`` (refused by name where fedfast has no authors' version)."""
+def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> int:
+    """The split seed of the authors' code for ``partition`` (refused by name where fedfast has no authors' version
+    for it, or for ``dataset``)."""
+    if partition == "dirichlet_fedgkd" and dataset is not None and dataset not in FEDGKD_DATASETS:
+        raise ValueError(f"split_stream: FedGKD's code splits {', '.join(FEDGKD_DATASETS)} as transcribed here; for "
+                         f"dataset {dataset!r} it first shuffles or samples the training set (not transcribed); use "
+                         f"split_stream = \"fedfast\"")
     if partition not in AUTHORS:
         raise ValueError(f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
-                         f"partition {partition!r} has none here (FedGKD's FedDF Dirichlet is not transcribed yet); "
+                         f"partition {partition!r} has none here; "
                          f"use split_stream = \"fedfast\"")
     fixed = AUTHORS[partition][1]
     return int(run_seed) if fixed is None else fixed
@@ -186,10 +252,12 @@ def default_seed(partition: str, run_seed: int) -> int:
 def split(partition: str, labels, spec: dict) -> Partition:
     """The authors' version of a built-in partition, with ``spec``'s keys (``num_clients``, ``shards_per_client``,
     ``alpha``, ``split_seed``)."""
-    default_seed(partition, spec.get("seed", 0))
+    default_seed(partition, spec.get("seed", 0), spec.get("dataset"))
     seed = int(spec["split_seed"])
     if partition == "shards":
         return fedntd_shards(labels, spec["num_clients"], spec["shards_per_client"], seed=seed)
     if partition == "dirichlet":
         return fedntd_lda(labels, spec["num_clients"], spec["alpha"], seed=seed)
+    if partition == "dirichlet_fedgkd":
+        return fedgkd_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)
     return feddyn_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)

@@ -9,7 +9,9 @@
 * :func:`dirichlet_balanced` - the FedDyn/ASD scheme (a): client prior ``pi_k ~ Dir(delta 1_C)``, every
   client the same size, quotas filled one sample at a time from not-yet-exhausted classes.
 * :func:`dirichlet_fedgkd` - FedDF's ``build_non_iid_by_dirichlet`` used by FedGKD: groups of 10 clients
-  over contiguous data chunks, redraw until min size >= 0.5 * chunk/10.
+  over contiguous data chunks, redraw until min size >= 0.5 * chunk/10 (the scheme's clients; FedGKD's released
+  code then trains each client on an equal window of the concatenated lists:
+  :func:`fedfast.data.authors.fedgkd_dirichlet`).
 * :func:`quantity_skew` - IID labels, client sizes ~ Dir(alpha) (at least ``min_size`` each).
 
 Each returns a :class:`Partition` (compact: one index array and per-client offsets; ``indices[k]`` a view), the
