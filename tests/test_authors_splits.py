@@ -167,7 +167,7 @@ def test_labels_out_of_order_and_leftovers():
 
 def test_the_split_through_a_run_config_and_its_seed(mnist_y):
     """split_stream = "authors": FedNTD's split for every run seed (split_seed recorded as 19940817); FedDyn's
-    follows the run seed, as ASD's code seeds it; fedfast's stream keeps the run seed; refusals by name."""
+    follows the run seed, as FedDyn's code is seeded; fedfast's stream keeps the run seed; refusals by name."""
     from fedfast.assemble import partition
     from fedfast.data import ArrayDataset
     train = ArrayDataset(torch.zeros(len(mnist_y), 1), torch.from_numpy(mnist_y), 10)
@@ -192,8 +192,9 @@ def test_the_split_through_a_run_config_and_its_seed(mnist_y):
             build_config(None, bad)
 
 
-@pytest.mark.parametrize("cell,want_fn", [("fedntd-table1/mnist-shards", lambda y: fedntd_sharding_as_written(y, 100, 2)),
-                                          ("fedntd-table1/mnist-lda", lambda y: fedntd_lda_as_written(y, 100, 0.1))])
+@pytest.mark.parametrize("cell,want_fn", [
+    ("fedntd-table1/mnist-shards", lambda y: fedntd_sharding_as_written(y, 100, 2)),
+    ("fedntd-table1/mnist-lda", lambda y: fedntd_lda_as_written(y, 100, 0.1))])
 def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mnist_y, cell, want_fn):
     """The presets themselves: each MNIST cell's run config, for two run seeds and two methods, splits MNIST into
     the authors' 100 clients."""

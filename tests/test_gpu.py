@@ -475,10 +475,11 @@ def test_gpu_client_batch_norm_matches_the_float64_reference(layout):
     valid[1, 13:] = False
     valid[4, 3:] = False
     gy = torch.randn(x.shape, generator=g, dtype=torch.float64) * valid.t().repeat_interleave(C, 1)[:, :, None, None]
-    running = (torch.randn(n, C, generator=g, dtype=torch.float64), torch.rand(n, C, generator=g, dtype=torch.float64) + 0.5,
-               torch.full((n,), 3.0, dtype=torch.float64))
+    f64 = dict(generator=g, dtype=torch.float64)
+    running = (torch.randn(n, C, **f64), torch.rand(n, C, **f64) + 0.5, torch.full((n,), 3.0, dtype=torch.float64))
     outs = []
-    for fn, dev, dt in ((client_batch_norm_reference, "cpu", torch.float64), (client_batch_norm, "cuda", torch.float32)):
+    for fn, dev, dt in ((client_batch_norm_reference, "cpu", torch.float64),
+                        (client_batch_norm, "cuda", torch.float32)):
         xx = x.to(dev, dt)
         if layout == "nhwc":
             xx = xx.contiguous(memory_format=torch.channels_last)

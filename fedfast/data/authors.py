@@ -19,8 +19,11 @@ sample indices as the released code, in the same order:
   equal windows of ``int(N_train / K)`` samples (``DataPartitioner.partition_indices``): client k trains on window
   k, not on the k-th Dirichlet list.
 * :func:`feddyn_dirichlet` - FedDyn's balanced Dirichlet (Acar et al., ICLR 2021; github.com/alpemreacar/FedDyn,
-  ``utils_dataset.py``, ``rule == 'Dirichlet'``), the split ASD's code was built from (ASD's released code seeds
-  ``np.random`` with the run seed right before it; its own partition code is commented out at HEAD 6cb4b68).
+  ``utils_dataset.py``, ``rule == 'Dirichlet'``). ASD's split follows this algorithm, but ASD's released code (HEAD
+  6cb4b68) reads every client's data from a pickle (``config.yml`` ``data_pkl``, ``utils_methods.py``) written by a
+  script drawing from the unseeded global ``np.random`` (``src/tiny_imagenet.py``, ``dirichlet_partition``: FedDyn's
+  loop without its data shuffle); the CIFAR pickles are not released, so ASD's exact split cannot be reproduced and
+  its presets use FedDyn's code seeded with the run seed.
 
 Written from reading the released code; the tests (tests/test_authors_splits.py) transcribe the authors' functions
 with the global streams and compare every client's indices.
@@ -229,7 +232,7 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
 
 # the partitions with an authors' version: name -> (function, the authors' split seed or None for the run seed)
 AUTHORS = {"shards": ("FedNTD", FEDNTD_SPLIT_SEED), "dirichlet": ("FedNTD", FEDNTD_SPLIT_SEED),
-           "dirichlet_balanced": ("FedDyn / ASD", None), "dirichlet_fedgkd": ("FedGKD", None)}
+           "dirichlet_balanced": ("FedDyn", None), "dirichlet_fedgkd": ("FedGKD", None)}
 # FedGKD's code shuffles Tiny-ImageNet before its validation split and samples the text sets: not transcribed
 FEDGKD_DATASETS = ("cifar10", "cifar100")
 
