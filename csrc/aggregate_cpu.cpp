@@ -1,7 +1,8 @@
 // Fused server update on the CPU: one pass over the participating client rows (formulas:
 // fedfast/ops/aggregate_reference.py): the weighted average, the server rule m' = beta m + scale (g - avg),
 // g' = g - lr m', an optional per-client state-row update R_k' = R_k + shift + a_k (X_k - g) with the column sum
-// of its changes, and an optional ring-buffer write B[slot] = g'. Columns are split in blocks across threads;
+// of its changes, and an optional ring-buffer write B[slot] = g'. An optional avg_shift [P] starts the average
+// (DP-FedAvg: the clipped deltas' weights are not normalised; fedfast/ops/aggregate.py). Columns are split in blocks across threads;
 // inside a block the rows are streamed once (row-major reads, vectorised over columns). Non-finite values are
 // detected per row. Bytes: n*P*x (client rows) + 4P*(2 + 2*[momentum] + [M ring reads + 1 write]) + 8*n*P with
 // state rows (read + write) + 4P*[shift, change].
@@ -21,13 +22,14 @@ template <typename X>
 void aggregate_impl(const X* xp, const int64_t* rows, int64_t n, int64_t P, const float* g, const float* w,
                     double beta, double scale, double lr, const float* m_in, float* m_out, const float* r_in,
                     float* r_out, const float* coef, const float* shift, float* change, const float* ring_in,
-                    float* ring_out, int64_t M, int64_t slot, float* g_out, float* avg_out, char* bad_blocks) {
+                    float* ring_out, int64_t M, int64_t slot, float* g_out, float* avg_out, char* bad_blocks,
+                    const float* avg_shift) {
   const int64_t nb = (P + kBlock - 1) / kBlock;
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> avg(kBlock), dc(kBlock), newg(kBlock);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kBlock, len = std::min(kBlock, P - j0);
-      for (int64_t j = 0; j < len; ++j) avg[j] = 0.f, dc[j] = 0.f;
+      for (int64_t j = 0; j < len; ++j) avg[j] = avg_shift ? avg_shift[j0 + j] : 0.f, dc[j] = 0.f;
       float* __restrict a = avg.data();
       int64_t k = 0;
       for (; k + 4 <= n; k += 4) {  // four rows per pass: a quarter of the accumulator traffic, 4 streams
@@ -114,6 +116,7 @@ FEDFAST_AGGREGATE(aggregate_cpu) {
     return t.has_value() ? t->to(at::kFloat).contiguous() : at::Tensor();
   };
   at::Tensor m = f32(momentum), r = f32(state_rows), coef = f32(state_coef), shift = f32(state_shift), rb = f32(ring_in);
+  at::Tensor ashift = f32(avg_shift);  // avg = avg_shift + sum_k w_k X_k (DP-FedAvg: unnormalised w)
   TORCH_CHECK(!r.defined() || (coef.defined() && coef.numel() == n), "state_coef must have one value per row");
   at::Tensor g_out = at::empty({P}, opts), avg_out = at::empty({P}, opts);
   const bool keep_m = m.defined() || beta != 0.0;
@@ -132,7 +135,7 @@ FEDFAST_AGGREGATE(aggregate_cpu) {
       aggregate_impl<XT>(X.data_ptr<XT>(), rows.data_ptr<int64_t>(), n, P, g.data_ptr<float>(),
                          w.data_ptr<float>(), beta, scale, lr, P_(m), P_(m_out), P_(r), P_(r_out), P_(coef),
                          P_(shift), P_(change), P_(rb), P_(rb_out), rb.defined() ? rb.size(0) : 0, slot,
-                         g_out.data_ptr<float>(), avg_out.data_ptr<float>(), bad_blocks.data());
+                         g_out.data_ptr<float>(), avg_out.data_ptr<float>(), bad_blocks.data(), P_(ashift));
     }
   });
   at::Tensor bad = at::zeros({n + 1}, at::kBool);  // [n] per-row flags, [n] = average non-finite

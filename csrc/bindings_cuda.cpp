@@ -122,6 +122,8 @@ at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& targ
 
 
 FEDFAST_AGGREGATE(aggregate_cuda) {
+  TORCH_CHECK(!avg_shift.has_value(), "aggregate: avg_shift (DP-FedAvg's clipped average) is not on the CUDA "
+              "backend yet; use backend='triton'");
   check_cuda(X_in, "clients");
   c10::cuda::CUDAGuard guard(X_in.device());
   const at::Tensor X = X_in.contiguous(), rows = rows_in.to(at::kLong).contiguous();

@@ -18,7 +18,8 @@
                                const c10::optional<at::Tensor>& state_rows,                                       \
                                const c10::optional<at::Tensor>& state_coef,                                       \
                                const c10::optional<at::Tensor>& state_shift,                                      \
-                               const c10::optional<at::Tensor>& ring_in, int64_t slot, int64_t count)
+                               const c10::optional<at::Tensor>& ring_in, int64_t slot, int64_t count,          \
+                               const c10::optional<at::Tensor>& avg_shift)
 
 // Fused all-client optimizer step, in place: theta [n, P] and the momentum buffer. grad_in: one [n, P] tensor or
 // the per-parameter pieces [n, *shape] in column order. Generic terms: prox_mu with anchor [P], loss_rows [n, P]

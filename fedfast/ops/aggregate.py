@@ -58,10 +58,49 @@ def _vec(name, t, P):
     return t
 
 
+def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, chunk_bytes: int = 64 << 20) -> Tensor:
+    """``||X_k - g||`` [n] (fp32; fp64 for fp64 rows) of the rows ``idx``, computed on their difference (no
+    cancellation: an update is small against the parameters), ``chunk_bytes`` of rows at a time."""
+    acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
+    P = clients.shape[1]
+    step = max(1, chunk_bytes // max(1, P * 4))
+    g = global_params.to(acc)
+    return torch.cat([torch.linalg.vector_norm(clients.index_select(0, idx[a:a + step]).to(acc) - g, dim=1)
+                      for a in range(0, idx.numel(), step)]) if idx.numel() else torch.zeros(0, dtype=acc,
+                                                                                              device=clients.device)
+
+
+def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, backend):
+    """(unnormalised weights [n], average shift [P]) of DP-FedAvg's noised mean, or None without ``dp_clip``."""
+    if clip is None:
+        if noise is not None or denominator is not None:
+            raise ValueError("dp_noise/dp_denominator: given without dp_clip")
+        return None
+    if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
+        raise ValueError(f"dp_clip: a finite number > 0, got {clip!r}")
+    if not (isinstance(denominator, (int, float)) and 0 < denominator < float("inf")):
+        raise ValueError(f"dp_denominator: the expected cohort size, a finite number > 0, got {denominator!r}")
+    if weights is not None:
+        raise ValueError("weights: size-weighted aggregation is refused under DP (dp_clip): DP-FedAvg sums the "
+                         "clipped updates and divides by the expected cohort size")
+    if state_rows is not None:
+        raise ValueError("state_rows: per-client state rows are an upload that dp_clip does not clip nor dp_noise "
+                         "cover")
+    P = clients.shape[1]
+    acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
+    _vec("dp_noise", noise, P)
+    s = torch.clamp(float(clip) / update_norms(clients, g, idx), max=1.0)
+    w = s / float(denominator)
+    shift = (1.0 - w.sum()) * g.to(acc)
+    if noise is not None:
+        shift = shift + noise.to(acc) / float(denominator)
+    return w.to(acc if acc == torch.float64 else torch.float32), shift
+
 def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None, beta: float = 0.0,
               scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
               state_coef=None, state_shift: Tensor | None = None, ring: Tensor | None = None, ring_slot: int = 0,
-              ring_count: int = 1, backend: str | None = None) -> dict:
+              ring_count: int = 1, dp_clip: float | None = None, dp_noise: Tensor | None = None,
+              dp_denominator: float | None = None, backend: str | None = None) -> dict:
     """New global model and server state from the participating clients (one pass over their rows).
 
     ``clients`` [N, P] (fp32/bf16/fp16); ``rows``: participating row indices [n] or a prefix length
@@ -72,6 +111,13 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     changes. ``ring`` [M, P] with ``ring_slot`` and ``ring_count`` (entries present after this write): ``B[slot] =
     g'`` and their mean. Returns a dict of new tensors: ``global``, ``average`` and, as used, ``momentum``,
     ``state_rows``, ``state_change``, ``ring``, ``ring_mean``.
+
+    DP-FedAvg (``dp_clip`` C, ``dp_denominator`` E, ``dp_noise`` [P] optional, already scaled by its standard
+    deviation): the average is ``g + (sum_k min(1, C / ||X_k - g||) (X_k - g) + noise) / E``
+    (:func:`~fedfast.ops.aggregate_reference.dp_average_reference`): the clients' update norms in one pass over
+    their rows, then the op's pass with the clipping factors as unnormalised weights and the rest as a shift of the
+    average. Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA
+    backend does not take it yet.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
         raise TypeError("clients: expected a float [N, P] tensor")
@@ -81,7 +127,10 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
     idx = _rows_index(rows, N, dev)
     n = idx.numel()
-    if weights is None:
+    dp = _dp_terms(clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, backend)
+    if dp is not None:
+        w, avg_shift = dp
+    elif weights is None:
         w = torch.full((n,), 1.0 / n, device=dev)
     else:
         w = torch.as_tensor(weights, device=dev, dtype=torch.float32)
@@ -91,6 +140,8 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         if dev.type == "cpu" and (not torch.isfinite(w).all() or (w < 0).any() or not total > 0):
             raise ValueError("weights: must be finite, >= 0 and sum to a positive number")
         w = w / total
+    if dp is None:
+        avg_shift = None
     _vec("momentum", momentum, P)
     coef = None
     if state_rows is not None:
@@ -111,11 +162,16 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         if not (0 <= ring_slot < M and 1 <= ring_count <= M):
             raise ValueError(f"ring_slot/ring_count: need 0 <= slot < {M} and 1 <= count <= {M}")
     be = _backend.resolve(backend, dev.type)
+    if dp is not None and be == "cuda":  # not in the CUDA kernel yet: Triton's (or the reference) instead
+        if backend == "cuda":
+            raise ValueError("backend: DP-FedAvg's aggregation (dp_clip) is not on the CUDA backend yet; use "
+                             "backend='triton' (or leave it unset)")
+        be = "triton" if _backend.available("triton", dev.type) else "reference"
 
     if be in ("cpu", "triton", "cuda") and clients.dtype != torch.float64:
         # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
         args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, state_rows, coef,
-                state_shift, ring, int(ring_slot), int(ring_count))
+                state_shift, ring, int(ring_slot), int(ring_count), avg_shift)
         if be == "cpu":
             res = _backend.cpu_ext().aggregate(*args)
         elif be == "cuda":
@@ -130,7 +186,7 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         X = clients.index_select(0, idx)
         out = aggregate_reference(X, global_params, w, beta=beta, scale=scale, lr=lr, momentum=momentum,
                                   state_rows=state_rows, state_coef=coef, state_shift=state_shift, ring=ring,
-                                  ring_slot=ring_slot, ring_count=ring_count)
+                                  ring_slot=ring_slot, ring_count=ring_count, avg_shift=avg_shift)
         bad = torch.cat([~torch.isfinite(X).all(dim=1), ~torch.isfinite(out["average"]).all().reshape(1)])
     if bad.any():
         rows_bad = idx[bad[:-1]].tolist()

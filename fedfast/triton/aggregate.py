@@ -14,12 +14,14 @@ import triton.language as tl
 
 @triton.jit
 def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_ptr, coef_ptr, shift_ptr, change_ptr,
-                      ring_ptr, gout_ptr, avg_ptr, bad_ptr, n, P, beta, scale, lr, slot, HAS_M: tl.constexpr,
-                      KEEP_M: tl.constexpr, STATE: tl.constexpr, SHIFT: tl.constexpr, RING: tl.constexpr,
-                      BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+                      ring_ptr, gout_ptr, avg_ptr, bad_ptr, ashift_ptr, n, P, beta, scale, lr, slot,
+                      HAS_M: tl.constexpr, KEEP_M: tl.constexpr, STATE: tl.constexpr, SHIFT: tl.constexpr,
+                      RING: tl.constexpr, ASHIFT: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cm = cols < P
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if ASHIFT:  # avg = avg_shift + sum_k w_k X_k (DP-FedAvg's unnormalised weights)
+        acc = tl.load(ashift_ptr + cols, mask=cm, other=0.0)
     # UNROLL rows per iteration: their loads are independent, so UNROLL row blocks are in flight at once (the
     # sum's order is still k = 0, 1, ..., n - 1: the same bits for any UNROLL)
     for k0 in range(0, n, UNROLL):
@@ -70,7 +72,7 @@ CONFIG = (1024, 4, 4)
 
 
 def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state_coef, state_shift, ring, slot,
-                     count, config=None):
+                     count, avg_shift=None, config=None):
     """Same contract as the C++ ``aggregate``: returns [global, average, momentum, state_rows, state_change, ring,
     ring_mean, bad (n + 1 flags)]. ``config``: (BLOCK, UNROLL, num_warps), default :data:`CONFIG`."""
     X = X.contiguous()
@@ -78,7 +80,7 @@ def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state
     dev = X.device
     f32 = lambda t: t.float().contiguous() if t is not None else None  # noqa: E731
     g, w = f32(g), f32(w)
-    m, r, coef, shift = f32(momentum), f32(state_rows), f32(state_coef), f32(state_shift)
+    m, r, coef, shift, ashift = f32(momentum), f32(state_rows), f32(state_coef), f32(state_shift), f32(avg_shift)
     keep_m = m is not None or beta != 0.0
     gout, avg = torch.empty(P, device=dev), torch.empty(P, device=dev)
     mo = torch.empty(P, device=dev) if keep_m else None
@@ -91,8 +93,9 @@ def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state
     BLOCK, UNROLL, warps = config or CONFIG
     _aggregate_kernel[(triton.cdiv(P, BLOCK),)](
         X, rows.long().contiguous(), w, g, o(m), o(mo), o(r), o(ro), o(coef), o(shift), o(change), o(rb), gout, avg,
-        bad, n, P, float(beta), float(scale), float(lr), int(slot), HAS_M=m is not None, KEEP_M=keep_m,
-        STATE=r is not None, SHIFT=shift is not None, RING=rb is not None, BLOCK=BLOCK, UNROLL=UNROLL,
+        bad, o(ashift), n, P, float(beta), float(scale), float(lr), int(slot), HAS_M=m is not None, KEEP_M=keep_m,
+        STATE=r is not None, SHIFT=shift is not None, RING=rb is not None, ASHIFT=ashift is not None, BLOCK=BLOCK,
+        UNROLL=UNROLL,
         num_warps=warps)
     badb = bad.bool()
     badb[n] = ~torch.isfinite(avg).all()
