@@ -598,3 +598,25 @@ def test_gpu_linear_kd_loss_matches_the_unfused_float64_loss(backend, reduction)
     assert got.shape == want.shape and rel_err(got.detach().double().cpu(), want.detach()) <= 1e-5
     for a, e in zip(gg, gw):
         assert rel_err(a.double().cpu(), e) <= 1e-5
+
+
+def test_gpu_dp_fedavg_aggregate_on_triton_and_refused_on_cuda():
+    """DP-FedAvg's noised mean (dp_clip, dp_noise, dp_denominator) on the GPU: the Triton kernel (also what the
+    automatic backend picks) against the float64 loop; the CUDA kernel refuses it by name."""
+    _need("triton")
+    from test_aggregate import _dp_loop
+    torch.manual_seed(0)
+    N, P = 9, 100003
+    g = torch.randn(P)
+    X = g + torch.randn(N, P) * 0.01
+    X[3] = g + torch.randn(P)
+    noise = torch.randn(P) * 0.1
+    rows = torch.tensor([0, 3, 4, 8])
+    want = _dp_loop(X[rows], g, 0.5, noise, 1.5)
+    for be in ("triton", None):
+        out = ops.aggregate(X.cuda(), g.cuda(), rows=rows.cuda(), dp_clip=0.5, dp_noise=noise.cuda(),
+                            dp_denominator=1.5, backend=be)
+        assert rel_err(out["global"].double().cpu(), want) <= 1e-6
+    if _backend.available("cuda", "cuda"):
+        with pytest.raises(ValueError, match="backend"):
+            ops.aggregate(X.cuda(), g.cuda(), dp_clip=0.5, dp_denominator=1.5, backend="cuda")
