@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ._io import record_reads
+from .config import split_seed
 from .data import DATASETS, PARTITIONS, Partition, text_datasets
 from .engine import Simulation
 from .methods import user_code
@@ -45,7 +46,9 @@ def partition(cfg, train):
     """The training set split by the registered partition ``cfg["partition"]``: into ``num_clients`` clients, or
     as many as the partition makes when it declares ``sets_num_clients`` (a client per user, say)."""
     entry = PARTITIONS[cfg["partition"]]
-    spec = {**(cfg.values if hasattr(cfg, "values") else dict(cfg)), "options": _options(cfg, "partition")}
+    vals = cfg.values if hasattr(cfg, "values") else dict(cfg)
+    # "seed" is the split's seed (split_seed: the run seed unless given), for a plug-in partition too
+    spec = {**vals, "seed": split_seed(vals), "options": _options(cfg, "partition")}
     part = entry.split(train, spec)
     if not isinstance(part, Partition):
         raise TypeError(f"partition: {cfg['partition']!r} returned {type(part).__name__}, not a fedfast.data.Partition")

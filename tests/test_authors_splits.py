@@ -301,3 +301,23 @@ def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
     with pytest.raises(ValueError, match="split_stream.*tiny_imagenet"):
         build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", "dataset=tiny_imagenet",
                             "model=mlp"])
+
+
+def test_a_plugin_partition_draws_with_split_seed():
+    """spec["seed"] is the split's seed for a partition of one's own too: split_seed is never ignored."""
+    from fedfast import data
+    from fedfast.assemble import partition
+    seen = []
+
+    def mine(train, s):
+        seen.append(s["seed"])
+        return data.iid(train.y, s["num_clients"], seed=s["seed"])
+    data.register_partition("mine_seeded", mine)
+    try:
+        train = data.ArrayDataset(torch.zeros(40, 1), torch.arange(40) % 4, 4)
+        for extra, want in (([], 3), (["split_seed=11"], 11)):
+            partition(build_config(None, ["partition=mine_seeded", "seed=3", "num_clients=4", "clients_per_round=2"]
+                                   + extra), train)
+            assert seen[-1] == want
+    finally:
+        data.PARTITIONS.remove("mine_seeded")

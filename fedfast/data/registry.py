@@ -9,7 +9,8 @@ docs/own-data.md is the guide.
   ``options`` dataclass, from the run config's ``[name]`` table; None without one); ``text_classes`` for a text
   dataset (it needs an ``hf:`` model).
 * ``PARTITIONS[name]``: :class:`PartitionEntry` - ``split(train, spec) -> Partition``, where ``spec`` maps the
-  run's keys (``num_clients``, ``alpha``, ``shards_per_client``, ``seed``, ``dataset``, ...) and ``options`` (the
+  run's keys (``num_clients``, ``alpha``, ``shards_per_client``, ``seed`` - the split's seed: ``split_seed``, the
+  run seed unless given -, ``dataset``, ...) and ``options`` (the
   partition's own options, from its ``[name]`` table). ``sets_num_clients``: the partition decides how many
   clients there are (one per user, say), so ``num_clients`` is not read; the run records the partition's count.
 """
