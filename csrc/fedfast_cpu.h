@@ -55,6 +55,8 @@ std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c1
 
 FEDFAST_AGGREGATE(aggregate_cpu);
 
+at::Tensor update_norms_cpu(const at::Tensor& X, const at::Tensor& rows, const at::Tensor& g);
+
 FEDFAST_CLIENT_STEP(client_step_cpu);
 
 void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at::Tensor& exp_avg,

@@ -207,3 +207,23 @@ def test_dp_fedavg_refuses_what_it_does_not_cover():
                     (dict(dp_noise=torch.zeros(30)), "dp_noise")):
         with pytest.raises(ValueError, match=key):
             ops.aggregate(X, g, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_norms_equal_the_float64_norms(backend, dtype):
+    """||X_k - g|| of the chosen rows: a row far from g, one equal to it, a P not a multiple of 8, bf16 rows; the
+    cpu backend's C++ pass against the float64 reference to 1e-6."""
+    from fedfast.ops.aggregate_reference import update_norms_reference
+    torch.manual_seed(1)
+    N, P = 6, 100003
+    g = torch.randn(P)
+    X = (g + torch.randn(N, P) * 1e-3).to(dtype)
+    X[1] = (g + torch.randn(P) * 50).to(dtype)
+    X[4] = g.to(dtype)
+    rows = torch.tensor([4, 1, 0, 5])
+    want = update_norms_reference(X[rows], g)
+    got = ops.update_norms(X, g, rows, backend=backend)
+    assert got.shape == (4,) and rel_err(got.double(), want) <= 1e-6
+    assert float(got[0]) == float(want[0]) or abs(float(got[0]) - float(want[0])) <= 1e-6 * float(want.max())
+    assert ops.update_norms(X, g, torch.tensor([], dtype=torch.long), backend=backend).numel() == 0

@@ -58,16 +58,22 @@ def _vec(name, t, P):
     return t
 
 
-def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, chunk_bytes: int = 64 << 20) -> Tensor:
-    """``||X_k - g||`` [n] (fp32; fp64 for fp64 rows) of the rows ``idx``, computed on their difference (no
-    cancellation: an update is small against the parameters), ``chunk_bytes`` of rows at a time."""
+def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: str | None = None,
+                 chunk_bytes: int = 64 << 20) -> Tensor:
+    """``||X_k - g||`` [n] of the rows ``idx`` (spec: :func:`~fedfast.ops.aggregate_reference.update_norms_reference`),
+    on the difference (no cancellation: an update is small against the parameters). The cpu backend streams each
+    row once in C++ (squares summed in double); the others take ``chunk_bytes`` of rows at a time (fp32; fp64 for
+    fp64 rows)."""
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
+    if _backend.resolve(backend, clients.device.type) == "cpu" and acc == torch.float32 and idx.numel():
+        return _backend.cpu_ext().update_norms(clients, idx, global_params)
     P = clients.shape[1]
     step = max(1, chunk_bytes // max(1, P * 4))
     g = global_params.to(acc)
+    if not idx.numel():
+        return torch.zeros(0, dtype=acc, device=clients.device)
     return torch.cat([torch.linalg.vector_norm(clients.index_select(0, idx[a:a + step]).to(acc) - g, dim=1)
-                      for a in range(0, idx.numel(), step)]) if idx.numel() else torch.zeros(0, dtype=acc,
-                                                                                              device=clients.device)
+                      for a in range(0, idx.numel(), step)])
 
 
 def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, backend):
@@ -89,7 +95,7 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, ba
     P = clients.shape[1]
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
     _vec("dp_noise", noise, P)
-    s = torch.clamp(float(clip) / update_norms(clients, g, idx), max=1.0)
+    s = torch.clamp(float(clip) / update_norms(clients, g, idx, backend), max=1.0)
     w = s / float(denominator)
     shift = (1.0 - w.sum()) * g.to(acc)
     if noise is not None:

@@ -80,3 +80,8 @@ def dp_average_reference(X: Tensor, g: Tensor, clip: float, noise: Tensor | None
     if noise is not None:
         total = total + noise.to(acc)
     return g.to(acc) + total / denominator
+
+
+def update_norms_reference(X: Tensor, g: Tensor) -> Tensor:
+    """``||X_k - g||`` [n] in float64: each client's update norm (DP-FedAvg's clipping)."""
+    return torch.linalg.vector_norm(X.double() - g.double(), dim=1)
