@@ -19,15 +19,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, "tests")]
-
-
-class _tf32:
-    def __enter__(self):
-        self.old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-
-    def __exit__(self, *exc):
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.old
+from fedfast.sim.memory import tf32_semantics  # noqa: E402
 
 
 def engine_errors(precs):
@@ -37,6 +29,7 @@ def engine_errors(precs):
     from test_batch_norm import _Data, _max_rel, _resnet_run
     from test_engine_conv import _cnn_setup
     from fedfast.triton import conv as tconv
+    shipped = tconv.TF32_PRECISION
     out = {}
     cfg, model, train, test, part = _resnet_run("auto", smooth=True)
     ref = PlainLoop(cfg, copy.deepcopy(model).double(), _Data(train), part)
@@ -44,7 +37,7 @@ def engine_errors(precs):
     ref64 = ref.glob.state_dict()
     floats = [k for k, v in ref64.items() if v.is_floating_point()]
     cpu = lambda sd: {k: v.cpu() for k, v in sd.items()}  # noqa: E731
-    with _tf32():
+    with tf32_semantics():
         loop = PlainLoop(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part)
         loop.run(cfg.rounds)
         own = _max_rel(cpu(loop.glob.state_dict()), ref64, floats)
@@ -59,14 +52,14 @@ def engine_errors(precs):
                                 momentum=0.9, seed=1, conv=conv)
         r64 = sequential(cfg, copy.deepcopy(model).double(), _Data(train), part, cfg.rounds).cpu()
         rel = lambda a: float((a.double().cpu() - r64).abs().max() / r64.abs().max())  # noqa: E731
-        with _tf32():
+        with tf32_semantics():
             own = rel(sequential(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part, cfg.rounds))
             for p in precs:
                 tconv.TF32_PRECISION = p
                 sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
                 sim.run()
                 out[f"cnn_{conv}/{p}"] = dict(engine=rel(sim.global_flat), tf32_loop=own)
-    tconv.TF32_PRECISION = "tf32"
+    tconv.TF32_PRECISION = shipped
     return out
 
 
@@ -77,6 +70,7 @@ def conv_cost(precs):
 
     from fedfast.ops.client_conv import client_conv2d, client_conv2d_reference
     from fedfast.triton import conv as tconv
+    shipped = tconv.TF32_PRECISION
     g = torch.Generator().manual_seed(0)
     n, B, Cin, Cout = 50, 10, 32, 64
     x = torch.randn(B, n * Cin, 30, 30, generator=g, dtype=torch.float64)
@@ -94,22 +88,20 @@ def conv_cost(precs):
             [("grouped_fp32", "grouped", "tf32", False), ("grouped_tf32", "grouped", "tf32", True),
              ("hybrid_tf32", "hybrid", "tf32", True), ("hybrid_tf32x3", "hybrid", "tf32x3", True)]:
         tconv.TF32_PRECISION = p
-        old = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = tf
         try:
-            xx, ww = xc.clone().requires_grad_(), wc.clone().requires_grad_()
+            with tf32_semantics(tf):
+                xx, ww = xc.clone().requires_grad_(), wc.clone().requires_grad_()
 
-            def step():
-                y = client_conv2d(xx, ww, bc, (1, 1), (0, 0), (1, 1), impl=impl)
-                return torch.autograd.grad(y, (xx, ww), gc)
-            gx, gw = step()
-            y = client_conv2d(xx[:, :2 * Cin], ww[:2], bc[:2], (1, 1), (0, 0), (1, 1), impl=impl)
-            err = max(float((a.double().cpu() - e).norm() / e.norm()) for a, e in
-                      ((y.detach(), want.detach()), (gx[:, :2 * Cin], wgx), (gw[:2], wgw)))
-            s = do_bench(step, warmup=25, rep=200, return_mode="median") * 1e-3
+                def step():
+                    y = client_conv2d(xx, ww, bc, (1, 1), (0, 0), (1, 1), impl=impl)
+                    return torch.autograd.grad(y, (xx, ww), gc)
+                gx, gw = step()
+                y = client_conv2d(xx[:, :2 * Cin], ww[:2], bc[:2], (1, 1), (0, 0), (1, 1), impl=impl)
+                err = max(float((a.double().cpu() - e).norm() / e.norm()) for a, e in
+                          ((y.detach(), want.detach()), (gx[:, :2 * Cin], wgx), (gw[:2], wgw)))
+                s = do_bench(step, warmup=25, rep=200, return_mode="median") * 1e-3
         finally:
-            torch.backends.cudnn.allow_tf32 = old
-            tconv.TF32_PRECISION = "tf32"
+            tconv.TF32_PRECISION = shipped
         res[label] = dict(seconds=s, tflops=flops / s / 1e12, rel_err=err)
         print(f"  conv {label:14s} {s*1e3:7.3f} ms {flops/s/1e12:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
     return res
@@ -120,6 +112,7 @@ def round_cost(precs, rounds=3):
     from bench_rounds import SHAPES, _data, _model
     from fedfast import data
     from fedfast.triton import conv as tconv
+    shipped = tconv.TF32_PRECISION
     s = SHAPES["pfl_cifar_50"]
     train, _ = _data(s["dataset"], s["K"] * s["n"])
     part = data.iid(train.y, s["K"], seed=0)
@@ -127,7 +120,7 @@ def round_cost(precs, rounds=3):
     torch.manual_seed(0)
     model = _model(s["model"])
     out = {}
-    with _tf32():
+    with tf32_semantics():
         for p in precs:
             tconv.TF32_PRECISION = p
             cfg = fedfast.SimConfig(algorithm=s["algorithm"], clients_per_round=s["m"], rounds=10**6,
@@ -143,7 +136,7 @@ def round_cost(precs, rounds=3):
             torch.cuda.synchronize()
             out[p] = (time.perf_counter() - t0) / rounds
             print(f"  pfl_cifar_50 hybrid {p}: {out[p]*1e3:.2f} ms/round", flush=True)
-    tconv.TF32_PRECISION = "tf32"
+    tconv.TF32_PRECISION = shipped
     return out
 
 

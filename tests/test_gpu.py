@@ -504,10 +504,9 @@ def test_gpu_batch_norm_resnet_equals_the_loop(executor, tf32):
     distance from it, with TF32 on within 5x the TF32 GPU loop's (the loop's own rounding sensitivity either way)."""
     _cuda()
     import copy
-    from contextlib import nullcontext
 
     import fedfast
-    from fedfast.sim.memory import fp32_semantics
+    from fedfast.sim.memory import tf32_semantics
     from sequential_loop import PlainLoop
     from test_batch_norm import _Data, _max_rel, _resnet_run
     cfg, model, train, test, part = _resnet_run(executor, smooth=True)
@@ -515,17 +514,11 @@ def test_gpu_batch_norm_resnet_equals_the_loop(executor, tf32):
     ref.run(cfg.rounds)
     ref64 = ref.glob.state_dict()
     floats = [k for k, v in ref64.items() if v.is_floating_point()]
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    try:
-        with (nullcontext() if tf32 else fp32_semantics()):
-            if tf32:
-                torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-            loop = PlainLoop(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part)
-            loop.run(cfg.rounds)
-            sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
-            sim.run()
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    with tf32_semantics(tf32):
+        loop = PlainLoop(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part)
+        loop.run(cfg.rounds)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+        sim.run()
     cpu = lambda sd: {k: v.cpu() for k, v in sd.items()}  # noqa: E731
     own = _max_rel(cpu(loop.glob.state_dict()), ref64, floats)
     err = _max_rel(cpu(sim.state_dict()), ref64, floats)
@@ -543,6 +536,7 @@ def test_gpu_engine_with_tf32_on_is_as_close_as_the_tf32_loop(conv):
     import copy
 
     import fedfast
+    from fedfast.sim.memory import tf32_semantics
     from sequential_loop import sequential
     from test_batch_norm import _Data
     from test_engine_conv import _cnn_setup
@@ -551,14 +545,10 @@ def test_gpu_engine_with_tf32_on_is_as_close_as_the_tf32_loop(conv):
     cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
                             seed=1, conv=conv)
     ref = sequential(cfg, copy.deepcopy(model).double(), _Data(train), part, cfg.rounds).cpu()
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-    try:
+    with tf32_semantics():
         loop = sequential(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part, cfg.rounds).cpu()
         sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
         sim.run()
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
     rel = lambda a: float((a.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
     err, own = rel(sim.global_flat.cpu()), rel(loop)
     print(f"conv={conv} tf32: engine {err:.2e}, GPU loop {own:.2e} from the float64 loop")

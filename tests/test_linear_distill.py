@@ -112,6 +112,17 @@ def test_bad_arguments_are_named():
             fnn.LinearKDLoss(**kw)
 
 
+# the child processes' prelude: st(key) reads a /proc/self/status field in bytes (VmRSS, VmHWM)
+_RSS_CHILD = textwrap.dedent('''
+    import gc, sys, torch
+    import fedfast.nn as fnn
+    def st(k):
+        for line in open("/proc/self/status"):
+            if line.startswith(k + ":"):
+                return int(line.split()[1]) * 1024
+''')
+
+
 def test_memory_stays_below_one_logits_buffer(tmp_path):
     """R = 2048 rows, V = 32,768 classes: the logits would be 256 MB. The fused loss (the teacher as hidden states)
     grows the peak resident set by less than half of that with chunks of 64 rows (its own tensors: the weight's copy
@@ -120,13 +131,7 @@ def test_memory_stays_below_one_logits_buffer(tmp_path):
     buffer); the unfused layer + KDLoss (the teacher's logits formed first) by more than two logits buffers."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    child = textwrap.dedent('''
-        import gc, sys, torch
-        import fedfast.nn as fnn
-        def st(k):
-            for line in open("/proc/self/status"):
-                if line.startswith(k + ":"):
-                    return int(line.split()[1]) * 1024
+    child = _RSS_CHILD + textwrap.dedent('''
         R, H, V = 2048, 64, 32768
         g = torch.Generator().manual_seed(0)
         h, W = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.1
@@ -397,13 +402,7 @@ def test_backward_allocates_nothing_weight_sized():
     quarter of the weight (autograd materialised weight-sized zeros for the gradient outputs before: + 1.0)."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    child = textwrap.dedent('''
-        import gc, torch
-        import fedfast.nn as fnn
-        def st(k):
-            for line in open("/proc/self/status"):
-                if line.startswith(k + ":"):
-                    return int(line.split()[1]) * 1024
+    child = _RSS_CHILD + textwrap.dedent('''
         R, H, V = 256, 1024, 8192
         h = torch.randn(R, H).requires_grad_()
         W = (torch.randn(V, H) * 0.03).requires_grad_()

@@ -230,9 +230,9 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
                        f"fedgkd_dirichlet(alpha={alpha}, authors: FedGKD, seed {seed})")
 
 
-# the partitions with an authors' version: name -> (function, the authors' split seed or None for the run seed)
-AUTHORS = {"shards": ("FedNTD", FEDNTD_SPLIT_SEED), "dirichlet": ("FedNTD", FEDNTD_SPLIT_SEED),
-           "dirichlet_balanced": ("FedDyn", None), "dirichlet_fedgkd": ("FedGKD", None)}
+# the partitions with an authors' version -> the seed their code fixes, or None where it seeds with the run seed
+AUTHORS = {"shards": FEDNTD_SPLIT_SEED, "dirichlet": FEDNTD_SPLIT_SEED,  # FedNTD's main.py
+           "dirichlet_balanced": None, "dirichlet_fedgkd": None}       # FedDyn's, FedGKD's
 # FedGKD's code shuffles Tiny-ImageNet before its validation split and samples the text sets: not transcribed
 FEDGKD_DATASETS = ("cifar10", "cifar100")
 
@@ -248,15 +248,15 @@ def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> i
         raise ValueError(f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
                          f"partition {partition!r} has none here; "
                          f"use split_stream = \"fedfast\"")
-    fixed = AUTHORS[partition][1]
+    fixed = AUTHORS[partition]
     return int(run_seed) if fixed is None else fixed
 
 
 def split(partition: str, labels, spec: dict) -> Partition:
     """The authors' version of a built-in partition, with ``spec``'s keys (``num_clients``, ``shards_per_client``,
-    ``alpha``, ``split_seed``)."""
-    default_seed(partition, spec.get("seed", 0), spec.get("dataset"))
-    seed = int(spec["split_seed"])
+    ``alpha``, ``dataset``, ``seed``: the split's seed)."""
+    default_seed(partition, spec["seed"], spec.get("dataset"))  # refuses what has no authors' version
+    seed = int(spec["seed"])
     if partition == "shards":
         return fedntd_shards(labels, spec["num_clients"], spec["shards_per_client"], seed=seed)
     if partition == "dirichlet":

@@ -110,17 +110,13 @@ def _with_alpha(fn):
     return split
 
 
-def _seed(s) -> int:
-    """The split's seed: ``split_seed`` as the run config resolved it (the run seed unless given), else ``seed``."""
-    return int(s["split_seed"]) if s.get("split_seed", -1) >= 0 else int(s["seed"])
-
-
 def _stream(name, fedfast_split):
-    """``split_stream = "authors"``: the paper's own code (:mod:`fedfast.data.authors`); else fedfast's."""
+    """``split_stream = "authors"``: the paper's own code (:mod:`fedfast.data.authors`); else fedfast's. Either
+    draws with ``spec["seed"]``, the split's seed (:func:`fedfast.assemble.partition` puts ``split_seed`` there)."""
     def split(train, s):
         if s.get("split_stream", "fedfast") == "authors":
-            return authors.split(name, train.y, {**s, "split_seed": _seed(s)})
-        return fedfast_split(train, {**s, "seed": _seed(s)})
+            return authors.split(name, train.y, s)
+        return fedfast_split(train, s)
     return split
 
 

@@ -100,7 +100,7 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, ba
     shift = (1.0 - w.sum()) * g.to(acc)
     if noise is not None:
         shift = shift + noise.to(acc) / float(denominator)
-    return w.to(acc if acc == torch.float64 else torch.float32), shift
+    return w.to(acc), shift
 
 def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None, beta: float = 0.0,
               scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,

@@ -39,11 +39,17 @@ def _free_bytes(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def fp32_semantics():
-    """Matrix products and cuDNN convolutions in full fp32 (no TF32) inside the block, restored after it."""
+def tf32_semantics(on: bool = True):
+    """Matrix products and cuDNN convolutions with TF32 allowed (``on``) or in full fp32 inside the block, the
+    flags restored after it."""
     old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(on)
     try:
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def fp32_semantics():
+    """Matrix products and cuDNN convolutions in full fp32 (no TF32) inside the block, restored after it."""
+    return tf32_semantics(False)
