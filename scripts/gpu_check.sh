@@ -6,21 +6,21 @@
 # (aggregate, client step), <gpu>-engine.json (pfl-research round), <gpu>-rounds.json (the round benchmark:
 # engine vs the plain loop, same run), <gpu>-conv.json (per-client convolution implementations),
 # <gpu>-profile.txt (where a round's time goes), <gpu>-probe.json (the fused ops' kernels and launch
-# configurations), <gpu>-authors.json (fedfast bench: the authors' loss code), <gpu>-tune.json (each
+# configurations), <gpu>-host.json/.txt (the host's side of a loss step), <gpu>-authors.json (fedfast bench: the authors' loss code), <gpu>-tune.json (each
 # convolution kernel over candidate tiles;
 # <gpu>-tuned.txt its choice, which bench-rounds then times as engine[triton+tiles]), and the whole log to
 # gpu_check.log. Commit the JSON files.
 #
 #   bash scripts/gpu_check.sh                all stages: build test bench-distill bench-compiled bench-flat
 #                                            bench-engine tune-conv bench-rounds bench-conv profile probe
-#                                            bench-authors
+#                                            host-probe bench-authors
 #   bash scripts/gpu_check.sh build test     only those stages (a device call is limited to 10 minutes: split
 #                                            the stages over calls)
 #
 # The device's copy of the repository may report an older commit than the tree it runs (seen 2026-11-25): put
 # FEDFAST_COMMIT=$(git rev-parse HEAD), read here, into the device command; the round and tile JSON record it.
 #
-# TEST_ARGS / TUNE_ARGS / ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS / PROBE_ARGS / AUTHORS_ARGS add arguments to those stages; TUNE_SECONDS bounds
+# TEST_ARGS / TUNE_ARGS / ROUNDS_ARGS / CONV_ARGS / PROFILE_ARGS / PROBE_ARGS / HOST_ARGS / AUTHORS_ARGS add arguments to those stages; TUNE_SECONDS bounds
 # tune-conv (default 150) (e.g. ROUNDS_ARGS="--shapes pfl_cifar_50").
 #
 # A failing stage does not stop the later ones (device time is scarce); the exit status is 1 if any failed.
@@ -35,7 +35,7 @@ mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/gpu_check.log"
 export PYTHONUNBUFFERED=1
 ALL=(build test bench-distill bench-compiled bench-flat bench-engine tune-conv bench-rounds bench-conv profile probe
-     bench-authors)
+     host-probe bench-authors)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 T=${STAGE_TIMEOUT:-540}
@@ -93,6 +93,8 @@ for st in "${STAGES[@]}"; do
     bench-conv) run_stage bench-conv "python benchmarks/bench_conv.py --device cuda ${CONV_ARGS:---configs wgrad:64,64,32,8,2,1} --out $OUT_DIR/$name-conv.json" ;;
     # issue 45: the fused losses' and the aggregate's kernels one by one, their launch configurations swept
     probe) run_stage probe "python benchmarks/gpu_probe.py ${PROBE_ARGS:-} --out $OUT_DIR/$name-probe.json" ;;
+    # issue 45: the host's side of a fused-loss step (per-launch costs, the path's own time, its ATen ops, cProfile)
+    host-probe) run_stage host-probe "python benchmarks/host_probe.py ${HOST_ARGS:-} --out $OUT_DIR/$name-host.json" ;;
     bench-authors) run_stage bench-authors "python -m fedfast bench --device cuda ${AUTHORS_ARGS:-} --out $OUT_DIR/$name-authors.json" ;;
     profile) run_stage profile "python benchmarks/profile_round.py --device cuda --conv grouped,triton,hybrid ${PROFILE_ARGS:-} --out $OUT_DIR/$name-profile.txt" ;;
     *) echo "unknown stage $st (${ALL[*]})" | tee -a "$LOG"; failed+=("$st") ;;
