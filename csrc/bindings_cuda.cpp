@@ -120,6 +120,36 @@ at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& targ
   return out;
 }
 
+// (row_scale [R] fp32, or None for mode 0); status: the deferred-validation flags, or None (no checks).
+c10::optional<at::Tensor> row_scale_cuda(const at::Tensor& target_in, const c10::optional<at::Tensor>& segments_in,
+                                         int64_t C, int64_t ignore_index, int64_t mode, int64_t limit,
+                                         const c10::optional<at::Tensor>& status) {
+  check_cuda(target_in, "target");
+  c10::cuda::CUDAGuard guard(target_in.device());
+  const at::Tensor target = target_in.contiguous();
+  at::Tensor segments;
+  if (segments_in.has_value()) segments = segments_in->contiguous();
+  if (mode == 2 && !segments.defined()) mode = 1;
+  TORCH_CHECK(mode >= 0 && mode <= 2, "row_scale: mode must be 0, 1 or 2");
+  if (status.has_value())
+    TORCH_CHECK(status->is_cuda() && status->scalar_type() == at::kInt && status->is_contiguous() &&
+                    status->numel() >= 2, "row_scale: status must be a contiguous int32 CUDA tensor of >= 2 flags");
+  const int64_t R = target.size(0);
+  at::Tensor rs, counts;
+  if (mode) rs = at::empty({R}, target.options().dtype(at::kFloat));
+  if (mode == 2) counts = at::empty({R}, target.options().dtype(at::kInt));
+  if (mode == 0 && !status.has_value()) return c10::nullopt;
+  check_launch(fedfast_row_scale(target.data_ptr(), target.scalar_type() == at::kLong,
+                                 segments.defined() ? segments.data_ptr() : nullptr,
+                                 segments.defined() && segments.scalar_type() == at::kLong,
+                                 counts.defined() ? counts.data_ptr<int>() : nullptr,
+                                 rs.defined() ? rs.data_ptr<float>() : nullptr,
+                                 status.has_value() ? status->data_ptr<int>() : nullptr, R, C, ignore_index, limit,
+                                 (int)mode, c10::cuda::getCurrentCUDAStream().stream()),
+               "row_scale");
+  if (!mode) return c10::nullopt;
+  return rs;
+}
 
 FEDFAST_AGGREGATE(aggregate_cuda) {
   TORCH_CHECK(!avg_shift.has_value(), "aggregate: avg_shift (DP-FedAvg's clipped average) is not on the CUDA "
@@ -235,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedfast CUDA kernels";
   m.def("distill_rows", &distill_rows_cuda, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
   m.def("scale_rows", &scale_rows_cuda, "grad * grad_loss[:, None]");
+  m.def("row_scale", &row_scale_cuda, "reduction weights + deferred target/segment checks, one launch");
   m.def("teacher_mixture", &teacher_mixture_cuda, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
   m.def("asd_weights", &asd_weights_cuda, "ASD alphahat [R]");
   m.def("aggregate", &aggregate_cuda, "fused server update");

@@ -26,6 +26,14 @@ int fedfast_distill_rows(const void* student, int s_dtype, const void* teacher, 
 int fedfast_scale_rows(const void* grad, int g_dtype, const float* grad_loss, void* out, int64_t R, int64_t C,
                        cudaStream_t stream);
 
+// The losses' row bookkeeping, one block: mode 1: row_scale[i] = 1/#valid rows; mode 2: 1/#valid rows of row i's
+// segment (counts [R] int32 scratch, segments required); mode 0: checks only. status (NULL: no checks) [>= 2] int32:
+// [0] |= 1 if a target is neither in [0, C) nor ignore_index, [1] |= 1 if a segment id is outside [0, limit) or
+// decreases.
+int fedfast_row_scale(const void* target, int target_i64, const void* segments, int seg_i64, int* counts,
+                      float* row_scale, int* status, int64_t R, int64_t C, int64_t ignore_index, int64_t limit,
+                      int mode, cudaStream_t stream);
+
 // FedGKD-VOTE: P[i] = sum_m w_m softmax(t_m[i]/tau), negent[i] = sum_m w_m sum_c p log p.
 int fedfast_teacher_mixture(const void* teachers, int t_dtype, const float* weights, int64_t M, const void* target,
                             int target_i64, float* P, float* negent, int64_t R, int64_t C, float inv_tau,

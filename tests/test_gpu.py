@@ -88,6 +88,34 @@ def test_gpu_deferred_validation(backend):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_row_scale_kernel_matches_the_tensor_ops(backend):
+    """The reduction weights and deferred checks in one launch (Triton and CUDA) against the tensor ops, with
+    ignored and out-of-range targets and bad client ids, across the one-block kernel's row blocks."""
+    _need(backend)
+    from fedfast.ops.distill import device_row_scale, row_scale_torch
+    g = torch.Generator().manual_seed(1)
+    for R in (1, 1023, 1025, 65536):
+        for dtype in (torch.int64, torch.int32):
+            y = torch.randint(0, 10, (R,), generator=g)
+            y[torch.rand(R, generator=g) < 0.2] = -100
+            seg = torch.sort(torch.randint(0, max(R // 50, 1), (R,), generator=g)).values
+            cases = [(y, seg, R, (0, 0))]
+            if R > 1:
+                yb, sb = y.clone(), seg.clone()
+                yb[R - 1], sb[0] = 10, sb[-1] + 1  # a class out of range; the ids no longer sorted
+                cases += [(yb, seg, R, (1, 0)), (y, sb, R, (0, 1)), (y, seg, int(seg[-1]), (0, 1))]
+            for yy, ss, limit, flags in cases:
+                yy, ss = yy.to(dtype).cuda(), ss.to(dtype).cuda()
+                for mode in (0, 1, 2):
+                    st = torch.zeros(6, dtype=torch.int32, device="cuda")
+                    done, rs = device_row_scale(backend, yy, ss, 10, -100, mode, limit, st)
+                    assert done and tuple(st.tolist()) == flags + (0,) * 4, (R, dtype, mode, st)
+                    if mode:
+                        want = row_scale_torch(yy, 10, -100, ss if mode == 2 else None)
+                        assert torch.equal(rs, want), (R, dtype, mode)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_aggregate_and_client_step(backend):
     _need(backend)
     from fedfast.ops.aggregate_reference import aggregate_reference

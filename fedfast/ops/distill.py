@@ -231,23 +231,42 @@ def _teacher_logits(teacher, mixture, rho, teacher_weights, R: int, C: int, dev)
     return teacher
 
 
+def device_row_scale(be: str, target: Tensor, segments: Tensor | None, C: int, ignore_index: int, smode: int,
+                     limit: int, status: Tensor | None):
+    """The rows' reduction weights (fp32 [R]; None for ``smode`` 0) and, with ``status``, the deferred target and
+    segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
+    launch on a GPU backend (``fedfast.triton.row_scale`` / ``fedfast._C_cuda.row_scale``), as ``(True, weights)``;
+    ``(False, None)`` when the backend has no such kernel (a CUDA extension built before it)."""
+    if be == "triton":
+        from ..triton.row_scale import row_scale_triton
+        return True, row_scale_triton(target, segments, C, int(ignore_index), smode, int(limit), status)
+    fn = getattr(_backend.cuda_ext(), "row_scale", None)
+    if fn is None:
+        return False, None
+    return True, fn(target, segments, C, int(ignore_index), smode, int(limit), status)
+
+
 def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_index: int, num_segments):
     """Targets and segments checked, and each row's reduction weight (1/n of its client for "mean"/"segment";
-    None otherwise): the cpu backend validates and computes them in one C++ pass."""
+    None otherwise): the cpu backend validates and computes them in one C++ pass, the GPU backends in one launch
+    (deferred checks) where the tensor ops would cost 9-33 launches of host time."""
     R, C = student.shape
     dev = student.device
+    compiling = torch.compiler.is_compiling()
     # The cpu backend validates targets/segments and computes the reduction weights in one C++ pass.
-    fast = be == "cpu" and mode != "defer" and not torch.compiler.is_compiling()
-    _validate.check_target(target, R, C, ignore_index, dev, "off" if fast else mode)
+    fast = be == "cpu" and mode != "defer" and not compiling
+    # The GPU backends: one kernel for the weights and the deferred checks (eager mode's checks stay on the host).
+    gpu = be in ("triton", "cuda") and mode in ("defer", "off") and student.dtype != torch.float64 and not compiling
+    _validate.check_target(target, R, C, ignore_index, dev, "off" if fast or gpu else mode)
     if segments is not None:
-        _validate.check_segments(segments, R, dev, "off" if fast else mode, num_segments)
+        _validate.check_segments(segments, R, dev, "off" if fast or gpu else mode, num_segments)
         segments = segments.contiguous()
     target, segments = _validate.in_graph(target.contiguous(), segments, C, ignore_index, num_segments, mode)
     need_scale = reduction in ("mean", "segment")
     row_scale = None
+    limit = num_segments if num_segments is not None else R
     if fast:
         smode = (2 if segments is not None else 1) if need_scale else 0
-        limit = num_segments if num_segments is not None else R
         rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit))
         if status and mode == "eager":
             if status & 1:
@@ -256,7 +275,19 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
         row_scale = rs if need_scale else None
         if need_scale and student.dtype == torch.float64:  # the C++ pass computes 1/n in float32
             row_scale = row_scale_torch(target, C, ignore_index, segments, torch.float64)
-    elif need_scale:
+        return target, segments, row_scale
+    if gpu:
+        status = _validate.status(dev) if mode == "defer" and R else None
+        if need_scale or status is not None:
+            smode = (2 if segments is not None else 1) if need_scale else 0
+            done, rs = device_row_scale(be, target, segments, C, ignore_index, smode, limit, status)
+            if done:
+                return target, segments, rs
+            # an extension without the kernel: the tensor ops, with the checks they replace
+            _validate.check_target(target, R, C, ignore_index, dev, mode)
+            if segments is not None:
+                _validate.check_segments(segments, R, dev, mode, num_segments)
+    if need_scale:
         row_scale = row_scale_torch(target, C, ignore_index, segments, _loss_dtype(student))
     return target, segments, row_scale
 
