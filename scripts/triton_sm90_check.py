@@ -149,6 +149,14 @@ def _cases():
             yield f"distill C={C} {dt}", distill(C, dt=dt, nt=True)
         yield f"scale_rows {dt}", lambda dt=dt: scale_rows_triton(torch.randn(R, 10).to(dt), torch.rand(R))
     yield "scale_rows fp32", lambda: scale_rows_triton(torch.randn(R, 10), torch.rand(R))
+    from fedfast.triton.row_scale import row_scale_triton
+    for mode, seg, check, it in itertools.product((0, 1, 2), (False, True), (False, True), (torch.int64, torch.int32)):
+        if mode == 0 and not check:
+            continue  # nothing to launch
+        yield f"row_scale mode={mode} seg={seg} check={check} {it}", \
+            lambda mode=mode, seg=seg, check=check, it=it: row_scale_triton(
+                torch.randint(0, 10, (R,)).to(it), torch.arange(R).to(it) if seg else None, 10, -100, mode, R,
+                torch.zeros(6, dtype=torch.int32) if check else None)
 
     for C, seg, dt in itertools.product((10, 5000), (False, True), (torch.float32, torch.bfloat16)):
         yield f"asd C={C} seg={seg} {dt}", lambda C=C, seg=seg, dt=dt: asd_weights_triton(

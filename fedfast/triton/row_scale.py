@@ -12,7 +12,9 @@ counts by ``index_add``, their reciprocal gathered back, and with deferred valid
 about 11 us of host time each on the H100's host (benchmarks/results/nvidia-h100-80gb-hbm3-host.json), where the
 device needs a few microseconds in all. One program (the rows of a federated step: R <= 65536) walks the rows three
 times: zero the per-client counts, count the valid rows with atomics, write 1/n. Bytes: R*(y + s) read twice + 4R
-written (y, s: the sizes of the target and segment ids).
+written (y, s: the sizes of the target and segment ids). 1/n is divided with IEEE rounding (``div_rn``): Triton's
+fp32 ``/`` is the approximate ``div.full.f32`` on NVIDIA GPUs, 1 ulp off torch's and the C++ pass's 1/n for some n
+(seen on the H100, 2026-11-27: R = 1025 rows of 21 clients).
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def _row_scale_kernel(y_ptr, seg_ptr, cnt_ptr, rs_ptr, st_ptr, R, C, ignore_inde
         if MODE == 1:
             nvalid += ok.to(tl.int32)
     if MODE == 1:
-        inv = 1.0 / tl.maximum(tl.sum(nvalid, axis=0), 1).to(tl.float32)
+        d = tl.maximum(tl.sum(nvalid, axis=0), 1).to(tl.float32)
+        inv = tl.math.div_rn(d * 0.0 + 1.0, d)
         for start in range(0, R, BLOCK):
             o = start + offs0
             tl.store(rs_ptr + o, tl.zeros([BLOCK], dtype=tl.float32) + inv, mask=o < R)
@@ -66,7 +69,8 @@ def _row_scale_kernel(y_ptr, seg_ptr, cnt_ptr, rs_ptr, st_ptr, R, C, ignore_inde
             sc = tl.minimum(tl.maximum(s, 0), R - 1)
             # read through an atomic (at L2, where the counts were added), not a possibly stale L1 line
             n = tl.atomic_add(cnt_ptr + sc, tl.zeros([BLOCK], dtype=tl.int32), mask=m)
-            tl.store(rs_ptr + o, 1.0 / tl.maximum(n, 1).to(tl.float32), mask=m)
+            tl.store(rs_ptr + o, tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + 1.0, tl.maximum(n, 1).to(tl.float32)),
+                     mask=m)
     if CHECK:
         tl.atomic_or(st_ptr, tl.max(bad_t, axis=0))
         tl.atomic_or(st_ptr + 1, tl.max(bad_s, axis=0))
