@@ -107,6 +107,14 @@ def build_run(cfg, device=None, group=None, state_dir: str | None = None):
                          "loads it, but train_fraction or val_fraction took samples out first; use "
                          "split_stream = \"fedfast\"")
     part = partition(cfg, train) if authors else None  # the authors' code splits the set as loaded
+    if part is not None and getattr(part, "sample_order", None) is not None:
+        # the authors' code shuffled the set before its validation split (FedGKD on Tiny-ImageNet): the set in that
+        # order, so that a method's held-out tail is the code's validation set; the clients' indices follow
+        order = torch.from_numpy(part.sample_order)
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order))
+        train = train.subset(order)
+        part = Partition.from_csr(where[part.rows], part.offsets, part.num_classes, train.y, part.method)
     loaded = train
     train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
     if authors and len(train) != len(loaded) and not (

@@ -2,6 +2,7 @@
 as their code runs them, with the global np.random / random streams seeded as their main scripts seed them; every
 client's index set (and its order) and label counts compared, on MNIST at the papers' settings and on labels whose
 classes appear out of order; the split the same for every run seed where the authors' code fixes it."""
+import os
 import random
 
 import numpy as np
@@ -186,7 +187,7 @@ def test_the_split_through_a_run_config_and_its_seed(mnist_y):
     assert cfg.values["split_seed"] == 4 and cfg.values["split_stream"] == "fedfast"
     cfg2 = build_config(None, ["partition=shards", "seed=4", "split_seed=9"])
     assert not torch.equal(partition(cfg, train).rows, partition(cfg2, train).rows)
-    for bad, key in ((["partition=iid", "split_stream=authors"], "split_stream"), (["split_stream=x"], "split_stream"),
+    for bad, key in ((["partition=quantity_skew", "split_stream=authors"], "split_stream"), (["split_stream=x"], "split_stream"),
                      (["split_seed=-2"], "split_seed")):
         with pytest.raises(ValueError, match=key):
             build_config(None, bad)
@@ -212,16 +213,30 @@ def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mn
         _same(partition(cfg, train), want, mnist_y)
 
 
-def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1):
-    """FedGKD's pipeline (72e7bac): define_val_dataset's "origin" split (the leading 90 %), DataPartitioner with
-    build_non_iid_by_dirichlet drawing from conf.random_state = RandomState(manual_seed), then partition_indices'
-    equal windows; returns client id - 1 -> indices."""
+def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1, partition_type="origin", val_out=None):
+    """FedGKD's pipeline (72e7bac): define_val_dataset's split ("origin": the leading 90 %; "random", a dataset named
+    "tiny": arange(N) shuffled by conf.random_state first), DataPartitioner with build_non_iid_by_dirichlet drawing
+    from the same conf.random_state = RandomState(manual_seed) over the training partition's (index, target) rows
+    in enumerate order, then partition_indices' equal windows; returns client id - 1 -> indices (``val_out``, a
+    list, receives the validation partition)."""
     import functools
     import math
     random_state = np.random.RandomState(seed)
     data_size = len(targets)
-    train_idx = np.arange(data_size)[:int((1 - val_ratio) * 1.0 * data_size)]
-    indices2targets = np.array([(idx, t) for idx, t in enumerate(targets) if idx < len(train_idx)])
+    indices = np.array([x for x in range(0, data_size)])
+    if partition_type == "random":
+        random_state.shuffle(indices)
+    sizes = [(1 - val_ratio) * 1, (1 - val_ratio) * (1 - 1), val_ratio]
+    parts, from_index = [], 0
+    for size in sizes:
+        to_index = from_index + int(size * data_size)
+        parts.append(indices[from_index:to_index])
+        from_index = to_index
+    train_idx = parts[0]
+    if val_out is not None:
+        val_out.extend(parts[2].tolist())
+    members = set(train_idx.tolist())
+    indices2targets = np.array([(idx, t) for idx, t in enumerate(targets) if idx in members])
     num_indices, n_workers, num_classes = len(train_idx), n_clients, len(np.unique(targets))
     n_auxi_workers = 10
     random_state.shuffle(indices2targets)
@@ -284,7 +299,7 @@ def _write_cifar10(root, n_per_batch, seed=0):
 def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
     """A run on (small, written) CIFAR-10 files: FedGKD-VOTE's validation split is the tail FedGKD's code holds out,
     so the authors' split is built with it; the clients hold the code's windows; FedCAD's held-out samples (drawn
-    from every class) are refused by name, as is Tiny-ImageNet."""
+    from every class) are refused by name, as are the text sets."""
     from fedfast.assemble import build_run
     _write_cifar10(tmp_path, 300)
     keys = [f"data_dir={tmp_path}", "dataset=cifar10", "partition=dirichlet_fedgkd", "alpha=0.5", "num_clients=10",
@@ -298,9 +313,10 @@ def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
         assert np.array_equal(got[k], np.asarray(want[k])), k
     with pytest.raises(ValueError, match="split_stream.*fedcad"):
         build_run(build_config(None, keys + ["algorithm=fedcad", "fedcad.aux_holdout=true"]))
-    with pytest.raises(ValueError, match="split_stream.*tiny_imagenet"):
-        build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", "dataset=tiny_imagenet",
-                            "model=mlp"])
+    for text in ("ag_news", "sst5"):  # their validation split comes from a command line not released
+        with pytest.raises(ValueError, match=f"split_stream.*{text}"):
+            build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", f"dataset={text}",
+                                "model=mlp"])
 
 
 def test_a_plugin_partition_draws_with_split_seed():
@@ -321,3 +337,109 @@ def test_a_plugin_partition_draws_with_split_seed():
             assert seen[-1] == want
     finally:
         data.PARTITIONS.remove("mine_seeded")
+
+
+def test_fedgkd_tiny_imagenet_split_shuffles_before_its_validation_split():
+    """Tiny-ImageNet: define_val_dataset's "random" partition (the set shuffled by the run's RandomState first), then
+    the Dirichlet over the training partition from the same stream: every client's indices and the validation set."""
+    rng = np.random.default_rng(5)
+    y = np.repeat(np.arange(20), 30)[rng.permutation(600)]
+    for K, alpha, seed in ((10, 0.5, 7), (20, 1.0, 3)):
+        val = []
+        want = fedgkd_split_as_written(y, K, alpha, seed, partition_type="random", val_out=val)
+        part = authors.fedgkd_dirichlet(y, K, alpha, seed, shuffled_val=True)
+        _same(part, want, y)
+        order = part.sample_order
+        assert order[540:].tolist() == val  # the validation set is the shuffled order's tail
+        assert sorted(order.tolist()) == list(range(600))
+        assert not set(val) & set(part.rows.tolist())
+
+
+def _write_tiny(root, wnids, per_class, n_val=4, seed=0):
+    """A tiny-imagenet-200 folder: wnids.txt in the given (unsorted) order, train/<wnid>/images/<wnid>_<i>.JPEG."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    base = root / "tiny-imagenet-200"
+    base.mkdir()
+    (base / "wnids.txt").write_text("\n".join(wnids) + "\n")
+    for w in wnids:
+        d = base / "train" / w / "images"
+        d.mkdir(parents=True)
+        for i in range(per_class):  # file names sort lexicographically: _0, _1, _10, _11, ..., _2, ...
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(d / f"{w}_{i}.JPEG",
+                                                                                   format="PNG")
+    (base / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i in range(n_val):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+            base / "val" / "images" / f"val_{i}.JPEG", format="PNG")
+        lines.append(f"val_{i}.JPEG\t{wnids[i % len(wnids)]}\t0\t0\t63\t63")
+    (base / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_fedgkd_tiny_imagenet_through_a_run_in_imagefolders_order(tmp_path):
+    """Written Tiny-ImageNet files: the loader keeps torchvision ImageFolder's order (classes by sorted wnid, files by
+    sorted name: what FedGKD's code reads), the clients hold the code's samples, and FedGKD-VOTE's held-out split is
+    the code's (shuffled) validation set."""
+    pytest.importorskip("PIL")
+    from fedfast.assemble import build_run
+    from fedfast.data import load_tiny_imagenet
+    wnids = ["n0300", "n0100", "n0500", "n0200", "n0400"]  # wnids.txt is not sorted
+    _write_tiny(tmp_path, wnids, per_class=24)
+    train, _ = load_tiny_imagenet(str(tmp_path))
+    # ImageFolder's order, written out: sorted classes, sorted file names, label = rank of the wnid
+    files = [(w, f) for w in sorted(wnids) for f in sorted(os.listdir(tmp_path / "tiny-imagenet-200" / "train" / w
+                                                                      / "images"))]
+    from PIL import Image
+    for i in (0, 1, 2, 37, 119):
+        w, f = files[i]
+        with Image.open(tmp_path / "tiny-imagenet-200" / "train" / w / "images" / f) as im:
+            assert np.array_equal(train.x[i].numpy(), np.asarray(im.convert("RGB")).transpose(2, 0, 1))
+        assert int(train.y[i]) == sorted(wnids).index(w)
+    y = train.y.numpy()
+    val = []
+    want = fedgkd_split_as_written(y, 10, 1.0, 7, partition_type="random", val_out=val)
+    keys = [f"data_dir={tmp_path}", "dataset=tiny_imagenet", "partition=dirichlet_fedgkd", "alpha=1.0",
+            "num_clients=10", "clients_per_round=2", "split_stream=authors", "seed=7", "model=mlp", "rounds=1"]
+    for algorithm in ("fedavg", "fedgkd_vote"):
+        _, sim = build_run(build_config(None, keys + [f"algorithm={algorithm}"]))
+        for k in range(10):  # the run's training set is in the code's shuffled order: compare the images
+            got = sim.train.x[sim.plan.rows[sim.plan.offsets[k]:sim.plan.offsets[k + 1]]]
+            assert torch.equal(got, train.x[torch.as_tensor(want[k])]), (algorithm, k)
+        if algorithm == "fedgkd_vote":
+            assert torch.equal(sim.server_splits["val"].x, train.x[torch.as_tensor(val)])
+
+
+def feddyn_iid_as_written(trn_y, n_client, dataset, seed):
+    """FedDyn's utils_dataset.py (rule 'iid', unbalanced_sgm 0), its draws from the global stream seeded as the code
+    seeds it; returns the permuted-set positions mapped back to dataset indices."""
+    np.random.seed(seed)
+    rand_perm = np.random.permutation(len(trn_y))
+    trn_y = trn_y[rand_perm].reshape(-1, 1)
+    out = {}
+    if dataset == "CIFAR100":
+        idx = np.argsort(trn_y[:, 0])
+        n_data_per_clnt = len(trn_y) // n_client
+        n_cls_sample_per_device = n_data_per_clnt // 100
+        per_class = len(trn_y) // 100  # the code writes 500 (CIFAR-100's); the test set is smaller
+        for i in range(n_client):
+            out[i] = [int(rand_perm[idx[per_class * j + n_cls_sample_per_device * i + t]])
+                      for j in range(100) for t in range(n_cls_sample_per_device)]
+        return out
+    n_data_per_clnt = int((len(trn_y)) / n_client)
+    clnt_data_list = (np.ones(n_client) * n_data_per_clnt).astype(int)
+    cum = np.concatenate(([0], np.cumsum(clnt_data_list)))
+    for i in range(n_client):
+        out[i] = rand_perm[cum[i]:cum[i + 1]].tolist()
+    return out
+
+
+@pytest.mark.parametrize("dataset", [None, "cifar100"])
+def test_feddyn_iid_gives_every_client_the_authors_samples(dataset):
+    rng = np.random.default_rng(1)
+    y = np.repeat(np.arange(100), 20)[rng.permutation(2000)] if dataset else rng.integers(0, 10, 1003)
+    for K, seed in ((10, 0), (20, 4)):
+        want = feddyn_iid_as_written(y, K, "CIFAR100" if dataset else "CIFAR10", seed)
+        _same(authors.feddyn_iid(y, K, seed, dataset=dataset), want, y)
+    with pytest.raises(ValueError, match="num_clients"):
+        authors.feddyn_iid(np.repeat(np.arange(100), 20), 3, 0, dataset="cifar100")

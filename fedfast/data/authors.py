@@ -17,7 +17,10 @@ sample indices as the released code, in the same order:
   order (the last 10 % is the validation split), FedDF's ``build_non_iid_by_dirichlet`` drawn from
   ``np.random.RandomState(manual_seed)`` (the run seed), and then the clients' lists concatenated and cut into
   equal windows of ``int(N_train / K)`` samples (``DataPartitioner.partition_indices``): client k trains on window
-  k, not on the k-th Dirichlet list.
+  k, not on the k-th Dirichlet list. On Tiny-ImageNet (``shuffled_val``) the set is first shuffled by the same stream
+  before the validation split, in torchvision ``ImageFolder``'s order (fedfast's loader's). The text sets are refused:
+  their validation split is set on a command line the released code does not include.
+* :func:`feddyn_iid` - FedDyn's IID rule (``rule == 'iid'``; its CIFAR-100 "perfect IID" branch included).
 * :func:`feddyn_dirichlet` - FedDyn's balanced Dirichlet (Acar et al., ICLR 2021; github.com/alpemreacar/FedDyn,
   ``utils_dataset.py``, ``rule == 'Dirichlet'``). ASD's split follows this algorithm, but ASD's released code (HEAD
   6cb4b68) reads every client's data from a pickle (``config.yml`` ``data_pkl``, ``utils_methods.py``) written by a
@@ -184,8 +187,32 @@ def feddyn_dirichlet(labels, num_clients: int, alpha: float, seed: int, shuffle_
     return _from_lists(slots, y, f"balanced_dirichlet(alpha={alpha}, authors: FedDyn, seed {seed})")
 
 
+def feddyn_iid(labels, num_clients: int, seed: int, dataset: str | None = None) -> Partition:
+    """FedDyn's IID split (``rule = 'iid'``, ``unbalanced_sgm = 0``): the training set permuted
+    (``np.random.permutation``, its "Shuffle Data"), then client k takes the k-th run of ``int(N / K)`` samples of
+    the permuted set. CIFAR-100 takes the code's "perfect IID" branch instead: the permuted set sorted by label
+    (``np.argsort``, numpy's default quicksort: equal labels keep the order numpy's sort leaves them in, as in the
+    code on the same numpy), and client i takes, of every class j, the samples ``500 j + m i .. 500 j + m (i + 1)``
+    of the sorted set (``m = N / K / 100`` per class; the code asserts ``N / 100`` divisible by ``K``)."""
+    y, K, N, rs = _checked(labels, num_clients, 1.0, seed)
+    perm = rs.permutation(N)
+    if dataset == "cifar100":
+        C = int(y.max()) + 1
+        if C != 100 or (N // 100) % K or np.bincount(y, minlength=100).tolist() != [N // 100] * 100:
+            raise ValueError(f"num_clients: FedDyn's CIFAR-100 IID split needs 100 classes of N/100 samples with K "
+                             f"dividing N/100 (the code asserts it), got {C} classes, N = {N}, K = {K}")
+        order = perm[np.argsort(y[perm])]
+        per_class, m = N // 100, (N // K) // 100
+        parts = [np.concatenate([order[per_class * j + m * i:per_class * j + m * (i + 1)] for j in range(100)])
+                 for i in range(K)]
+    else:
+        per = int(N / K)
+        parts = [perm[k * per:(k + 1) * per] for k in range(K)]
+    return _from_lists(parts, y, f"iid(authors: FedDyn, seed {seed})")
+
+
 def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_fraction: float = 0.1,
-                     group: int = 10, max_tries: int = 100000) -> Partition:
+                     group: int = 10, max_tries: int = 100000, shuffled_val: bool = False) -> Partition:
     """FedGKD's released split (CIFAR-10/100): ``n_train = int((1 - val_fraction) * N)`` leading samples ("origin"
     order); their ``(index, label)`` rows shuffled by ``RandomState(seed).shuffle``; cut into ``ceil(K / group)``
     chunks of ``int(group / K * n_train)`` rows (the last to the end); in each chunk, until every one of its
@@ -193,7 +220,14 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
     dirichlet(alpha)``, zeroed for clients holding >= chunk / clients, renormalised, the class's rows (in shuffled
     order) cut at ``(cumsum(p) * n_c).astype(int)[:-1]``. The lists of all chunks are concatenated and client k
     takes the k-th window of ``int(n_train / K)`` samples. The validation tail belongs to no client (FedGKD-VOTE's
-    held-out split is the same tail)."""
+    held-out split is the same tail).
+
+    ``shuffled_val`` (Tiny-ImageNet: ``define_val_dataset``'s ``partition_type = "random"`` for a dataset named
+    "tiny"): first ``RandomState(seed).shuffle`` of ``arange(N)``, whose first ``n_train`` entries are the training
+    set and the next ``int(val_fraction * N)`` the validation set; the same stream then draws the split above over
+    the training set's ``(index, label)`` rows in index order (the code enumerates the dataset's targets and keeps
+    the training set's). The partition's ``sample_order`` is that shuffled order: a run reorders the training set
+    by it, so that the validation set is its tail (FedGKD-VOTE's held-out split, as in the code)."""
     y, K, N, rs = _checked(labels, num_clients, alpha, seed)
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction: in [0, 1), got {val_fraction!r}")
@@ -201,7 +235,14 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
         raise ValueError(f"num_clients: FedGKD's code needs at least {group} clients (its n_auxi_workers), got {K}")
     n_train = int((1 - val_fraction) * 1.0 * N)
     C = len(np.unique(y))
-    pairs = np.stack([np.arange(n_train), y[:n_train]], axis=1).astype(np.int64)
+    perm = None
+    if shuffled_val:
+        perm = np.arange(N)
+        rs.shuffle(perm)
+        kept = np.sort(perm[:n_train])
+    else:
+        kept = np.arange(n_train)
+    pairs = np.stack([kept, y[kept]], axis=1).astype(np.int64)
     rs.shuffle(pairs)
     n_splits = int(np.ceil(K / group))
     chunks, start = [], 0
@@ -226,15 +267,21 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
         lists += batch
     flat = np.array([i for b in lists for i in b], dtype=np.int64)
     w = int(1.0 / K * n_train)
-    return _from_lists([flat[k * w:(k + 1) * w] for k in range(K)], y,
+    part = _from_lists([flat[k * w:(k + 1) * w] for k in range(K)], y,
                        f"fedgkd_dirichlet(alpha={alpha}, authors: FedGKD, seed {seed})")
+    if perm is not None:
+        part.sample_order = perm
+    return part
 
 
 # the partitions with an authors' version -> the seed their code fixes, or None where it seeds with the run seed
 AUTHORS = {"shards": FEDNTD_SPLIT_SEED, "dirichlet": FEDNTD_SPLIT_SEED,  # FedNTD's main.py
-           "dirichlet_balanced": None, "dirichlet_fedgkd": None}       # FedDyn's, FedGKD's
-# FedGKD's code shuffles Tiny-ImageNet before its validation split and samples the text sets: not transcribed
-FEDGKD_DATASETS = ("cifar10", "cifar100")
+           "dirichlet_balanced": None, "iid": None,                    # FedDyn's (ASD's presets)
+           "dirichlet_fedgkd": None}                                   # FedGKD's
+# FedGKD's splits as transcribed: CIFAR ("origin" order) and Tiny-ImageNet (shuffled before the validation split;
+# torchvision's ImageFolder order, which fedfast's loader keeps). The text sets (AG News, SST-5) take their validation
+# split from a command line the released code does not include: refused.
+FEDGKD_DATASETS = ("cifar10", "cifar100", "tiny_imagenet")
 
 
 def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> int:
@@ -242,7 +289,8 @@ def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> i
     for it, or for ``dataset``)."""
     if partition == "dirichlet_fedgkd" and dataset is not None and dataset not in FEDGKD_DATASETS:
         raise ValueError(f"split_stream: FedGKD's code splits {', '.join(FEDGKD_DATASETS)} as transcribed here; for "
-                         f"dataset {dataset!r} it first shuffles or samples the training set (not transcribed); use "
+                         f"dataset {dataset!r} its validation split (val_data_ratio, val_dataset) is set on a command "
+                         f"line the released code does not include (its README runs CIFAR-10 only); use "
                          f"split_stream = \"fedfast\"")
     if partition not in AUTHORS:
         raise ValueError(f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
@@ -262,5 +310,8 @@ def split(partition: str, labels, spec: dict) -> Partition:
     if partition == "dirichlet":
         return fedntd_lda(labels, spec["num_clients"], spec["alpha"], seed=seed)
     if partition == "dirichlet_fedgkd":
-        return fedgkd_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)
+        return fedgkd_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed,
+                                shuffled_val=spec.get("dataset") == "tiny_imagenet")
+    if partition == "iid":
+        return feddyn_iid(labels, spec["num_clients"], seed=seed, dataset=spec.get("dataset"))
     return feddyn_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)

@@ -353,7 +353,10 @@ def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False)
 # ------------------------------------------------------------------------------------------ Tiny-ImageNet
 def load_tiny_imagenet(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
     """Tiny-ImageNet from ``directory/tiny-imagenet-200`` (wnids.txt, train/<wnid>/images/*, val/images/* with
-    val/val_annotations.txt); uint8 [N, 3, 64, 64]; the val split is the test set."""
+    val/val_annotations.txt); uint8 [N, 3, 64, 64]; the val split is the test set. Classes in sorted wnid order and
+    each class's images in sorted file-name order: torchvision's ``ImageFolder`` order, which the papers' code reads
+    (FedGKD's ``pcode/datasets/loader/imagenet_folder.py``), so sample i and class c are theirs (wnids.txt lists the
+    same 200 wnids unsorted)."""
     try:
         from PIL import Image
     except ImportError as e:
@@ -362,7 +365,7 @@ def load_tiny_imagenet(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
     wn = os.path.join(root, "wnids.txt")
     if not os.path.exists(wn):
         raise _missing(wn, "Extract tiny-imagenet-200.zip (from the CS231n site) into this folder.")
-    wnids = [w.strip() for w in open(wn) if w.strip()]
+    wnids = sorted(w.strip() for w in open(wn) if w.strip())
     cls = {w: i for i, w in enumerate(wnids)}
 
     def img(path):
