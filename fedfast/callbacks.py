@@ -30,7 +30,7 @@ import torch
 from . import __version__
 from ._io import append_line
 from .checkpoint import save as save_checkpoint
-from .engine import Diverged
+from .sim.diverged import Diverged
 from .rundir import RunDir, dumps
 
 
@@ -369,7 +369,8 @@ def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, 
             "best_round": best["round"] if best else None,
             "mean_last10_test_accuracy": last10,
             "final_forgetting": end.get("forgetting") if end else None,
-            **val, "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
+            **val, **({"dp_epsilon": history[-1].get("dp_epsilon")} if history and "dp_epsilon" in history[-1] else {}),
+            "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
             "versions": versions()}
 
 

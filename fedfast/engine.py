@@ -30,7 +30,6 @@ options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import Callable, Sequence
@@ -49,10 +48,12 @@ from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers, local_statistics_store,
                           restore_local_statistics)
+from .sim.diverged import Diverged, check_finite
 from .sim.evaluation import Evaluator, forgetting
 from .sim.facade import EngineView
 from .sim.inputs import check_inputs
 from .sim.plan import RoundPlan
+from .sim.privacy import RoundPrivacy
 from .sim.runtime import ModelRuntime, probe_batch
 from .sim.rows import store_rows
 from .sim.sizing import MemoryBudget
@@ -60,22 +61,6 @@ from .sim.state import RunState
 from .sim.trainer import ChunkTrainer
 from .simconfig import SimConfig, check_device
 from .teachers import OnlineTeacher, cached_teacher
-
-
-class Diverged(ArithmeticError):
-    """The run diverged: a non-finite training loss, client update, global model or test loss at round
-    ``round``. ``record``: that round's metrics (None when a client update was refused before evaluation)."""
-
-    def __init__(self, rnd: int, method: str, what: str, cfg: "SimConfig", record: dict | None = None):
-        self.round, self.method, self.what, self.record = rnd, method, what, record
-        steps = f"lr={cfg.lr:g}" + (f", momentum={cfg.momentum:g}" if cfg.momentum else "") + (
-            f", {cfg.client_optimizer}" if cfg.client_optimizer != "sgd" else "") + (
-            f", max_grad_norm={cfg.max_grad_norm:g}" if cfg.max_grad_norm else ", no gradient clipping")
-        hint = ["a lower lr"] + (["lower momentum"] if cfg.momentum else []) + (
-            ["clipping (max_grad_norm = 10)"] if not cfg.max_grad_norm else [])
-        super().__init__(f"round {rnd}: {method} diverged ({what} is NaN or inf). Likely cause: local steps too "
-                         f"large for this model and data ({steps}); try {', '.join(hint[:-1])}"
-                         f"{' or ' if len(hint) > 1 else ''}{hint[-1]}")
 
 
 class Simulation:
@@ -173,6 +158,7 @@ class Simulation:
             self.trainer = ChunkTrainer(c, self.method, rt, self.plan, chunk=self.chunk, device=self.device,
                                         loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
         check_batch_norm(c, self.runtime, self.plan, self._uses_teacher)
+        self.privacy = RoundPrivacy.of(c, self.method, self.plan, rt, schedule, self.device)  # dp_clip > 0: DP-FedAvg
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
     @property
@@ -237,6 +223,7 @@ class Simulation:
         st = self.state
         ctx, totals, step_rows = self.plan.sample(st.round)
         self.method.round_start(ctx)
+        self.privacy and self.privacy.check_round(ctx)
         t1 = time.perf_counter()
         with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
             teacher = self._teacher(ctx)
@@ -257,30 +244,15 @@ class Simulation:
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
             rec, class_acc = self.evaluator.record(st.round, st.eval_flat, st.history, st.class_acc, totals, loss_sum,
                                                    timers, t1, chunk=self.chunk, method_metrics=method_metrics)
+        if self.privacy:  # the budget spent so far (accounted on the host: no device work)
+            rec["dp_epsilon"] = self.privacy.epsilon(st.round)
         self.runtime.load_into_model(st.eval_flat)
         if class_acc is not None:
             st.class_acc.append(class_acc)
         st.history.append(rec)
         rec["seconds"] = time.perf_counter() - t0
-        self._check_finite(rec)
+        check_finite(rec, self.state, self.method.name, self.cfg)
         return rec
-
-    def _check_finite(self, rec: dict) -> None:
-        """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
-        :class:`Diverged` (one host read of two flags per round; every rank sees the same values)."""
-        what = []
-        if not math.isfinite(rec["train_loss"]):
-            what.append("the training loss")
-        ok = torch.stack([torch.isfinite(self.global_flat).all() & torch.isfinite(self.state.global_buffers).all(),
-                          torch.isfinite(self.eval_flat).all()]).tolist()
-        if not ok[0]:
-            what.append("the global model")
-        elif not ok[1]:
-            what.append("the evaluated model")
-        if rec["test_loss"] is not None and not math.isfinite(rec["test_loss"]):
-            what.append("the test loss")
-        if what:
-            raise Diverged(rec["round"], self.method.name, " and ".join(what), self.cfg, rec)
 
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
     def _local(self, ctx: Round, teacher, step_rows):
@@ -317,7 +289,9 @@ class Simulation:
         if not isinstance(extra, dict):
             check_hook_return(self.method, "chunk_aggregate", extra, kind="dict",
                               what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)")
-        agg = dict(weights=weights[lo:hi], rows=hi - lo, backend=self.cfg.backend, **extra)
+        # private: clipped updates summed with equal weight over the expected cohort size, no weights
+        agg = dict(rows=hi - lo, backend=self.cfg.backend, **(self.privacy.chunk_arguments(extra) if self.privacy else
+                                                              dict(weights=weights[lo:hi], **extra)))
         try:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
         except ops.NonFiniteUpdate as e:
@@ -329,7 +303,8 @@ class Simulation:
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
         self.method.collect(ctx, out, lo, hi)
-        return weights[lo:hi].sum() * out["average"]
+        # private: the chunk's clipped sum / E (the server adds g and the noise once)
+        return out["average"] - self.global_flat if self.privacy else weights[lo:hi].sum() * out["average"]
 
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float, bufs: RoundBuffers):
@@ -341,9 +316,12 @@ class Simulation:
                 with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values "
                                   f"each, growing with the clients trained)", "state_dtype"):
                     store_rows(self.comm, st, ctx.sampled_t, rows)
+        if not (self.privacy or total_w > 0):  # no client this round (Poisson sampling): the global model stays
+            return
+        avg = self.privacy.average(self.global_flat, avg_sum) if self.privacy else avg_sum / total_w
         if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
-        new = self.method.server(ctx, avg_sum / total_w)
+        new = self.method.server(ctx, avg)
         P = tuple(self.global_flat.shape)
         check_hook_return(self.method, "server", new, shape=P, device=self.device,
                           what=f"the new global model, a float tensor [P] = {P} on {self.device}")
@@ -401,11 +379,13 @@ class Simulation:
         own BatchNorm statistics (``bn_stats = "local"``). :meth:`restore` on a Simulation built with the same
         config and data continues bit for bit (CPU)."""
         ck = self.state.checkpoint(self.method.state_dict(), self._shape())
+        ck.update({"privacy": self.privacy.state_dict()} if self.privacy else {})
         return {**ck, "client_buffers": self.client_buffers.state_dict()} if self.client_buffers is not None else ck
 
     def restore(self, ck: dict) -> None:
         """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
         RunState.check(ck, self._shape())
+        RoundPrivacy.restore(self.privacy, ck, self.cfg.rounds)
         restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats)
         self.method.load_state_dict(ck["method"])
         self.state = self.state.restored(ck)
@@ -417,4 +397,4 @@ class Simulation:
         return self.runtime.state_dict(self.state.eval_flat)
 
 
-__all__ = ["Simulation", "Diverged"]
+__all__ = ["Simulation"]

@@ -20,6 +20,8 @@ target epsilon in the planned rounds, :class:`Accountant` the per-run record (ep
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 
 SAMPLINGS = ("poisson", "fixed")
@@ -33,6 +35,19 @@ def _dpa():
         raise ImportError("dp_accountant: privacy accounting needs Google's dp-accounting library: "
                           "pip install \"fedfast[privacy]\" (or pip install dp-accounting)") from None
     return dp_accounting
+
+
+@contextlib.contextmanager
+def _quiet():
+    """dp-accounting's RDP accountant logs (absl) every Renyi order it drops for not converging, once per call;
+    the orders left still bound epsilon, so the run's log is spared them."""
+    log = logging.getLogger("absl")
+    old = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
 
 
 def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant):
@@ -88,8 +103,9 @@ def epsilon(noise_multiplier: float, delta: float, rounds: int, *, sampling: str
     if noise_multiplier == 0:
         return math.inf
     acc = _fresh(accountant, sampling)
-    acc.compose(round_event(noise_multiplier, sampling, num_clients, clients_per_round, rate), rounds)
-    return float(acc.get_epsilon(delta))
+    with _quiet():
+        acc.compose(round_event(noise_multiplier, sampling, num_clients, clients_per_round, rate), rounds)
+        return float(acc.get_epsilon(delta))
 
 
 def calibrate(target_epsilon: float, delta: float, rounds: int, *, sampling: str, num_clients: int,
@@ -106,8 +122,9 @@ def calibrate(target_epsilon: float, delta: float, rounds: int, *, sampling: str
 
     def event(z):
         return dpa.SelfComposedDpEvent(round_event(z, sampling, num_clients, clients_per_round, rate), rounds)
-    return float(dpa.calibrate_dp_mechanism(lambda: _fresh(accountant, sampling), event, target_epsilon, delta,
-                                            bracket_interval=dpa.LowerEndpointAndGuess(1e-3, 1.0), tol=tol))
+    with _quiet():
+        return float(dpa.calibrate_dp_mechanism(lambda: _fresh(accountant, sampling), event, target_epsilon, delta,
+                                                bracket_interval=dpa.LowerEndpointAndGuess(1e-3, 1.0), tol=tol))
 
 
 class Accountant:

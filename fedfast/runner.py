@@ -40,7 +40,7 @@ from .callbacks import (Callback, Checkpointer, Progress, RunFiles, StopOnSignal
                         run_rounds)
 from .checkpoint import load as load_checkpoint
 from .config import check_plugin_hashes
-from .engine import Diverged
+from .sim.diverged import Diverged
 from .fingerprint import changes
 from .rundir import RunDir, dumps
 

@@ -28,6 +28,12 @@ def sample_clients_bernoulli(seed: int, rnd: int, K: int, p: float) -> np.ndarra
             return chosen
 
 
+def sample_clients_poisson(seed: int, rnd: int, K: int, q: float) -> np.ndarray:
+    """Poisson sampling: each of ``K`` clients independently with probability ``q``, seeded by ``(seed, round)``;
+    the cohort may be empty (DP-FedAvg's analysis, :mod:`fedfast.privacy`, takes it as drawn)."""
+    return np.nonzero(np.random.default_rng([seed, rnd, 10**6 + 1]).random(K) < q)[0].astype(np.int64)
+
+
 def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
     """``m`` of ``K`` clients drawn by numpy's ``RandomState(round)`` whatever the run's seed, so every seed and
     every method sees the same cohorts, as FedNTD's code samples (Lee-Gihun/FedNTD @be00ee5,

@@ -4,6 +4,7 @@ settings without the engine's machinery."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from . import methods as _methods
 from .data.augment import PIPELINES
 
-SAMPLING = ("uniform", "bernoulli", "round_seeded")
+SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson")
 CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
 
@@ -68,7 +69,9 @@ class SimConfig:
     seed: int = 0
     client_sampling: str = "uniform"  # "uniform": exactly clients_per_round of K, seeded by (seed, round);
     #   "bernoulli": each client independently with p = clients_per_round / K (ASD's code; redrawn when empty);
-    #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code)
+    #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code);
+    #   "poisson": each client independently with q = clients_per_round / K, seeded by (seed, round); a round may
+    #   have no client (then the global model stays, or under DP takes the noise alone)
     augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
@@ -94,6 +97,16 @@ class SimConfig:
     profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
+    # user-level differential privacy (DP-FedAvg; fedfast.privacy, docs/privacy.md): each sampled client's update
+    # clipped to L2 norm dp_clip (0: off), summed, Gaussian noise of std dp_noise_multiplier * dp_clip added, divided
+    # by the expected cohort size clients_per_round; uniform weights. dp_epsilon instead of dp_noise_multiplier:
+    # the noise that spends it in `rounds` rounds (both: the run is refused when its rounds would spend more)
+    dp_clip: float = 0.0
+    dp_noise_multiplier: float | None = None
+    dp_epsilon: float | None = None
+    dp_delta: float = 1e-5
+    dp_accountant: str = "rdp"  # "rdp" or "pld" (dp-accounting's)
+    dp_clip_quantile: float | None = None  # adaptive clipping (Andrew et al. 2021): not built yet, refused
 
     def __post_init__(self):
         if not isinstance(self.options, dict):
@@ -132,8 +145,9 @@ class SimConfig:
             self.max_grad_norm = float(cls.max_grad_norm)
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        self._check_dp(cls)
         if self.aggregate_weights is None:
-            self.aggregate_weights = cls.aggregation
+            self.aggregate_weights = "uniform" if self.dp_clip else cls.aggregation
         choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
                    "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
                    "state_store": ("auto", "memory", "disk"), "bn_stats": ("global", "local"),
@@ -171,6 +185,48 @@ class SimConfig:
         if self.state_memory_gb is not None and self.state_store != "auto":
             raise ValueError(f"state_memory_gb: the limit of state_store = 'auto', not used by "
                              f"state_store = {self.state_store!r}")
+
+    def _check_dp(self, cls) -> None:
+        """The private-run keys: each used only with dp_clip, and a run whose uploads, sampling or weights DP-FedAvg's
+        analysis does not cover refused by name."""
+        given = [k for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile") if getattr(self, k) is not None]
+        if not (isinstance(self.dp_clip, (int, float)) and not isinstance(self.dp_clip, bool) and
+                0 <= self.dp_clip < math.inf):
+            raise ValueError(f"dp_clip: the clipping norm, a finite number >= 0 (0: not private), got {self.dp_clip!r}")
+        if not self.dp_clip:
+            if given:
+                raise ValueError(f"{given[0]}: a private-run key, given without dp_clip (the clipping norm)")
+            return
+        if self.dp_clip_quantile is not None:
+            raise ValueError("dp_clip_quantile: adaptive clipping (Andrew et al. 2021) is not built yet; give a fixed "
+                             "dp_clip")
+        if self.dp_noise_multiplier is None and self.dp_epsilon is None:
+            raise ValueError("dp_clip: a private run needs dp_noise_multiplier (0: clipping only, epsilon infinite) or "
+                             "dp_epsilon (the budget to spend in `rounds` rounds)")
+        for k in ("dp_noise_multiplier", "dp_epsilon"):
+            v = getattr(self, k)
+            if v is not None and not (isinstance(v, (int, float)) and 0 <= v < math.inf and (k != "dp_epsilon" or v > 0)):
+                raise ValueError(f"{k}: a finite number {'> 0' if k == 'dp_epsilon' else '>= 0'}, got {v!r}")
+        if not (isinstance(self.dp_delta, (int, float)) and 0 < self.dp_delta < 1):
+            raise ValueError(f"dp_delta: in (0, 1), got {self.dp_delta!r}")
+        if self.dp_accountant not in ("rdp", "pld"):
+            raise ValueError(f"dp_accountant: 'rdp' or 'pld', got {self.dp_accountant!r}")
+        if self.client_sampling not in ("uniform", "poisson"):
+            why = ("redraws an empty cohort, which the Poisson analysis does not cover" if self.client_sampling ==
+                   "bernoulli" else "draws the cohorts from the round index alone: they are public, and the analysis "
+                   "assumes secret sampling")
+            raise ValueError(f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
+                             f"(fixed size) or 'poisson'")
+        if self.client_sampling == "uniform" and self.dp_accountant == "pld":
+            raise ValueError("dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
+                             "without replacement; use dp_accountant = \"rdp\" or client_sampling = \"poisson\"")
+        if cls.uploads:
+            raise ValueError(f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
+                             f"clipping and noise cover the update only, so {self.algorithm} is refused in a private "
+                             f"run")
+        if self.aggregate_weights not in (None, "uniform") or (cls.aggregation_fixed and cls.aggregation != "uniform"):
+            raise ValueError("aggregate_weights: a private run sums the clipped updates with equal weight and divides "
+                             "by the expected cohort size; size-weighted averaging is refused under dp_clip")
 
     def _tables(self, cls) -> dict:
         """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""

@@ -83,10 +83,12 @@ def _options(cfg):
 
 
 def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order_fn=None, client_loss=None,
-               out: dict | None = None):
+               out: dict | None = None, dp: dict | None = None):
     """The literal loop (see the module docstring); returns the global model's flat parameters. ``client_loss(z, t,
     y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise). ``out``: receives the final
-    global model's ``state_dict`` (``out["state"]``)."""
+    global model's ``state_dict`` (``out["state"]``). ``dp`` (``clip``, ``z``, ``E``, ``gen``: a CPU generator):
+    DP-FedAvg written out: each client's delta clipped to L2 norm ``clip``, summed, ``z * clip * randn(P)`` from
+    ``gen`` added, divided by ``E``, added to the global model."""
     alg, o, asd = _options(cfg)
     glob = copy.deepcopy(model)
     w0 = copy.deepcopy(model).eval()
@@ -235,6 +237,15 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
             states.append(local.state_dict())
             sizes.append(len(idx))
             flats.append(wk)
+        if dp is not None:  # DP-FedAvg: clipped deltas, summed, the round's noise, over the expected cohort size
+            total = torch.zeros(P, device=dev)
+            for f in flats:
+                d = f - gflat
+                total = total + d * min(1.0, dp["clip"] / float(d.norm()))
+            xi = torch.randn(P, generator=dp["gen"]) if dp["z"] > 0 else torch.zeros(P)
+            _load_(glob, gflat + (total + dp["z"] * dp["clip"] * xi.to(dev)) / dp["E"])
+            gkd_hist.append(copy.deepcopy(glob.state_dict()))
+            continue
         if cfg.aggregate_weights == "uniform":
             w = torch.full((len(sizes),), 1.0 / len(sizes))
         else:

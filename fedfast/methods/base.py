@@ -374,7 +374,8 @@ class Method(ClientHooks, ServerHooks):
     then finds the classifier before ``prepare_model`` and sets ``self.classifier_name``), ``accepts_asd``
     (the ASD add-on may replace its KD term), ``sgd_only`` (why the method's client-step terms are defined for
     SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason), ``sam`` (its
-    ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights).
+    ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights), ``uploads``
+    (what each client sends the server beyond its model update: a private run refuses the method, naming it).
     """
     name: ClassVar[str] = ""          # registry name (set by @register)
     table: ClassVar[str] = ""         # the option table's name (default: name)
@@ -394,6 +395,9 @@ class Method(ClientHooks, ServerHooks):
     #                                     (fedfast methods prints it; check_settings warns when a run uses them)
     sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
     sam: ClassVar[bool] = False         # the local steps may be SAM steps (sam_rho > 0): memory is sized for them
+    uploads: ClassVar[str] = ""         # what a client sends beyond its model update (control variates, logits,
+    #                                     label counts, ...): DP-FedAvg's clipping and noise cover the update only, so
+    #                                     a private run (dp_clip) refuses the method, naming this
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of

@@ -64,6 +64,7 @@ class _Penalty:
 class FedCurv(FedAvg):
     """FedCurv (Shoham et al. 2019): local loss + lam sum_{j != k} u_j (w - w_j)^2, u_j the diagonal Fisher of
     client j at its trained weights w_j (FedNTD's code)."""
+    uploads = "its Fisher information diagonals (U, V)"
     paper = "Shoham et al., Overcoming Forgetting in Federated Learning on Non-IID Data, NeurIPS 2019 FL workshop"
     accepts_asd = False
     state = ("U", "V")

@@ -50,6 +50,7 @@ def discrepancy(p: np.ndarray, q: np.ndarray, distance: str) -> np.ndarray:
 class FedDisco(FedAvg):
     """FedDisco (Ye et al. 2023): aggregation weights ReLU(n_k - a d_k + b), normalised, d_k the normalised
     discrepancy between the client's label distribution and the global one."""
+    uploads = "its label distribution (the server's discrepancy-aware weights)"
     paper = "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023"
     accepts_asd = True
 

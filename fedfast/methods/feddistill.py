@@ -50,6 +50,7 @@ class _Logits:
 class FedDistillPlus(FedAvg):
     """FedDistill+ (Seo et al. 2020, as FedGKD runs it): CE + coef tau^2 KL(softmax(G_k[y]/tau) || softmax(z/tau)),
     G_k the other clients' per-label mean logits; parameters averaged."""
+    uploads = "its per-label mean logits"
     paper = "Seo et al., Federated Knowledge Distillation, 2020 (FedDistill+, with parameter sharing, as Yao et al.)"
     max_grad_norm, max_grad_norm_source = 10.0, "CGCL-codes/FedGKD @72e7bac, pcode/workers/worker.py: clip 10"
     accepts_asd = False

@@ -40,6 +40,7 @@ class _Linear:
 class FedDyn(FedAvg):
     """FedDyn (Acar et al. 2021; cloud form): loss + alpha_k <w, h_k - w_cld>, weight decay alpha_k + wd;
     h_k += w_k - w_cld; w_cld = mean_k w_k + hbar. The evaluated model is the participants' average."""
+    uploads = "its unclipped model change w_k - g, summed into the server's state h"
     sgd_only = ("its regulariser enters the client step as SGD weight decay alpha + wd (FedDyn's code); fedfast "
                 "defines FedDyn for SGD client steps only")
     paper = "Acar et al., Federated Learning Based on Dynamic Regularization, ICLR 2021"

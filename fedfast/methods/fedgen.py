@@ -112,6 +112,7 @@ def pick(u: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 class FedGen(FedAvg):
     """FedGen (Zhu et al. 2021): a server-trained label-conditioned feature generator; clients add
     beta_t KL(h(G(y)) || z) + alpha_t CE(h(G(yhat)), yhat) with their own classifier h."""
+    uploads = "its classifier head and label counts (the generator's training data)"
     needs_classifier = True
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
     accepts_asd = False

@@ -27,6 +27,7 @@ from .fedavg import FedAvg
 class Scaffold(FedAvg):
     """SCAFFOLD (Karimireddy et al. 2020; FedNTD's code): local steps use g + c - c_k; c_k' = c_k - c + (w_t - w_k) /
     (K_eff lr); c' = c + (1/N) sum (c_k' - c_k)."""
+    uploads = "its control variates c_k' - c_k"
     sgd_only = ("its control-variate update c_k' = c_k - c + (x - y) / (K lr) estimates the gradient from "
                 "K plain SGD steps (Karimireddy et al. 2020, option II)")
     state = ("c",)

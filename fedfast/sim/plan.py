@@ -14,13 +14,14 @@ from ..data.augment import augmented_batch
 from ..data.partition import ClientIndices
 from ..methods.base import Round
 from ..methods.hooks import hook_site
-from ..sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded
+from ..sampling import (client_order, sample_clients, sample_clients_bernoulli, sample_clients_poisson,
+                        sample_clients_round_seeded)
 
 
 def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:
     """Clients per round to size the stack for: ``clients_per_round``, or for Bernoulli sampling its mean plus
     four standard deviations (a larger cohort trains in two chunks)."""
-    if sampling != "bernoulli":
+    if sampling not in ("bernoulli", "poisson"):
         return clients_per_round
     p = clients_per_round / num_clients
     return min(num_clients, int(np.ceil(num_clients * p + 4 * np.sqrt(num_clients * p * (1 - p)))))
@@ -34,6 +35,8 @@ def round_clients(seed: int, rnd: int, num_clients: int, clients_per_round: int,
     if schedule is None:
         if sampling == "bernoulli":
             return sample_clients_bernoulli(seed, rnd, num_clients, clients_per_round / num_clients)
+        if sampling == "poisson":
+            return sample_clients_poisson(seed, rnd, num_clients, clients_per_round / num_clients)
         if sampling == "round_seeded":
             return sample_clients_round_seeded(rnd, num_clients, clients_per_round)
         return sample_clients(seed, rnd, num_clients, clients_per_round)
@@ -171,7 +174,7 @@ class RoundPlan:
         sampled, sizes, batches = sampled[order], sizes[order], batches[order]
         epochs = 1 if c.local_steps else c.local_epochs
         steps = np.full(len(sampled), c.local_steps, dtype=int) if c.local_steps else batches  # per "epoch"
-        weights = self.aggregation_weights(sampled, sizes, steps * epochs)
+        weights = self.aggregation_weights(sampled, sizes, steps * epochs) if len(sampled) else np.zeros(0)
         totals = dict(weight=float(weights.sum()), steps=int(steps.sum()) * epochs, clients=sampled.tolist())
         everyone = sampled
         positions = np.arange(len(sampled))

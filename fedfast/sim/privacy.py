@@ -1,0 +1,117 @@
+"""A private run's server side (``SimConfig.dp_clip`` > 0): DP-FedAvg (McMahan et al., ICLR 2018) inside the fused
+aggregation, its seeded noise and its accounting.
+
+Each round: every sampled client's update ``X_k - g`` is clipped to L2 norm ``C = dp_clip`` (the clipping factors
+come from one pass of :func:`fedfast.ops.update_norms` and enter :func:`fedfast.ops.aggregate` as unnormalised
+weights, so the clipped sum costs the aggregation's own pass), the chunks' clipped sums are added (and all-reduced
+across processes), Gaussian noise ``N(0, (z C)^2 I)`` is added once, and the total is divided by the expected
+cohort size ``E = clients_per_round``:
+
+    avg = g + (sum_k min(1, C / ||X_k - g||) (X_k - g) + z C xi) / E,        xi ~ N(0, I_P)
+
+which the method's server rule then takes as the round's average (FedAvg: the new global model). Weights are
+uniform; a method that sends anything beside its model update (``Method.uploads``) is refused by
+:class:`fedfast.SimConfig`. The noise comes from a generator of its own, seeded from the run seed and saved in
+checkpoints, so a resumed run draws the same noise. ``z`` is ``dp_noise_multiplier``, or the multiplier that spends
+``dp_epsilon`` at ``dp_delta`` in ``rounds`` rounds (:func:`fedfast.privacy.calibrate`); epsilon after every round
+is in the round's record (``dp_epsilon``) from :class:`fedfast.privacy.Accountant`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import privacy
+
+_SERVER_SIDE = {"beta", "scale", "lr", "momentum", "ring", "ring_slot", "ring_count"}
+
+
+class RoundPrivacy:
+    """DP-FedAvg's parts of a run: the chunk's aggregation arguments, the round's noise and the accounting."""
+
+    def __init__(self, cfg, method, num_clients: int, device: torch.device):
+        self.cfg, self.method = cfg, method
+        self.clip = float(cfg.dp_clip)
+        self.expected = float(cfg.clients_per_round)  # E: the expected cohort size (Poisson: q K)
+        sampling = "poisson" if cfg.client_sampling == "poisson" else "fixed"
+        self.acct_kw = dict(sampling=sampling, num_clients=int(num_clients), accountant=cfg.dp_accountant,
+                            clients_per_round=int(cfg.clients_per_round) if sampling == "fixed" else None,
+                            rate=cfg.clients_per_round / num_clients if sampling == "poisson" else None)
+        if cfg.dp_noise_multiplier is not None:
+            self.z = float(cfg.dp_noise_multiplier)
+        else:
+            self.z = privacy.calibrate(float(cfg.dp_epsilon), float(cfg.dp_delta), int(cfg.rounds), **self.acct_kw)
+        self.accountant = privacy.Accountant(self.z, float(cfg.dp_delta), max_epsilon=cfg.dp_epsilon, **self.acct_kw)
+        self.accountant.check_plan(int(cfg.rounds))
+        self.gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1_000_003)
+        self.device = device
+
+    @classmethod
+    def of(cls, cfg, method, plan, runtime, schedule, device) -> "RoundPrivacy | None":
+        """The run's DP parts (None without ``dp_clip``); a schedule (public cohorts) and a model with buffers
+        (BatchNorm statistics, averaged from the clients' data unclipped) refused by name."""
+        if not cfg.dp_clip:
+            return None
+        if schedule is not None:
+            raise ValueError("schedule: a private run's cohorts must be sampled secretly (client_sampling); a "
+                             "given schedule is refused under dp_clip")
+        if runtime.num_buffers:
+            raise ValueError(f"dp_clip: the model's {runtime.num_buffers} buffer values (BatchNorm running "
+                             f"statistics) are averaged from the clients' data, uploads DP-FedAvg's clipping and noise "
+                             f"do not cover; use a model without them (GroupNorm)")
+        return cls(cfg, method, plan.num_clients, device)
+
+    def chunk_arguments(self, extra: dict) -> dict:
+        """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only)."""
+        client_side = sorted(set(extra) - _SERVER_SIDE)
+        if client_side:
+            raise ValueError(f"dp_clip: {self.method.name}'s chunk_aggregate passes {client_side}, per-client uploads "
+                             f"that DP-FedAvg's clipping and noise do not cover (declare them in the method's "
+                             f"`uploads`)")
+        return dict(dp_clip=self.clip, dp_denominator=self.expected, **extra)
+
+    def check_round(self, ctx) -> None:
+        """A method's (or plug-in's) per-round sums ``ctx.reduce`` are uploads too: refused by name."""
+        if ctx.reduce:
+            raise ValueError(f"dp_clip: {self.method.name} sums {sorted(ctx.reduce)} over its clients (ctx.reduce), "
+                             f"uploads that DP-FedAvg's clipping and noise do not cover")
+
+    def average(self, g: torch.Tensor, clipped_sum: torch.Tensor) -> torch.Tensor:
+        """``g + (clipped_sum + z C xi) / E``, ``clipped_sum`` the round's (all-reduced) sum of the chunks'
+        ``(average - g)``, i.e. of the clipped updates already divided by E; the noise drawn once per round."""
+        avg = g + clipped_sum
+        if self.z > 0:
+            xi = torch.randn(g.shape, generator=self.gen, device=self.device, dtype=torch.float32)
+            avg = avg + xi.to(g.dtype) * (self.z * self.clip / self.expected)
+        return avg
+
+    def epsilon(self, rounds: int) -> float | None:
+        """Epsilon spent after ``rounds`` rounds (None when infinite: no noise)."""
+        eps = self.accountant.epsilon(rounds)
+        return eps if math.isfinite(eps) else None
+
+    def state_dict(self) -> dict:
+        return {"noise_multiplier": self.z, "generator": self.gen.get_state().cpu()}
+
+    @staticmethod
+    def restore(privacy: "RoundPrivacy | None", ck: dict, rounds: int) -> None:
+        """A checkpoint's DP state into ``privacy`` (the run's, or None); a private checkpoint into a run that is
+        not (or the reverse) refused."""
+        if (privacy is not None) != ("privacy" in ck):
+            raise ValueError("checkpoint: " + ("a private run's (dp_clip), this config is not private" if "privacy" in
+                                               ck else "a run without dp_clip, this config is private"))
+        if privacy is not None:
+            privacy.load_state_dict(ck["privacy"], rounds)
+
+    def load_state_dict(self, st: dict, rounds: int) -> None:
+        """The noise of the checkpointed run (its multiplier: a calibrated one is not calibrated again when
+        ``rounds`` changed) and its generator; the run refused when ``rounds`` would pass ``dp_epsilon``."""
+        z = float(st["noise_multiplier"])
+        if self.cfg.dp_noise_multiplier is not None and z != self.z:
+            raise ValueError(f"dp_noise_multiplier: the checkpoint's run drew noise of multiplier {z:g}, this config "
+                             f"gives {self.z:g}")
+        self.z = z
+        self.accountant.noise_multiplier = z
+        self.accountant.check_plan(int(rounds))
+        self.gen.set_state(st["generator"].to(self.gen.get_state().device))

@@ -1,0 +1,173 @@
+"""Private runs (issue 49): DP-FedAvg in the engine against the literal loop (clip each client's delta, sum, add the
+same noise, divide by the expected cohort size), Poisson sampling with empty cohorts, the noise's standard
+deviation, epsilon against the accountant called directly, calibration, checkpoints, and the refusals by name."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fedfast
+from fedfast import privacy
+from fedfast.sampling import sample_clients_poisson
+
+from sequential_loop import sequential, setup_data
+
+pytest.importorskip("dp_accounting")
+
+BASE = dict(clients_per_round=4, rounds=3, local_epochs=1, batch_size=16, lr=0.05, seed=3, max_grad_norm=0.0)
+
+
+def _run(algorithm="fedavg", options=None, **kw):
+    train, test, part, model = setup_data("mlp")
+    cfg = fedfast.SimConfig(algorithm=algorithm, options=options or {}, **{**BASE, **kw})
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    return cfg, sim, (train, test, part, model)
+
+
+@pytest.mark.parametrize("algorithm,options,sampling", [("fedavg", {}, "uniform"), ("fedavg", {}, "poisson"),
+                                                        ("fedntd", dict(tau=2.0), "uniform")])
+def test_private_rounds_equal_the_literal_loop(algorithm, options, sampling):
+    """Clip 0.05 (every client's delta is longer: clipping acts on each), z = 0.7: the engine's global model after
+    three rounds equals the loop's clipped sum + the same noise over E = clients_per_round."""
+    cfg, sim, (train, _, part, model) = _run(algorithm, options, dp_clip=0.05, dp_noise_multiplier=0.7,
+                                             client_sampling=sampling)
+    start = copy.deepcopy(sim.model).cpu()
+    hist = sim.run()
+    K = part.num_clients
+    sampled_fn = (lambda r: sample_clients_poisson(cfg.seed, r, K, cfg.clients_per_round / K)) \
+        if sampling == "poisson" else None
+    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    ref = sequential(cfg, start, train, part, cfg.rounds, sampled_fn=sampled_fn,
+                     dp=dict(clip=0.05, z=0.7, E=float(cfg.clients_per_round), gen=gen))
+    err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-6, err
+    # a broken formula would show: without the noise, or without clipping, the loop lands elsewhere
+    gen2 = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    no_clip = sequential(cfg, copy.deepcopy(start), train, part, cfg.rounds, sampled_fn=sampled_fn,
+                         dp=dict(clip=1e9, z=0.7 * 0.05 / 1e9, E=float(cfg.clients_per_round), gen=gen2))
+    assert float((no_clip - ref).abs().max() / ref.abs().max()) > 1e-2
+    for r, rec in enumerate(hist, 1):  # epsilon after each round: the accountant, called directly
+        want = privacy.epsilon(0.7, cfg.dp_delta, r, sampling="poisson" if sampling == "poisson" else "fixed",
+                               num_clients=K, clients_per_round=4 if sampling == "uniform" else None,
+                               rate=4 / K if sampling == "poisson" else None)
+        assert rec["dp_epsilon"] == pytest.approx(want, rel=1e-12)
+
+
+def test_poisson_rounds_without_a_client():
+    """q = 1/K: some rounds draw nobody. Without DP the global model stays; with DP it takes the noise alone."""
+    train, test, part, model = setup_data("mlp")
+    K = part.num_clients
+    rounds = [r for r in range(40) if len(sample_clients_poisson(3, r, K, 1 / K)) == 0]
+    assert rounds, "no empty cohort in 40 rounds"
+    n = rounds[0] + 1
+    for dp in ({}, dict(dp_clip=0.05, dp_noise_multiplier=1.0)):
+        cfg = fedfast.SimConfig(algorithm="fedavg", **{**BASE, "clients_per_round": 1, "rounds": n},
+                                client_sampling="poisson", **dp)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        for _ in range(n - 1):
+            sim.round()
+        before = sim.global_flat.clone()
+        rec = sim.round()
+        assert rec["clients"] == []
+        if not dp:
+            assert torch.equal(sim.global_flat, before)
+        else:
+            gen = torch.Generator().manual_seed(3 + 1_000_003)
+            for _ in range(n):  # one draw per round, empty or not
+                xi = torch.randn(before.shape, generator=gen)
+            assert torch.allclose(sim.global_flat, before + xi * (1.0 * 0.05 / 1.0), rtol=0, atol=1e-7)
+
+
+def test_noise_standard_deviation_is_z_clip_over_the_expected_cohort():
+    from fedfast.sim.privacy import RoundPrivacy
+    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, rounds=1, dp_clip=0.5, dp_noise_multiplier=1.3)
+    p = RoundPrivacy(cfg, cfg.method(), 100, torch.device("cpu"))
+    g = torch.zeros(200_000)
+    noise = p.average(g, torch.zeros_like(g))
+    sd, want = float(noise.std()), 1.3 * 0.5 / 8
+    # the sample standard deviation of 2e5 normals: relative standard error 1/sqrt(2n) = 0.16 %; 5 sigma
+    assert abs(sd / want - 1) < 5 / math.sqrt(2 * g.numel()), (sd, want)
+    assert abs(float(noise.mean())) < 5 * want / math.sqrt(g.numel())
+
+
+def test_epsilon_calibration_budget_and_resume():
+    """dp_epsilon calibrates the noise for the planned rounds; the last round spends at most the budget; a checkpoint
+    resumes bit for bit with its noise; more rounds than the budget allows are refused, naming rounds."""
+    cfg, sim, (train, test, part, model) = _run(dp_clip=0.1, dp_epsilon=8.0, rounds=3, client_sampling="poisson")
+    z = privacy.calibrate(8.0, cfg.dp_delta, 3, sampling="poisson", num_clients=part.num_clients,
+                          rate=4 / part.num_clients)
+    assert sim.privacy.z == pytest.approx(z)
+    sim.round()
+    sim.round()
+    ck = sim.checkpoint()
+    straight = sim.round()
+    g3 = sim.global_flat.clone()
+    assert straight["dp_epsilon"] <= 8.0 * (1 + 1e-9) and straight["dp_epsilon"] > 7.0
+    again = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    again.restore(ck)
+    again.round()
+    assert torch.equal(again.global_flat, g3)
+    more = fedfast.SimConfig(**{**cfg.__dict__, "rounds": 30})  # calibrated for 30 rounds: less noise per round
+    later = fedfast.Simulation(more, copy.deepcopy(model), train, test, part)
+    with pytest.raises(ValueError, match="rounds: 30 private rounds spend epsilon"):
+        later.restore(ck)  # the checkpoint's noise, for 30 rounds, passes the budget
+
+
+def test_summary_records_the_final_epsilon():
+    from fedfast.callbacks import summarize
+    _, sim, _ = _run(dp_clip=0.1, dp_noise_multiplier=1.0, rounds=2)
+    hist = sim.run()
+    s = summarize(hist, {"algorithm": "fedavg", "seed": 3, "rounds": 2}, "cpu", True)
+    assert s["dp_epsilon"] == hist[-1]["dp_epsilon"] and s["dp_epsilon"] > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(algorithm="scaffold"), "scaffold uploads its control variates"),
+    (dict(algorithm="feddistill_plus"), "per-label mean logits"),
+    (dict(algorithm="feddisco"), "label distribution"),
+    (dict(client_sampling="bernoulli"), "client_sampling: 'bernoulli'"),
+    (dict(client_sampling="round_seeded"), "client_sampling: 'round_seeded'"),
+    (dict(aggregate_weights="size"), "aggregate_weights"),
+    (dict(dp_accountant="pld"), "dp_accountant"),
+    (dict(dp_clip_quantile=0.5), "dp_clip_quantile"),
+    (dict(dp_noise_multiplier=None), "dp_clip: a private run needs"),
+    (dict(dp_delta=0.0), "dp_delta"),
+])
+def test_refused_by_name(kw, match):
+    base = dict(algorithm="fedavg", dp_clip=1.0, dp_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=match):
+        fedfast.SimConfig(**{**base, **kw})
+    with pytest.raises(ValueError, match="dp_noise_multiplier: a private-run key"):
+        fedfast.SimConfig(dp_noise_multiplier=1.0)
+
+
+def test_batch_norm_statistics_and_schedules_are_refused():
+    train, test, part, model = setup_data("bn")
+    cfg = fedfast.SimConfig(algorithm="fedavg", dp_clip=1.0, dp_noise_multiplier=1.0, **BASE)
+    with pytest.raises(ValueError, match="dp_clip: the model's .* buffer values"):
+        fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    train, test, part, model = setup_data("mlp")
+    with pytest.raises(ValueError, match="schedule"):
+        fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, schedule=[[0, 1]] * 3)
+
+
+def test_a_plugin_summing_over_its_clients_is_refused():
+    from fedfast.methods import FedAvg, register
+
+    class Leaky(FedAvg):
+        def round_start(self, ctx):
+            super().round_start(ctx)
+            ctx.reduce["label_sums"] = torch.zeros(3)
+
+    name = "leaky_dp_test"
+    register(name)(Leaky)
+    try:
+        train, test, part, model = setup_data("mlp")
+        cfg = fedfast.SimConfig(algorithm=name, dp_clip=1.0, dp_noise_multiplier=1.0, **BASE)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        with pytest.raises(ValueError, match=r"sums \['label_sums'\]"):
+            sim.round()
+    finally:
+        fedfast.methods.unregister(name)
