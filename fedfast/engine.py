@@ -223,7 +223,7 @@ class Simulation:
         st = self.state
         ctx, totals, step_rows = self.plan.sample(st.round)
         self.method.round_start(ctx)
-        self.privacy and self.privacy.check_round(ctx)
+        clip = self.privacy.begin_round(ctx) if self.privacy else None  # private: the round's clip
         t1 = time.perf_counter()
         with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
             teacher = self._teacher(ctx)
@@ -244,8 +244,8 @@ class Simulation:
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
             rec, class_acc = self.evaluator.record(st.round, st.eval_flat, st.history, st.class_acc, totals, loss_sum,
                                                    timers, t1, chunk=self.chunk, method_metrics=method_metrics)
-        if self.privacy:  # the budget spent so far (accounted on the host: no device work)
-            rec["dp_epsilon"] = self.privacy.epsilon(st.round)
+        if self.privacy:  # the budget spent so far (accounted on the host: no device work), the clip used
+            self.privacy.record(rec, st.round, clip)
         self.runtime.load_into_model(st.eval_flat)
         if class_acc is not None:
             st.class_acc.append(class_acc)
@@ -303,6 +303,8 @@ class Simulation:
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
         self.method.collect(ctx, out, lo, hi)
+        if self.privacy:
+            self.privacy.collect(ctx, out)
         # private: the chunk's clipped sum / E (the server adds g and the noise once)
         return out["average"] - self.global_flat if self.privacy else weights[lo:hi].sum() * out["average"]
 
@@ -318,7 +320,7 @@ class Simulation:
                     store_rows(self.comm, st, ctx.sampled_t, rows)
         if not (self.privacy or total_w > 0):  # no client this round (Poisson sampling): the global model stays
             return
-        avg = self.privacy.average(self.global_flat, avg_sum) if self.privacy else avg_sum / total_w
+        avg = self.privacy.average(self.global_flat, avg_sum, ctx) if self.privacy else avg_sum / total_w
         if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg)

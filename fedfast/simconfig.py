@@ -106,7 +106,10 @@ class SimConfig:
     dp_epsilon: float | None = None
     dp_delta: float = 1e-5
     dp_accountant: str = "rdp"  # "rdp" or "pld" (dp-accounting's)
-    dp_clip_quantile: float | None = None  # adaptive clipping (Andrew et al. 2021): not built yet, refused
+    dp_clip_quantile: float | None = None  # adaptive clipping (Andrew et al. 2021): the clip follows this quantile
+    #   of the update norms, C <- C exp(-dp_clip_lr (b - dp_clip_quantile)), b the noised fraction of unclipped updates
+    dp_clip_lr: float = 0.2               # adaptive clipping's geometric step (the paper's eta_C)
+    dp_clip_count_noise: float | None = None  # std of the noise on the unclipped count; None: clients_per_round / 20
 
     def __post_init__(self):
         if not isinstance(self.options, dict):
@@ -189,7 +192,8 @@ class SimConfig:
     def _check_dp(self, cls) -> None:
         """The private-run keys: each used only with dp_clip, and a run whose uploads, sampling or weights DP-FedAvg's
         analysis does not cover refused by name."""
-        given = [k for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile") if getattr(self, k) is not None]
+        given = [k for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
+                 if getattr(self, k) is not None] + (["dp_clip_lr"] if self.dp_clip_lr != 0.2 else [])
         if not (isinstance(self.dp_clip, (int, float)) and not isinstance(self.dp_clip, bool) and
                 0 <= self.dp_clip < math.inf):
             raise ValueError(f"dp_clip: the clipping norm, a finite number >= 0 (0: not private), got {self.dp_clip!r}")
@@ -198,8 +202,20 @@ class SimConfig:
                 raise ValueError(f"{given[0]}: a private-run key, given without dp_clip (the clipping norm)")
             return
         if self.dp_clip_quantile is not None:
-            raise ValueError("dp_clip_quantile: adaptive clipping (Andrew et al. 2021) is not built yet; give a fixed "
-                             "dp_clip")
+            if not (isinstance(self.dp_clip_quantile, (int, float)) and 0 < self.dp_clip_quantile < 1):
+                raise ValueError(f"dp_clip_quantile: the target fraction of unclipped updates, in (0, 1), got "
+                                 f"{self.dp_clip_quantile!r}")
+            if not (isinstance(self.dp_clip_lr, (int, float)) and 0 < self.dp_clip_lr < math.inf):
+                raise ValueError(f"dp_clip_lr: adaptive clipping's step, a finite number > 0, got {self.dp_clip_lr!r}")
+            v = self.dp_clip_count_noise
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                raise ValueError(f"dp_clip_count_noise: the count's noise std, a finite number > 0, got {v!r}")
+            if v is not None and self.dp_noise_multiplier == 0:
+                raise ValueError("dp_clip_count_noise: with dp_noise_multiplier = 0 nothing is noised")
+        else:
+            for k in ("dp_clip_count_noise",) + (("dp_clip_lr",) if self.dp_clip_lr != 0.2 else ()):
+                if getattr(self, k) is not None:
+                    raise ValueError(f"{k}: an adaptive-clipping key, given without dp_clip_quantile")
         if self.dp_noise_multiplier is None and self.dp_epsilon is None:
             raise ValueError("dp_clip: a private run needs dp_noise_multiplier (0: clipping only, epsilon infinite) or "
                              "dp_epsilon (the budget to spend in `rounds` rounds)")

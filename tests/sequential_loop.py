@@ -7,6 +7,7 @@ plainly (independently of fedfast's method classes: options are read from the re
 """
 import collections
 import copy
+import math
 import dataclasses
 import os
 import tempfile
@@ -238,12 +239,17 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
             sizes.append(len(idx))
             flats.append(wk)
         if dp is not None:  # DP-FedAvg: clipped deltas, summed, the round's noise, over the expected cohort size
-            total = torch.zeros(P, device=dev)
+            total, unclipped = torch.zeros(P, device=dev), 0
             for f in flats:
                 d = f - gflat
                 total = total + d * min(1.0, dp["clip"] / float(d.norm()))
+                unclipped += int(float(d.norm()) <= dp["clip"])
             xi = torch.randn(P, generator=dp["gen"]) if dp["z"] > 0 else torch.zeros(P)
-            _load_(glob, gflat + (total + dp["z"] * dp["clip"] * xi.to(dev)) / dp["E"])
+            _load_(glob, gflat + (total + dp.get("z_update", dp["z"]) * dp["clip"] * xi.to(dev)) / dp["E"])
+            if "quantile" in dp:  # adaptive clipping: the noised fraction of unclipped updates moves the clip
+                b = (unclipped + float(torch.randn(1, generator=dp["gen"])[0]) * dp["sigma_b"]) / dp["E"]
+                dp["clip"] = dp["clip"] * math.exp(-dp["lr_c"] * (b - dp["quantile"]))
+                dp.setdefault("clips", []).append(dp["clip"])
             gkd_hist.append(copy.deepcopy(glob.state_dict()))
             continue
         if cfg.aggregate_weights == "uniform":

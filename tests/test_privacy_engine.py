@@ -131,7 +131,9 @@ def test_summary_records_the_final_epsilon():
     (dict(client_sampling="round_seeded"), "client_sampling: 'round_seeded'"),
     (dict(aggregate_weights="size"), "aggregate_weights"),
     (dict(dp_accountant="pld"), "dp_accountant"),
-    (dict(dp_clip_quantile=0.5), "dp_clip_quantile"),
+    (dict(dp_clip_quantile=1.5), "dp_clip_quantile"),
+    (dict(dp_clip_count_noise=1.0), "dp_clip_count_noise: an adaptive-clipping key"),
+    (dict(dp_clip_quantile=0.5, dp_noise_multiplier=0.0, dp_clip_count_noise=1.0), "nothing is noised"),
     (dict(dp_noise_multiplier=None), "dp_clip: a private run needs"),
     (dict(dp_delta=0.0), "dp_delta"),
 ])
@@ -171,3 +173,44 @@ def test_a_plugin_summing_over_its_clients_is_refused():
             sim.round()
     finally:
         fedfast.methods.unregister(name)
+
+
+def test_adaptive_clipping_equals_the_literal_loop():
+    """dp_clip_quantile 0.5: the updates noised with z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2), the count of unclipped
+    updates with sigma_b, and the clip moved geometrically each round, as the loop does; the records show the clip
+    each round used, and epsilon is the accountant's at z (the count's release is inside it)."""
+    cfg, sim, (train, _, part, model) = _run(dp_clip=0.05, dp_noise_multiplier=0.7, dp_clip_quantile=0.5,
+                                             dp_clip_count_noise=1.0, rounds=4, client_sampling="poisson")
+    start = copy.deepcopy(sim.model).cpu()
+    hist = sim.run()
+    K, E = part.num_clients, 4.0
+    sigma_b = 1.0
+    z_update = (0.7 ** -2 - (2 * sigma_b) ** -2) ** -0.5
+    dp = dict(clip=0.05, z=0.7, z_update=z_update, E=E, gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),
+              quantile=0.5, lr_c=0.2, sigma_b=sigma_b)
+    ref = sequential(cfg, start, train, part, cfg.rounds, dp=dp,
+                     sampled_fn=lambda r: sample_clients_poisson(cfg.seed, r, K, 4 / K))
+    err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
+    assert err <= 1e-6, err
+    assert [h["dp_clip"] for h in hist] == pytest.approx([0.05] + dp["clips"][:-1], rel=1e-6)
+    assert sim.privacy.clip == pytest.approx(dp["clips"][-1], rel=1e-6)
+    assert len(set(round(c, 9) for c in dp["clips"])) > 1  # the clip moved
+    assert hist[-1]["dp_epsilon"] == pytest.approx(privacy.epsilon(0.7, cfg.dp_delta, 4, sampling="poisson",
+                                                                   num_clients=K, rate=4 / K), rel=1e-12)
+    with pytest.raises(ValueError, match="dp_clip_count_noise: adaptive clipping's count noise"):
+        _run(dp_clip=0.05, dp_noise_multiplier=2.0, dp_clip_quantile=0.5, dp_clip_count_noise=0.5)
+
+
+def test_adaptive_clip_resumes_from_its_checkpoint():
+    cfg, sim, (train, test, part, model) = _run(dp_clip=0.05, dp_noise_multiplier=0.7, dp_clip_quantile=0.3,
+                                                dp_clip_count_noise=1.0, rounds=3)
+    sim.round()
+    ck = sim.checkpoint()
+    sim.round()
+    sim.round()
+    again = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    again.restore(ck)
+    assert again.privacy.clip == ck["privacy"]["clip"] != 0.05
+    again.round()
+    again.round()
+    assert torch.equal(again.global_flat, sim.global_flat) and again.privacy.clip == sim.privacy.clip

@@ -77,7 +77,8 @@ def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: s
 
 
 def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, backend):
-    """(unnormalised weights [n], average shift [P]) of DP-FedAvg's noised mean, or None without ``dp_clip``."""
+    """(unnormalised weights [n], average shift [P], the count of updates no longer than the clip) of DP-FedAvg's
+    noised mean, or None without ``dp_clip``."""
     if clip is None:
         if noise is not None or denominator is not None:
             raise ValueError("dp_noise/dp_denominator: given without dp_clip")
@@ -95,12 +96,13 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, ba
     P = clients.shape[1]
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
     _vec("dp_noise", noise, P)
-    s = torch.clamp(float(clip) / update_norms(clients, g, idx, backend), max=1.0)
+    norms = update_norms(clients, g, idx, backend)
+    s = torch.clamp(float(clip) / norms, max=1.0)
     w = s / float(denominator)
     shift = (1.0 - w.sum()) * g.to(acc)
     if noise is not None:
         shift = shift + noise.to(acc) / float(denominator)
-    return w.to(acc), shift
+    return w.to(acc), shift, (norms <= float(clip)).sum().to(acc)
 
 def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None, beta: float = 0.0,
               scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
@@ -122,7 +124,8 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     deviation): the average is ``g + (sum_k min(1, C / ||X_k - g||) (X_k - g) + noise) / E``
     (:func:`~fedfast.ops.aggregate_reference.dp_average_reference`): the clients' update norms in one pass over
     their rows, then the op's pass with the clipping factors as unnormalised weights and the rest as a shift of the
-    average. Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA
+    average. ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive clipping's
+    count). Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA
     backend does not take it yet.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
@@ -135,7 +138,7 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     n = idx.numel()
     dp = _dp_terms(clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, backend)
     if dp is not None:
-        w, avg_shift = dp
+        w, avg_shift, unclipped = dp
     elif weights is None:
         w = torch.full((n,), 1.0 / n, device=dev)
     else:
@@ -199,4 +202,6 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         what = f"rows {rows_bad} contain NaN or inf" if rows_bad else "the weighted average overflowed"
         raise NonFiniteUpdate(f"clients: {what}; the update was refused (global model and server state unchanged)",
                               rows_bad)
+    if dp is not None:
+        out["dp_unclipped"] = unclipped
     return out

@@ -15,6 +15,13 @@ uniform; a method that sends anything beside its model update (``Method.uploads`
 checkpoints, so a resumed run draws the same noise. ``z`` is ``dp_noise_multiplier``, or the multiplier that spends
 ``dp_epsilon`` at ``dp_delta`` in ``rounds`` rounds (:func:`fedfast.privacy.calibrate`); epsilon after every round
 is in the round's record (``dp_epsilon``) from :class:`fedfast.privacy.Accountant`.
+
+Adaptive clipping (``dp_clip_quantile`` gamma; Andrew et al., *Differentially Private Learning with Adaptive
+Clipping*, NeurIPS 2021): the aggregation also counts the updates no longer than C, the count gets Gaussian noise of
+std ``sigma_b = dp_clip_count_noise`` (default E / 20, the paper's), and after the round
+``C <- C exp(-eta (b - gamma))`` with ``b = (count + noise) / E`` and ``eta = dp_clip_lr``. The count's release is
+paid for by noising the updates with ``z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (the paper's Theorem 1: the pair
+is then one Gaussian mechanism of multiplier z), so the accountant's z is unchanged.
 """
 from __future__ import annotations
 
@@ -46,6 +53,19 @@ class RoundPrivacy:
         self.accountant.check_plan(int(cfg.rounds))
         self.gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1_000_003)
         self.device = device
+        self.adaptive = cfg.dp_clip_quantile is not None
+        self.sigma_b = float(cfg.dp_clip_count_noise or self.expected / 20) if self.adaptive and self.z > 0 else 0.0
+        self.z_update = self._update_multiplier(self.z)
+
+    def _update_multiplier(self, z: float) -> float:
+        """The updates' noise multiplier: z, or with adaptive clipping what is left after the count's share."""
+        if not self.adaptive or z == 0:
+            return z
+        if not 2 * self.sigma_b > z:
+            raise ValueError(f"dp_clip_count_noise: adaptive clipping's count noise {self.sigma_b:g} must exceed "
+                             f"dp_noise_multiplier / 2 = {z / 2:g} (the updates' noise is "
+                             f"(z^-2 - (2 sigma_b)^-2)^(-1/2)); raise dp_clip_count_noise")
+        return (z ** -2 - (2 * self.sigma_b) ** -2) ** -0.5
 
     @classmethod
     def of(cls, cfg, method, plan, runtime, schedule, device) -> "RoundPrivacy | None":
@@ -71,20 +91,41 @@ class RoundPrivacy:
                              f"`uploads`)")
         return dict(dp_clip=self.clip, dp_denominator=self.expected, **extra)
 
-    def check_round(self, ctx) -> None:
-        """A method's (or plug-in's) per-round sums ``ctx.reduce`` are uploads too: refused by name."""
+    def begin_round(self, ctx) -> float:
+        """The round's clip. A method's (or plug-in's) per-round sums ``ctx.reduce`` are uploads too: refused by
+        name. With adaptive clipping, the round's count of unclipped updates (summed over the chunks and processes
+        with the method's sums)."""
         if ctx.reduce:
             raise ValueError(f"dp_clip: {self.method.name} sums {sorted(ctx.reduce)} over its clients (ctx.reduce), "
                              f"uploads that DP-FedAvg's clipping and noise do not cover")
+        if self.adaptive:
+            ctx.reduce["_dp_unclipped"] = torch.zeros((), device=self.device)
+        return self.clip
 
-    def average(self, g: torch.Tensor, clipped_sum: torch.Tensor) -> torch.Tensor:
+    def collect(self, ctx, out: dict) -> None:
+        """A chunk's count of unclipped updates (adaptive clipping)."""
+        if self.adaptive:
+            ctx.reduce["_dp_unclipped"] += out["dp_unclipped"]
+
+    def average(self, g: torch.Tensor, clipped_sum: torch.Tensor, ctx=None) -> torch.Tensor:
         """``g + (clipped_sum + z C xi) / E``, ``clipped_sum`` the round's (all-reduced) sum of the chunks'
-        ``(average - g)``, i.e. of the clipped updates already divided by E; the noise drawn once per round."""
+        ``(average - g)``, i.e. of the clipped updates already divided by E; the noise drawn once per round. With
+        adaptive clipping the next round's C from the noised count (one host read per round)."""
         avg = g + clipped_sum
         if self.z > 0:
             xi = torch.randn(g.shape, generator=self.gen, device=self.device, dtype=torch.float32)
-            avg = avg + xi.to(g.dtype) * (self.z * self.clip / self.expected)
+            avg = avg + xi.to(g.dtype) * (self.z_update * self.clip / self.expected)
+        if self.adaptive:
+            nb = torch.randn(1, generator=self.gen, device=self.device, dtype=torch.float32) * self.sigma_b
+            b = float((ctx.reduce["_dp_unclipped"] + nb[0]) / self.expected)
+            self.clip = self.clip * math.exp(-float(self.cfg.dp_clip_lr) * (b - float(self.cfg.dp_clip_quantile)))
         return avg
+
+    def record(self, rec: dict, rounds: int, clip: float) -> None:
+        """The round's record: epsilon spent so far, and with adaptive clipping the clip the round used."""
+        rec["dp_epsilon"] = self.epsilon(rounds)
+        if self.adaptive:
+            rec["dp_clip"] = clip
 
     def epsilon(self, rounds: int) -> float | None:
         """Epsilon spent after ``rounds`` rounds (None when infinite: no noise)."""
@@ -92,7 +133,7 @@ class RoundPrivacy:
         return eps if math.isfinite(eps) else None
 
     def state_dict(self) -> dict:
-        return {"noise_multiplier": self.z, "generator": self.gen.get_state().cpu()}
+        return {"noise_multiplier": self.z, "generator": self.gen.get_state().cpu(), "clip": self.clip}
 
     @staticmethod
     def restore(privacy: "RoundPrivacy | None", ck: dict, rounds: int) -> None:
@@ -112,6 +153,8 @@ class RoundPrivacy:
             raise ValueError(f"dp_noise_multiplier: the checkpoint's run drew noise of multiplier {z:g}, this config "
                              f"gives {self.z:g}")
         self.z = z
+        self.z_update = self._update_multiplier(z)
+        self.clip = float(st.get("clip", self.clip))
         self.accountant.noise_multiplier = z
         self.accountant.check_plan(int(rounds))
         self.gen.set_state(st["generator"].to(self.gen.get_state().device))
