@@ -140,7 +140,21 @@ class Accountant:
         self.noise_multiplier, self.delta, self.max_epsilon = noise_multiplier, delta, max_epsilon
 
     def epsilon(self, rounds: int) -> float:
-        return epsilon(self.noise_multiplier, self.delta, rounds, **self.kw)
+        """Epsilon after ``rounds`` rounds. RDP composes linearly, so one round's RDP curve is computed once (the
+        subsampled Gaussian's orders: 0.1-0.2 s on a CPU core) and each round's epsilon is its conversion at
+        ``rounds`` times it (dp-accounting's ``compute_epsilon``); PLD composes each time."""
+        if self.kw["accountant"] != "rdp" or rounds == 0 or self.noise_multiplier == 0:
+            return epsilon(self.noise_multiplier, self.delta, rounds, **self.kw)
+        _check(self.noise_multiplier, self.delta, rounds, self.kw["sampling"], self.kw["num_clients"],
+               self.kw["clients_per_round"], self.kw["rate"], "rdp")
+        if getattr(self, "_rdp_z", None) != self.noise_multiplier:
+            acc = _fresh("rdp", self.kw["sampling"])
+            with _quiet():
+                acc.compose(round_event(self.noise_multiplier, self.kw["sampling"], self.kw["num_clients"],
+                                        self.kw["clients_per_round"], self.kw["rate"]), 1)
+            self._rdp_z, self._orders, self._rdp = self.noise_multiplier, acc.orders, acc.rdp
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp
+        return float(rdp.compute_epsilon(self._orders, rounds * self._rdp, self.delta)[0])
 
     def check_plan(self, rounds: int) -> float:
         """Epsilon after ``rounds``; a ValueError naming ``rounds`` if it passes ``max_epsilon``."""

@@ -638,3 +638,29 @@ def test_gpu_dp_fedavg_aggregate_on_triton_and_refused_on_cuda():
     if _backend.available("cuda", "cuda"):
         with pytest.raises(ValueError, match="backend"):
             ops.aggregate(X.cuda(), g.cuda(), dp_clip=0.5, dp_denominator=1.5, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_private_rounds_match_the_literal_loop(backend):
+    """DP-FedAvg on the GPU (issue 49): with clipping only (z = 0, so no device-specific noise stream) the engine's
+    rounds equal the CPU loop's clipped sums; with noise, the noise's standard deviation is z C / E."""
+    _need(backend)
+    pytest.importorskip("dp_accounting")
+    import copy
+
+    import fedfast
+    from sequential_loop import sequential, setup_data
+    train, test, part, model = setup_data("mlp")
+    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=3, local_epochs=1, batch_size=16, lr=0.05, seed=3,
+              max_grad_norm=0.0, dp_clip=0.05, backend=backend)
+    cfg = fedfast.SimConfig(**kw, dp_noise_multiplier=0.0)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device="cuda")
+    start = copy.deepcopy(sim.model).cpu()
+    sim.run()
+    ref = sequential(cfg, start, train, part, cfg.rounds, dp=dict(clip=0.05, z=0.0, E=4.0, gen=torch.Generator()))
+    assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5
+    from fedfast.sim.privacy import RoundPrivacy
+    p = RoundPrivacy(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3), fedfast.SimConfig().method(), 100,
+                     torch.device("cuda"))
+    noise = p.average(torch.zeros(1_000_000, device="cuda"), torch.zeros(1_000_000, device="cuda"))
+    assert abs(float(noise.std()) / (1.3 * 0.05 / 4) - 1) < 5e-3

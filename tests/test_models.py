@@ -129,3 +129,15 @@ def test_projection_head():
         models.with_projection_head(torch.nn.Sequential(torch.nn.ReLU()))
     with pytest.raises(ValueError, match="dim"):
         models.with_projection_head(m, 0)
+
+
+def test_mlp_options_size_it():
+    """The MLP's [mlp] table: layers x hidden units (default 784-200-200-10; layers = 0: logistic regression);
+    bad values name the key."""
+    from fedfast.models import MLPOptions
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(models.build("mlp", 10, (1, 28, 28))) == 199210
+    assert count(models.build("mlp", 10, (1, 28, 28), MLPOptions(hidden=32, layers=1))) == 784 * 32 + 32 + 330
+    assert count(models.build("mlp", 10, (1, 28, 28), MLPOptions(layers=0))) == 7850
+    with pytest.raises(ValueError, match="mlp.hidden"):
+        MLPOptions(hidden=0)

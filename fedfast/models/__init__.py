@@ -8,6 +8,7 @@ samples. :func:`build` makes one by name; :func:`register_model` adds one (a tak
 have options of its own (an ``options`` dataclass, the run config's ``[name]`` table: ``build(C, shape, opts)``).
 ``model = "hf:..."`` (Hugging Face) is separate (:mod:`fedfast.models.hf`).
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -64,8 +65,25 @@ register_model("resnet10_bn", lambda C, shape: resnet10(C, "bn"))
 register_model("resnet18_bn", lambda C, shape: resnet18(C, "bn"))
 register_model("resnet18_gn", lambda C, shape: resnet18(C, "gn"))
 register_model("fedgen_cnn_mnist", lambda C, shape: FedGenCNN(C))
+@dataclasses.dataclass
+class MLPOptions:
+    """The MLP's ``[mlp]`` table: ``layers`` hidden layers of ``hidden`` units (default FedAvg's 784-200-200-10;
+    ``layers = 0``: multinomial logistic regression)."""
+    hidden: int = 200
+    layers: int = 2
+
+    def __post_init__(self):
+        if self.hidden < 1 or self.layers < 0:
+            raise ValueError(f"mlp.hidden >= 1 and mlp.layers >= 0, got {self.hidden} and {self.layers}")
+
+
 # sized to the dataset's samples: the MLP to any sample shape (images or feature rows; default 1x28x28)
-register_model("mlp", lambda C, shape: MLP(math.prod(shape) if shape else 784, (200, 200), C))
+def _mlp(C, shape, o=None):
+    o = o if o is not None else MLPOptions()
+    return MLP(math.prod(shape) if shape else 784, (o.hidden,) * o.layers, C)
+
+
+register_model("mlp", _mlp, options=MLPOptions)
 # pfl-research's benchmark CNN, sized to the dataset's images (1x28x28: 1,199,882 parameters)
 register_model("simple_cnn", lambda C, shape: SimpleCNN(C, in_channels=shape[0], image_size=shape[1]) if shape
                else SimpleCNN(C))
