@@ -214,3 +214,29 @@ def test_adaptive_clip_resumes_from_its_checkpoint():
     again.round()
     again.round()
     assert torch.equal(again.global_flat, sim.global_flat) and again.privacy.clip == sim.privacy.clip
+
+
+@pytest.mark.filterwarnings("ignore:moon")
+def test_every_method_runs_a_private_round_or_is_refused_by_name():
+    """Issue 49's contract: under dp_clip each registered method either trains a private round (its uploads are its
+    update alone) or is refused naming what it uploads."""
+    train, test, part, model = setup_data("mlp")
+    ran, refused = [], []
+    for name in sorted(fedfast.methods.BUILTIN):
+        cls = fedfast.methods.get(name)
+        try:
+            cfg = fedfast.SimConfig(algorithm=name, dp_clip=0.5, dp_noise_multiplier=1.0,
+                                    **{**BASE, "rounds": 1, "clients_per_round": 3})
+        except ValueError as e:  # (and a method with the +asd add-on: the base's uploads decide)
+            assert cls.uploads and cls.uploads in str(e) and "dp_clip" in str(e), (name, e)
+            refused.append(name)
+            continue
+        assert not cls.uploads, name
+        tr, splits = cfg.method().hold_out(train, cfg.seed)
+        sim = fedfast.Simulation(cfg, copy.deepcopy(model), tr, test, part if len(tr) == len(train) else
+                                 fedfast.data.iid(tr.y, part.num_clients, seed=0), **splits)
+        rec = sim.round()
+        assert rec["dp_epsilon"] > 0 and torch.isfinite(sim.global_flat).all(), name
+        ran.append(name)
+    assert {"fedavg", "fedntd", "fedgkd", "fedgkd_vote", "moon"} <= set(ran), ran
+    assert {"scaffold", "feddyn", "fednova", "fedgen"} <= set(refused), refused
