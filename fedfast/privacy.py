@@ -9,9 +9,12 @@ client changes the sum by at most ``dp_clip``, so a round is one Gaussian mechan
 * **Poisson sampling** at rate ``q`` (every client joins a round independently; the cohort may be empty):
   ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under add/remove-one-client neighbouring;
 * **fixed-size sampling** of ``m`` of ``K`` clients without replacement (fedfast's default sampling):
-  ``SampledWithoutReplacementDpEvent(K, m, GaussianDpEvent(z))`` under replace-one-client neighbouring, the
+  ``SampledWithoutReplacementDpEvent(K, m, GaussianDpEvent(z / 2))`` under replace-one-client neighbouring, the
   relation that analysis holds for (dp-accounting's RDP accountant covers it; its PLD accountant does not, and the
-  pair is refused by name);
+  pair is refused by name). Replacing one client moves the clipped sum by up to ``2 C``, and the accountant's
+  formula takes the noise multiplier relative to that sensitivity, so it is given ``z / 2``: dp-accounting (0.6)
+  passes ``GaussianDpEvent``'s multiplier (defined relative to ``C``) through unchanged under replace-one, which
+  would understate epsilon (google/differential-privacy issue 378);
 * ``T`` rounds: ``SelfComposedDpEvent(event, T)``; ``epsilon`` at ``dp_delta`` from the RDP or PLD accountant of
   Google's dp-accounting library (an optional dependency: ``pip install "fedfast[privacy]"``).
 
@@ -80,10 +83,11 @@ def round_event(noise_multiplier: float, sampling: str, num_clients: int, client
                 rate: float | None = None):
     """The dp-accounting event of one private round (see the module docstring)."""
     dpa = _dpa()
-    g = dpa.GaussianDpEvent(noise_multiplier)
-    if sampling == "poisson":
-        return dpa.PoissonSampledDpEvent(rate, g)
-    return dpa.SampledWithoutReplacementDpEvent(num_clients, clients_per_round, g)
+    if sampling == "poisson":  # add/remove one client: the sum moves by up to C
+        return dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise_multiplier))
+    # replace one client: by up to 2 C, the multiplier relative to that sensitivity (module docstring)
+    return dpa.SampledWithoutReplacementDpEvent(num_clients, clients_per_round,
+                                                dpa.GaussianDpEvent(noise_multiplier / 2))
 
 
 def _fresh(accountant: str, sampling: str):

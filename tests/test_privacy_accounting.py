@@ -21,13 +21,27 @@ def test_poisson_rounds_equal_the_library_called_directly(kind):
 
 
 def test_fixed_size_rounds_equal_the_library_with_replace_one():
+    """Replace-one neighbouring: one client replaced moves the clipped sum by up to 2C, so the library's formula gets
+    the multiplier z / 2 (relative to that sensitivity; dp-accounting passes GaussianDpEvent's z, relative to C,
+    through unchanged: google/differential-privacy issue 378)."""
     z, K, m, T, delta = 1.3, 100, 10, 40, 1e-5
     acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
-    acc.compose(dpa.SampledWithoutReplacementDpEvent(K, m, dpa.GaussianDpEvent(z)), T)
+    acc.compose(dpa.SampledWithoutReplacementDpEvent(K, m, dpa.GaussianDpEvent(z / 2)), T)
     got = privacy.epsilon(z, delta, T, sampling="fixed", num_clients=K, clients_per_round=m)
     assert got == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
     with pytest.raises(ValueError, match="dp_accountant"):
         privacy.epsilon(z, delta, T, sampling="fixed", num_clients=K, clients_per_round=m, accountant="pld")
+
+
+def test_fixed_size_without_subsampling_is_a_gaussian_of_sensitivity_2c():
+    """m = K: every round is the Gaussian mechanism on a sum whose replace-one sensitivity is 2C; T rounds compose to
+    one of multiplier z / (2 sqrt(T)). The RDP epsilon bounds its exact (analytic) epsilon from above and stays
+    within 1.5x of it: with z instead of z / 2 (sensitivity taken as C) it would fall below, and a library that
+    halved it again would pass 1.5x."""
+    z, K, T, delta = 6.0, 20, 16, 1e-5
+    exact = dpa.get_epsilon_gaussian(z / 2 / math.sqrt(T), delta)
+    got = privacy.epsilon(z, delta, T, sampling="fixed", num_clients=K, clients_per_round=K)
+    assert exact * 0.999 <= got <= 1.5 * exact, (got, exact)
 
 
 def test_without_subsampling_rounds_compose_to_one_gaussian():
