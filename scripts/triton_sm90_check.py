@@ -149,6 +149,10 @@ def _cases():
             yield f"distill C={C} {dt}", distill(C, dt=dt, nt=True)
         yield f"scale_rows {dt}", lambda dt=dt: scale_rows_triton(torch.randn(R, 10).to(dt), torch.rand(R))
     yield "scale_rows fp32", lambda: scale_rows_triton(torch.randn(R, 10), torch.rand(R))
+    from fedfast.triton.update_norms import update_norms_triton
+    for dt in (torch.float32, torch.bfloat16):
+        yield f"update_norms {dt}", lambda dt=dt: update_norms_triton(torch.randn(4, 50000).to(dt), torch.randn(50000),
+                                                                     torch.tensor([0, 2, 3]))
     from fedfast.triton.row_scale import row_scale_triton
     for mode, seg, check, it in itertools.product((0, 1, 2), (False, True), (False, True), (torch.int64, torch.int32)):
         if mode == 0 and not check:

@@ -62,11 +62,15 @@ def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: s
                  chunk_bytes: int = 64 << 20) -> Tensor:
     """``||X_k - g||`` [n] of the rows ``idx`` (spec: :func:`~fedfast.ops.aggregate_reference.update_norms_reference`),
     on the difference (no cancellation: an update is small against the parameters). The cpu backend streams each
-    row once in C++ (squares summed in double); the others take ``chunk_bytes`` of rows at a time (fp32; fp64 for
-    fp64 rows)."""
+    row once in C++ (squares summed in double), the GPU backends once in Triton (slices of each row in parallel,
+    their sums added in double); the reference takes ``chunk_bytes`` of rows at a time (fp32; fp64 for fp64 rows)."""
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
-    if _backend.resolve(backend, clients.device.type) == "cpu" and acc == torch.float32 and idx.numel():
+    be = _backend.resolve(backend, clients.device.type)
+    if be == "cpu" and acc == torch.float32 and idx.numel():
         return _backend.cpu_ext().update_norms(clients, idx, global_params)
+    if be in ("triton", "cuda") and acc == torch.float32 and _backend.available("triton", clients.device.type):
+        from ..triton.update_norms import update_norms_triton  # one pass over the rows (the CUDA backend's too)
+        return update_norms_triton(clients, global_params, idx)
     P = clients.shape[1]
     step = max(1, chunk_bytes // max(1, P * 4))
     g = global_params.to(acc)
