@@ -240,3 +240,28 @@ def test_every_method_runs_a_private_round_or_is_refused_by_name():
         ran.append(name)
     assert {"fedavg", "fedntd", "fedgkd", "fedgkd_vote", "moon"} <= set(ran), ran
     assert {"scaffold", "feddyn", "fednova", "fedgen"} <= set(refused), refused
+
+
+def test_a_private_run_directory_records_epsilon_and_refuses_a_resume_past_its_budget(tmp_path, capsys):
+    """`fedfast run` with dp_epsilon: summary.json's dp_epsilon within the budget, config.json the keys; a resume with
+    more rounds (--set rounds=) keeps the checkpoint's noise and is refused, naming rounds; the files unchanged."""
+    import json
+
+    from fedfast.cli import main
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('dataset = "synthetic"\npartition = "iid"\nnum_clients = 20\nclients_per_round = 4\nrounds = 2\n'
+                   'batch_size = 32\nlr = 0.05\nclient_sampling = "poisson"\ndp_clip = 0.5\ndp_epsilon = 3.0\n')
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 2.5 < summary["dp_epsilon"] <= 3.0 * (1 + 1e-9)
+    assert json.loads((out / "config.json").read_text())["dp_epsilon"] == 3.0
+    before = (out / "metrics.jsonl").read_text(), (out / "config.json").read_text()
+    capsys.readouterr()
+    try:
+        code = main(["run", "--resume", str(out), "--set", "rounds=40", "--quiet"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr()
+    assert code != 0 and "rounds: 40 private rounds spend epsilon" in err.err + err.out, err
+    assert ((out / "metrics.jsonl").read_text(), (out / "config.json").read_text()) == before
