@@ -48,7 +48,7 @@ from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers, local_statistics_store,
                           restore_local_statistics)
-from .sim.diverged import Diverged, check_finite
+from .sim import diverged as _diverged
 from .sim.evaluation import Evaluator, forgetting
 from .sim.facade import EngineView
 from .sim.inputs import check_inputs
@@ -235,7 +235,7 @@ class Simulation:
         try:
             self._server(ctx, avg_sum, loss_sum, totals["weight"], bufs)
         except ops.NonFiniteUpdate:
-            raise Diverged(st.round + 1, self.method.name, "the server update", self.cfg) from None
+            raise _diverged.Diverged(st.round + 1, self.method.name, "the server update", self.cfg) from None
         timers["local"], timers["aggregate"] = t_local, t_agg + time.perf_counter() - t1
         timers.update({f"local.{k}": v for k, v in self.trainer.prof.items()})
         method_metrics = round_metrics(self.method, ctx)
@@ -251,7 +251,7 @@ class Simulation:
             st.class_acc.append(class_acc)
         st.history.append(rec)
         rec["seconds"] = time.perf_counter() - t0
-        check_finite(rec, self.state, self.method.name, self.cfg)
+        _diverged.check_finite(rec, self.state, self.method.name, self.cfg)
         return rec
 
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
@@ -297,8 +297,8 @@ class Simulation:
         except ops.NonFiniteUpdate as e:
             who = [int(ctx.sampled[lo + r]) for r in e.rows]
             if self.comm.world == 1:
-                raise Diverged(self.state.round + 1, self.method.name, f"the update of client(s) {who}" if who else
-                               "the clients' weighted average", self.cfg) from None
+                what = f"the update of client(s) {who}" if who else "the clients' weighted average"
+                raise _diverged.Diverged(self.state.round + 1, self.method.name, what, self.cfg) from None
             # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
@@ -400,3 +400,13 @@ class Simulation:
 
 
 __all__ = ["Simulation"]
+
+
+def __getattr__(name: str):
+    """``fedfast.engine.Diverged``: moved to :mod:`fedfast.sim.diverged` (``fedfast.Diverged`` is unchanged); the old
+    address works for one release, with a DeprecationWarning naming the new one."""
+    if name == "Diverged":
+        warnings.warn("fedfast.engine.Diverged moved to fedfast.sim.diverged.Diverged (or use fedfast.Diverged); "
+                      "the old address goes in the next release", DeprecationWarning, stacklevel=2)
+        return _diverged.Diverged
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,17 +53,26 @@ def _quiet():
         log.setLevel(old)
 
 
-def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant):
+def check_accounting(delta, sampling: str, accountant: str) -> None:
+    """The accounting settings a run can check before it knows its clients (:class:`fedfast.SimConfig` too):
+    ``dp_delta``, ``dp_accountant``, and the one pair dp-accounting does not cover (PLD with fixed-size sampling)."""
     if sampling not in SAMPLINGS:
         raise ValueError(f"client_sampling: private rounds are accounted for 'poisson' or 'fixed' sampling, got "
                          f"{sampling!r}")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"dp_accountant: must be one of {ACCOUNTANTS}, got {accountant!r}")
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ValueError(f"dp_delta: in (0, 1), got {delta!r}")
+    if sampling == "fixed" and accountant == "pld":
+        raise ValueError("dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
+                         "without replacement; use dp_accountant = \"rdp\" or client_sampling = \"poisson\"")
+
+
+def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant):
+    check_accounting(delta, sampling, accountant)
     if noise_multiplier is not None and not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0
                                              and math.isfinite(noise_multiplier)):
         raise ValueError(f"dp_noise_multiplier: a finite number >= 0, got {noise_multiplier!r}")
-    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
-        raise ValueError(f"dp_delta: in (0, 1), got {delta!r}")
     if not (isinstance(rounds, int) and rounds >= 0):
         raise ValueError(f"rounds: an integer >= 0, got {rounds!r}")
     if not (isinstance(num_clients, int) and num_clients >= 1):
@@ -74,9 +83,6 @@ def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_r
     else:
         if not (isinstance(clients_per_round, int) and 1 <= clients_per_round <= num_clients):
             raise ValueError(f"clients_per_round: in [1, num_clients = {num_clients}], got {clients_per_round!r}")
-        if accountant == "pld":
-            raise ValueError("dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
-                             "without replacement; use dp_accountant = \"rdp\" or client_sampling = \"poisson\"")
 
 
 def round_event(noise_multiplier: float, sampling: str, num_clients: int, clients_per_round: int | None = None,
@@ -142,6 +148,7 @@ class Accountant:
         self.kw = dict(sampling=sampling, num_clients=num_clients, clients_per_round=clients_per_round, rate=rate,
                        accountant=accountant)
         self.noise_multiplier, self.delta, self.max_epsilon = noise_multiplier, delta, max_epsilon
+        self._rdp_z = self._orders = self._rdp = None  # one round's RDP curve, for the multiplier _rdp_z
 
     def epsilon(self, rounds: int) -> float:
         """Epsilon after ``rounds`` rounds. RDP composes linearly, so one round's RDP curve is computed once (the
@@ -151,13 +158,13 @@ class Accountant:
             return epsilon(self.noise_multiplier, self.delta, rounds, **self.kw)
         _check(self.noise_multiplier, self.delta, rounds, self.kw["sampling"], self.kw["num_clients"],
                self.kw["clients_per_round"], self.kw["rate"], "rdp")
-        if getattr(self, "_rdp_z", None) != self.noise_multiplier:
+        if self._rdp_z != self.noise_multiplier:
             acc = _fresh("rdp", self.kw["sampling"])
             with _quiet():
                 acc.compose(round_event(self.noise_multiplier, self.kw["sampling"], self.kw["num_clients"],
                                         self.kw["clients_per_round"], self.kw["rate"]), 1)
             self._rdp_z, self._orders, self._rdp = self.noise_multiplier, acc.orders, acc.rdp
-        from dp_accounting.rdp import rdp_privacy_accountant as rdp
+        rdp = _dpa().rdp.rdp_privacy_accountant
         return float(rdp.compute_epsilon(self._orders, rounds * self._rdp, self.delta)[0])
 
     def check_plan(self, rounds: int) -> float:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import methods as _methods
+from . import privacy
 from .data.augment import PIPELINES
 
 SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson")
@@ -221,21 +222,17 @@ class SimConfig:
                              "dp_epsilon (the budget to spend in `rounds` rounds)")
         for k in ("dp_noise_multiplier", "dp_epsilon"):
             v = getattr(self, k)
-            if v is not None and not (isinstance(v, (int, float)) and 0 <= v < math.inf and (k != "dp_epsilon" or v > 0)):
+            ok = isinstance(v, (int, float)) and 0 <= v < math.inf and (k != "dp_epsilon" or v > 0)
+            if v is not None and not ok:
                 raise ValueError(f"{k}: a finite number {'> 0' if k == 'dp_epsilon' else '>= 0'}, got {v!r}")
-        if not (isinstance(self.dp_delta, (int, float)) and 0 < self.dp_delta < 1):
-            raise ValueError(f"dp_delta: in (0, 1), got {self.dp_delta!r}")
-        if self.dp_accountant not in ("rdp", "pld"):
-            raise ValueError(f"dp_accountant: 'rdp' or 'pld', got {self.dp_accountant!r}")
         if self.client_sampling not in ("uniform", "poisson"):
             why = ("redraws an empty cohort, which the Poisson analysis does not cover" if self.client_sampling ==
                    "bernoulli" else "draws the cohorts from the round index alone: they are public, and the analysis "
                    "assumes secret sampling")
             raise ValueError(f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
                              f"(fixed size) or 'poisson'")
-        if self.client_sampling == "uniform" and self.dp_accountant == "pld":
-            raise ValueError("dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
-                             "without replacement; use dp_accountant = \"rdp\" or client_sampling = \"poisson\"")
+        privacy.check_accounting(self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed",
+                                 self.dp_accountant)
         if cls.uploads:
             raise ValueError(f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
                              f"clipping and noise cover the update only, so {self.algorithm} is refused in a private "

@@ -265,3 +265,11 @@ def test_a_private_run_directory_records_epsilon_and_refuses_a_resume_past_its_b
     err = capsys.readouterr()
     assert code != 0 and "rounds: 40 private rounds spend epsilon" in err.err + err.out, err
     assert ((out / "metrics.jsonl").read_text(), (out / "config.json").read_text()) == before
+
+
+def test_diverged_keeps_its_old_address_for_a_release():
+    import fedfast.engine
+    from fedfast.sim.diverged import Diverged
+    with pytest.warns(DeprecationWarning, match="fedfast.sim.diverged.Diverged"):
+        assert fedfast.engine.Diverged is Diverged
+    assert fedfast.Diverged is Diverged

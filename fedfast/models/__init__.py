@@ -8,7 +8,6 @@ samples. :func:`build` makes one by name; :func:`register_model` adds one (a tak
 have options of its own (an ``options`` dataclass, the run config's ``[name]`` table: ``build(C, shape, opts)``).
 ``model = "hf:..."`` (Hugging Face) is separate (:mod:`fedfast.models.hf`).
 """
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -65,7 +64,9 @@ register_model("resnet10_bn", lambda C, shape: resnet10(C, "bn"))
 register_model("resnet18_bn", lambda C, shape: resnet18(C, "bn"))
 register_model("resnet18_gn", lambda C, shape: resnet18(C, "gn"))
 register_model("fedgen_cnn_mnist", lambda C, shape: FedGenCNN(C))
-@dataclasses.dataclass
+
+
+@dataclass
 class MLPOptions:
     """The MLP's ``[mlp]`` table: ``layers`` hidden layers of ``hidden`` units (default FedAvg's 784-200-200-10;
     ``layers = 0``: multinomial logistic regression)."""

@@ -19,8 +19,8 @@ from ..sampling import (client_order, sample_clients, sample_clients_bernoulli, 
 
 
 def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:
-    """Clients per round to size the stack for: ``clients_per_round``, or for Bernoulli sampling its mean plus
-    four standard deviations (a larger cohort trains in two chunks)."""
+    """Clients per round to size the stack for: ``clients_per_round``, or for Bernoulli and Poisson sampling its mean
+    plus four standard deviations (a larger cohort trains in two chunks)."""
     if sampling not in ("bernoulli", "poisson"):
         return clients_per_round
     p = clients_per_round / num_clients
