@@ -3,7 +3,9 @@
 Same process, same clients, data, seeds and model; rounds alternate between the two simulations so that drift in
 the machine's speed hits both. What DP adds per round, for n clients of P parameters (fp32):
 
-  update norms      n*P*4 bytes read (a pass over the clients' rows: ||X_k - g||, ops.update_norms)
+  update norms      no pass of their own: each client's last local step adds up ||X_k - g|| while it writes the
+                    row (ops.client_step's delta_norm: P*4 bytes of g read from cache per client); before that
+                    change, n*P*4 bytes read (a pass over the clients' rows, ops.update_norms)
   noise             P*4 bytes written (one Gaussian vector) and P*4 read when it is added
   accounting        host only (dp-accounting's RDP accountant, epsilon after the round)
 
@@ -62,9 +64,10 @@ def main(argv=None):
     res = {"benchmark": "bench_privacy", "clients_per_round": K, "samples_per_client": n, "num_params": P,
            "adaptive": a.adaptive, "seconds_per_round": med, "round_seconds": times,
            "overhead_pct": 100 * (med["dp"] / med["plain"] - 1),
-           "norms_pass_bytes": K * P * 4, "machine": {"processor": platform.processor() or platform.machine(),
-                                                       "cpus": os.cpu_count(), "torch": torch.__version__,
-                                                       "threads": torch.get_num_threads()},
+           "norms": "each client's last local step (ops.client_step delta_norm), no pass of their own",
+           "rows_bytes": K * P * 4, "machine": {"processor": platform.processor() or platform.machine(),
+                                                 "cpus": os.cpu_count(), "torch": torch.__version__,
+                                                 "threads": torch.get_num_threads()},
            "command": "python benchmarks/bench_privacy.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     print(f"{K} clients x {n} samples, P = {P}: plain {med['plain'] * 1e3:.1f} ms, DP {med['dp'] * 1e3:.1f} ms per "
           f"round: {res['overhead_pct']:+.1f} %")

@@ -195,6 +195,9 @@ at::Tensor clip_factors(const at::Tensor& theta, const at::Tensor& grad, double 
 
 FEDFAST_CLIENT_STEP(client_step_cuda) {
   check_cuda(theta, "theta");
+  // the update norms on this backend: fedfast.ops.client_step, one Triton (or tensor-op) pass after the step
+  TORCH_CHECK(!delta_from.has_value() && !delta_norm.has_value(), "client_step_cuda: delta_norm is computed by "
+              "fedfast.ops.client_step after the step on this backend");
   TORCH_CHECK(theta.is_contiguous() && theta.scalar_type() == at::kFloat, "theta must be contiguous fp32");
   c10::cuda::CUDAGuard guard(theta.device());
   const int64_t n = theta.size(0), P = theta.size(1);

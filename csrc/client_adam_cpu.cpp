@@ -41,7 +41,8 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
                      at::Tensor& exp_avg_sq, const at::Tensor& step_in, const at::Tensor& lr_in, double beta1,
                      double beta2, double eps, const at::Tensor& wd_in, bool decoupled, double prox_mu,
                      const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,
-                     double max_norm, const c10::optional<at::Tensor>& active_opt) {
+                     double max_norm, const c10::optional<at::Tensor>& active_opt,
+                     const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm) {
   for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
                 "contiguous fp32");
@@ -63,6 +64,7 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu);
   const int64_t nb = static_cast<int64_t>(blocks.size());
+  DeltaNorms delta(delta_from, delta_norm, n, P, nb);  // ||theta' - delta_from|| per row, in the same pass
   const std::vector<float> clip =
       clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) {
         return loss_grad_view(bl, k, P, th, mu, an, dy, tmp);
@@ -91,8 +93,10 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, 
       auto run = decoupled ? (w1 < 0.5f ? adam_block<true, true> : adam_block<true, false>)
                            : (w1 < 0.5f ? adam_block<false, true> : adam_block<false, false>);
       run(lg, tr, mr, vr, bl.len, ck, wdk, decay, w1, w2, b2, step_size, bc2_sqrt, ep);
+      delta.block(t, tr, bl.c0, bl.len);
     }
   });
+  delta.finish(n, act);
 }
 
 }  // namespace fedfast

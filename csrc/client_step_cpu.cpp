@@ -5,7 +5,8 @@
 // u = step_vec [P] (scale o [n]); which method fills which is said in its file under fedfast/methods/.
 // The gradient is one [n, P] tensor or the per-parameter pieces [n, s_p] (sum s_p = P, in column order) that
 // autograd returns: read in place, so the engine never concatenates them (a full [n, P] copy per step).
-// Rows x column blocks run in parallel; clipping adds one read pass for the per-row norm.
+// Rows x column blocks run in parallel; clipping adds one read pass for the per-row norm. delta_norm (DP-FedAvg's
+// update norms at a client's last step): each block's distance to delta_from summed while the block is in L1.
 // Bytes: n*P*(4 theta r/w *2 + grad 4 + [8 buf r/w] + [4 L] + [4 C]) + 4P*[anchor, v, u].
 #include <ATen/Parallel.h>
 
@@ -48,6 +49,7 @@ FEDFAST_CLIENT_STEP(client_step_cpu) {
   const bool* act = active.defined() ? active.data_ptr<bool>() : nullptr;
   const float mu = static_cast<float>(prox_mu), mom = static_cast<float>(momentum);
   const int64_t nb = static_cast<int64_t>(blocks.size());
+  DeltaNorms delta(delta_from, delta_norm, n, P, nb);
   const std::vector<float> clip =
       clip_factors(n, blocks, max_norm, kBlock, [&](int64_t k, const GradBlock& bl, float* tmp) {
         return loss_grad_view(bl, k, P, th, mu, an, dy, tmp);
@@ -78,8 +80,10 @@ FEDFAST_CLIENT_STEP(client_step_cpu) {
         } else {
           for (int64_t j = 0; j < len; ++j) tr[j] -= lrk * (g[j] * ck_ + wdk * tr[j]);
         }
+        delta.block(t, tr, j0, len);
       }
     });
+    delta.finish(n, act);
     return;
   }
   at::parallel_for(0, n * nb, 1, [&](int64_t b, int64_t e) {
@@ -116,8 +120,10 @@ FEDFAST_CLIENT_STEP(client_step_cpu) {
         for (int64_t j = 0; j < len; ++j) tmp[j] += ok * sv[j0 + j];
       }
       for (int64_t j = 0; j < len; ++j) tr[j] -= lrk * tmp[j];
+      delta.block(t, tr, j0, len);
     }
   });
+  delta.finish(n, act);
 }
 
 }  // namespace fedfast

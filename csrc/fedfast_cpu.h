@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "op_signatures.h"
+#include "row_math.h"
 
 namespace fedfast {
 
@@ -63,7 +64,8 @@ void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at:
                      at::Tensor& exp_avg_sq, const at::Tensor& step, const at::Tensor& lr, double beta1,
                      double beta2, double eps, const at::Tensor& wd, bool decoupled, double prox_mu,
                      const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
-                     double max_norm, const c10::optional<at::Tensor>& active);
+                     double max_norm, const c10::optional<at::Tensor>& active,
+                     const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm);
 
 // Helpers shared by the ops.
 
@@ -113,6 +115,46 @@ inline const float* loss_grad_view(const GradBlock& bl, int64_t k, int64_t P, co
   loss_grad_into(bl, k, P, th, mu, an, dy, tmp);
   return tmp;
 }
+
+// The client steps' delta_norm [n] (out) with delta_from [P]: each (row, column block) task adds up its block's
+// (theta' - from)^2 (sq_dist) right after it updated the block (still in L1) into its own slot, so threads never
+// share a sum and the result does not depend on the schedule; finish() writes the active rows' norms.
+class DeltaNorms {
+ public:
+  DeltaNorms(const c10::optional<at::Tensor>& from, const c10::optional<at::Tensor>& out, int64_t n, int64_t P,
+             int64_t nb)
+      : nb_(nb) {
+    TORCH_CHECK(from.has_value() == out.has_value(), "delta_from and delta_norm must be given together");
+    if (!out.has_value()) return;
+    from_t_ = from->to(at::kFloat).contiguous();
+    TORCH_CHECK(from_t_.numel() == P, "delta_from must have one value per column");
+    TORCH_CHECK(out->is_contiguous() && out->scalar_type() == at::kFloat && out->numel() == n,
+                "delta_norm must be a contiguous fp32 tensor with one value per row");
+    from_ = from_t_.data_ptr<float>();
+    out_ = out->data_ptr<float>();
+    part_.assign(static_cast<size_t>(n * nb), 0.0);
+  }
+  // task t = k * nb + b wrote row k's columns [c0, c0 + len) at tr
+  void block(int64_t t, const float* tr, int64_t c0, int64_t len) {
+    if (out_) part_[t] = sq_dist<float>(tr, from_ + c0, len);
+  }
+  void finish(int64_t n, const bool* act) const {
+    if (!out_) return;
+    for (int64_t k = 0; k < n; ++k) {
+      if (act && !act[k]) continue;
+      double s = 0.0;
+      for (int64_t b = 0; b < nb_; ++b) s += part_[k * nb_ + b];
+      out_[k] = static_cast<float>(std::sqrt(s));
+    }
+  }
+
+ private:
+  int64_t nb_;
+  at::Tensor from_t_;
+  const float* from_ = nullptr;
+  float* out_ = nullptr;
+  std::vector<double> part_;
+};
 
 // Squared L2 norm of len floats in 8 lanes (vectorised; a serial sum is not).
 inline float sum_squares(const float* v, int64_t len) {

@@ -24,7 +24,8 @@
 // Fused all-client optimizer step, in place: theta [n, P] and the momentum buffer. grad_in: one [n, P] tensor or
 // the per-parameter pieces [n, *shape] in column order. Generic terms: prox_mu with anchor [P], loss_rows [n, P]
 // (clipped with the gradient), corr_vec [P] x corr_vec_scale [n] + corr_rows_coef x corr_rows [n, P] (inside
-// momentum), step_vec [P] x step_vec_scale [n] (outside momentum); max_norm <= 0: no clipping.
+// momentum), step_vec [P] x step_vec_scale [n] (outside momentum); max_norm <= 0: no clipping. delta_norm [n] fp32
+// (out, with delta_from [P]): each active row's ||theta'_k - delta_from|| from the step's own pass over the row.
 #define FEDFAST_CLIENT_STEP(name)                                                                                 \
   void name(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, const at::Tensor& lr_in, double momentum,  \
             const c10::optional<at::Tensor>& buf_opt, const at::Tensor& wd_in, double prox_mu,                    \
@@ -32,4 +33,5 @@
             const c10::optional<at::Tensor>& corr_vec, const c10::optional<at::Tensor>& corr_vec_scale,            \
             const c10::optional<at::Tensor>& corr_rows, double corr_rows_coef,                                     \
             const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,            \
-            double max_norm, const c10::optional<at::Tensor>& active_opt)
+            double max_norm, const c10::optional<at::Tensor>& active_opt,                                          \
+            const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm)

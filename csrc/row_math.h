@@ -131,4 +131,32 @@ __attribute__((always_inline)) inline A mix_core(int64_t C, A* __restrict X, A* 
   return w * A(dsum(U, C));
 }
 
+// Sum of (x_j - g_j)^2 over len values: sixteen float lanes per block of 512 values (each lane adds 32 squares:
+// relative error ~1e-6), the blocks summed in double, so a P of millions keeps float rounding out of a norm while the
+// loop runs near memory speed. Pointers by value (restrict): it vectorises (with setup.py's -fno-wrapv).
+template <typename X>
+double sq_dist(const X* __restrict xr, const float* __restrict g, int64_t len) {
+  constexpr int64_t kBlock = 512;
+  double total = 0.0;
+  for (int64_t b = 0; b < len; b += kBlock) {
+    const int64_t e = b + kBlock < len ? b + kBlock : len;
+    float acc[16] = {0};
+    int64_t j = b;
+    for (; j + 16 <= e; j += 16)
+      for (int i = 0; i < 16; ++i) {
+        const float d = static_cast<float>(xr[j + i]) - g[j + i];
+        acc[i] += d * d;
+      }
+    float part = 0.f;
+    for (; j < e; ++j) {
+      const float d = static_cast<float>(xr[j]) - g[j];
+      part += d * d;
+    }
+    double block = part;
+    for (int i = 0; i < 16; ++i) block += acc[i];
+    total += block;
+  }
+  return total;
+}
+
 }  // namespace fedfast

@@ -1,49 +1,24 @@
 // Each participating client's update norm ||X_k - g|| (DP-FedAvg's clipping, fedfast/ops/aggregate.py;
 // float64 spec: fedfast/ops/aggregate_reference.py, update_norms_reference). Rows are split across threads; each
-// row is streamed once against g; its squares are summed in float lanes per block of 512 columns and the blocks
-// in double, so a P of millions keeps float rounding out of the norm while the loop runs near memory speed (52 ms
-// for 1000 rows of 199,210 values on the 2-core VM against the aggregation's 38 ms for the same bytes; the
-// all-double loop took 63 ms; both need setup.py's -fno-wrapv to vectorise). Bytes: n*P*x (client rows) + P*4 (g, from cache).
+// row is streamed once against g (row_math.h's sq_dist: float lanes per block of 512 columns, the blocks in
+// double; 52 ms for 1000 rows of 199,210 values on the 2-core VM against the aggregation's 38 ms for the same
+// bytes; the all-double loop took 63 ms; both need setup.py's -fno-wrapv to vectorise). The engine reads the norms
+// from the client step instead (delta_norm, client_step_cpu.cpp); this pass serves rows trained elsewhere.
+// Bytes: n*P*x (client rows) + P*4 (g, from cache).
 #include <ATen/Parallel.h>
 
 #include <cmath>
 
 #include "fedfast_cpu.h"
+#include "row_math.h"
 
 namespace fedfast {
 namespace {
 
-// One row's sum of squares, pointers by value (restrict): sixteen float lanes over blocks of 512 columns (each lane
-// adds 32 squares: relative error ~1e-6), the blocks summed in double.
-template <typename X>
-double row_sq(const X* __restrict xr, const float* __restrict g, int64_t P) {
-  constexpr int64_t kBlock = 512;
-  double total = 0.0;
-  for (int64_t b = 0; b < P; b += kBlock) {
-    const int64_t e = b + kBlock < P ? b + kBlock : P;
-    float acc[16] = {0};
-    int64_t j = b;
-    for (; j + 16 <= e; j += 16)
-      for (int i = 0; i < 16; ++i) {
-        const float d = static_cast<float>(xr[j + i]) - g[j + i];
-        acc[i] += d * d;
-      }
-    float part = 0.f;
-    for (; j < e; ++j) {
-      const float d = static_cast<float>(xr[j]) - g[j];
-      part += d * d;
-    }
-    double block = part;
-    for (int i = 0; i < 16; ++i) block += acc[i];
-    total += block;
-  }
-  return total;
-}
-
 template <typename X>
 void norms_impl(const X* xp, const int64_t* rows, int64_t n, int64_t P, const float* g, float* out) {
   at::parallel_for(0, n, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) out[k] = static_cast<float>(std::sqrt(row_sq<X>(xp + rows[k] * P, g, P)));
+    for (int64_t k = k0; k < k1; ++k) out[k] = static_cast<float>(std::sqrt(sq_dist<X>(xp + rows[k] * P, g, P)));
   });
 }
 

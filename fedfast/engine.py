@@ -290,8 +290,9 @@ class Simulation:
             check_hook_return(self.method, "chunk_aggregate", extra, kind="dict",
                               what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)")
         # private: clipped updates summed with equal weight over the expected cohort size, no weights
-        agg = dict(rows=hi - lo, backend=self.cfg.backend, **(self.privacy.chunk_arguments(extra) if self.privacy else
-                                                              dict(weights=weights[lo:hi], **extra)))
+        agg = dict(rows=hi - lo, backend=self.cfg.backend,
+                   **(self.privacy.chunk_arguments(extra, self.trainer.update_norms(hi - lo)) if self.privacy else
+                      dict(weights=weights[lo:hi], **extra)))
         try:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
         except ops.NonFiniteUpdate as e:

@@ -190,7 +190,7 @@ def _cases():
     yield "aggregate all", agg(mom=True, beta=0.9, state=True, shift=True, ring=True)
 
     def step(grad_dt=torch.float32, mom=False, prox=False, lrows=False, clip=False, cvec=False, cscale=False,
-             crows=False, svec=False, sscale=False, act=False, rowlr=False):
+             crows=False, svec=False, sscale=False, act=False, rowlr=False, dnorm=False):
         theta = torch.randn(n, P)
         return lambda: client_step_triton(
             theta, torch.randn(n, P).to(grad_dt), torch.rand(n) if rowlr else torch.tensor([0.1]), 0.9 if mom else 0.0,
@@ -198,7 +198,7 @@ def _cases():
             torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None, torch.randn(P) if cvec else None,
             torch.rand(n) if (cvec and cscale) else None, torch.randn(n, P) if crows else None, -1.0,
             torch.randn(P) if svec else None, torch.rand(n) if (svec and sscale) else None, 10.0 if clip else 0.0,
-            torch.tensor([True, True, False]) if act else None)
+            torch.tensor([True, True, False]) if act else None, **delta(dnorm))
 
     def step_pieces(**kw):  # the engine's path on GPUs: autograd's per-parameter gradients through a block table
         theta = torch.randn(n, P)
@@ -206,9 +206,14 @@ def _cases():
         return lambda: client_step_triton(
             theta, pieces, torch.tensor([0.1]), 0.9 if kw.get("mom") else 0.0, torch.zeros(n, P) if kw.get("mom")
             else None, torch.tensor([1e-4]), 0.0, None, None, None, None, None, 1.0, None, None,
-            10.0 if kw.get("clip") else 0.0, None)
+            10.0 if kw.get("clip") else 0.0, None, **delta(kw.get("delta")))
+
+    def delta(on):  # a private run's last step: the update norms in the step's pass
+        return dict(delta_from=torch.randn(P), delta_norm=torch.zeros(n)) if on else {}
 
     yield "client_step pieces", step_pieces()
+    yield "client_step pieces delta", step_pieces(delta=True)
+    yield "client_step pieces momentum delta", step_pieces(mom=True, delta=True)
     yield "client_step pieces momentum clip", step_pieces(mom=True, clip=True)
     yield "client_step plain", step()
     yield "client_step bf16 grad", step(grad_dt=torch.bfloat16)
@@ -221,12 +226,12 @@ def _cases():
     yield "client_step all", step(mom=True, prox=True, lrows=True, clip=True, cvec=True, cscale=True, crows=True,
                                   svec=True, sscale=True, act=True, rowlr=True)
 
-    def adam(decoupled=False, prox=False, lrows=False, clip=False, act=False, rowwd=False, beta1=0.9):
+    def adam(decoupled=False, prox=False, lrows=False, clip=False, act=False, rowwd=False, beta1=0.9, dnorm=False):
         return lambda: client_adam_triton(
             torch.randn(n, P), torch.randn(n, P), torch.zeros(n, P), torch.zeros(n, P), torch.rand(n), torch.rand(n),
             torch.rand(n) if rowwd else torch.tensor([1e-2]), torch.rand(n) if decoupled else None, beta1, 0.999,
             1e-8, 0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None,
-            10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None)
+            10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None, **delta(dnorm))
 
     # per-client convolutions (implicit GEMM): the benchmark models' layer geometries, fp32 and TF32
     def conv(n, B, Cin, Cout, H, k, st, pad, bias, tf32, cl):
@@ -268,6 +273,8 @@ def _cases():
     for f in ("prox", "lrows", "clip", "act", "rowwd"):
         yield f"client_adam {f}", adam(**{f: True})
     yield "client_adamw all", adam(decoupled=True, prox=True, lrows=True, clip=True, act=True, rowwd=True)
+    yield "client_adam delta", adam(dnorm=True)
+    yield "client_step delta act", step(act=True, dnorm=True)
 
 
 def main(argv=None) -> int:

@@ -190,6 +190,14 @@ def test_dp_fedavg_equals_the_literal_loop(backend):
         assert rel_err(dp_average_reference(X[rows].double(), g, 1.0, nz, 2.5), want) <= 1e-12
         out = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, backend=backend)
         assert rel_err(out["average"], want) <= 1e-6 and rel_err(out["global"], want) <= 1e-6
+        # the norms given (the engine's, from the clients' last steps): the same clipped mean, no pass of its own
+        norms = torch.linalg.vector_norm(X[rows] - g, dim=1)
+        given = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms,
+                              backend=backend)
+        assert rel_err(given["average"], want) <= 1e-6
+        wrong = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms * 2,
+                              backend=backend)  # they are used: doubled norms clip harder
+        assert rel_err(wrong["average"], want) > 1e-3
     m = torch.randn(P)
     out = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=noise, dp_denominator=2.5, beta=0.9, lr=0.5,
                         momentum=m, backend=backend)
@@ -204,7 +212,9 @@ def test_dp_fedavg_refuses_what_it_does_not_cover():
                     (dict(dp_clip=1.0, dp_denominator=2.0, weights=torch.ones(4)), "weights"),
                     (dict(dp_clip=1.0, dp_denominator=2.0, state_rows=torch.zeros(4, 30)), "state_rows"),
                     (dict(dp_clip=1.0, dp_denominator=2.0, dp_noise=torch.zeros(29)), "dp_noise"),
-                    (dict(dp_noise=torch.zeros(30)), "dp_noise")):
+                    (dict(dp_noise=torch.zeros(30)), "dp_noise"),
+                    (dict(dp_clip=1.0, dp_denominator=2.0, dp_norms=torch.ones(3)), "dp_norms"),
+                    (dict(dp_norms=torch.ones(4)), "dp_norms")):
         with pytest.raises(ValueError, match=key):
             ops.aggregate(X, g, **kw)
 

@@ -65,10 +65,14 @@ def test_pieces_feddyn_term_and_large_rows_equal_the_reference(backend):
         pieces.append(G[:, off:off + s] if j % 2 else G[:, off:off + s].contiguous())
         off += s
     theta, m, v = theta0.clone(), m0.clone(), v0.clone()
-    ops.client_adam(theta, pieces, m, v, step, backend=backend, **kw)
+    start, out = torch.randn(P), torch.full((n,), -1.0)
+    ops.client_adam(theta, pieces, m, v, step, backend=backend, delta_from=start, delta_norm=out, **kw)
     for got, want in zip((theta, m, v), ref):
         assert rel_err(got, want.float()) <= 1e-6
     assert torch.equal(theta[1], theta0[1]) and torch.equal(m[1], m0[1]) and torch.equal(v[1], v0[1])
+    # delta_norm: the active rows' ||theta' - start|| from the step's pass; the inactive row's value kept
+    want = torch.linalg.vector_norm(theta.double() - start.double(), dim=1)
+    assert float(((out.double() - want).abs() / want)[[0, 2]].max()) <= 1e-6 and out[1] == -1.0
 
 
 def test_bad_input():

@@ -180,3 +180,46 @@ def test_gradient_pieces_bad_input():
         ops.client_step(th, [torch.randn(3, 4), torch.randn(2, 6)], lr=0.1)
     with pytest.raises(ValueError, match="grad: piece 0"):
         ops.client_step(th, ["x"], lr=0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["plain", "momentum_wd", "all_terms"])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_delta_norm_is_the_distance_of_the_new_row(backend, variant, pieces):
+    """``delta_norm``: each active row's ||theta' - delta_from|| after the step, summed in the step's own pass
+    (DP-FedAvg's update norms), equal to float64's norm of the stepped rows; inactive rows keep their value. The
+    plain path, the general one (every term), flat gradients and per-parameter pieces past the 4096-column block."""
+    torch.manual_seed(11)
+    n, sizes = 4, [1, 4096 * 2 + 5, 7, 4095]
+    P = sum(sizes)
+    theta0, G, start = torch.randn(n, P), torch.randn(n, P), torch.randn(P)
+    act = torch.tensor([True, False, True, True])
+    kw = {"plain": dict(lr=0.1),
+          "momentum_wd": dict(lr=torch.tensor([0.1, 0.2, 0.05, 0.1]), momentum=0.9, weight_decay=1e-2,
+                              momentum_buf=torch.randn(n, P), active=act),
+          "all_terms": dict(lr=0.1, momentum=0.5, momentum_buf=torch.randn(n, P), loss_rows=torch.randn(n, P),
+                            corr_vec=torch.randn(P), corr_rows=torch.randn(n, P), step_vec=torch.randn(P),
+                            prox_mu=0.2, anchor=torch.randn(P), max_norm=50.0, active=act)}[variant]
+    grad = list(G.split(sizes, dim=1)) if pieces else G
+    buf0 = kw["momentum_buf"].clone() if "momentum_buf" in kw else None
+    theta, out = theta0.clone(), torch.full((n,), -1.0)
+    ops.client_step(theta, grad, delta_from=start, delta_norm=out, backend=backend, **kw)
+    want = torch.linalg.vector_norm(theta.double() - start.double(), dim=1)
+    mask = kw.get("active", torch.ones(n, dtype=torch.bool))
+    assert float(((out.double() - want).abs() / want)[mask].max()) <= 1e-6
+    assert (out[~mask] == -1.0).all()
+    # the same step without the output: the same parameters, bit for bit
+    theta2 = theta0.clone()
+    ops.client_step(theta2, grad, backend=backend, **{**kw, **({"momentum_buf": buf0} if "momentum_buf" in kw
+                                                                else {})})
+    assert torch.equal(theta2, theta)
+
+
+def test_delta_norm_bad_input():
+    th, g = torch.randn(3, 10), torch.randn(3, 10)
+    with pytest.raises(ValueError, match="delta_from/delta_norm"):
+        ops.client_step(th, g, lr=0.1, delta_norm=torch.zeros(3))
+    with pytest.raises(TypeError, match="delta_norm"):
+        ops.client_step(th, g, lr=0.1, delta_from=torch.zeros(10), delta_norm=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="delta_from"):
+        ops.client_step(th, g, lr=0.1, delta_from=torch.zeros(9), delta_norm=torch.zeros(3))

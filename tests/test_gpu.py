@@ -641,6 +641,27 @@ def test_gpu_dp_fedavg_aggregate_on_triton_and_refused_on_cuda():
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_client_step_delta_norm(backend):
+    """The update norms of a private run's last local step on the GPU (Triton: in the step's pass; CUDA: one pass
+    after it): SGD with momentum and a mask, and Adam, against float64 norms of the stepped rows."""
+    _need(backend)
+    torch.manual_seed(5)
+    n, P = 6, 300007
+    theta0, G, start = torch.randn(n, P, device="cuda"), torch.randn(n, P, device="cuda"), torch.randn(P, device="cuda")
+    act = torch.tensor([True, True, False, True, True, True], device="cuda")
+    for adam in (False, True):
+        theta, out = theta0.clone(), torch.full((n,), -1.0, device="cuda")
+        if adam:
+            ops.client_adam(theta, G, torch.zeros_like(G), torch.zeros_like(G), 1, lr=0.01, active=act,
+                            delta_from=start, delta_norm=out, backend=backend)
+        else:
+            ops.client_step(theta, G, lr=0.1, momentum=0.9, momentum_buf=torch.zeros_like(G), active=act,
+                            delta_from=start, delta_norm=out, backend=backend)
+        want = torch.linalg.vector_norm(theta.double() - start.double(), dim=1)
+        assert float(((out.double() - want).abs() / want)[act].max()) <= 1e-6 and float(out[2]) == -1.0
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_private_rounds_match_the_literal_loop(backend):
     """DP-FedAvg on the GPU (issue 49): with clipping only (z = 0, so no device-specific noise stream) the engine's
     rounds equal the CPU loop's clipped sums; with noise, the noise's standard deviation is z C / E."""

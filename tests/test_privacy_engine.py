@@ -273,3 +273,77 @@ def test_diverged_keeps_its_old_address_for_a_release():
     with pytest.warns(DeprecationWarning, match="fedfast.sim.diverged.Diverged"):
         assert fedfast.engine.Diverged is Diverged
     assert fedfast.Diverged is Diverged
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),                                                             # SGD, unequal sizes: rows end at many steps
+    dict(momentum=0.9, local_epochs=2, client_chunk=3),                 # momentum, two epochs, three chunks
+    dict(client_optimizer="adam", lr=0.01),                             # Adam's fused step
+    dict(local_steps=3, max_grad_norm=1.0),                             # fixed local steps, clipped gradients
+    dict(algorithm="fedsam", options=dict(rho=0.05)),                   # SAM's gradient
+])
+def test_update_norms_come_from_each_clients_last_step(monkeypatch, kw):
+    """The clip's norms ||X_k - g|| are added up by each client's last local step (ops.client_step's delta_norm)
+    and handed to ops.aggregate, which then makes no pass of its own; they equal the rows' norms measured there."""
+    import sys
+    agg_mod = sys.modules["fedfast.ops.aggregate"]  # the module (fedfast.ops.aggregate is the op)
+    measured, given = [], []
+    real_norms, real_aggregate = agg_mod.update_norms, fedfast.ops.aggregate
+
+    def counting_norms(*a, **k):
+        measured.append(1)
+        return real_norms(*a, **k)
+
+    def checking_aggregate(clients, g, **k):
+        if "dp_clip" in k:  # a chunk's clients (the server rule's own call has none)
+            want = real_norms(clients, g, torch.arange(k["rows"]))
+            given.append(float(((k["dp_norms"] - want).abs() / want).max()))
+        return real_aggregate(clients, g, **k)
+
+    monkeypatch.setattr(agg_mod, "update_norms", counting_norms)
+    monkeypatch.setattr(fedfast.ops, "aggregate", checking_aggregate)
+    algorithm = kw.pop("algorithm", "fedavg")
+    _, sim, _ = _run(algorithm, kw.pop("options", None), dp_clip=0.05, dp_noise_multiplier=0.5, **kw)
+    sim.run()
+    assert given and max(given) <= 1e-6, given
+    assert not measured  # only checking_aggregate's own calls above, which bypass the counter
+
+
+def test_rows_written_after_the_last_step_are_measured_again(monkeypatch):
+    """FedADC's Nesterov order moves every row by a half-step after the last local step (chunk_end): the norms from
+    the steps are stale, the stack's version counter says so, and ops.aggregate measures the rows itself - the
+    private round then equals the one whose norms are always measured. A plug-in masking its own steps likewise."""
+    import fedfast.sim.trainer as trainer_mod
+    opts = dict(order="nesterov")
+    _, sim, _ = _run("fedadc", opts, dp_clip=0.05, dp_noise_multiplier=0.5)
+    seen = []
+    real = trainer_mod.ChunkTrainer.update_norms
+    monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms",
+                        lambda self, n: seen.append(real(self, n)) or seen[-1])
+    sim.run()
+    assert seen and all(s is None for s in seen)
+    monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms", lambda self, n: None)
+    _, sim2, _ = _run("fedadc", opts, dp_clip=0.05, dp_noise_multiplier=0.5)
+    sim2.run()
+    assert torch.equal(sim.global_flat, sim2.global_flat)
+    monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms",
+                        lambda self, n: seen.append(real(self, n)) or seen[-1])
+    # a plug-in masking its clients' steps itself (`active`): a client may skip its last step, so measured too
+    from fedfast.methods import FedAvg, register
+
+    class Masked(FedAvg):
+        def step_terms(self, ctx, n_act):
+            return dict(active=torch.arange(n_act) % 2 == 0)
+
+    register("masked_dp_test")(Masked)
+    try:
+        seen.clear()
+        sim3 = _run("masked_dp_test", None, dp_clip=0.05, dp_noise_multiplier=0.5)[1]
+        sim3.run()
+        assert seen and all(s is None for s in seen)
+    finally:
+        fedfast.methods.unregister("masked_dp_test")
+    # and without the half-step the norms from the steps are used
+    seen.clear()
+    _run("fedadc", dict(order="heavy_ball"), dp_clip=0.05, dp_noise_multiplier=0.5)[1].run()
+    assert seen and all(s is not None for s in seen)

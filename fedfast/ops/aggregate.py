@@ -80,12 +80,12 @@ def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: s
                       for a in range(0, idx.numel(), step)])
 
 
-def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, backend):
+def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, norms, backend):
     """(unnormalised weights [n], average shift [P], the count of updates no longer than the clip) of DP-FedAvg's
     noised mean, or None without ``dp_clip``."""
     if clip is None:
-        if noise is not None or denominator is not None:
-            raise ValueError("dp_noise/dp_denominator: given without dp_clip")
+        if noise is not None or denominator is not None or norms is not None:
+            raise ValueError("dp_noise/dp_denominator/dp_norms: given without dp_clip")
         return None
     if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
         raise ValueError(f"dp_clip: a finite number > 0, got {clip!r}")
@@ -100,7 +100,11 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, ba
     P = clients.shape[1]
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
     _vec("dp_noise", noise, P)
-    norms = update_norms(clients, g, idx, backend)
+    if norms is None:
+        norms = update_norms(clients, g, idx, backend)
+    elif not (isinstance(norms, Tensor) and norms.shape == (idx.numel(),) and norms.is_floating_point()):
+        raise ValueError(f"dp_norms: expected a float tensor of shape ({idx.numel()},) (one update norm per "
+                         f"participating client)")
     s = torch.clamp(float(clip) / norms, max=1.0)
     w = s / float(denominator)
     shift = (1.0 - w.sum()) * g.to(acc)
@@ -112,7 +116,7 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
               scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
               state_coef=None, state_shift: Tensor | None = None, ring: Tensor | None = None, ring_slot: int = 0,
               ring_count: int = 1, dp_clip: float | None = None, dp_noise: Tensor | None = None,
-              dp_denominator: float | None = None, backend: str | None = None) -> dict:
+              dp_denominator: float | None = None, dp_norms: Tensor | None = None, backend: str | None = None) -> dict:
     """New global model and server state from the participating clients (one pass over their rows).
 
     ``clients`` [N, P] (fp32/bf16/fp16); ``rows``: participating row indices [n] or a prefix length
@@ -126,11 +130,13 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
 
     DP-FedAvg (``dp_clip`` C, ``dp_denominator`` E, ``dp_noise`` [P] optional, already scaled by its standard
     deviation): the average is ``g + (sum_k min(1, C / ||X_k - g||) (X_k - g) + noise) / E``
-    (:func:`~fedfast.ops.aggregate_reference.dp_average_reference`): the clients' update norms in one pass over
-    their rows, then the op's pass with the clipping factors as unnormalised weights and the rest as a shift of the
-    average. ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive clipping's
-    count). Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA
-    backend does not take it yet.
+    (:func:`~fedfast.ops.aggregate_reference.dp_average_reference`): the clients' update norms (given, or in one
+    pass over their rows), then the op's pass with the clipping factors as unnormalised weights and the rest as a
+    shift of the average. ``dp_norms`` [n]: the norms ``||X_k - g||`` when the caller has them (the engine: each client's last
+    :func:`~fedfast.ops.client_step` adds them up in its pass over the row, ``delta_norm``): no pass of their own.
+    ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive clipping's count).
+    Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA backend does
+    not take it yet.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
         raise TypeError("clients: expected a float [N, P] tensor")
@@ -140,7 +146,8 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
     idx = _rows_index(rows, N, dev)
     n = idx.numel()
-    dp = _dp_terms(clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, backend)
+    dp = _dp_terms(clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, dp_norms,
+                   backend)
     if dp is not None:
         w, avg_shift, unclipped = dp
     elif weights is None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _backend
-from .client_step_reference import client_step_reference
+from .client_step_reference import client_step_reference, delta_norms_reference
 
 
 def _per_client(name, v, n, dev):
@@ -50,13 +50,39 @@ def grad_pieces(grad, n: int, P: int) -> list | None:
     return None
 
 
+def delta_args(delta_from, delta_norm, n: int, P: int, dev) -> bool:
+    """Validate the step's update-norm output (``delta_norm`` [n] fp32, written, with ``delta_from`` [P]); whether
+    it is asked for."""
+    if (delta_from is None) != (delta_norm is None):
+        raise ValueError("delta_from/delta_norm: give both (the point the norms are measured from and the [n] output)"
+                         " or neither")
+    if delta_norm is None:
+        return False
+    if not (isinstance(delta_norm, Tensor) and delta_norm.shape == (n,) and delta_norm.dtype == torch.float32 and
+            delta_norm.is_contiguous() and delta_norm.device == dev):
+        raise TypeError(f"delta_norm: expected a contiguous fp32 ({n},) tensor on {dev} (it is written in place)")
+    if not (isinstance(delta_from, Tensor) and delta_from.shape == (P,) and delta_from.is_floating_point()):
+        raise ValueError(f"delta_from: expected a float tensor of shape ({P},)")
+    return True
+
+
+def delta_norms_after(theta: Tensor, delta_from: Tensor, delta_norm: Tensor, active: Tensor | None) -> None:
+    """The CUDA backends' update norms: one pass over the rows just written (Triton's, else the reference's)."""
+    if _backend.available("triton", theta.device.type):
+        from ..triton.update_norms import update_norms_triton
+        d = update_norms_triton(theta, delta_from, torch.arange(theta.shape[0], device=theta.device))
+        delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
+    else:
+        delta_norms_reference(theta, delta_from, delta_norm, active)
+
+
 def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                 loss_rows: Tensor | None = None, corr_vec: Tensor | None = None, corr_vec_scale=None,
                 corr_rows: Tensor | None = None, corr_rows_coef: float = 1.0,
                 step_vec: Tensor | None = None, step_vec_scale=None,
-                max_norm: float | None = None,
-                active: Tensor | None = None, backend: str | None = None) -> None:
+                max_norm: float | None = None, active: Tensor | None = None,
+                delta_from: Tensor | None = None, delta_norm: Tensor | None = None, backend: str | None = None) -> None:
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
 
     ``grad``: [n, P], or the per-parameter gradients ``[n, *shape_p]`` in the columns' order (what
@@ -69,8 +95,10 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     ``corr_vec_scale`` (scalar or [n], default 1) plus ``corr_rows_coef`` times ``corr_rows`` [n, P]: a
     correction after clipping, inside momentum. ``step_vec`` [P] times ``step_vec_scale`` (scalar or [n],
     default 1): a step offset outside momentum. ``max_norm``: per-client gradient-norm clipping. ``active`` [n]
-    bool: rows that take this step (others are untouched, momentum included). The formulas:
-    :mod:`fedfast.ops.client_step_reference`.
+    bool: rows that take this step (others are untouched, momentum included). ``delta_norm`` [n] fp32 (written)
+    with ``delta_from`` [P]: each active row's ``||theta'_k - delta_from||`` after the step, added up in the step's
+    own pass on the ``cpu`` and ``triton`` backends (DP-FedAvg's update norms at a client's last step; ``cuda``: one
+    pass after it). The formulas: :mod:`fedfast.ops.client_step_reference`.
     """
     if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
         raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
@@ -95,6 +123,7 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
         raise TypeError(f"corr_rows_coef: expected a Python number, got {type(corr_rows_coef).__name__}")
     rc = float(corr_rows_coef)
     wd_t = _per_client("weight_decay", weight_decay, n, dev)
+    delta = delta_args(delta_from, delta_norm, n, P, dev)
     be = _backend.resolve(backend, dev.type)
     if be in ("cpu", "cuda"):  # a list: the C++ kernel reads the pieces in place, the CUDA binding concatenates
         grad = pieces if pieces is not None else [grad]
@@ -104,13 +133,16 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
 
     # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
     args = (theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, loss_rows, corr_vec, cs_t,
-            corr_rows, rc, step_vec, ss_t, float(max_norm) if max_norm is not None else 0.0, active)
+            corr_rows, rc, step_vec, ss_t, float(max_norm) if max_norm is not None else 0.0, active,
+            delta_from if be != "cuda" else None, delta_norm if be != "cuda" else None)
     if be == "triton":
         from ..triton.client_step import client_step_triton
         client_step_triton(*args)
         return
     if be in ("cpu", "cuda"):
         (_backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()).client_step(*args)
+        if delta and be == "cuda":
+            delta_norms_after(theta, delta_from, delta_norm, active)
         return
     new, buf = client_step_reference(theta, grad, lr=lr_t if lr_t.numel() == n else float(lr_t),
                                      momentum=momentum, momentum_buf=momentum_buf,
@@ -118,6 +150,8 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
                                      anchor=anchor, loss_rows=loss_rows, corr_vec=corr_vec, corr_vec_scale=cs_t,
                                      corr_rows=corr_rows, corr_rows_coef=rc, step_vec=step_vec, step_vec_scale=ss_t,
                                      max_norm=max_norm, active=active)
+    if delta:
+        delta_norms_reference(new, delta_from, delta_norm, active)
     theta.copy_(new)
     if momentum_buf is not None:
         momentum_buf.copy_(buf)

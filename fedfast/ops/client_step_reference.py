@@ -25,6 +25,10 @@ The buffer is zeroed at the round start, as torch.optim.SGD's first step; no Nes
 ``active[k] == False`` are left unchanged (parameters and momentum). ``lr`` and ``weight_decay`` may be per
 client ([n]). Each method states its own terms in its file under ``fedfast/methods/``.
 
+``delta_norm`` (an output [n], with ``delta_from`` [P]): each active row's ``||theta'_k - delta_from||`` after the
+update (:func:`delta_norms_reference`), DP-FedAvg's update norm when this is a client's last step; the kernels add it
+up in the step's own pass over the row.
+
 A step offset applied before each gradient evaluation instead (a Nesterov ordering) equals the heavy-ball step on
 the shifted sequence with one half-step ``theta -= lr * u`` before the first step and ``theta += lr * u`` after the
 last (``drift_shift_``).
@@ -92,3 +96,12 @@ def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 
         if buf is not None:
             buf = torch.where(keep, momentum_buf.to(acc), buf)
     return new, buf
+
+
+def delta_norms_reference(new: Tensor, delta_from: Tensor, delta_norm: Tensor, active: Tensor | None = None) -> None:
+    """``delta_norm[k] = ||new_k - delta_from||`` for the active rows, in place (fp32 rows: summed in float64)."""
+    acc = torch.float64
+    d = torch.linalg.vector_norm(new.to(acc) - delta_from.to(acc), dim=1).to(delta_norm.dtype)
+    if active is not None:
+        d = torch.where(active.to(torch.bool), d, delta_norm)
+    delta_norm.copy_(d)

@@ -1,9 +1,10 @@
 """A private run's server side (``SimConfig.dp_clip`` > 0): DP-FedAvg (McMahan et al., ICLR 2018) inside the fused
 aggregation, its seeded noise and its accounting.
 
-Each round: every sampled client's update ``X_k - g`` is clipped to L2 norm ``C = dp_clip`` (the clipping factors
-come from one pass of :func:`fedfast.ops.update_norms` and enter :func:`fedfast.ops.aggregate` as unnormalised
-weights, so the clipped sum costs the aggregation's own pass), the chunks' clipped sums are added (and all-reduced
+Each round: every sampled client's update ``X_k - g`` is clipped to L2 norm ``C = dp_clip`` (the norms are added up
+by each client's last local step in its own pass over the row, ``delta_norm`` of :func:`fedfast.ops.client_step`;
+the clipping factors enter :func:`fedfast.ops.aggregate` as unnormalised weights, so the clipped sum costs the
+aggregation's own pass and the mechanism no pass of its own), the chunks' clipped sums are added (and all-reduced
 across processes), Gaussian noise ``N(0, (z C)^2 I)`` is added once, and the total is divided by the expected
 cohort size ``E = clients_per_round``:
 
@@ -82,14 +83,15 @@ class RoundPrivacy:
                              f"do not cover; use a model without them (GroupNorm)")
         return cls(cfg, method, plan.num_clients, device)
 
-    def chunk_arguments(self, extra: dict) -> dict:
-        """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only)."""
+    def chunk_arguments(self, extra: dict, norms: torch.Tensor | None = None) -> dict:
+        """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only);
+        ``norms``: the clients' update norms from their last local steps (None: the op measures the rows)."""
         client_side = sorted(set(extra) - _SERVER_SIDE)
         if client_side:
             raise ValueError(f"dp_clip: {self.method.name}'s chunk_aggregate passes {client_side}, per-client uploads "
                              f"that DP-FedAvg's clipping and noise do not cover (declare them in the method's "
                              f"`uploads`)")
-        return dict(dp_clip=self.clip, dp_denominator=self.expected, **extra)
+        return dict(dp_clip=self.clip, dp_denominator=self.expected, dp_norms=norms, **extra)
 
     def begin_round(self, ctx) -> float:
         """The round's clip. A method's (or plug-in's) per-round sums ``ctx.reduce`` are uploads too: refused by

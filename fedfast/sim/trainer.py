@@ -46,6 +46,9 @@ class ChunkTrainer:
         self.gradbuf = None if ops._backend.resolve(cfg.backend, device.type) in ("cpu", "triton") else \
             torch.empty_like(self.stack.params)
         self.sam = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
+        # a private run (dp_clip): each client's ||theta_k - start|| from its last step's own pass over the row
+        self.delta_norm = torch.zeros(chunk, device=device) if cfg.dp_clip else None
+        self._delta_version = None  # the stack's version counter after the chunk's last step
         self.prof: dict = {}  # profile=True: seconds per part of the local steps, this round
         self._last = 0.0
 
@@ -72,7 +75,8 @@ class ChunkTrainer:
         global model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's
         own); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync). ``step_rows``:
         ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer rows hold the
-        clients' buffers after it (BatchNorm's running statistics as their local steps left them)."""
+        clients' buffers after it (BatchNorm's running statistics as their local steps left them). A private run's
+        update norms come from each client's last step (:meth:`update_norms`)."""
         c, method = self.cfg, self.method
         self._last = time.perf_counter()
         steps = ctx.steps
@@ -98,6 +102,10 @@ class ChunkTrainer:
         rule = self.sam if rho else PlainGradient()
         if rho:
             rule.rho = rho
+        track = self.delta_norm is not None
+        masked = False  # a method's own `active` mask may skip a client's last step: then the rows are measured
+        if track:  # a client without a step keeps theta = start
+            self.delta_norm[:n].zero_()
         for e in range(ctx.epochs):
             rows = step_rows[lo:hi] if step_rows is not None else self.plan.batch_table(ctx, lo, hi, e, S * B)
             table = host_to_device(rows, self.device)
@@ -123,10 +131,26 @@ class ChunkTrainer:
                 if not isinstance(terms, dict):
                     check_hook_return(method, "step_terms", terms, kind="dict",
                                       what="a dict of fedfast.ops.client_step keyword arguments ({} for none)")
-                self.optimizer.step(theta_all, grad, n_act, {**step_kw, **terms})
+                kw = {**step_kw, **terms}
+                masked = masked or "active" in terms
+                # private: the clients whose last step this is (the active prefix's tail) get ||theta - start||
+                # from the step's own pass (every active row's, so that the rows stay one prefix)
+                if track and e == ctx.epochs - 1 and n_act and int(steps[lo + n_act - 1]) == s + 1:
+                    kw.update(delta_from=start, delta_norm=self.delta_norm[:n_act])
+                self.optimizer.step(theta_all, grad, n_act, kw)
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self.tick("step")
+        self._delta_version = theta_all._version if track and not masked else None
         method.chunk_end(ctx, lo, hi)
+
+    def update_norms(self, n: int) -> torch.Tensor | None:
+        """The chunk's clients' ``||theta_k - start||`` [n] from their last local steps, or None when something
+        wrote the rows since (the stack's version counter moved: a method's ``chunk_end``, e.g. FedADC's Nesterov
+        half-step), a method masked steps itself (``active`` in its step terms) or the run is not private; then
+        :func:`fedfast.ops.aggregate` measures the rows itself."""
+        if self.delta_norm is None or self._delta_version != self.stack.params._version:
+            return None
+        return self.delta_norm[:n]
 
     def step_loss(self, ctx: Round, pv, *, x, y, valid, seg, teacher, hist, features, perturbed: bool, epoch: int,
                   step: int, bn_valid=None):

@@ -10,14 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .client_step import _row_block, clip_factors
+from .client_step import _delta_part, _row_block, clip_factors, delta_finish, delta_parts
 
 
 @triton.jit
 def _adam_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_ptr, decay_ptr, m_ptr, v_ptr, act_ptr,
-                 P, mu, b2, w1, w2, eps, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr,
-                 CLIP: tl.constexpr, DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr, ACT: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 df_ptr, dp_ptr, P, mu, b2, w1, w2, eps, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr,
+                 HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr,
+                 ACT: tl.constexpr, DELTA: tl.constexpr, BLOCK: tl.constexpr):
     k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_LROWS,
                                         CLIP, ACT, BLOCK)
     if DECOUPLED:
@@ -35,12 +35,14 @@ def _adam_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_
     tl.store(v_ptr + offs, v, mask=m)
     t = t - tl.load(ss_ptr + k) * (mo / (tl.sqrt(v) / tl.load(bc2_ptr + k) + eps))
     tl.store(th_ptr + offs, t, mask=m)
+    if DELTA:
+        _delta_part(t, df_ptr, dp_ptr, k, cols, m)
 
 
 def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd, decay, beta1, beta2, eps, prox_mu,
-                       anchor, loss_rows, max_norm, active):
+                       anchor, loss_rows, max_norm, active, delta_from=None, delta_norm=None):
     """``step_size``, ``bc2_sqrt``: [n] fp32 (``fedfast.ops.client_adam._row_scalars``); ``decay``: [n] for AdamW,
-    else None (``wd`` [n] or [1], Adam's L2)."""
+    else None (``wd`` [n] or [1], Adam's L2). ``delta_norm`` with ``delta_from``: as the SGD step's."""
     n, P = theta.shape
     BLOCK = 1024
     NB = triton.cdiv(P, BLOCK)
@@ -48,10 +50,13 @@ def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd
     grad = grad.contiguous()
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK)
     w1, w2 = 1.0 - float(beta1), 1.0 - float(beta2)
+    dfrom, part = delta_parts(theta, delta_from, NB)
     _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, step_size, bc2_sqrt, wd.float().contiguous(),
                           f32(decay), exp_avg, exp_avg_sq,
-                          active.to(torch.int8).contiguous() if active is not None else theta,
+                          active.to(torch.int8).contiguous() if active is not None else theta, dfrom, part,
                           P, float(prox_mu), float(beta2), w1, w2, float(eps),
                           WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
                           CLIP=max_norm > 0, DECOUPLED=decay is not None, LERP_LOW=w1 < 0.5,
-                          ACT=active is not None, BLOCK=BLOCK, num_warps=4)
+                          ACT=active is not None, DELTA=delta_from is not None, BLOCK=BLOCK, num_warps=4)
+    if delta_from is not None:
+        delta_finish(part, delta_norm, active)

@@ -75,11 +75,19 @@ def _norm_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, part_ptr, P, NB, mu, tab_ptr, 
 
 
 @triton.jit
+def _delta_part(t, df_ptr, dp_ptr, k, cols, m):
+    """This program's sum of ``(theta' - delta_from)^2`` over its columns, to ``part[k, program_id(1)]``."""
+    d = tl.where(m, t - tl.load(df_ptr + cols, mask=m, other=0.0), 0.0)
+    tl.store(dp_ptr + k * tl.num_programs(1) + tl.program_id(1), tl.sum(d * d, axis=0))
+
+
+@triton.jit
 def _step_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, lr_ptr, wd_ptr, cv_ptr, cs_ptr, cr_ptr, sv_ptr, ss_ptr,
-                 buf_ptr, act_ptr, P, mu, rcoef, mom, tab_ptr, NPC, LR_ROW: tl.constexpr, WD_ROW: tl.constexpr,
-                 HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, CVEC: tl.constexpr,
-                 CSCALE: tl.constexpr, CROWS: tl.constexpr, MOM: tl.constexpr, SVEC: tl.constexpr,
-                 SSCALE: tl.constexpr, ACT: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
+                 buf_ptr, act_ptr, df_ptr, dp_ptr, P, mu, rcoef, mom, tab_ptr, NPC, LR_ROW: tl.constexpr,
+                 WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr, CLIP: tl.constexpr,
+                 CVEC: tl.constexpr, CSCALE: tl.constexpr, CROWS: tl.constexpr, MOM: tl.constexpr, SVEC: tl.constexpr,
+                 SSCALE: tl.constexpr, ACT: tl.constexpr, PIECES: tl.constexpr, DELTA: tl.constexpr,
+                 BLOCK: tl.constexpr):
     if PIECES:
         k = tl.program_id(0).to(tl.int64)
         cols, m, gptrs = _piece_block(tab_ptr, k, NPC, BLOCK)
@@ -112,7 +120,10 @@ def _step_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, lr_ptr, wd_ptr, cv_p
             u = u * tl.load(ss_ptr + k)
         g += u
     lr = tl.load(lr_ptr + k) if LR_ROW else tl.load(lr_ptr)
-    tl.store(th_ptr + offs, t - lr * g, mask=m)
+    t = t - lr * g
+    tl.store(th_ptr + offs, t, mask=m)
+    if DELTA:
+        _delta_part(t, df_ptr, dp_ptr, k, cols, m)
 
 
 def clip_factors(theta, grad, anchor, lrows, prox_mu, max_norm, BLOCK, pieces=None):
@@ -155,11 +166,27 @@ def piece_table(pieces, BLOCK: int):
     return tab, len(widths), nb
 
 
+def delta_parts(theta, delta_from, NB: int):
+    """The (``delta_from`` as fp32, the [n, NB] partial sums) the step kernels write (``theta`` twice as dummies
+    without ``delta_from``)."""
+    if delta_from is None:
+        return theta, theta
+    return delta_from.float().contiguous(), torch.empty(theta.shape[0], NB, dtype=torch.float32, device=theta.device)
+
+
+def delta_finish(part, delta_norm, active) -> None:
+    """The active rows' ``||theta' - delta_from||`` from the kernel's partial sums (added in float64)."""
+    d = part.double().sum(1).sqrt().float()
+    delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
+
+
 def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, loss_rows, corr_vec, corr_vec_scale,
-                       corr_rows, corr_rows_coef, step_vec, step_vec_scale, max_norm, active):
+                       corr_rows, corr_rows_coef, step_vec, step_vec_scale, max_norm, active, delta_from=None,
+                       delta_norm=None):
     """The compiled backends' argument order (fedfast.ops.client_step). ``grad``: one ``[n, P]`` tensor, or the
     per-parameter fp32 gradients ``[n, *shape]`` (contiguous; read in place through a block table: no
-    concatenation, 8 bytes per parameter and client less traffic per step)."""
+    concatenation, 8 bytes per parameter and client less traffic per step). ``delta_norm`` (written, with
+    ``delta_from``): each block's share of the update norm from the values it just stored, n x blocks partials."""
     n, P = theta.shape
     BLOCK = 1024
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
@@ -169,21 +196,27 @@ def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, loss
         keep = grad  # the pieces stay referenced until both launches are queued
         grad, NB = theta, (pieces[2] if pieces else 0)
         if not NB:
+            if delta_norm is not None:  # no columns: every distance is 0
+                delta_finish(theta.new_zeros(theta.shape[0], 0), delta_norm, active)
             return
     else:
         grad, pieces, keep = grad.contiguous(), None, None
         NB = triton.cdiv(P, BLOCK)
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK, pieces)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
+    dfrom, part = delta_parts(theta, delta_from, NB)
     _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, lr.float().contiguous(),
                           wd.float().contiguous(), f32(corr_vec), f32(corr_vec_scale), f32(corr_rows), f32(step_vec),
                           f32(step_vec_scale), buf if buf is not None else theta,
-                          active.to(torch.int8).contiguous() if active is not None else theta, P, float(prox_mu),
+                          active.to(torch.int8).contiguous() if active is not None else theta, dfrom, part, P,
+                          float(prox_mu),
                           float(corr_rows_coef), float(momentum), tab, npc, LR_ROW=lr.numel() == n and n > 1,
                           WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
                           CLIP=max_norm > 0, CVEC=corr_vec is not None,
                           CSCALE=corr_vec is not None and corr_vec_scale is not None, CROWS=corr_rows is not None,
                           MOM=buf is not None, SVEC=step_vec is not None,
                           SSCALE=step_vec is not None and step_vec_scale is not None, ACT=active is not None,
-                          PIECES=pieces is not None, BLOCK=BLOCK, num_warps=4)
+                          PIECES=pieces is not None, DELTA=delta_from is not None, BLOCK=BLOCK, num_warps=4)
     del keep
+    if delta_from is not None:
+        delta_finish(part, delta_norm, active)
