@@ -96,7 +96,7 @@ def scatter_repeat(stores: int = 3, rounds: int = 10) -> list:
     the median seconds per scatter of each store (the first pays for page-cache memory the machine never used)."""
     import shutil
     import numpy as np
-    from fedfast.flat import ClientState
+    from fedfast.store.state import ClientState
     rows, out = torch.randn(COHORT, 55_050), []
     for _ in range(stores):
         d = tempfile.mkdtemp(prefix="fedfast-bench-scatter-")

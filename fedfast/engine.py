@@ -55,11 +55,11 @@ from .sim.inputs import check_inputs
 from .sim.plan import RoundPlan
 from .sim.privacy import RoundPrivacy
 from .sim.runtime import ModelRuntime, probe_batch
-from .sim.rows import store_rows
 from .sim.sizing import MemoryBudget
 from .sim.state import RunState
 from .sim.trainer import ChunkTrainer
 from .simconfig import SimConfig, check_device
+from .store.shared import store_rows
 from .teachers import OnlineTeacher, cached_teacher
 
 

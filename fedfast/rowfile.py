@@ -1,4 +1,5 @@
-"""Rows in a memory-mapped file: the disk tier of the per-client state store (:class:`fedfast.flat.ClientState`).
+"""Rows in a memory-mapped file: the disk tier of the per-client state store (:class:`fedfast.store.ClientState`,
+:mod:`fedfast.store.file`).
 
 Two files side by side, ``<base>.rows`` and ``<base>.stamps``:
 

@@ -76,17 +76,17 @@ def test_out_of_memory_in_evaluation_names_eval_batch(monkeypatch):
 def test_a_state_store_that_cannot_grow_names_the_store_and_the_settings(monkeypatch):
     """Per-client state holds rows for the clients trained so far; when the store cannot grow, the round stops
     with OutOfMemory naming the store and the settings that shrink or move it (never an allocator traceback)."""
-    from fedfast.flat import ClientState
+    from fedfast.store.memory import MemoryRows
     train, test, part, model = _cnn_setup()
     sim = fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train, test, part)
     assert sim.method.client_state.written == 0  # nothing stored for a client before it trains
-    real = ClientState._alloc
+    real = MemoryRows._alloc
 
     def full(self, rows):
         if rows > 1:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99 bytes")
         return real(self, rows)
-    monkeypatch.setattr(ClientState, "_alloc", full)
+    monkeypatch.setattr(MemoryRows, "_alloc", full)
     with pytest.raises(fedfast.OutOfMemory, match=r"round 1: out of memory in the per-client state store \(rows of 0 "
                                                   r"clients.*state_dtype = 'bfloat16' halves it, state_on_host"):
         sim.round()

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedfast.flat import ClientStack, ClientState
+from fedfast.flat import ClientStack
+from fedfast.store.state import ClientState
 
 
 def small_cnn(bn=False):

@@ -2,7 +2,7 @@
 level or inside a function (optional third-party packages aside; the package's ``__init__`` facade aside).
 
     0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io, fedfast._registry
-    1 parts       fedfast.flat, batched, grouped, cpu_alloc, flops, nn, data, models
+    1 parts       fedfast.flat, store, batched, grouped, cpu_alloc, flops, nn, data, models
     2 methods     fedfast.methods
     3 engine      fedfast.engine, sim (its parts), simconfig, local_step, collectives, sampling, teachers,
                   checkpoint
@@ -25,7 +25,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "fedfast")
 
 LAYERS = [
     ("ops", "triton", "_version", "_io", "_registry"),
-    ("flat", "rowfile", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models", "privacy"),
+    ("flat", "store", "rowfile", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models", "privacy"),
     ("methods",),
     ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),
     ("config", "presets"),

@@ -1,4 +1,4 @@
-"""The per-client state store (fedfast.flat.ClientState) in memory and in a memory-mapped file (issue 38): every
+"""The per-client state store (fedfast.store.ClientState) in memory and in a memory-mapped file (issue 38): every
 mode reads as a dense [K, cols] table would; a file in a run directory is copy-on-write, so a checkpoint is never
 overwritten before a newer one exists and a process killed during the scatter loses nothing; an older checkpoint
 whose rows were reused, a replaced or missing file are refused by name; a run resumed after a kill inside the
@@ -16,8 +16,8 @@ import torch
 import fedfast
 from fedfast import checkpoint
 from fedfast.cli import main
-from fedfast.flat import ClientState
 from fedfast.rowfile import RowFile
+from fedfast.store.state import ClientState
 
 K, P = 40, 6
 MODES = [("memory", False, None), ("disk", False, None), ("disk", True, None), ("auto", False, 5 * P * 4),
@@ -55,7 +55,7 @@ def test_every_store_reads_as_the_dense_table(store, in_dir, budget, dtype, tmp_
     if st.on_disk and in_dir:
         assert os.path.exists(tmp_path / "client-state.rows") and "rows" not in ck  # the checkpoint refers to it
     elif st.on_disk:
-        assert st._tmp is not None and "rows" in ck  # a temporary file: the checkpoint holds the rows
+        assert st.place.tmp is not None and "rows" in ck  # a temporary file: the checkpoint holds the rows
     back = ClientState(K, P, fill=0.5, store=store, directory=d, memory_budget=budget, dtype=dtype)
     back.load_state_dict(ck)
     assert torch.equal(back.dense(), ref_then.float())
@@ -73,10 +73,10 @@ def test_a_file_store_is_copy_on_write_and_reuses_rows_after_the_next_checkpoint
     assert st.used == 11
     held = set(st.state_dict()["slots"].tolist())
     for _ in range(4):  # never a row the checkpoint holds: they wait; two other sets alternate
-        slots = st.allocate(ids)
+        slots = st._allocate(ids)
         assert not held & set(slots.tolist())
-        st.write(slots, torch.randn(5, P, generator=g))
-        st.assign(ids, slots)
+        st._write(slots, torch.randn(5, P, generator=g))
+        st._assign(ids, slots)
     assert st.used == 16
     st.state_dict()  # a newer checkpoint: the first one's rows are free
     for _ in range(4):
@@ -137,7 +137,7 @@ def test_auto_moves_to_the_file_past_its_limit_with_the_rows_so_far(tmp_path):
     for r in range(6):
         ids = torch.arange(2 * r, 2 * r + 2)
         rows = torch.randn(2, P, generator=g)
-        assert st.spills(ids) == (r == 4)  # 1 + 8 rows fit 10; 1 + 10 do not
+        assert st._spills(ids) == (r == 4)  # 1 + 8 rows fit 10; 1 + 10 do not
         st.scatter_(ids, rows)
         ref[ids] = rows
         assert st.on_disk == (r >= 4) and torch.equal(st.dense(), ref)
@@ -227,14 +227,14 @@ ARGS = ["--set", "dataset=synthetic", "--set", "num_clients=20", "--set", "clien
 
 KILL_IN_SCATTER = """
 import os, signal, sys
-import fedfast.flat as flat
-real = flat.ClientState.write
+from fedfast.store.state import ClientState
+real = ClientState._write
 def write(self, slots, rows):
     if self.seq == 3:  # round 4: half the rows into the file, then the process dies
         real(self, slots[:2], rows[:2])
         os.kill(os.getpid(), signal.SIGKILL)
     real(self, slots, rows)
-flat.ClientState.write = write
+ClientState._write = write
 from fedfast.cli import main
 sys.exit(main(sys.argv[1:]))
 """

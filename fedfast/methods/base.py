@@ -329,7 +329,7 @@ class Engine(Protocol):
     # the model's modules in eval mode inside (frozen references: no dropout, as a teacher)
 
     def new_client_state(self, fill: Tensor | None = None, rows: int = 1, *, cols: int | None = None): ...
-    # a fedfast.flat.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``;
+    # a fedfast.store.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``;
     # ``cols``: rows of that many values instead (FedDistill+'s [C, C] logits)
 
     def head(self, params, z: Tensor) -> Tensor: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..flat import ClientState
+from ..store.state import ClientState
 from ..methods.base import Round
 
 

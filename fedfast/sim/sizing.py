@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ..flat import ClientState
+from ..store.state import ClientState
 from ..local_step import OPTIMIZERS, SAMGradient
 from . import budget
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
@@ -76,7 +76,7 @@ class MemoryBudget:
     def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1, *,
                      cols: int | None = None, name: str | None = None, float32: bool = False) -> ClientState:
         """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each (or ``cols`` values), in
-        the settings' dtype and place (:class:`fedfast.flat.ClientState`: rows held for the clients written only);
+        the settings' dtype and place (:class:`fedfast.store.ClientState`: rows held for the clients written only);
         ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols]).
         ``name``: the store's (its file's) name, default the method's; ``float32``: whatever ``state_dtype`` says
         (the engine's own store of BatchNorm statistics)."""
