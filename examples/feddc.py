@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fedfast._io import host_to_device
-from fedfast.methods import FedAvg, opt, register
+from fedfast.methods import FedAvg, StateSpec, opt, register
 
 _CODE = "gaoliang13/FedDC, example_code_cifar10.py and utils_general.py"
 
@@ -63,9 +63,11 @@ class FedDC(FedAvg):
     class Options:
         alpha: float = opt(0.01, f"alpha, the drift penalty's coefficient ({_CODE}: alpha_coef 1e-2)", check=">=0")
 
+    def client_state_spec(self, engine):
+        return StateSpec(rows=2)  # [h_i | G_i], zero before a client trains
+
     def setup(self):
         e = self.engine
-        self.client_state = e.new_client_state(rows=2)  # [h_i | G_i]
         self.G = torch.zeros(e.num_params, device=e.device)
         self.hbar = torch.zeros(e.num_params, device=e.device)  # (1/N) sum over all clients of h_j
         sizes = np.asarray(e.client_sizes, dtype=np.float64)

@@ -50,7 +50,7 @@ from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers,
                           restore_local_statistics)
 from .sim import diverged as _diverged
 from .sim.evaluation import Evaluator, forgetting
-from .sim.facade import EngineView
+from .sim.facade import EngineView, bind_method
 from .sim.inputs import check_inputs
 from .sim.plan import RoundPlan
 from .sim.privacy import RoundPrivacy
@@ -146,17 +146,17 @@ class Simulation:
         self.evaluator = Evaluator(c, rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
         self.client_buffers = local_statistics_store(c, rt, self.budget, self.num_clients)  # bn_stats = "local"
-        self.engine = EngineView(self)  # all a method may touch of the engine
-        self.method.bind(self.engine)
+        # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
+        # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
+        self.engine = EngineView(c, runtime=rt, plan=self.plan, budget=self.budget, state=self.state, train=self.train,
+                                 server_splits=self.server_splits, device=self.device)
+        per_rank = -(-self.plan.max_cohort() // self.comm.world)
+        self.chunk, self.trainer = bind_method(self.method, self.engine, self.budget, lambda: max(1, min(
+            per_rank, c.client_chunk or self.budget.auto_chunk())), lambda n: self._trainer(n, loss_fn))
         self.state.eval_flat = self._evaluated(rt.initial)
         self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
         if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        per_rank = -(-self.plan.max_cohort() // self.comm.world)
-        self.chunk = max(1, min(per_rank, c.client_chunk or self.budget.auto_chunk()))
-        with self._memory(f"allocating the parameter buffers of a chunk of {self.chunk} clients", "client_chunk"):
-            self.trainer = ChunkTrainer(c, self.method, rt, self.plan, chunk=self.chunk, device=self.device,
-                                        loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
         check_batch_norm(c, self.runtime, self.plan, self._uses_teacher)
         self.privacy = RoundPrivacy.of(c, self.method, self.plan, rt, schedule, self.device)  # dp_clip > 0: DP-FedAvg
 
@@ -341,6 +341,13 @@ class Simulation:
                           what=f"the model to evaluate, a float tensor [P] = {P} on {self.device}")
         return out
 
+    def _trainer(self, n: int, loss_fn) -> ChunkTrainer:
+        """The chunk trainer of ``n`` clients, its buffers allocated under the memory guard."""
+        with self.budget.guard(f"allocating the parameter buffers of a chunk of {n} clients", "client_chunk",
+                               next_round=1, chunk=n):
+            return ChunkTrainer(self.cfg, self.method, self.runtime, self.plan, chunk=n, device=self.device,
+                                loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
+
     def _memory(self, what: str, key: str):
         """An allocation failure inside the block becomes :class:`OutOfMemory` naming ``what`` and ``key``."""
         return self.budget.guard(what, key, next_round=self.state.round + 1, chunk=self.chunk)
@@ -391,7 +398,7 @@ class Simulation:
         RoundPrivacy.restore(self.privacy, ck, self.cfg.rounds)
         restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats)
         self.method.load_state_dict(ck["method"])
-        self.state = self.state.restored(ck)
+        self.state.restore_(ck)  # in place: the method's view holds this state
         self.runtime.buffers = self.state.global_buffers
         self.runtime.load_into_model(self.state.eval_flat)
 

@@ -399,3 +399,27 @@ def test_the_engine_is_a_conductor_not_a_mixin_stack():
               "Mixin of" in open(os.path.join(os.path.dirname(sim.__file__), f)).read()]
     assert not mixins, mixins
     assert sum(1 for _ in open(os.path.join(REPO, "fedfast", "engine.py"))) <= 420
+
+
+def test_no_part_of_the_engine_holds_the_simulation(tmp_path):
+    """Issue 50: the parts under fedfast/sim (the method's view among them) are built from one another, never from
+    the Simulation that wires them: no code there names ``Simulation`` or keeps a ``_sim``/``sim`` back-reference
+    (docstrings may mention it). The check sees one."""
+    def offenders(path):
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        bad = []
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Name) and n.id in ("Simulation", "sim", "_sim"):
+                bad.append((n.lineno, n.id))
+            elif isinstance(n, ast.Attribute) and n.attr in ("Simulation", "_sim"):
+                bad.append((n.lineno, n.attr))
+            elif isinstance(n, ast.arg) and n.arg in ("sim", "_sim"):
+                bad.append((n.lineno, n.arg))
+        return bad
+
+    d = os.path.join(REPO, "fedfast", "sim")
+    found = {f: offenders(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith(".py")}
+    assert {f: b for f, b in found.items() if b} == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("class V:\n    def __init__(self, sim):\n        self._sim = sim\n")
+    assert offenders(str(probe)) == [(2, "sim"), (3, "_sim"), (3, "sim")]

@@ -202,6 +202,23 @@ class Round:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """A method's per-client state, declared before anything is allocated (``Method.client_state_spec``): ``rows``
+    parameter-sized rows per client (``rows * P`` values), or ``cols`` values instead; ``fill`` a client's initial
+    row ([P], repeated into every row, or [rows * P]; ``cols``: [cols]; None: zeros); ``float32``: keep fp32 rows
+    whatever ``state_dtype`` says. The memory budget sizes the chunk with it; the engine then allocates the store
+    (``Method.client_state``, a :class:`fedfast.store.ClientState`) before ``Method.setup``."""
+    rows: int = 1
+    cols: int | None = None
+    fill: Tensor | None = None
+    float32: bool = False
+
+    def values(self, num_params: int) -> int:
+        """Values per client."""
+        return self.cols if self.cols is not None else self.rows * num_params
+
+
+@dataclass(frozen=True)
 class TeacherSpec:
     """What a method distils from in one round: ``models`` [M, P] flat parameter rows; with M > 1, ``weights``
     [M] (summing to 1) mix the M teachers' softmaxes at temperature ``tau`` (FedGKD-VOTE). ``buffers`` [M, B]:
@@ -330,7 +347,8 @@ class Engine(Protocol):
 
     def new_client_state(self, fill: Tensor | None = None, rows: int = 1, *, cols: int | None = None): ...
     # a fedfast.store.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``;
-    # ``cols``: rows of that many values instead (FedDistill+'s [C, C] logits)
+    # ``cols``: rows of that many values instead. A method's own state is declared (Method.client_state_spec) and
+    # allocated by the engine; calling this in setup is deprecated (it goes in the next release)
 
     def head(self, params, z: Tensor) -> Tensor: ...
     # the model's classifier (its last nn.Linear) of each client on z [n, R, F] -> [n, R, C], with ``params``
@@ -442,8 +460,16 @@ class Method(ClientHooks, ServerHooks):
         self.engine = engine
         self.setup()
 
+    def client_state_spec(self, engine: Engine) -> StateSpec | None:
+        """The per-client state this method keeps (a :class:`StateSpec`), or None: declared before anything is
+        allocated, so the memory budget sizes the chunk with it. ``engine``: the run's facts (``num_params``,
+        ``num_buffers``, ``num_classes``, ``global_flat``, ``config``; the chunk's rows do not exist yet); ``self.opts``
+        is set. The engine allocates ``self.client_state`` from it before :meth:`setup`."""
+        return None
+
     def setup(self) -> None:
-        """Allocate the method's server and per-client state (``self.engine`` is set)."""
+        """Allocate the method's server state (``self.engine`` is set; ``self.client_state`` is allocated from
+        :meth:`client_state_spec`)."""
 
     def prepare_model(self, model, seed: int = 0):
         """The model the clients train (called once, before anything else): ``model`` itself, or a new module

@@ -39,7 +39,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "FedNTD Table 5; Lee-Gihun/FedNTD @be00ee5, config/fedcurv.json"
@@ -74,9 +74,11 @@ class FedCurv(FedAvg):
         lam: float = opt(1.0, f"penalty lambda ({_CODE}: lam 1.0)", check=">=0")
         samples: int = opt(500, f"samples in the Fisher estimate, s ({_CODE}: size 500)", check=">=0")
 
+    def client_state_spec(self, engine):
+        return StateSpec(rows=2)  # [u_k | v_k]
+
     def setup(self):
         e = self.engine
-        self.client_state = e.new_client_state(rows=2)  # [u_k | v_k]
         self.U = torch.zeros(e.num_params, device=e.device)
         self.V = torch.zeros(e.num_params, device=e.device)
 

@@ -31,7 +31,7 @@ import torch
 
 from .. import nn as fnn
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 
@@ -62,11 +62,12 @@ class FedDistillPlus(FedAvg):
         tau_squared: bool = opt(True, f"multiply the KL by tau^2 ({_CODE})")
         skip_first_round: bool = opt(True, f"no distillation in round 1 ({_CODE}: comm_round <= 1)")
 
+    def client_state_spec(self, e):
+        return StateSpec(cols=e.num_classes ** 2)  # A_k [C * C]: every client's latest upload (zeros before)
+
     def setup(self):
         e, o = self.engine, self.opts
-        C = e.num_classes
         self.kd = fnn.KDLoss(tau=o.tau, kd_weight=o.coef, tau_squared=o.tau_squared, backend=e.backend)
-        self.client_state = e.new_client_state(cols=C * C)  # A_k: every client's latest upload (zeros before)
 
     def round_start(self, ctx):
         self.total = self.client_state.mean() * self.engine.num_clients  # sum_j A_j [C * C]

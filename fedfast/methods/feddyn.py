@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .fedavg import FedAvg
 
 
@@ -53,9 +53,11 @@ class FedDyn(FedAvg):
         alpha_scaling: str = opt("mean_size", "alpha_k = alpha / s_k: 'mean_size' (FedDyn code) or 'minibatches' "
                                               "(ASD code)", choices=("mean_size", "minibatches"))
 
+    def client_state_spec(self, engine):
+        return StateSpec()  # h_k, zero before a client trains
+
     def setup(self):
         e = self.engine
-        self.client_state = e.new_client_state()  # h_k
         self.hbar = torch.zeros(e.num_params, device=e.device)
         self.avg = e.global_flat
 

@@ -30,7 +30,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"
@@ -58,12 +58,12 @@ class FedNova(FedAvg):
         ccvr_server: bool = opt(False, "update the server variate c (defined but never called in FedNTD's code: "
                                        "c stays 0)")
 
+    def client_state_spec(self, engine):
+        return StateSpec() if self.opts.ccvr else None  # d_i
+
     def setup(self):
         e = self.engine
-        self.c = None
-        if self.opts.ccvr:
-            self.client_state = e.new_client_state()  # d_i
-            self.c = torch.zeros(e.num_params, device=e.device)
+        self.c = torch.zeros(e.num_params, device=e.device) if self.opts.ccvr else None
 
     def aggregation_weights(self, ids, sizes, local_steps):
         cfg = self.engine.config

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .fedavg import FedAvg
 from .feddyn import FedDyn
 
@@ -91,14 +91,15 @@ class FedSpeed(FedDyn):
     def sam_rho(self, ctx):
         return self.opts.rho
 
+    def client_state_spec(self, e):
+        if self.opts.evaluated == "all_clients":  # [h_k | the client's latest local model (w_0 before it trains)]
+            return StateSpec(rows=2, fill=torch.cat([torch.zeros_like(e.global_flat), e.global_flat]))
+        return super().client_state_spec(e)  # h_k
+
     def setup(self):
         super().setup()
         e = self.engine
-        self.wsum = None
-        if self.opts.evaluated == "all_clients":  # [h_k | the client's latest local model (w_0 before it trains)]
-            self.client_state = e.new_client_state(fill=torch.cat([torch.zeros_like(e.global_flat), e.global_flat]),
-                                                   rows=2)
-            self.wsum = e.global_flat * e.num_clients
+        self.wsum = e.global_flat * e.num_clients if self.opts.evaluated == "all_clients" else None
 
     def round_start(self, ctx):
         super().round_start(ctx)

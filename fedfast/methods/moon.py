@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..models.head import with_projection_head
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
 
@@ -61,13 +61,10 @@ class MOON(FedAvg):
                     f"88 % on MNIST shards after 40 rounds); set moon.mu = 0.1 (fedfast methods moon)"]
         return []
 
-    def setup(self):
-        e = self.engine
+    def client_state_spec(self, e):
         if e.num_buffers:  # previous local models with their buffers (BatchNorm's running statistics)
-            self.client_state = e.new_client_state(fill=torch.cat([e.global_flat, e.global_buffers]),
-                                                   cols=e.num_params + e.num_buffers)
-        else:
-            self.client_state = e.new_client_state(fill=e.global_flat)  # previous local models
+            return StateSpec(cols=e.num_params + e.num_buffers, fill=torch.cat([e.global_flat, e.global_buffers]))
+        return StateSpec(fill=e.global_flat)  # previous local models
 
     def chunk_start(self, ctx, lo, hi):
         return ctx.rows[lo:hi]  # the chunk's clients' previous local models (and their buffers)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import opt
+from .base import StateSpec, opt
 from .fedavg import FedAvg
 
 
@@ -37,9 +37,11 @@ class Scaffold(FedAvg):
     class Options:
         keff_momentum: bool = opt(True, "count local momentum in K_eff (FedNTD code, 'adaptive division')")
 
+    def client_state_spec(self, engine):
+        return StateSpec()  # c_k, zero before a client trains
+
     def setup(self):
         e = self.engine
-        self.client_state = e.new_client_state()  # c_k
         self.c = torch.zeros(e.num_params, device=e.device)
 
     def chunk_start(self, ctx, lo, hi):

@@ -22,16 +22,20 @@ class MemoryBudget:
     def __init__(self, cfg, method, runtime, device: torch.device, state_dir: str | None = None, max_cohort: int = 1):
         self.cfg, self.method, self.runtime, self.device = cfg, method, runtime, device
         self.state_dir, self.max_cohort = state_dir, max_cohort
+        self.state_values = None  # values per client of the method's per-client state (its declaration)
         self._client_bytes = None
+
+    def declare(self, values: int | None) -> None:
+        """The method's per-client state, ``values`` per client (None: none): the chunk is sized with it."""
+        self.state_values, self._client_bytes = values, None
 
     def client_bytes(self) -> tuple[int, int]:
         """(parameter-row bytes, activation bytes) of one client (:func:`fedfast.sim.budget.client_bytes`),
-        measured once (after the method allocated its per-client state)."""
+        measured once (with the method's declared per-client state, :meth:`declare`)."""
         if self._client_bytes is None:
             c, P = self.cfg, self.runtime.num_params
-            state = self.method.client_state
-            rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), state.cols if state is not None
-                                     else None, P, SAMGradient.rows if self.method.sam else 0)
+            rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), self.state_values, P,
+                                     SAMGradient.rows if self.method.sam else 0)
             act = self.runtime.activation_elems(with_im2col=self.runtime.conv == "gemm")
             self._client_bytes = budget.client_bytes(P, rows, act, c.batch_size)
         return self._client_bytes

@@ -6,6 +6,7 @@ The method keeps its own state (``Method.state_dict``); a checkpoint is this sta
 method's."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,13 @@ class RunState:
         """ValueError unless checkpoint ``ck`` was made for a run of this ``shape``."""
         if ck.get("shape") != shape:
             raise ValueError(f"checkpoint: made for {ck.get('shape')}, this simulation has {shape}")
+
+    def restore_(self, ck: dict) -> None:
+        """This state becomes the one checkpoint ``ck`` holds (:meth:`restored`), in place: the parts that hold it
+        (the method's engine view) see the restored run."""
+        new = self.restored(ck)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(new, f.name))
 
     def restored(self, ck: dict) -> "RunState":
         """The state checkpoint ``ck`` holds, on this state's device (torch's generators set from it too)."""
