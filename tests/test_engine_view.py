@@ -99,8 +99,8 @@ def test_a_method_declares_its_state_and_reads_the_chunk_in_setup(monkeypatch):
         assert bool((sim.method.client_state.dense() == 1).all())
         assert sim.budget.state_values == 2 * P
         with pytest.raises(HookError, match="client_state_spec.*StateSpec"):
-            fedfast.Simulation(fedfast.SimConfig(algorithm="wrong_view_test", clients_per_round=3), copy.deepcopy(model),
-                               train, test, part)
+            fedfast.Simulation(fedfast.SimConfig(algorithm="wrong_view_test", clients_per_round=3),
+                               copy.deepcopy(model), train, test, part)
     finally:
         for name in ("declared_view_test", "wrong_view_test"):
             fedfast.methods.unregister(name)

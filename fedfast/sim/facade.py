@@ -20,8 +20,8 @@ class EngineView:
     is sized (a method declares its per-client state to it: ``Method.client_state_spec``); the chunk trainer is
     attached once it exists, before ``Method.bind``."""
 
-    __slots__ = ("_runtime", "_plan", "_budget", "_state", "_splits", "_trainer", "_binding", "device", "backend", "num_clients",
-                 "num_params", "num_classes", "seed", "train", "config", "client_sizes", "num_buffers")
+    __slots__ = ("_runtime", "_plan", "_budget", "_state", "_splits", "_trainer", "_binding", "device", "backend",
+                 "num_clients", "num_params", "num_classes", "seed", "train", "config", "client_sizes", "num_buffers")
 
     def __init__(self, cfg, *, runtime, plan, budget, state, train, server_splits: dict, device: torch.device):
         self._runtime, self._plan, self._budget, self._state = runtime, plan, budget, state
@@ -80,7 +80,8 @@ class EngineView:
         rt, n = self._runtime, rows.shape[0]
         b = rt.buffers if buffers is None else buffers
         return self._tr.stack.vmap_forward(
-            x, rows=slice(0, n), params=rt.layout.param_views(rows), features=rt.features_module() if features else None,
+            x, rows=slice(0, n), params=rt.layout.param_views(rows),
+            features=rt.features_module() if features else None,
             buffers=rt.layout.buffer_views(b.expand(n, -1) if b.dim() == 1 else b), valid=valid)
 
     def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
