@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from fedfast._io import host_to_device
-from fedfast.methods import FedAvg, StateSpec, opt, register
+from fedfast.methods import Collected, FedAvg, StateSpec, opt, register
 
 _CODE = "gaoliang13/FedDC, example_code_cifar10.py and utils_general.py"
 
@@ -76,8 +76,9 @@ class FedDC(FedAvg):
         self.n_minibatch = c.local_epochs * int(np.ceil(sizes.mean() / c.batch_size))
 
     def round_start(self, ctx):
-        ctx.reduce["dh"] = torch.zeros_like(self.hbar)  # sum_i Delta_i, summed over chunks and ranks
-        ctx.reduce["dG"] = torch.zeros_like(self.G)     # sum_i r_i (G_i' - G_i)
+        # the round's sums (collect adds to them; the engine sums them over chunks and ranks before server)
+        return {"dh": torch.zeros_like(self.hbar),  # sum_i Delta_i
+                "dG": torch.zeros_like(self.G)}     # sum_i r_i (G_i' - G_i)
 
     def chunk_start(self, ctx, lo, hi):
         e, P = self.engine, self.engine.num_params
@@ -104,13 +105,12 @@ class FedDC(FedAvg):
         delta = e.client_params(hi - lo) - e.global_flat
         beta = 1.0 / (self.n_minibatch * e.config.lr)
         G_new = G_old - self.G / r - beta * delta
-        ctx.reduce["dG"] += (r * (G_new - G_old)).sum(0)
-        ctx.reduce["dh"] += out["state_change"]
-        ctx.new_rows[lo:hi, :P] = out["state_rows"]
-        ctx.new_rows[lo:hi, P:] = G_new
+        # the clients' new rows [h_i' | G_i'], and their shares of the round's sums
+        return Collected(rows=torch.cat([out["state_rows"], G_new], 1),
+                         sums={"dG": (r * (G_new - G_old)).sum(0), "dh": out["state_change"]})
 
     def server(self, ctx, avg):
         N = self.engine.num_clients
-        self.G = self.G + ctx.reduce["dG"] / N
-        self.hbar = self.hbar + ctx.reduce["dh"] / N
+        self.G = self.G + ctx.sums["dG"] / N
+        self.hbar = self.hbar + ctx.sums["dh"] / N
         return avg + self.hbar

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedfast.methods import FedAvg, opt, register
+from fedfast.methods import Collected, FedAvg, opt, register
 
 
 @register("fedexp")
@@ -39,17 +39,17 @@ class FedExP(FedAvg):
         self.eta_g = torch.ones((), device=self.engine.device)
 
     def round_start(self, ctx):
-        ctx.reduce["sq"] = torch.zeros((), device=self.engine.device)  # sum_i ||Delta_i||^2, summed over ranks
+        return {"sq": torch.zeros((), device=self.engine.device)}  # the round's sum_i ||Delta_i||^2
 
     def collect(self, ctx, out, lo, hi):
         rows = self.engine.client_params(hi - lo)     # the chunk's trained clients, one row each
-        ctx.reduce["sq"] += (rows - self.engine.global_flat).pow(2).sum()
+        return Collected(sums={"sq": (rows - self.engine.global_flat).pow(2).sum()})
 
     def server(self, ctx, avg):
         w = self.engine.global_flat                    # still the round's starting model here
         delta = w - avg
         M = ctx.num_total
-        self.eta_g = torch.clamp(ctx.reduce["sq"] / (2 * M * (delta.pow(2).sum() + self.opts.eps)), min=1.0)
+        self.eta_g = torch.clamp(ctx.sums["sq"] / (2 * M * (delta.pow(2).sum() + self.opts.eps)), min=1.0)
         self.prev = w
         return w - self.eta_g * delta
 

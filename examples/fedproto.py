@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedfast.methods import FedAvg, opt, register
+from fedfast.methods import Collected, FedAvg, opt, register
 from fedfast.methods.hooks import cross_entropy, weighted_mean_rows
 
 
@@ -47,9 +47,9 @@ class FedProto(FedAvg):
         self.has = torch.zeros(C, dtype=torch.bool, device=e.device)  # the classes that have one
 
     def round_start(self, ctx):
-        e = self.engine  # sums across the round's clients (and processes): made on every rank, filled in collect
-        ctx.reduce["proto_sum"] = torch.zeros(e.num_classes, e.feature_width, device=e.device)
-        ctx.reduce["proto_clients"] = torch.zeros(e.num_classes, device=e.device)
+        e = self.engine  # the round's sums over its clients (and processes): collect adds to them
+        return {"proto_sum": torch.zeros(e.num_classes, e.feature_width, device=e.device),
+                "proto_clients": torch.zeros(e.num_classes, device=e.device)}
 
     def loss(self, ctx, b):
         y = b.target.clamp_min(0)  # padding rows (target -100) are masked by weighted_mean_rows
@@ -69,11 +69,11 @@ class FedProto(FedAvg):
             counts.index_add_(0, key, w)
         holds = (counts > 0).view(n, C)
         local = (sums / counts.clamp_min(1)[:, None]).view(n, C, F)   # each client's local prototypes
-        ctx.reduce["proto_sum"] += (local * holds[..., None]).sum(0)  # in place: the chunks' and ranks' sums
-        ctx.reduce["proto_clients"] += holds.sum(0)
+        # the chunk's shares of the round's sums (the engine adds the chunks' and ranks')
+        return Collected(sums={"proto_sum": (local * holds[..., None]).sum(0), "proto_clients": holds.sum(0)})
 
     def server(self, ctx, avg):
-        k = ctx.reduce["proto_clients"]  # summed over every rank's clients by the engine before server
+        k = ctx.sums["proto_clients"]  # summed over every rank's clients by the engine before server
         self.has = k > 0
-        self.protos = ctx.reduce["proto_sum"] / k.clamp_min(1)[:, None]
+        self.protos = ctx.sums["proto_sum"] / k.clamp_min(1)[:, None]
         return super().server(ctx, avg)

@@ -48,7 +48,7 @@ from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers, local_statistics_store,
                           restore_local_statistics)
-from .sim import diverged as _diverged
+from .sim import collect, diverged as _diverged
 from .sim.evaluation import Evaluator, forgetting
 from .sim.facade import EngineView, bind_method
 from .sim.inputs import check_inputs
@@ -222,7 +222,7 @@ class Simulation:
         timers = {}
         st = self.state
         ctx, totals, step_rows = self.plan.sample(st.round)
-        self.method.round_start(ctx)
+        collect.declare_sums(self.method, ctx)  # round_start: the round's sums it declares
         clip = self.privacy.begin_round(ctx) if self.privacy else None  # private: the round's clip
         t1 = time.perf_counter()
         with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
@@ -257,15 +257,13 @@ class Simulation:
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
     def _local(self, ctx: Round, teacher, step_rows):
         m = len(ctx.sampled)
-        if self.method.client_state is not None:
-            ctx.rows = self.method.client_state.gather(ctx.sampled)  # the method's per-client state rows (host ids)
-            ctx.new_rows = torch.empty(m, self.method.client_state.cols, device=self.device)
+        # the method's state rows gathered (host ids); the increment, e.g. SCAFFOLD's sum of (c_k' - c_k)/N
+        collect.start_round(ctx, self.method.client_state, torch.zeros_like(self.global_flat), self.device)
         weights = host_to_device(ctx.weights, self.device, torch.float32)
         tr = self.trainer
         tr.sync()
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
-        ctx.incr = torch.zeros_like(self.global_flat)  # e.g. SCAFFOLD sum of (c_k' - c_k)/N, FedDyn sum of (w_k - g)/N
         loss_sum = torch.zeros((), device=self.device)
         bufs = RoundBuffers(self.runtime.layout, m, self.device, self.client_buffers, ctx.sampled)
         tr.prof = {}
@@ -303,7 +301,7 @@ class Simulation:
             # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
-        self.method.collect(ctx, out, lo, hi)
+        collect.take(self.method, ctx, self.method.collect(ctx, out, lo, hi), lo, hi)
         if self.privacy:
             self.privacy.collect(ctx, out)
         # private: the chunk's clipped sum / E (the server adds g and the noise once)
@@ -312,9 +310,9 @@ class Simulation:
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float, bufs: RoundBuffers):
         # sums over all ranks' clients; every rank learns every updated client's state row (one process: as is)
-        self.comm.sum_(avg_sum, ctx.incr, loss_sum, *(ctx.reduce[k] for k in sorted(ctx.reduce)),
+        self.comm.sum_(avg_sum, ctx.increment, loss_sum, *(ctx.sums[k] for k in sorted(ctx.sums)),
                        *([bufs.sum] if bufs.sum.numel() else []))
-        for st, rows in ((self.method.client_state, ctx.new_rows), (self.client_buffers, bufs.rows)):
+        for st, rows in ((self.method.client_state, ctx.state_out), (self.client_buffers, bufs.rows)):
             if rows is not None:
                 with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values "
                                   f"each, growing with the clients trained)", "state_dtype"):

@@ -423,3 +423,40 @@ def test_no_part_of_the_engine_holds_the_simulation(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("class V:\n    def __init__(self, sim):\n        self._sim = sim\n")
     assert offenders(str(probe)) == [(2, "sim"), (3, "_sim"), (3, "sim")]
+
+
+def _round_writes(path: str) -> list:
+    """(line, what) of every write into the Round (``ctx``) in a file: an attribute set, an item set or an augmented
+    assignment on ``ctx.<field>`` (or on an object it holds), and every use of the old guide's ``new_rows``, ``incr``
+    and ``reduce``."""
+    def rooted(node):  # ctx.<...>[...]...: the expression starts at the name ctx, through an attribute
+        seen_attr = False
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            seen_attr = seen_attr or isinstance(node, ast.Attribute)
+            node = node.value
+        return seen_attr and isinstance(node, ast.Name) and node.id == "ctx"
+
+    bad = []
+    for n in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+        bad += [(n.lineno, "writes the Round") for t in targets if rooted(t)]
+        if isinstance(n, ast.Attribute) and n.attr in ("new_rows", "incr", "reduce") and \
+                isinstance(n.value, ast.Name) and n.value.id == "ctx":
+            bad.append((n.lineno, f"ctx.{n.attr}"))
+    return bad
+
+
+def test_methods_do_not_write_the_round(tmp_path):
+    """Issue 50: the built-in methods and the examples return what their hooks compute (round_start's sums,
+    chunk_start / chunk_end's chunk state, collect's Collected); none writes the Round or uses the old guide's
+    fields. The check sees each kind of write."""
+    files = [os.path.join(ROOT, "methods", f) for f in os.listdir(os.path.join(ROOT, "methods")) if f.endswith(".py")]
+    files += [os.path.join(REPO, "examples", f) for f in os.listdir(os.path.join(REPO, "examples"))
+              if f.endswith(".py")]
+    found = {os.path.relpath(f, REPO): _round_writes(f) for f in sorted(files)}
+    assert {f: b for f, b in found.items() if b} == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("def collect(self, ctx):\n    ctx.new_rows[0] = 1\n    ctx.chunk.u = 2\n    ctx.mine = 3\n"
+                     "    ctx.sums['x'] += 4\n    y = ctx.reduce\n    z = ctx.rows[0]\n")
+    assert sorted(_round_writes(str(probe))) == [(2, "ctx.new_rows"), (2, "writes the Round"), (3, "writes the Round"),
+                                                 (4, "writes the Round"), (5, "writes the Round"), (6, "ctx.reduce")]

@@ -161,7 +161,7 @@ def test_a_plugin_summing_over_its_clients_is_refused():
     class Leaky(FedAvg):
         def round_start(self, ctx):
             super().round_start(ctx)
-            ctx.reduce["label_sums"] = torch.zeros(3)
+            return {"label_sums": torch.zeros(3)}
 
     name = "leaky_dp_test"
     register(name)(Leaky)

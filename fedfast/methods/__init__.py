@@ -18,8 +18,8 @@ import traceback
 
 from .._io import file_sha256, is_installed
 from .._registry import Registry
-from .base import (ClientData, Engine, Method, NoOptions, Round, StateSpec, Step, TeacherRows, TeacherSpec,
-                   make_options, opt, validate_options)
+from .base import (ClientData, Collected, Engine, Method, NoOptions, Round, StateSpec, Step, TeacherRows,
+                   TeacherSpec, make_options, opt, validate_options)
 from .hooks import cross_entropy, weighted_mean_rows
 
 REGISTRY = Registry("method", "algorithm")  # name -> Method subclass
@@ -243,7 +243,7 @@ from .asd import ASD, with_asd  # noqa: E402
 
 REGISTRY.seal()
 
-__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "StateSpec", "TeacherSpec", "TeacherRows", "opt", "make_options",
+__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "Collected", "StateSpec", "TeacherSpec", "TeacherRows", "opt", "make_options",
            "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY", "register", "get",
            "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced", "BUILTIN", "REPLACED",
            "PLUGINS", "PLUGIN_CODE", "file_sha256", "plugin_frame", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",

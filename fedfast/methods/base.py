@@ -25,6 +25,7 @@ import math
 import re
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -174,9 +175,27 @@ class NoOptions:
 
 
 # -- per-round values -----------------------------------------------------------------------------------------
+# the fields a method of the old guide wrote (a DeprecationWarning for one release), and the form that replaces each
+_LEGACY = {"rows": "read ctx.rows; nothing writes it but the engine",
+           "new_rows": "return fedfast.methods.Collected(rows=...) from collect",
+           "incr": "return fedfast.methods.Collected(increment=...) from collect; the server reads ctx.increment",
+           "reduce": "return the round's sums from round_start ({name: zeros}) and Collected(sums={name: ...}) "
+                     "from collect; the server reads ctx.sums[name]",
+           "chunk": "return the chunk's state from chunk_start (or a new one from chunk_end)"}
+
+
+def _deprecated(name: str) -> None:
+    warnings.warn(f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}",
+                  DeprecationWarning, stacklevel=3)
+
+
 @dataclass(kw_only=True)
 class Round:
-    """One round's data in stack order (this rank's clients under torch.distributed). Built by keyword."""
+    """One round's data in stack order (this rank's clients under torch.distributed). Built by keyword by the
+    engine, which alone writes it (``_set``): a method reads it and returns what its hooks compute -
+    ``round_start`` the round's sums, ``chunk_start`` / ``chunk_end`` the chunk's state, ``collect`` a
+    :class:`Collected` - and the engine owns the accumulation. Setting an attribute raises AttributeError naming the
+    new form (the old guide's ``new_rows``, ``incr``, ``reduce`` and ``chunk`` warn instead, for one release)."""
     index: int                       # 0-based round number
     sampled: np.ndarray              # client ids
     sizes: np.ndarray                # local data sizes
@@ -188,17 +207,67 @@ class Round:
     positions: Tensor | None = None  # [m] each client's position in the whole round's sorted client list
     num_total: int = 0               # clients in the whole round (all ranks)
     rows: Tensor | None = None       # [m, P] the method's per-client state rows (gathered from client_state)
-    new_rows: Tensor | None = None   # their updated values, filled by ``collect`` chunk by chunk
-    incr: Tensor | None = None       # a server-state increment summed over the chunks (all-reduced across ranks)
+    state_out: Tensor | None = None  # the engine's: the collected new rows of the round's clients, stored after it
+    increment: Tensor | None = None  # [P] the collected increments, summed over the chunks and ranks (server reads)
     chunk: object = None  # the method's own per-chunk state: what its chunk_start returned (e.g. a dataclass)
     weights: np.ndarray | None = None  # [m] this rank's clients' aggregation weights (host)
     clients: np.ndarray | None = None  # the whole round's clients (all ranks) in stack order; row p of a
-    #                                    ``reduce`` table is the client at position p (``positions``)
-    reduce: dict = field(default_factory=dict)  # tensors a method fills and the engine sums across ranks before
-    #                                    ``server`` (per-client rows at ``positions``, or server increments); make
-    #                                    them in ``round_start`` (every rank, even one without clients, must)
+    #                                    per-client sum table is the client at position p (``positions``)
+    sums: dict = field(default_factory=dict)  # the round's sums (round_start declares them, collect adds to them),
+    #                                    summed over the chunks and across ranks before ``server`` reads them
     data_batches: np.ndarray | None = None  # minibatches in one pass over each client's data (ceil(size / B))
     seen_hist: Tensor | None = None  # [m, C] labels of the rows each client trains on this round (epochs x hist)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_sealed", False):
+            if name not in _LEGACY:
+                raise AttributeError(f"Round.{name}: a Round is read-only for methods; a hook returns what it "
+                                     f"computes (round_start: the round's sums; chunk_start / chunk_end: the chunk's "
+                                     f"state; collect: fedfast.methods.Collected(rows=, increment=, sums=))")
+            if name != "incr" or value is not self.increment:  # ``ctx.incr += x`` adds in place: nothing to set
+                _deprecated(name)
+                object.__setattr__(self, {"new_rows": "state_out", "incr": "increment", "reduce": "sums"}.get(
+                    name, name), value)
+            return
+        object.__setattr__(self, name, value)
+
+    def _set(self, **values) -> None:
+        """The engine's (and its parts') writes."""
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    @property
+    def new_rows(self) -> Tensor | None:
+        """Deprecated: the round's new state rows; ``collect`` returns ``Collected(rows=...)`` instead."""
+        _deprecated("new_rows")
+        return self.state_out
+
+    @property
+    def incr(self) -> Tensor | None:
+        """Deprecated: ``ctx.increment`` (read), ``Collected(increment=...)`` (write)."""
+        _deprecated("incr")
+        return self.increment
+
+    @property
+    def reduce(self) -> dict:
+        """Deprecated: ``ctx.sums`` (read), the round's sums from ``round_start`` and ``Collected(sums=...)``."""
+        _deprecated("reduce")
+        return self.sums
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What ``collect`` computed for the chunk's clients ``lo:hi`` (every field optional); the engine accumulates it.
+    ``rows`` [hi-lo, cols]: the clients' new per-client state rows (the engine stores them after the round);
+    ``increment`` [P]: added to the round's increment (``ctx.increment`` in ``server``, summed over the chunks and
+    ranks); ``sums``: ``{name: tensor}`` added to the round's sums that ``round_start`` declared (``ctx.sums`` in
+    ``server``)."""
+    rows: Tensor | None = None
+    increment: Tensor | None = None
+    sums: dict | None = None
 
 
 @dataclass(frozen=True)

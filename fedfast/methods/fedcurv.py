@@ -32,6 +32,7 @@ CINIC-10's 200 clients; half with ``state_dtype = "bfloat16"``, in host memory w
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "FedNTD Table 5; Lee-Gihun/FedNTD @be00ee5, config/fedcurv.json"
@@ -83,8 +84,7 @@ class FedCurv(FedAvg):
         self.V = torch.zeros(e.num_params, device=e.device)
 
     def round_start(self, ctx):
-        ctx.reduce["U"] = torch.zeros_like(self.U)  # every rank adds its clients' changes of U and V
-        ctx.reduce["V"] = torch.zeros_like(self.V)
+        return {"U": torch.zeros_like(self.U), "V": torch.zeros_like(self.V)}  # the clients' changes of U and V
 
     def chunk_start(self, ctx, lo, hi):
         P, lam = self.engine.num_params, self.opts.lam
@@ -108,18 +108,15 @@ class FedCurv(FedAvg):
         for _, n_act, g in e.local_gradients(ctx, lo, hi, batches, epoch=ctx.epochs):
             u[:n_act].addcmul_(g, g)
         u /= host_to_device(batches, e.device, torch.float32)[:, None]
-        ctx.chunk.u = u
+        return dataclasses.replace(ctx.chunk, u=u)
 
     def collect(self, ctx, out, lo, hi):
         P = self.engine.num_params
         u, old = ctx.chunk.u, ctx.rows[lo:hi]
         v = u * self.engine.client_params(hi - lo)
-        ctx.reduce["U"] += (u - old[:, :P]).sum(0)
-        ctx.reduce["V"] += (v - old[:, P:]).sum(0)
-        ctx.new_rows[lo:hi, :P] = u
-        ctx.new_rows[lo:hi, P:] = v
+        return Collected(rows=torch.cat([u, v], 1), sums={"U": (u - old[:, :P]).sum(0), "V": (v - old[:, P:]).sum(0)})
 
     def server(self, ctx, avg):
-        self.U = self.U + ctx.reduce["U"]
-        self.V = self.V + ctx.reduce["V"]
+        self.U = self.U + ctx.sums["U"]
+        self.V = self.V + ctx.sums["V"]
         return super().server(ctx, avg)

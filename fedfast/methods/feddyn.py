@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 
 
@@ -95,11 +95,11 @@ class FedDyn(FedAvg):
         return dict(state_rows=self._h(ctx.rows[lo:hi]).contiguous())
 
     def collect(self, ctx, out, lo, hi):
-        ctx.incr += out["state_change"] * (1.0 / self.engine.num_clients)  # hbar' = hbar + sum_k (w_k - w_t) / K
-        self._h(ctx.new_rows[lo:hi]).copy_(out["state_rows"])
+        # h_k' the clients' new rows; hbar' = hbar + sum_k (w_k - w_t) / K
+        return Collected(rows=out["state_rows"], increment=out["state_change"] * (1.0 / self.engine.num_clients))
 
     def server(self, ctx, avg):
-        self.hbar = self.hbar + ctx.incr
+        self.hbar = self.hbar + ctx.increment
         self.avg = avg
         return avg + self.hbar
 

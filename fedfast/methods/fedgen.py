@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import register
-from .base import STATE_FORMAT, opt
+from .base import STATE_FORMAT, Collected, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 
@@ -181,10 +181,10 @@ class FedGen(FedAvg):
     # -- clients ---------------------------------------------------------------------------------------------
     def round_start(self, ctx):
         e, C = self.engine, self.engine.num_classes
-        ctx.reduce["w"] = torch.zeros(ctx.num_total, C, self.features, device=e.device)  # participants' heads
-        ctx.reduce["b"] = torch.zeros(ctx.num_total, C, device=e.device)
-        ctx.reduce["counts"] = torch.zeros(ctx.num_total, C, device=e.device)
         self.generator.eval()
+        return {"w": torch.zeros(ctx.num_total, C, self.features, device=e.device),  # the participants' heads
+                "b": torch.zeros(ctx.num_total, C, device=e.device),
+                "counts": torch.zeros(ctx.num_total, C, device=e.device)}
 
     def chunk_start(self, ctx, lo, hi):
         return lo  # the chunk's first round position: each client's draws are keyed by its position
@@ -218,10 +218,13 @@ class FedGen(FedAvg):
         e = self.engine
         w, b = e.head_params(e.client_params(hi - lo))
         pos = ctx.positions[lo:hi]
-        ctx.reduce["w"].index_copy_(0, pos, w.detach().contiguous())
+
+        def at_positions(name, rows):  # the chunk's clients' rows of the round's table (zeros elsewhere)
+            return torch.zeros_like(ctx.sums[name]).index_copy_(0, pos, rows.detach().contiguous())
+        sums = {"w": at_positions("w", w), "counts": at_positions("counts", 1.0 + ctx.seen_hist[lo:hi])}  # labels
         if b is not None:
-            ctx.reduce["b"].index_copy_(0, pos, b.detach().contiguous())
-        ctx.reduce["counts"].index_copy_(0, pos, 1.0 + ctx.seen_hist[lo:hi])  # the labels it trained on
+            sums["b"] = at_positions("b", b)
+        return Collected(sums=sums)
 
     # -- server ----------------------------------------------------------------------------------------------
     def server(self, ctx, avg):
@@ -232,7 +235,7 @@ class FedGen(FedAvg):
     def train_generator(self, ctx):
         """The server's generator steps against the round's participants' classifiers (FedGen's train_generator)."""
         e, o = self.engine, self.opts
-        W, bias, counts = ctx.reduce["w"], ctx.reduce["b"], ctx.reduce["counts"]
+        W, bias, counts = ctx.sums["w"], ctx.sums["b"], ctx.sums["counts"]
         weights = counts / counts.sum(0, keepdim=True)  # [m, C]: w[y, u] transposed
         qualified = (counts.amax(0) > 1)[None]  # labels some participant holds
         lr = o.gen_lr * o.gen_lr_decay ** self.gen_rounds

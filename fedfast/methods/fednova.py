@@ -30,7 +30,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"
@@ -87,19 +87,20 @@ class FedNova(FedAvg):
 
     def collect(self, ctx, out, lo, hi):
         if not self.opts.ccvr:
-            return
+            return None
         e = self.engine
         inv = host_to_device(1.0 / (ctx.lr * self.a[ctx.sampled[lo:hi]]), e.device, torch.float32)[:, None]
         d = (e.global_flat - e.client_params(hi - lo)) * inv  # d_i = (w_t - w_i) / (lr a_i)
-        ctx.new_rows[lo:hi] = d
+        inc = None
         if self.opts.ccvr_server:
             n = host_to_device(ctx.sizes[lo:hi] / e.client_sizes.sum(), e.device, torch.float32)
-            ctx.incr += n @ d
+            inc = n @ d
+        return Collected(rows=d, increment=inc)
 
     def server_terms(self, ctx):
         return dict(lr=self.coef)
 
     def server(self, ctx, avg):
         if self.opts.ccvr and self.opts.ccvr_server:
-            self.c = (1.0 - self.share) * self.c + ctx.incr
+            self.c = (1.0 - self.share) * self.c + ctx.increment
         return super().server(ctx, avg)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 from .feddyn import FedDyn
 
@@ -103,20 +103,22 @@ class FedSpeed(FedDyn):
 
     def round_start(self, ctx):
         super().round_start(ctx)
-        if self.wsum is not None:  # every rank adds its clients' changes (made here: a rank may have no clients)
-            ctx.reduce["wsum"] = torch.zeros_like(self.wsum)
+        if self.wsum is not None:  # the clients' changes of the models' sum
+            return {"wsum": torch.zeros_like(self.wsum)}
+        return None
 
     def collect(self, ctx, out, lo, hi):
-        super().collect(ctx, out, lo, hi)
-        if self.wsum is not None:
-            P = self.engine.num_params
-            w = self.engine.client_params(hi - lo)
-            ctx.reduce["wsum"] += (w - ctx.rows[lo:hi, P:]).sum(0)
-            ctx.new_rows[lo:hi, P:] = w
+        got = super().collect(ctx, out, lo, hi)  # h_k' and hbar's increment
+        if self.wsum is None:
+            return got
+        P = self.engine.num_params
+        w = self.engine.client_params(hi - lo)
+        return Collected(rows=torch.cat([got.rows, w], 1), increment=got.increment,
+                         sums={"wsum": (w - ctx.rows[lo:hi, P:]).sum(0)})
 
     def server(self, ctx, avg):
         if self.wsum is not None:
-            self.wsum = self.wsum + ctx.reduce["wsum"]
+            self.wsum = self.wsum + ctx.sums["wsum"]
         return super().server(ctx, avg)
 
     def evaluated(self, global_flat):

@@ -129,8 +129,10 @@ class ClientHooks:
         """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""
         return {}
 
-    def chunk_end(self, ctx: Round, lo: int, hi: int) -> None:
-        """After the chunk's last local step."""
+    def chunk_end(self, ctx: Round, lo: int, hi: int):
+        """After the chunk's last local step. Returns the chunk's new state (the next hooks' ``ctx.chunk``), or None
+        to keep it."""
+        return None
 
 
 
@@ -143,16 +145,23 @@ class ServerHooks:
         (sizes or uniform). FedDisco and FedNova set their own."""
         return None
 
-    def round_start(self, ctx: Round) -> None:
-        """Per-round server-side values (class weights, per-client coefficients)."""
+    def round_start(self, ctx: Round) -> dict | None:
+        """Per-round server-side values (class weights, per-client coefficients, kept on ``self``). Returns the
+        round's sums, ``{name: a zero tensor of its shape}`` (every rank, even one without clients, returns the
+        same names), which ``collect`` adds to and ``server`` reads as ``ctx.sums[name]`` (summed over the chunks and
+        ranks); None: none."""
+        return None
 
     # -- server --------------------------------------------------------------------------------------------
     def chunk_aggregate(self, ctx: Round, lo: int, hi: int) -> dict:
         """Extra arguments of :func:`fedfast.ops.aggregate` for the chunk's rows (per-client state updates)."""
         return {}
 
-    def collect(self, ctx: Round, out: dict, lo: int, hi: int) -> None:
-        """Keep the chunk's per-client results (``ctx.new_rows``, ``ctx.incr``) from the fused aggregate's outputs."""
+    def collect(self, ctx: Round, out: dict, lo: int, hi: int):
+        """The chunk's per-client results from the fused aggregate's outputs ``out`` and the trained rows: a
+        :class:`fedfast.methods.Collected` (the clients' new state rows, an increment of the server's state, additions
+        to the round's sums), or None. The engine accumulates it."""
+        return None
 
     def server_terms(self, ctx: Round) -> dict:
         """Server-rule arguments of :func:`fedfast.ops.aggregate` (server momentum, teacher buffer)."""

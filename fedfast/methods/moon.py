@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..models.head import with_projection_head
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
 
@@ -83,7 +83,7 @@ class MOON(FedAvg):
         return cross_entropy(b, e.backend) + o.mu * weighted_mean_rows(lcon, b.valid)
 
     def collect(self, ctx, out, lo, hi):
-        e, P = self.engine, self.engine.num_params
-        ctx.new_rows[lo:hi, :P] = e.client_params(hi - lo)
-        if e.num_buffers:
-            ctx.new_rows[lo:hi, P:] = e.client_buffers(hi - lo)
+        e, n = self.engine, hi - lo
+        # the clients' new local models (and their buffers) as their rows
+        return Collected(rows=torch.cat([e.client_params(n), e.client_buffers(n)], 1) if e.num_buffers
+                         else e.client_params(n))

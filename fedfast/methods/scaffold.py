@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import StateSpec, opt
+from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 
 
@@ -61,10 +61,10 @@ class Scaffold(FedAvg):
                     state_coef=(-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device))
 
     def collect(self, ctx, out, lo, hi):
-        # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments
-        ctx.incr += (self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c
-        ctx.new_rows[lo:hi] = out["state_rows"]
+        # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments; c_k' the clients' new rows
+        return Collected(rows=out["state_rows"],
+                         increment=(self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c)
 
     def server(self, ctx, avg):
-        self.c = self.c + ctx.incr
+        self.c = self.c + ctx.increment
         return super().server(ctx, avg)

@@ -199,9 +199,9 @@ class RoundPlan:
             for t in tables:
                 for j, r in enumerate(t):
                     seen[j] += np.bincount(self.labels[r[r >= 0]], minlength=self.num_classes)
-            ctx.seen_hist = host_to_device(seen.astype(np.float32), self.device)
+            ctx._set(seen_hist=host_to_device(seen.astype(np.float32), self.device))
         else:
-            ctx.seen_hist = hist * epochs
+            ctx._set(seen_hist=hist * epochs)
         return ctx, totals, step_rows
 
     def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray:

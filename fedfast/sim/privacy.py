@@ -94,20 +94,20 @@ class RoundPrivacy:
         return dict(dp_clip=self.clip, dp_denominator=self.expected, dp_norms=norms, **extra)
 
     def begin_round(self, ctx) -> float:
-        """The round's clip. A method's (or plug-in's) per-round sums ``ctx.reduce`` are uploads too: refused by
+        """The round's clip. A method's (or plug-in's) per-round sums ``ctx.sums`` are uploads too: refused by
         name. With adaptive clipping, the round's count of unclipped updates (summed over the chunks and processes
         with the method's sums)."""
-        if ctx.reduce:
-            raise ValueError(f"dp_clip: {self.method.name} sums {sorted(ctx.reduce)} over its clients (ctx.reduce), "
+        if ctx.sums:
+            raise ValueError(f"dp_clip: {self.method.name} sums {sorted(ctx.sums)} over its clients (ctx.sums), "
                              f"uploads that DP-FedAvg's clipping and noise do not cover")
         if self.adaptive:
-            ctx.reduce["_dp_unclipped"] = torch.zeros((), device=self.device)
+            ctx.sums["_dp_unclipped"] = torch.zeros((), device=self.device)
         return self.clip
 
     def collect(self, ctx, out: dict) -> None:
         """A chunk's count of unclipped updates (adaptive clipping)."""
         if self.adaptive:
-            ctx.reduce["_dp_unclipped"] += out["dp_unclipped"]
+            ctx.sums["_dp_unclipped"] += out["dp_unclipped"]
 
     def average(self, g: torch.Tensor, clipped_sum: torch.Tensor, ctx=None) -> torch.Tensor:
         """``g + (clipped_sum + z C xi) / E``, ``clipped_sum`` the round's (all-reduced) sum of the chunks'
@@ -119,7 +119,7 @@ class RoundPrivacy:
             avg = avg + xi.to(g.dtype) * (self.z_update * self.clip / self.expected)
         if self.adaptive:
             nb = torch.randn(1, generator=self.gen, device=self.device, dtype=torch.float32) * self.sigma_b
-            b = float((ctx.reduce["_dp_unclipped"] + nb[0]) / self.expected)
+            b = float((ctx.sums["_dp_unclipped"] + nb[0]) / self.expected)
             self.clip = self.clip * math.exp(-float(self.cfg.dp_clip_lr) * (b - float(self.cfg.dp_clip_quantile)))
         return avg
 

@@ -87,8 +87,8 @@ class ChunkTrainer:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
         self.optimizer.reset(n)
         step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
-        ctx.chunk = None
-        ctx.chunk = method.chunk_start(ctx, lo, hi)  # the method's own per-chunk state, handed back as ctx.chunk
+        ctx._set(chunk=None)
+        ctx._set(chunk=method.chunk_start(ctx, lo, hi))  # the method's own per-chunk state, handed back as ctx.chunk
         hist_c = ctx.hist[lo:hi]
         features = self.runtime.features_module() if method.needs_features else None
         rho = float(method.sam_rho(ctx))
@@ -141,7 +141,9 @@ class ChunkTrainer:
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self.tick("step")
         self._delta_version = theta_all._version if track and not masked else None
-        method.chunk_end(ctx, lo, hi)
+        new = method.chunk_end(ctx, lo, hi)
+        if new is not None:  # the chunk's state after its last step (collect reads it)
+            ctx._set(chunk=new)
 
     def update_norms(self, n: int) -> torch.Tensor | None:
         """The chunk's clients' ``||theta_k - start||`` [n] from their last local steps, or None when something
