@@ -222,10 +222,11 @@ def describe(name: str, full: bool = True) -> str:
 
 
 # the built-in methods register themselves
-from . import fedavg, kd, fedgkd, fedcad, scaffold, feddyn, fedadc, moon, asd  # noqa: E402,F401
+from . import fedavg, kd, fedntd, fedgkd, fedcad, scaffold, feddyn, fedadc, moon, asd  # noqa: E402,F401
 from . import fedcurv, feddisco, feddistill, fedgen, fednova, fedrs, fedsam  # noqa: E402,F401
 from .fedavg import FedAvg, FedAvgM, FedProx  # noqa: E402
-from .kd import KD, FedLSNTD, FedNTD  # noqa: E402
+from .kd import KD  # noqa: E402
+from .fedntd import FedLSNTD, FedNTD  # noqa: E402
 from .fedgkd import FedGKD, FedGKDPlus, FedGKDVote  # noqa: E402
 from .fedcad import FedCAD, FedLSD  # noqa: E402
 from .fedcurv import FedCurv  # noqa: E402

@@ -35,11 +35,11 @@ from . import register
 from .. import nn as fnn
 from ..data.partition import per_class_sample
 from .base import opt
-from .kd import _FromGlobal
+from .kd import FromGlobalModel
 
 
 @register("fedcad")
-class FedCAD(_FromGlobal):
+class FedCAD(FromGlobalModel):
     """FedCAD (He et al., Eq. 5-6): per row (1 - a_y) CE + a_y soft-CE at T, a_y = beta + (gamma - beta) * mean over
     the server's auxiliary samples of class y of the global model's p_y (recomputed each round)."""
     paper = "He et al., Class-Wise Adaptive Self Distillation for Heterogeneous Federated Learning, 2022"
