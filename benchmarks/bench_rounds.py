@@ -122,10 +122,10 @@ def ceilings(dev) -> dict:
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        out["fp32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))
+        out["fp32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
-            out["tf32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))
+            out["tf32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     del a, b

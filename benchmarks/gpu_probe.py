@@ -165,12 +165,12 @@ def probe_aggregate(res, echo, P=1_663_370, Ns=(100, 1000)):
         nbytes = N * P * 4 + P * 12
         wn = w / w.sum()
         out = dict(N=N, P=P)
-        out["w_at_X_s"] = _bench(lambda: wn @ X)
+        out["w_at_X_s"] = _bench(lambda: wn @ X)  # noqa: F821 (deleted after use)
         ref = aggregate_reference(X[:, :4096].double().cpu(), g[:4096].double().cpu(), wn.double().cpu())["global"]
         for be in ("triton", "cuda"):
             if not _backend.available(be, "cuda"):
                 continue
-            fn = lambda: ops.aggregate(X, g, weights=w, rows=rows, backend=be)  # noqa: E731
+            fn = lambda: ops.aggregate(X, g, weights=w, rows=rows, backend=be)  # noqa: E731, F821 (deleted after use)
             got = fn()["global"]
             out[f"{be}_s"] = _bench(fn)
             out[f"{be}_rel_err"] = float((got[:4096].double().cpu() - ref).abs().max() / ref.abs().max())

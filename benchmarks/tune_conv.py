@@ -156,9 +156,9 @@ def main(argv=None):
                         skipped += 1
                         continue
                     if impl == "cudnn":
-                        fn = lambda: _cudnn(kind, geom, x, w, b, go)  # noqa: E731
+                        fn = lambda: _cudnn(kind, geom, x, w, b, go)  # noqa: E731, F821 (deleted after use)
                     else:
-                        fn = lambda: _triton(kind, geom, x, w, b, go, tf32, cfg, dst)  # noqa: E731
+                        fn = lambda: _triton(kind, geom, x, w, b, go, tf32, cfg, dst)  # noqa: E731, F821
                     row = dict(layer=name, geometry=list(geom), kind=kind, tf32=tf32, impl=impl,
                                config=list(cfg) if cfg else None, flops=flops)
                     try:

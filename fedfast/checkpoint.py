@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 
 import torch
 

@@ -67,7 +67,7 @@ class RunWriteError(OSError):
         path = getattr(err, "path", None) or err.filename or out_dir
         how = (f"the run's files up to its checkpoint of round {saved_round} are intact: free space (or lift the "
                f"limit) and continue with `fedfast run --resume {out_dir}`" if saved_round else
-               f"no round was checkpointed yet: free space (or lift the limit) and start it again with `--force`")
+               "no round was checkpointed yet: free space (or lift the limit) and start it again with `--force`")
         self.message = f"{path}: could not be written ({err.strerror or err}); {how}"
 
     def __str__(self) -> str:

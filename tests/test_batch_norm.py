@@ -17,7 +17,7 @@ from fedfast import data
 from fedfast.flat import ClientStack
 from fedfast.ops.client_batch_norm import client_batch_norm
 from fedfast.ops.client_batch_norm_reference import client_batch_norm_reference
-from sequential_loop import PlainLoop, buffers_error, flat
+from sequential_loop import PlainLoop, buffers_error
 
 
 # -- the op -----------------------------------------------------------------------------------------------------

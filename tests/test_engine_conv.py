@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fedfast
-from fedfast import data, models
+from fedfast import data
 
 from sequential_loop import sequential as _sequential
 

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-from fedfast import methods
 from fedfast.cli import main
 from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 

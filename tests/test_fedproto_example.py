@@ -5,13 +5,11 @@ in the partition's order), the server's mean over the round's clients; and the e
 import collections
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fedfast
-from fedfast import data
 from sequential_loop import PlainLoop, engine_vs, plugin_fixture, setup_data
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "fedproto.py")

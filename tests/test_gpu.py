@@ -120,7 +120,7 @@ def test_gpu_aggregate_and_client_step(backend):
     _need(backend)
     from fedfast.ops.aggregate_reference import aggregate_reference
     from fedfast.ops.client_step_reference import client_step_reference
-    N, P, K = 12, 100003, 100
+    N, P = 12, 100003
     X = torch.randn(N, P)
     g = torch.randn(P)
     ids = torch.tensor([0, 3, 4, 7, 11])

@@ -9,9 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +17,6 @@ import fedfast
 from fedfast import data, methods, models
 from fedfast.cli import main
 from fedfast.config import build_config
-from fedfast.methods import opt
 
 from sequential_loop import sequential
 

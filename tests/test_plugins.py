@@ -4,7 +4,6 @@ file is refused on resume and rerun, a method's state is checkpointed without a 
 run for a plug-in that declares nothing), errors inside a plug-in name its file and line, an unknown algorithm
 suggests --plugin, and a method adds its own values to each round's metrics."""
 import json
-import os
 import textwrap
 
 import pytest

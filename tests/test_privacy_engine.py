@@ -4,7 +4,6 @@ deviation, epsilon against the accountant called directly, calibration, checkpoi
 import copy
 import math
 
-import numpy as np
 import pytest
 import torch
 

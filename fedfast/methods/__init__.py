@@ -83,7 +83,7 @@ def get(name: str) -> type[Method]:
     return REGISTRY[name]
 
 
-def names(asd: bool = True) -> list[str]:
+def names(asd: bool = True) -> list[str]:  # noqa: F811 - the keyword shadows the module asd here only
     out = sorted(REGISTRY)
     if asd:
         out += [f"{n}+asd" for n in sorted(REGISTRY) if REGISTRY[n].accepts_asd]
