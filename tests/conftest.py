@@ -21,7 +21,8 @@ def cpu_backends():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with FEDFAST_GPU_TESTS=1 on a GPU machine)")
-    config.addinivalue_line("markers", "slow: slower CPU tests")
+    config.addinivalue_line("markers", "slow: tests of 9 s or more on a 2-core machine (wheel builds, CMake, sm_90 "
+                                       "compiles, multi-process runs); pytest -m 'not slow' runs the rest")
 
 
 def pytest_collection_modifyitems(config, items):

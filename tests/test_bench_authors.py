@@ -30,6 +30,7 @@ def test_not_true_refinement_is_the_authors_gather():
     assert bench.refine_as_not_true(z, y, 4).tolist() == [[1, 2, 3], [4, 5, 7], [8, 9, 10]]
 
 
+@pytest.mark.slow
 def test_bench_command_writes_its_json(tmp_path):
     out = tmp_path / "b.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -90,6 +91,7 @@ def test_linear_baselines_equal_the_fused_loss():
             assert torch.allclose(a, e, rtol=1e-10, atol=1e-14), impl
 
 
+@pytest.mark.slow
 def test_bench_linear_writes_its_json(tmp_path, capsys):
     """``fedfast bench --linear-only``: each implementation in its own process, times and peak memory in the JSON;
     a malformed --linear refused by name."""

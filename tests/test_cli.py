@@ -135,6 +135,7 @@ def test_torchrun_two_processes(tmp_path):
         assert abs(a["test_loss"] - b["test_loss"]) <= 1e-4 * abs(b["test_loss"])
 
 
+@pytest.mark.slow
 def test_console_exits_with_mains_code_after_flushing(tmp_path):
     """``python -m fedfast`` ends with os._exit (no interpreter teardown): its exit codes and printed output must be
     main()'s, and the run's files complete."""

@@ -24,6 +24,7 @@ def test_nvcc_compiles(cu, tmp_path):
     assert not spills, usage
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or not os.path.isdir("/usr/local/cuda/include"),
                     reason="needs g++ and the CUDA headers")
 def test_cuda_binding_syntax(tmp_path):

@@ -20,6 +20,7 @@ def _cnn_setup():
     return train, test, part, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conv", ["gemm", "triton", "hybrid"])
 def test_conv_implementations_match_the_loop(conv):
     """A CNN (padding, stride 2, GroupNorm) trained with each convolution implementation equals the literal loop;

@@ -123,6 +123,7 @@ _RSS_CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_memory_stays_below_one_logits_buffer(tmp_path):
     """R = 2048 rows, V = 32,768 classes: the logits would be 256 MB. The fused loss (the teacher as hidden states)
     grows the peak resident set by less than half of that with chunks of 64 rows (its own tensors: the weight's copy

@@ -31,6 +31,8 @@ import torch
 
 import fedfast
 
+pytestmark = pytest.mark.slow  # every test here builds or installs the wheel (about 1.5 min in all)
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_PIN = torch.__version__.split("+")[0]
 

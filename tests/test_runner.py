@@ -170,6 +170,7 @@ def test_tensorboard_event_files(tmp_path):
     assert [e.step for e in acc.Scalars("test_accuracy")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
     """--workers 2: two local processes over torch.distributed give the one-process run's metrics and model; a
     worker killed mid-run stops the run within seconds with a message naming it, and --resume continues."""

@@ -344,6 +344,7 @@ def _runs(out):
     return found
 
 
+@pytest.mark.slow
 def test_jobs_interrupted_then_finished_by_two_shards_and_a_latex_table(tmp_path):
     """The issue's end to end: the example study file (outside the package; FedAvg and the plug-in FedLC, a grid over
     fedlc.tau, three seeds) with --jobs 2, stopped by SIGINT; two --shard processes at once finish it, no run twice

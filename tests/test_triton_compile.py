@@ -23,6 +23,7 @@ def _has_nvidia_backend():
     return os.path.exists(ptxas)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend / bundled ptxas")
 def test_triton_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
