@@ -132,11 +132,11 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     deviation): the average is ``g + (sum_k min(1, C / ||X_k - g||) (X_k - g) + noise) / E``
     (:func:`~fedfast.ops.aggregate_reference.dp_average_reference`): the clients' update norms (given, or in one
     pass over their rows), then the op's pass with the clipping factors as unnormalised weights and the rest as a
-    shift of the average. ``dp_norms`` [n]: the norms ``||X_k - g||`` when the caller has them (the engine: each client's last
-    :func:`~fedfast.ops.client_step` adds them up in its pass over the row, ``delta_norm``): no pass of their own.
-    ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive clipping's count).
-    Weights and per-client state rows (uploads the noise would not cover) are refused with it; the CUDA backend does
-    not take it yet.
+    shift of the average. ``dp_norms`` [n]: the norms ``||X_k - g||`` when the caller has them (the engine: each
+    client's last :func:`~fedfast.ops.client_step` adds them up in its pass over the row, ``delta_norm``): no pass
+    of their own. ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive
+    clipping's count). Weights and per-client state rows (uploads the noise would not cover) are refused with it;
+    the CUDA backend does not take it yet.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
         raise TypeError("clients: expected a float [N, P] tensor")
