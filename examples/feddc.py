@@ -53,7 +53,8 @@ class _Chunk:
 class FedDC(FedAvg):
     """FedDC (Gao et al., CVPR 2022): local drift h_i and gradient correction G_i; the global model is the mean of
     the round's clients plus the mean drift of all clients."""
-    paper = "Gao et al., FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction, CVPR 2022"
+    paper = ("Gao et al., FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction, "
+             "CVPR 2022")
     aggregation = "uniform"        # w' = mean_i theta_i (np.mean over the selected clients in the code)
     aggregation_fixed = True
     max_grad_norm, max_grad_norm_source = 10.0, f"{_CODE}: clip_grad_norm_(max_norm=10) every step"

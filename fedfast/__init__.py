@@ -8,4 +8,5 @@ from .sim.memory import OutOfMemory  # noqa: E402
 from .simconfig import SimConfig  # noqa: E402
 from .cpu_alloc import tune_cpu_allocator  # noqa: E402
 
-__all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "Diverged", "OutOfMemory", "tune_cpu_allocator", "__version__"]
+__all__ = ["methods", "nn", "ops", "SimConfig", "Simulation", "Diverged", "OutOfMemory", "tune_cpu_allocator",
+           "__version__"]

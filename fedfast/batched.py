@@ -8,8 +8,9 @@ per-parameter slices with a full-size zero fill per parameter. This executor tra
 the convolutional part (convolution = one grouped ``conv2d``, or batched GEMMs: ``Plan.conv``; GroupNorm = one
 GroupNorm with ``n*G`` groups; BatchNorm = :func:`fedfast.ops.client_batch_norm` over ``n*C`` channels, i.e.
 each client's own statistics over its valid rows (not the padding of a partial minibatch), each client's running
-buffers read in eval mode and updated by a local step's forward; ReLU, pooling, dropout and residual additions elementwise on that layout) and ``[n, B, F]`` for the dense part
-(Linear = one ``baddbmm``), so the only layout changes are at the input and where the model flattens or
+buffers read in eval mode and updated by a local step's forward; ReLU, pooling, dropout and residual additions
+elementwise on that layout) and ``[n, B, F]`` for the dense part (Linear = one ``baddbmm``), so the only layout changes
+are at the input and where the model flattens or
 average-pools to a vector.
 
 Supported, as modules or functions: Conv2d (``padding_mode='zeros'``, numeric padding), Linear, ReLU, LeakyReLU,
@@ -52,8 +53,8 @@ class Plan(list):
     """The traced program (a list of :class:`Step`). ``dense_input``: the input is only flattened (an MLP), so
     images enter as ``[n, B, C*H*W]`` directly, without the grouped image layout and back. ``conv``: how a
     convolution with per-client weights runs (:func:`fedfast.ops.client_conv.client_conv2d`: ``"grouped"``,
-    ``"gemm"``, ``"triton"`` or ``"hybrid"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the image
-    layout (None: NHWC on a CPU, where oneDNN wants it, and for Triton convolutions, whose channel loads it makes
+    ``"gemm"``, ``"triton"`` or ``"hybrid"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the
+    image layout (None: NHWC on a CPU, where oneDNN wants it, and for Triton convolutions, whose channel loads it makes
     contiguous; NCHW otherwise, ``"hybrid"`` included: cuDNN's grouped gradients run faster in NCHW)."""
     dense_input = False
     conv = "grouped"

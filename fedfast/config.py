@@ -271,7 +271,8 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         loaded.pop(k, None)
     listed = loaded.pop("plugins", []) or []
     if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
-        raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" + (f" (in {source})" if source else ""))
+        raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" +
+                         (f" (in {source})" if source else ""))
     listed = [_path(p, "plugins", root, set()) for p in listed]  # a file's plug-ins: beside the file
     if listed:
         for p in listed:  # they register what the config names (a dataset, a model, a method)

@@ -165,7 +165,8 @@ def main(quick: bool = False) -> int:
                 except Exception as e:  # noqa: BLE001 - a doctor reports, it does not crash
                     ok, msg = False, f"{type(e).__name__}: {e}"
                 failed += not ok
-                print(f"  {'ok  ' if ok else 'FAIL'} {d:7s} {be:9s} {what:22s} {msg}  ({time.perf_counter() - t0:.1f}s)")
+                print(f"  {'ok  ' if ok else 'FAIL'} {d:7s} {be:9s} {what:22s} {msg}  "
+                      f"({time.perf_counter() - t0:.1f}s)")
     for d in devs:
         dt = "cuda" if d.startswith("cuda") else "cpu"
         print(f"automatic backend on {d}: {_backend.resolve(None, dt)}")

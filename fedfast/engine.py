@@ -7,8 +7,8 @@ the evaluator (:class:`~fedfast.sim.evaluation.Evaluator`), the run state (:clas
 all that crosses rounds) and the view a method gets of them (:class:`~fedfast.sim.facade.EngineView`). A round is
 six phases, each a short method of :class:`Simulation`:
 
-1. **sample** (``RoundPlan.sample``): the round's clients (seeded by ``(seed, round)``, or the user's ``schedule``), sorted by
-   local step count so the clients still training at any step are a prefix of the stack;
+1. **sample** (``RoundPlan.sample``): the round's clients (seeded by ``(seed, round)``, or the user's ``schedule``),
+   sorted by local step count so the clients still training at any step are a prefix of the stack;
 2. **teacher** (``_teacher``): the method's :class:`~fedfast.methods.TeacherSpec` becomes a per-round table of
    teacher logits for the union of the sampled clients' rows, in large batches (``teacher="cache"``; M teachers:
    their mixture), or a per-step batched forward over the augmented rows (``teacher="online"``);

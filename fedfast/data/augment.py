@@ -73,10 +73,12 @@ def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding
 # The papers' training pipelines: where the crop padding lives (raw pixels = black borders, as torchvision's
 # RandomCrop before Normalize; or normalised space = 0), and Cutout always after normalisation.
 PIPELINES = {
-    "fedntd": dict(crop_padding=4, flip=True, cutout=16, pad_in="raw"),            # CIFAR / MNIST (FedNTD App. B.2 and code)
+    # CIFAR / MNIST (FedNTD App. B.2 and code)
+    "fedntd": dict(crop_padding=4, flip=True, cutout=16, pad_in="raw"),
     "fedntd_cinic": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw", padding_mode="reflect"),
     "fedgkd": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw"),            # FedGKD code: crop (pad 4) + flip
-    "asd": dict(crop_padding=4, flip=True, cutout=0, pad_in="normalized", crop_prob=0.5),  # ASD code: flip, p=0.5 crop of the padded normalised image
+    # ASD code: flip, p=0.5 crop of the padded normalised image
+    "asd": dict(crop_padding=4, flip=True, cutout=0, pad_in="normalized", crop_prob=0.5),
     "none": dict(crop_padding=0, flip=False, cutout=0, pad_in="raw"),
 }
 

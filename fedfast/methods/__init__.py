@@ -244,8 +244,10 @@ from .asd import ASD, with_asd  # noqa: E402
 
 REGISTRY.seal()
 
-__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "Collected", "StateSpec", "TeacherSpec", "TeacherRows", "opt", "make_options",
-           "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY", "register", "get",
-           "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced", "BUILTIN", "REPLACED",
-           "PLUGINS", "PLUGIN_CODE", "file_sha256", "plugin_frame", "FedAvg", "FedProx", "FedAvgM", "KD", "FedNTD",
-           "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv", "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn", "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]
+__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "Collected", "StateSpec", "TeacherSpec", "TeacherRows",
+           "opt", "make_options", "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY",
+           "register", "get", "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced",
+           "BUILTIN", "REPLACED", "PLUGINS", "PLUGIN_CODE", "file_sha256", "plugin_frame", "FedAvg", "FedProx",
+           "FedAvgM", "KD", "FedNTD", "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv",
+           "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn",
+           "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]

@@ -112,7 +112,8 @@ _COMPOSED: dict[type, type] = {}
 def with_asd(base: type[Method]) -> type[Method]:
     """The method ``base`` with the ASD add-on (registered name ``base.name + "+asd"``)."""
     if not base.accepts_asd:
-        raise ValueError(f"algorithm: the ASD add-on composes with {', '.join(n[:-4] for n in names() if n.endswith('+asd'))}"
+        takes = ', '.join(n[:-4] for n in names() if n.endswith('+asd'))
+        raise ValueError(f"algorithm: the ASD add-on composes with {takes}"
                          f", not {base.name!r}")
     if base not in _COMPOSED:
         _COMPOSED[base] = type(f"{base.__name__}ASD", (_WithASD, base), {

@@ -14,8 +14,9 @@ Every hook works on all of a round's clients at once (rows of the client stack i
 The engine calls, once, ``prepare_model`` (a method that changes the model: MOON's projection head), then per
 round: ``aggregation_weights``, ``round_start``, ``teacher``, ``sam_rho``, then per chunk of clients
 ``chunk_start``, per local step ``loss`` (twice on a SAM step) and ``step_terms``, ``chunk_end``,
-``chunk_aggregate`` and ``collect``; then ``server`` and ``evaluated``. A method never writes attributes on the engine and the engine reads no method-specific
-attribute: a method reaches the engine only through :class:`Engine` (``self.engine``).
+``chunk_aggregate`` and ``collect``; then ``server`` and ``evaluated``. A method never writes attributes on the engine
+and the engine reads no method-specific attribute: a method reaches the engine only through :class:`Engine`
+(``self.engine``).
 """
 from __future__ import annotations
 
@@ -466,7 +467,8 @@ class Method(ClientHooks, ServerHooks):
     """
     name: ClassVar[str] = ""          # registry name (set by @register)
     table: ClassVar[str] = ""         # the option table's name (default: name)
-    paper: ClassVar[str] = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    paper: ClassVar[str] = ("McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized "
+                            "Data, AISTATS 2017")
     Options: ClassVar[type] = NoOptions
     max_grad_norm: ClassVar[float] = 0.0
     max_grad_norm_source: ClassVar[str] = ""

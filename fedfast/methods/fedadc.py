@@ -54,7 +54,8 @@ class FedADC(FedAvg):
     """FedADC (Ozfatura et al., Alg. 3): each local step adds the drift beta_l m_t / H_i; server m' = D/lr +
     (beta_g - beta_l) m, w' = w - alpha lr m' (uniform average)."""
     sgd_only = "its drift term is a correction of the SGD (momentum) step (Ozfatura et al. 2021)"
-    paper = "Ozfatura, Ozfatura and Gündüz, FedADC: Accelerated Federated Learning with Drift Control, ISIT 2021 / extended"
+    paper = ("Ozfatura, Ozfatura and Gündüz, FedADC: Accelerated Federated Learning with Drift Control, ISIT 2021 / "
+             "extended")
     aggregation = "uniform"
     accepts_asd = False
     state = ("m",)

@@ -43,7 +43,8 @@ class FedProx(FedAvg):
 class FedAvgM(FedAvg):
     """FedAvgM (Hsu et al. 2019): server momentum v <- beta v + (w_t - avg), w_{t+1} = w_t - server_lr v."""
     state = ("server_m",)
-    paper = "Hsu et al., Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification, 2019"
+    paper = ("Hsu et al., Measuring the Effects of Non-Identical Data Distribution for Federated Visual "
+             "Classification, 2019")
 
     @dataclass
     class Options:

@@ -56,13 +56,15 @@ _CODE = "official code 72e7bac, pcode/workers/worker.py: clip_grad_norm 10 every
 @register("fedgkd")
 class FedGKD(Method):
     """FedGKD (Yao et al., Eq. 4): CE + gamma/2 * tau^2 * KL to the parameter average of the last M global models."""
-    paper = "Yao et al., Local-Global Knowledge Distillation in Heterogeneous Federated Learning with Non-IID Data, 2021"
+    paper = ("Yao et al., Local-Global Knowledge Distillation in Heterogeneous Federated Learning with Non-IID "
+             "Data, 2021")
     max_grad_norm, max_grad_norm_source = 10.0, _CODE
     state = ("buf", "count", "avg")
 
     @dataclass
     class Options:
-        gamma: float = opt(0.2, "KD coefficient gamma (Eq. 4; gamma/2 = 0.1 on the batch-mean KL; ResNet-8 and DistilBERT)",
+        gamma: float = opt(0.2, "KD coefficient gamma (Eq. 4; gamma/2 = 0.1 on the batch-mean KL; ResNet-8 and "
+                                "DistilBERT)",
                            check=">=0")
         buffer: int = opt(5, "M, the global models averaged into the teacher (CV default, Table 7)", check=">=1")
         tau: float = opt(1.0, "temperature (the code's default; the paper has none)", check=">0")

@@ -47,7 +47,8 @@ class FedNova(FedAvg):
     """FedNova (Wang et al. 2020): w' = w - tau_eff sum_i p_i (w - w_i) / a_i, a_i the momentum-corrected local
     steps; optional variance reduction g + c - d_i (FedNTD's code)."""
     uploads = "its normalised update and local step count (the server weighs each client by it)"
-    paper = "Wang et al., Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization, NeurIPS 2020"
+    paper = ("Wang et al., Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization, "
+             "NeurIPS 2020")
     sgd_only = "its normalisation counts SGD (momentum) steps (Wang et al. 2020, Eq. 8)"
     accepts_asd = False
     state = ("c",)

@@ -27,7 +27,8 @@ from .kd import FromGlobalModel
 @register("fedntd")
 class FedNTD(FromGlobalModel):
     """FedNTD (Lee et al. 2022, Eq. 10-11): CE + beta * tau^2 * KL over the not-true classes."""
-    paper = "Lee et al., Preservation of the Global Knowledge by Not-True Distillation in Federated Learning, NeurIPS 2022"
+    paper = ("Lee et al., Preservation of the Global Knowledge by Not-True Distillation in Federated Learning, "
+             "NeurIPS 2022")
     accepts_asd = True
     loss_options = ("beta", "tau", "tau_squared")
 

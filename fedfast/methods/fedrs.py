@@ -32,7 +32,8 @@ _CODE = "lxcnju/FedRepo @48288a1, algorithms/fedrs.py"
 class FedRS(FedAvg):
     """FedRS (Li and Zhan 2021): CE of the logits scaled per class by s_c = alpha + (1 - alpha) n_c / max n
     (restricted softmax: the classes the client lacks get alpha)."""
-    paper = "Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data, KDD 2021"
+    paper = ("Li and Zhan, FedRS: Federated Learning with Restricted Softmax for Label Distribution Non-IID Data, "
+             "KDD 2021")
     max_grad_norm, max_grad_norm_source = 100.0, "lxcnju/FedRepo @48288a1, config.py: max_grad_norm 100"
     accepts_asd = False
 

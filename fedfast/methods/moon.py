@@ -12,8 +12,8 @@ output of ``linear_1`` after ReLU, the classifier's input (``projection_dim = 0`
 is that of the frozen global model and ``r_prev`` that of the client's own model after its previous
 participation (the initial global model before its first). The reference models run in eval mode (no dropout),
 as a teacher. State: one previous local model per client (``[K, P]`` rows; ``[K, P + B]`` with its buffers for a
-BatchNorm model that keeps running statistics, which the previous model normalises with in eval mode). Defaults ``mu = 1``, ``T = 0.5``
-(FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
+BatchNorm model that keeps running statistics, which the previous model normalises with in eval mode). Defaults
+``mu = 1``, ``T = 0.5`` (FedNTD Table 5, searched over {0.1, 0.5, 1}; MOON's paper uses mu = 5 on CIFAR-10).
 """
 from __future__ import annotations
 

@@ -93,6 +93,6 @@ register_model("resnet50_bn", lambda C, shape: resnet50(C, "bn", in_channels=_c(
 register_model("resnet50_gn", lambda C, shape: resnet50(C, "gn", in_channels=_c(shape, 3)))
 REGISTRY.seal()
 
-__all__ = ["REGISTRY", "ModelEntry", "register_model", "build", "ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN", "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8",
-           "ResNet", "ResNet50", "resnet10", "resnet18", "resnet50", "ProjectionClassifier",
-           "with_projection_head"]
+__all__ = ["REGISTRY", "ModelEntry", "register_model", "build", "ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN",
+           "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8", "ResNet", "ResNet50", "resnet10",
+           "resnet18", "resnet50", "ProjectionClassifier", "with_projection_head"]

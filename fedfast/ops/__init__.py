@@ -21,7 +21,7 @@ from .distill_reference import (asd_weights_reference, distill_reference, distil
                                 teacher_mixture_reference)
 from .teacher_mixture import teacher_mixture
 
-__all__ = ["aggregate", "update_norms", "NonFiniteUpdate", "client_step", "client_adam", "drift_shift_", "BACKENDS", "resolve_backend",
-           "raise_if_invalid", "distill", "row_scale_torch", "linear_distill", "teacher_mixture",
+__all__ = ["aggregate", "update_norms", "NonFiniteUpdate", "client_step", "client_adam", "drift_shift_", "BACKENDS",
+           "resolve_backend", "raise_if_invalid", "distill", "row_scale_torch", "linear_distill", "teacher_mixture",
            "asd_weights", "asd_row_weight", "asd_row_weights", "distill_reference", "distill_rows_reference",
            "teacher_mixture_reference", "asd_weights_reference"]

@@ -4,9 +4,9 @@ with the statistics taken once without autograd and an explicit backward.
 
 Why not ``F.batch_norm`` over ``n*C`` channels alone: (1) a client's padding rows (its last partial minibatch) must
 not enter its statistics, and (2) PyTorch's CPU forward for channels-last (NHWC, the layout the CPU convolutions
-use) loses accuracy as a channel's mean grows against its spread (measured on the 2-core Intel Xeon VM, [50, 48, 14, 14],
-std 0.5: 2.2e-6 max error at mean 0, 1.1e-5 at mean 3, 1.1e-4 at mean 30, against 4e-7 / 7e-7 / 3.8e-6 for
-NCHW); an untrained residual network amplified that to 1e-4 of its weights in one round (issue 46). Here the
+use) loses accuracy as a channel's mean grows against its spread (measured on the 2-core Intel Xeon VM,
+[50, 48, 14, 14], std 0.5: 2.2e-6 max error at mean 0, 1.1e-5 at mean 3, 1.1e-4 at mean 30, against 4e-7 / 7e-7 / 3.8e-6
+for NCHW); an untrained residual network amplified that to 1e-4 of its weights in one round (issue 46). Here the
 statistics are two-pass (the mean, then the centred squares): 1.6e-7 from float64 in either layout.
 
 The statistics are two-pass and shifted: each channel's first value is subtracted (one pass), the mean of the

@@ -76,7 +76,8 @@ def delta_norms_after(theta: Tensor, delta_from: Tensor, delta_norm: Tensor, act
         delta_norms_reference(theta, delta_from, delta_norm, active)
 
 
-def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
+def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0,
+                momentum_buf: Tensor | None = None,
                 weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
                 loss_rows: Tensor | None = None, corr_vec: Tensor | None = None, corr_vec_scale=None,
                 corr_rows: Tensor | None = None, corr_rows_coef: float = 1.0,

@@ -208,7 +208,8 @@ def _teacher_logits(teacher, mixture, rho, teacher_weights, R: int, C: int, dev)
     if mixture is not None:
         if teacher is not None:
             raise ValueError("mixture: pass either teacher logits or a precomputed mixture, not both")
-        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and all(isinstance(t, Tensor) for t in mixture)):
+        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and
+                all(isinstance(t, Tensor) for t in mixture)):
             raise TypeError("mixture: expected a (P [R, C], negent [R]) pair of tensors")
         if mixture[0].shape != (R, C) or mixture[1].shape != (R,):
             raise ValueError(f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "

@@ -332,7 +332,8 @@ class _Rows(torch.autograd.Function):
         with torch.no_grad():
             _, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, grad_rows.to(scale.dtype) * scale, *args, need_h,
                                   need_W, need_b, rows=False, functional=ctx.functional)
-        if torch.is_grad_enabled():  # create_graph=True or a torch.func transform: right, and refused once differentiated
+        # create_graph=True or a torch.func transform: right, and refused once differentiated
+        if torch.is_grad_enabled():
             anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b)) if need]
             return _scaled([gh, gW, gb], None, anchors) + (None,) * 16
         return (gh, gW, gb) + (None,) * 16

@@ -161,7 +161,8 @@ def load_file(path: str) -> list[Preset]:
         for p in plugins:
             methods.load_plugin(p)
     protocol = _table(path, "protocol", d.get("protocol", {}))
-    options = {m: dict(_table(path, f"options.{m}", o)) for m, o in _table(path, "options", d.get("options", {})).items()}
+    options = {m: dict(_table(path, f"options.{m}", o))
+               for m, o in _table(path, "options", d.get("options", {})).items()}
     engine = {m: dict(_table(path, f"engine.{m}", e)) for m, e in _table(path, "engine", d.get("engine", {})).items()}
     grid = flat_grid(path, _table(path, "grid", d.get("grid", {})))
     cells = _table(path, "cells", d.get("cells", {"default": {}}))

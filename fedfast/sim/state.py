@@ -59,7 +59,8 @@ class RunState:
         if dev.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(dev)
         return {"round": self.round, "global": self.global_flat.cpu(), "evaluated": self.eval_flat.cpu(),
-                "buffers": self.global_buffers.cpu(), "method": _on_cpu(method_state), "class_accuracy": [a.cpu() for a in self.class_acc],
+                "buffers": self.global_buffers.cpu(), "method": _on_cpu(method_state),
+                "class_accuracy": [a.cpu() for a in self.class_acc],
                 "history": self.history, "rng": rng, "shape": shape}
 
     @staticmethod

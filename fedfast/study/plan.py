@@ -156,7 +156,8 @@ def check_grid(grid: dict, methods, where: str) -> None:
                              f"{', '.join(sorted(known))})")
         if methods and not _applies(k, list(methods)):
             raise ValueError(f"{where} {k}: none of the study's methods ({', '.join(methods)}) reads the table "
-                             f"{table!r}, so the grid would vary nothing; add the method that reads it, or drop the key")
+                             f"{table!r}, so the grid would vary nothing; add the method that reads it, or drop "
+                             f"the key")
 
 
 def _plan(sub: str, cell, methods: list[str], seeds: list[int], grid: dict, overrides: list[str],

@@ -26,7 +26,8 @@ SELECT = {
     "final_test_loss": (False, "final test loss"),
     "final_forgetting": (False, "final forgetting"),
 }
-SELECT_ALIASES = {"val": "final_val_accuracy", "val_best": "best_val_accuracy", "val_last10": "mean_last10_val_accuracy",
+SELECT_ALIASES = {"val": "final_val_accuracy", "val_best": "best_val_accuracy",
+                  "val_last10": "mean_last10_val_accuracy",
                   "test": "final_test_accuracy", "test_best": "best_test_accuracy"}
 DEFAULT_SELECT = "final_val_accuracy"
 

@@ -225,7 +225,8 @@ def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
         col = ci * (KH * KW) + rs
     else:
         col = ci * (KH * KW) + tap
-    d = dw_ptr + (part.to(tl.int64) * nclients + k) * Cout * Ntot + offs_m[:, None] * Ntot + col[None, :]  # [ksplit, n, ...]
+    # [ksplit, n, ...]
+    d = dw_ptr + (part.to(tl.int64) * nclients + k) * Cout * Ntot + offs_m[:, None] * Ntot + col[None, :]
     tl.store(d, acc, mask=m_ok[:, None] & j_ok[None, :])
 
 

@@ -244,7 +244,8 @@ def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weigh
         segments if segments is not None else target, loss, grad,
         R, C, S, 1.0 / tau, ce_weight, kd_weight, ignore_index,
         NOT_TRUE=not_true, SOFT_CE=soft_ce, PROB=negent is not None, HAS_ALPHA=class_alpha is not None,
-        HAS_RW=row_weight is not None, HAS_RS=row_scale is not None, RHO=rho is not None, HAS_SEG=(segments is not None and S > 1),
+        HAS_RW=row_weight is not None, HAS_RS=row_scale is not None, RHO=rho is not None,
+        HAS_SEG=(segments is not None and S > 1),
         SINGLE=single, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
     return loss, grad
 

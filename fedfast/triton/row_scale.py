@@ -69,7 +69,8 @@ def _row_scale_kernel(y_ptr, seg_ptr, cnt_ptr, rs_ptr, st_ptr, R, C, ignore_inde
             sc = tl.minimum(tl.maximum(s, 0), R - 1)
             # read through an atomic (at L2, where the counts were added), not a possibly stale L1 line
             n = tl.atomic_add(cnt_ptr + sc, tl.zeros([BLOCK], dtype=tl.int32), mask=m)
-            tl.store(rs_ptr + o, tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + 1.0, tl.maximum(n, 1).to(tl.float32)),
+            tl.store(rs_ptr + o, tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + 1.0,
+                                                tl.maximum(n, 1).to(tl.float32)),
                      mask=m)
     if CHECK:
         tl.atomic_or(st_ptr, tl.max(bad_t, axis=0))
