@@ -274,6 +274,24 @@ def test_diverged_keeps_its_old_address_for_a_release():
     assert fedfast.Diverged is Diverged
 
 
+def test_names_issue_50_moved_keep_their_old_addresses_for_a_release():
+    """fedfast.flat.ClientState and fedfast.methods.kd.FedNTD / FedLSNTD (0.1.0 names) resolve to their new homes
+    with a DeprecationWarning naming them; other missing names still raise AttributeError."""
+    import fedfast.flat
+    import fedfast.methods.kd
+    from fedfast.methods.fedntd import FedLSNTD, FedNTD
+    from fedfast.store.state import ClientState
+    with pytest.warns(DeprecationWarning, match="fedfast.store.ClientState"):
+        assert fedfast.flat.ClientState is ClientState
+    for name, cls in (("FedNTD", FedNTD), ("FedLSNTD", FedLSNTD)):
+        with pytest.warns(DeprecationWarning, match=f"fedfast.methods.fedntd.{name}"):
+            assert getattr(fedfast.methods.kd, name) is cls
+    with pytest.raises(AttributeError):
+        fedfast.flat.NoSuchName
+    with pytest.raises(AttributeError):
+        fedfast.methods.kd.NoSuchName
+
+
 @pytest.mark.parametrize("kw", [
     dict(),                                                             # SGD, unequal sizes: rows end at many steps
     dict(momentum=0.9, local_epochs=2, client_chunk=3),                 # momentum, two epochs, three chunks

@@ -102,10 +102,10 @@ class FedSpeed(FedDyn):
         self.wsum = e.global_flat * e.num_clients if self.opts.evaluated == "all_clients" else None
 
     def round_start(self, ctx):
-        super().round_start(ctx)
+        sums = super().round_start(ctx) or {}  # FedDyn's (none today), kept
         if self.wsum is not None:  # the clients' changes of the models' sum
-            return {"wsum": torch.zeros_like(self.wsum)}
-        return None
+            sums = {**sums, "wsum": torch.zeros_like(self.wsum)}
+        return sums or None
 
     def collect(self, ctx, out, lo, hi):
         got = super().collect(ctx, out, lo, hi)  # h_k' and hbar's increment

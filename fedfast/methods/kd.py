@@ -9,6 +9,8 @@ FedNTD, the not-true form, is in :mod:`fedfast.methods.fedntd`.
 """
 from __future__ import annotations
 
+import importlib
+import warnings
 from dataclasses import dataclass
 
 from .. import nn as fnn
@@ -46,3 +48,14 @@ class KD(FromGlobalModel):
         if b.teacher is None:
             return cross_entropy(b, self.engine.backend)
         return self.kd(b.logits, b.teacher.logits, b.target, segments=b.segments, num_segments=b.num_clients)
+
+
+def __getattr__(name: str):
+    """``fedfast.methods.kd.FedNTD`` / ``FedLSNTD``: moved to :mod:`fedfast.methods.fedntd` (issue 50); the old
+    addresses work for one release, with a DeprecationWarning naming the new one (the module, which imports this
+    one, is loaded by then: ``fedfast.methods`` loads both)."""
+    if name in ("FedNTD", "FedLSNTD"):
+        warnings.warn(f"fedfast.methods.kd.{name} moved to fedfast.methods.fedntd.{name} (or fedfast.methods.{name}); "
+                      f"the old address goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(".fedntd", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
