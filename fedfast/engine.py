@@ -46,18 +46,18 @@ from .data.partition import Partition
 from .flat import find_classifier
 from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
-from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_buffers, local_statistics_store,
+from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_spec, local_statistics_store,
                           restore_local_statistics)
 from .sim import collect, diverged as _diverged
-from .sim.evaluation import Evaluator, forgetting
+from .sim.evaluation import EvalSettings, Evaluator, forgetting
 from .sim.facade import EngineView, bind_method
 from .sim.inputs import check_inputs
-from .sim.plan import RoundPlan
-from .sim.privacy import RoundPrivacy
-from .sim.runtime import ModelRuntime, probe_batch
-from .sim.sizing import MemoryBudget
+from .sim.plan import PlanSettings, RoundPlan
+from .sim.privacy import PrivacySettings, RoundPrivacy
+from .sim.runtime import ModelRuntime, RuntimeSettings, probe_batch
+from .sim.sizing import BudgetSettings, MemoryBudget
 from .sim.state import RunState
-from .sim.trainer import ChunkTrainer
+from .sim.trainer import ChunkTrainer, TrainerSettings
 from .simconfig import SimConfig, check_device
 from .store.shared import store_rows
 from .teachers import OnlineTeacher, cached_teacher
@@ -119,7 +119,8 @@ class Simulation:
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
         datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
-        check_inputs(c, model, datasets, partition, loss_fn, schedule, data_order)
+        check_inputs(model, datasets, partition, loss_fn, schedule, data_order, client_sampling=c.client_sampling,
+                     augment=c.augment)
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
         # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
         self.comm = collectives(process_group)
@@ -132,20 +133,21 @@ class Simulation:
         self.train, self.test = train.to(self.device), test.to(self.device)
         self.validation = validation.to(self.device) if validation is not None else None
         self.server_splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
-        # the parts: the round plan (the data's placement), the model runtime, the memory budget, the evaluator
-        self.plan = RoundPlan(c, self.train, partition, self.method, device=self.device, rank=self.comm.rank,
-                              world=self.comm.world, schedule=schedule, data_order=data_order)
-        self.runtime = rt = ModelRuntime(c, self.model, self.train, self.device)
+        # the parts, each given the settings it reads: round plan (the data's placement), runtime, budget, evaluator
+        self.plan = RoundPlan(PlanSettings.of(c), self.train, partition, self.method, device=self.device,
+                              rank=self.comm.rank, world=self.comm.world, schedule=schedule, data_order=data_order)
+        self.runtime = rt = ModelRuntime(RuntimeSettings.of(c), self.model, self.train, self.device)
         if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found above
             found = getattr(self.method, "classifier_name", None)
             if found is not None and model is given:
                 rt.classifier_name = found
             else:
                 rt.find_classifier(found)
-        self.budget = MemoryBudget(c, self.method, rt, self.device, state_dir, self.plan.max_cohort())
-        self.evaluator = Evaluator(c, rt, self.comm, self.test, self.validation)
+        self.budget = MemoryBudget(BudgetSettings.of(c), self.method, rt, self.device, state_dir,
+                                   self.plan.max_cohort())
+        self.evaluator = Evaluator(EvalSettings.of(c), rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
-        self.client_buffers = local_statistics_store(c, rt, self.budget, self.num_clients)  # bn_stats = "local"
+        self.client_buffers = local_statistics_store(c.bn_stats, rt, self.budget, self.num_clients)  # FedBN's
         # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
         # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
         self.engine = EngineView(c, runtime=rt, plan=self.plan, budget=self.budget, state=self.state, train=self.train,
@@ -157,8 +159,9 @@ class Simulation:
         self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
         if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        check_batch_norm(c, self.runtime, self.plan, self._uses_teacher)
-        self.privacy = RoundPrivacy.of(c, self.method, self.plan, rt, schedule, self.device)  # dp_clip > 0: DP-FedAvg
+        check_batch_norm(rt, self.plan, self._uses_teacher, teacher=c.teacher, batch_size=c.batch_size,
+                         drop_last=c.drop_last)  # dp_clip > 0: DP-FedAvg's server side
+        self.privacy = RoundPrivacy.of(PrivacySettings.of(c), self.method, self.plan, rt, schedule, self.device)
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
     @property
@@ -205,10 +208,7 @@ class Simulation:
             spec = self.method.teacher(ctx)
         if spec is None or not len(ctx.sampled):
             return None
-        if not isinstance(spec, TeacherSpec):
-            raise HookError(f"{hook_site(self.method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
-                            f"got {type(spec).__name__}")
-        check_teacher_buffers(spec, self.runtime.num_buffers, self.method)
+        check_teacher_spec(spec, self.runtime.num_buffers, self.method)
         if self.cfg.teacher == "online":
             return OnlineTeacher(spec, self.engine)
         idx = host_to_device(self.plan.cohort_rows(ctx.sampled)[0], self.device)
@@ -343,8 +343,8 @@ class Simulation:
         """The chunk trainer of ``n`` clients, its buffers allocated under the memory guard."""
         with self.budget.guard(f"allocating the parameter buffers of a chunk of {n} clients", "client_chunk",
                                next_round=1, chunk=n):
-            return ChunkTrainer(self.cfg, self.method, self.runtime, self.plan, chunk=n, device=self.device,
-                                loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
+            return ChunkTrainer(TrainerSettings.of(self.cfg), self.method, self.runtime, self.plan, chunk=n,
+                                device=self.device, loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
 
     def _memory(self, what: str, key: str):
         """An allocation failure inside the block becomes :class:`OutOfMemory` naming ``what`` and ``key``."""

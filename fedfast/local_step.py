@@ -1,10 +1,10 @@
 """The pieces of one local step that vary by setting, as small strategy objects instead of branches in the engine's
 training loop:
 
-* the **client optimiser** (:class:`SGD`, :class:`Adam`; :func:`client_optimizer` picks one from the config): its
-  per-client state over the chunk's stack rows, made once per Simulation and reset at every chunk's start (each
-  client's optimiser is fresh every round, as a ``torch.optim`` optimiser made per client and round), and its fused
-  step over the active clients' rows;
+* the **client optimiser** (:class:`SGD`, :class:`Adam`; :func:`client_optimizer` picks one from its
+  :class:`OptimizerSettings`): its per-client state over the chunk's stack rows, made once per Simulation and reset
+  at every chunk's start (each client's optimiser is fresh every round, as a ``torch.optim`` optimiser made per
+  client and round), and its fused step over the active clients' rows;
 * the **gradient** of a step (:class:`PlainGradient`, :class:`SAMGradient`): the loss's gradient at the clients'
   weights, or SAM's (Foret et al. 2021): at ``w + rho g / (||g|| + eps)`` per client, applied at ``w``.
 
@@ -12,24 +12,40 @@ Each says how many parameter-sized rows per client it keeps (``rows``), which th
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import ops
+from .sim.settings import Settings
 
 SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) (ASD's code: 1e-16, FedSpeed's 1e-7)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSettings(Settings):
+    """The client optimiser's settings (:class:`fedfast.SimConfig`'s of the same names): which one, its step
+    size, momentum, coupled or decoupled weight decay, Adam's betas and eps, and the gradient clipping."""
+    client_optimizer: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    adam_betas: tuple
+    adam_eps: float
+    max_grad_norm: float | None
 
 
 class SGD:
     """torch.optim.SGD per client (dampening 0, no Nesterov; coupled weight decay), fused over the rows: the
     momentum buffer [chunk, P] (with momentum)."""
 
-    def __init__(self, cfg, params: torch.Tensor):
-        self.momentum = cfg.momentum
-        self.buf = torch.zeros_like(params) if cfg.momentum else None
+    def __init__(self, settings: OptimizerSettings, params: torch.Tensor):
+        self.momentum = settings.momentum
+        self.buf = torch.zeros_like(params) if settings.momentum else None
 
     @staticmethod
-    def rows(cfg) -> int:
-        return 1 if cfg.momentum else 0
+    def rows(settings: OptimizerSettings) -> int:
+        return 1 if settings.momentum else 0
 
     def reset(self, n: int) -> None:
         if self.buf is not None:
@@ -44,13 +60,14 @@ class Adam:
     """torch.optim.Adam / AdamW per client, fused over the rows: the moments [chunk, P] and each client's own step
     count (as its own optimiser would keep)."""
 
-    def __init__(self, cfg, params: torch.Tensor):
-        self.betas, self.eps, self.decoupled = cfg.adam_betas, cfg.adam_eps, cfg.client_optimizer == "adamw"
+    def __init__(self, settings: OptimizerSettings, params: torch.Tensor):
+        self.betas, self.eps = settings.adam_betas, settings.adam_eps
+        self.decoupled = settings.client_optimizer == "adamw"
         self.m, self.v = torch.zeros_like(params), torch.zeros_like(params)
         self.t = torch.zeros(params.shape[0], device=params.device)
 
     @staticmethod
-    def rows(cfg) -> int:
+    def rows(settings: OptimizerSettings) -> int:
         return 2
 
     def reset(self, n: int) -> None:
@@ -66,9 +83,10 @@ class Adam:
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": Adam}
 
 
-def client_optimizer(cfg, params: torch.Tensor):
+def client_optimizer(settings: OptimizerSettings, params: torch.Tensor):
     """The configured client optimiser over the stack's rows ``params`` [chunk, P]."""
-    return OPTIMIZERS[cfg.client_optimizer](cfg, params)
+    settings = OptimizerSettings.given(settings)
+    return OPTIMIZERS[settings.client_optimizer](settings, params)
 
 
 class PlainGradient:

@@ -5,6 +5,7 @@ import torch
 
 import fedfast
 from fedfast.sim import budget
+from fedfast.local_step import OPTIMIZERS, OptimizerSettings
 from fedfast.sim.memory import CPU_CHUNK_PARAM_BYTES
 
 from sequential_loop import setup_data
@@ -51,9 +52,8 @@ def test_engine_chunk_and_message_come_from_the_functions():
     train, test, part, model = setup_data()
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, memory_budget_gb=1e-4, seed=0)
     sim = fedfast.Simulation(cfg, model, train, test, part)
-    from fedfast.local_step import OPTIMIZERS
     rows, act = sim.budget.client_bytes()
-    want = budget.param_rows(OPTIMIZERS[cfg.client_optimizer].rows(cfg), None, sim.num_params, 0)
+    want = budget.param_rows(OPTIMIZERS[cfg.client_optimizer].rows(OptimizerSettings.of(cfg)), None, sim.num_params, 0)
     assert rows == 4 * sim.num_params * want and act > 0
     assert sim.budget.auto_chunk() == budget.chunk_clients(1e-4 * 2**30, rows, act, sim.num_params, "cpu")
     assert sim.budget.oom_message("evaluation", "eval_batch", next_round=sim.rnd + 1, chunk=sim.chunk).startswith(

@@ -9,7 +9,7 @@ import torch
 
 import fedfast
 from fedfast.data.partition import Partition
-from fedfast.sim.plan import RoundPlan
+from fedfast.sim.plan import PlanSettings, RoundPlan
 
 from sequential_loop import setup_data
 
@@ -76,7 +76,7 @@ def test_the_round_plan_reads_the_compact_form():
     train, test, part, model = setup_data()
     csr = Partition.from_csr(part.rows, part.offsets)
     cfg = fedfast.SimConfig(clients_per_round=4, batch_size=16, lr=0.05, seed=1)
-    plan = RoundPlan(cfg, train, csr, cfg.method(), device=torch.device("cpu"))
+    plan = RoundPlan(PlanSettings.of(cfg), train, csr, cfg.method(), device=torch.device("cpu"))
     assert np.array_equal(plan.client_sizes, part.sizes.numpy())
     want = torch.stack([torch.bincount(train.y[i], minlength=5) for i in part.indices]).float()
     assert torch.equal(plan.label_hist, want)
@@ -90,7 +90,7 @@ def test_the_round_plan_reads_the_compact_form():
 def test_cohort_rows_and_histograms_gather_the_cohorts_rows_only():
     train, test, part, model = setup_data()
     cfg = fedfast.SimConfig(clients_per_round=4, batch_size=16, lr=0.05, seed=1)
-    plan = RoundPlan(cfg, train, part, cfg.method(), device=torch.device("cpu"))
+    plan = RoundPlan(PlanSettings.of(cfg), train, part, cfg.method(), device=torch.device("cpu"))
     clients = np.array([6, 1, 3])
     rows, owner = plan.cohort_rows(clients)
     assert rows.tolist() == np.concatenate([part.indices[k].numpy() for k in clients]).tolist()

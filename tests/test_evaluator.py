@@ -7,8 +7,8 @@ import torch.nn.functional as F
 import fedfast
 from fedfast import data, models
 from fedfast.collectives import Local
-from fedfast.sim.evaluation import Evaluator, forgetting
-from fedfast.sim.runtime import ModelRuntime
+from fedfast.sim.evaluation import EvalSettings, Evaluator, forgetting
+from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
 
 
 def _evaluator(validation=False, **kw):
@@ -16,8 +16,8 @@ def _evaluator(validation=False, **kw):
     torch.manual_seed(0)
     model = models.MLP(16, (8,), 4)
     cfg = fedfast.SimConfig(eval_batch=8, **kw)
-    rt = ModelRuntime(cfg, model, train, torch.device("cpu"))
-    return Evaluator(cfg, rt, Local(), test, train if validation else None), rt, model, test
+    rt = ModelRuntime(RuntimeSettings.of(cfg), model, train, torch.device("cpu"))
+    return Evaluator(EvalSettings.of(cfg), rt, Local(), test, train if validation else None), rt, model, test
 
 
 def test_evaluate_by_hand():

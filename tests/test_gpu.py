@@ -680,8 +680,8 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
     sim.run()
     ref = sequential(cfg, start, train, part, cfg.rounds, dp=dict(clip=0.05, z=0.0, E=4.0, gen=torch.Generator()))
     assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5
-    from fedfast.sim.privacy import RoundPrivacy
-    p = RoundPrivacy(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3), fedfast.SimConfig().method(), 100,
+    from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
+    p = RoundPrivacy(PrivacySettings.of(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3)), fedfast.SimConfig().method(), 100,
                      torch.device("cuda"))
     noise = p.average(torch.zeros(1_000_000, device="cuda"), torch.zeros(1_000_000, device="cuda"))
     assert abs(float(noise.std()) / (1.3 * 0.05 / 4) - 1) < 5e-3

@@ -6,7 +6,8 @@ from torch import nn
 
 import fedfast
 from fedfast.flat import ClientStack
-from fedfast.local_step import OPTIMIZERS, SAM_EPS, Adam, PlainGradient, SAMGradient, SGD, client_optimizer
+from fedfast.local_step import (OPTIMIZERS, SAM_EPS, Adam, OptimizerSettings, PlainGradient, SAMGradient, SGD,
+                                client_optimizer)
 
 
 def _grads(n, P, steps, seed=0):
@@ -21,8 +22,9 @@ def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
     n, P = 3, 7
     theta = torch.randn(n, P)
     start = theta.clone()
-    o = client_optimizer(cfg, theta)
-    assert isinstance(o, OPTIMIZERS[opt]) and OPTIMIZERS[opt].rows(cfg) == (2 if opt != "sgd" else 1)
+    s = OptimizerSettings.of(cfg)
+    o = client_optimizer(s, theta)
+    assert isinstance(o, OPTIMIZERS[opt]) and OPTIMIZERS[opt].rows(s) == (2 if opt != "sgd" else 1)
     grads = _grads(n, P, 4)
     actives = [3, 3, 2, 1]  # clients drop out as their data ends: the active rows are a prefix
     for _round in range(2):  # a reset makes every client's optimiser fresh, as a new torch.optim per round
@@ -45,9 +47,9 @@ def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
 
 
 def test_sgd_without_momentum_keeps_no_rows():
-    cfg = fedfast.SimConfig()
-    o = SGD(cfg, torch.zeros(2, 3))
-    assert o.buf is None and SGD.rows(cfg) == 0 and Adam.rows(cfg) == 2
+    s = OptimizerSettings.of(fedfast.SimConfig())
+    o = SGD(s, torch.zeros(2, 3))
+    assert o.buf is None and SGD.rows(s) == 0 and Adam.rows(s) == 2
 
 
 def test_sam_gradient_is_the_gradient_at_the_perturbed_weights():

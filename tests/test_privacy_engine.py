@@ -80,9 +80,9 @@ def test_poisson_rounds_without_a_client():
 
 
 def test_noise_standard_deviation_is_z_clip_over_the_expected_cohort():
-    from fedfast.sim.privacy import RoundPrivacy
+    from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, rounds=1, dp_clip=0.5, dp_noise_multiplier=1.3)
-    p = RoundPrivacy(cfg, cfg.method(), 100, torch.device("cpu"))
+    p = RoundPrivacy(PrivacySettings.of(cfg), cfg.method(), 100, torch.device("cpu"))
     g = torch.zeros(200_000)
     noise = p.average(g, torch.zeros_like(g))
     sd, want = float(noise.std()), 1.3 * 0.5 / 8

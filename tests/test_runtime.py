@@ -6,7 +6,7 @@ from torch import nn
 
 import fedfast
 from fedfast import data, models
-from fedfast.sim.runtime import ModelRuntime, conv_impl
+from fedfast.sim.runtime import ModelRuntime, RuntimeSettings, conv_impl
 
 
 def _setup(executor="auto", model=None):
@@ -14,7 +14,7 @@ def _setup(executor="auto", model=None):
     torch.manual_seed(0)
     model = model or models.MLP(36, (16,), 5)
     cfg = fedfast.SimConfig(executor=executor, eval_batch=7)
-    return ModelRuntime(cfg, model, train, torch.device("cpu")), train, model
+    return ModelRuntime(RuntimeSettings.of(cfg), model, train, torch.device("cpu")), train, model
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])

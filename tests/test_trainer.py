@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import fedfast
 from fedfast.methods.hooks import HookError
-from fedfast.sim.plan import RoundPlan
-from fedfast.sim.runtime import ModelRuntime
-from fedfast.sim.trainer import ChunkTrainer
+from fedfast.sim.plan import PlanSettings, RoundPlan
+from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
+from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
 
 from sequential_loop import flat, setup_data
 
@@ -24,9 +24,9 @@ def _parts(loss_fn=None, **kw):
     method = cfg.method()
     method.bind(SimpleNamespace(backend=None, device=torch.device("cpu")))  # FedAvg reads the backend only
     dev = torch.device("cpu")
-    plan = RoundPlan(cfg, train, part, method, device=dev)
-    rt = ModelRuntime(cfg, model, train, dev)
-    trainer = ChunkTrainer(cfg, method, rt, plan, chunk=4, device=dev, loss_fn=loss_fn)
+    plan = RoundPlan(PlanSettings.of(cfg), train, part, method, device=dev)
+    rt = ModelRuntime(RuntimeSettings.of(cfg), model, train, dev)
+    trainer = ChunkTrainer(TrainerSettings.of(cfg), method, rt, plan, chunk=4, device=dev, loss_fn=loss_fn)
     return cfg, train, part, model, plan, rt, trainer
 
 

@@ -9,7 +9,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..flat import FlatLayout
+from ..methods.base import Method, TeacherSpec
 from ..methods.hooks import HookError, hook_site
+from .plan import RoundPlan
+from .runtime import ModelRuntime
+from ..store.state import ClientState
+from .sizing import MemoryBudget
 
 
 class RoundBuffers:
@@ -17,7 +23,8 @@ class RoundBuffers:
     "local"`` each client's own, gathered from ``store``), the participants' weighted sum ``sum`` [B] (float64) and,
     with a store, their new rows ``rows`` [m, B]. ``layout``: the model's :class:`fedfast.flat.FlatLayout`."""
 
-    def __init__(self, layout, m: int, device, store, sampled):
+    def __init__(self, layout: FlatLayout, m: int, device: torch.device, store: ClientState | None,
+                 sampled: np.ndarray):
         B = layout.B
         self.layout, self.sum = layout, torch.zeros(B, dtype=torch.float64, device=device)
         self.own = store.gather(sampled) if store is not None and B else None
@@ -42,11 +49,11 @@ class RoundBuffers:
         return torch.where(self.layout.integer_mask(b.device), b.round(), b).float()
 
 
-def local_statistics_store(cfg, runtime, budget, num_clients: int):
+def local_statistics_store(bn_stats: str, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int):
     """``bn_stats = "local"`` (FedBN's statistics): a per-client store of the model's buffers (rows of
     ``runtime.num_buffers`` values, float32 whatever ``state_dtype`` says, the initial model's as a client's first
     row); None for ``"global"``. ValueError naming ``bn_stats`` for a model without running statistics."""
-    if cfg.bn_stats != "local":
+    if bn_stats != "local":
         return None
     if not runtime.running_stats:
         raise ValueError("bn_stats: 'local' keeps each client's BatchNorm running statistics, but the model has no "
@@ -55,7 +62,7 @@ def local_statistics_store(cfg, runtime, budget, num_clients: int):
                                float32=True)
 
 
-def restore_local_statistics(store, ck: dict, bn_stats: str) -> None:
+def restore_local_statistics(store: ClientState | None, ck: dict, bn_stats: str) -> None:
     """The clients' own statistics from checkpoint ``ck`` into ``store``; ValueError when the checkpoint was made
     under the other ``bn_stats``."""
     if (store is None) != ("client_buffers" not in ck):
@@ -65,29 +72,34 @@ def restore_local_statistics(store, ck: dict, bn_stats: str) -> None:
         store.load_state_dict(ck["client_buffers"])
 
 
-def check_teacher_buffers(spec, num_buffers: int, method) -> None:
-    """A method's ``TeacherSpec.buffers``: None or [M, B] (each teacher's buffers); HookError naming the hook."""
+def check_teacher_spec(spec, num_buffers: int, method: Method) -> None:
+    """What a method's ``teacher`` returned (not None): a :class:`~fedfast.methods.TeacherSpec` whose ``buffers``
+    are None or [M, B] (each teacher's buffers); HookError naming the hook."""
+    if not isinstance(spec, TeacherSpec):
+        raise HookError(f"{hook_site(method, 'teacher')}: must return a fedfast.methods.TeacherSpec or None, "
+                        f"got {type(spec).__name__}")
     if spec.buffers is not None and tuple(spec.buffers.shape) != (len(spec.models), num_buffers):
         raise HookError(f"{hook_site(method, 'teacher')}: TeacherSpec.buffers must be [M, B] = [{len(spec.models)}, "
                         f"{num_buffers}] (each teacher's buffers), got {tuple(spec.buffers.shape)}")
 
 
-def check_batch_norm(cfg, runtime, plan, uses_teacher: bool) -> None:
+def check_batch_norm(runtime: ModelRuntime, plan: RoundPlan, uses_teacher: bool, *, teacher: str | None,
+                     batch_size: int, drop_last: bool) -> None:
     """Where a model that normalises with batch statistics cannot equal a per-client loop: a warning (a cached
     teacher of a model that uses batch statistics in eval mode too) or a refusal naming the setting (a BatchNorm
     that would normalise one value per channel in a last minibatch of one sample). Padding rows never enter a
-    client's statistics: the executors mask them."""
+    client's statistics: the executors mask them. ``teacher``, ``batch_size``, ``drop_last``: the run's settings."""
     bns = [m for m in runtime.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
         return
-    if uses_teacher and cfg.teacher == "cache" and any(m.running_mean is None for m in bns):
+    if uses_teacher and teacher == "cache" and any(m.running_mean is None for m in bns):
         warnings.warn("teacher: the model normalises with batch statistics in eval mode too (BatchNorm with "
                       "track_running_stats=False), so cached teacher logits (computed in large evaluation batches) "
                       "differ from a per-client loop's teacher; teacher='online' runs the teacher on each client's "
                       "own batch.", stacklevel=4)
     single = [n for n, S in runtime.batch_norm_positions().items() if S == 1]  # one value per sample
-    B, sizes = cfg.batch_size, plan.client_sizes
-    lone = np.flatnonzero((sizes % B == 1) | (B == 1)) if single and not (cfg.drop_last and B > 1) else []
+    B, sizes = batch_size, plan.client_sizes
+    lone = np.flatnonzero((sizes % B == 1) | (B == 1)) if single and not (drop_last and B > 1) else []
     if len(lone):
         more = f" and {len(lone) - 1} more clients" if len(lone) > 1 else ""
         raise ValueError(f"batch_size: client {int(lone[0])}'s last minibatch holds one sample "

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from ..methods.base import Collected, Round
+from ..methods.base import Collected, Method, Round
 from ..methods.hooks import HookError, describe_value, hook_site
+from ..store.state import ClientState
 
 
-def declare_sums(method, ctx: Round) -> None:
+def declare_sums(method: Method, ctx: Round) -> None:
     """``method.round_start(ctx)``; the sums it returns (name -> zero tensor) become the round's ``ctx.sums``."""
     got = method.round_start(ctx)
     if got is None:
@@ -25,7 +26,7 @@ def declare_sums(method, ctx: Round) -> None:
     ctx.sums.update(got)
 
 
-def start_round(ctx: Round, state, increment: torch.Tensor, device) -> None:
+def start_round(ctx: Round, state: ClientState | None, increment: torch.Tensor, device: torch.device) -> None:
     """The round's accumulators: the method's state rows gathered (``state``: its store, or None) with a buffer for
     their new values, and the zero increment."""
     if state is not None:
@@ -33,7 +34,7 @@ def start_round(ctx: Round, state, increment: torch.Tensor, device) -> None:
     ctx._set(increment=increment)
 
 
-def take(method, ctx: Round, got, lo: int, hi: int) -> None:
+def take(method: Method, ctx: Round, got: Collected | None, lo: int, hi: int) -> None:
     """A chunk's :class:`Collected` into the round's accumulators."""
     if got is None:
         return

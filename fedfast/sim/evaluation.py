@@ -1,12 +1,23 @@
 """Test (and validation) metrics of the evaluated model, per class, a round's record, and FedNTD's forgetting."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ..collectives import Distributed, Local
 from ..data.datasets import ArrayDataset
+from .runtime import ModelRuntime
+from .settings import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSettings(Settings):
+    """What the evaluator reads of a run's config: which rounds are evaluated."""
+    eval_every: int
+    rounds: int
 
 
 class Evaluator:
@@ -15,8 +26,10 @@ class Evaluator:
     ``runtime``: the :class:`~fedfast.sim.runtime.ModelRuntime`; ``comm``: the run's collectives (each process
     evaluates its share of the rows, the sums are all-reduced)."""
 
-    def __init__(self, cfg, runtime, comm, test: ArrayDataset, validation: ArrayDataset | None):
-        self.cfg, self.runtime, self.comm, self.test, self.validation = cfg, runtime, comm, test, validation
+    def __init__(self, settings: EvalSettings, runtime: ModelRuntime, comm: Local | Distributed, test: ArrayDataset,
+                 validation: ArrayDataset | None):
+        self.settings = EvalSettings.given(settings)
+        self.runtime, self.comm, self.test, self.validation = runtime, comm, test, validation
 
     @torch.no_grad()
     def evaluate(self, flat: torch.Tensor, dataset: ArrayDataset | None = None) -> tuple[float, float, torch.Tensor]:
@@ -46,7 +59,7 @@ class Evaluator:
         evaluate): test metrics of the model ``flat`` on every ``eval_every``-th round and after the last one;
         other rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds of
         ``history`` and ``class_accs``, the earlier rounds'). ``timers["eval"]``: the seconds since ``t1``."""
-        c = self.cfg
+        c = self.settings
         acc = test_loss = class_acc = val = None
         if rnd % c.eval_every == 0 or rnd >= c.rounds:
             acc, test_loss, class_acc = self.evaluate(flat)

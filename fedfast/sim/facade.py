@@ -5,12 +5,20 @@ never the :class:`fedfast.Simulation` that wires them. ``Method.bind`` receives 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
-from ..methods.base import Round, StateSpec
+from ..data.datasets import ArrayDataset
+from ..methods.base import Method, Round, StateSpec
 from ..methods.hooks import HookError, describe_value, hook_site
+from ..simconfig import SimConfig
 from ..store.state import ClientState
+from .plan import RoundPlan
+from .runtime import ModelRuntime
+from .sizing import MemoryBudget
+from .state import RunState
+from .trainer import ChunkTrainer
 
 
 class EngineView:
@@ -23,15 +31,16 @@ class EngineView:
     __slots__ = ("_runtime", "_plan", "_budget", "_state", "_splits", "_trainer", "_binding", "device", "backend",
                  "num_clients", "num_params", "num_classes", "seed", "train", "config", "client_sizes", "num_buffers")
 
-    def __init__(self, cfg, *, runtime, plan, budget, state, train, server_splits: dict, device: torch.device):
+    def __init__(self, config: SimConfig, *, runtime: ModelRuntime, plan: RoundPlan, budget: MemoryBudget,
+                 state: RunState, train: ArrayDataset, server_splits: dict, device: torch.device):
         self._runtime, self._plan, self._budget, self._state = runtime, plan, budget, state
         self._splits, self._trainer, self._binding = server_splits, None, False
-        self.device, self.backend, self.seed, self.config = device, cfg.backend, cfg.seed, cfg
+        self.device, self.backend, self.seed, self.config = device, config.backend, config.seed, config
         self.num_clients, self.num_params, self.num_classes = plan.num_clients, runtime.num_params, train.num_classes
         self.train, self.client_sizes = train, plan.client_sizes
         self.num_buffers = runtime.num_buffers
 
-    def _attach(self, trainer) -> None:
+    def _attach(self, trainer: ChunkTrainer) -> None:
         """The chunk trainer (the stack's rows, the local gradients, the clients' data), once the chunk is sized."""
         self._trainer = trainer
 
@@ -144,7 +153,8 @@ class EngineView:
         return self._tr.stack.buffers[:n]
 
 
-def bind_method(method, view: EngineView, budget, size_chunk, make_trainer) -> tuple:
+def bind_method(method: Method, view: EngineView, budget: MemoryBudget, size_chunk: Callable[[], int],
+                make_trainer: Callable[[int], ChunkTrainer]) -> tuple[int, ChunkTrainer]:
     """Wire ``method`` to its engine in the order that needs no back-reference: the method declares its per-client
     state to the view of the parts so far (``Method.client_state_spec``), the budget sizes the chunk with it
     (``size_chunk()``), the chunk trainer is made (``make_trainer(chunk)``) and attached to the view, the store is

@@ -7,10 +7,12 @@ from ..data.datasets import ArrayDataset
 from ..data.partition import Partition
 
 
-def check_inputs(c, model, datasets, partition, loss_fn, schedule, data_order) -> None:
-    """The arguments of :class:`fedfast.Simulation` (``c``: its SimConfig; ``datasets``: ``(name, dataset or None)``
-    pairs, the training set first): their types and agreement (classes, frozen parameters, augmentation of
-    non-images, a model's own data checks), a clear error naming the argument, before anything is allocated."""
+def check_inputs(model, datasets, partition, loss_fn, schedule, data_order, *, client_sampling: str,
+                 augment: str) -> None:
+    """The arguments of :class:`fedfast.Simulation` (``datasets``: ``(name, dataset or None)`` pairs, the training
+    set first; ``client_sampling``, ``augment``: its config's): their types and agreement (classes, frozen
+    parameters, augmentation of non-images, a model's own data checks), a clear error naming the argument, before
+    anything is allocated."""
     train = datasets[0][1]
     for name, ds in datasets:
         if ds is not None and not isinstance(ds, ArrayDataset):
@@ -23,8 +25,8 @@ def check_inputs(c, model, datasets, partition, loss_fn, schedule, data_order) -
         raise TypeError("loss_fn: expected a callable (student, teacher, target, segments, num_segments) -> loss")
     if schedule is not None and not (callable(schedule) or isinstance(schedule, (list, tuple, np.ndarray))):
         raise TypeError("schedule: expected a sequence of client-id arrays (one per round) or a callable round -> ids")
-    if schedule is not None and c.client_sampling != "uniform":
-        raise ValueError(f"client_sampling: {c.client_sampling!r} draws the cohorts, and so does schedule; give one")
+    if schedule is not None and client_sampling != "uniform":
+        raise ValueError(f"client_sampling: {client_sampling!r} draws the cohorts, and so does schedule; give one")
     if data_order is not None and not callable(data_order):
         raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -32,8 +34,8 @@ def check_inputs(c, model, datasets, partition, loss_fn, schedule, data_order) -
         raise ValueError(f"model: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} are frozen "
                          f"(requires_grad=False); the engine trains every parameter of the model, so train a "
                          f"model without them (e.g. move frozen layers into preprocessing)")
-    if c.augment != "none" and not train.is_image:
-        raise ValueError(f"augment: {c.augment!r} augments images; the training set holds {train.name or 'tokens'}"
+    if augment != "none" and not train.is_image:
+        raise ValueError(f"augment: {augment!r} augments images; the training set holds {train.name or 'tokens'}"
                          f" (use augment = 'none')")
     check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
     if callable(check):

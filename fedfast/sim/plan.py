@@ -4,6 +4,7 @@ and :class:`RoundPlan`, which holds the placement and gives each round's context
 augmented minibatches. Nothing here reads the engine; each part is tested alone (``tests/test_plan.py``)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
@@ -11,11 +12,13 @@ import torch
 
 from .._io import host_to_device
 from ..data.augment import augmented_batch
-from ..data.partition import ClientIndices
-from ..methods.base import Round
+from ..data.datasets import ArrayDataset
+from ..data.partition import ClientIndices, Partition
+from ..methods.base import Method, Round
 from ..methods.hooks import hook_site
 from ..sampling import (client_order, sample_clients, sample_clients_bernoulli, sample_clients_poisson,
                         sample_clients_round_seeded)
+from .settings import Settings
 
 
 def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:
@@ -91,6 +94,23 @@ def steps_table(clients: np.ndarray, sizes: np.ndarray, data_batches: np.ndarray
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSettings(Settings):
+    """What the round plan reads of a run's config: the cohort's size and sampling, the seed, the batch size and
+    passes (epochs or steps, ``drop_last``), the learning-rate schedule, the augmentation and the weights."""
+    clients_per_round: int
+    client_sampling: str
+    seed: int
+    batch_size: int
+    local_epochs: int
+    local_steps: int | None
+    drop_last: bool
+    lr: float
+    lr_decay: float
+    augment: str
+    aggregate_weights: str | None
+
+
 class RoundPlan:
     """The round plan of a run: its data's placement (each client's rows of the training set, sizes, label
     histograms, this process's share of a cohort) and, from it, round by round, a pure function of the seed and the
@@ -98,9 +118,11 @@ class RoundPlan:
     tables, and each step's minibatch with its augmentation (:meth:`minibatch`). ``method`` is asked for its
     aggregation weights only (``Method.aggregation_weights``)."""
 
-    def __init__(self, cfg, train, partition, method, *, device: torch.device, rank: int = 0, world: int = 1,
-                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None):
-        self.cfg, self.train, self.method, self.device = cfg, train, method, device
+    def __init__(self, settings: PlanSettings, train: ArrayDataset, partition: Partition, method: Method, *,
+                 device: torch.device, rank: int = 0, world: int = 1, schedule: Sequence | Callable | None = None,
+                 data_order: Callable | None = None):
+        self.settings = settings = PlanSettings.given(settings)
+        self.train, self.method, self.device = train, method, device
         self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
         self.num_clients = K = partition.num_clients
         self.rows, self.offsets = rows, offsets = partition.rows.numpy(), partition.offsets.numpy()
@@ -111,12 +133,12 @@ class RoundPlan:
         if partition.num_classes is not None and partition.num_classes != train.num_classes:
             raise ValueError(f"partition: made for {partition.num_classes} classes, the training set has "
                              f"{train.num_classes}")
-        if schedule is None and cfg.clients_per_round > K:
-            raise ValueError(f"clients_per_round: {cfg.clients_per_round} > {K} clients")
+        if schedule is None and settings.clients_per_round > K:
+            raise ValueError(f"clients_per_round: {settings.clients_per_round} > {K} clients")
         self.num_classes = train.num_classes
         self.labels = train.y.cpu().numpy()
         self._label_hist = None
-        self._arange_b = torch.arange(cfg.batch_size, device=device)
+        self._arange_b = torch.arange(settings.batch_size, device=device)
 
     def cohort_rows(self, clients: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, owner)``: every row of the training set the clients hold, client after client, and the position
@@ -144,25 +166,25 @@ class RoundPlan:
 
     def max_cohort(self) -> int:
         """The most clients a round of this run can have (:func:`max_cohort`; a schedule: every client)."""
-        c = self.cfg
+        c = self.settings
         return max_cohort(c.clients_per_round, self.num_clients, c.client_sampling) if self.schedule is None \
             else self.num_clients
 
     def clients(self, rnd: int) -> np.ndarray:
         """Round ``rnd``'s participants (:func:`round_clients`)."""
-        c = self.cfg
+        c = self.settings
         return round_clients(c.seed, rnd, self.num_clients, c.clients_per_round, c.client_sampling, self.schedule)
 
     def order(self, rnd: int, k: int, epoch: int, nk: int) -> np.ndarray:
         """Client ``k``'s data order in local pass ``epoch`` of round ``rnd`` (:func:`data_order`)."""
-        return data_order(self.cfg.seed, rnd, k, epoch, nk, self.user_order)
+        return data_order(self.settings.seed, rnd, k, epoch, nk, self.user_order)
 
     def sample(self, rnd: int):
         """Round ``rnd``'s plan: ``(ctx, totals, step_rows)``, the round's context with its clients in stack order
         (this process's share: every world-th, most local steps first, so the clients still training at any step
         are a prefix), the totals over all processes (weight, steps, every client's id) and ``local_steps``
         mode's row table (None otherwise)."""
-        c = self.cfg
+        c = self.settings
         sampled = self.clients(rnd)
         sizes = self.client_sizes[sampled]
         batches = (sizes // c.batch_size if c.drop_last else np.ceil(sizes / c.batch_size)).astype(int)  # per pass
@@ -208,7 +230,7 @@ class RoundPlan:
         """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""
         w = self.method.aggregation_weights(ids, sizes, local_steps)
         if w is None:
-            return sizes.astype(np.float64) if self.cfg.aggregate_weights == "size" else np.ones(len(ids))
+            return sizes.astype(np.float64) if self.settings.aggregate_weights == "size" else np.ones(len(ids))
         w = np.asarray(w, dtype=np.float64)
         if w.shape != ids.shape or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
             raise ValueError(f"{hook_site(self.method, 'aggregation_weights')}: expected {len(ids)} finite "
@@ -217,13 +239,13 @@ class RoundPlan:
 
     def steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
         """``local_steps`` mode's rows for the round's clients ``lo:hi`` (:func:`steps_table`)."""
-        return steps_table(ctx.sampled[lo:hi], ctx.sizes[lo:hi], ctx.data_batches[lo:hi], T, self.cfg.batch_size,
+        return steps_table(ctx.sampled[lo:hi], ctx.sizes[lo:hi], ctx.data_batches[lo:hi], T, self.settings.batch_size,
                            self.client_rows, lambda k, e, n: self.order(ctx.index, k, e, n))
 
     def batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
         """The round's clients ``lo:hi``: their rows in local pass ``epoch``, each in its own data order, padded
         with -1 to ``width`` (host index math, once per pass)."""
-        c = self.cfg
+        c = self.settings
         table = np.full((hi - lo, width), -1, dtype=np.int64)
         for j in range(hi - lo):
             k, nk = int(ctx.sampled[lo + j]), int(ctx.sizes[lo + j])
@@ -238,7 +260,7 @@ class RoundPlan:
         (augmented with ``gen`` re-seeded from (seed, round, epoch, step) and each row's position in the whole
         cohort: the same for any chunking or number of processes), labels (-100 on padding rows), the valid-row
         mask and the row indices."""
-        c, B = self.cfg, self.cfg.batch_size
+        c, B = self.settings, self.settings.batch_size
         rows = table[:n_act, s * B:(s + 1) * B]
         valid = rows >= 0
         ridx = rows.clamp_min(0)

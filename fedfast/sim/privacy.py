@@ -26,36 +26,60 @@ is then one Gaussian mechanism of multiplier z), so the accountant's z is unchan
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from .. import privacy
+from ..methods.base import Method
+from .plan import RoundPlan
+from .runtime import ModelRuntime
+from .settings import Settings
 
 _SERVER_SIDE = {"beta", "scale", "lr", "momentum", "ring", "ring_slot", "ring_count"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacySettings(Settings):
+    """What a private run's server side reads of the config: the clip and noise (or the budget it is calibrated
+    to), the accountant, adaptive clipping's settings, and the sampling the accountant assumes."""
+    dp_clip: float
+    dp_noise_multiplier: float | None
+    dp_epsilon: float | None
+    dp_delta: float
+    dp_accountant: str
+    dp_clip_quantile: float | None
+    dp_clip_lr: float
+    dp_clip_count_noise: float | None
+    clients_per_round: int
+    client_sampling: str
+    rounds: int
+    seed: int
 
 
 class RoundPrivacy:
     """DP-FedAvg's parts of a run: the chunk's aggregation arguments, the round's noise and the accounting."""
 
-    def __init__(self, cfg, method, num_clients: int, device: torch.device):
-        self.cfg, self.method = cfg, method
-        self.clip = float(cfg.dp_clip)
-        self.expected = float(cfg.clients_per_round)  # E: the expected cohort size (Poisson: q K)
-        sampling = "poisson" if cfg.client_sampling == "poisson" else "fixed"
-        self.acct_kw = dict(sampling=sampling, num_clients=int(num_clients), accountant=cfg.dp_accountant,
-                            clients_per_round=int(cfg.clients_per_round) if sampling == "fixed" else None,
-                            rate=cfg.clients_per_round / num_clients if sampling == "poisson" else None)
-        if cfg.dp_noise_multiplier is not None:
-            self.z = float(cfg.dp_noise_multiplier)
+    def __init__(self, settings: PrivacySettings, method: Method, num_clients: int, device: torch.device):
+        self.settings = s = PrivacySettings.given(settings)
+        self.method = method
+        self.clip = float(s.dp_clip)
+        self.expected = float(s.clients_per_round)  # E: the expected cohort size (Poisson: q K)
+        sampling = "poisson" if s.client_sampling == "poisson" else "fixed"
+        self.acct_kw = dict(sampling=sampling, num_clients=int(num_clients), accountant=s.dp_accountant,
+                            clients_per_round=int(s.clients_per_round) if sampling == "fixed" else None,
+                            rate=s.clients_per_round / num_clients if sampling == "poisson" else None)
+        if s.dp_noise_multiplier is not None:
+            self.z = float(s.dp_noise_multiplier)
         else:
-            self.z = privacy.calibrate(float(cfg.dp_epsilon), float(cfg.dp_delta), int(cfg.rounds), **self.acct_kw)
-        self.accountant = privacy.Accountant(self.z, float(cfg.dp_delta), max_epsilon=cfg.dp_epsilon, **self.acct_kw)
-        self.accountant.check_plan(int(cfg.rounds))
-        self.gen = torch.Generator(device=device).manual_seed(int(cfg.seed) + 1_000_003)
+            self.z = privacy.calibrate(float(s.dp_epsilon), float(s.dp_delta), int(s.rounds), **self.acct_kw)
+        self.accountant = privacy.Accountant(self.z, float(s.dp_delta), max_epsilon=s.dp_epsilon, **self.acct_kw)
+        self.accountant.check_plan(int(s.rounds))
+        self.gen = torch.Generator(device=device).manual_seed(int(s.seed) + 1_000_003)
         self.device = device
-        self.adaptive = cfg.dp_clip_quantile is not None
-        self.sigma_b = float(cfg.dp_clip_count_noise or self.expected / 20) if self.adaptive and self.z > 0 else 0.0
+        self.adaptive = s.dp_clip_quantile is not None
+        self.sigma_b = float(s.dp_clip_count_noise or self.expected / 20) if self.adaptive and self.z > 0 else 0.0
         self.z_update = self._update_multiplier(self.z)
 
     def _update_multiplier(self, z: float) -> float:
@@ -69,10 +93,11 @@ class RoundPrivacy:
         return (z ** -2 - (2 * self.sigma_b) ** -2) ** -0.5
 
     @classmethod
-    def of(cls, cfg, method, plan, runtime, schedule, device) -> "RoundPrivacy | None":
+    def of(cls, settings: PrivacySettings, method: Method, plan: RoundPlan, runtime: ModelRuntime, schedule,
+           device: torch.device) -> "RoundPrivacy | None":
         """The run's DP parts (None without ``dp_clip``); a schedule (public cohorts) and a model with buffers
         (BatchNorm statistics, averaged from the clients' data unclipped) refused by name."""
-        if not cfg.dp_clip:
+        if not PrivacySettings.given(settings).dp_clip:
             return None
         if schedule is not None:
             raise ValueError("schedule: a private run's cohorts must be sampled secretly (client_sampling); a "
@@ -81,7 +106,7 @@ class RoundPrivacy:
             raise ValueError(f"dp_clip: the model's {runtime.num_buffers} buffer values (BatchNorm running "
                              f"statistics) are averaged from the clients' data, uploads DP-FedAvg's clipping and noise "
                              f"do not cover; use a model without them (GroupNorm)")
-        return cls(cfg, method, plan.num_clients, device)
+        return cls(settings, method, plan.num_clients, device)
 
     def chunk_arguments(self, extra: dict, norms: torch.Tensor | None = None) -> dict:
         """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only);
@@ -120,7 +145,8 @@ class RoundPrivacy:
         if self.adaptive:
             nb = torch.randn(1, generator=self.gen, device=self.device, dtype=torch.float32) * self.sigma_b
             b = float((ctx.sums["_dp_unclipped"] + nb[0]) / self.expected)
-            self.clip = self.clip * math.exp(-float(self.cfg.dp_clip_lr) * (b - float(self.cfg.dp_clip_quantile)))
+            s = self.settings
+            self.clip = self.clip * math.exp(-float(s.dp_clip_lr) * (b - float(s.dp_clip_quantile)))
         return avg
 
     def record(self, rec: dict, rounds: int, clip: float) -> None:
@@ -151,7 +177,7 @@ class RoundPrivacy:
         """The noise of the checkpointed run (its multiplier: a calibrated one is not calibrated again when
         ``rounds`` changed) and its generator; the run refused when ``rounds`` would pass ``dp_epsilon``."""
         z = float(st["noise_multiplier"])
-        if self.cfg.dp_noise_multiplier is not None and z != self.z:
+        if self.settings.dp_noise_multiplier is not None and z != self.z:
             raise ValueError(f"dp_noise_multiplier: the checkpoint's run drew noise of multiplier {z:g}, this config "
                              f"gives {self.z:g}")
         self.z = z

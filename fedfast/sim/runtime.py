@@ -4,6 +4,7 @@ functional forward of one flat model, predictions in large batches, eval mode, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import torch
@@ -15,6 +16,7 @@ from ..data.datasets import ArrayDataset
 from ..flat import FlatLayout, fedfast_batch_norm, find_classifier, functional_forward, has_running_stats
 from ..ops import _backend
 from .memory import fp32_semantics
+from .settings import Settings
 
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
@@ -57,6 +59,16 @@ def buffers_kept(model: nn.Module):
                 b.copy_(v)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeSettings(Settings):
+    """What the model runtime reads of a run's config: the executor, the convolutions, the evaluation batch and the
+    classifier's name."""
+    executor: str
+    conv: str
+    eval_batch: int | None
+    features_layer: str | None
+
+
 class ModelRuntime:
     """``model`` (on ``device``) checked on two training samples and flattened: ``layout`` (flat parameters [P],
     buffers [B]: floating-point buffers and BatchNorm's ``num_batches_tracked``), ``plan`` (the batched executor,
@@ -66,9 +78,10 @@ class ModelRuntime:
     every round), ``eval_batch``; ``classifier_name`` found by :meth:`find_classifier` (or on first use).
     ``train`` serves the probes only."""
 
-    def __init__(self, cfg, model: nn.Module, train: ArrayDataset, device: torch.device):
-        self.cfg, self.model, self.train, self.device = cfg, model, train, device
-        self.eval_batch = cfg.eval_batch or (1024 if device.type == "cpu" else 4096)
+    def __init__(self, settings: RuntimeSettings, model: nn.Module, train: ArrayDataset, device: torch.device):
+        self.settings = settings = RuntimeSettings.given(settings)
+        self.model, self.train, self.device = model, train, device
+        self.eval_batch = settings.eval_batch or (1024 if device.type == "cpu" else 4096)
         for name, mod in model.named_modules():
             if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
                 raise ValueError(f"model: {name!r} is an InstanceNorm with track_running_stats=True; fedfast keeps "
@@ -82,7 +95,7 @@ class ModelRuntime:
         self.batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
                                for mod in model.modules())  # BatchNorm/InstanceNorm: batch statistics
         self.running_stats = has_running_stats(model)
-        self.conv = conv_impl(cfg.conv, device)
+        self.conv = conv_impl(settings.conv, device)
         self.initial_buffers = self.layout.flatten_buffers(model).to(device)
         self.buffers = self.initial_buffers
         self.plan = self._batched_plan()
@@ -111,7 +124,7 @@ class ModelRuntime:
         graph of its layers, else the grouped copy of :mod:`fedfast.grouped` (transformers), each checked against
         the model's own forward on a probe batch of two clients with different weights; None (vmap, with one
         warning saying why and what it costs) when neither can be used."""
-        if self.cfg.executor == "vmap":
+        if self.settings.executor == "vmap":
             return None
         whys = []
         for kind, make in (("traced program", batched.plan), ("grouped copy", grouped.plan)):
@@ -205,7 +218,7 @@ class ModelRuntime:
         ``Step.features``. Found when the Simulation is built for a method that declares it needs it, else here."""
         if self._classifier is None:
             if self.classifier_name is None:
-                self.find_classifier(self.cfg.features_layer)
+                self.find_classifier(self.settings.features_layer)
             self._classifier = self.model.get_submodule(self.classifier_name)
         return self._classifier
 

@@ -5,22 +5,43 @@ measured on two probe samples), how many clients a chunk holds, the per-client s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import torch
 
 from ..store.state import ClientState
-from ..local_step import OPTIMIZERS, SAMGradient
+from ..local_step import OPTIMIZERS, OptimizerSettings, SAMGradient
+from ..methods.base import Method
 from . import budget
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
+from .runtime import ModelRuntime
+from .settings import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetSettings(Settings):
+    """What the memory budget reads of a run's config: the budget, the batch size, the client optimiser (its rows
+    per client), and the per-client state's dtype, place and memory limit (``rounds``: how many clients' rows the
+    store can come to hold)."""
+    memory_budget_gb: float | None
+    batch_size: int
+    optimizer: OptimizerSettings
+    state_dtype: str
+    state_on_host: bool
+    state_store: str
+    state_memory_gb: float | None
+    rounds: int
 
 
 class MemoryBudget:
     """The memory budget of a run of ``method`` with the model ``runtime`` runs (:class:`ModelRuntime`) on
     ``device``."""
 
-    def __init__(self, cfg, method, runtime, device: torch.device, state_dir: str | None = None, max_cohort: int = 1):
-        self.cfg, self.method, self.runtime, self.device = cfg, method, runtime, device
+    def __init__(self, settings: BudgetSettings, method: Method, runtime: ModelRuntime, device: torch.device,
+                 state_dir: str | None = None, max_cohort: int = 1):
+        self.settings = BudgetSettings.given(settings)
+        self.method, self.runtime, self.device = method, runtime, device
         self.state_dir, self.max_cohort = state_dir, max_cohort
         self.state_values = None  # values per client of the method's per-client state (its declaration)
         self._client_bytes = None
@@ -33,8 +54,8 @@ class MemoryBudget:
         """(parameter-row bytes, activation bytes) of one client (:func:`fedfast.sim.budget.client_bytes`),
         measured once (with the method's declared per-client state, :meth:`declare`)."""
         if self._client_bytes is None:
-            c, P = self.cfg, self.runtime.num_params
-            rows = budget.param_rows(OPTIMIZERS[c.client_optimizer].rows(c), self.state_values, P,
+            c, P = self.settings, self.runtime.num_params
+            rows = budget.param_rows(OPTIMIZERS[c.optimizer.client_optimizer].rows(c.optimizer), self.state_values, P,
                                      SAMGradient.rows if self.method.sam else 0)
             act = self.runtime.activation_elems(with_im2col=self.runtime.conv == "gemm")
             self._client_bytes = budget.client_bytes(P, rows, act, c.batch_size)
@@ -46,7 +67,7 @@ class MemoryBudget:
         ``CPU_CHUNK_PARAM_BYTES`` of the chunk's parameters: per client-sample larger chunks are slower there
         (2-core VM, FedAvg CNN, 200 clients x 50, batch 10, bench_engine ``test_cpu_chunk_size``: chunks of 10-25
         clients 965-1021 samples/s, of 100-200 clients 488-644), while a GPU needs them."""
-        c, P = self.cfg, self.runtime.num_params
+        c, P = self.settings, self.runtime.num_params
         free = 0 if c.memory_budget_gb else _free_bytes(self.device)
         rows, act = self.client_bytes()
         return budget.chunk_clients(budget.budget_bytes(c.memory_budget_gb, self.device.type, free), rows, act, P,
@@ -64,7 +85,7 @@ class MemoryBudget:
         rows, act = self.client_bytes()
         return budget.oom_message(what, key, next_round=next_round, memory_state=self.memory_state(), chunk=chunk,
                                   num_params=self.runtime.num_params, row_bytes=rows, act_bytes=act,
-                                  batch_size=self.cfg.batch_size, eval_batch=self.runtime.eval_batch)
+                                  batch_size=self.settings.batch_size, eval_batch=self.runtime.eval_batch)
 
     @contextlib.contextmanager
     def guard(self, what: str, key: str, *, next_round: int, chunk: int):
@@ -84,7 +105,7 @@ class MemoryBudget:
         ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols]).
         ``name``: the store's (its file's) name, default the method's; ``float32``: whatever ``state_dtype`` says
         (the engine's own store of BatchNorm statistics)."""
-        c, P = self.cfg, self.runtime.num_params
+        c, P = self.settings, self.runtime.num_params
         if cols is not None:
             if isinstance(cols, bool) or not isinstance(cols, int) or cols < 1 or rows != 1:
                 raise ValueError(f"cols: a positive number of values per client (without rows), got {cols!r}")

@@ -5,6 +5,7 @@ with the method's terms. It also gives a method the clients' gradients at their 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 
@@ -14,10 +15,24 @@ import torch
 from .. import ops
 from .._io import host_to_device
 from ..flat import ClientStack
-from ..local_step import PlainGradient, SAMGradient, client_optimizer
-from ..methods.base import ClientData, Round, Step
+from ..local_step import OptimizerSettings, PlainGradient, SAMGradient, client_optimizer
+from ..methods.base import ClientData, Method, Round, Step
 from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
 from .memory import OutOfMemory, _free_bytes, _gib
+from .plan import RoundPlan
+from .runtime import ModelRuntime
+from .settings import Settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerSettings(Settings):
+    """What the local training reads of a run's config: the client optimiser's settings, the batch size, the ops'
+    backend, whether the run is private (its update norms come from the last steps) and the step profile."""
+    optimizer: OptimizerSettings
+    batch_size: int
+    backend: str | None
+    dp_clip: float
+    profile: bool
 
 
 class ChunkTrainer:
@@ -27,9 +42,10 @@ class ChunkTrainer:
     :class:`~fedfast.sim.plan.RoundPlan` (batch tables, minibatches); ``loss_fn``: the user's loss replacing the
     method's (``Simulation(loss_fn=)``); ``row_bytes``: one client's parameter-sized buffers (the budget's)."""
 
-    def __init__(self, cfg, method, runtime, plan, *, chunk: int, device: torch.device, loss_fn=None,
-                 row_bytes: int = 0):
-        self.cfg, self.method, self.runtime, self.plan, self.device = cfg, method, runtime, plan, device
+    def __init__(self, settings: TrainerSettings, method: Method, runtime: ModelRuntime, plan: RoundPlan, *,
+                 chunk: int, device: torch.device, loss_fn=None, row_bytes: int = 0):
+        self.settings = settings = TrainerSettings.given(settings)
+        self.method, self.runtime, self.plan, self.device = method, runtime, plan, device
         self.chunk, self.loss_fn = chunk, loss_fn
         P = runtime.num_params
         free = _free_bytes(device)
@@ -40,14 +56,14 @@ class ChunkTrainer:
                               f"lower")
         self.stack = ClientStack(runtime.model, chunk, device=device, use_executor=False)
         self.stack.plan = runtime.plan  # the verified program (None: vmap)
-        self.optimizer = client_optimizer(cfg, self.stack.params)  # SGD / Adam / AdamW state, reset every chunk
+        self.optimizer = client_optimizer(settings.optimizer, self.stack.params)  # SGD/Adam/AdamW, reset per chunk
         # the C++ and Triton client steps read autograd's per-parameter gradients in place; the CUDA backend takes
         # one flat [n, P] gradient, reused every step
-        self.gradbuf = None if ops._backend.resolve(cfg.backend, device.type) in ("cpu", "triton") else \
+        self.gradbuf = None if ops._backend.resolve(settings.backend, device.type) in ("cpu", "triton") else \
             torch.empty_like(self.stack.params)
         self.sam = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
         # a private run (dp_clip): each client's ||theta_k - start|| from its last step's own pass over the row
-        self.delta_norm = torch.zeros(chunk, device=device) if cfg.dp_clip else None
+        self.delta_norm = torch.zeros(chunk, device=device) if settings.dp_clip else None
         self._delta_version = None  # the stack's version counter after the chunk's last step
         self.prof: dict = {}  # profile=True: seconds per part of the local steps, this round
         self._last = 0.0
@@ -60,7 +76,7 @@ class ChunkTrainer:
 
     def tick(self, phase: str):
         """``profile=True``: synchronise and charge the time since the last tick to ``phase`` (local steps)."""
-        if not self.cfg.profile:
+        if not self.settings.profile:
             return
         self.sync()
         now = time.perf_counter()
@@ -77,7 +93,7 @@ class ChunkTrainer:
         ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer rows hold the
         clients' buffers after it (BatchNorm's running statistics as their local steps left them). A private run's
         update norms come from each client's last step (:meth:`update_norms`)."""
-        c, method = self.cfg, self.method
+        c, method = self.settings, self.method
         self._last = time.perf_counter()
         steps = ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
@@ -86,7 +102,8 @@ class ChunkTrainer:
         if start_buffers is not None and self.runtime.num_buffers:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
         self.optimizer.reset(n)
-        step_kw = dict(lr=ctx.lr, weight_decay=c.weight_decay, max_norm=c.max_grad_norm or None, backend=c.backend)
+        step_kw = dict(lr=ctx.lr, weight_decay=c.optimizer.weight_decay, max_norm=c.optimizer.max_grad_norm or None,
+                       backend=c.backend)
         ctx._set(chunk=None)
         ctx._set(chunk=method.chunk_start(ctx, lo, hi))  # the method's own per-chunk state, handed back as ctx.chunk
         hist_c = ctx.hist[lo:hi]
@@ -204,7 +221,7 @@ class ChunkTrainer:
         model's modules are in that mode during each slice's forward only); no running statistics are updated; a
         client whose data is exhausted in a slice runs on its own first samples, marked invalid (and, for BatchNorm
         statistics, kept apart from the other clients'), so every value is finite."""
-        b = self.cfg.batch_size if batch is None else batch
+        b = self.settings.batch_size if batch is None else batch
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
             raise ValueError(f"batch: samples per client and slice, an integer >= 1, got {batch!r}")
         n = hi - lo
@@ -235,7 +252,7 @@ class ChunkTrainer:
         n_act, grad)`` with ``grad`` [n_act, P] the gradient of each active client's minibatch-mean cross-entropy
         (a buffer reused by the next step). FedCurv's Fisher information. The forwards use the clients' buffer rows
         and update no running statistics (only a local step's forward does)."""
-        B, C = self.cfg.batch_size, self.runtime.train.num_classes
+        B, C = self.settings.batch_size, self.runtime.train.num_classes
         batches = np.asarray(batches, dtype=np.int64)
         if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
                 (batches > ctx.data_batches[lo:hi]).any():
@@ -256,5 +273,5 @@ class ChunkTrainer:
             z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, valid=bn_valid).reshape(-1, C)
             seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
             loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
-                               num_segments=n_act, reduction="mean", backend=self.cfg.backend)
+                               num_segments=n_act, reduction="mean", backend=self.settings.backend)
             yield s, n_act, self.stack.flat_grad(loss, pv, buf[:n_act])
