@@ -227,29 +227,33 @@ FEDFAST_CLIENT_STEP(client_step_cuda) {
                "client_step");
 }
 
-void client_adam_cuda(at::Tensor& theta, const at::Tensor& grad_in, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-                      const at::Tensor& step_size_in, const at::Tensor& bc2_sqrt_in, const at::Tensor& wd_in,
-                      const c10::optional<at::Tensor>& decay_opt, double beta1, double beta2, double eps,
-                      double prox_mu, const c10::optional<at::Tensor>& anchor,
-                      const c10::optional<at::Tensor>& loss_rows, double max_norm,
-                      const c10::optional<at::Tensor>& active_opt) {
-  // step_size = lr_k / (1 - b1^t_k), bc2_sqrt = sqrt(1 - b2^t_k), decay = 1 - lr_k wd_k (AdamW): [n], computed
-  // by fedfast.ops.client_adam on the device
+FEDFAST_CLIENT_ADAM(client_adam_cuda) {
   check_cuda(theta, "theta");
+  TORCH_CHECK(!delta_from.has_value() && !delta_norm.has_value(), "client_adam_cuda: delta_norm is computed by "
+              "fedfast.ops.client_adam after the step on this backend");
   for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
                 "contiguous fp32");
   c10::cuda::CUDAGuard guard(theta.device());
   const int64_t n = theta.size(0), P = theta.size(1);
-  const at::Tensor grad = grad_in.to(at::kFloat).contiguous();
-  const at::Tensor step_size = step_size_in.to(at::kFloat).contiguous(), bc2 = bc2_sqrt_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(step_size.numel() == n && bc2.numel() == n, "step_size and bc2_sqrt must have one value per row");
+  std::vector<at::Tensor> flat;  // the per-parameter pieces [n, *shape] side by side: one [n, P] gradient
+  for (const at::Tensor& gi : grad_in) flat.push_back(gi.reshape({n, -1}));
+  const at::Tensor grad = (flat.size() == 1 ? flat[0] : at::cat(flat, 1)).to(at::kFloat).contiguous();
+  TORCH_CHECK(grad.size(1) == P, "grad: the pieces have ", grad.size(1), " columns, theta has ", P);
+  TORCH_CHECK(step_in.numel() == n, "step must have one value per row");
+  // the per-row scalars on the device in double (torch.optim.Adam's Python floats): lr_k / (1 - b1^t_k),
+  // sqrt(1 - b2^t_k) and (AdamW) 1 - lr_k wd_k, as the Triton backend's adam_row_scalars
+  const at::Tensor t64 = step_in.to(at::kDouble).reshape({n});
+  const at::Tensor lr64 = lr_in.to(at::kDouble).reshape({-1}).expand({n});
+  const at::Tensor step_size = (lr64 / (1.0 - at::pow(beta1, t64))).to(at::kFloat).contiguous();
+  const at::Tensor bc2 = at::sqrt(1.0 - at::pow(beta2, t64)).to(at::kFloat).contiguous();
   const at::Tensor wd = wd_in.to(at::kFloat).contiguous();
   at::Tensor kdec;
-  const float* decay = fptr(decay_opt, kdec);
+  if (decoupled) kdec = (1.0 - lr64 * wd_in.to(at::kDouble).reshape({-1}).expand({n})).to(at::kFloat).contiguous();
+  const float* decay = decoupled ? kdec.data_ptr<float>() : nullptr;
   at::Tensor ka, kd;
-  const float* a = fptr(anchor, ka);
-  const float* d = fptr(loss_rows, kd);
+  const float* a = fptr(anchor_opt, ka);
+  const float* d = fptr(loss_rows_opt, kd);
   at::Tensor active = active_opt.has_value() ? active_opt->to(at::kChar).contiguous() : at::Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   const at::Tensor clip = clip_factors(theta, grad, prox_mu, a, d, max_norm, stream);

@@ -37,12 +37,7 @@ void adam_block(const float* __restrict lg, float* __restrict tr, float* __restr
 }
 }  // namespace
 
-void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, at::Tensor& exp_avg,
-                     at::Tensor& exp_avg_sq, const at::Tensor& step_in, const at::Tensor& lr_in, double beta1,
-                     double beta2, double eps, const at::Tensor& wd_in, bool decoupled, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,
-                     double max_norm, const c10::optional<at::Tensor>& active_opt,
-                     const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm) {
+FEDFAST_CLIENT_ADAM(client_adam_cpu) {
   for (const at::Tensor* t : {&theta, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat, "theta and the Adam moments must be "
                 "contiguous fp32");

@@ -60,12 +60,7 @@ at::Tensor update_norms_cpu(const at::Tensor& X, const at::Tensor& rows, const a
 
 FEDFAST_CLIENT_STEP(client_step_cpu);
 
-void client_adam_cpu(at::Tensor& theta, const std::vector<at::Tensor>& grad, at::Tensor& exp_avg,
-                     at::Tensor& exp_avg_sq, const at::Tensor& step, const at::Tensor& lr, double beta1,
-                     double beta2, double eps, const at::Tensor& wd, bool decoupled, double prox_mu,
-                     const c10::optional<at::Tensor>& anchor, const c10::optional<at::Tensor>& loss_rows,
-                     double max_norm, const c10::optional<at::Tensor>& active,
-                     const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm);
+FEDFAST_CLIENT_ADAM(client_adam_cpu);
 
 // Helpers shared by the ops.
 

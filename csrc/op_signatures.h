@@ -35,3 +35,17 @@
             const c10::optional<at::Tensor>& step_vec, const c10::optional<at::Tensor>& step_vec_scale,            \
             double max_norm, const c10::optional<at::Tensor>& active_opt,                                          \
             const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm)
+
+// Fused all-client Adam / AdamW step, in place: theta, exp_avg, exp_avg_sq [n, P] fp32 contiguous. grad_in as
+// client_step's. step_in [n]: each client's own step count, this step included (bias corrections 1 - b^t_k are the
+// backend's: the CPU takes the C library's pow in double, as torch.optim.Adam's Python floats; the GPU launchers
+// compute them on the device from the same counts, no host sync); lr_in, wd_in: [1] or [n]; decoupled: AdamW's
+// decay theta *= 1 - lr_k wd_k, else Adam's L2 term wd_k theta in the gradient. prox_mu with anchor_opt [P],
+// loss_rows_opt [n, P], max_norm (<= 0: off), active_opt [n], delta_from / delta_norm: as client_step's.
+#define FEDFAST_CLIENT_ADAM(name)                                                                                 \
+  void name(at::Tensor& theta, const std::vector<at::Tensor>& grad_in, at::Tensor& exp_avg,                      \
+            at::Tensor& exp_avg_sq, const at::Tensor& step_in, const at::Tensor& lr_in, double beta1,             \
+            double beta2, double eps, const at::Tensor& wd_in, bool decoupled, double prox_mu,                    \
+            const c10::optional<at::Tensor>& anchor_opt, const c10::optional<at::Tensor>& loss_rows_opt,          \
+            double max_norm, const c10::optional<at::Tensor>& active_opt,                                          \
+            const c10::optional<at::Tensor>& delta_from, const c10::optional<at::Tensor>& delta_norm)

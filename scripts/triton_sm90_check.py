@@ -228,9 +228,9 @@ def _cases():
 
     def adam(decoupled=False, prox=False, lrows=False, clip=False, act=False, rowwd=False, beta1=0.9, dnorm=False):
         return lambda: client_adam_triton(
-            torch.randn(n, P), torch.randn(n, P), torch.zeros(n, P), torch.zeros(n, P), torch.rand(n), torch.rand(n),
-            torch.rand(n) if rowwd else torch.tensor([1e-2]), torch.rand(n) if decoupled else None, beta1, 0.999,
-            1e-8, 0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None,
+            torch.randn(n, P), [torch.randn(n, P)], torch.zeros(n, P), torch.zeros(n, P), torch.ones(n),
+            torch.rand(n), beta1, 0.999, 1e-8, torch.rand(n) if rowwd else torch.tensor([1e-2]), decoupled,
+            0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None,
             10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None, **delta(dnorm))
 
     # per-client convolutions (implicit GEMM): the benchmark models' layer geometries, fp32 and TF32

@@ -15,16 +15,6 @@ from .client_step import _per_client, delta_args, delta_norms_after, grad_pieces
 from .client_step_reference import delta_norms_reference
 
 
-def _row_scalars(step_t, lr_t, wd_t, b1: float, b2: float, n: int, decoupled: bool):
-    """The GPU kernels' per-client scalars [n], computed on the device in fp64 (torch.optim.Adam's Python floats):
-    ``lr_k / (1 - b1^t_k)``, ``sqrt(1 - b2^t_k)`` and (AdamW) ``1 - lr_k wd_k``."""
-    t64, lr64 = step_t.double(), lr_t.double().expand(n)
-    step_size = (lr64 / (1.0 - b1 ** t64)).float().contiguous()
-    bc2_sqrt = torch.sqrt(1.0 - b2 ** t64).float().contiguous()
-    decay = (1.0 - lr64 * wd_t.double().expand(n)).float().contiguous() if decoupled else None
-    return step_size, bc2_sqrt, decay
-
-
 def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
                 prox_mu: float = 0.0, anchor: Tensor | None = None, loss_rows: Tensor | None = None,
@@ -64,25 +54,21 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
     step_t = _per_client("step", step, n, dev).expand(n).contiguous()
     delta = delta_args(delta_from, delta_norm, n, P, dev)
     be = _backend.resolve(backend, dev.type)
-    if be == "cpu":
-        _backend.cpu_ext().client_adam(theta, pieces if pieces is not None else [grad], exp_avg, exp_avg_sq,
-                                       step_t, lr_t, b1, b2, float(eps), wd_t, bool(decoupled), float(prox_mu),
-                                       anchor, loss_rows, float(max_norm) if max_norm is not None else 0.0, active,
-                                       delta_from, delta_norm)
-        return
-    g = torch.cat([p.reshape(n, -1) for p in pieces], 1) if pieces is not None else grad
-    if be in ("triton", "cuda"):
-        ss, bc2, decay = _row_scalars(step_t, lr_t, wd_t, b1, b2, n, bool(decoupled))
-        args = (theta, g, exp_avg, exp_avg_sq, ss, bc2, wd_t, decay, b1, b2, float(eps), float(prox_mu), anchor,
-                loss_rows, float(max_norm) if max_norm is not None else 0.0, active)
+    if be != "reference":  # every compiled backend takes FEDFAST_CLIENT_ADAM's arguments (csrc/op_signatures.h)
+        on_device = be == "cuda" and delta  # the CUDA binding's step leaves the norms to a pass after it
+        args = (theta, pieces if pieces is not None else [grad], exp_avg, exp_avg_sq, step_t, lr_t, b1, b2,
+                float(eps), wd_t, bool(decoupled), float(prox_mu), anchor, loss_rows,
+                float(max_norm) if max_norm is not None else 0.0, active,
+                None if on_device else delta_from, None if on_device else delta_norm)
         if be == "triton":
             from ..triton.client_adam import client_adam_triton
-            client_adam_triton(*args, delta_from=delta_from, delta_norm=delta_norm)
+            client_adam_triton(*args)
         else:
-            _backend.cuda_ext().client_adam(*args)
-            if delta:
-                delta_norms_after(theta, delta_from, delta_norm, active)
+            (_backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()).client_adam(*args)
+        if on_device:
+            delta_norms_after(theta, delta_from, delta_norm, active)
         return
+    g = torch.cat([p.reshape(n, -1) for p in pieces], 1) if pieces is not None else grad
     new, m, v = client_adam_reference(theta, g, exp_avg, exp_avg_sq, step_t, lr=lr_t if lr_t.numel() == n
                                       else float(lr_t), betas=(b1, b2), eps=eps,
                                       weight_decay=wd_t if wd_t.numel() == n else float(wd_t),

@@ -1,8 +1,9 @@
 """Triton kernel: fused all-client Adam / AdamW step, in place (formulas: fedfast/ops/client_adam_reference.py).
 
 Grid (n rows x column blocks). The per-row scalars (lr / (1 - b1^t_k), sqrt(1 - b2^t_k), 1 - lr_k wd_k) are
-[n] tensors the op computes on the device before the launch (no host sync); clipping reuses the SGD step's partial-norm
-kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with loss rows; + 4*n*P read with clipping.
+[n] tensors computed on the device from the step counts before the launch (:func:`adam_row_scalars`, no host sync);
+clipping reuses the SGD step's partial-norm kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with
+loss rows; + 4*n*P read with clipping.
 """
 from __future__ import annotations
 
@@ -39,15 +40,29 @@ def _adam_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_
         _delta_part(t, df_ptr, dp_ptr, k, cols, m)
 
 
-def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step_size, bc2_sqrt, wd, decay, beta1, beta2, eps, prox_mu,
-                       anchor, loss_rows, max_norm, active, delta_from=None, delta_norm=None):
-    """``step_size``, ``bc2_sqrt``: [n] fp32 (``fedfast.ops.client_adam._row_scalars``); ``decay``: [n] for AdamW,
-    else None (``wd`` [n] or [1], Adam's L2). ``delta_norm`` with ``delta_from``: as the SGD step's."""
+def adam_row_scalars(step, lr, wd, beta1: float, beta2: float, n: int, decoupled: bool):
+    """The kernel's per-client scalars [n] fp32, computed on the device in float64 (torch.optim.Adam's Python
+    floats): ``lr_k / (1 - b1^t_k)``, ``sqrt(1 - b2^t_k)`` and (AdamW, else None) ``1 - lr_k wd_k``."""
+    t64, lr64 = step.double().reshape(n), lr.double().reshape(-1).expand(n)
+    step_size = (lr64 / (1.0 - beta1 ** t64)).float().contiguous()
+    bc2_sqrt = torch.sqrt(1.0 - beta2 ** t64).float().contiguous()
+    decay = (1.0 - lr64 * wd.double().reshape(-1).expand(n)).float().contiguous() if decoupled else None
+    return step_size, bc2_sqrt, decay
+
+
+def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, decoupled, prox_mu, anchor,
+                       loss_rows, max_norm, active, delta_from=None, delta_norm=None):
+    """The compiled backends' argument order (``FEDFAST_CLIENT_ADAM``, fedfast.ops.client_adam). ``grad``: one
+    [n, P] tensor or the per-parameter pieces [n, *shape] in column order (put side by side here); ``step`` [n]:
+    each client's step count; ``lr``, ``wd``: [1] or [n]. ``delta_norm`` with ``delta_from``: as the SGD step's."""
     n, P = theta.shape
     BLOCK = 1024
     NB = triton.cdiv(P, BLOCK)
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
-    grad = grad.contiguous()
+    if isinstance(grad, (list, tuple)):
+        grad = grad[0] if len(grad) == 1 else torch.cat([g.reshape(n, -1) for g in grad], 1)
+    grad = grad.float().reshape(n, P).contiguous()
+    step_size, bc2_sqrt, decay = adam_row_scalars(step, lr, wd, float(beta1), float(beta2), n, bool(decoupled))
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK)
     w1, w2 = 1.0 - float(beta1), 1.0 - float(beta2)
     dfrom, part = delta_parts(theta, delta_from, NB)
