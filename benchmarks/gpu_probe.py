@@ -115,8 +115,9 @@ def probe_losses(res, echo, shapes):
             if "triton" not in backends or name != "kd":
                 continue
             base = tdist.launch_config(C)
-            args = (z, t, y, None, None, None, None, None, None, kw["tau"], 1.0, kw["kd_weight"], -100, nt, False)
-            l0, g0 = tdist.distill_rows_triton(*args)
+            args = (z, t, y, None, None, None, None, None, 1.0, None, None, None, kw["tau"], 1.0, kw["kd_weight"], -100,
+                    nt, False, False)
+            l0, g0, _ = tdist.distill_rows_triton(*args)
             bc = triton_next_pow2(C)
             cands = {(base[0], base[1], base[3])}
             for br in (1, 2, 4, 8, 16, 32, 64):
@@ -129,7 +130,7 @@ def probe_losses(res, echo, shapes):
             sweep = []
             for cfg in sorted(cands):
                 try:
-                    l1, g1 = tdist.distill_rows_triton(*args, config=cfg)
+                    l1, g1, _ = tdist.distill_rows_triton(*args, config=cfg)
                     ok = bool(torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and torch.allclose(g1, g0, rtol=1e-5,
                                                                                             atol=1e-7))
                     s = _bench(lambda: tdist.distill_rows_triton(*args, config=cfg))

@@ -133,7 +133,7 @@ def main(argv=None):
                 saved = (td.distill_rows_triton, td.scale_rows_triton)
                 ext = _backend.cuda_ext() if be == "cuda" else None
                 try:
-                    td.distill_rows_triton = lambda s, *a: (s.new_empty(s.shape[0]), torch.empty_like(s))
+                    td.distill_rows_triton = lambda s, *a: (s.new_empty(s.shape[0]), torch.empty_like(s), 0)
                     td.scale_rows_triton = lambda gr, gl: gr
                     if be == "triton":
                         row["stubbed_host_us"] = host_us(step)

@@ -6,13 +6,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedfast CPU kernels";
-  m.def("distill_rows", &fedfast::distill_rows_cpu, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
-  m.def("distill_rows_inplace", &fedfast::distill_rows_inplace_cpu,
-        "distill_rows with dL/dz written over the (contiguous) student logits: loss [R]");
-  m.def("distill_rows_mix", &fedfast::distill_rows_mix_cpu,
-        "distill_rows with M teachers [M, R, C] mixed inside the op: (loss [R], dL/dz [R, C])");
-  m.def("distill_rows_asd", &fedfast::distill_rows_asd_cpu,
-        "distill_rows with ASD's row weights from the teacher in the same call: (loss [R], dL/dz [R, C], status)");
+  m.def("distill_rows", &fedfast::distill_rows_cpu,
+        "fused CE + distillation rows (FEDFAST_DISTILL_ROWS): (loss [R], dL/dz [R, C], status)");
   m.def("teacher_mixture", &fedfast::teacher_mixture_cpu, "FedGKD-VOTE mixture: (P [R, C], negent [R])");
   m.def("asd_weights", &fedfast::asd_weights_cpu, "ASD alphahat [R]");
   m.def("asd_row_weight", &fedfast::asd_row_weight_cpu,

@@ -33,25 +33,23 @@ void check_launch(int err, const char* op) {
   TORCH_CHECK(err == 0, "fedfast ", op, " kernel launch failed: ", cudaGetErrorString((cudaError_t)err));
 }
 
-std::tuple<at::Tensor, at::Tensor> distill_rows_cuda(
-    const at::Tensor& student_in, const at::Tensor& teacher_in, const at::Tensor& target_in,
-    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
-    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments_in, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight,
-    int64_t ignore_index, bool not_true, bool soft_ce) {
-  check_cuda(student_in, "student");
-  check_cuda(teacher_in, "teacher");
-  check_cuda(target_in, "target");
-  TORCH_CHECK(student_in.dim() == 2 && teacher_in.sizes() == student_in.sizes(), "student/teacher shape mismatch");
-  c10::cuda::CUDAGuard guard(student_in.device());
-  const at::Tensor student = student_in.contiguous(), teacher = teacher_in.contiguous();
-  const at::Tensor target = target_in.contiguous();
-  at::Tensor segments;
-  if (segments_in.has_value()) segments = segments_in->contiguous();
-  const int64_t R = student.size(0), C = student.size(1);
-  auto loss = at::empty({R}, student.options().dtype(at::kFloat));
-  auto grad = at::empty_like(student);
+FEDFAST_DISTILL_ROWS(distill_rows_cuda) {
+  // fedfast.ops.distill mixes FedGKD-VOTE's teachers (teacher_mixture) and computes ASD's row weights (asd_weights)
+  // in ops of their own before this one on the GPU, and keeps the logits it differentiates
+  TORCH_CHECK(!mix_weights.has_value() && !class_prior.has_value() && !in_place, "distill_rows_cuda: mix_weights, "
+              "class_prior and in_place are the CPU kernel's; fedfast.ops.distill passes none of them here");
+  check_cuda(student, "student");
+  check_cuda(teacher, "teacher");
+  check_cuda(target, "target");
+  TORCH_CHECK(student.dim() == 2 && teacher.sizes() == student.sizes(), "student/teacher shape mismatch");
+  c10::cuda::CUDAGuard guard(student.device());
+  const at::Tensor z = student.contiguous(), t = teacher.contiguous();
+  const at::Tensor y = target.contiguous();
+  at::Tensor seg;
+  if (segments.has_value()) seg = segments->contiguous();
+  const int64_t R = z.size(0), C = z.size(1);
+  auto loss = at::empty({R}, z.options().dtype(at::kFloat));
+  auto grad = at::empty_like(z);
   at::Tensor k_neg, k_al, k_rw, k_rs, k_rho, l1p;
   const float* neg = fptr(teacher_negent, k_neg);
   const float* al = fptr(class_alpha, k_al);
@@ -60,15 +58,14 @@ std::tuple<at::Tensor, at::Tensor> distill_rows_cuda(
   const float* rh = fptr(rho, k_rho);
   if (rh) l1p = at::log1p(-k_rho).contiguous();
   check_launch(fedfast_distill_rows(
-                   student.data_ptr(), dtype_code(student, "student"), teacher.data_ptr(),
-                   neg ? FEDFAST_F32 : dtype_code(teacher, "teacher"), target.data_ptr(),
-                   target.scalar_type() == at::kLong, neg, al, rw, rs, rh, rh ? l1p.data_ptr<float>() : nullptr,
-                   segments.defined() ? segments.data_ptr() : nullptr,
-                   segments.defined() && segments.scalar_type() == at::kLong, rh ? k_rho.size(0) : 1,
+                   z.data_ptr(), dtype_code(z, "student"), t.data_ptr(), neg ? FEDFAST_F32 : dtype_code(t, "teacher"),
+                   y.data_ptr(), y.scalar_type() == at::kLong, neg, al, rw, rs, rh,
+                   rh ? l1p.data_ptr<float>() : nullptr, seg.defined() ? seg.data_ptr() : nullptr,
+                   seg.defined() && seg.scalar_type() == at::kLong, rh ? k_rho.size(0) : 1,
                    loss.data_ptr<float>(), grad.data_ptr(), R, C, (float)(1.0 / tau), (float)ce_weight,
                    (float)kd_weight, ignore_index, not_true, soft_ce, c10::cuda::getCurrentCUDAStream().stream()),
                "distill_rows");
-  return {loss, grad};
+  return {loss, grad, 0};
 }
 
 at::Tensor scale_rows_cuda(const at::Tensor& grad_in, const at::Tensor& grad_loss_in) {
@@ -270,7 +267,7 @@ FEDFAST_CLIENT_ADAM(client_adam_cuda) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedfast CUDA kernels";
-  m.def("distill_rows", &distill_rows_cuda, "fused CE + distillation rows: (loss [R], dL/dz [R, C])");
+  m.def("distill_rows", &distill_rows_cuda, "fused CE + distillation rows: (loss [R], dL/dz [R, C], 0)");
   m.def("scale_rows", &scale_rows_cuda, "grad * grad_loss[:, None]");
   m.def("row_scale", &row_scale_cuda, "reduction weights + deferred target/segment checks, one launch");
   m.def("teacher_mixture", &teacher_mixture_cuda, "FedGKD-VOTE mixture: (P [R, C], negent [R])");

@@ -369,12 +369,30 @@ inline void mix_block(int64_t C, double* X, double* E, double* P, double* ne, do
   mix_block_core<double>(C, X, E, P, ne, w);
 }
 
+// The op's terms as the row loops read them, in the accumulation type A: the targets and segments, the teacher as
+// probabilities with its negative entropy (negent; prob) or as M teachers to mix (mix), the class weights alpha, the
+// KD row weights, the reduction weights rscale, FedADC+'s rho with log1p(-rho) (S_rows rows), 1 / tau and the weights.
+template <typename A>
+struct Terms {
+  const at::Tensor* target = nullptr;
+  const c10::optional<at::Tensor>* segments = nullptr;
+  const A *negent = nullptr, *alpha = nullptr, *roww = nullptr, *rscale = nullptr, *rho = nullptr, *l1p = nullptr;
+  int64_t S_rows = 1, ignore_index = -100;
+  A inv_tau = 1, ce_w = 0, kd_w = 0;
+  bool not_true = false, soft_ce = false, prob = false;
+  Mix<A> mix;
+};
+
 // Narrow rows: kBlock rows per step, gathered into [C][kBlock] scratch and scattered back (see block_core).
 template <typename S, typename T, typename A>
-void distill_blocks(const S* zp, const T* tp, S* gp, A* lp, const at::Tensor& target, const A* negent,
-                    const A* alpha, const A* roww, const A* rscale, const A* rho, const A* l1p, int64_t S_rows,
-                    const c10::optional<at::Tensor>& segments, A inv_tau, A ce_w, A kd_w, int64_t ignore_index,
-                    int64_t R, int64_t C, bool not_true, bool soft_ce, bool prob, const Mix<A>& mix) {
+void distill_blocks(const S* zp, const T* tp, S* gp, A* lp, int64_t R, int64_t C, const Terms<A>& t) {
+  const at::Tensor& target = *t.target;
+  const c10::optional<at::Tensor>& segments = *t.segments;
+  const A *negent = t.negent, *alpha = t.alpha, *roww = t.roww, *rscale = t.rscale, *rho = t.rho, *l1p = t.l1p;
+  const int64_t S_rows = t.S_rows, ignore_index = t.ignore_index;
+  const A inv_tau = t.inv_tau, ce_w = t.ce_w, kd_w = t.kd_w;
+  const bool not_true = t.not_true, soft_ce = t.soft_ce, prob = t.prob;
+  const Mix<A>& mix = t.mix;
   const int64_t nblocks = (R + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kBlock * C));
   at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
@@ -459,23 +477,25 @@ void distill_blocks(const S* zp, const T* tp, S* gp, A* lp, const at::Tensor& ta
 }
 
 template <typename S, typename T, typename A>
-void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-                  const A* negent, const A* alpha, const A* roww, const A* rscale, const A* rho, const A* l1p,
-                  int64_t S_rows,
-                  const c10::optional<at::Tensor>& segments, A tau, A ce_w, A kd_w, int64_t ignore_index,
-                  bool not_true, bool soft_ce, bool prob, const Mix<A>& mix, at::Tensor& loss, at::Tensor& grad) {
+void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const Terms<A>& t, at::Tensor& loss,
+                  at::Tensor& grad) {
   const int64_t R = student.size(0), C = student.size(1);
   const S* zp = student.data_ptr<S>();
   const T* tp = teacher.data_ptr<T>();
   S* gp = grad.data_ptr<S>();
   A* lp = loss.data_ptr<A>();
-  const A inv_tau = A(1) / tau;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
   if (C <= kBlockMaxC) {
-    distill_blocks<S, T, A>(zp, tp, gp, lp, target, negent, alpha, roww, rscale, rho, l1p, S_rows, segments,
-                            inv_tau, ce_w, kd_w, ignore_index, R, C, not_true, soft_ce, prob, mix);
+    distill_blocks<S, T, A>(zp, tp, gp, lp, R, C, t);
     return;
   }
+  const at::Tensor& target = *t.target;
+  const c10::optional<at::Tensor>& segments = *t.segments;
+  const A *negent = t.negent, *alpha = t.alpha, *roww = t.roww, *rscale = t.rscale, *rho = t.rho, *l1p = t.l1p;
+  const int64_t S_rows = t.S_rows, ignore_index = t.ignore_index;
+  const A inv_tau = t.inv_tau, ce_w = t.ce_w, kd_w = t.kd_w;
+  const bool not_true = t.not_true, soft_ce = t.soft_ce, prob = t.prob;
+  const Mix<A>& mix = t.mix;
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     std::vector<A> buf((mix.M ? 12 : 9) * C);
     RowArgs<A> r;
@@ -574,16 +594,23 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
       auto run = [&](auto zero) {
         using A = decltype(zero);
         auto ptr = [](const at::Tensor& x) -> const A* { return x.defined() ? x.data_ptr<A>() : nullptr; };
-        Mix<A> mix;
+        Terms<A> t;
+        t.target = &target;
+        t.segments = &segments;
+        t.negent = ptr(neg); t.alpha = ptr(al); t.roww = ptr(rw); t.rscale = ptr(rs); t.rho = ptr(rh);
+        t.l1p = ptr(l1p);
+        t.S_rows = S_rows;
+        t.ignore_index = ignore_index;
+        t.inv_tau = A(1) / A(tau);
+        t.ce_w = A(ce_weight);
+        t.kd_w = A(kd_weight);
+        t.not_true = not_true; t.soft_ce = soft_ce; t.prob = prob;
         if (mixing) {
-          mix.M = teacher.size(0);
-          mix.R = teacher.size(1);
-          mix.w = ptr(mw);
+          t.mix.M = teacher.size(0);
+          t.mix.R = teacher.size(1);
+          t.mix.w = ptr(mw);
         }
-        distill_impl<S, T, A>(student, teacher, target, ptr(neg), ptr(al), ptr(rw), ptr(rs), ptr(rh), ptr(l1p),
-                              S_rows,
-                              segments, A(tau), A(ce_weight), A(kd_weight), ignore_index, not_true, soft_ce, prob,
-                              mix, loss, grad);
+        distill_impl<S, T, A>(student, teacher, t, loss, grad);
       };
       if (f64) run(double(0)); else run(float(0));
     });
@@ -592,44 +619,24 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
 }
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
-    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
-    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
-  return distill_run(student, teacher, target, teacher_negent, c10::nullopt, class_alpha, row_weight, rho, segments,
-                     row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce);
-}
-
-at::Tensor distill_rows_inplace_cpu(at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-                                   const c10::optional<at::Tensor>& row_scale, double tau, double ce_weight,
-                                   double kd_weight, int64_t ignore_index, bool not_true) {
-  return std::get<0>(distill_run(student, teacher, target, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt,
-                                 c10::nullopt, c10::nullopt, row_scale, tau, ce_weight, kd_weight, ignore_index,
-                                 not_true, false, /*in_place=*/true));
-}
-
-std::tuple<at::Tensor, at::Tensor> distill_rows_mix_cpu(
-    const at::Tensor& student, const at::Tensor& teachers, const at::Tensor& weights, const at::Tensor& target,
-    const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
-    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce) {
-  return distill_run(student, teachers, target, c10::nullopt, weights, class_alpha, row_weight, c10::nullopt,
-                     segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce);
-}
-
-std::tuple<at::Tensor, at::Tensor, int64_t> distill_rows_asd_cpu(
-    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
-    double entropy_tau, const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale,
-    double tau, double ce_weight, double kd_weight, int64_t ignore_index, bool not_true) {
-  TORCH_CHECK(teacher.sizes() == student.sizes(), "student/teacher shape mismatch");
-  auto [rw, status] = asd_row_weight_cpu(teacher, target, class_prior, segments, entropy_tau, ignore_index);
-  auto [loss, grad] = distill_run(student, teacher, target, c10::nullopt, c10::nullopt, c10::nullopt, rw,
-                                  c10::nullopt, segments, row_scale, tau, ce_weight, kd_weight, ignore_index,
-                                  not_true, false);
+// The op's one entry point (op_signatures.h): plain, FedGKD-VOTE's mixture (mix_weights; teacher [M, R, C]), ASD's
+// KD row weights from the teacher in the same call (class_prior [C] or [S, C], entropy_tau; status: the prior check's
+// result, asd_row_weight_cpu's), and in place (dL/dz over the contiguous student; a chunked caller's logits).
+FEDFAST_DISTILL_ROWS(distill_rows_cpu) {
+  c10::optional<at::Tensor> rw = row_weight;
+  int64_t status = 0;
+  if (class_prior.has_value()) {
+    TORCH_CHECK(!row_weight.has_value() && !teacher_negent.has_value() && !mix_weights.has_value(),
+                "class_prior: ASD's row weights come from one teacher's logits (no row_weight, teacher_negent or "
+                "mix_weights)");
+    TORCH_CHECK(teacher.sizes() == student.sizes(), "student/teacher shape mismatch");
+    auto [w, st] = asd_row_weight_cpu(teacher, target, *class_prior, segments, entropy_tau, ignore_index);
+    rw = w;
+    status = st;
+  }
+  auto [loss, grad] = distill_run(student, teacher, target, teacher_negent, mix_weights, class_alpha, rw, rho, segments,
+                                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, in_place);
   return {loss, grad, status};
 }
-
 
 }  // namespace fedfast

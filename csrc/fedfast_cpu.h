@@ -13,32 +13,7 @@
 
 namespace fedfast {
 
-std::tuple<at::Tensor, at::Tensor> distill_rows_cpu(
-    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-    const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& class_alpha,
-    const c10::optional<at::Tensor>& row_weight, const c10::optional<at::Tensor>& rho,
-    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce);
-
-// distill_rows (plain KD / not-true KD, optional row scale) with dL/dz written over the student logits, which
-// must be contiguous: the loss rows [R]. For a chunked caller (linear_distill) that has no use for the logits after.
-at::Tensor distill_rows_inplace_cpu(at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,
-                                   const c10::optional<at::Tensor>& row_scale, double tau, double ce_weight,
-                                   double kd_weight, int64_t ignore_index, bool not_true);
-
-// distill_rows with FedGKD-VOTE's M teachers [M, R, C] mixed (weights [M]) row by row inside the op.
-std::tuple<at::Tensor, at::Tensor> distill_rows_mix_cpu(
-    const at::Tensor& student, const at::Tensor& teachers, const at::Tensor& weights, const at::Tensor& target,
-    const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,
-    const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,
-    double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce);
-
-// distill_rows with ASD's KD row weights (asd_row_weight_cpu) computed first in the same call:
-// (loss [R], dL/dz [R, C], asd_row_weight's status).
-std::tuple<at::Tensor, at::Tensor, int64_t> distill_rows_asd_cpu(
-    const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
-    double entropy_tau, const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale,
-    double tau, double ce_weight, double kd_weight, int64_t ignore_index, bool not_true);
+FEDFAST_DISTILL_ROWS(distill_rows_cpu);
 
 std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers, const at::Tensor& weights,
                                                        const at::Tensor& target, double tau, bool not_true,

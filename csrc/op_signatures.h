@@ -21,6 +21,24 @@
                                const c10::optional<at::Tensor>& ring_in, int64_t slot, int64_t count,          \
                                const c10::optional<at::Tensor>& avg_shift)
 
+// Fused CE + distillation rows: per row i the loss L_i = a_i CE(z_i, y_i) + b_i D_i, D_i the KL divergence of the
+// student's softmax(z_i / tau) from the teacher's (all classes or the not-true ones; soft_ce: the cross-entropy),
+// and dL/dz, in one pass (a_i, b_i from the weights, class_alpha, row weights, row_scale; FedADC+'s rho: the
+// formulas in fedfast/ops/distill_reference.py). teacher: logits
+// [R, C], or with teacher_negent [R] the teacher's probabilities [R, C] and their sum p log p, or with mix_weights
+// [M] M teachers' logits [M, R, C] mixed row by row (FedGKD-VOTE). class_prior [C] or [S, C] (with entropy_tau):
+// ASD's KD row weights computed from the teacher in the same call (instead of row_weight). row_scale [R]: the
+// reduction's weights. in_place: dL/dz written over the (contiguous) student. Returns {loss [R], dL/dz [R, C],
+// status}: status is ASD's prior check (0: the prior holds every target class).
+#define FEDFAST_DISTILL_ROWS(name)                                                                                \
+  std::tuple<at::Tensor, at::Tensor, int64_t> name(                                                               \
+      const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& target,                             \
+      const c10::optional<at::Tensor>& teacher_negent, const c10::optional<at::Tensor>& mix_weights,              \
+      const c10::optional<at::Tensor>& class_alpha, const c10::optional<at::Tensor>& row_weight,                  \
+      const c10::optional<at::Tensor>& class_prior, double entropy_tau, const c10::optional<at::Tensor>& rho,     \
+      const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,          \
+      double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce, bool in_place)
+
 // Fused all-client optimizer step, in place: theta [n, P] and the momentum buffer. grad_in: one [n, P] tensor or
 // the per-parameter pieces [n, *shape] in column order. Generic terms: prox_mu with anchor [P], loss_rows [n, P]
 // (clipped with the gradient), corr_vec [P] x corr_vec_scale [n] + corr_rows_coef x corr_rows [n, P] (inside

@@ -131,8 +131,9 @@ def _cases():
         S = 3 if (rho or seg) else 1
         segs = torch.randint(0, S, (R,)) if (rho or seg) else None
         return lambda: distill_rows_triton(
-            z, t, y, torch.zeros(R) if prob else None, torch.rand(C) if alpha else None, torch.rand(R) if rw else None,
-            torch.rand(S, C) * 0.5 if rho else None, segs, torch.rand(R) if rs else None, 2.0, 1.0, 1.0, -100, nt, soft)
+            z, t, y, torch.zeros(R) if prob else None, None, torch.rand(C) if alpha else None,
+            torch.rand(R) if rw else None, None, 1.0, torch.rand(S, C) * 0.5 if rho else None, segs,
+            torch.rand(R) if rs else None, 2.0, 1.0, 1.0, -100, nt, soft, False)
 
     for C in (2, 10, 100, 1000, 4096, 5000):
         for nt in (False, True):

@@ -173,7 +173,9 @@ def test_vote_through_op_matches_sum_of_kls(backend, R, C, not_true):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_asd_row_weights_in_one_call_match_the_two_ops(backend):
     """ops.asd_row_weights (one C++ pass on the cpu backend) equals asd_weights + asd_row_weight in float64, with
-    per-client priors, segments and an ignored row; and distill(class_prior=...) equals distill(row_weight=...)."""
+    per-client priors, segments and an ignored row; and distill(class_prior=...) equals distill(row_weight=...),
+    with the loss's other terms too (the cpu kernel's one call dropped class_alpha, soft_ce and rho before they
+    shared its one entry point)."""
     R, C, S = 37, 10, 3
     dt, tol = (torch.float64, 1e-12) if backend in ("cpu", "reference") else (torch.float32, 1e-5)  # GPU kernels: fp32
     g = torch.Generator().manual_seed(5)
@@ -187,8 +189,11 @@ def test_asd_row_weights_in_one_call_match_the_two_ops(backend):
     z, t, prior = z.to(dt), t.to(dt), prior.to(dt)
     got = ops.asd_row_weights(t, y, prior, seg, entropy_tau=1.5, backend=backend)
     assert rel_err(got, want) <= tol and got[4] == 0
-    for kind in ("full", "not_true"):
-        kw = dict(tau=2.0, kd_weight=3.0, segments=seg, kind=kind, backend=backend)
+    alpha = torch.rand(C, generator=g, dtype=torch.float64).to(dt)
+    rho = (0.9 * torch.rand(S, C, generator=g, dtype=torch.float64)).to(dt)
+    for kind, extra in (("full", {}), ("not_true", {}), ("full", dict(class_alpha=alpha)),
+                        ("full", dict(soft_ce=True)), ("full", dict(rho=rho)), ("not_true", dict(class_alpha=alpha))):
+        kw = dict(tau=2.0, kd_weight=3.0, segments=seg, kind=kind, backend=backend, **extra)
         a = z.clone().requires_grad_()
         la = ops.distill(a, t, y, class_prior=prior, entropy_tau=1.5, **kw)
         la.backward()
@@ -246,3 +251,20 @@ def test_backward_twice_with_retain_graph(backend, reduction):
     l2 = ops.distill(z2, t, y, tau=2.0, kd_weight=2.0, reduction=reduction, segments=seg, backend=backend)
     g, = torch.autograd.grad((l2 * w).sum(), z2)
     assert torch.equal(g, first)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton not available")
+def test_triton_rows_refuse_the_cpu_kernels_own_arguments_by_name():
+    """FEDFAST_DISTILL_ROWS's argument order is every compiled backend's; the teacher mixture, ASD's prior and the
+    in-place gradient are the C++ kernel's (fedfast.ops.distill does them in ops of their own elsewhere)."""
+    from fedfast.triton.distill import distill_rows_triton
+    z, t, y = torch.randn(4, 3), torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    base = [z, t, y, None, None, None, None, None, 1.0, None, None, None, 2.0, 1.0, 1.0, -100, False, False, False]
+    loss, grad, status = distill_rows_triton(*base)
+    ref_loss, ref_grad = ops.distill_rows_reference(z, t, y, tau=2.0)
+    assert status == 0 and rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
+    for i, name, value in ((4, "mix_weights", torch.ones(1)), (7, "class_prior", torch.ones(3)), (18, "in_place", True)):
+        args = list(base)
+        args[i] = value
+        with pytest.raises(ValueError, match=f"^{name}: the CPU kernel's argument"):
+            distill_rows_triton(*args)

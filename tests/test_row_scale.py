@@ -110,7 +110,8 @@ def test_gpu_path_has_no_tensor_op_bookkeeping(monkeypatch, validate):
     import fedfast.triton.distill as td
     import fedfast.triton.row_scale as trs
     calls = []
-    monkeypatch.setattr(td, "distill_rows_triton", lambda s, *a, **k: (s.new_empty(s.shape[0]), torch.empty_like(s)))
+    monkeypatch.setattr(td, "distill_rows_triton", lambda s, *a, **k: (s.new_empty(s.shape[0]), torch.empty_like(s),
+                                                                        0))
     monkeypatch.setattr(td, "scale_rows_triton", lambda g, gl: g)
     monkeypatch.setattr(trs, "row_scale_triton", lambda y, *a: calls.append(a) or torch.empty(y.shape[0]))
     z, t = torch.randn(500, 10), torch.randn(500, 10)

@@ -25,36 +25,32 @@ def _loss_dtype(student: Tensor) -> torch.dtype:
 
 
 def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments,
-                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None, mix_weights=None):
-    """(loss rows, d(loss)/d(student)) from a backend. Eager cpu only: ``asd`` = ``(class_prior [S, C], entropy_tau,
-    validate mode)``: ASD's row weights computed from the teacher in the same C++ call; ``mix_weights`` [M]: the
-    teacher is M teachers' logits [M, R, C], mixed row by row inside the op (FedGKD-VOTE)."""
-    if asd is not None:
-        prior, entropy_tau, mode = asd
-        loss, grad, status = _backend.cpu_ext().distill_rows_asd(
-            student, teacher, target, prior, float(entropy_tau), segments, row_scale, float(tau), float(ce_weight),
-            float(kd_weight), int(ignore_index), bool(not_true))
-        if status and mode != "off":
-            raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
-        return loss, grad
+                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None, mix_weights=None,
+                  in_place: bool = False):
+    """(loss rows, d(loss)/d(student)) from a backend; every compiled one takes ``FEDFAST_DISTILL_ROWS``'s arguments
+    in one order (csrc/op_signatures.h). The cpu kernel's own: ``asd`` = ``(class_prior [S, C], entropy_tau,
+    validate mode)``: ASD's row weights computed from the teacher in the same call; ``mix_weights`` [M]: the teacher
+    is M teachers' logits [M, R, C], mixed row by row inside the op (FedGKD-VOTE); ``in_place``: the gradient written
+    over ``student`` (contiguous; a chunked caller's logits)."""
     if backend == "reference":
         return distill_rows_reference(student, teacher, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
                                       not_true=not_true, soft_ce=soft_ce, ignore_index=ignore_index,
                                       class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
                                       teacher_negent=teacher_negent, row_scale=row_scale)
-    args = (student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale,
-            float(tau), float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce))
-    if backend == "cpu":
-        if mix_weights is not None:
-            return tuple(_backend.cpu_ext().distill_rows_mix(student, teacher, mix_weights, target, class_alpha,
-                                                             row_weight, segments, row_scale, *args[9:]))
-        return tuple(_backend.cpu_ext().distill_rows(*args))
-    if backend == "cuda":
-        return tuple(_backend.cuda_ext().distill_rows(*args))
+    prior, entropy_tau, mode = asd if asd is not None else (None, 1.0, "off")
+    args = (student, teacher, target, teacher_negent, mix_weights, class_alpha, row_weight, prior, float(entropy_tau),
+            rho, segments, row_scale, float(tau), float(ce_weight), float(kd_weight), int(ignore_index),
+            bool(not_true), bool(soft_ce), bool(in_place))
     if backend == "triton":
         from ..triton.distill import distill_rows_triton
-        return distill_rows_triton(*args)
-    raise ValueError(f"unknown backend {backend!r}")
+        loss, grad, status = distill_rows_triton(*args)
+    elif backend in ("cpu", "cuda"):
+        loss, grad, status = (_backend.cpu_ext() if backend == "cpu" else _backend.cuda_ext()).distill_rows(*args)
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    if status and mode != "off":
+        raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
+    return loss, grad
 
 
 @torch.library.custom_op("fedfast::distill_rows", mutates_args=())

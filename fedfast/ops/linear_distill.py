@@ -74,7 +74,6 @@ def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, k
     # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
     zbuf = h.new_empty((n0, V))
     tbuf = th.new_empty((n0, V)) if t is None and R else None
-    ext = _backend.cpu_ext() if backend == "cpu" else None
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
@@ -87,14 +86,10 @@ def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, k
             tc = torch.mm(th[r0:r1], tW.T, out=tbuf[:r1 - r0])
             if tb is not None:
                 tc.add_(tb)
-        if ext is not None:
-            loss_rows = ext.distill_rows_inplace(z, tc, target[r0:r1].contiguous(), scale[r0:r1].contiguous(), tau,
-                                                 ce_weight, kd_weight, ignore_index, not_true)
-            g = z
-        else:
-            loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1].contiguous(), None, None, None, None, None,
-                                         scale[r0:r1].contiguous(), tau, ce_weight, kd_weight, ignore_index,
-                                         not_true, False)
+        # the C++ kernel writes the gradient over the chunk's logits (no second [chunk, V] buffer)
+        loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1].contiguous(), None, None, None, None, None,
+                                     scale[r0:r1].contiguous(), tau, ce_weight, kd_weight, ignore_index, not_true,
+                                     False, in_place=backend == "cpu")
         if rows:
             out[r0:r1] = loss_rows
         else:

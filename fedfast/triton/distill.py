@@ -221,9 +221,18 @@ def launch_config(C: int, elem_budget: int = 512, max_block_c: int = 2048, elems
     return block_r, block_c, single, num_warps
 
 
-def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                        ce_weight, kd_weight, ignore_index, not_true, soft_ce, config=None):
-    """``config``: (BLOCK_R, BLOCK_C, num_warps) instead of :func:`launch_config`'s (benchmarks/gpu_probe.py)."""
+def distill_rows_triton(student, teacher, target, negent, mix_weights, class_alpha, row_weight, class_prior,
+                        entropy_tau, rho, segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true,
+                        soft_ce, in_place, config=None):
+    """The compiled backends' argument order (``FEDFAST_DISTILL_ROWS``, fedfast.ops.distill); returns (loss [R],
+    dL/dz [R, C], 0). ``mix_weights``, ``class_prior`` and ``in_place`` are the CPU kernel's: on a GPU
+    fedfast.ops.distill mixes the teachers and computes ASD's weights in ops of their own first, so they are refused
+    here. ``config``: (BLOCK_R, BLOCK_C, num_warps) instead of :func:`launch_config`'s (benchmarks/gpu_probe.py)."""
+    given = [k for k, v in (("mix_weights", mix_weights is not None), ("class_prior", class_prior is not None),
+                            ("in_place", bool(in_place))) if v]
+    if given:
+        raise ValueError(f"{given[0]}: the CPU kernel's argument; the triton backend takes the teacher mixed and ASD's "
+                         f"row weights made (fedfast.ops.distill does both)")
     R, C = student.shape
     if student.dtype == torch.float64:
         raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
@@ -231,7 +240,7 @@ def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weigh
     loss = torch.empty(R, dtype=torch.float32, device=student.device)
     grad = torch.empty_like(student)
     if R == 0:
-        return loss, grad
+        return loss, grad, 0
     f32 = lambda x: x.to(torch.float32).contiguous() if x is not None else loss  # noqa: E731
     l1p = torch.log1p(-rho.float()).contiguous() if rho is not None else None
     S = rho.shape[0] if rho is not None else 1
@@ -247,7 +256,7 @@ def distill_rows_triton(student, teacher, target, negent, class_alpha, row_weigh
         HAS_RW=row_weight is not None, HAS_RS=row_scale is not None, RHO=rho is not None,
         HAS_SEG=(segments is not None and S > 1),
         SINGLE=single, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
-    return loss, grad
+    return loss, grad, 0
 
 
 @triton.jit
