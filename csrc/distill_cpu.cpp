@@ -383,16 +383,22 @@ struct Terms {
   Mix<A> mix;
 };
 
+// A Terms record's fields as locals of the same names: the row loops read them from registers, not through the
+// reference (which stores through the float pointers could alias).
+#define FF_TERMS_AS_LOCALS(t)                                                                                      \
+  const at::Tensor& target = *(t).target;                                                                          \
+  const c10::optional<at::Tensor>& segments = *(t).segments;                                                       \
+  const A *negent = (t).negent, *alpha = (t).alpha, *roww = (t).roww, *rscale = (t).rscale, *rho = (t).rho;       \
+  const A* l1p = (t).l1p;                                                                                          \
+  const int64_t S_rows = (t).S_rows, ignore_index = (t).ignore_index;                                              \
+  const A inv_tau = (t).inv_tau, ce_w = (t).ce_w, kd_w = (t).kd_w;                                                 \
+  const bool not_true = (t).not_true, soft_ce = (t).soft_ce, prob = (t).prob;                                      \
+  const Mix<A>& mix = (t).mix
+
 // Narrow rows: kBlock rows per step, gathered into [C][kBlock] scratch and scattered back (see block_core).
 template <typename S, typename T, typename A>
 void distill_blocks(const S* zp, const T* tp, S* gp, A* lp, int64_t R, int64_t C, const Terms<A>& t) {
-  const at::Tensor& target = *t.target;
-  const c10::optional<at::Tensor>& segments = *t.segments;
-  const A *negent = t.negent, *alpha = t.alpha, *roww = t.roww, *rscale = t.rscale, *rho = t.rho, *l1p = t.l1p;
-  const int64_t S_rows = t.S_rows, ignore_index = t.ignore_index;
-  const A inv_tau = t.inv_tau, ce_w = t.ce_w, kd_w = t.kd_w;
-  const bool not_true = t.not_true, soft_ce = t.soft_ce, prob = t.prob;
-  const Mix<A>& mix = t.mix;
+  FF_TERMS_AS_LOCALS(t);
   const int64_t nblocks = (R + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kBlock * C));
   at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
@@ -489,13 +495,7 @@ void distill_impl(const at::Tensor& student, const at::Tensor& teacher, const Te
     distill_blocks<S, T, A>(zp, tp, gp, lp, R, C, t);
     return;
   }
-  const at::Tensor& target = *t.target;
-  const c10::optional<at::Tensor>& segments = *t.segments;
-  const A *negent = t.negent, *alpha = t.alpha, *roww = t.roww, *rscale = t.rscale, *rho = t.rho, *l1p = t.l1p;
-  const int64_t S_rows = t.S_rows, ignore_index = t.ignore_index;
-  const A inv_tau = t.inv_tau, ce_w = t.ce_w, kd_w = t.kd_w;
-  const bool not_true = t.not_true, soft_ce = t.soft_ce, prob = t.prob;
-  const Mix<A>& mix = t.mix;
+  FF_TERMS_AS_LOCALS(t);
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     std::vector<A> buf((mix.M ? 12 : 9) * C);
     RowArgs<A> r;
