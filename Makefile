@@ -37,6 +37,7 @@ check-methods: $(VENV)/.built
 
 test: $(VENV)/.built
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 test-gpu: $(VENV)/.built

@@ -15,6 +15,7 @@ Triton on a GPU), warning once per backend, and ``fedfast doctor`` says what is 
 * ``FEDFAST_REQUIRE_EXT=1``: a failed compile is an error (``make`` and CI set it);
 * ``FEDFAST_NO_CUDA=1``: skip the CUDA extension only.
 """
+
 import glob
 import os
 import shutil
@@ -55,28 +56,36 @@ def _extensions():
         from torch.utils import cpp_extension
     except ImportError:
         if BUILDS & set(sys.argv[1:]):
-            sys.exit("fedfast setup: torch is not importable here. fedfast's extensions are compiled against the "
-                     "torch you run: install torch first, then build without isolation:\n"
-                     "    pip install torch && pip install --no-build-isolation <fedfast source>\n"
-                     "or set FEDFAST_NO_EXT=1 for a pure-Python install (reference backends only).")
+            sys.exit(
+                "fedfast setup: torch is not importable here. fedfast's extensions are compiled against the "
+                "torch you run: install torch first, then build without isolation:\n"
+                "    pip install torch && pip install --no-build-isolation <fedfast source>\n"
+                "or set FEDFAST_NO_EXT=1 for a pure-Python install (reference backends only)."
+            )
         return [], {}, TORCH_RANGE
 
-    exts = [cpp_extension.CppExtension(
-        "fedfast._C",
-        sources=sorted(glob.glob("csrc/*_cpu.cpp")) + ["csrc/bindings.cpp"],
-        include_dirs=[os.path.join(ROOT, "csrc")],
-        extra_compile_args={"cxx": CXX_FLAGS},
-        extra_link_args=["-fopenmp"],
-    )]
-    if torch.version.cuda is not None and (shutil.which("nvcc") or os.environ.get("CUDA_HOME")) \
-            and os.environ.get("FEDFAST_NO_CUDA") != "1":
-        exts.append(cpp_extension.CUDAExtension(
-            "fedfast._C_cuda",
-            sources=sorted(glob.glob("kernels/*.cu")) + ["csrc/bindings_cuda.cpp"],
-            include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++17", "-g0"],
-                                "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
-        ))
+    exts = [
+        cpp_extension.CppExtension(
+            "fedfast._C",
+            sources=sorted(glob.glob("csrc/*_cpu.cpp")) + ["csrc/bindings.cpp"],
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    if (
+        torch.version.cuda is not None
+        and (shutil.which("nvcc") or os.environ.get("CUDA_HOME"))
+        and os.environ.get("FEDFAST_NO_CUDA") != "1"
+    ):
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "fedfast._C_cuda",
+                sources=sorted(glob.glob("kernels/*.cu")) + ["csrc/bindings_cuda.cpp"],
+                include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "kernels")],
+                extra_compile_args={"cxx": ["-O3", "-std=c++17", "-g0"], "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+            )
+        )
 
     base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
@@ -101,9 +110,11 @@ def _extensions():
                 except Exception as e:  # compiler missing or failing, ninja, linker: all mean "not built"
                     if REQUIRE_EXT:
                         raise
-                    _say(f"WARNING: could not build {ext.name} ({type(e).__name__}: {str(e).strip()[:300]}). "
-                         f"fedfast will run without it, on the reference backends; `fedfast doctor` says how to "
-                         f"build it (a C++ compiler: gcc >= 9 or clang; nvcc for the CUDA one).")
+                    _say(
+                        f"WARNING: could not build {ext.name} ({type(e).__name__}: {str(e).strip()[:300]}). "
+                        f"fedfast will run without it, on the reference backends; `fedfast doctor` says how to "
+                        f"build it (a C++ compiler: gcc >= 9 or clang; nvcc for the CUDA one)."
+                    )
                 else:
                     built.append(ext)
             self.extensions = built

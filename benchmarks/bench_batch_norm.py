@@ -11,6 +11,7 @@ channels-last CPU kernel loses accuracy.
     python benchmarks/bench_batch_norm.py --out benchmarks/results/cpu-2core-intel-xeon-batch-norm.json
     python benchmarks/bench_batch_norm.py --device cuda --out $OUT/batch_norm.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
     rows = []
     for name in a.layers.split(","):
         n, B, C, H = LAYERS[name]
-        for layout in (("nchw", "nhwc") if H else ("dense",)):
+        for layout in ("nchw", "nhwc") if H else ("dense",):
             x, gy, w, b = _inputs(n, B, C, H, device, layout)
             ref = _run("reference", *(t.double() for t in (x, gy, w, b)), n)
             moved = 5 * x.numel() * x.element_size()
@@ -99,14 +100,35 @@ def main(argv=None) -> dict:
                 got = _run(impl, x, gy, w, b, n)
                 errs = [float((a_.double() - r).abs().max() / r.abs().max()) for a_, r in zip(got, ref)]
                 s = _time(lambda: _run(impl, x, gy, w, b, n), device, a.repeat)
-                rows.append(dict(layer=name, layout=layout, impl=impl, seconds=s, bytes=moved, gbps=moved / s / 1e9,
-                                 err_y=errs[0], err_gx=errs[1], err_gw=errs[2], err_gb=errs[3]))
-                print(f"{name:16s} {layout:5s} {impl:8s} {s * 1e3:8.2f} ms {moved / s / 1e9:6.1f} GB/s  "
-                      f"err y {errs[0]:.1e} gx {errs[1]:.1e} gw {errs[2]:.1e} gb {errs[3]:.1e}", flush=True)
-    out = dict(device=str(device), cpu=cpu_model(), threads=torch.get_num_threads(),
-               torch=torch.__version__, python=platform.python_version(), rows=rows,
-               note="fwd+bwd of one BatchNorm layer of n clients; bytes: the 5 activation-sized reads/writes a "
-                    "fused kernel must make; errors against float64, relative to the largest magnitude")
+                rows.append(
+                    dict(
+                        layer=name,
+                        layout=layout,
+                        impl=impl,
+                        seconds=s,
+                        bytes=moved,
+                        gbps=moved / s / 1e9,
+                        err_y=errs[0],
+                        err_gx=errs[1],
+                        err_gw=errs[2],
+                        err_gb=errs[3],
+                    )
+                )
+                print(
+                    f"{name:16s} {layout:5s} {impl:8s} {s * 1e3:8.2f} ms {moved / s / 1e9:6.1f} GB/s  "
+                    f"err y {errs[0]:.1e} gx {errs[1]:.1e} gw {errs[2]:.1e} gb {errs[3]:.1e}",
+                    flush=True,
+                )
+    out = dict(
+        device=str(device),
+        cpu=cpu_model(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        rows=rows,
+        note="fwd+bwd of one BatchNorm layer of n clients; bytes: the 5 activation-sized reads/writes a "
+        "fused kernel must make; errors against float64, relative to the largest magnitude",
+    )
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     if a.out:

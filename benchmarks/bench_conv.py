@@ -13,6 +13,7 @@ On CUDA, ``triton`` also runs each entry of ``--configs`` (tile sweeps, ``fwd:BM
 weight gradient takes a sixth number, its reduction split: 0 automatic, 1 none), and
 ``tf32`` toggles ``torch.backends.cudnn.allow_tf32`` (the rule every implementation follows for its tensor cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -136,21 +137,30 @@ def main(argv=None):
             ref = None
             for layout in a.layouts.split(","):
                 for impl in a.impls.split(","):
-                    for sw in (sweeps if impl == "triton" else [None]):
+                    for sw in sweeps if impl == "triton" else [None]:
                         if impl == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                             continue
                         if impl == "triton":  # the defaults, then this entry's tiles (each entry starts clean)
                             from fedfast.triton import conv as tc
+
                             default_tiles = default_tiles or dict(tc.CONFIGS)
                             tc.CONFIGS.clear()
                             tc.CONFIGS.update(default_tiles)
                             for kind, v in (sw or {}).items():
                                 tc.CONFIGS[kind] = tuple(int(t) for t in v.split(","))
                         from fedfast.sim.memory import _free_bytes
+
                         need, free = need_bytes(geom, impl), _free_bytes(dev)
                         if need > 0.8 * free:
-                            rows.append(dict(layer=name, impl=impl, layout=layout, tf32=tf32,
-                                             error=f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} free"))
+                            rows.append(
+                                dict(
+                                    layer=name,
+                                    impl=impl,
+                                    layout=layout,
+                                    tf32=tf32,
+                                    error=f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} free",
+                                )
+                            )
                             print(f"{name:20} {impl:8} {layout} {rows[-1]['error']}", flush=True)
                             continue
                         try:
@@ -163,11 +173,25 @@ def main(argv=None):
                             ref = res
                         err = max(_rel(u, v) for u, v in zip([res[0], *res[1]], [ref[0], *ref[1]]))
                         f = flops(geom)
-                        rows.append(dict(layer=name, geometry=geom, impl=impl, layout=layout, tf32=tf32,
-                                         config=sw, seconds=sec, tflops=f / sec / 1e12, flops=f,
-                                         rel_err_vs_first=err))
-                        print(f"{name:20} {impl:8} {layout} tf32={int(tf32)} {str(sw or ''):40} "
-                              f"{sec * 1e3:9.3f} ms {f / sec / 1e12:7.2f} TFLOP/s  err {err:.1e}", flush=True)
+                        rows.append(
+                            dict(
+                                layer=name,
+                                geometry=geom,
+                                impl=impl,
+                                layout=layout,
+                                tf32=tf32,
+                                config=sw,
+                                seconds=sec,
+                                tflops=f / sec / 1e12,
+                                flops=f,
+                                rel_err_vs_first=err,
+                            )
+                        )
+                        print(
+                            f"{name:20} {impl:8} {layout} tf32={int(tf32)} {str(sw or ''):40} "
+                            f"{sec * 1e3:9.3f} ms {f / sec / 1e12:7.2f} TFLOP/s  err {err:.1e}",
+                            flush=True,
+                        )
                         _write(a.out, dev, rows)  # after every row: a killed run keeps what it measured
 
 
@@ -175,10 +199,18 @@ def _write(path, dev, rows):
     if not path:
         return
     from bench_rounds import machine
-    info = dict(device=str(dev), torch=torch.__version__, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda"
-                else None, threads=torch.get_num_threads(), machine=machine(dev),
-                command=" ".join(["bench_conv.py"] + sys.argv[1:]), rows=rows)
+
+    info = dict(
+        device=str(dev),
+        torch=torch.__version__,
+        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        threads=torch.get_num_threads(),
+        machine=machine(dev),
+        command=" ".join(["bench_conv.py"] + sys.argv[1:]),
+        rows=rows,
+    )
     from fedfast._io import write_atomic
+
     write_atomic(path, json.dumps(info, indent=1))
 
 

@@ -4,6 +4,7 @@ gather by client index lists + normalise + crop/flip/Cutout(16), against the tra
 
 Run: python -m pytest benchmarks/bench_data.py --benchmark-only
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,13 @@ CLIENTS, B = 100, 50
 @pytest.fixture(scope="module")
 def setup():
     g = torch.Generator().manual_seed(0)
-    ds = ArrayDataset(torch.randint(0, 256, (50000, 3, 32, 32), generator=g, dtype=torch.uint8),
-                      torch.randint(0, 10, (50000,), generator=g), 10, (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)).to(DEVICE)
+    ds = ArrayDataset(
+        torch.randint(0, 256, (50000, 3, 32, 32), generator=g, dtype=torch.uint8),
+        torch.randint(0, 10, (50000,), generator=g),
+        10,
+        (0.49, 0.48, 0.45),
+        (0.25, 0.24, 0.26),
+    ).to(DEVICE)
     part = dirichlet_balanced(ds.y, CLIENTS, delta=0.3, seed=0)
     idx = torch.stack([p[:B] for p in part.indices]).to(DEVICE)  # [100, 50]
     return ds, idx
@@ -40,8 +46,9 @@ def test_prepare_round_batches(benchmark, setup):
         return x, y
 
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=1)
-    benchmark.extra_info.update(dict(what="gather+normalize+crop+flip+cutout", clients=CLIENTS, batch=B,
-                                     device=DEVICE, images=CLIENTS * B))
+    benchmark.extra_info.update(
+        dict(what="gather+normalize+crop+flip+cutout", clients=CLIENTS, batch=B, device=DEVICE, images=CLIENTS * B)
+    )
 
 
 def test_training_compute_for_the_same_images(benchmark, setup):

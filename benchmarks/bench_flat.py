@@ -13,6 +13,7 @@ Bytes each op must move (fp32):
 Baselines: aggregation by (a) the per-parameter state_dict loop of research code, (b) torch._foreach_add_
 per client, (c) stacked ``w @ X``; the client step by torch.optim.SGD stepping N models one after another.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,15 +29,25 @@ from fedfast.ops import _backend
 DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
 if os.environ.get("FEDFAST_BENCH_TUNE_ALLOC") == "1":  # glibc keeps freed memory (fedfast.cpu_alloc): all impls
     from fedfast import tune_cpu_allocator
+
     tune_cpu_allocator()
 N_LIST = [int(v) for v in os.environ.get("FEDFAST_BENCH_N", "50" if DEVICE == "cpu" else "10,100,1000").split(",")]
 MODELS = os.environ.get("FEDFAST_BENCH_MODELS", "cnn1.6M" if DEVICE == "cpu" else "cnn1.6M,mlp11M").split(",")
 
 
 def fedavg_cnn():
-    return nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 5, padding=2),
-                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
-                         nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3136, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
 
 
 def mlp11m():
@@ -63,10 +74,13 @@ def _fits(N, model, buffers: int):
         free = torch.cuda.mem_get_info()[0]
     else:
         from fedfast.sim.memory import _free_bytes
+
         free = _free_bytes(torch.device("cpu"))
     if need > 0.9 * free:
-        pytest.skip(f"needs {need / 2**30:.1f} GiB ({buffers} x [{N}, {_PARAMS[model]}] fp32), "
-                    f"{free / 2**30:.1f} GiB free on {DEVICE}")
+        pytest.skip(
+            f"needs {need / 2**30:.1f} GiB ({buffers} x [{N}, {_PARAMS[model]}] fp32), "
+            f"{free / 2**30:.1f} GiB free on {DEVICE}"
+        )
 
 
 def _stack(N, model="cnn1.6M"):
@@ -82,8 +96,19 @@ def _stack(N, model="cnn1.6M"):
 
 def _info(benchmark, op, impl, N, P, nbytes):
     med = benchmark.stats.stats.median
-    benchmark.extra_info.update(dict(op=op, impl=impl, N=N, P=P, bytes=nbytes, gbps=nbytes / med / 1e9,
-                                     device=DEVICE, torch=torch.__version__, threads=torch.get_num_threads()))
+    benchmark.extra_info.update(
+        dict(
+            op=op,
+            impl=impl,
+            N=N,
+            P=P,
+            bytes=nbytes,
+            gbps=nbytes / med / 1e9,
+            device=DEVICE,
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+        )
+    )
 
 
 AGG_IMPLS = ["state_dict_loop", "foreach", "stacked_matmul", "fedfast"]
@@ -124,6 +149,7 @@ def test_aggregate_fedavg(benchmark, impl, N, model):
             _sync()
             return avg
     elif impl == "stacked_matmul":
+
         def run():
             out = wn @ st.params
             _sync()
@@ -136,6 +162,7 @@ def test_aggregate_fedavg(benchmark, impl, N, model):
             out = ops.aggregate(st.params, g, weights=w)
             _sync()
             return out
+
     run()
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     _info(benchmark, "aggregate", impl, N, P, 4 * P * (N + 1))
@@ -174,10 +201,16 @@ def test_client_step_sgd_momentum(benchmark, impl, N, model):
             del grads
 
         def run():
-            g = grads if impl == "fedfast" else pieces if impl == "fedfast_pieces" else \
-                torch.cat([p.reshape(N, -1) for p in pieces], 1)
+            g = (
+                grads
+                if impl == "fedfast"
+                else pieces
+                if impl == "fedfast_pieces"
+                else torch.cat([p.reshape(N, -1) for p in pieces], 1)
+            )
             ops.client_step(theta, g, lr=0.01, momentum=0.9, momentum_buf=buf, weight_decay=1e-5)
             _sync()
+
     run()
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
     _info(benchmark, "client_step", impl, N, P, 20 * N * P)

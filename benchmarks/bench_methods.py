@@ -17,6 +17,7 @@ grouped (1.42e12 against the loop's 2.46e11 on this shape). The loop runs a teac
 step (the engine once per step), so +ASD's SAM rows count more FLOPs than the engine does. Run:
 ``python -m pytest benchmarks/bench_methods.py --benchmark-only``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,14 +51,41 @@ def _loops():
     from test_fedrs import RSLoop
     from test_fedsam import SAMLoop, SpeedLoop
     from test_kd import NTDLoop
-    return {"fedcurv": CurvLoop, "fednova": NovaLoop, "feddisco": DiscoLoop, "feddisco+asd": DiscoASDLoop,
-            "fedrs": RSLoop, "fedlsd": LSDLoop, "fedls_ntd": NTDLoop, "fedsam": SAMLoop, "fedsam+asd": SAMLoop,
-            "fedspeed": SpeedLoop, "fedspeed+asd": SpeedLoop, "feddistill_plus": DistillLoop, "fedgen": GenLoop,
-            "fedgkd_plus": GKDPlusLoop}
+
+    return {
+        "fedcurv": CurvLoop,
+        "fednova": NovaLoop,
+        "feddisco": DiscoLoop,
+        "feddisco+asd": DiscoASDLoop,
+        "fedrs": RSLoop,
+        "fedlsd": LSDLoop,
+        "fedls_ntd": NTDLoop,
+        "fedsam": SAMLoop,
+        "fedsam+asd": SAMLoop,
+        "fedspeed": SpeedLoop,
+        "fedspeed+asd": SpeedLoop,
+        "feddistill_plus": DistillLoop,
+        "fedgen": GenLoop,
+        "fedgkd_plus": GKDPlusLoop,
+    }
 
 
-METHODS = ["fedcurv", "fednova", "feddisco", "feddisco+asd", "fedrs", "fedlsd", "fedls_ntd", "fedsam", "fedsam+asd",
-           "fedspeed", "fedspeed+asd", "feddistill_plus", "fedgen", "fedgkd_plus"]
+METHODS = [
+    "fedcurv",
+    "fednova",
+    "feddisco",
+    "feddisco+asd",
+    "fedrs",
+    "fedlsd",
+    "fedls_ntd",
+    "fedsam",
+    "fedsam+asd",
+    "fedspeed",
+    "fedspeed+asd",
+    "feddistill_plus",
+    "fedgen",
+    "fedgkd_plus",
+]
 
 
 def _setup(method):
@@ -65,14 +93,24 @@ def _setup(method):
     part = data.shards(train.y, 100, shards_per_client=2, seed=0)
     torch.manual_seed(0)
     model = models.build("fedavg_cnn_mnist", 10)
-    cfg = fedfast.SimConfig(algorithm=method, clients_per_round=10, rounds=10**6, local_epochs=1, batch_size=50,
-                            lr=0.01, momentum=0.9, seed=0, eval_every=10**6)
+    cfg = fedfast.SimConfig(
+        algorithm=method,
+        clients_per_round=10,
+        rounds=10**6,
+        local_epochs=1,
+        batch_size=50,
+        lr=0.01,
+        momentum=0.9,
+        seed=0,
+        eval_every=10**6,
+    )
     return cfg, model, train, test.subset(slice(0, 1000)), part
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_method_vs_literal_loop(benchmark, method):
     from torch.utils.flop_counter import FlopCounterMode
+
     cfg, model, train, test, part = _setup(method)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     loop = _loops()[method](cfg, copy.deepcopy(sim.model), train, part)
@@ -90,8 +128,17 @@ def test_method_vs_literal_loop(benchmark, method):
     eng = benchmark.stats.stats.median
     lp = statistics.median(state["loop"])
     peak = sgemm_ceiling()
-    benchmark.extra_info.update(method=method, threads=torch.get_num_threads(), round_flops=flops,
-                                sgemm_flops_per_s=peak, engine_s=eng, loop_s=lp, speedup=lp / eng,
-                                engine_roofline=flops / eng / peak, loop_roofline=flops / lp / peak,
-                                executor="batched" if sim.trainer.stack.plan is not None else "vmap", client_chunk=sim.chunk)
+    benchmark.extra_info.update(
+        method=method,
+        threads=torch.get_num_threads(),
+        round_flops=flops,
+        sgemm_flops_per_s=peak,
+        engine_s=eng,
+        loop_s=lp,
+        speedup=lp / eng,
+        engine_roofline=flops / eng / peak,
+        loop_roofline=flops / lp / peak,
+        executor="batched" if sim.trainer.stack.plan is not None else "vmap",
+        client_chunk=sim.chunk,
+    )
     assert np.isfinite(eng) and np.isfinite(lp)

@@ -25,6 +25,7 @@ the 2-core VM's balance of ~6 FLOP/byte (sgemm FLOP/s over copy bytes/s), so the
 rounds each, each a fresh process timed from the outside. Run:
 ``python -m pytest benchmarks/bench_peers.py --benchmark-only``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,7 +51,7 @@ def sgemm_ceiling() -> float:
         a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
         torch.mm(a, b)
         best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
-        _CEILING.append(2 * 2048 ** 3 / best)
+        _CEILING.append(2 * 2048**3 / best)
     return _CEILING[0]
 
 
@@ -84,9 +85,18 @@ def _setup(name):
     s, model, train, test, part = setup(name)
     test = test.subset(slice(0, 2000))
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
-    cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
-                            local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"], seed=0,
-                            eval_every=10**6)
+    cfg = fedfast.SimConfig(
+        algorithm=s["algorithm"],
+        options=opts,
+        clients_per_round=s["m"],
+        rounds=10**6,
+        local_epochs=s["E"],
+        batch_size=s["B"],
+        lr=s["lr"],
+        momentum=s["momentum"],
+        seed=0,
+        eval_every=10**6,
+    )
     return s, cfg, model, train, test, part
 
 
@@ -94,6 +104,7 @@ def training_flops(s, model, train) -> float:
     """Forward + backward FLOPs of one round's local training (plus a teacher forward per step for KD: FedNTD, or
     ``s["teacher"]``). ``s``: batch ``B``, clients ``m``, epochs ``E``, samples per client ``n``."""
     from torch.utils.flop_counter import FlopCounterMode
+
     x, y = train.batch(torch.arange(s["B"]))
     m = copy.deepcopy(model)
     with FlopCounterMode(display=False) as fc:
@@ -118,7 +129,7 @@ def test_engine_vs_plain_loop(benchmark, name):
         state["loop"].append(_timed(lambda: plain_loop_round(s, loop_model, train, part, state["rnd"])))
         state["rnd"] += 1
 
-    sim.round()                     # warm-up rounds (allocator, oneDNN primitive caches)
+    sim.round()  # warm-up rounds (allocator, oneDNN primitive caches)
     plain_loop_round(s, copy.deepcopy(model), train, part, 0)
     benchmark.pedantic(sim.round, setup=loop_between, rounds=3, iterations=1)
     eng = benchmark.stats.stats.median
@@ -127,11 +138,21 @@ def test_engine_vs_plain_loop(benchmark, name):
     peak = sgemm_ceiling()
     traffic, bw = param_traffic(s, model), stream_bandwidth()
     benchmark.extra_info.update(
-        shape=name, threads=torch.get_num_threads(), train_flops=flops, sgemm_flops_per_s=peak,
-        engine_s=eng, loop_s=loop, speedup=loop / eng, engine_roofline=flops / eng / peak,
-        loop_roofline=flops / loop / peak, param_traffic_bytes=traffic, stream_bytes_per_s=bw,
+        shape=name,
+        threads=torch.get_num_threads(),
+        train_flops=flops,
+        sgemm_flops_per_s=peak,
+        engine_s=eng,
+        loop_s=loop,
+        speedup=loop / eng,
+        engine_roofline=flops / eng / peak,
+        loop_roofline=flops / loop / peak,
+        param_traffic_bytes=traffic,
+        stream_bytes_per_s=bw,
         engine_bandwidth_roofline=traffic / eng / bw,
-        executor="batched" if sim.trainer.stack.plan is not None else "vmap", client_chunk=sim.chunk)
+        executor="batched" if sim.trainer.stack.plan is not None else "vmap",
+        client_chunk=sim.chunk,
+    )
     assert np.isfinite(eng) and np.isfinite(loop)
 
 
@@ -142,9 +163,20 @@ WHOLE = ["cnn_1000x60", "cnn_100x600", "mlp_1000x60", "fedntd_cnn_100x600_e5"]
 def _cli_args(name: str, rounds: int) -> list:
     """``fedfast run`` settings for a shape (MNIST, IID, the shape's clients, batch, lr; evaluation at the end)."""
     s = {"E": 1, "algorithm": "fedavg", "lr": 0.1, "momentum": 0.0, **SHAPES[name]}
-    sets = dict(algorithm=s["algorithm"], dataset="mnist", partition="iid", num_clients=s["K"],
-                clients_per_round=s["m"], batch_size=s["B"], local_epochs=s["E"], lr=s["lr"], momentum=s["momentum"],
-                model="mlp" if s["model"] == "mlp" else "simple_cnn", rounds=rounds, eval_every=rounds)
+    sets = dict(
+        algorithm=s["algorithm"],
+        dataset="mnist",
+        partition="iid",
+        num_clients=s["K"],
+        clients_per_round=s["m"],
+        batch_size=s["B"],
+        local_epochs=s["E"],
+        lr=s["lr"],
+        momentum=s["momentum"],
+        model="mlp" if s["model"] == "mlp" else "simple_cnn",
+        rounds=rounds,
+        eval_every=rounds,
+    )
     if s["algorithm"] == "fedntd":
         sets.update({"fedntd.beta": 1.0, "fedntd.tau": 1.0})
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -159,6 +191,7 @@ def test_whole_command(benchmark, tmp_path, name, workers):
     import os
     import subprocess
     import sys
+
     if workers > 1 and not name.startswith("cnn_"):
         pytest.skip("two processes are measured on the FedAvg CNN shapes (the issue's pfl-research comparison)")
     rounds, here = 5, os.path.dirname(os.path.abspath(__file__))
@@ -169,8 +202,17 @@ def test_whole_command(benchmark, tmp_path, name, workers):
 
     def engine_cmd():
         runs["i"] += 1
-        return [sys.executable, "-m", "fedfast", "run", "--quiet", "--out", str(tmp_path / f"r{runs['i']}"),
-                "--workers", str(workers)] + _cli_args(name, rounds)
+        return [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            "--quiet",
+            "--out",
+            str(tmp_path / f"r{runs['i']}"),
+            "--workers",
+            str(workers),
+        ] + _cli_args(name, rounds)
 
     loop_s = []
 
@@ -181,9 +223,14 @@ def test_whole_command(benchmark, tmp_path, name, workers):
 
     subprocess.run([sys.executable, "-c", "import torch"], check=True)  # page cache warm for both
     reps = int(os.environ.get("FEDFAST_BENCH_REPEATS", "3"))
-    benchmark.pedantic(lambda: subprocess.run(engine_cmd(), check=True, env=env, capture_output=True),
-                       setup=loop_between, rounds=reps, iterations=1)
+    benchmark.pedantic(
+        lambda: subprocess.run(engine_cmd(), check=True, env=env, capture_output=True),
+        setup=loop_between,
+        rounds=reps,
+        iterations=1,
+    )
     eng = benchmark.stats.stats.median
     loop = statistics.median(loop_s)
-    benchmark.extra_info.update(shape=name, workers=workers, rounds=rounds, engine_command_s=eng,
-                                loop_command_s=loop, speedup=loop / eng)
+    benchmark.extra_info.update(
+        shape=name, workers=workers, rounds=rounds, engine_command_s=eng, loop_command_s=loop, speedup=loop / eng
+    )

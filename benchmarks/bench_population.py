@@ -15,6 +15,7 @@ init <= 5 s and peak RSS <= data + 1 GB; K = 10,000,000 (1 sample per client) ru
 
 Run: python benchmarks/bench_population.py --out benchmarks/results/cpu-2core-amd-epyc-population.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,17 @@ from fedfast.models import MLP
 
 # (K, samples per client, method, rounds, hidden widths of the MLP, state_store)
 SMALL, WIDE = (64,), (1280,)  # 2,762 parameters; 55,050 (about the issue's 55,210-parameter MLP)
-CASES = [(1_000, 10, "fedavg", 3, SMALL, "auto"), (10_000, 10, "fedavg", 3, SMALL, "auto"),
-         (100_000, 10, "fedavg", 3, SMALL, "auto"), (1_000_000, 10, "fedavg", 3, SMALL, "auto"),
-         (10_000_000, 1, "fedavg", 3, SMALL, "auto"),
-         (10_000, 10, "scaffold", 20, WIDE, "memory"), (100_000, 10, "scaffold", 20, WIDE, "memory"),
-         (1_000_000, 10, "scaffold", 20, WIDE, "memory"), (1_000_000, 10, "scaffold", 20, WIDE, "disk")]
+CASES = [
+    (1_000, 10, "fedavg", 3, SMALL, "auto"),
+    (10_000, 10, "fedavg", 3, SMALL, "auto"),
+    (100_000, 10, "fedavg", 3, SMALL, "auto"),
+    (1_000_000, 10, "fedavg", 3, SMALL, "auto"),
+    (10_000_000, 1, "fedavg", 3, SMALL, "auto"),
+    (10_000, 10, "scaffold", 20, WIDE, "memory"),
+    (100_000, 10, "scaffold", 20, WIDE, "memory"),
+    (1_000_000, 10, "scaffold", 20, WIDE, "memory"),
+    (1_000_000, 10, "scaffold", 20, WIDE, "disk"),
+]
 FEATURES, CLASSES, COHORT = 32, 10, 1000
 
 
@@ -68,8 +75,15 @@ def case(K: int, per: int, algorithm: str, rounds: int, hidden: tuple, store: st
     N = K * per
     part = Partition.from_csr(torch.randperm(N, generator=g), torch.arange(0, N + 1, per), CLASSES)
     t1 = time.perf_counter()
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=min(COHORT, K), rounds=rounds, batch_size=10,
-                            lr=0.05, seed=0, state_store=store)
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=min(COHORT, K),
+        rounds=rounds,
+        batch_size=10,
+        lr=0.05,
+        seed=0,
+        state_store=store,
+    )
     tmp = tempfile.TemporaryDirectory(prefix="fedfast-bench-state-")
     sim = fedfast.Simulation(cfg, MLP(FEATURES, hidden, CLASSES), train, test, part, state_dir=tmp.name)
     t2 = time.perf_counter()
@@ -79,15 +93,26 @@ def case(K: int, per: int, algorithm: str, rounds: int, hidden: tuple, store: st
         sim.round()
         times.append(time.perf_counter() - a)
     st = sim.method.client_state
-    return dict(K=K, samples_per_client=per, algorithm=algorithm, rounds=rounds, num_params=sim.num_params,
-                setup_s=t1 - t0, init_s=t2 - t1, first_round_s=times[0],
-                s_per_round=sum(times[1:]) / max(len(times) - 1, 1), round_s=[round(t, 4) for t in times],
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                data_bytes=x.numel() * x.element_size() + y.numel() * y.element_size(),
-                state_bytes=st.nbytes if st is not None else 0, state_rows=st.written if st is not None else 0,
-                state_store=store, state_on_disk=bool(st is not None and st.on_disk),
-                state_file_bytes=st.file_bytes if st is not None else 0,
-                final_test_accuracy=sim.history[-1]["test_accuracy"])
+    return dict(
+        K=K,
+        samples_per_client=per,
+        algorithm=algorithm,
+        rounds=rounds,
+        num_params=sim.num_params,
+        setup_s=t1 - t0,
+        init_s=t2 - t1,
+        first_round_s=times[0],
+        s_per_round=sum(times[1:]) / max(len(times) - 1, 1),
+        round_s=[round(t, 4) for t in times],
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        data_bytes=x.numel() * x.element_size() + y.numel() * y.element_size(),
+        state_bytes=st.nbytes if st is not None else 0,
+        state_rows=st.written if st is not None else 0,
+        state_store=store,
+        state_on_disk=bool(st is not None and st.on_disk),
+        state_file_bytes=st.file_bytes if st is not None else 0,
+        final_test_accuracy=sim.history[-1]["test_accuracy"],
+    )
 
 
 def scatter_repeat(stores: int = 3, rounds: int = 10) -> list:
@@ -97,6 +122,7 @@ def scatter_repeat(stores: int = 3, rounds: int = 10) -> list:
     import shutil
     import numpy as np
     from fedfast.store.state import ClientState
+
     rows, out = torch.randn(COHORT, 55_050), []
     for _ in range(stores):
         d = tempfile.mkdtemp(prefix="fedfast-bench-scatter-")
@@ -131,11 +157,20 @@ def main(argv=None) -> int:
     for K, per, alg, rounds, hidden, store in CASES:
         if K > a.max_k or (a.only and alg != a.only):
             continue
-        p = subprocess.run([sys.executable, __file__, "--_case", json.dumps([K, per, alg, rounds, hidden, store])],
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, "--_case", json.dumps([K, per, alg, rounds, hidden, store])],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
-            row = dict(K=K, samples_per_client=per, algorithm=alg, rounds=rounds, state_store=store,
-                       error=p.stderr.strip()[-400:])
+            row = dict(
+                K=K,
+                samples_per_client=per,
+                algorithm=alg,
+                rounds=rounds,
+                state_store=store,
+                error=p.stderr.strip()[-400:],
+            )
         else:
             row = json.loads(p.stdout.strip().splitlines()[-1])
         res["rows"].append(row)

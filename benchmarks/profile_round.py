@@ -8,6 +8,7 @@ wall time of a round against the device time its kernels took (a host-bound roun
     python benchmarks/profile_round.py --device cuda --shapes pfl_cifar_50,pfl_cifar_1000 --conv grouped,triton \
         --out $OUT/profile.txt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,15 @@ import fedfast  # noqa: E402
 from bench_rounds import SHAPES, _data, _model, _sync  # noqa: E402
 from fedfast import data  # noqa: E402
 
-GROUPS = [("convolution", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "im2col", "col2im", "_conv_")),
-          ("matrix products", ("gemm", "bmm", "matmul", "mm", "cutlass", "sm90_xmma", "ampere_sgemm")),
-          ("fedfast fused ops", ("_distill", "_step_kernel", "_norm_kernel", "_aggregate", "client_step",
-                                 "distill", "aggregate")),
-          ("copies", ("copy", "cat", "CatArray", "memcpy", "Memcpy", "index", "gather", "scatter")),
-          ]
+GROUPS = [
+    ("convolution", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "im2col", "col2im", "_conv_")),
+    ("matrix products", ("gemm", "bmm", "matmul", "mm", "cutlass", "sm90_xmma", "ampere_sgemm")),
+    (
+        "fedfast fused ops",
+        ("_distill", "_step_kernel", "_norm_kernel", "_aggregate", "client_step", "distill", "aggregate"),
+    ),
+    ("copies", ("copy", "cat", "CatArray", "memcpy", "Memcpy", "index", "gather", "scatter")),
+]
 
 
 def _group(name: str) -> str:
@@ -43,17 +47,57 @@ def _group(name: str) -> str:
 
 
 # operators that launch no kernel (views, metadata, allocation): not counted as compute ops on a CPU
-_META = ("empty", "empty_strided", "empty_like", "as_strided", "as_strided_", "view", "reshape", "_reshape_alias",
-         "slice", "select", "unsqueeze", "squeeze", "expand", "transpose", "detach", "detach_", "resolve_conj",
-         "resolve_neg", "t", "permute", "alias", "_unsafe_view", "resize_", "contiguous", "lift_fresh", "flatten",
-         "unflatten", "split", "chunk", "narrow", "unbind", "set_", "item", "_local_scalar_dense", "result_type",
-         "view_as", "expand_as", "movedim", "unfold", "to", "_to_copy", "_has_compatible_shallow_copy_type")
+_META = (
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "as_strided",
+    "as_strided_",
+    "view",
+    "reshape",
+    "_reshape_alias",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "transpose",
+    "detach",
+    "detach_",
+    "resolve_conj",
+    "resolve_neg",
+    "t",
+    "permute",
+    "alias",
+    "_unsafe_view",
+    "resize_",
+    "contiguous",
+    "lift_fresh",
+    "flatten",
+    "unflatten",
+    "split",
+    "chunk",
+    "narrow",
+    "unbind",
+    "set_",
+    "item",
+    "_local_scalar_dense",
+    "result_type",
+    "view_as",
+    "expand_as",
+    "movedim",
+    "unfold",
+    "to",
+    "_to_copy",
+    "_has_compatible_shallow_copy_type",
+)
 
 
 def _launches(prof, dev) -> int:
     """Device kernels the profiled rounds launched (CUDA), or on a CPU the innermost compute operators (an
     ``aten::`` op with no compute op below it, views and allocations left out): the count a GPU would launch."""
     from torch.autograd import DeviceType
+
     evs = prof.events()
     if dev.type == "cuda":
         return sum(1 for e in evs if e.device_type == DeviceType.CUDA)
@@ -61,6 +105,7 @@ def _launches(prof, dev) -> int:
 
     def compute(e):
         return e.name.startswith("aten::") and e.name not in meta
+
     return sum(1 for e in evs if compute(e) and not any(compute(k) for k in e.cpu_children))
 
 
@@ -71,9 +116,20 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
     torch.manual_seed(0)
     model = _model(s["model"])
     opts = {"fedntd": {"beta": 1.0, "tau": 1.0}} if s["algorithm"] == "fedntd" else {}
-    cfg = fedfast.SimConfig(algorithm=s["algorithm"], options=opts, clients_per_round=s["m"], rounds=10**6,
-                            local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"],
-                            weight_decay=s.get("weight_decay", 0.0), seed=0, eval_every=10**6, conv=conv)
+    cfg = fedfast.SimConfig(
+        algorithm=s["algorithm"],
+        options=opts,
+        clients_per_round=s["m"],
+        rounds=10**6,
+        local_epochs=s["E"],
+        batch_size=s["B"],
+        lr=s["lr"],
+        momentum=s["momentum"],
+        weight_decay=s.get("weight_decay", 0.0),
+        seed=0,
+        eval_every=10**6,
+        conv=conv,
+    )
     train = train.to(dev)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, train.subset(slice(0, 100)), part, device=dev)
     sim.round()
@@ -94,11 +150,13 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
         groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
     steps = s["E"] * -(-s["n"] // s["B"]) * -(-s["m"] // sim.chunk)  # local steps per round (chunks run in turn)
     launches = _launches(prof, dev) / rounds
-    lines = [f"== {name}, conv={sim.runtime.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
-             f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
-             f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
-             f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "
-             f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step"]
+    lines = [
+        f"== {name}, conv={sim.runtime.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
+        f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
+        f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
+        f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "
+        f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step"
+    ]
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
         lines.append(f"   {g:32} {v * 1e3:9.3f} ms  {100 * v / total:5.1f} %")
     lines.append(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))

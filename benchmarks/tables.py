@@ -10,6 +10,7 @@ Each generated table sits between two markers in a Markdown file::
 nothing and exits 1 when a file differs from what the JSON gives (``tests/test_tables.py`` runs it, so a hand
 edit of a generated number fails the suite). A table whose JSON is not committed yet says so instead of numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,14 @@ def _machine(m: dict) -> str:
         where = f"{m['gpu']} ({m.get('sms', '?')} SMs), CUDA {m.get('cuda')}, Triton {m.get('triton', '-')}"
     else:
         where = f"{m.get('cpu', 'CPU')}, {m.get('cores', '?')} cores, {m['threads']} threads"
-    tf32 = "TF32 on for cuDNN convolutions (PyTorch's default), off for matrix products" \
-        if m.get("cudnn_allow_tf32") and not m.get("matmul_allow_tf32") and m["device"] == "cuda" else ""
-    return f"{where}; torch {m['torch']}, Python {m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}" + \
-        (f"; {tf32}" if tf32 else "")
+    tf32 = (
+        "TF32 on for cuDNN convolutions (PyTorch's default), off for matrix products"
+        if m.get("cudnn_allow_tf32") and not m.get("matmul_allow_tf32") and m["device"] == "cuda"
+        else ""
+    )
+    return f"{where}; torch {m['torch']}, Python {m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}" + (
+        f"; {tf32}" if tf32 else ""
+    )
 
 
 def _ceil(c: dict) -> str:
@@ -78,18 +83,27 @@ def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
     run, newest first (implementations are compared only within a run: same process, same device)."""
     runs = _newest_first([(p, r) for p, r in runs if r["machine"]["device"] == device])
     if not runs:
-        return (f"No {'GPU' if device == 'cuda' else 'CPU'} run of the round benchmark is committed yet "
-                f"(`bash scripts/gpu_check.sh build bench-rounds` makes one on a GPU).")
-    lines = ["The last column compares the global models, `max |fedfast - loop| / max |loop|`, after the first "
-             "round and at the end. In brackets is the loop's own change after its first round when its initial "
-             "weights are perturbed by 1e-7. That is how far float rounding alone moves this training."]
+        return (
+            f"No {'GPU' if device == 'cuda' else 'CPU'} run of the round benchmark is committed yet "
+            f"(`bash scripts/gpu_check.sh build bench-rounds` makes one on a GPU)."
+        )
+    lines = [
+        "The last column compares the global models, `max |fedfast - loop| / max |loop|`, after the first "
+        "round and at the end. In brackets is the loop's own change after its first round when its initial "
+        "weights are perturbed by 1e-7. That is how far float rounding alone moves this training."
+    ]
     from bench_rounds import floor_seconds
+
     for path, r in runs:
-        lines += ["", f"Measured on {_machine(r['machine'])}. Ceilings measured in the same run: "
-                      f"{_ceil(r['ceilings'])}. Command: `python benchmarks/{r['command']}`; data: `{path}`.", "",
-                  "| shape | roofline | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
-                  "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Measured on {_machine(r['machine'])}. Ceilings measured in the same run: "
+            f"{_ceil(r['ceilings'])}. Command: `python benchmarks/{r['command']}`; data: `{path}`.",
+            "",
+            "| shape | roofline | implementation | s/round | client-samples/s | TFLOP/s | % of fp32 matmul | "
+            "peak memory | x loop | diff vs loop: round 1 (rounding alone); end |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         peak = r["ceilings"]["fp32_matmul_flops"]
         for rec in r["shapes"]:
             label = f"{SHAPE_LABELS.get(rec['shape'], rec['shape'])} | {_ms(floor_seconds(rec, r['ceilings']))}"
@@ -101,9 +115,11 @@ def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
                 if "max_rel_diff_vs_loop" in im:
                     sens = rec.get("loop_sensitivity_first_round")
                     diff = f"{im['rel_diff_vs_loop_first_round']:.1e} ({sens:.1e}); {im['max_rel_diff_vs_loop']:.1e}"
-                lines.append(f"| {label} | {name} | {_ms(im['seconds_per_round'])} | {im['samples_per_s']:,.0f} | "
-                             f"{im['tflops']:.3f} | {100 * im['tflops'] * 1e12 / peak:.0f} % | "
-                             f"{_gib(im['peak_memory_bytes'])} | {ratio} | {diff} |")
+                lines.append(
+                    f"| {label} | {name} | {_ms(im['seconds_per_round'])} | {im['samples_per_s']:,.0f} | "
+                    f"{im['tflops']:.3f} | {100 * im['tflops'] * 1e12 / peak:.0f} % | "
+                    f"{_gib(im['peak_memory_bytes'])} | {ratio} | {diff} |"
+                )
     return "\n".join(lines)
 
 
@@ -112,8 +128,10 @@ def rounds_short(runs: list[tuple[str, dict]], device: str) -> str:
     round (engine variants with hand-set tiles left out), the ratio and fedfast's rate."""
     runs = _newest_first([(p, r) for p, r in runs if r["machine"]["device"] == device])
     if not runs:
-        return (f"Not measured yet: no {'GPU' if device == 'cuda' else 'CPU'} run of `benchmarks/bench_rounds.py` "
-                f"is committed.")
+        return (
+            f"Not measured yet: no {'GPU' if device == 'cuda' else 'CPU'} run of `benchmarks/bench_rounds.py` "
+            f"is committed."
+        )
     newest = {}
     for _, r in runs:
         for rec in r["shapes"]:
@@ -125,21 +143,27 @@ def rounds_short(runs: list[tuple[str, dict]], device: str) -> str:
     where = m["gpu"] if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
     shas = list(dict.fromkeys(r["machine"]["commit"][:12] for r in used))
     commits = ", ".join(f"`{c}`" for c in shas)
-    lines = [f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit{'s' if len(shas) > 1 else ''} "
-             f"{commits}; per shape its newest run; the loop and fedfast in one process, same clients, data order and "
-             f"initial weights; details and every implementation in "
-             f"[docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):", "",
-             "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |", "|---|---|---|---|---|"]
+    lines = [
+        f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit{'s' if len(shas) > 1 else ''} "
+        f"{commits}; per shape its newest run; the loop and fedfast in one process, same clients, data order and "
+        f"initial weights; details and every implementation in "
+        f"[docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):",
+        "",
+        "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
     for shape in order:
         r, rec = newest[shape]
         loop = rec["impls"].get("loop")
         engines = {k: v for k, v in rec["impls"].items() if k != "loop" and not v.get("triton_tiles")}
         key, best = min(engines.items(), key=lambda kv: kv[1]["seconds_per_round"])
         conv = f" ({best['conv']} conv)" if len(engines) > 1 else ""
-        lines.append(f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
-                     f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
-                     f"{_ms(best['seconds_per_round'])}{conv} | "
-                     f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |")
+        lines.append(
+            f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
+            f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
+            f"{_ms(best['seconds_per_round'])}{conv} | "
+            f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -150,18 +174,24 @@ def conv_table(runs: list[tuple[str, dict]], device: str) -> str:
     lines = []
     for path, r in runs:
         where = _machine(r["machine"]) if "machine" in r else (r["gpu"] or f"CPU, {r['threads']} threads")
-        lines += [f"Measured on {where}. Command: `python benchmarks/{r.get('command', 'bench_conv.py')}`; "
-                  f"data: `{path}`.", "",
-                  "| layer (clients, batch, Cin->Cout, HxW, kernel/stride) | implementation | layout | TF32 | "
-                  "fwd+bwd ms | TFLOP/s |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"Measured on {where}. Command: `python benchmarks/{r.get('command', 'bench_conv.py')}`; data: `{path}`.",
+            "",
+            "| layer (clients, batch, Cin->Cout, HxW, kernel/stride) | implementation | layout | TF32 | "
+            "fwd+bwd ms | TFLOP/s |",
+            "|---|---|---|---|---|---|",
+        ]
         for row in r["rows"]:
             if "error" in row:
-                lines.append(f"| {row['layer']} | {row['impl']} | {row['layout']} | {int(row['tf32'])} | "
-                             f"{row['error']} | |")
+                lines.append(
+                    f"| {row['layer']} | {row['impl']} | {row['layout']} | {int(row['tf32'])} | {row['error']} | |"
+                )
                 continue
             n, B, ci, co, H, k, s, p, _ = row["geometry"]
-            lines.append(f"| {row['layer']} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}/{s}) | {row['impl']} | "
-                         f"{row['layout']} | {int(row['tf32'])} | {row['seconds'] * 1e3:.2f} | {row['tflops']:.3f} |")
+            lines.append(
+                f"| {row['layer']} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}/{s}) | {row['impl']} | "
+                f"{row['layout']} | {int(row['tf32'])} | {row['seconds'] * 1e3:.2f} | {row['tflops']:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -174,9 +204,12 @@ def demo_table() -> str:
     with open(path) as f:
         d = json.load(f)
     m = d["machine"]
-    lines = [f"What `{d['command']}` printed on {m.get('cpu', 'a CPU')} ({m.get('cores', '?')} cores, "
-             f"{m['threads']} threads), torch {m['torch']}, Python {m['python']}, fedfast commit "
-             f"`{m['commit'][:12]}` ({d['date']}; `docs/demo-results.json`, `scripts/demo_record.py`):", ""]
+    lines = [
+        f"What `{d['command']}` printed on {m.get('cpu', 'a CPU')} ({m.get('cores', '?')} cores, "
+        f"{m['threads']} threads), torch {m['torch']}, Python {m['python']}, fedfast commit "
+        f"`{m['commit'][:12]}` ({d['date']}; `docs/demo-results.json`, `scripts/demo_record.py`):",
+        "",
+    ]
     lines += d["table"]
     lines += ["", "Other CPUs print other last digits: float sums run in another order (vectorisation, threads)."]
     seeds = d.get("seeds")
@@ -184,17 +217,25 @@ def demo_table() -> str:
         fin = seeds["final_accuracy"]
         ns = sorted(fin, key=int)
         methods = list(dict.fromkeys(k for s_ in ns for k in fin[s_]))
-        always = [f"{a} above {b}" for a in methods for b in methods if a != b and
-                  all(fin[s_].get(a) is not None and fin[s_].get(b) is not None and fin[s_][a] > fin[s_][b]
-                      for s_ in ns)]
+        always = [
+            f"{a} above {b}"
+            for a in methods
+            for b in methods
+            if a != b
+            and all(fin[s_].get(a) is not None and fin[s_].get(b) is not None and fin[s_][a] > fin[s_][b] for s_ in ns)
+        ]
         spread = {mth: [100 * fin[s_][mth] for s_ in ns if mth in fin[s_]] for mth in methods}
         lo, hi = min(min(v) for v in spread.values()), max(max(v) for v in spread.values())
         width = max(max(v) - min(v) for v in spread.values())
-        lines += ["", f"What is stable is not seed {ns[0]}'s digits but the spread over seeds. Over seeds "
-                      f"{ns[0]}-{ns[-1]} (`{seeds['command']}`), the final accuracies lie between {lo:.1f} and "
-                      f"{hi:.1f} %, and one method's range is up to {width:.1f} points wide. In every seed: "
-                      + (", ".join(always) if always else "no ordering of two methods holds in every seed")
-                      + "; the other orderings change from seed to seed.", ""]
+        lines += [
+            "",
+            f"What is stable is not seed {ns[0]}'s digits but the spread over seeds. Over seeds "
+            f"{ns[0]}-{ns[-1]} (`{seeds['command']}`), the final accuracies lie between {lo:.1f} and "
+            f"{hi:.1f} %, and one method's range is up to {width:.1f} points wide. In every seed: "
+            + (", ".join(always) if always else "no ordering of two methods holds in every seed")
+            + "; the other orderings change from seed to seed.",
+            "",
+        ]
         lines += seeds["table"]
     return "\n".join(lines)
 
@@ -214,18 +255,24 @@ def provenance(name: str) -> str:
     torch_v = next((b["extra_info"].get("torch") for b in d["benchmarks"] if b["extra_info"].get("torch")), None)
     files = sorted({b["fullname"].split("::")[0] for b in d["benchmarks"]})
     commit = f"`{ci['id'][:12]}`" + (" with uncommitted changes" if ci.get("dirty") else "") if ci.get("id") else "?"
-    gpu = next((b["extra_info"].get("device_name") for b in d["benchmarks"] if b["extra_info"].get("device_name")),
-               None) if any(b["extra_info"].get("device") == "cuda" for b in d["benchmarks"]) else None
+    gpu = (
+        next((b["extra_info"].get("device_name") for b in d["benchmarks"] if b["extra_info"].get("device_name")), None)
+        if any(b["extra_info"].get("device") == "cuda" for b in d["benchmarks"])
+        else None
+    )
     if gpu is None and any(b["extra_info"].get("device") == "cuda" for b in d["benchmarks"]):
         gpu = name.split("-flat")[0].split(".json")[0]  # the file is named after the GPU (gpu_check.sh)
     if gpu:
         cpu = f"{gpu} (host: {cpu}"
         count = f"{count} logical CPUs)" if count else None
-    return (f"Measured on {cpu}" + (f" ({count} logical CPUs)" if count and not gpu else
-                                    (f", {count}" if count else (")" if gpu else ""))) + f", Python "
-            f"{mi.get('python_version', '?')}" + (f", torch {torch_v}" if torch_v else "") + f"; fedfast commit "
-            f"{commit}, {d.get('datetime', '?')[:10]}. Command: `python -m pytest {' '.join(files)} "
-            f"--benchmark-only`; data: `{path}`.")
+    return (
+        f"Measured on {cpu}"
+        + (f" ({count} logical CPUs)" if count and not gpu else (f", {count}" if count else (")" if gpu else "")))
+        + f", Python "
+        f"{mi.get('python_version', '?')}" + (f", torch {torch_v}" if torch_v else "") + f"; fedfast commit "
+        f"{commit}, {d.get('datetime', '?')[:10]}. Command: `python -m pytest {' '.join(files)} "
+        f"--benchmark-only`; data: `{path}`."
+    )
 
 
 def tune_table(name: str = "nvidia-h100-80gb-hbm3-tune.json") -> str:
@@ -237,12 +284,17 @@ def tune_table(name: str = "nvidia-h100-80gb-hbm3-tune.json") -> str:
     with open(path) as f:
         d = json.load(f)
     from tune_conv import CANDIDATES
-    lines = [f"Measured on {_machine(d['machine'])}. Command: `python benchmarks/{d['command']}`; data: "
-             f"`{os.path.relpath(path, ROOT)}`. Each kernel alone, median of 10 timed calls; every result within "
-             f"the TF32 bound of a float64 reference (largest relative error "
-             f"{max(r['rel_err_fp64'] for r in d['rows'] if 'seconds' in r):.1e}).", "",
-             "| layer (clients, batch, Cin->Cout, HxW, kernel) | kernel | cuDNN grouped | implicit GEMM, shipped tile | "
-             "implicit GEMM, fastest tile (tile) |", "|---|---|---|---|---|"]
+
+    lines = [
+        f"Measured on {_machine(d['machine'])}. Command: `python benchmarks/{d['command']}`; data: "
+        f"`{os.path.relpath(path, ROOT)}`. Each kernel alone, median of 10 timed calls; every result within "
+        f"the TF32 bound of a float64 reference (largest relative error "
+        f"{max(r['rel_err_fp64'] for r in d['rows'] if 'seconds' in r):.1e}).",
+        "",
+        "| layer (clients, batch, Cin->Cout, HxW, kernel) | kernel | cuDNN grouped | implicit GEMM, shipped tile | "
+        "implicit GEMM, fastest tile (tile) |",
+        "|---|---|---|---|---|",
+    ]
     cells = {}
     for r in d["rows"]:
         if "seconds" in r and r.get("ok", True):
@@ -253,9 +305,11 @@ def tune_table(name: str = "nvidia-h100-80gb-hbm3-tune.json") -> str:
         tri = [r for r in rows if r["impl"] == "triton"]
         ship = next((r for r in tri if tuple(r["config"]) == tuple(CANDIDATES[kind][0])), None)
         best = min(tri, key=lambda r: r["seconds"]) if tri else None
-        fmt = (lambda r: "-" if r is None else f"{r['seconds'] * 1e3:.3f} ms ({r['tflops']:.1f} TFLOP/s)")
-        lines.append(f"| {layer} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}x{k}) | {kind} | {fmt(cud)} | {fmt(ship)} | "
-                     f"{fmt(best)}{' ' + str(tuple(best['config'])) if best else ''} |")
+        fmt = lambda r: "-" if r is None else f"{r['seconds'] * 1e3:.3f} ms ({r['tflops']:.1f} TFLOP/s)"
+        lines.append(
+            f"| {layer} ({n}, {B}, {ci}->{co}, {H}x{H}, {k}x{k}) | {kind} | {fmt(cud)} | {fmt(ship)} | "
+            f"{fmt(best)}{' ' + str(tuple(best['config'])) if best else ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -273,14 +327,22 @@ def gpu_ops_table(losses: str = "nvidia-h100-80gb-hbm3.json", flat: str = "nvidi
             e = b["extra_info"]
             copy = copy or e.get("copy_gbps")
             rows.append((e, b["stats"]["median"]))
-    lines = [" ".join(out), "", f"Copy bandwidth measured in the losses' run: {copy:.0f} GB/s (bytes read + written).",
-             "", "| op | shape | implementation | median | GB/s | % of copy |", "|---|---|---|---|---|---|"]
+    lines = [
+        " ".join(out),
+        "",
+        f"Copy bandwidth measured in the losses' run: {copy:.0f} GB/s (bytes read + written).",
+        "",
+        "| op | shape | implementation | median | GB/s | % of copy |",
+        "|---|---|---|---|---|---|",
+    ]
     for e, med in rows:
         if "loss" in e:
             op, shape = f"loss {e['loss']} (fwd+bwd)", f"R={e['R']}, C={e['C']}"
         else:
             op, shape = e["op"], f"N={e['N']}, P={e['P']:,}"
-        lines.append(f"| {op} | {shape} | {e['impl']} | {_ms(med)} | {e['gbps']:.0f} | {100 * e['gbps'] / copy:.0f} % |")
+        lines.append(
+            f"| {op} | {shape} | {e['impl']} | {_ms(med)} | {e['gbps']:.0f} | {100 * e['gbps'] / copy:.0f} % |"
+        )
     return "\n".join(lines)
 
 
@@ -293,9 +355,11 @@ def _own_json(name: str, command: str) -> tuple[dict | None, str]:
     with open(path) as f:
         d = json.load(f)
     m = d["machine"]
-    return d, (f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
-               f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `{command}`; data: "
-               f"`{os.path.relpath(path, ROOT)}`.")
+    return d, (
+        f"Measured on {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, Python "
+        f"{m['python']}; fedfast commit `{m['commit'][:12]}`, {m['date']}. Command: `{command}`; data: "
+        f"`{os.path.relpath(path, ROOT)}`."
+    )
 
 
 def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
@@ -303,24 +367,39 @@ def authors_table(name: str = "cpu-2core-amd-epyc-authors.json") -> str:
     d, head = _own_json(name, "fedfast bench --out ...")
     if d is None:
         return head
-    lines = [f"{head} Forward + backward, median; peak memory is the growth of the "
-             f"peak resident set in a fresh process, in units of one logits buffer (R x C x 4 bytes; shown from 4 MB of "
-             f"logits, below which it is page-granular noise).", "",
-             "| loss | R x C | authors' code | fedfast | x authors | authors compiled | x compiled | peak memory: "
-             "authors / fedfast / compiled |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{head} Forward + backward, median; peak memory is the growth of the "
+        f"peak resident set in a fresh process, in units of one logits buffer (R x C x 4 bytes; shown from 4 MB of "
+        f"logits, below which it is page-granular noise).",
+        "",
+        "| loss | R x C | authors' code | fedfast | x authors | authors compiled | x compiled | peak memory: "
+        "authors / fedfast / compiled |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
     def ms(v):
         return f"{v * 1e3:.3f} ms" if v < 1 else f"{v:.2f} s"
+
     for r in d["rows"]:
         s_ = r["seconds"]
         pk = (r.get("peak_bytes") or {}) if r["logits_bytes"] >= 4 << 20 else {}  # smaller: page-granular noise
-        mem = " / ".join("-" if pk.get(k) is None else f"{pk[k] / r['logits_bytes']:.2f}"
-                         for k in ("authors", "fedfast", "authors_compiled")) if pk else "-"
+        mem = (
+            " / ".join(
+                "-" if pk.get(k) is None else f"{pk[k] / r['logits_bytes']:.2f}"
+                for k in ("authors", "fedfast", "authors_compiled")
+            )
+            if pk
+            else "-"
+        )
         comp = s_.get("authors_compiled")
-        lines.append(f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
-                     f"{r['speedup_vs_authors']:.2f} | {ms(comp) if comp else '-'} | "
-                     f"{r['speedup_vs_compiled']:.2f} | {mem} |" if comp else
-                     f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
-                     f"{r['speedup_vs_authors']:.2f} | - | - | {mem} |")
+        lines.append(
+            f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
+            f"{r['speedup_vs_authors']:.2f} | {ms(comp) if comp else '-'} | "
+            f"{r['speedup_vs_compiled']:.2f} | {mem} |"
+            if comp
+            else f"| {r['loss']} | {r['R']} x {r['C']} | {ms(s_['authors'])} | {ms(s_['fedfast'])} | "
+            f"{r['speedup_vs_authors']:.2f} | - | - | {mem} |"
+        )
     return "\n".join(lines)
 
 
@@ -332,12 +411,16 @@ def linear_table(name: str = "cpu-2core-intel-xeon-linear-kd.json") -> str:
         return head
     if not d.get("linear"):
         return head + " (no LinearKDLoss rows in it)"
-    lines = [f"{head} Forward + backward (median of the timed calls, each implementation in its own process, "
-             f"the teacher given as logits); peak memory: the growth of the peak resident set over the inputs, in "
-             f"logits buffers (R x V x 4 bytes), and that growth less the outputs (the gradients of the hidden "
-             f"states and the weight, which every implementation returns).", "",
-             "| R x H x V | logits buffer | implementation | forward + backward | x fused | GFLOP/s (3 GEMMs) | "
-             "peak growth | beyond outputs |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{head} Forward + backward (median of the timed calls, each implementation in its own process, "
+        f"the teacher given as logits); peak memory: the growth of the peak resident set over the inputs, in "
+        f"logits buffers (R x V x 4 bytes), and that growth less the outputs (the gradients of the hidden "
+        f"states and the weight, which every implementation returns).",
+        "",
+        "| R x H x V | logits buffer | implementation | forward + backward | x fused | GFLOP/s (3 GEMMs) | "
+        "peak growth | beyond outputs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in d["linear"]:
         L = r["logits_bytes"]
         fused = r["cases"]["fused"].get("median_s")
@@ -349,9 +432,11 @@ def linear_table(name: str = "cpu-2core-intel-xeon-linear-kd.json") -> str:
                 lines.append(f"| {shape} | {size} | {impl} | not measured: {c.get('error', '?')[:60]} | | | | |")
                 continue
             rel = f"{c['median_s'] / fused:.2f}" if fused else "-"
-            lines.append(f"| {shape} | {size} | {impl} | {c['median_s']:.2f} s | {rel} | "
-                         f"{r['flops'] / c['median_s'] / 1e9:.0f} | {c['peak_bytes'] / L:.2f} | "
-                         f"{c['beyond_outputs_logits']:.2f} |")
+            lines.append(
+                f"| {shape} | {size} | {impl} | {c['median_s']:.2f} s | {rel} | "
+                f"{r['flops'] / c['median_s'] / 1e9:.0f} | {c['peak_bytes'] / L:.2f} | "
+                f"{c['beyond_outputs_logits']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -374,9 +459,13 @@ def peers_table(name: str = "cpu-2core-amd-epyc-peers.json") -> str:
         e = b["extra_info"]
         if "engine_command_s" in e:
             whole.setdefault(e["shape"], {})[e["workers"]] = e
-    lines = [provenance(name), "",
-             "| shape | plain loop s/round | fedfast s/round | × loop | fedfast % of FLOP roofline (loop's) | "
-             "whole command, 5 rounds: loop → fedfast |", "|---|---|---|---|---|---|"]
+    lines = [
+        provenance(name),
+        "",
+        "| shape | plain loop s/round | fedfast s/round | × loop | fedfast % of FLOP roofline (loop's) | "
+        "whole command, 5 rounds: loop → fedfast |",
+        "|---|---|---|---|---|---|",
+    ]
     for shape, e in rows.items():
         own = " of the loop's FLOPs" if shape.startswith("fedntd") else ""  # the engine caches the teacher
         share = f"{100 * e['engine_roofline']:.0f} %{own} ({100 * e['loop_roofline']:.0f} %)"
@@ -388,26 +477,39 @@ def peers_table(name: str = "cpu-2core-amd-epyc-peers.json") -> str:
             cmd = f"{w[1]['loop_command_s']:.1f} s → {w[1]['engine_command_s']:.1f} s"
             if 2 in w:
                 cmd += f" (2 workers: {w[2]['engine_command_s']:.1f} s)"
-        lines.append(f"| {PEER_LABELS.get(shape, shape)} | {e['loop_s']:.3g} | {e['engine_s']:.3g} | "
-                     f"{e['speedup']:.2f} | {share} | {cmd} |")
+        lines.append(
+            f"| {PEER_LABELS.get(shape, shape)} | {e['loop_s']:.3g} | {e['engine_s']:.3g} | "
+            f"{e['speedup']:.2f} | {share} | {cmd} |"
+        )
     return "\n".join(lines)
 
 
-METHOD_NOTES = {"fedcurv": " (+ Fisher pass)", "fedsam": " (2 passes)", "fedspeed": " (2 passes)",
-                "fedgen": " (+ 50 generator steps)", "fedgkd_plus": " (projection head)"}
+METHOD_NOTES = {
+    "fedcurv": " (+ Fisher pass)",
+    "fedsam": " (2 passes)",
+    "fedspeed": " (2 passes)",
+    "fedgen": " (+ 50 generator steps)",
+    "fedgkd_plus": " (projection head)",
+}
 
 
 def methods_table(name: str = "cpu-2core-amd-epyc-methods.json") -> str:
     """bench_methods: each comparison method against its literal loop."""
     path, d = _pytest_json(name)
-    lines = [provenance(name), "", "| method | loop s/round | fedfast s/round | × loop | GFLOP/round | "
-             "fedfast / loop share of sgemm |", "|---|---|---|---|---|---|"]
+    lines = [
+        provenance(name),
+        "",
+        "| method | loop s/round | fedfast s/round | × loop | GFLOP/round | fedfast / loop share of sgemm |",
+        "|---|---|---|---|---|---|",
+    ]
     for b in d["benchmarks"]:
         e = b["extra_info"]
         star = "*" if e["method"] in ("fedsam+asd", "fedspeed+asd") else ""  # the loop's teacher in both passes
-        lines.append(f"| {e['method']}{METHOD_NOTES.get(e['method'], '')} | {e['loop_s']:.2f} | {e['engine_s']:.2f} "
-                     f"| {e['speedup']:.2f} | {e['round_flops'] / 1e9:.0f}{star} | "
-                     f"{e['engine_roofline']:.2f}{star} / {e['loop_roofline']:.2f} |")
+        lines.append(
+            f"| {e['method']}{METHOD_NOTES.get(e['method'], '')} | {e['loop_s']:.2f} | {e['engine_s']:.2f} "
+            f"| {e['speedup']:.2f} | {e['round_flops'] / 1e9:.0f}{star} | "
+            f"{e['engine_roofline']:.2f}{star} / {e['loop_roofline']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -416,24 +518,31 @@ def population_table(name: str = "cpu-2core-amd-epyc-population.json") -> str:
     d, head = _own_json(name, "python benchmarks/bench_population.py --out ...")
     if d is None:
         return head
-    lines = [f"{head} Set-up: the synthetic data and the compact partition; s/round: the mean after the first round; "
-             f"parameters: FedAvg's MLP 32-64-10, SCAFFOLD's 32-1280-10 (55,050, 20 rounds x 1000 clients write 4.4 GB "
-             f"of control variates); store: `state_store`; state in memory: the rows in use and the client map; on "
-             f"disk: the rows written to the file.", "",
-             "| K | samples/client | method | parameters | rounds | store | set-up s | init s | s/round | "
-             "peak RSS GB | data GB | state GB in memory / on disk (clients with a row) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{head} Set-up: the synthetic data and the compact partition; s/round: the mean after the first round; "
+        f"parameters: FedAvg's MLP 32-64-10, SCAFFOLD's 32-1280-10 (55,050, 20 rounds x 1000 clients write 4.4 GB "
+        f"of control variates); store: `state_store`; state in memory: the rows in use and the client map; on "
+        f"disk: the rows written to the file.",
+        "",
+        "| K | samples/client | method | parameters | rounds | store | set-up s | init s | s/round | "
+        "peak RSS GB | data GB | state GB in memory / on disk (clients with a row) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in d["rows"]:
         store = r.get("state_store", "auto")
         if "error" in r:
-            lines.append(f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | | {r['rounds']} | {store} | "
-                         f"failed: {r['error'][-80:]} | | | | | |")
+            lines.append(
+                f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | | {r['rounds']} | {store} | "
+                f"failed: {r['error'][-80:]} | | | | | |"
+            )
             continue
-        lines.append(f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | {r['num_params']:,} | "
-                     f"{r['rounds']} | {store} | {r['setup_s']:.2f} | {r['init_s']:.2f} | {r['s_per_round']:.3f} | "
-                     f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['data_bytes'] / 2**30:.2f} | "
-                     f"{r['state_bytes'] / 2**30:.3f} / {r.get('state_file_bytes', 0) / 2**30:.3f} "
-                     f"({r['state_rows']:,}) |")
+        lines.append(
+            f"| {r['K']:,} | {r['samples_per_client']} | {r['algorithm']} | {r['num_params']:,} | "
+            f"{r['rounds']} | {store} | {r['setup_s']:.2f} | {r['init_s']:.2f} | {r['s_per_round']:.3f} | "
+            f"{r['peak_rss_bytes'] / 2**30:.2f} | {r['data_bytes'] / 2**30:.2f} | "
+            f"{r['state_bytes'] / 2**30:.3f} / {r.get('state_file_bytes', 0) / 2**30:.3f} "
+            f"({r['state_rows']:,}) |"
+        )
     return "\n".join(lines)
 
 
@@ -452,8 +561,9 @@ TABLES = {
     "rounds-gpu-short": lambda: rounds_short(_load("*-rounds*.json"), "cuda"),
     "rounds-cpu-short": lambda: rounds_short(_load("cpu-*-rounds*.json"), "cpu"),
     "conv-cpu": lambda: conv_table(_load("cpu-*-conv.json"), "cpu"),
-    "conv-gpu": lambda: conv_table([(p, r) for p, r in _load("*-conv.json") if not p.split("/")[-1].startswith("cpu")],
-                                   "cuda"),
+    "conv-gpu": lambda: conv_table(
+        [(p, r) for p, r in _load("*-conv.json") if not p.split("/")[-1].startswith("cpu")], "cuda"
+    ),
 }
 _MARK = re.compile(r"(<!-- table:(?P<name>[\w.:-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
@@ -468,6 +578,7 @@ def render(text: str) -> str:
         if name not in TABLES:
             raise SystemExit(f"tables.py: unknown table {name!r} (known: {', '.join(TABLES)}, prov:FILE)")
         return m.group(1) + TABLES[name]() + "\n" + m.group(4)
+
     return _MARK.sub(sub, text)
 
 

@@ -5,6 +5,7 @@ convolution (``simple_cnn``'s second, 50 clients x B 10) forward + backward, and
 
     python benchmarks/tf32_probe.py --out $OUT/<gpu>-tf32.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ def engine_errors(precs):
     from test_batch_norm import _Data, _max_rel, _resnet_run
     from test_engine_conv import _cnn_setup
     from fedfast.triton import conv as tconv
+
     shipped = tconv.TF32_PRECISION
     out = {}
     cfg, model, train, test, part = _resnet_run("auto", smooth=True)
@@ -48,8 +50,9 @@ def engine_errors(precs):
             out[f"resnet_bn/{p}"] = dict(engine=_max_rel(cpu(sim.state_dict()), ref64, floats), tf32_loop=own)
     train, test, part, model = _cnn_setup()
     for conv in ("triton", "hybrid"):
-        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05,
-                                momentum=0.9, seed=1, conv=conv)
+        cfg = fedfast.SimConfig(
+            algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9, seed=1, conv=conv
+        )
         r64 = sequential(cfg, copy.deepcopy(model).double(), _Data(train), part, cfg.rounds).cpu()
         rel = lambda a: float((a.double().cpu() - r64).abs().max() / r64.abs().max())  # noqa: E731
         with tf32_semantics():
@@ -70,6 +73,7 @@ def conv_cost(precs):
 
     from fedfast.ops.client_conv import client_conv2d, client_conv2d_reference
     from fedfast.triton import conv as tconv
+
     shipped = tconv.TF32_PRECISION
     g = torch.Generator().manual_seed(0)
     n, B, Cin, Cout = 50, 10, 32, 64
@@ -77,16 +81,22 @@ def conv_cost(precs):
     w = torch.randn(n, Cout, Cin, 3, 3, generator=g, dtype=torch.float64) * 0.1
     b = torch.randn(n, Cout, generator=g, dtype=torch.float64)
     gy = torch.randn(B, n * Cout, 28, 28, generator=g, dtype=torch.float64)
-    xs, ws, bs = x[:, :2 * Cin].clone().requires_grad_(), w[:2].clone().requires_grad_(), b[:2]
+    xs, ws, bs = x[:, : 2 * Cin].clone().requires_grad_(), w[:2].clone().requires_grad_(), b[:2]
     want = client_conv2d_reference(xs, ws, bs, (1, 1), (0, 0), (1, 1))
-    wgx, wgw = torch.autograd.grad(want, (xs, ws), gy[:, :2 * Cout])
+    wgx, wgw = torch.autograd.grad(want, (xs, ws), gy[:, : 2 * Cout])
     flops = 3 * 2 * n * B * 28 * 28 * Cout * Cin * 9
     xc, wc, bc, gc = (t.float().cuda() for t in (x, w, b, gy))
     res = {}
-    for label, impl, p, tf in [("triton_ieee", "triton", "tf32", False)] + \
-            [(f"triton_{p}", "triton", p, True) for p in precs] + \
-            [("grouped_fp32", "grouped", "tf32", False), ("grouped_tf32", "grouped", "tf32", True),
-             ("hybrid_tf32", "hybrid", "tf32", True), ("hybrid_tf32x3", "hybrid", "tf32x3", True)]:
+    for label, impl, p, tf in (
+        [("triton_ieee", "triton", "tf32", False)]
+        + [(f"triton_{p}", "triton", p, True) for p in precs]
+        + [
+            ("grouped_fp32", "grouped", "tf32", False),
+            ("grouped_tf32", "grouped", "tf32", True),
+            ("hybrid_tf32", "hybrid", "tf32", True),
+            ("hybrid_tf32x3", "hybrid", "tf32x3", True),
+        ]
+    ):
         tconv.TF32_PRECISION = p
         try:
             with tf32_semantics(tf):
@@ -95,15 +105,18 @@ def conv_cost(precs):
                 def step():
                     y = client_conv2d(xx, ww, bc, (1, 1), (0, 0), (1, 1), impl=impl)
                     return torch.autograd.grad(y, (xx, ww), gc)
+
                 gx, gw = step()
-                y = client_conv2d(xx[:, :2 * Cin], ww[:2], bc[:2], (1, 1), (0, 0), (1, 1), impl=impl)
-                err = max(float((a.double().cpu() - e).norm() / e.norm()) for a, e in
-                          ((y.detach(), want.detach()), (gx[:, :2 * Cin], wgx), (gw[:2], wgw)))
+                y = client_conv2d(xx[:, : 2 * Cin], ww[:2], bc[:2], (1, 1), (0, 0), (1, 1), impl=impl)
+                err = max(
+                    float((a.double().cpu() - e).norm() / e.norm())
+                    for a, e in ((y.detach(), want.detach()), (gx[:, : 2 * Cin], wgx), (gw[:2], wgw))
+                )
                 s = do_bench(step, warmup=25, rep=200, return_mode="median") * 1e-3
         finally:
             tconv.TF32_PRECISION = shipped
         res[label] = dict(seconds=s, tflops=flops / s / 1e12, rel_err=err)
-        print(f"  conv {label:14s} {s*1e3:7.3f} ms {flops/s/1e12:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
+        print(f"  conv {label:14s} {s * 1e3:7.3f} ms {flops / s / 1e12:6.1f} TFLOP/s  rel err {err:.1e}", flush=True)
     return res
 
 
@@ -112,6 +125,7 @@ def round_cost(precs, rounds=3):
     from bench_rounds import SHAPES, _data, _model
     from fedfast import data
     from fedfast.triton import conv as tconv
+
     shipped = tconv.TF32_PRECISION
     s = SHAPES["pfl_cifar_50"]
     train, _ = _data(s["dataset"], s["K"] * s["n"])
@@ -123,11 +137,21 @@ def round_cost(precs, rounds=3):
     with tf32_semantics():
         for p in precs:
             tconv.TF32_PRECISION = p
-            cfg = fedfast.SimConfig(algorithm=s["algorithm"], clients_per_round=s["m"], rounds=10**6,
-                                    local_epochs=s["E"], batch_size=s["B"], lr=s["lr"], momentum=s["momentum"],
-                                    seed=0, eval_every=10**6, conv="hybrid")
-            sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train, train.subset(slice(0, 100)), part,
-                                     device="cuda")
+            cfg = fedfast.SimConfig(
+                algorithm=s["algorithm"],
+                clients_per_round=s["m"],
+                rounds=10**6,
+                local_epochs=s["E"],
+                batch_size=s["B"],
+                lr=s["lr"],
+                momentum=s["momentum"],
+                seed=0,
+                eval_every=10**6,
+                conv="hybrid",
+            )
+            sim = fedfast.Simulation(
+                cfg, copy.deepcopy(model).cuda(), train, train.subset(slice(0, 100)), part, device="cuda"
+            )
             sim.round()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -135,7 +159,7 @@ def round_cost(precs, rounds=3):
                 sim.round()
             torch.cuda.synchronize()
             out[p] = (time.perf_counter() - t0) / rounds
-            print(f"  pfl_cifar_50 hybrid {p}: {out[p]*1e3:.2f} ms/round", flush=True)
+            print(f"  pfl_cifar_50 hybrid {p}: {out[p] * 1e3:.2f} ms/round", flush=True)
     tconv.TF32_PRECISION = shipped
     return out
 
@@ -145,6 +169,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from bench_rounds import machine
+
     precs = ("tf32", "tf32x3")
     res = dict(machine=machine(torch.device("cuda")))
     res["engine_errors"] = engine_errors(precs)

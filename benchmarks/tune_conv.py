@@ -20,6 +20,7 @@ plain loop).
     python benchmarks/tune_conv.py --device cuda --out $OUT/tune.json --best-out $OUT/tuned.txt --seconds 150
     TRITON_INTERPRET=1 python benchmarks/tune_conv.py --device cpu --layers tiny --reps 1   # the code paths only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,36 @@ CHOOSE = "pfl50.conv2,pfl200.conv2,pfl1000.conv2"
 # sweep's first GPU run, where the forward's (128, 64, 16, 4, 4) and the input gradient's (128, 32, 16, 4, 4) were
 # faster but spill registers (see CONFIGS)
 CANDIDATES = {
-    "fwd": [(64, 64, 16, 8, 2), (128, 64, 16, 4, 4), (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 64, 32, 8, 3),
-            (256, 64, 32, 8, 3), (64, 64, 32, 4, 4), (128, 64, 32, 8, 4)],
-    "dgrad": [(64, 32, 16, 4, 2), (128, 32, 16, 4, 4), (64, 32, 32, 4, 3), (128, 32, 32, 4, 3), (128, 32, 64, 4, 3),
-              (128, 32, 32, 8, 3), (256, 32, 32, 8, 3), (256, 32, 64, 8, 3)],
-    "wgrad": [(64, 32, 32, 4, 4), (64, 64, 32, 8, 2), (64, 32, 64, 4, 3), (64, 32, 128, 4, 3), (64, 32, 64, 8, 3),
-              (64, 32, 128, 8, 3), (64, 32, 256, 8, 2), (64, 32, 128, 4, 4)],
+    "fwd": [
+        (64, 64, 16, 8, 2),
+        (128, 64, 16, 4, 4),
+        (64, 64, 32, 4, 3),
+        (128, 64, 32, 4, 3),
+        (128, 64, 32, 8, 3),
+        (256, 64, 32, 8, 3),
+        (64, 64, 32, 4, 4),
+        (128, 64, 32, 8, 4),
+    ],
+    "dgrad": [
+        (64, 32, 16, 4, 2),
+        (128, 32, 16, 4, 4),
+        (64, 32, 32, 4, 3),
+        (128, 32, 32, 4, 3),
+        (128, 32, 64, 4, 3),
+        (128, 32, 32, 8, 3),
+        (256, 32, 32, 8, 3),
+        (256, 32, 64, 8, 3),
+    ],
+    "wgrad": [
+        (64, 32, 32, 4, 4),
+        (64, 64, 32, 8, 2),
+        (64, 32, 64, 4, 3),
+        (64, 32, 128, 4, 3),
+        (64, 32, 64, 8, 3),
+        (64, 32, 128, 8, 3),
+        (64, 32, 256, 8, 2),
+        (64, 32, 128, 4, 4),
+    ],
 }
 TOL = {True: 1e-2, False: 1e-5}
 
@@ -64,6 +89,7 @@ TOL = {True: 1e-2, False: 1e-5}
 def _inputs(geom, dev, seed):
     n, B, Cin, Cout, H, k, s, p = geom
     from fedfast.ops.client_conv import out_size
+
     OH, _ = out_size(H, H, k, s, p, 1)
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(B, n * Cin, H, H, generator=g).to(dev)
@@ -79,13 +105,13 @@ def _cudnn(kind, geom, x, w, b, go):
     if kind == "fwd":
         return F.conv2d(x, w2, b.reshape(-1), s, p, 1, n)
     mask = [kind == "dgrad", kind == "wgrad", False]
-    gx, gw, _ = torch.ops.aten.convolution_backward(go, x, w2, None, [s, s], [p, p], [1, 1], False, [0, 0], n,
-                                                    mask)
+    gx, gw, _ = torch.ops.aten.convolution_backward(go, x, w2, None, [s, s], [p, p], [1, 1], False, [0, 0], n, mask)
     return gx if kind == "dgrad" else gw.view(n, Cout, Cin, k, k)
 
 
 def _triton(kind, geom, x, w, b, go, tf32, cfg, dst):
     from fedfast.triton import conv as tc
+
     n, B, Cin, Cout, H, k, s, p = geom
     st, pd, dl = (s, s), (p, p), (1, 1)
     if kind == "fwd":
@@ -136,6 +162,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     rows, skipped = [], 0
     from bench_rounds import machine
+
     for tf32 in [bool(int(v)) for v in a.tf32.split(",")]:
         if dev.type == "cuda":
             torch.backends.cudnn.allow_tf32 = tf32
@@ -143,6 +170,7 @@ def main(argv=None):
             geom = LAYERS[name]
             n, B, Cin, Cout, H, k, s, p = geom
             from fedfast.ops.client_conv import out_size
+
             OH, _ = out_size(H, H, k, s, p, 1)
             flops = 2 * n * B * OH * OH * Cout * Cin * k * k
             x, w, b, go = _inputs(geom, dev, seed=len(rows) + 1)  # fresh random inputs per layer
@@ -159,24 +187,33 @@ def main(argv=None):
                         fn = lambda: _cudnn(kind, geom, x, w, b, go)  # noqa: E731, F821 (deleted after use)
                     else:
                         fn = lambda: _triton(kind, geom, x, w, b, go, tf32, cfg, dst)  # noqa: E731, F821
-                    row = dict(layer=name, geometry=list(geom), kind=kind, tf32=tf32, impl=impl,
-                               config=list(cfg) if cfg else None, flops=flops)
+                    row = dict(
+                        layer=name,
+                        geometry=list(geom),
+                        kind=kind,
+                        tf32=tf32,
+                        impl=impl,
+                        config=list(cfg) if cfg else None,
+                        flops=flops,
+                    )
                     try:
                         dst.fill_(float("nan"))
                         row["rel_err_fp64"] = _err(fn(), ref)
                         sec = _time(fn, dev, a.reps)
                     except Exception as e:  # a tile that does not compile or launch (shared memory): recorded
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                        print(f"{name:20} {kind:6} tf32={int(tf32)} {impl:7} {str(cfg):24} {row['error']}",
-                              flush=True)
+                        print(f"{name:20} {kind:6} tf32={int(tf32)} {impl:7} {str(cfg):24} {row['error']}", flush=True)
                         rows.append(row)
                         continue
-                    row.update(seconds=sec, tflops=flops / sec / 1e12,
-                               ok=bool(row["rel_err_fp64"] <= TOL[tf32]))  # NaN compares False
+                    row.update(
+                        seconds=sec, tflops=flops / sec / 1e12, ok=bool(row["rel_err_fp64"] <= TOL[tf32])
+                    )  # NaN compares False
                     rows.append(row)
-                    print(f"{name:20} {kind:6} tf32={int(tf32)} {impl:7} {str(cfg or ''):24} {sec * 1e3:9.3f} ms "
-                          f"{row['tflops']:7.2f} TFLOP/s  err {row['rel_err_fp64']:.1e}{'' if row['ok'] else ' BAD'}",
-                          flush=True)
+                    print(
+                        f"{name:20} {kind:6} tf32={int(tf32)} {impl:7} {str(cfg or ''):24} {sec * 1e3:9.3f} ms "
+                        f"{row['tflops']:7.2f} TFLOP/s  err {row['rel_err_fp64']:.1e}{'' if row['ok'] else ' BAD'}",
+                        flush=True,
+                    )
                     _write(a.out, dev, rows, None, skipped, machine)
             del x, w, b, go
             if dev.type == "cuda":
@@ -220,9 +257,15 @@ def choose(rows, layers) -> dict:
 def _write(path, dev, rows, best, skipped, machine):
     if not path:
         return
-    info = dict(machine=machine(dev), command=" ".join(["tune_conv.py"] + sys.argv[1:]), rows=rows,
-                best={k: list(v) for k, v in (best or {}).items()}, rows_not_run=skipped)
+    info = dict(
+        machine=machine(dev),
+        command=" ".join(["tune_conv.py"] + sys.argv[1:]),
+        rows=rows,
+        best={k: list(v) for k, v in (best or {}).items()},
+        rows_not_run=skipped,
+    )
     from fedfast._io import write_atomic
+
     write_atomic(path, json.dumps(info, indent=1))
 
 

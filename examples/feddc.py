@@ -28,6 +28,7 @@ How it maps onto fedfast's generic terms (docs/methods.md):
 
     fedfast run --plugin examples/feddc.py --set algorithm=feddc --set feddc.alpha=0.01
 """
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ _CODE = "gaoliang13/FedDC, example_code_cifar10.py and utils_general.py"
 class _Chunk:
     """FedDC's per-chunk state (returned by chunk_start, read back as ctx.chunk): r_i, alpha_i, the penalty
     gradient's theta-free part and its buffer."""
+
     r: torch.Tensor
     alpha: torch.Tensor
     lin: torch.Tensor
@@ -53,9 +55,11 @@ class _Chunk:
 class FedDC(FedAvg):
     """FedDC (Gao et al., CVPR 2022): local drift h_i and gradient correction G_i; the global model is the mean of
     the round's clients plus the mean drift of all clients."""
-    paper = ("Gao et al., FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction, "
-             "CVPR 2022")
-    aggregation = "uniform"        # w' = mean_i theta_i (np.mean over the selected clients in the code)
+
+    paper = (
+        "Gao et al., FedDC: Federated Learning with Non-IID Data via Local Drift Decoupling and Correction, CVPR 2022"
+    )
+    aggregation = "uniform"  # w' = mean_i theta_i (np.mean over the selected clients in the code)
     aggregation_fixed = True
     max_grad_norm, max_grad_norm_source = 10.0, f"{_CODE}: clip_grad_norm_(max_norm=10) every step"
     sgd_only = "its correction beta = 1 / (n_minibatch lr) counts plain SGD steps (Gao et al. 2022)"
@@ -78,8 +82,10 @@ class FedDC(FedAvg):
 
     def round_start(self, ctx):
         # the round's sums (collect adds to them; the engine sums them over chunks and ranks before server)
-        return {"dh": torch.zeros_like(self.hbar),  # sum_i Delta_i
-                "dG": torch.zeros_like(self.G)}     # sum_i r_i (G_i' - G_i)
+        return {
+            "dh": torch.zeros_like(self.hbar),  # sum_i Delta_i
+            "dG": torch.zeros_like(self.G),
+        }  # sum_i r_i (G_i' - G_i)
 
     def chunk_start(self, ctx, lo, hi):
         e, P = self.engine, self.engine.num_params
@@ -98,7 +104,7 @@ class FedDC(FedAvg):
 
     def chunk_aggregate(self, ctx, lo, hi):
         # h_i <- h_i + (theta_i - w): state rows with coefficient 1
-        return dict(state_rows=ctx.rows[lo:hi, :self.engine.num_params].contiguous())
+        return dict(state_rows=ctx.rows[lo:hi, : self.engine.num_params].contiguous())
 
     def collect(self, ctx, out, lo, hi):
         e, P = self.engine, self.engine.num_params
@@ -107,8 +113,10 @@ class FedDC(FedAvg):
         beta = 1.0 / (self.n_minibatch * e.config.lr)
         G_new = G_old - self.G / r - beta * delta
         # the clients' new rows [h_i' | G_i'], and their shares of the round's sums
-        return Collected(rows=torch.cat([out["state_rows"], G_new], 1),
-                         sums={"dG": (r * (G_new - G_old)).sum(0), "dh": out["state_change"]})
+        return Collected(
+            rows=torch.cat([out["state_rows"], G_new], 1),
+            sums={"dG": (r * (G_new - G_old)).sum(0), "dh": out["state_change"]},
+        )
 
     def server(self, ctx, avg):
         N = self.engine.num_clients

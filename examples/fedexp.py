@@ -14,6 +14,7 @@ the average update vanishes; the paper tunes it, 1e-3 here.
 
     fedfast run --plugin examples/fedexp.py --set algorithm=fedexp --set fedexp.eps=1e-3
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,9 @@ from fedfast.methods import Collected, FedAvg, opt, register
 class FedExP(FedAvg):
     """FedExP (Jhunjhunwala et al., ICLR 2023): FedAvg with the adaptive server step size
     eta_g = max(1, sum_i ||Delta_i||^2 / (2 M (||Delta||^2 + eps)))."""
+
     paper = "Jhunjhunwala, Wang and Joshi, FedExP: Speeding Up Federated Averaging via Extrapolation, ICLR 2023"
-    aggregation = "uniform"        # Delta is the plain mean of the participants' updates
+    aggregation = "uniform"  # Delta is the plain mean of the participants' updates
     aggregation_fixed = True
 
     @dataclass
@@ -35,18 +37,18 @@ class FedExP(FedAvg):
         average_last_two: bool = opt(True, "evaluate (w_t + w_{t-1}) / 2, the averaged iterate the paper reports")
 
     def setup(self):
-        self.prev = self.engine.global_flat.clone()   # w_{t-1}: checkpointed without a list (guide: State)
+        self.prev = self.engine.global_flat.clone()  # w_{t-1}: checkpointed without a list (guide: State)
         self.eta_g = torch.ones((), device=self.engine.device)
 
     def round_start(self, ctx):
         return {"sq": torch.zeros((), device=self.engine.device)}  # the round's sum_i ||Delta_i||^2
 
     def collect(self, ctx, out, lo, hi):
-        rows = self.engine.client_params(hi - lo)     # the chunk's trained clients, one row each
+        rows = self.engine.client_params(hi - lo)  # the chunk's trained clients, one row each
         return Collected(sums={"sq": (rows - self.engine.global_flat).pow(2).sum()})
 
     def server(self, ctx, avg):
-        w = self.engine.global_flat                    # still the round's starting model here
+        w = self.engine.global_flat  # still the round's starting model here
         delta = w - avg
         M = ctx.num_total
         self.eta_g = torch.clamp(ctx.sums["sq"] / (2 * M * (delta.pow(2).sum() + self.opts.eps)), min=1.0)

@@ -21,6 +21,7 @@ none in the next round. Round 1 has no global prototypes (CE alone).
 ``tests/test_fedproto_example.py`` checks it against a literal per-client loop (``nn.Module``, ``torch.optim.SGD``,
 a forward hook for the features, the prototypes from a pass over each client's data, ``state_dict`` averaging).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from fedfast.methods.hooks import cross_entropy, weighted_mean_rows
 class FedProto(FedAvg):
     """FedProto (Tan et al. 2022): CE + ld * MSE(f(x), the global prototype of x's class); prototypes are class
     means of the representation, the global ones the mean over the round's clients of theirs."""
+
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     needs_features = True  # the loss reads Step.features, the classifier's input
 
@@ -43,13 +45,15 @@ class FedProto(FedAvg):
     def setup(self):
         e = self.engine
         C, F = e.num_classes, e.feature_width
-        self.protos = torch.zeros(C, F, device=e.device)            # global prototypes, [C, F]
+        self.protos = torch.zeros(C, F, device=e.device)  # global prototypes, [C, F]
         self.has = torch.zeros(C, dtype=torch.bool, device=e.device)  # the classes that have one
 
     def round_start(self, ctx):
         e = self.engine  # the round's sums over its clients (and processes): collect adds to them
-        return {"proto_sum": torch.zeros(e.num_classes, e.feature_width, device=e.device),
-                "proto_clients": torch.zeros(e.num_classes, device=e.device)}
+        return {
+            "proto_sum": torch.zeros(e.num_classes, e.feature_width, device=e.device),
+            "proto_clients": torch.zeros(e.num_classes, device=e.device),
+        }
 
     def loss(self, ctx, b):
         y = b.target.clamp_min(0)  # padding rows (target -100) are masked by weighted_mean_rows
@@ -68,7 +72,7 @@ class FedProto(FedAvg):
             sums.index_add_(0, key, part.features.reshape(-1, F) * w[:, None])
             counts.index_add_(0, key, w)
         holds = (counts > 0).view(n, C)
-        local = (sums / counts.clamp_min(1)[:, None]).view(n, C, F)   # each client's local prototypes
+        local = (sums / counts.clamp_min(1)[:, None]).view(n, C, F)  # each client's local prototypes
         # the chunk's shares of the round's sums (the engine adds the chunks' and ranks')
         return Collected(sums={"proto_sum": (local * holds[..., None]).sum(0), "proto_clients": holds.sum(0)})
 

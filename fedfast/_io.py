@@ -2,6 +2,7 @@
 naming the path), reading a JSON file fedfast wrote,
 and a host-to-device copy without a host sync. Their one address is here (``tests/test_layers.py`` keeps re-exports
 out)."""
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,11 @@ class WriteError(OSError):
         self.path = path
 
     def __str__(self) -> str:
-        return f"{self.path}: could not be written ({self.strerror}" + (f", errno {self.errno}" if self.errno else "") \
+        return (
+            f"{self.path}: could not be written ({self.strerror}"
+            + (f", errno {self.errno}" if self.errno else "")
             + ")"
+        )
 
 
 def write_atomic(path: str, data: bytes | str) -> None:
@@ -105,8 +109,8 @@ def host_to_device(a, device: torch.device, dtype: torch.dtype | None = None) ->
 
 
 # -- the files a run reads: its data, for the run's fingerprint (fedfast.fingerprint) --------------------------
-_READS: list[set] = []   # the active recorders (innermost last)
-_QUIET = [0]             # > 0: reads are not recorded (a loader's own cache of derived data)
+_READS: list[set] = []  # the active recorders (innermost last)
+_QUIET = [0]  # > 0: reads are not recorded (a loader's own cache of derived data)
 _HOOKED = [False]
 _SKIP_DIRS = ("/proc/", "/sys/", "/dev/")
 _CODE = (".py", ".pyc", ".pyo", ".so", ".pyd", ".pth")

@@ -6,6 +6,7 @@ replacement is recorded (:meth:`Registry.replacements`), ``config.json`` keeps i
 rows. Registering the same entry again - the same function or class from the same file, or from a file of the same
 content (a plug-in loaded again by a resume, a sweep, a worker process) - is harmless.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,9 @@ def check_entry(call: str, name, fn, options) -> None:
     if not (isinstance(name, str) and name) or not callable(fn):
         raise ValueError(f"{call}: a non-empty name and a callable, got {name!r}, {fn!r}")
     if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)):
-        raise TypeError(f"{call}({name!r}): options must be a dataclass (fields made with fedfast.methods.opt), got "
-                        f"{options!r}")
+        raise TypeError(
+            f"{call}({name!r}): options must be a dataclass (fields made with fedfast.methods.opt), got {options!r}"
+        )
 
 
 class Registry(dict):
@@ -85,10 +87,12 @@ class Registry(dict):
         if old is not None and old is not value and not same_source(old, value):
             (oq, of), (nq, nf) = origin(old), origin(value)
             if not replace:
-                raise ValueError(f"{call}({name!r}): the name {name!r} is taken by {oq} ({of}); {nq} "
-                                 f"({nf}) would replace it, and every run with {self.key} = {name!r} would silently "
-                                 f"be {nq}'s. Register it under a name of its own, or with {call}({name!r}, ..., "
-                                 f"replace=True) to replace it on purpose (the run then records it)")
+                raise ValueError(
+                    f"{call}({name!r}): the name {name!r} is taken by {oq} ({of}); {nq} "
+                    f"({nf}) would replace it, and every run with {self.key} = {name!r} would silently "
+                    f"be {nq}'s. Register it under a name of its own, or with {call}({name!r}, ..., "
+                    f"replace=True) to replace it on purpose (the run then records it)"
+                )
             base = self.replaced.get(name, {}).get("replaced", f"{oq} ({of})")
             self.replaced[name] = {"replaced": base, "by": f"{nq} ({nf})"}
         self[name] = value

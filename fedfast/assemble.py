@@ -4,6 +4,7 @@ chosen by name from a registry (:data:`fedfast.data.DATASETS`, :data:`fedfast.da
 ``register_model``), assembled into a :class:`fedfast.Simulation`. The library's entry point below the command
 line: ``fedfast run``, ``fedfast sweep`` and :mod:`fedfast.jobs` call :func:`build`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,17 +26,25 @@ _BUILT_CODE: set = set()  # modules of the user's own that a run's build importe
 
 def load_data(cfg, tokenizer=None):
     """The dataset's train and test sets; a missing file names ``data_dir`` and where to get the data."""
-    spec = {"data_dir": cfg["data_dir"], "tokenizer": tokenizer, "max_length": cfg["max_length"], "seed": cfg["seed"],
-            "options": _options(cfg, "dataset")}
+    spec = {
+        "data_dir": cfg["data_dir"],
+        "tokenizer": tokenizer,
+        "max_length": cfg["max_length"],
+        "seed": cfg["seed"],
+        "options": _options(cfg, "dataset"),
+    }
     try:
         return DATASETS[cfg["dataset"]].load(spec)
     except FileNotFoundError as e:
         msg = e.args[1] if len(e.args) > 1 and e.filename else str(e)
-        if e.filename and os.path.commonpath([os.path.abspath(str(e.filename)),
-                                              os.path.abspath(cfg["data_dir"])]) != os.path.abspath(cfg["data_dir"]):
+        if e.filename and os.path.commonpath(
+            [os.path.abspath(str(e.filename)), os.path.abspath(cfg["data_dir"])]
+        ) != os.path.abspath(cfg["data_dir"]):
             raise ValueError(f"dataset: {cfg['dataset']!r} needs {e.filename}: {msg}") from None
-        raise ValueError(f"data_dir: dataset {cfg['dataset']!r} needs files under data_dir = {cfg['data_dir']!r} "
-                         f"(--set data_dir=PATH): {msg}") from None
+        raise ValueError(
+            f"data_dir: dataset {cfg['dataset']!r} needs files under data_dir = {cfg['data_dir']!r} "
+            f"(--set data_dir=PATH): {msg}"
+        ) from None
 
 
 def _options(cfg, kind: str):
@@ -53,12 +62,16 @@ def partition(cfg, train):
     if not isinstance(part, Partition):
         raise TypeError(f"partition: {cfg['partition']!r} returned {type(part).__name__}, not a fedfast.data.Partition")
     if entry.sets_num_clients and part.num_clients != cfg["num_clients"] and "num_clients" in getattr(cfg, "given", ()):
-        raise ValueError(f"num_clients: {cfg['num_clients']}, but partition {cfg['partition']!r} decides the number of "
-                         f"clients itself and made {part.num_clients}; leave num_clients out")
+        raise ValueError(
+            f"num_clients: {cfg['num_clients']}, but partition {cfg['partition']!r} decides the number of "
+            f"clients itself and made {part.num_clients}; leave num_clients out"
+        )
     if not entry.sets_num_clients and part.num_clients != cfg["num_clients"]:
-        raise ValueError(f"partition: {cfg['partition']!r} made {part.num_clients} clients, num_clients is "
-                         f"{cfg['num_clients']}; a partition that decides the number of clients itself is registered "
-                         f"with sets_num_clients=True")
+        raise ValueError(
+            f"partition: {cfg['partition']!r} made {part.num_clients} clients, num_clients is "
+            f"{cfg['num_clients']}; a partition that decides the number of clients itself is registered "
+            f"with sets_num_clients=True"
+        )
     return part
 
 
@@ -87,7 +100,7 @@ def build_run(cfg, device=None, group=None, state_dir: str | None = None):
         train, test = load_data(cfg, tokenizer)
     if cfg["train_fraction"] < 1:  # a seeded random subset, before the method's held-out splits and the partition
         g = torch.Generator().manual_seed(cfg["seed"] + 15485863)
-        keep = torch.randperm(len(train), generator=g)[:max(1, round(cfg["train_fraction"] * len(train)))]
+        keep = torch.randperm(len(train), generator=g)[: max(1, round(cfg["train_fraction"] * len(train)))]
         train = train.subset(keep.sort().values)
     validation = None
     if cfg["val_fraction"] > 0:  # model selection's split: seeded, before the method's splits and the partition
@@ -95,17 +108,20 @@ def build_run(cfg, device=None, group=None, state_dir: str | None = None):
         perm = torch.randperm(len(train), generator=g)
         n_val = max(1, round(cfg["val_fraction"] * len(train)))
         if n_val >= len(train):
-            raise ValueError(f"val_fraction: {cfg['val_fraction']:g} of {len(train)} training samples leaves none "
-                             f"to train on")
+            raise ValueError(
+                f"val_fraction: {cfg['val_fraction']:g} of {len(train)} training samples leaves none to train on"
+            )
         validation = train.subset(perm[:n_val].sort().values)
         train = train.subset(perm[n_val:].sort().values)
     sc = cfg.sim_config()
     method = sc.method()  # the run's one instance: its held-out splits, then the Simulation's method
     authors = (cfg.values if hasattr(cfg, "values") else cfg).get("split_stream") == "authors"
     if authors and (cfg["train_fraction"] < 1 or cfg["val_fraction"] > 0):
-        raise ValueError("split_stream: the authors' splits are drawn over the whole training set as their code "
-                         "loads it, but train_fraction or val_fraction took samples out first; use "
-                         "split_stream = \"fedfast\"")
+        raise ValueError(
+            "split_stream: the authors' splits are drawn over the whole training set as their code "
+            "loads it, but train_fraction or val_fraction took samples out first; use "
+            'split_stream = "fedfast"'
+        )
     part = partition(cfg, train) if authors else None  # the authors' code splits the set as loaded
     if part is not None and getattr(part, "sample_order", None) is not None:
         # the authors' code shuffled the set before its validation split (FedGKD on Tiny-ImageNet): the set in that
@@ -117,19 +133,40 @@ def build_run(cfg, device=None, group=None, state_dir: str | None = None):
         part = Partition.from_csr(where[part.rows], part.offsets, part.num_classes, train.y, part.method)
     loaded = train
     train, splits = method.hold_out(train, cfg["seed"])  # the method's server-held splits leave the clients
-    if authors and len(train) != len(loaded) and not (
-            train.x.data_ptr() == loaded.x.data_ptr() and int(part.rows.max()) < len(train)):
-        raise ValueError(f"split_stream: the method's held-out split ({cfg['algorithm']}) takes samples that the "
-                         f"authors' split gives to clients; use split_stream = \"fedfast\"")
+    if (
+        authors
+        and len(train) != len(loaded)
+        and not (train.x.data_ptr() == loaded.x.data_ptr() and int(part.rows.max()) < len(train))
+    ):
+        raise ValueError(
+            f"split_stream: the method's held-out split ({cfg['algorithm']}) takes samples that the "
+            f'authors\' split gives to clients; use split_stream = "fedfast"'
+        )
     part = part if authors else partition(cfg, train)
     if part.num_clients != cfg["num_clients"] and cfg["clients_per_round"] > part.num_clients:
-        raise ValueError(f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
-                         f"partition {cfg['partition']!r} made")
+        raise ValueError(
+            f"clients_per_round: {cfg['clients_per_round']} > the {part.num_clients} clients "
+            f"partition {cfg['partition']!r} made"
+        )
     model = model if model is not None else make_model(cfg, train)
     # every build of this process: a module imported by an earlier one is not imported again
     _BUILT_CODE.update(user_code([sys.modules[n] for n in set(sys.modules) - modules if n in sys.modules]))
-    resolved = dataclasses.replace(cfg.replace(num_clients=part.num_clients), data_files=tuple(sorted(files)),
-                                   code_files=tuple(sorted(_BUILT_CODE)))
+    resolved = dataclasses.replace(
+        cfg.replace(num_clients=part.num_clients),
+        data_files=tuple(sorted(files)),
+        code_files=tuple(sorted(_BUILT_CODE)),
+    )
     resolved._keep_sim(sc)  # the same engine settings: the SimConfig (and its validation) is not made again
-    return resolved, Simulation(sc, model, train, test, part, device=device or cfg["device"], process_group=group,
-                                validation=validation, method=method, state_dir=state_dir, **splits)
+    return resolved, Simulation(
+        sc,
+        model,
+        train,
+        test,
+        part,
+        device=device or cfg["device"],
+        process_group=group,
+        validation=validation,
+        method=method,
+        state_dir=state_dir,
+        **splits,
+    )

@@ -21,6 +21,7 @@ GroupNorm, BatchNorm1d/2d (with or without running statistics), ``x + y`` (resid
 :func:`plan` returns ``(None, reason)`` and the engine uses vmap, with a warning saying why. Results equal the
 per-client modules up to floating point summation order (the engine checks this on a probe batch).
 """
+
 from __future__ import annotations
 
 import operator
@@ -36,16 +37,18 @@ from .ops.conv_cpu import PointwiseConv2d, conv2d
 
 _ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Identity)
 _POOL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
-_MODULES = (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d) + \
-    _ELEMENTWISE + _POOL
+_MODULES = (
+    (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d) + _ELEMENTWISE + _POOL
+)
 
 
 @dataclass
 class Step:
     """One node of the program: ``op`` on the values at ``args`` (indices of earlier steps)."""
-    op: str                 # "input", "module", "add", "relu", "flatten", "gap", "output"
+
+    op: str  # "input", "module", "add", "relu", "flatten", "gap", "output"
     args: tuple = ()
-    name: str = ""          # module path (parameter prefix)
+    name: str = ""  # module path (parameter prefix)
     module: nn.Module | None = None
 
 
@@ -56,12 +59,22 @@ class Plan(list):
     ``"gemm"``, ``"triton"`` or ``"hybrid"``; layers with ``groups > 1`` always run grouped). ``channels_last``: the
     image layout (None: NHWC on a CPU, where oneDNN wants it, and for Triton convolutions, whose channel loads it makes
     contiguous; NCHW otherwise, ``"hybrid"`` included: cuDNN's grouped gradients run faster in NCHW)."""
+
     dense_input = False
     conv = "grouped"
     channels_last: bool | None = None
 
-    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None, *,
-                buffers: dict | None = None, valid: Tensor | None = None, update: bool = False):
+    def forward(
+        self,
+        params: dict,
+        x: Tensor,
+        training: bool,
+        features: nn.Module | None = None,
+        *,
+        buffers: dict | None = None,
+        valid: Tensor | None = None,
+        update: bool = False,
+    ):
         """:func:`batched_forward` of this program (the executors' common call, as
         :meth:`fedfast.grouped.GroupedPlan.forward`)."""
         cl = self.channels_last
@@ -101,8 +114,10 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
     mods = dict(gm.named_modules())
     prog, idx, sizes = Plan(), {}, {}
     for node in gm.graph.nodes:
+
         def ref(a):
             return idx.get(a) if isinstance(a, torch.fx.Node) else None
+
         if node.op == "placeholder":
             if any(s.op == "input" for s in prog):
                 return None, "its forward takes more than one input"
@@ -119,13 +134,21 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
             prog.append(Step("module", (ref(node.args[0]),), node.target, m))
         elif node.op == "call_function":
             a = [ref(x) for x in node.args]
-            if node.target in (operator.add, torch.add, operator.iadd) and len(node.args) == 2 and None not in a \
-                    and not node.kwargs:
+            if (
+                node.target in (operator.add, torch.add, operator.iadd)
+                and len(node.args) == 2
+                and None not in a
+                and not node.kwargs
+            ):
                 step = Step("add", tuple(a))
             elif node.target in (torch.relu, F.relu) and a and a[0] is not None:
                 step = Step("relu", (a[0],))
-            elif node.target is torch.flatten and a[0] is not None and tuple(node.args[1:]) in ((1,), (1, -1)) \
-                    and not node.kwargs:
+            elif (
+                node.target is torch.flatten
+                and a[0] is not None
+                and tuple(node.args[1:]) in ((1,), (1, -1))
+                and not node.kwargs
+            ):
                 step = Step("flatten", (a[0],))
             else:
                 return None, f"the function {getattr(node.target, '__name__', node.target)} is not supported"
@@ -143,12 +166,16 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 step = Step("relu", (a0,))
             elif node.target == "flatten" and rest in ((1,), (1, -1)):
                 step = Step("flatten", (a0,))
-            elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and \
-                    sizes.get(rest[0]) == a0:
+            elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and sizes.get(rest[0]) == a0:
                 step = Step("flatten", (a0,))
-            elif node.target == "mean" and (rest in (((2, 3),), ((-2, -1),), ((-1, -2),), ((3, 2),))
-                                            or node.kwargs.get("dim") in ((2, 3), (-2, -1))) \
-                    and not node.kwargs.get("keepdim", False):
+            elif (
+                node.target == "mean"
+                and (
+                    rest in (((2, 3),), ((-2, -1),), ((-1, -2),), ((3, 2),))
+                    or node.kwargs.get("dim") in ((2, 3), (-2, -1))
+                )
+                and not node.kwargs.get("keepdim", False)
+            ):
                 step = Step("gap", (a0,))
             else:
                 return None, f"the method {node.target}{rest} is not supported"
@@ -164,8 +191,9 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
         return None, "it has no layers"
     _pool_before_relu(prog)
     first = [s for s in prog if 0 in s.args]
-    prog.dense_input = bool(first) and all(s.op == "flatten" or (s.op == "module" and isinstance(s.module, nn.Flatten))
-                                           for s in first)
+    prog.dense_input = bool(first) and all(
+        s.op == "flatten" or (s.op == "module" and isinstance(s.module, nn.Flatten)) for s in first
+    )
     return prog, ""
 
 
@@ -245,9 +273,22 @@ def _input_layout(x: Tensor, dense_input: bool, cl: bool):
     return x, False
 
 
-def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dict, n: int, B: int, training: bool,
-                  conv: str, cl: bool, dense, buffers: dict | None = None, valid: Tensor | None = None,
-                  update: bool = False):
+def _apply_module(
+    m: nn.Module,
+    name: str,
+    h: Tensor,
+    grouped: bool,
+    params: dict,
+    n: int,
+    B: int,
+    training: bool,
+    conv: str,
+    cl: bool,
+    dense,
+    buffers: dict | None = None,
+    valid: Tensor | None = None,
+    update: bool = False,
+):
     """One layer for all n clients at once, with each client's own parameters; returns (output, grouped)."""
     nhwc = torch.channels_last
     if isinstance(m, nn.Conv2d):
@@ -256,23 +297,40 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dic
         if m.groups == 1 and conv != "grouped":
             h = client_conv2d(h, w, b, m.stride, m.padding, m.dilation, impl=conv)
         else:
-            h = conv2d(h, w.reshape(n * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
-                       m.stride, m.padding, m.dilation, n * m.groups)  # a strided 1x1 on the CPU: subsampled
+            h = conv2d(
+                h,
+                w.reshape(n * w.shape[1], *w.shape[2:]),
+                None if b is None else b.reshape(-1),
+                m.stride,
+                m.padding,
+                m.dilation,
+                n * m.groups,
+            )  # a strided 1x1 on the CPU: subsampled
         if cl and not h.is_contiguous(memory_format=nhwc):
             h = h.contiguous(memory_format=nhwc)
     elif isinstance(m, nn.GroupNorm):
         w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-        h = F.group_norm(h, n * m.num_groups, None if w is None else w.reshape(-1),
-                         None if b is None else b.reshape(-1), m.eps)
+        h = F.group_norm(
+            h, n * m.num_groups, None if w is None else w.reshape(-1), None if b is None else b.reshape(-1), m.eps
+        )
     elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):  # per client: its statistics, weights, running buffers
         run = {}
         if m.running_mean is not None:
             if buffers is None or f"{name}.running_mean" not in buffers:
                 raise ValueError(f"model: BatchNorm {name!r} keeps running statistics; the forward needs its buffers")
-            run = dict(running_mean=buffers[f"{name}.running_mean"], running_var=buffers[f"{name}.running_var"],
-                       num_batches_tracked=buffers.get(f"{name}.num_batches_tracked"))
-        kw = dict(valid=valid, use_batch_stats=training or not run, update=bool(update and training and run),
-                  momentum=m.momentum, eps=m.eps, **run)
+            run = dict(
+                running_mean=buffers[f"{name}.running_mean"],
+                running_var=buffers[f"{name}.running_var"],
+                num_batches_tracked=buffers.get(f"{name}.num_batches_tracked"),
+            )
+        kw = dict(
+            valid=valid,
+            use_batch_stats=training or not run,
+            update=bool(update and training and run),
+            momentum=m.momentum,
+            eps=m.eps,
+            **run,
+        )
         w, b = params.get(f"{name}.weight"), params.get(f"{name}.bias")
         if grouped:
             h = client_batch_norm(h, n, w, b, **kw)
@@ -295,9 +353,18 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, params: dic
     return h, grouped
 
 
-def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, features: nn.Module | None = None,
-                    channels_last: bool | None = None, *, buffers: dict | None = None, valid: Tensor | None = None,
-                    update: bool = False):
+def batched_forward(
+    prog: Plan,
+    params: dict,
+    x: Tensor,
+    training: bool,
+    features: nn.Module | None = None,
+    channels_last: bool | None = None,
+    *,
+    buffers: dict | None = None,
+    valid: Tensor | None = None,
+    update: bool = False,
+):
     """Run the program from :func:`plan` for n clients: ``params[name.weight]`` is ``[n, *shape]``, ``x`` is
     ``[n, B, ...]``. Returns ``[n, B, out]`` (or ``(input of features [n, B, d], out)``). ``buffers``:
     ``{name: [n, *shape]}`` (BatchNorm's running statistics); ``valid`` [n, B]: the rows that enter BatchNorm's
@@ -347,8 +414,7 @@ def batched_forward(prog: Plan, params: dict, x: Tensor, training: bool, feature
         m, name = s.module, s.name
         if m is features:
             feat = h if not grouped else h.reshape(B, n, -1).transpose(0, 1)
-        h, grouped = _apply_module(m, name, h, grouped, params, n, B, training, conv, cl, dense, buffers, valid,
-                                   update)
+        h, grouped = _apply_module(m, name, h, grouped, params, n, B, training, conv, cl, dense, buffers, valid, update)
         vals[i] = (h, grouped)
     h, grouped = out
     if grouped:  # [B, n*C, H, W] -> [n, B, C, H, W]

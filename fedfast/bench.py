@@ -41,6 +41,7 @@ the weight, which every implementation returns).
 
     fedfast bench --linear-only           # the LinearKDLoss comparison alone (about 15 minutes on 2 cores)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ LINEAR_IMPLS = ("fused", "unfused", "authors")
 
 # ---- the authors' code, written out -----------------------------------------------------------------------------
 
+
 def refine_as_not_true(logits, targets, num_classes):
     """FedNTD's helper, as in its repository: the C-1 not-true logits of each row."""
     nt_positions = torch.arange(0, num_classes).to(logits.device)
@@ -95,13 +97,14 @@ def kd_authors(z, t, y, extra):
     T = TAU["kd"]
     p_s = F.log_softmax(z / T, dim=1)
     p_t = F.softmax(t / T, dim=1)
-    return F.cross_entropy(z, y) + F.kl_div(p_s, p_t, reduction="sum") * (T ** 2) / z.shape[0]
+    return F.cross_entropy(z, y) + F.kl_div(p_s, p_t, reduction="sum") * (T**2) / z.shape[0]
 
 
 def gkd_one_authors(z, t, y, extra):
     T, coef = TAU["gkd"], GAMMA / 2
-    return F.cross_entropy(z, y) + coef * T ** 2 * F.kl_div(F.log_softmax(z / T, dim=1), F.softmax(t / T, dim=1),
-                                                           reduction="batchmean")
+    return F.cross_entropy(z, y) + coef * T**2 * F.kl_div(
+        F.log_softmax(z / T, dim=1), F.softmax(t / T, dim=1), reduction="batchmean"
+    )
 
 
 def gkd_authors(z, t, y, extra):
@@ -124,11 +127,11 @@ def asd_authors(z, t, y, extra):
     return F.cross_entropy(z, y) + LAM * (w * kl).sum()
 
 
-AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd": gkd_one_authors, "gkd_vote3": gkd_authors,
-           "asd": asd_authors}
+AUTHORS = {"ntd": ntd_authors, "kd": kd_authors, "gkd": gkd_one_authors, "gkd_vote3": gkd_authors, "asd": asd_authors}
 
 
 # ---- fedfast ----------------------------------------------------------------------------------------------------
+
 
 def fedfast_losses():
     ntd = fnn.NTDLoss(tau=TAU["ntd"], beta=BETA, tau_squared=False)
@@ -136,16 +139,19 @@ def fedfast_losses():
     gkd = fnn.GKDLoss(tau=TAU["gkd_vote3"], gamma=GAMMA, tau_squared=False)
     gkd1 = fnn.GKDLoss(tau=TAU["gkd"], gamma=GAMMA)
     asd = fnn.ASDLoss(tau=TAU["asd"], lam=LAM)
-    return {"ntd": lambda z, t, y, e: ntd(z, t, y), "kd": lambda z, t, y, e: kd(z, t, y),
-            "gkd": lambda z, t, y, e: gkd1(z, t, y),
-            "gkd_vote3": lambda z, t, y, e: gkd(z, t, y, teacher_weights=e["weights"]),
-            "asd": lambda z, t, y, e: asd(z, t, y, e["prior"])}
+    return {
+        "ntd": lambda z, t, y, e: ntd(z, t, y),
+        "kd": lambda z, t, y, e: kd(z, t, y),
+        "gkd": lambda z, t, y, e: gkd1(z, t, y),
+        "gkd_vote3": lambda z, t, y, e: gkd(z, t, y, teacher_weights=e["weights"]),
+        "asd": lambda z, t, y, e: asd(z, t, y, e["prior"]),
+    }
 
 
 def inputs(loss: str, R: int, C: int, seed: int = 0, dtype=torch.float32, device="cpu"):
     """The case's tensors, drawn on the CPU (the same values on any device) and moved to ``device``."""
     z, t, y, extra = _inputs_cpu(loss, R, C, seed, dtype)
-    mv = (lambda x: x.to(device))
+    mv = lambda x: x.to(device)
     return mv(z), mv(t), mv(y), {k: mv(v) for k, v in extra.items()}
 
 
@@ -182,8 +188,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_case(impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_reps: int = 200,
-              device: str = "cpu") -> float:
+def time_case(
+    impl: str, loss: str, R: int, C: int, min_time: float = 0.5, max_reps: int = 200, device: str = "cpu"
+) -> float:
     """Median seconds of one forward + backward, after two warm-up calls (compilation for the compiled baseline);
     on a GPU each call is timed with the device synchronised before and after."""
     fn = _impl(impl, loss)
@@ -232,9 +239,12 @@ def memory_case(impl: str, loss: str, R: int, C: int, device: str = "cpu") -> in
 
 
 def _memory_in_child(impl: str, loss: str, R: int, C: int, device: str = "cpu") -> int | None:
-    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--device", device, "--_memory", impl, loss, str(R),
-                        str(C)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "fedfast.bench", "--device", device, "--_memory", impl, loss, str(R), str(C)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if r.returncode != 0:
         return None
     return int(r.stdout.strip().splitlines()[-1])
@@ -242,9 +252,10 @@ def _memory_in_child(impl: str, loss: str, R: int, C: int, device: str = "cpu") 
 
 # ---- the output layer fused in: LinearKDLoss against F.linear + KDLoss and F.linear + the authors' lines ---------
 
+
 def _linear_inputs(R: int, H: int, V: int, device: str):
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(R, H, generator=g) * H ** -0.5
+    h = torch.randn(R, H, generator=g) * H**-0.5
     W = torch.randn(V, H, generator=g) * 2
     t = torch.randn(R, V, generator=g) * 2
     y = torch.randint(0, V, (R,), generator=g)
@@ -282,6 +293,7 @@ def linear_case(impl: str, R: int, H: int, V: int, reps: int, device: str = "cpu
         fn(h, W, t, y).backward()
         _sync(device)
         return time.perf_counter() - t0
+
     step()
     h.grad = W.grad = None
     gc.collect()
@@ -299,8 +311,24 @@ def linear_case(impl: str, R: int, H: int, V: int, reps: int, device: str = "cpu
 
 
 def _linear_in_child(impl: str, R: int, H: int, V: int, reps: int, device: str) -> dict | None:
-    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--device", device, "--_linear", impl, str(R), str(H),
-                        str(V), str(reps)], capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedfast.bench",
+            "--device",
+            device,
+            "--_linear",
+            impl,
+            str(R),
+            str(H),
+            str(V),
+            str(reps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if r.returncode != 0:  # killed for memory (-9), or an error: recorded as not measured, with the reason
         return dict(error=f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -324,9 +352,15 @@ def run_linear(shapes, res: dict, out: str | None, echo=print, device: str = "cp
                 if "median_s" in cs[base]:
                     rec[f"speedup_vs_{base}"] = cs[base]["median_s"] / cs["fused"]["median_s"]
         res["linear"].append(rec)
-        echo(f"linear {R} x {H} x {V}: " + "  ".join(
-            f"{k} {c['median_s']:.2f} s, {c['beyond_outputs_logits']:.2f} logits beyond outputs" if "median_s" in c
-            else f"{k} {c['error']}" for k, c in cs.items()))
+        echo(
+            f"linear {R} x {H} x {V}: "
+            + "  ".join(
+                f"{k} {c['median_s']:.2f} s, {c['beyond_outputs_logits']:.2f} logits beyond outputs"
+                if "median_s" in c
+                else f"{k} {c['error']}"
+                for k, c in cs.items()
+            )
+        )
         if out:
             _write(out, res)
 
@@ -348,28 +382,44 @@ def machine(device: str = "cpu") -> dict:
     if not commit:
         try:
             here = os.path.dirname(os.path.abspath(__file__))
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
-    info = dict(device=torch.device(device).type, cpu=cpu, cores=len(os.sched_getaffinity(0)),
-                threads=torch.get_num_threads(), torch=torch.__version__, python=platform.python_version(),
-                fedfast=__version__, commit=commit or "unknown",
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    info = dict(
+        device=torch.device(device).type,
+        cpu=cpu,
+        cores=len(os.sched_getaffinity(0)),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        fedfast=__version__,
+        commit=commit or "unknown",
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
     if info["device"] == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return info
 
 
-def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None, memory: bool | None = None,
-        compiled: bool | None = None, echo=print, device: str = "cpu", linear_shapes=None) -> dict:
+def run(
+    quick: bool = False,
+    losses=LOSSES,
+    shapes=None,
+    out: str | None = None,
+    memory: bool | None = None,
+    compiled: bool | None = None,
+    echo=print,
+    device: str = "cpu",
+    linear_shapes=None,
+) -> dict:
     given = bool(shapes)
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     memory = (not quick) if memory is None else memory
     compiled = (not quick) if compiled is None else compiled
     impls = ["authors", "fedfast"] + (["authors_compiled"] if compiled else [])
-    res = dict(benchmark="losses-vs-authors", machine=machine(device), quick=quick, command=" ".join(sys.argv),
-               rows=[])
+    res = dict(benchmark="losses-vs-authors", machine=machine(device), quick=quick, command=" ".join(sys.argv), rows=[])
     for loss in losses:
         for R, C in shapes:
             rec = dict(loss=loss, R=R, C=C, seconds={}, peak_bytes={}, logits_bytes=R * C * 4)
@@ -382,12 +432,22 @@ def run(quick: bool = False, losses=LOSSES, shapes=None, out: str | None = None,
             if "authors_compiled" in s:
                 rec["speedup_vs_compiled"] = s["authors_compiled"] / s["fedfast"]
             res["rows"].append(rec)
-            mem = "" if not memory else "  peak " + ", ".join(
-                f"{k} {v / rec['logits_bytes']:.2f}x logits" if v is not None else f"{k} -"
-                for k, v in rec["peak_bytes"].items())
-            echo(f"{loss:10} {R:6d} x {C:<7d} " + "  ".join(f"{k} {v * 1e3:9.3f} ms" for k, v in s.items())
-                 + f"  x{rec['speedup_vs_authors']:.2f} authors" + (
-                     f", x{rec['speedup_vs_compiled']:.2f} compiled" if "speedup_vs_compiled" in rec else "") + mem)
+            mem = (
+                ""
+                if not memory
+                else "  peak "
+                + ", ".join(
+                    f"{k} {v / rec['logits_bytes']:.2f}x logits" if v is not None else f"{k} -"
+                    for k, v in rec["peak_bytes"].items()
+                )
+            )
+            echo(
+                f"{loss:10} {R:6d} x {C:<7d} "
+                + "  ".join(f"{k} {v * 1e3:9.3f} ms" for k, v in s.items())
+                + f"  x{rec['speedup_vs_authors']:.2f} authors"
+                + (f", x{rec['speedup_vs_compiled']:.2f} compiled" if "speedup_vs_compiled" in rec else "")
+                + mem
+            )
             if out:
                 _write(out, res)
     if linear_shapes is None:  # with loss shapes given, the LinearKDLoss shapes only when asked for (--linear)
@@ -410,8 +470,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compiled", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (GPU: device memory, synchronised timing)")
     ap.add_argument("--out", default="")
-    ap.add_argument("--linear", default="", help="LinearKDLoss shapes R,H,V;R,H,V (default: the two language-model "
-                    "shapes, or the quick one with --quick); 'none' to skip")
+    ap.add_argument(
+        "--linear",
+        default="",
+        help="LinearKDLoss shapes R,H,V;R,H,V (default: the two language-model "
+        "shapes, or the quick one with --quick); 'none' to skip",
+    )
     ap.add_argument("--linear-only", action="store_true", help="the LinearKDLoss comparison alone")
     ap.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--_linear", nargs=5, help=argparse.SUPPRESS)
@@ -421,8 +485,9 @@ def main(argv=None) -> int:
     except RuntimeError:
         ap.error(f"--device: expected cpu or cuda[:N], got {a.device!r}")
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device: {a.device!r} is not available here (cpu" + (", cuda" if torch.cuda.is_available() else "")
-                 + ")")
+        ap.error(
+            f"--device: {a.device!r} is not available here (cpu" + (", cuda" if torch.cuda.is_available() else "") + ")"
+        )
     if a._linear:
         impl, R, H, V, reps = a._linear
         print(json.dumps(linear_case(impl, int(R), int(H), int(V), int(reps), a.device)))
@@ -452,13 +517,27 @@ def main(argv=None) -> int:
     if a.linear_only:
         if linear == []:
             ap.error("--linear-only with --linear none: nothing to run")
-        res = dict(benchmark="losses-vs-authors", machine=machine(a.device), quick=a.quick,
-                   command=" ".join(sys.argv), rows=[])
-        run_linear(linear or (QUICK_LINEAR_SHAPES if a.quick else LINEAR_SHAPES), res, a.out or None,
-                   device=a.device, reps=3 if a.quick else None)
+        res = dict(
+            benchmark="losses-vs-authors", machine=machine(a.device), quick=a.quick, command=" ".join(sys.argv), rows=[]
+        )
+        run_linear(
+            linear or (QUICK_LINEAR_SHAPES if a.quick else LINEAR_SHAPES),
+            res,
+            a.out or None,
+            device=a.device,
+            reps=3 if a.quick else None,
+        )
         return 0
-    run(a.quick, losses, shapes, a.out or None, memory=False if a.no_memory else None,
-        compiled=False if a.no_compiled else None, device=a.device, linear_shapes=linear)
+    run(
+        a.quick,
+        losses,
+        shapes,
+        a.out or None,
+        memory=False if a.no_memory else None,
+        compiled=False if a.no_compiled else None,
+        device=a.device,
+        linear_shapes=linear,
+    )
     return 0
 
 

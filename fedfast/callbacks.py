@@ -15,6 +15,7 @@ A callback's hooks, in the order the loop calls them: ``on_start`` (before the f
 each round, with its record), ``stop_requested`` (a signal number ends the run after this round), ``on_interrupt``
 (then, before the loop returns the signal), ``on_diverged`` (a :class:`fedfast.Diverged` round, re-raised after),
 ``on_end`` (every round done) and ``close`` (always, last). The callbacks are called in list order."""
+
 from __future__ import annotations
 
 import csv
@@ -91,8 +92,9 @@ def run_rounds(sim, rounds: int, callbacks: list[Callback]) -> int:
 
 def best_round(history: list[dict]) -> int | None:
     """The round of the best test accuracy in ``history`` (None before an evaluation)."""
-    return max((h for h in history if h["test_accuracy"] is not None), key=lambda h: h["test_accuracy"],
-               default={}).get("round")
+    return max(
+        (h for h in history if h["test_accuracy"] is not None), key=lambda h: h["test_accuracy"], default={}
+    ).get("round")
 
 
 class RunFiles(Callback):
@@ -133,8 +135,9 @@ class RunFiles(Callback):
     def summary(self, sim, complete: bool, diverged: Diverged | None = None) -> None:
         """``metrics.csv`` and ``summary.json`` from the history so far."""
         self.rd.write("metrics.csv", csv_text(sim.history))
-        self.rd.write("summary.json", dumps(summarize(sim.history, self.cfg_json, str(sim.device), complete,
-                                                      diverged), indent=2))
+        self.rd.write(
+            "summary.json", dumps(summarize(sim.history, self.cfg_json, str(sim.device), complete, diverged), indent=2)
+        )
 
     def close(self) -> None:
         if self.f is not None:
@@ -150,8 +153,9 @@ class Checkpointer(Callback):
     run, and after the last round; ``files.summary`` beside each. ``saved_round``: the round the newest checkpoint
     holds (a resumed run starts with the one it restored)."""
 
-    def __init__(self, rd: RunDir, path: str, header: dict, every: int, rounds: int, files: RunFiles, *,
-                 saved_round: int = 0):
+    def __init__(
+        self, rd: RunDir, path: str, header: dict, every: int, rounds: int, files: RunFiles, *, saved_round: int = 0
+    ):
         self.rd, self.path, self.header, self.every, self.rounds, self.files = rd, path, header, every, rounds, files
         self.saved_round = saved_round
 
@@ -182,8 +186,10 @@ class TensorBoard(Callback):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("tensorboard: needs the `tensorboard` package (pip install tensorboard, or the "
-                             "fedfast[tensorboard] extra)") from None
+            raise ValueError(
+                "tensorboard: needs the `tensorboard` package (pip install tensorboard, or the "
+                "fedfast[tensorboard] extra)"
+            ) from None
         self.rd, self._writer_cls, self.w = rd, SummaryWriter, None
         self.dir = os.path.join(rd.path, "tb")
         self.before: set = set()
@@ -196,8 +202,15 @@ class TensorBoard(Callback):
         self._list()  # the event file exists from here on: listed before the first round's scalars
 
     def on_round(self, sim, rec: dict) -> None:
-        for k in ("test_accuracy", "test_loss", "train_loss", "best_test_accuracy", "forgetting", "val_accuracy",
-                  "val_loss"):
+        for k in (
+            "test_accuracy",
+            "test_loss",
+            "train_loss",
+            "best_test_accuracy",
+            "forgetting",
+            "val_accuracy",
+            "val_loss",
+        ):
             if rec.get(k) is not None:
                 self.w.add_scalar(k, rec[k], rec["round"])
         self.w.add_scalar("seconds", rec["seconds"], rec["round"])
@@ -226,6 +239,7 @@ class Progress(Callback):
         if not quiet and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total, initial=initial, unit="round", desc=label or None, dynamic_ncols=True)
             except ImportError:
                 pass
@@ -237,9 +251,11 @@ class Progress(Callback):
         if self.quiet:
             return
         acc = rec["test_accuracy"]
-        fields = {"acc": f"{100 * acc:.2f}%" if acc is not None else "-",
-                  "best": f"{100 * rec['best_test_accuracy']:.2f}%" if rec["best_test_accuracy"] is not None else "-",
-                  "loss": f"{rec['train_loss']:.4f}"}
+        fields = {
+            "acc": f"{100 * acc:.2f}%" if acc is not None else "-",
+            "best": f"{100 * rec['best_test_accuracy']:.2f}%" if rec["best_test_accuracy"] is not None else "-",
+            "loss": f"{rec['train_loss']:.4f}",
+        }
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
             self.bar.update(1)
@@ -247,10 +263,13 @@ class Progress(Callback):
         done = rec["round"] - self.n0
         per = (time.perf_counter() - self.t0) / max(done, 1)
         eta = per * (self.total - rec["round"])
-        print(f"{self.label + '  ' if self.label else ''}round {rec['round']:4d}/{self.total}  test_acc "
-              f"{fields['acc']:>7}  best {fields['best']:>7}  train_loss {fields['loss']}  "
-              + (f"test_loss {rec['test_loss']:.4f}  " if rec["test_loss"] is not None else "")
-              + f"{rec['seconds']:.2f}s  eta {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+        print(
+            f"{self.label + '  ' if self.label else ''}round {rec['round']:4d}/{self.total}  test_acc "
+            f"{fields['acc']:>7}  best {fields['best']:>7}  train_loss {fields['loss']}  "
+            + (f"test_loss {rec['test_loss']:.4f}  " if rec["test_loss"] is not None else "")
+            + f"{rec['seconds']:.2f}s  eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -269,6 +288,7 @@ class StopOnSignal(Callback):
     def on_start(self, sim) -> None:
         def handler(signum, _frame):
             self.sig = signum
+
         try:
             self.old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: no signal handling
@@ -344,8 +364,9 @@ def _evaluated(rounds: list[dict], tail: list[dict], name: str) -> tuple[dict | 
     return end, max(ev, key=lambda h: h[key], default=None), (sum(last) / len(last) if last else None)
 
 
-def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, diverged: Diverged | None = None
-              ) -> dict:
+def summarize(
+    history: list[dict], cfg_json: dict, device: str, complete: bool, diverged: Diverged | None = None
+) -> dict:
     """The run's summary from its per-round metrics. A diverged run's best is over its finite rounds (before
     the diverged one); its final values are the diverged round's (``None`` where not finite)."""
     tail = [diverged.record] if diverged is not None and diverged.record is not None else []
@@ -358,20 +379,31 @@ def summarize(history: list[dict], cfg_json: dict, device: str, complete: bool, 
     val = {}
     if any("val_accuracy" in h for h in history):  # a validation split (val_fraction): its metrics beside the test's
         vend, vbest, vlast10 = _evaluated(fin, tail, "val")
-        val = {"final_val_accuracy": vend.get("val_accuracy") if vend else None,
-               "final_val_loss": vend.get("val_loss") if vend else None,
-               "best_val_accuracy": vbest["val_accuracy"] if vbest else None, "mean_last10_val_accuracy": vlast10}
-    return {**state, "complete": complete, "algorithm": cfg_json.get("algorithm"), "seed": cfg_json.get("seed"),
-            "rounds": history[-1]["round"] if history else 0, "rounds_planned": cfg_json.get("rounds"),
-            "final_test_accuracy": end["test_accuracy"] if end else None,
-            "final_test_loss": end["test_loss"] if end else None,
-            "best_test_accuracy": best["test_accuracy"] if best else None,
-            "best_round": best["round"] if best else None,
-            "mean_last10_test_accuracy": last10,
-            "final_forgetting": end.get("forgetting") if end else None,
-            **val, **({"dp_epsilon": history[-1].get("dp_epsilon")} if history and "dp_epsilon" in history[-1] else {}),
-            "wall_seconds": sum(h.get("seconds") or 0.0 for h in history), "device": device,
-            "versions": versions()}
+        val = {
+            "final_val_accuracy": vend.get("val_accuracy") if vend else None,
+            "final_val_loss": vend.get("val_loss") if vend else None,
+            "best_val_accuracy": vbest["val_accuracy"] if vbest else None,
+            "mean_last10_val_accuracy": vlast10,
+        }
+    return {
+        **state,
+        "complete": complete,
+        "algorithm": cfg_json.get("algorithm"),
+        "seed": cfg_json.get("seed"),
+        "rounds": history[-1]["round"] if history else 0,
+        "rounds_planned": cfg_json.get("rounds"),
+        "final_test_accuracy": end["test_accuracy"] if end else None,
+        "final_test_loss": end["test_loss"] if end else None,
+        "best_test_accuracy": best["test_accuracy"] if best else None,
+        "best_round": best["round"] if best else None,
+        "mean_last10_test_accuracy": last10,
+        "final_forgetting": end.get("forgetting") if end else None,
+        **val,
+        **({"dp_epsilon": history[-1].get("dp_epsilon")} if history and "dp_epsilon" in history[-1] else {}),
+        "wall_seconds": sum(h.get("seconds") or 0.0 for h in history),
+        "device": device,
+        "versions": versions(),
+    }
 
 
 def csv_text(history: list[dict]) -> str:

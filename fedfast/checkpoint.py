@@ -6,6 +6,7 @@ strings, lists and dicts only. Reading checks the magic (not a fedfast checkpoin
 weights_only=True)``, which builds no arbitrary object. Every file is written atomically: a temporary file in
 the same directory, flushed and fsynced, renamed over the target, and the directory fsynced.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,13 +39,17 @@ def load(path: str) -> dict:
     head = len(MAGIC) + 65
     if len(raw) < head:
         raise ValueError(f"{path}: truncated checkpoint ({len(raw)} bytes)")
-    digest, data = raw[len(MAGIC):head - 1].decode(errors="replace"), raw[head:]
+    digest, data = raw[len(MAGIC) : head - 1].decode(errors="replace"), raw[head:]
     if hashlib.sha256(data).hexdigest() != digest:
         raise ValueError(f"{path}: corrupt or truncated checkpoint (checksum mismatch over {len(data)} bytes)")
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
-        what = ("it holds objects other than tensors and plain data, which fedfast never loads"
-                if "weights_only" in str(e) or "Unsupported global" in str(e) else type(e).__name__)
-        raise ValueError(f"{path}: unreadable checkpoint payload ({what}); fedfast wrote no such file, refusing "
-                         f"it") from None
+        what = (
+            "it holds objects other than tensors and plain data, which fedfast never loads"
+            if "weights_only" in str(e) or "Unsupported global" in str(e)
+            else type(e).__name__
+        )
+        raise ValueError(
+            f"{path}: unreadable checkpoint payload ({what}); fedfast wrote no such file, refusing it"
+        ) from None

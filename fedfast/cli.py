@@ -10,6 +10,7 @@
 
 ``--plugin FILE.py`` imports a file that registers methods (``@fedfast.methods.register("name")``), so
 ``--set algorithm=name`` runs a method fedfast does not ship."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,13 @@ def _methods_cmd(name: str | None) -> int:
     for n in methods.names(asd=False):
         print(methods.describe(n, full=False))
         print()
-    print("ASD add-on (algorithm = '<base>+asd', options in [asd]): "
-          + ", ".join(n for n in methods.names() if n.endswith("+asd")))
+    print(
+        "ASD add-on (algorithm = '<base>+asd', options in [asd]): "
+        + ", ".join(n for n in methods.names() if n.endswith("+asd"))
+    )
     print(f"  engine default: max_grad_norm={methods.ASD.max_grad_norm:g} ({methods.ASD.max_grad_norm_source})")
     d = methods.describe("fedavg+asd", full=False)
-    print(d[d.index("  [asd]"):])
+    print(d[d.index("  [asd]") :])
     return 0
 
 
@@ -63,71 +66,122 @@ def console() -> None:
 def _parser() -> argparse.ArgumentParser:
     """The command line: every subcommand with its arguments."""
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
-    ap.add_argument("--version", action="version",
-                    version=f"fedfast {__version__} (torch {torch.__version__}, python {sys.version.split()[0]})")
+    ap.add_argument(
+        "--version",
+        action="version",
+        version=f"fedfast {__version__} (torch {torch.__version__}, python {sys.version.split()[0]})",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a simulation into a run directory")
     r.add_argument("config", nargs="?", help="TOML config file, or a run's config.json (runs it again)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (engine/run keys: key=value; method options: method.key=value)")
-    r.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
-                   help="import a file that registers methods (@fedfast.methods.register)")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (engine/run keys: key=value; method options: method.key=value)",
+    )
+    r.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE.py",
+        help="import a file that registers methods (@fedfast.methods.register)",
+    )
     r.add_argument("--out", default=None, help="run directory (default runs/latest)")
-    r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoint (--set rounds=N "
-                                                   "extends it)")
+    r.add_argument(
+        "--resume", metavar="DIR", help="continue the run in DIR from its checkpoint (--set rounds=N extends it)"
+    )
     r.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     r.add_argument("--quiet", action="store_true", help="no progress output")
-    r.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="N local processes over torch.distributed, each training its share of every round's "
-                        "clients with cores/N threads (CPU)")
-    r.add_argument("--preset", metavar="NAME", help="a preset (fedfast presets) or a study file's cell "
-                                                    "(STUDY.toml/CELL); --set algorithm=... picks the row "
-                                                    "(default: its first)")
+    r.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N local processes over torch.distributed, each training its share of every round's "
+        "clients with cores/N threads (CPU)",
+    )
+    r.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="a preset (fedfast presets) or a study file's cell "
+        "(STUDY.toml/CELL); --set algorithm=... picks the row "
+        "(default: its first)",
+    )
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
     mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
     mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     pr = sub.add_parser("presets", help="list the paper presets (protocols and reported numbers)")
-    pr.add_argument("name", nargs="?", help="show one preset in full; a study file (STUDY.toml) lists its cells, "
-                                            "STUDY.toml/CELL shows one")
-    sw = sub.add_parser("sweep", help="run methods x grid points x seeds into a study directory (skips complete "
-                                      "runs, resumes interrupted ones)")
+    pr.add_argument(
+        "name",
+        nargs="?",
+        help="show one preset in full; a study file (STUDY.toml) lists its cells, STUDY.toml/CELL shows one",
+    )
+    sw = sub.add_parser(
+        "sweep",
+        help="run methods x grid points x seeds into a study directory (skips complete runs, resumes interrupted ones)",
+    )
     sw.add_argument("config", nargs="?", help="a study file (STUDY.toml, STUDY.toml/CELL) or a TOML run config")
     sw.add_argument("--preset", metavar="NAME", help="a preset (FILE/CELL, or FILE: every cell)")
     sw.add_argument("--methods", default="", help="comma-separated methods (default: the study's rows)")
     sw.add_argument("--seeds", default="", help="comma-separated seeds (default: the study's, else 0)")
-    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                    help="run every value (repeatable: the cross product); engine/run keys or method.key")
+    sw.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="run every value (repeatable: the cross product); engine/run keys or method.key",
+    )
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sw.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
     sw.add_argument("--out", required=True, help="study directory")
     sw.add_argument("--quiet", action="store_true")
     sw.add_argument("--workers", type=int, default=1, metavar="N", help="each run in N local processes")
-    sw.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="N runs at once, each in its own process with cores/N threads")
-    sw.add_argument("--shard", metavar="I/N", help="run only the I-th of N disjoint parts of the study (0 <= I < "
-                                                   "N; a job array's task)")
-    rp = sub.add_parser("report", help="the study's table (mean ± std over seeds, the paper's numbers); several "
-                                       "studies: merged, methods x cells. Prints it and writes DIR/report.<ext>")
+    sw.add_argument(
+        "--jobs", type=int, default=1, metavar="N", help="N runs at once, each in its own process with cores/N threads"
+    )
+    sw.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="run only the I-th of N disjoint parts of the study (0 <= I < N; a job array's task)",
+    )
+    rp = sub.add_parser(
+        "report",
+        help="the study's table (mean ± std over seeds, the paper's numbers); several "
+        "studies: merged, methods x cells. Prints it and writes DIR/report.<ext>",
+    )
     rp.add_argument("dirs", nargs="+", metavar="DIR", help="study directories")
     rp.add_argument("--format", default="md", choices=("md", "csv", "latex"))
-    rp.add_argument("--select", default=None, metavar="METRIC",
-                    help="the metric a grid point is selected on (default final_val_accuracy: the validation "
-                         "split, never the test set)")
+    rp.add_argument(
+        "--select",
+        default=None,
+        metavar="METRIC",
+        help="the metric a grid point is selected on (default final_val_accuracy: the validation "
+        "split, never the test set)",
+    )
     rp.add_argument("-o", "--out", default=None, metavar="FILE", help="also write the table to FILE")
     pl = sub.add_parser("plot", help="test accuracy against round, mean ± std over seeds, one line per method")
     pl.add_argument("dirs", nargs="+", help="study or run directories")
     pl.add_argument("-o", "--out", required=True, help="PNG file to write")
     pl.add_argument("--title", default=None)
-    bn = sub.add_parser("bench", help="the fused losses against their authors' code (time, peak memory)",
-                        add_help=False)
+    bn = sub.add_parser(
+        "bench", help="the fused losses against their authors' code (time, peak memory)", add_help=False
+    )
     bn.add_argument("bench_args", nargs=argparse.REMAINDER)
-    dr = sub.add_parser("doctor", help="versions, devices, built backends; every backend checked against the "
-                                       "reference (ops and an engine round)")
+    dr = sub.add_parser(
+        "doctor",
+        help="versions, devices, built backends; every backend checked against the reference (ops and an engine round)",
+    )
     dr.add_argument("--quick", action="store_true", help="ops only, no engine round")
-    dr.add_argument("--triton-interpret", action="store_true",
-                    help="also check the Triton kernels in Triton's interpreter (CPU-only machines)")
+    dr.add_argument(
+        "--triton-interpret",
+        action="store_true",
+        help="also check the Triton kernels in Triton's interpreter (CPU-only machines)",
+    )
     ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
     return ap
+
 
 def main(argv=None) -> int:
     """Exit status: 0 done; 2 bad input (config, files, a directory in use: the message names it); 3 a
@@ -203,9 +257,20 @@ def _sweep_cmd(args) -> int:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
-    sweep(args.out, ms, seeds, preset=args.preset, config=args.config, overrides=args.set,
-          plugins=args.plugin, quiet=args.quiet, workers=args.workers, grid=args.grid, jobs=args.jobs,
-          shard=parse_shard(args.shard))
+    sweep(
+        args.out,
+        ms,
+        seeds,
+        preset=args.preset,
+        config=args.config,
+        overrides=args.set,
+        plugins=args.plugin,
+        quiet=args.quiet,
+        workers=args.workers,
+        grid=args.grid,
+        jobs=args.jobs,
+        shard=parse_shard(args.shard),
+    )
     if not args.quiet and int(os.environ.get("RANK", "0")) == 0:
         print(report(args.out)[0], end="")
     return 0
@@ -214,12 +279,22 @@ def _sweep_cmd(args) -> int:
 def _resumed_config(args, methods):
     """``fedfast run --resume DIR``: the run's own config.json with the few keys a resume may change; (config,
     directory, mode)."""
-    given = [f for f, v in (("a config file", args.config), ("--out", args.out), ("--preset", args.preset),
-                            ("--force", args.force)) if v]
+    given = [
+        f
+        for f, v in (
+            ("a config file", args.config),
+            ("--out", args.out),
+            ("--preset", args.preset),
+            ("--force", args.force),
+        )
+        if v
+    ]
     if given:
-        raise ValueError(f"--resume: continues the run directory with its own config.json; {given[0]} cannot go "
-                         f"with it (only --set rounds/eval_every/checkpoint_every/tensorboard/device/threads, "
-                         f"--workers, --quiet)")
+        raise ValueError(
+            f"--resume: continues the run directory with its own config.json; {given[0]} cannot go "
+            f"with it (only --set rounds/eval_every/checkpoint_every/tensorboard/device/threads, "
+            f"--workers, --quiet)"
+        )
     cfg_path = os.path.join(args.resume, "config.json")
     if not os.path.isdir(args.resume):
         raise ValueError(f"--resume: {args.resume}: no such run directory")
@@ -250,12 +325,20 @@ def _new_config(args):
         pre = presets.get(args.preset)
         if not pre.methods and not any(o.split("=", 1)[0].strip() == "algorithm" for o in args.set):
             raise ValueError(f"--preset {args.preset}: names no method rows; pick one with --set algorithm=NAME")
-        alg = next((o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
-                   pre.methods[0] if pre.methods else "")
+        alg = next(
+            (o.split("=", 1)[1].strip() for o in args.set if o.split("=", 1)[0].strip() == "algorithm"),
+            pre.methods[0] if pre.methods else "",
+        )
         base = pre.config(alg)
         args.plugin = list(args.plugin) + [p for p in pre.plugins if p not in args.plugin]
-    cfg = build_config(args.config, args.set, base=base, plugins=args.plugin,
-                       source=pre.source if args.preset else None, root=pre.root if args.preset else None)
+    cfg = build_config(
+        args.config,
+        args.set,
+        base=base,
+        plugins=args.plugin,
+        source=pre.source if args.preset else None,
+        root=pre.root if args.preset else None,
+    )
     return cfg, args.out or "runs/latest", ("force" if args.force else "new")
 
 

@@ -2,6 +2,7 @@
 or :class:`Distributed` (``torch.distributed``: each rank trains its share of the round's clients; sums are
 all-reduced and updated client state rows all-gathered, so every rank holds the same global model and state).
 The engine calls these and never asks how many processes there are to decide whether to communicate."""
+
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 class Local:
     """One process."""
+
     rank, world = 0, 1
 
     def sum_(self, *tensors: torch.Tensor) -> None:
@@ -60,9 +62,9 @@ class Distributed:
         self.max_(m)
         m_max = int(m)
         pad_ids = torch.full((m_max,), -1, dtype=torch.long, device=dev)
-        pad_ids[:len(ids)] = ids
+        pad_ids[: len(ids)] = ids
         pad_rows = torch.zeros(m_max, rows.shape[1], device=dev)
-        pad_rows[:len(ids)] = rows
+        pad_rows[: len(ids)] = rows
         all_ids = [torch.empty_like(pad_ids) for _ in range(self.world)]
         all_rows = [torch.empty_like(pad_rows) for _ in range(self.world)]
         self.dist.all_gather(all_ids, pad_ids, group=self.group)
@@ -71,7 +73,6 @@ class Distributed:
         keep = ids >= 0
         return ids[keep], rows[keep]
 
-
     def gather_ids(self, ids: torch.Tensor):
         """All ranks' ids (rank order, on the host) and the offset of this rank's."""
         n = torch.tensor([len(ids)], device=ids.device)
@@ -79,10 +80,10 @@ class Distributed:
         self.dist.all_gather(counts, n, group=self.group)
         counts = [int(c) for c in counts]
         pad = torch.full((max(counts),), -1, dtype=torch.long, device=ids.device)
-        pad[:len(ids)] = ids
+        pad[: len(ids)] = ids
         got = [torch.empty_like(pad) for _ in range(self.world)]
         self.dist.all_gather(got, pad, group=self.group)
-        return torch.cat([g[:c] for g, c in zip(got, counts)]), sum(counts[:self.rank])
+        return torch.cat([g[:c] for g, c in zip(got, counts)]), sum(counts[: self.rank])
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         self.dist.broadcast(t, src, group=self.group)

@@ -8,6 +8,7 @@ method that is not running is an error naming it and the running method; a key t
 the per-method tables (``beta``) is an error naming its new spelling. ``config.json`` records the resolved
 values, the running method's options included.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,17 +29,36 @@ from .simconfig import SimConfig, check_device
 # keys that were SimConfig fields before method options moved into per-method tables: old key -> new spelling
 # (a config file or --set giving one is told the new spelling)
 MOVED = {
-    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)", "beta": "fedntd.beta (kd.beta for kd)",
-    "kd_weight": "kd.beta", "gamma": "fedgkd.gamma", "mu": "fedprox.mu", "server_lr": "fedavgm.server_lr",
-    "server_momentum": "fedavgm.server_momentum", "dyn_alpha": "feddyn.alpha",
-    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)", "vote_lambda": "fedgkd_vote.lam",
-    "vote_beta": "fedgkd_vote.beta", "cad_beta": "fedcad.beta", "cad_gamma": "fedcad.gamma",
-    "cad_aux_per_class": "fedcad.aux_per_class", "cad_tau_squared": "fedcad.tau_squared",
-    "cad_alpha_tau": "fedcad.alpha_tau", "cad_aux_holdout": "fedcad.aux_holdout", "adc_beta": "fedadc.beta",
-    "adc_beta_global": "fedadc.beta_global", "adc_alpha": "fedadc.alpha", "adc_order": "fedadc.order",
-    "adc_lam": "fedadc_plus.lam", "adc_teacher": "fedadc_plus.teacher", "moon_mu": "moon.mu", "moon_tau": "moon.tau",
-    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')", "lam": "asd.lam", "asd_not_true": "asd.not_true",
-    "asd_entropy_tau": "asd.entropy_tau", "tau_squared": "<method>.tau_squared",
+    "tau": "<method>.tau (e.g. fedntd.tau; asd.tau for the ASD add-on)",
+    "beta": "fedntd.beta (kd.beta for kd)",
+    "kd_weight": "kd.beta",
+    "gamma": "fedgkd.gamma",
+    "mu": "fedprox.mu",
+    "server_lr": "fedavgm.server_lr",
+    "server_momentum": "fedavgm.server_momentum",
+    "dyn_alpha": "feddyn.alpha",
+    "gkd_buffer": "fedgkd.buffer (fedgkd_vote.buffer)",
+    "vote_lambda": "fedgkd_vote.lam",
+    "vote_beta": "fedgkd_vote.beta",
+    "cad_beta": "fedcad.beta",
+    "cad_gamma": "fedcad.gamma",
+    "cad_aux_per_class": "fedcad.aux_per_class",
+    "cad_tau_squared": "fedcad.tau_squared",
+    "cad_alpha_tau": "fedcad.alpha_tau",
+    "cad_aux_holdout": "fedcad.aux_holdout",
+    "adc_beta": "fedadc.beta",
+    "adc_beta_global": "fedadc.beta_global",
+    "adc_alpha": "fedadc.alpha",
+    "adc_order": "fedadc.order",
+    "adc_lam": "fedadc_plus.lam",
+    "adc_teacher": "fedadc_plus.teacher",
+    "moon_mu": "moon.mu",
+    "moon_tau": "moon.tau",
+    "asd": "algorithm = '<base>+asd' (e.g. 'fedavg+asd')",
+    "lam": "asd.lam",
+    "asd_not_true": "asd.not_true",
+    "asd_entropy_tau": "asd.entropy_tau",
+    "tau_squared": "<method>.tau_squared",
     "val_fraction": "fedgkd_vote.val_fraction",
 }
 
@@ -58,20 +78,25 @@ def _choices() -> dict:
     return {"dataset": tuple(DATASETS), "partition": tuple(PARTITIONS), "model": tuple(REGISTRY)}
 
 
-
 # run-level keys: (type, default)
 _RUN: dict = {
-    "dataset": (str, "mnist"), "data_dir": (str, "data"), "partition": (str, "shards"), "alpha": (float, 0.1),
-    "shards_per_client": (int, 2), "num_clients": (int, 100), "model": (str, "mlp"), "device": (str, "cpu"),
-    "checkpoint_every": (int, 10),   # rounds between checkpoints (0: only at the end and on SIGINT/SIGTERM)
-    "tensorboard": (bool, False),    # TensorBoard event files in DIR/tb (the optional `tensorboard` package)
-    "max_length": (int, 128),        # text datasets: tokens per text (truncation; padded to the longest)
+    "dataset": (str, "mnist"),
+    "data_dir": (str, "data"),
+    "partition": (str, "shards"),
+    "alpha": (float, 0.1),
+    "shards_per_client": (int, 2),
+    "num_clients": (int, 100),
+    "model": (str, "mlp"),
+    "device": (str, "cpu"),
+    "checkpoint_every": (int, 10),  # rounds between checkpoints (0: only at the end and on SIGINT/SIGTERM)
+    "tensorboard": (bool, False),  # TensorBoard event files in DIR/tb (the optional `tensorboard` package)
+    "max_length": (int, 128),  # text datasets: tokens per text (truncation; padded to the longest)
     "train_fraction": (float, 1.0),  # a seeded random subset of the training set (FedGKD's AG News: 0.5)
-    "threads": (int, 0),             # intra-op CPU threads (0: torch's default); config.json records the number used
-    "val_fraction": (float, 0.0),    # a seeded random split of the training set held out for model selection
+    "threads": (int, 0),  # intra-op CPU threads (0: torch's default); config.json records the number used
+    "val_fraction": (float, 0.0),  # a seeded random split of the training set held out for model selection
     "split_stream": (str, "fedfast"),  # "fedfast" (the partition's scheme, numpy default_rng) or "authors" (the
     #                                    paper's own code, draw for draw: fedfast.data.authors)
-    "split_seed": (int, -1),         # the partition's seed; -1: the run seed ("fedfast") or the authors' own
+    "split_seed": (int, -1),  # the partition's seed; -1: the run seed ("fedfast") or the authors' own
 }
 SPLIT_STREAMS = ("fedfast", "authors")
 # what config.json records beside the keys (read back, not settings): plug-in content hashes and replaced built-ins
@@ -96,14 +121,14 @@ DEFAULTS: dict = {**{k: d for k, (_, d) in _RUN.items()}, **{f.name: _engine_def
 
 @dataclass(kw_only=True)
 class RunConfig:
-    values: dict                     # run and engine keys (resolved)
-    options: dict                    # the method's option tables, {table: {key: value}} as given
-    plugins: tuple = ()              # plug-in files that register methods (absolute paths)
+    values: dict  # run and engine keys (resolved)
+    options: dict  # the method's option tables, {table: {key: value}} as given
+    plugins: tuple = ()  # plug-in files that register methods (absolute paths)
     entries: dict = dataclasses.field(default_factory=dict)  # the dataset's, partition's and model's own option
     #                                  tables (resolved, plain values): {name: {key: value}}, by kind in ENTRY_KINDS
-    given: frozenset = frozenset()   # the run and engine keys the configuration gave (not defaults)
-    data_files: tuple = ()           # a built run's (fedfast.assemble.build_run): the files its data was read from
-    code_files: tuple = ()           # ... and the modules of the user's own its build imported (its fingerprint)
+    given: frozenset = frozenset()  # the run and engine keys the configuration gave (not defaults)
+    data_files: tuple = ()  # a built run's (fedfast.assemble.build_run): the files its data was read from
+    code_files: tuple = ()  # ... and the modules of the user's own its build imported (its fingerprint)
 
     def __getitem__(self, k):
         return self.values[k]
@@ -178,18 +203,23 @@ def check_plugin_hashes(recorded, source: str | None) -> None:
     if not recorded:
         return
     if not isinstance(recorded, dict):
-        raise ValueError(f"plugin_sha256: expected {{file: sha256}}, got {recorded!r}" + (f" (in {source})" if source
-                                                                                          else ""))
+        raise ValueError(
+            f"plugin_sha256: expected {{file: sha256}}, got {recorded!r}" + (f" (in {source})" if source else "")
+        )
     for path, digest in recorded.items():
         try:
             now = methods.file_sha256(path)
         except OSError:
-            raise ValueError(f"plugins: {path}, recorded by {source or 'the run'}, is gone; restore it to continue "
-                             f"or repeat this run") from None
+            raise ValueError(
+                f"plugins: {path}, recorded by {source or 'the run'}, is gone; restore it to continue "
+                f"or repeat this run"
+            ) from None
         if now != digest:
-            raise ValueError(f"plugins: {path} changed since {source or 'the run'} recorded it (sha256 "
-                             f"{str(digest)[:12]}... then, {now[:12]}... now): continuing or repeating the run would "
-                             f"mix two versions of the method. Restore the file, or start a new run with --out")
+            raise ValueError(
+                f"plugins: {path} changed since {source or 'the run'} recorded it (sha256 "
+                f"{str(digest)[:12]}... then, {now[:12]}... now): continuing or repeating the run would "
+                f"mix two versions of the method. Restore the file, or start a new run with --out"
+            )
 
 
 def _coerce(key: str, value):
@@ -211,9 +241,11 @@ def _coerce(key: str, value):
 
 
 def _moved(key: str) -> ValueError:
-    return ValueError(f"{key}: a method option now, spelled {MOVED[key]} (TOML: in the method's table, e.g. "
-                      f"[fedntd] beta = 1.0; command line: --set fedntd.beta=1.0; `fedfast methods` lists every "
-                      f"method's options)")
+    return ValueError(
+        f"{key}: a method option now, spelled {MOVED[key]} (TOML: in the method's table, e.g. "
+        f"[fedntd] beta = 1.0; command line: --set fedntd.beta=1.0; `fedfast methods` lists every "
+        f"method's options)"
+    )
 
 
 def read_config_file(path: str) -> dict:
@@ -241,7 +273,7 @@ def read_config_file(path: str) -> dict:
         msg = str(e)
         m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
         where = f"line {m.group(1)}, column {m.group(2)}" if m else "?"
-        what = msg[:m.start()].strip() if m else msg
+        what = msg[: m.start()].strip() if m else msg
         if m and (what.startswith("Cannot overwrite a value") or what.startswith("Cannot declare")):
             lines = text.splitlines()
             line = lines[int(m.group(1)) - 1] if int(m.group(1)) <= len(lines) else ""
@@ -250,8 +282,14 @@ def read_config_file(path: str) -> dict:
         raise ValueError(f"{path}, {where}: not valid TOML ({what})") from None
 
 
-def build_config(path: str | None = None, overrides: list[str] | None = None, base: dict | None = None,
-                 plugins=(), source: str | None = None, root: str | None = None) -> RunConfig:
+def build_config(
+    path: str | None = None,
+    overrides: list[str] | None = None,
+    base: dict | None = None,
+    plugins=(),
+    source: str | None = None,
+    root: str | None = None,
+) -> RunConfig:
     """The run's configuration from a TOML file or a run's config.json (``path``) or a dict of the same shape
     (``base``; ``source``: the file it came from, for messages), then ``overrides`` (``key=value`` /
     ``method.key=value``).
@@ -271,8 +309,9 @@ def build_config(path: str | None = None, overrides: list[str] | None = None, ba
         loaded.pop(k, None)
     listed = loaded.pop("plugins", []) or []
     if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
-        raise ValueError(f"plugins: expected a list of file paths, got {listed!r}" +
-                         (f" (in {source})" if source else ""))
+        raise ValueError(
+            f"plugins: expected a list of file paths, got {listed!r}" + (f" (in {source})" if source else "")
+        )
     listed = [_path(p, "plugins", root, set()) for p in listed]  # a file's plug-ins: beside the file
     if listed:
         for p in listed:  # they register what the config names (a dataset, a model, a method)
@@ -325,8 +364,10 @@ def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> 
         if entry is None or entry.options is None:
             continue
         if name in method_tables:
-            raise ValueError(f"{name}: both the {kind} {name!r} and the method {vals['algorithm']} read a table of "
-                             f"this name; register the {kind} under another name")
+            raise ValueError(
+                f"{name}: both the {kind} {name!r} and the method {vals['algorithm']} read a table of "
+                f"this name; register the {kind} under another name"
+            )
         opts = make_options(name, entry.options, tables.pop(name, {}), method=f"{kind} {name!r}")
         vals_ = dataclasses.asdict(opts)
         for f in dataclasses.fields(opts):
@@ -341,8 +382,9 @@ def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> 
             if e is not None and e.options is not None:
                 raise ValueError(f"{t}: the option table of {kind} {t!r}, but the run's {kind} is {vals[kind]!r}")
             if e is not None and t == vals[kind]:
-                raise ValueError(f"{t}: {kind} {t!r} has no options of its own (register_{kind}(..., options=...) "
-                                 f"declares them)")
+                raise ValueError(
+                    f"{t}: {kind} {t!r} has no options of its own (register_{kind}(..., options=...) declares them)"
+                )
     return out
 
 
@@ -359,15 +401,18 @@ def split_seed(vals: dict) -> int:
     return int(vals["seed"])
 
 
-def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, from_set: set = frozenset()
-             ) -> RunConfig:
+def _resolve(
+    raw: dict, tables: dict, plugins: tuple, root: str | None = None, from_set: set = frozenset()
+) -> RunConfig:
     vals = dict(DEFAULTS)
     for k, v in raw.items():
         if k in MOVED and k not in KEYS:
             raise _moved(k)
         if k not in KEYS:
-            raise ValueError(f"{k}: unknown config key (known: {', '.join(sorted(KEYS))}; method options go in "
-                             f"their method's table, e.g. fedntd.beta)")
+            raise ValueError(
+                f"{k}: unknown config key (known: {', '.join(sorted(KEYS))}; method options go in "
+                f"their method's table, e.g. fedntd.beta)"
+            )
         vals[k] = _coerce(k, v)
     for k, choices in _choices().items():
         if k == "model" and isinstance(vals[k], str) and vals[k].startswith("hf:"):
@@ -381,8 +426,10 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
         if vals[k] < 0:
             raise ValueError(f"{k}: must be >= 0, got {vals[k]!r}")
     if not 0 <= vals["val_fraction"] < 1:
-        raise ValueError(f"val_fraction: the fraction of the training set held out for validation, in [0, 1); got "
-                         f"{vals['val_fraction']!r}")
+        raise ValueError(
+            f"val_fraction: the fraction of the training set held out for validation, in [0, 1); got "
+            f"{vals['val_fraction']!r}"
+        )
     if vals["split_stream"] not in SPLIT_STREAMS:
         raise ValueError(f"split_stream: must be one of {SPLIT_STREAMS}, got {vals['split_stream']!r}")
     if vals["split_seed"] < -1:
@@ -395,14 +442,20 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
     texts = text_datasets()  # text datasets and their classes: they need an "hf:" model
     text, hf = vals["dataset"] in texts, vals["model"].startswith("hf:")
     if text and not hf:
-        raise ValueError(f"model: dataset {vals['dataset']!r} holds texts; use a Hugging Face model, e.g. "
-                         f"model = \"hf:distilbert-base-uncased\" or \"hf:/path/to/saved/model\"")
+        raise ValueError(
+            f"model: dataset {vals['dataset']!r} holds texts; use a Hugging Face model, e.g. "
+            f'model = "hf:distilbert-base-uncased" or "hf:/path/to/saved/model"'
+        )
     if not text and vals["max_length"] != DEFAULTS["max_length"]:
-        raise ValueError(f"max_length: tokens per text, for the text datasets ({', '.join(texts)}); "
-                         f"dataset {vals['dataset']!r} holds images")
+        raise ValueError(
+            f"max_length: tokens per text, for the text datasets ({', '.join(texts)}); "
+            f"dataset {vals['dataset']!r} holds images"
+        )
     if hf and not text:
-        raise ValueError(f"model: {vals['model']!r} is a text model; dataset {vals['dataset']!r} holds images "
-                         f"(text datasets: {', '.join(texts)})")
+        raise ValueError(
+            f"model: {vals['model']!r} is a text model; dataset {vals['dataset']!r} holds images "
+            f"(text datasets: {', '.join(texts)})"
+        )
     if vals["clients_per_round"] > vals["num_clients"]:
         raise ValueError(f"clients_per_round: {vals['clients_per_round']} > num_clients {vals['num_clients']}")
     if vals["backend"] is None:
@@ -410,8 +463,13 @@ def _resolve(raw: dict, tables: dict, plugins: tuple, root: str | None = None, f
     check_device(vals["device"])
     vals["data_dir"] = _path(vals["data_dir"], "data_dir", root, from_set)
     entries = _entry_tables(vals, tables, root, from_set)
-    cfg = RunConfig(values=vals, options=tables, plugins=tuple(os.path.abspath(p) for p in plugins), entries=entries,
-                    given=frozenset(raw))
+    cfg = RunConfig(
+        values=vals,
+        options=tables,
+        plugins=tuple(os.path.abspath(p) for p in plugins),
+        entries=entries,
+        given=frozenset(raw),
+    )
     sim = cfg.sim_config()  # validates the engine keys and the method's tables (messages name table.key)
     vals.update({f.name: getattr(sim, f.name) for f in _ENGINE})
     vals["backend"] = vals["backend"] or ""

@@ -9,6 +9,7 @@ the whole process's allocator, so it is opt-in: ``fedfast run`` and the benchmar
 call it themselves (or set ``SimConfig(tune_cpu_allocator=True)``). The cost: freed heap memory is kept
 (up to the trim threshold) instead of being returned to the OS.
 """
+
 from __future__ import annotations
 
 import ctypes

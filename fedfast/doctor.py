@@ -8,6 +8,7 @@ round (FedNTD, SCAFFOLD) against the same round on the ``reference`` backend. It
 automatic selection will use on each device. On a GPU this is how the CUDA and Triton paths, compiled and
 interpreted but never executed in fedfast's CI, are verified in one command. Exit code 1 if any check fails.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,8 +39,8 @@ def _rel(a, b) -> float:
 def _distill_cases(dev):
     g = torch.Generator().manual_seed(0)
     R, C = 37, 10
-    z = (torch.randn(R, C, generator=g) * 3)
-    t = (torch.randn(R, C, generator=g) * 3)
+    z = torch.randn(R, C, generator=g) * 3
+    t = torch.randn(R, C, generator=g) * 3
     T = torch.randn(3, R, C, generator=g) * 3
     y = torch.randint(0, C, (R,), generator=g)
     y[2] = -100
@@ -47,9 +48,13 @@ def _distill_cases(dev):
     alpha = torch.rand(C, generator=g)
     rho = torch.rand(4, C, generator=g)
     w = torch.softmax(torch.randn(3, generator=g), 0)
-    cases = {"ce": dict(kd_weight=0.0), "kd": dict(tau=3.0, kd_weight=2.0), "not_true": dict(kind="not_true", tau=2.0),
-             "soft_ce+class_alpha": dict(soft_ce=True, class_alpha=alpha, tau=2.0),
-             "fedadc+": dict(rho=rho, ce_weight=0.65, kd_weight=0.35 * 16, tau=4.0)}
+    cases = {
+        "ce": dict(kd_weight=0.0),
+        "kd": dict(tau=3.0, kd_weight=2.0),
+        "not_true": dict(kind="not_true", tau=2.0),
+        "soft_ce+class_alpha": dict(soft_ce=True, class_alpha=alpha, tau=2.0),
+        "fedadc+": dict(rho=rho, ce_weight=0.65, kd_weight=0.35 * 16, tau=4.0),
+    }
     for name, kw in cases.items():
         yield name, (z, t, y), dict(segments=seg, num_segments=4, **kw)
     yield "mixture", (z, T, y), dict(teacher_weights=w, segments=seg, num_segments=4, tau=2.0)
@@ -62,8 +67,16 @@ def _check_distill(backend, dev):
         zz = z.to(dev).requires_grad_(True)
         loss = ops.distill(zz, t.to(dev), y.to(dev), backend=backend, validate="off", **kw)
         (gz,) = torch.autograd.grad(loss, zz)
-        kw64 = {k: (v.cpu().double() if torch.is_tensor(v) and v.is_floating_point() else
-                    v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()}
+        kw64 = {
+            k: (
+                v.cpu().double()
+                if torch.is_tensor(v) and v.is_floating_point()
+                else v.cpu()
+                if torch.is_tensor(v)
+                else v
+            )
+            for k, v in kw.items()
+        }
         zr = z.double().requires_grad_(True)
         ref = ops.distill(zr, t.double(), y, backend="reference", **kw64)
         (gr,) = torch.autograd.grad(ref, zr)
@@ -83,10 +96,19 @@ def _check_flat(backend, dev):
     for _ in range(2):
         ops.client_step(th, grad.to(dev), momentum_buf=buf, anchor=anchor.to(dev), backend=backend, **step)
         thr, bufr = client_step_reference(thr, grad.double(), momentum_buf=bufr, anchor=anchor.double(), **step)
-    out = ops.aggregate(th, anchor.to(dev), weights=w.to(dev), rows=N, beta=0.9, lr=1.0,
-                        momentum=torch.ones(P, device=dev), backend=backend)
-    ref = aggregate_reference(thr, anchor.double(), (w / w.sum()).double(), beta=0.9, lr=1.0,
-                              momentum=torch.ones(P, dtype=torch.float64))
+    out = ops.aggregate(
+        th,
+        anchor.to(dev),
+        weights=w.to(dev),
+        rows=N,
+        beta=0.9,
+        lr=1.0,
+        momentum=torch.ones(P, device=dev),
+        backend=backend,
+    )
+    ref = aggregate_reference(
+        thr, anchor.double(), (w / w.sum()).double(), beta=0.9, lr=1.0, momentum=torch.ones(P, dtype=torch.float64)
+    )
     return max(_rel(th, thr), _rel(out["global"], ref["global"]), _rel(out["momentum"], ref["momentum"]))
 
 
@@ -99,8 +121,9 @@ def _check_round(backend, dev):
     for alg in ("fedntd", "scaffold"):
         res = []
         for be in (backend, "reference"):
-            cfg = fedfast.SimConfig(algorithm=alg, clients_per_round=4, rounds=2, batch_size=16, lr=0.05,
-                                    momentum=0.9, backend=be)
+            cfg = fedfast.SimConfig(
+                algorithm=alg, clients_per_round=4, rounds=2, batch_size=16, lr=0.05, momentum=0.9, backend=be
+            )
             sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train.to(dev), test.to(dev), part, device=dev)
             sim.run()
             res.append(sim.global_flat)
@@ -111,13 +134,19 @@ def _check_round(backend, dev):
 def main(quick: bool = False) -> int:
     env = os.environ.get("FEDFAST_BACKEND")
     if env and env not in ("auto",) + _backend.BACKENDS:
-        print(f"fedfast: FEDFAST_BACKEND (environment variable): must be one of {('auto',) + _backend.BACKENDS}, "
-              f"got {env!r}", file=sys.stderr)
+        print(
+            f"fedfast: FEDFAST_BACKEND (environment variable): must be one of {('auto',) + _backend.BACKENDS}, "
+            f"got {env!r}",
+            file=sys.stderr,
+        )
         return 2
-    print(f"fedfast {__version__}  torch {torch.__version__}  python {platform.python_version()}  "
-          f"{platform.machine()} {platform.system()}")
+    print(
+        f"fedfast {__version__}  torch {torch.__version__}  python {platform.python_version()}  "
+        f"{platform.machine()} {platform.system()}"
+    )
     try:
         import triton
+
         print(f"triton {triton.__version__}")
         why = _backend.interpreter_problem()
         if why:
@@ -141,12 +170,16 @@ def main(quick: bool = False) -> int:
         cuda_word = "- (this torch has no CUDA)"
     else:
         cuda_word = "yes" if cuda_why is None else "NO"
-    print(f"built: cpu extension {'yes' if cpu_why is None else 'NO'}, cuda extension {cuda_word}, triton "
-          f"{'yes' if _backend.triton_available() else 'no'}")
+    print(
+        f"built: cpu extension {'yes' if cpu_why is None else 'NO'}, cuda extension {cuda_word}, triton "
+        f"{'yes' if _backend.triton_available() else 'no'}"
+    )
     for mod, why in (("fedfast._C", cpu_why), ("fedfast._C_cuda", cuda_why)):
         if why is not None:
-            print(f"  {mod}: {why}; its backend falls back to 'reference' (correct, slower). Build it "
-                  f"{_backend.BUILD_HINT}.")
+            print(
+                f"  {mod}: {why}; its backend falls back to 'reference' (correct, slower). Build it "
+                f"{_backend.BUILD_HINT}."
+            )
     failed = 0
     for d in devs:
         dt = "cuda" if d.startswith("cuda") else "cpu"
@@ -165,8 +198,9 @@ def main(quick: bool = False) -> int:
                 except Exception as e:  # noqa: BLE001 - a doctor reports, it does not crash
                     ok, msg = False, f"{type(e).__name__}: {e}"
                 failed += not ok
-                print(f"  {'ok  ' if ok else 'FAIL'} {d:7s} {be:9s} {what:22s} {msg}  "
-                      f"({time.perf_counter() - t0:.1f}s)")
+                print(
+                    f"  {'ok  ' if ok else 'FAIL'} {d:7s} {be:9s} {what:22s} {msg}  ({time.perf_counter() - t0:.1f}s)"
+                )
     for d in devs:
         dt = "cuda" if d.startswith("cuda") else "cpu"
         print(f"automatic backend on {d}: {_backend.resolve(None, dt)}")

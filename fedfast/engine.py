@@ -28,6 +28,7 @@ calls through its hooks; the engine never branches on a method's name and reads 
 the contract of :class:`fedfast.methods.Method`. The engine's own settings are :class:`SimConfig`; a method's
 options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"beta": 1.0}})``).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,13 @@ from .data.partition import Partition
 from .flat import find_classifier
 from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
-from .sim.buffers import (RoundBuffers, check_batch_norm, check_teacher_spec, local_statistics_store,
-                          restore_local_statistics)
+from .sim.buffers import (
+    RoundBuffers,
+    check_batch_norm,
+    check_teacher_spec,
+    local_statistics_store,
+    restore_local_statistics,
+)
 from .sim import collect, diverged as _diverged
 from .sim.evaluation import EvalSettings, Evaluator, forgetting
 from .sim.facade import EngineView, bind_method
@@ -89,11 +95,25 @@ class Simulation:
     ``method``: the method instance to run, built from ``config`` (``config.method()``; :func:`fedfast.assemble.build`
     builds one per run, whose ``hold_out`` made the server-held splits); default: a new instance of the config's."""
 
-    def __init__(self, config: SimConfig, model: nn.Module, train: ArrayDataset, test: ArrayDataset,
-                 partition: Partition, device=None, val: ArrayDataset | None = None, process_group=None,
-                 loss_fn=None, loss_needs_teacher: bool = False, aux: ArrayDataset | None = None,
-                 schedule: Sequence | Callable | None = None, data_order: Callable | None = None,
-                 validation: ArrayDataset | None = None, method=None, state_dir: str | None = None):
+    def __init__(
+        self,
+        config: SimConfig,
+        model: nn.Module,
+        train: ArrayDataset,
+        test: ArrayDataset,
+        partition: Partition,
+        device=None,
+        val: ArrayDataset | None = None,
+        process_group=None,
+        loss_fn=None,
+        loss_needs_teacher: bool = False,
+        aux: ArrayDataset | None = None,
+        schedule: Sequence | Callable | None = None,
+        data_order: Callable | None = None,
+        validation: ArrayDataset | None = None,
+        method=None,
+        state_dir: str | None = None,
+    ):
         c = self.cfg = self.config = config
         if not isinstance(config, SimConfig):
             raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
@@ -101,10 +121,13 @@ class Simulation:
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         # the method: loss, client-step terms, server rule, state; ``method``: an instance built from this config
         # already (fedfast.assemble builds one per run), else a new one
-        if method is not None and (type(method) is not _methods.get(c.algorithm) or
-                                   method.options() != c.method_options()):
-            raise ValueError(f"method: a {type(method).__name__} with other options than config's "
-                             f"{c.algorithm!r}; build it with config.method()")
+        if method is not None and (
+            type(method) is not _methods.get(c.algorithm) or method.options() != c.method_options()
+        ):
+            raise ValueError(
+                f"method: a {type(method).__name__} with other options than config's "
+                f"{c.algorithm!r}; build it with config.method()"
+            )
         self.method = method if method is not None else c.method()
         # the classifier (Step.features is its input): found on the user's model before prepare_model (MOON's
         # projection head replaces it), then again on the model the clients train
@@ -114,13 +137,22 @@ class Simulation:
             self.method.classifier_name = find_classifier(model, probe_batch(model, train), c.features_layer)
         model = self.method.prepare_model(model, c.seed)
         if not isinstance(model, nn.Module):
-            raise HookError(f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got "
-                            f"{type(model).__name__}")
+            raise HookError(
+                f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got {type(model).__name__}"
+            )
         for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
             warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
         datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
-        check_inputs(model, datasets, partition, loss_fn, schedule, data_order, client_sampling=c.client_sampling,
-                     augment=c.augment)
+        check_inputs(
+            model,
+            datasets,
+            partition,
+            loss_fn,
+            schedule,
+            data_order,
+            client_sampling=c.client_sampling,
+            augment=c.augment,
+        )
         self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
         # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
         self.comm = collectives(process_group)
@@ -134,8 +166,17 @@ class Simulation:
         self.validation = validation.to(self.device) if validation is not None else None
         self.server_splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
         # the parts, each given the settings it reads: round plan (the data's placement), runtime, budget, evaluator
-        self.plan = RoundPlan(PlanSettings.of(c), self.train, partition, self.method, device=self.device,
-                              rank=self.comm.rank, world=self.comm.world, schedule=schedule, data_order=data_order)
+        self.plan = RoundPlan(
+            PlanSettings.of(c),
+            self.train,
+            partition,
+            self.method,
+            device=self.device,
+            rank=self.comm.rank,
+            world=self.comm.world,
+            schedule=schedule,
+            data_order=data_order,
+        )
         self.runtime = rt = ModelRuntime(RuntimeSettings.of(c), self.model, self.train, self.device)
         if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found above
             found = getattr(self.method, "classifier_name", None)
@@ -143,24 +184,39 @@ class Simulation:
                 rt.classifier_name = found
             else:
                 rt.find_classifier(found)
-        self.budget = MemoryBudget(BudgetSettings.of(c), self.method, rt, self.device, state_dir,
-                                   self.plan.max_cohort())
+        self.budget = MemoryBudget(
+            BudgetSettings.of(c), self.method, rt, self.device, state_dir, self.plan.max_cohort()
+        )
         self.evaluator = Evaluator(EvalSettings.of(c), rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
         self.client_buffers = local_statistics_store(c.bn_stats, rt, self.budget, self.num_clients)  # FedBN's
         # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
         # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
-        self.engine = EngineView(c, runtime=rt, plan=self.plan, budget=self.budget, state=self.state, train=self.train,
-                                 server_splits=self.server_splits, device=self.device)
+        self.engine = EngineView(
+            c,
+            runtime=rt,
+            plan=self.plan,
+            budget=self.budget,
+            state=self.state,
+            train=self.train,
+            server_splits=self.server_splits,
+            device=self.device,
+        )
         per_rank = -(-self.plan.max_cohort() // self.comm.world)
-        self.chunk, self.trainer = bind_method(self.method, self.engine, self.budget, lambda: max(1, min(
-            per_rank, c.client_chunk or self.budget.auto_chunk())), lambda n: self._trainer(n, loss_fn))
+        self.chunk, self.trainer = bind_method(
+            self.method,
+            self.engine,
+            self.budget,
+            lambda: max(1, min(per_rank, c.client_chunk or self.budget.auto_chunk())),
+            lambda n: self._trainer(n, loss_fn),
+        )
         self.state.eval_flat = self._evaluated(rt.initial)
         self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
         if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        check_batch_norm(rt, self.plan, self._uses_teacher, teacher=c.teacher, batch_size=c.batch_size,
-                         drop_last=c.drop_last)  # dp_clip > 0: DP-FedAvg's server side
+        check_batch_norm(
+            rt, self.plan, self._uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last
+        )  # dp_clip > 0: DP-FedAvg's server side
         self.privacy = RoundPrivacy.of(PrivacySettings.of(c), self.method, self.plan, rt, schedule, self.device)
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
@@ -242,8 +298,18 @@ class Simulation:
         t1 = time.perf_counter()
         st.round += 1  # the only place the round advances (restore replaces the state with a checkpoint's)
         with self._memory("evaluation (eval_batch rows at a time)", "eval_batch"):
-            rec, class_acc = self.evaluator.record(st.round, st.eval_flat, st.history, st.class_acc, totals, loss_sum,
-                                                   timers, t1, chunk=self.chunk, method_metrics=method_metrics)
+            rec, class_acc = self.evaluator.record(
+                st.round,
+                st.eval_flat,
+                st.history,
+                st.class_acc,
+                totals,
+                loss_sum,
+                timers,
+                t1,
+                chunk=self.chunk,
+                method_metrics=method_metrics,
+            )
         if self.privacy:  # the budget spent so far (accounted on the host: no device work), the clip used
             self.privacy.record(rec, st.round, clip)
         self.runtime.load_into_model(st.eval_flat)
@@ -270,9 +336,17 @@ class Simulation:
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
             t1 = time.perf_counter()
-            tr.train_chunk(ctx, lo, hi, teacher, loss_sum, start=self.global_flat,
-                           start_buffers=bufs.start(lo, hi, self.state.global_buffers), step_rows=step_rows,
-                           gen=self.state.augment)
+            tr.train_chunk(
+                ctx,
+                lo,
+                hi,
+                teacher,
+                loss_sum,
+                start=self.global_flat,
+                start_buffers=bufs.start(lo, hi, self.state.global_buffers),
+                step_rows=step_rows,
+                gen=self.state.augment,
+            )
             tr.sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
@@ -285,12 +359,23 @@ class Simulation:
         """The chunk's rows through the fused server update: returns their weighted sum [P]."""
         extra = self.method.chunk_aggregate(ctx, lo, hi)
         if not isinstance(extra, dict):
-            check_hook_return(self.method, "chunk_aggregate", extra, kind="dict",
-                              what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)")
+            check_hook_return(
+                self.method,
+                "chunk_aggregate",
+                extra,
+                kind="dict",
+                what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)",
+            )
         # private: clipped updates summed with equal weight over the expected cohort size, no weights
-        agg = dict(rows=hi - lo, backend=self.cfg.backend,
-                   **(self.privacy.chunk_arguments(extra, self.trainer.update_norms(hi - lo)) if self.privacy else
-                      dict(weights=weights[lo:hi], **extra)))
+        agg = dict(
+            rows=hi - lo,
+            backend=self.cfg.backend,
+            **(
+                self.privacy.chunk_arguments(extra, self.trainer.update_norms(hi - lo))
+                if self.privacy
+                else dict(weights=weights[lo:hi], **extra)
+            ),
+        )
         try:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
         except ops.NonFiniteUpdate as e:
@@ -310,12 +395,20 @@ class Simulation:
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float, bufs: RoundBuffers):
         # sums over all ranks' clients; every rank learns every updated client's state row (one process: as is)
-        self.comm.sum_(avg_sum, ctx.increment, loss_sum, *(ctx.sums[k] for k in sorted(ctx.sums)),
-                       *([bufs.sum] if bufs.sum.numel() else []))
+        self.comm.sum_(
+            avg_sum,
+            ctx.increment,
+            loss_sum,
+            *(ctx.sums[k] for k in sorted(ctx.sums)),
+            *([bufs.sum] if bufs.sum.numel() else []),
+        )
         for st, rows in ((self.method.client_state, ctx.state_out), (self.client_buffers, bufs.rows)):
             if rows is not None:
-                with self._memory(f"the per-client state store (rows of {st.written} clients, {st.cols} values "
-                                  f"each, growing with the clients trained)", "state_dtype"):
+                with self._memory(
+                    f"the per-client state store (rows of {st.written} clients, {st.cols} values "
+                    f"each, growing with the clients trained)",
+                    "state_dtype",
+                ):
                     store_rows(self.comm, st, ctx.sampled_t, rows)
         if not (self.privacy or total_w > 0):  # no client this round (Poisson sampling): the global model stays
             return
@@ -324,8 +417,14 @@ class Simulation:
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg)
         P = tuple(self.global_flat.shape)
-        check_hook_return(self.method, "server", new, shape=P, device=self.device,
-                          what=f"the new global model, a float tensor [P] = {P} on {self.device}")
+        check_hook_return(
+            self.method,
+            "server",
+            new,
+            shape=P,
+            device=self.device,
+            what=f"the new global model, a float tensor [P] = {P} on {self.device}",
+        )
         self.state.global_flat = new
         self.state.eval_flat = self._evaluated(new)
         if self.device.type != "cpu":  # the ops' deferred (no-sync) input checks of this round: one read
@@ -335,16 +434,31 @@ class Simulation:
         """The model the method has evaluated (``Method.evaluated``), checked: a float tensor [P] on the device."""
         out = self.method.evaluated(flat)
         P = tuple(self.global_flat.shape)
-        check_hook_return(self.method, "evaluated", out, shape=P, device=self.device,
-                          what=f"the model to evaluate, a float tensor [P] = {P} on {self.device}")
+        check_hook_return(
+            self.method,
+            "evaluated",
+            out,
+            shape=P,
+            device=self.device,
+            what=f"the model to evaluate, a float tensor [P] = {P} on {self.device}",
+        )
         return out
 
     def _trainer(self, n: int, loss_fn) -> ChunkTrainer:
         """The chunk trainer of ``n`` clients, its buffers allocated under the memory guard."""
-        with self.budget.guard(f"allocating the parameter buffers of a chunk of {n} clients", "client_chunk",
-                               next_round=1, chunk=n):
-            return ChunkTrainer(TrainerSettings.of(self.cfg), self.method, self.runtime, self.plan, chunk=n,
-                                device=self.device, loss_fn=loss_fn, row_bytes=self.budget.client_bytes()[0])
+        with self.budget.guard(
+            f"allocating the parameter buffers of a chunk of {n} clients", "client_chunk", next_round=1, chunk=n
+        ):
+            return ChunkTrainer(
+                TrainerSettings.of(self.cfg),
+                self.method,
+                self.runtime,
+                self.plan,
+                chunk=n,
+                device=self.device,
+                loss_fn=loss_fn,
+                row_bytes=self.budget.client_bytes()[0],
+            )
 
     def _memory(self, what: str, key: str):
         """An allocation failure inside the block becomes :class:`OutOfMemory` naming ``what`` and ``key``."""
@@ -357,8 +471,14 @@ class Simulation:
             self.round()
         return self.history
 
-    def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
-                dtype=torch.float32, buffers: torch.Tensor | None = None) -> torch.Tensor:
+    def predict(
+        self,
+        flat: torch.Tensor,
+        dataset: ArrayDataset,
+        idx: torch.Tensor | None = None,
+        dtype=torch.float32,
+        buffers: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of the model ``flat`` (``buffers``: its BatchNorm statistics, default the global model's) on rows
         ``idx`` of ``dataset`` (default all), in large batches, eval mode."""
         return self.runtime.predict(flat, dataset, idx, dtype, buffers)
@@ -412,7 +532,11 @@ def __getattr__(name: str):
     """``fedfast.engine.Diverged``: moved to :mod:`fedfast.sim.diverged` (``fedfast.Diverged`` is unchanged); the old
     address works for one release, with a DeprecationWarning naming the new one."""
     if name == "Diverged":
-        warnings.warn("fedfast.engine.Diverged moved to fedfast.sim.diverged.Diverged (or use fedfast.Diverged); "
-                      "the old address goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "fedfast.engine.Diverged moved to fedfast.sim.diverged.Diverged (or use fedfast.Diverged); "
+            "the old address goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return _diverged.Diverged
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,7 @@ sweep's cell check); :func:`identity` is the short digest of what the results de
 code's and the data's content; not paths, times or the number of processes), by which a report keeps runs of
 other code or data in rows of their own.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,8 +38,8 @@ from .rundir import dumps
 
 _sha256_file = file_sha256  # data files' hashes (the name tests count calls of)
 
-_MEMO: dict[tuple, str] = {}   # (path, size, mtime_ns) -> sha256, this process
-_SOURCE: dict = {}             # fedfast's own source digest, once per process
+_MEMO: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, this process
+_SOURCE: dict = {}  # fedfast's own source digest, once per process
 
 
 def _cache_path() -> str:
@@ -104,7 +105,7 @@ def current(plugins, data_files, world_size: int, recorded: dict | None = None, 
     loader importing its helpers when it runs). ``recorded``: a fingerprint to take unchanged files' hashes from."""
     code = {}
     for p in [*plugins, None]:
-        for f in ([p, *PLUGIN_CODE.get(p, ())] if p is not None else list(code_files)):
+        for f in [p, *PLUGIN_CODE.get(p, ())] if p is not None else list(code_files):
             try:
                 code[f] = file_sha256(f)
             except OSError:
@@ -163,9 +164,11 @@ def identity(fp: dict | None) -> str | None:
     files (not their paths or times, nor the number of processes); None for a run recorded without one."""
     if not fp:
         return None
-    what = {"fedfast": (fp.get("fedfast") or {}).get("source_sha256"),
-            "code": sorted(str(v) for v in (fp.get("code") or {}).values()),
-            "data": sorted(str((r or {}).get("sha256")) for r in (fp.get("data") or {}).values())}
+    what = {
+        "fedfast": (fp.get("fedfast") or {}).get("source_sha256"),
+        "code": sorted(str(v) for v in (fp.get("code") or {}).values()),
+        "data": sorted(str((r or {}).get("sha256")) for r in (fp.get("data") or {}).values()),
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -174,10 +177,14 @@ def changes(recorded: dict, now: dict) -> list[str]:
     out = []
     a, b = recorded.get("fedfast") or {}, now.get("fedfast") or {}
     if a.get("source_sha256") != b.get("source_sha256") or a.get("version") != b.get("version"):
+
         def ver(s):
             return f"{s.get('version')}" + (f" at commit {str(s['commit'])[:12]}" if s.get("commit") else "")
-        out.append(f"fedfast's code (then {ver(a)}, source {str(a.get('source_sha256'))[:12]}; now {ver(b)}, source "
-                   f"{str(b.get('source_sha256'))[:12]})")
+
+        out.append(
+            f"fedfast's code (then {ver(a)}, source {str(a.get('source_sha256'))[:12]}; now {ver(b)}, source "
+            f"{str(b.get('source_sha256'))[:12]})"
+        )
     for kind in ("code", "data"):
         then, cur = recorded.get(kind) or {}, dict(now.get(kind) or {})
         if kind == "code":  # each recorded module must be unchanged; one only now is reached through recorded code

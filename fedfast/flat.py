@@ -9,6 +9,7 @@ updates it in place; fedfast keeps one buffer for all clients).
 
 Per-client state across rounds (FedDyn ``h_k``, SCAFFOLD ``c_k``, ...) is the store's, :mod:`fedfast.store`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,16 +52,17 @@ def _model_buffers(module: nn.Module):
     out = []
     for mod_name, mod in module.named_modules():
         for n, b in mod.named_buffers(recurse=False):
-            if b is not None and (b.is_floating_point() or (
-                    n == "num_batches_tracked" and isinstance(mod, nn.modules.batchnorm._NormBase))):
+            if b is not None and (
+                b.is_floating_point()
+                or (n == "num_batches_tracked" and isinstance(mod, nn.modules.batchnorm._NormBase))
+            ):
                 out.append((f"{mod_name}.{n}" if mod_name else n, b))
     return out
 
 
 def has_running_stats(module: nn.Module) -> bool:
     """Whether the model has BatchNorm layers that keep running statistics (``track_running_stats=True``)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
-               for m in module.modules())
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None for m in module.modules())
 
 
 class FlatLayout:
@@ -70,14 +72,16 @@ class FlatLayout:
         self.params, self.P = _layout(module.named_parameters())
         self.buffers, self.B = _layout(_model_buffers(module))
         # the buffer slots that hold integers (num_batches_tracked): averaged, then rounded to the nearest integer
-        self.integer_buffers = [s for s, (_, b) in zip(self.buffers, _model_buffers(module))
-                                if not b.is_floating_point()]
+        self.integer_buffers = [
+            s for s, (_, b) in zip(self.buffers, _model_buffers(module)) if not b.is_floating_point()
+        ]
 
     @staticmethod
     def _views(flat: Tensor, slots: list[_Slot]) -> "OrderedDict[str, Tensor]":
         lead = flat.shape[:-1]
-        return OrderedDict((s.name, flat[..., s.offset:s.offset + s.numel].view(tuple(lead) + tuple(s.shape)))
-                           for s in slots)
+        return OrderedDict(
+            (s.name, flat[..., s.offset : s.offset + s.numel].view(tuple(lead) + tuple(s.shape))) for s in slots
+        )
 
     def param_views(self, flat: Tensor) -> "OrderedDict[str, Tensor]":
         """Zero-copy views ``[*lead, *shape]`` of a ``[*lead, P]`` parameter buffer."""
@@ -97,7 +101,7 @@ class FlatLayout:
         """[B] True at the buffer values that are integers in the module (BatchNorm's num_batches_tracked)."""
         m = torch.zeros(self.B, dtype=torch.bool, device=device)
         for s in self.integer_buffers:
-            m[s.offset:s.offset + s.numel] = True
+            m[s.offset : s.offset + s.numel] = True
         return m
 
     def load_buffers(self, module: nn.Module, flat: Tensor) -> None:
@@ -117,8 +121,9 @@ class FlatLayout:
 
     def check_module(self, module: nn.Module) -> None:
         names = [n for n, _ in module.named_parameters()]
-        if names != [s.name for s in self.params] or \
-                [p.shape for _, p in module.named_parameters()] != [s.shape for s in self.params]:
+        if names != [s.name for s in self.params] or [p.shape for _, p in module.named_parameters()] != [
+            s.shape for s in self.params
+        ]:
             raise ValueError("module: its parameters do not match this layout (names or shapes differ)")
 
 
@@ -134,8 +139,15 @@ class ClientStack:
     ``module`` itself is used as the stateless template for ``torch.func.functional_call``.
     """
 
-    def __init__(self, module: nn.Module, num_clients: int, *, device=None, dtype: torch.dtype = torch.float32,
-                 use_executor: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        num_clients: int,
+        *,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+        use_executor: bool = True,
+    ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
         if int(num_clients) < 1:
@@ -169,8 +181,10 @@ class ClientStack:
         :func:`fedfast.ops.client_step` reads in place on the CPU backend)."""
         gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         n = next(iter(leaves.values())).shape[0]
-        gs = [g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=lf.device)
-              for g, lf in zip(gs, leaves.values())]
+        gs = [
+            g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=lf.device)
+            for g, lf in zip(gs, leaves.values())
+        ]
         return gs if out is None else torch.cat(gs, 1, out=out)
 
     # -- views -------------------------------------------------------------------------------------
@@ -236,9 +250,17 @@ class ClientStack:
             v[0].copy_(state[n])
 
     # -- batched forward ------------------------------------------------------------------------------
-    def vmap_forward(self, x: Tensor, rows: slice | None = None, *, params: dict | None = None,
-                     features: nn.Module | None = None, buffers: dict | None = None, valid: Tensor | None = None,
-                     update: bool = False):
+    def vmap_forward(
+        self,
+        x: Tensor,
+        rows: slice | None = None,
+        *,
+        params: dict | None = None,
+        features: nn.Module | None = None,
+        buffers: dict | None = None,
+        valid: Tensor | None = None,
+        update: bool = False,
+    ):
         """``f(theta_k, x_k)`` for every row k at once: ``x`` is ``[n, batch, ...]``, returns ``[n, batch, ...]``.
 
         ``params`` (default: this stack's views) lets autograd-tracked tensors be substituted. ``features``:
@@ -270,11 +292,21 @@ def _bn_forward(self, input):
 
     def one(t):
         return None if t is None else t[None]
+
     return client_batch_norm_reference(
-        input, 1, one(self.weight), one(self.bias), valid=one(valid), running_mean=one(self.running_mean),
-        running_var=one(self.running_var), num_batches_tracked=one(self.num_batches_tracked) if tracks else None,
-        use_batch_stats=self.training or not tracks, update=bool(update and self.training and tracks),
-        momentum=self.momentum, eps=self.eps)
+        input,
+        1,
+        one(self.weight),
+        one(self.bias),
+        valid=one(valid),
+        running_mean=one(self.running_mean),
+        running_var=one(self.running_var),
+        num_batches_tracked=one(self.num_batches_tracked) if tracks else None,
+        use_batch_stats=self.training or not tracks,
+        update=bool(update and self.training and tracks),
+        momentum=self.momentum,
+        eps=self.eps,
+    )
 
 
 @contextlib.contextmanager
@@ -320,16 +352,21 @@ def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | N
             return name
         scope = name
         if not any(n.startswith(name + ".") for n in linears):
-            raise ValueError(f"features_layer: {name!r} is a {type(mods[name]).__name__} with no nn.Linear in it; "
-                             f"the classifier is an nn.Linear ({known})")
+            raise ValueError(
+                f"features_layer: {name!r} is a {type(mods[name]).__name__} with no nn.Linear in it; "
+                f"the classifier is an nn.Linear ({known})"
+            )
     if probe is None:
         inside = [n for n in linears if not scope or n.startswith(scope + ".")]
         if not inside:
             raise ValueError(f"model: has no nn.Linear layer to take the representation from ({known})")
         return inside[-1]
     calls: list[tuple[str, Tensor]] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: calls.append((n, out)))
-             for n, m in mods.items() if isinstance(m, nn.Linear) and (not scope or n.startswith(scope + "."))]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out, n=n: calls.append((n, out)))
+        for n, m in mods.items()
+        if isinstance(m, nn.Linear) and (not scope or n.startswith(scope + "."))
+    ]
     modes = [(m, m.training) for m in model.modules()]
     model.eval()  # no running statistics updated, no dropout
     try:
@@ -342,19 +379,27 @@ def find_classifier(model: nn.Module, probe: Tensor | None = None, name: str | N
             m.training = was
     if not calls:
         where = f"inside features_layer {scope!r}" if scope else "in the model's forward"
-        raise ValueError(f"{'features_layer' if scope else 'model'}: no nn.Linear runs {where}, so there is no "
-                         f"classifier to take the features from ({known})")
+        raise ValueError(
+            f"{'features_layer' if scope else 'model'}: no nn.Linear runs {where}, so there is no "
+            f"classifier to take the features from ({known})"
+        )
     last, y = calls[-1]
     runs = sum(1 for n, _ in calls if n == last)
-    fix = (f"name the classifier: features_layer = \"<layer>\" in the run config (SimConfig(features_layer=...)), "
-           f"or a features_layer attribute on the model ({known})")
+    fix = (
+        f'name the classifier: features_layer = "<layer>" in the run config (SimConfig(features_layer=...)), '
+        f"or a features_layer attribute on the model ({known})"
+    )
     if runs > 1:
-        raise ValueError(f"model: its last nn.Linear to run, {last!r}, runs {runs} times in one forward, so which "
-                         f"call is the classifier is ambiguous; {fix}")
+        raise ValueError(
+            f"model: its last nn.Linear to run, {last!r}, runs {runs} times in one forward, so which "
+            f"call is the classifier is ambiguous; {fix}"
+        )
     same = out is y or (torch.is_tensor(out) and out.numel() == y.numel() and out.data_ptr() == y.data_ptr())
     if not scope and not same:  # the output, or a view of it (a reshape), else something follows the layer
-        raise ValueError(f"model: its output is not the output of the last nn.Linear to run ({last!r}): something "
-                         f"follows it, so the classifier is ambiguous; {fix}")
+        raise ValueError(
+            f"model: its output is not the output of the last nn.Linear to run ({last!r}): something "
+            f"follows it, so the classifier is ambiguous; {fix}"
+        )
     return last
 
 
@@ -367,6 +412,7 @@ def functional_forward(module: nn.Module, features: nn.Module | None = None, *, 
     """``f(params, buffers, x, valid)`` -> ``out`` (or ``(input of features, out)``) with ``functional_call``; run
     it inside :func:`fedfast_batch_norm` so BatchNorm layers leave ``valid``'s padding rows (None: none) out of
     their statistics and update their running buffers only when ``update``."""
+
     def f(pp, bb, xx, vv=None):
         got = []
         h = features.register_forward_pre_hook(lambda _m, inp: got.append(inp[0])) if features is not None else None
@@ -378,6 +424,7 @@ def functional_forward(module: nn.Module, features: nn.Module | None = None, *, 
             if h is not None:
                 h.remove()
         return (got[-1], out) if features is not None else out
+
     return f
 
 
@@ -385,7 +432,10 @@ def __getattr__(name: str):
     """``fedfast.flat.ClientState``: moved to :mod:`fedfast.store` (issue 50); the old address works for one release,
     with a DeprecationWarning naming the new one."""
     if name == "ClientState":
-        warnings.warn("fedfast.flat.ClientState moved to fedfast.store.ClientState; the old address goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "fedfast.flat.ClientState moved to fedfast.store.ClientState; the old address goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return _store_state.ClientState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

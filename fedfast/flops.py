@@ -13,6 +13,7 @@ the convolutional and dense models of the papers it is well under 1 % of the cou
 ``torch.utils.flop_counter.FlopCounterMode`` on one training step of these models (``tests/test_flops.py``),
 without running the backward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch import nn
 class LayerFlops:
     """One Conv2d / Linear layer's FLOPs per sample: ``forward``, and ``backward`` (weight gradient + input
     gradient where the input needs one)."""
+
     name: str
     kind: str
     forward: int
@@ -44,13 +46,22 @@ def layer_flops(model: nn.Module, sample: torch.Tensor) -> list[LayerFlops]:
         x = inp[0]
         if isinstance(m, nn.Conv2d):
             cin = m.in_channels // m.groups
-            fwd = 2 * m.out_channels * cin * m.kernel_size[0] * m.kernel_size[1] * o.shape[-2] * o.shape[-1] * \
-                (o.numel() // (o.shape[-3] * o.shape[-2] * o.shape[-1]))
+            fwd = (
+                2
+                * m.out_channels
+                * cin
+                * m.kernel_size[0]
+                * m.kernel_size[1]
+                * o.shape[-2]
+                * o.shape[-1]
+                * (o.numel() // (o.shape[-3] * o.shape[-2] * o.shape[-1]))
+            )
         else:
             fwd = 2 * m.in_features * m.out_features * (x.numel() // m.in_features)
         fwd //= n
-        out.append(LayerFlops(names.get(m, type(m).__name__), type(m).__name__, fwd,
-                              fwd * (2 if x.requires_grad else 1)))
+        out.append(
+            LayerFlops(names.get(m, type(m).__name__), type(m).__name__, fwd, fwd * (2 if x.requires_grad else 1))
+        )
 
     hooks = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     was = model.training
@@ -86,9 +97,11 @@ def describe(model: nn.Module, sample: torch.Tensor) -> str:
     layers = layer_flops(model, sample)
     fwd, step = sum(l.forward for l in layers), sum(l.forward + l.backward for l in layers)
     kinds = sorted({l.kind for l in layers})
-    return (f"{len(layers)} {'/'.join(kinds)} layers: {fwd / 1e6:.3f} MFLOP forward, {step / 1e6:.3f} MFLOP per "
-            f"training sample (2 per multiply-add; weight and input gradients; norms, activations, pooling, loss "
-            f"and optimizer not counted)")
+    return (
+        f"{len(layers)} {'/'.join(kinds)} layers: {fwd / 1e6:.3f} MFLOP forward, {step / 1e6:.3f} MFLOP per "
+        f"training sample (2 per multiply-add; weight and input gradients; norms, activations, pooling, loss "
+        f"and optimizer not counted)"
+    )
 
 
 __all__ = ["LayerFlops", "layer_flops", "training_flops", "round_flops", "describe"]

@@ -25,6 +25,7 @@ and no layer couples samples (BatchNorm is refused); :func:`plan` says why not o
 result against each client's own ``functional_call`` forward on a probe batch of two clients with different
 weights before it uses this path (a model that mixes rows of a batch fails that check), else it uses vmap.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,6 +39,7 @@ from .batched import _BatchedLinear
 
 class _Ctx:
     """The current call: per-client parameter views ``[n, *shape]`` by name, and n, B."""
+
     params: dict = {}
     n: int = 1
     B: int = 1
@@ -140,8 +142,17 @@ class GroupedPlan:
     def __init__(self, model: nn.Module, ctx: _Ctx, names: dict):
         self.model, self.ctx, self.names = model, ctx, names  # names: id(original layer) -> its grouped copy
 
-    def forward(self, params: dict, x: Tensor, training: bool, features: nn.Module | None = None, *,
-                buffers: dict | None = None, valid: Tensor | None = None, update: bool = False):
+    def forward(
+        self,
+        params: dict,
+        x: Tensor,
+        training: bool,
+        features: nn.Module | None = None,
+        *,
+        buffers: dict | None = None,
+        valid: Tensor | None = None,
+        update: bool = False,
+    ):
         """``params[name]`` ``[n, *shape]``, ``x`` ``[n, B, ...]`` -> ``[n, B, out]`` (or ``(input of
         features [n, B, d], out)``; ``features`` is a module of the original model). ``buffers``, ``valid`` and
         ``update`` (the executors' common call) change nothing here: no layer of a grouped copy couples the rows

@@ -3,6 +3,7 @@ over ``torch.distributed`` (:func:`run_workers`), and the exit codes the command
 command line and the studies (``fedfast run`` and ``fedfast sweep`` both call these); :mod:`fedfast.assemble` builds
 each run's Simulation.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,13 +51,21 @@ def _free_port() -> int:
 
 
 def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank)
+    )
     for p in cfg.plugins:
         methods.load_plugin(p)
     try:
-        run(cfg, out_dir, quiet=kw["quiet"] or rank > 0, mode=kw["action"], label=kw["label"], attached=True,
-            cell=kw.get("cell"))
+        run(
+            cfg,
+            out_dir,
+            quiet=kw["quiet"] or rank > 0,
+            mode=kw["action"],
+            label=kw["label"],
+            attached=True,
+            cell=kw.get("cell"),
+        )
         dist.destroy_process_group()
         code = 0
     except Interrupted as e:
@@ -75,8 +84,9 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
 EXIT_ERROR, EXIT_WORKER_DIED, EXIT_DIVERGED = 2, 3, 4
 
 
-def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bool = False, label: str = "",
-                cell: str | None = None):
+def run_workers(
+    cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bool = False, label: str = "", cell: str | None = None
+):
     """``workers`` local processes over ``torch.distributed`` (gloo on loopback), each with ``cores / workers``
     intra-op threads (or ``threads``), each training its share of every round's clients (the same global model as
     one process). This process holds the run directory's lock; rank 0 writes. A worker that dies stops the others
@@ -92,8 +102,10 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
     ctx = mp.get_context("spawn")
     port = _free_port()
     kw = dict(quiet=quiet, action=action, label=label, cell=cell)
-    procs = [ctx.Process(target=_worker_main, args=(r, workers, port, cfg, out_dir, kw), daemon=False)
-             for r in range(workers)]
+    procs = [
+        ctx.Process(target=_worker_main, args=(r, workers, port, cfg, out_dir, kw), daemon=False)
+        for r in range(workers)
+    ]
     try:
         for p in procs:
             p.start()
@@ -116,17 +128,23 @@ def run_workers(cfg, out_dir: str, workers: int, *, mode: str = "new", quiet: bo
                     if q.exitcode is None:
                         q.kill()
                 if p.exitcode in (128 + _signal.SIGINT, 128 + _signal.SIGTERM) and all(
-                        c in (None, 0, p.exitcode) for c in codes):
+                    c in (None, 0, p.exitcode) for c in codes
+                ):
                     raise Interrupted(p.exitcode - 128, -1, out_dir)
                 if p.exitcode == EXIT_DIVERGED:
-                    raise RunDiverged(None, out_dir, message=f"the run in {out_dir} diverged (worker 0's message "
-                                                             f"above); summary.json records it")
+                    raise RunDiverged(
+                        None,
+                        out_dir,
+                        message=f"the run in {out_dir} diverged (worker 0's message above); summary.json records it",
+                    )
                 if p.exitcode == EXIT_ERROR:
                     raise ValueError(f"worker {r} stopped with an error (above)")
-                how = (f"signal {_signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}")
-                raise WorkerDied(f"worker {r} (pid {p.pid}) died with {how}; the other workers were stopped. "
-                                 f"Continue from the last checkpoint with `fedfast run --resume {out_dir} --workers "
-                                 f"{workers}`")
+                how = f"signal {_signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                raise WorkerDied(
+                    f"worker {r} (pid {p.pid}) died with {how}; the other workers were stopped. "
+                    f"Continue from the last checkpoint with `fedfast run --resume {out_dir} --workers "
+                    f"{workers}`"
+                )
             time.sleep(0.1)
     except BaseException:
         rd.refresh()
@@ -150,8 +168,16 @@ def _set_threads(cfg):
     return cfg.replace(threads=n)
 
 
-def run(cfg, out_dir: str, *, mode: str = "new", quiet: bool = False, label: str = "", attached: bool = False,
-        cell: str | None = None):
+def run(
+    cfg,
+    out_dir: str,
+    *,
+    mode: str = "new",
+    quiet: bool = False,
+    label: str = "",
+    attached: bool = False,
+    cell: str | None = None,
+):
     """One run into ``out_dir`` (see :mod:`fedfast.runner`); under torchrun rank 0 holds the directory, writes and
     prints. ``mode``: ``new``, ``force``, ``resume`` or ``auto`` (:meth:`fedfast.rundir.RunDir.open`);
     ``attached``: a worker of :func:`run_workers`, whose launcher holds the directory; ``cell``: a sweep's cell
@@ -178,8 +204,9 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks have heard of it
             err = e
     if group is not None:  # rank 0's verdict on the directory, to every rank
-        code = torch.tensor([0 if err is None else 2 if isinstance(err, RunLocked) else 1,
-                             ("new", "resume", "skip").index(action)])
+        code = torch.tensor(
+            [0 if err is None else 2 if isinstance(err, RunLocked) else 1, ("new", "resume", "skip").index(action)]
+        )
         torch.distributed.broadcast(code, 0)
         if int(code[0]) == 2 and err is None:  # held by another process: every rank skips it (a sweep goes on)
             raise RunLocked(out_dir, {})
@@ -205,11 +232,17 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
     if lead and hist and not quiet:
         s = summarize(hist, cfg.to_json(), str(sim.device), True)
         acc = s["final_test_accuracy"]
-        print(f"{label + '  ' if label else ''}final test_acc "
-              + (f"{100 * acc:.2f}%  best {100 * s['best_test_accuracy']:.2f}% (round {s['best_round']})"
-                 if acc is not None else "-")
-              + (f"  forgetting {s['final_forgetting']:.4f}" if s["final_forgetting"] is not None else "")
-              + f"  {s['wall_seconds']:.1f}s  -> {out_dir}", flush=True)
+        print(
+            f"{label + '  ' if label else ''}final test_acc "
+            + (
+                f"{100 * acc:.2f}%  best {100 * s['best_test_accuracy']:.2f}% (round {s['best_round']})"
+                if acc is not None
+                else "-"
+            )
+            + (f"  forgetting {s['final_forgetting']:.4f}" if s["final_forgetting"] is not None else "")
+            + f"  {s['wall_seconds']:.1f}s  -> {out_dir}",
+            flush=True,
+        )
     return hist
 
 

@@ -10,6 +10,7 @@ training loop:
 
 Each says how many parameter-sized rows per client it keeps (``rows``), which the engine's memory budget counts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) 
 class OptimizerSettings(Settings):
     """The client optimiser's settings (:class:`fedfast.SimConfig`'s of the same names): which one, its step
     size, momentum, coupled or decoupled weight decay, Adam's betas and eps, and the gradient clipping."""
+
     client_optimizer: str
     lr: float
     momentum: float
@@ -52,8 +54,13 @@ class SGD:
             self.buf[:n].zero_()
 
     def step(self, theta: torch.Tensor, grad, n_act: int, kw: dict) -> None:
-        ops.client_step(theta[:n_act], grad, momentum=self.momentum,
-                        momentum_buf=self.buf[:n_act] if self.buf is not None else None, **kw)
+        ops.client_step(
+            theta[:n_act],
+            grad,
+            momentum=self.momentum,
+            momentum_buf=self.buf[:n_act] if self.buf is not None else None,
+            **kw,
+        )
 
 
 class Adam:
@@ -76,8 +83,17 @@ class Adam:
 
     def step(self, theta: torch.Tensor, grad, n_act: int, kw: dict) -> None:
         self.t[:n_act] += 1
-        ops.client_adam(theta[:n_act], grad, self.m[:n_act], self.v[:n_act], self.t[:n_act], betas=self.betas,
-                        eps=self.eps, decoupled=self.decoupled, **kw)
+        ops.client_adam(
+            theta[:n_act],
+            grad,
+            self.m[:n_act],
+            self.v[:n_act],
+            self.t[:n_act],
+            betas=self.betas,
+            eps=self.eps,
+            decoupled=self.decoupled,
+            **kw,
+        )
 
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": Adam}
@@ -91,6 +107,7 @@ def client_optimizer(settings: OptimizerSettings, params: torch.Tensor):
 
 class PlainGradient:
     """The loss's gradient at the clients' weights."""
+
     rows = 0
 
     def gradient(self, stack, loss, pv, n_act: int, second_loss, out):
@@ -101,6 +118,7 @@ class SAMGradient:
     """SAM's gradient: per client, the loss's gradient g at w, then the gradient at ``w + rho g / (||g|| + eps)``
     (``second_loss(params)`` evaluates the step's loss there), applied at w. Keeps the first gradient and the
     perturbed weights [chunk, P]."""
+
     rows = 2
 
     def __init__(self, params: torch.Tensor):

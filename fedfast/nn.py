@@ -23,6 +23,7 @@ The modules (each formula in its docstring, the authors' flags mapped in docs/ke
 :class:`CADLoss` (FedCAD), :class:`ADCLoss` (FedADC+), :class:`LinearKDLoss` (any of the KD/NTD forms with the
 output layer fused in, for large vocabularies).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,16 @@ from .ops._rows import class_table
 
 
 class _DistillBase(nn.Module):
-    def __init__(self, tau: float, reduction: str, ignore_index: int, backend: str | None, validate: str | None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float,
+        reduction: str,
+        ignore_index: int,
+        backend: str | None,
+        validate: str | None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__()
         _validate.check_tau("tau", tau)
         if reduction not in ("mean", "sum", "none", "segment"):
@@ -48,15 +57,29 @@ class _DistillBase(nn.Module):
         self.detach_teacher, self.double_backward = detach_teacher, double_backward
 
     def _common(self, segments, num_segments):
-        return dict(tau=self.tau, reduction=self.reduction, ignore_index=self.ignore_index, segments=segments,
-                    num_segments=num_segments, backend=self.backend, validate=self.validate,
-                    detach_teacher=self.detach_teacher, double_backward=self.double_backward)
+        return dict(
+            tau=self.tau,
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            segments=segments,
+            num_segments=num_segments,
+            backend=self.backend,
+            validate=self.validate,
+            detach_teacher=self.detach_teacher,
+            double_backward=self.double_backward,
+        )
 
     def extra_repr(self) -> str:
-        keys = [k for k in ("tau", "ce_weight", "kd_weight", "beta", "lam", "gamma", "not_true", "entropy_tau",
-                            "tau_squared") if hasattr(self, k)]
-        extra = [f"{k}={getattr(self, k)}" for k, d in (("detach_teacher", True), ("double_backward", False))
-                 if getattr(self, k) != d]
+        keys = [
+            k
+            for k in ("tau", "ce_weight", "kd_weight", "beta", "lam", "gamma", "not_true", "entropy_tau", "tau_squared")
+            if hasattr(self, k)
+        ]
+        extra = [
+            f"{k}={getattr(self, k)}"
+            for k, d in (("detach_teacher", True), ("double_backward", False))
+            if getattr(self, k) != d
+        ]
         return ", ".join([f"{k}={getattr(self, k)}" for k in keys] + [f"reduction={self.reduction!r}"] + extra)
 
 
@@ -66,24 +89,49 @@ class KDLoss(_DistillBase):
     averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``. With ``ce_weight=0`` the target may be omitted:
     ``KDLoss(tau=T, ce_weight=0, kd_weight=1)(z, t)`` is RepDistiller's ``DistillKL(T)(z, t)`` (every row counts)."""
 
-    def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
-                 reduction: str = "mean", ignore_index: int = -100, backend=None, validate=None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 4.0,
+        ce_weight: float = 1.0,
+        kd_weight: float = 1.0,
+        tau_squared: bool = True,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.ce_weight, self.kd_weight, self.tau_squared = float(ce_weight), float(kd_weight), bool(tau_squared)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor | None = None, segments: Tensor | None = None,
-                num_segments: int | None = None) -> Tensor:
-        s = self.tau ** 2 if self.tau_squared else 1.0
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        target: Tensor | None = None,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
+        s = self.tau**2 if self.tau_squared else 1.0
         if target is None:  # the KD term alone (DistillKL): every row is a row of the mean
             if self.ce_weight != 0:
-                raise ValueError(f"target: KDLoss's cross-entropy (ce_weight={self.ce_weight:g}) needs the labels; "
-                                 f"without them use ce_weight=0 (the KD term alone, RepDistiller's DistillKL)")
+                raise ValueError(
+                    f"target: KDLoss's cross-entropy (ce_weight={self.ce_weight:g}) needs the labels; "
+                    f"without them use ce_weight=0 (the KD term alone, RepDistiller's DistillKL)"
+                )
             if not isinstance(student, Tensor) or student.dim() != 2:
                 _validate.check_logits("student", student)
             target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
-        return ops.distill(student, teacher, target, kind="full", ce_weight=self.ce_weight,
-                           kd_weight=self.kd_weight * s, **self._common(segments, num_segments))
+        return ops.distill(
+            student,
+            teacher,
+            target,
+            kind="full",
+            ce_weight=self.ce_weight,
+            kd_weight=self.kd_weight * s,
+            **self._common(segments, num_segments),
+        )
 
 
 class NTDLoss(_DistillBase):
@@ -91,17 +139,33 @@ class NTDLoss(_DistillBase):
     tau-softmaxes over the C-1 not-true classes (column y removed from teacher and student before the
     softmax), ``s = tau^2`` if ``tau_squared`` (official code HEAD) else 1 (paper). No (1-beta) on CE."""
 
-    def __init__(self, tau: float = 1.0, beta: float = 1.0, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 1.0,
+        beta: float = 1.0,
+        tau_squared: bool = True,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.beta, self.tau_squared = float(beta), bool(tau_squared)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, segments: Tensor | None = None,
-                num_segments: int | None = None) -> Tensor:
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.distill(student, teacher, target, kind="not_true", kd_weight=self.beta * s,
-                           **self._common(segments, num_segments))
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        target: Tensor,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.distill(
+            student, teacher, target, kind="not_true", kd_weight=self.beta * s, **self._common(segments, num_segments)
+        )
 
 
 class ASDLoss(_DistillBase):
@@ -116,23 +180,50 @@ class ASDLoss(_DistillBase):
     With ``reduction="none"`` row i returns ``CE_i + lam * n_seg * alpha_i * KL_i`` (its segment mean is
     the paper's loss); "sum" sums those rows."""
 
-    def __init__(self, tau: float = 2.0, lam: float = 10.0, not_true: bool = False, entropy_tau: float = 1.0,
-                 tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100, backend=None,
-                 validate=None, detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 2.0,
+        lam: float = 10.0,
+        not_true: bool = False,
+        entropy_tau: float = 1.0,
+        tau_squared: bool = False,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.lam, self.not_true, self.tau_squared = float(lam), bool(not_true), bool(tau_squared)
         if entropy_tau is None:
-            raise ValueError("entropy_tau: give the temperature of the teacher entropy in the ASD weights (the "
-                             "official code: 1.0, the default; None used to mean tau)")
+            raise ValueError(
+                "entropy_tau: give the temperature of the teacher entropy in the ASD weights (the "
+                "official code: 1.0, the default; None used to mean tau)"
+            )
         self.entropy_tau = float(entropy_tau)
         _validate.check_tau("entropy_tau", self.entropy_tau)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None,
-                num_segments: int | None = None) -> Tensor:
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.distill(student, teacher, target, kind="not_true" if self.not_true else "full",
-                           kd_weight=self.lam * s, class_prior=class_prior, entropy_tau=self.entropy_tau,
-                           **self._common(segments, num_segments))
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        target: Tensor,
+        class_prior,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.distill(
+            student,
+            teacher,
+            target,
+            kind="not_true" if self.not_true else "full",
+            kd_weight=self.lam * s,
+            class_prior=class_prior,
+            entropy_tau=self.entropy_tau,
+            **self._common(segments, num_segments),
+        )
 
 
 class GKDLoss(_DistillBase):
@@ -142,19 +233,44 @@ class GKDLoss(_DistillBase):
     (FedGKD-VOTE: pass ``softmax(-M * val_loss)``; default uniform 1/M). ``s = tau^2`` if ``tau_squared``.
     """
 
-    def __init__(self, tau: float = 1.0, gamma: float = 0.2, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 1.0,
+        gamma: float = 0.2,
+        tau_squared: bool = True,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.gamma, self.tau_squared = float(gamma), bool(tau_squared)
 
-    def forward(self, student: Tensor, teachers: Tensor | None, target: Tensor, teacher_weights=None,
-                segments: Tensor | None = None, num_segments: int | None = None, mixture=None) -> Tensor:
+    def forward(
+        self,
+        student: Tensor,
+        teachers: Tensor | None,
+        target: Tensor,
+        teacher_weights=None,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+        mixture=None,
+    ) -> Tensor:
         """``mixture``: instead of ``teachers``, the M teachers' mixture ``(P [R, C], negent [R])`` precomputed by
         :func:`fedfast.ops.teacher_mixture` at this ``tau`` (exact in loss and gradient)."""
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.distill(student, teachers, target, kind="full", kd_weight=self.gamma / 2 * s,
-                           teacher_weights=teacher_weights, mixture=mixture, **self._common(segments, num_segments))
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.distill(
+            student,
+            teachers,
+            target,
+            kind="full",
+            kd_weight=self.gamma / 2 * s,
+            teacher_weights=teacher_weights,
+            mixture=mixture,
+            **self._common(segments, num_segments),
+        )
 
 
 class CADLoss(_DistillBase):
@@ -162,17 +278,40 @@ class CADLoss(_DistillBase):
     with ``a = class_alpha`` [C] in [0, 1] (server-estimated per-class weights), ``s = tau^2`` if
     ``tau_squared`` (default off, as in the paper). softCE = -sum_c p_c log q_c (= KL + H(p))."""
 
-    def __init__(self, tau: float = 2.0, tau_squared: bool = False, reduction: str = "mean", ignore_index: int = -100,
-                 backend=None, validate=None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 2.0,
+        tau_squared: bool = False,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.tau_squared = bool(tau_squared)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_alpha, segments: Tensor | None = None,
-                num_segments: int | None = None) -> Tensor:
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.distill(student, teacher, target, kind="full", soft_ce=True, kd_weight=s, class_alpha=class_alpha,
-                           **self._common(segments, num_segments))
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        target: Tensor,
+        class_alpha,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.distill(
+            student,
+            teacher,
+            target,
+            kind="full",
+            soft_ce=True,
+            kd_weight=s,
+            class_alpha=class_alpha,
+            **self._common(segments, num_segments),
+        )
 
 
 def confidence_from_freq(class_freq, C: int, device, segments: Tensor | None = None):
@@ -187,25 +326,53 @@ class ADCLoss(_DistillBase):
     self-confidence target ``phat_c = (1 - rho_c) p_c`` (c != y), ``phat_y = p_y + sum_{c != y} rho_c p_c``,
     ``p = softmax(t/tau)``, ``rho = class_freq / max(class_freq)`` per client; ``s = tau^2`` (CS-KD)."""
 
-    def __init__(self, tau: float = 4.0, lam: float = 0.35, tau_squared: bool = True, reduction: str = "mean",
-                 ignore_index: int = -100, backend=None, validate=None,
-                 detach_teacher: bool = True, double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 4.0,
+        lam: float = 0.35,
+        tau_squared: bool = True,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam: must lie in [0, 1], got {lam!r}")
         self.lam, self.tau_squared = float(lam), bool(tau_squared)
 
-    def forward(self, student: Tensor, teacher: Tensor, target: Tensor, class_freq, segments: Tensor | None = None,
-                num_segments: int | None = None) -> Tensor:
+    def forward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        target: Tensor,
+        class_freq,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
         _validate.check_logits("student", student)
         rho, f, mx = confidence_from_freq(class_freq, student.shape[1], student.device, segments)
         mode = _validate.mode_for(student.device, self.validate)
         if mode != "off":
-            _validate.check("class_freq", ((f < 0) | ~torch.isfinite(f)).any() | ~(mx > 0).all(),
-                            "label histogram must be finite, >= 0 and not all zero", mode)
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.distill(student, teacher, target, kind="full", ce_weight=1.0 - self.lam, kd_weight=self.lam * s,
-                           rho=rho, **self._common(segments, num_segments))
+            _validate.check(
+                "class_freq",
+                ((f < 0) | ~torch.isfinite(f)).any() | ~(mx > 0).all(),
+                "label histogram must be finite, >= 0 and not all zero",
+                mode,
+            )
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.distill(
+            student,
+            teacher,
+            target,
+            kind="full",
+            ce_weight=1.0 - self.lam,
+            kd_weight=self.lam * s,
+            rho=rho,
+            **self._common(segments, num_segments),
+        )
 
 
 class LinearKDLoss(nn.Module):
@@ -226,49 +393,96 @@ class LinearKDLoss(nn.Module):
     derivatives (``double_backward=True``);
     use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default an eighth)."""
 
-    def __init__(self, tau: float = 4.0, ce_weight: float = 1.0, kd_weight: float = 1.0, tau_squared: bool = True,
-                 not_true: bool = False, reduction: str = "mean", ignore_index: int = -100,
-                 chunk_rows: int | None = None, backend=None, validate=None, detach_teacher: bool = True,
-                 double_backward: bool = False):
+    def __init__(
+        self,
+        tau: float = 4.0,
+        ce_weight: float = 1.0,
+        kd_weight: float = 1.0,
+        tau_squared: bool = True,
+        not_true: bool = False,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+        chunk_rows: int | None = None,
+        backend=None,
+        validate=None,
+        detach_teacher: bool = True,
+        double_backward: bool = False,
+    ):
         super().__init__()
         _validate.check_tau("tau", tau)
         if reduction not in ("mean", "sum", "none", "segment"):
             raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
-        if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or
-                                       chunk_rows < 1):
+        if chunk_rows is not None and (
+            isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1
+        ):
             raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
         for name, v in (("detach_teacher", detach_teacher), ("double_backward", double_backward)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name}: expected True or False, got {v!r}")
         if not detach_teacher:
-            raise ValueError("detach_teacher: LinearKDLoss's teacher is a fixed target (its logits, or its hidden "
-                             "states and head, get no gradient); for mutual distillation use the unfused layer with "
-                             "KDLoss(detach_teacher=False)")
+            raise ValueError(
+                "detach_teacher: LinearKDLoss's teacher is a fixed target (its logits, or its hidden "
+                "states and head, get no gradient); for mutual distillation use the unfused layer with "
+                "KDLoss(detach_teacher=False)"
+            )
         if double_backward:
-            raise ValueError("double_backward: LinearKDLoss's fused backward is first-order (its gradients are formed "
-                             "in the forward); for a second derivative use the unfused layer with "
-                             "KDLoss(double_backward=True)")
+            raise ValueError(
+                "double_backward: LinearKDLoss's fused backward is first-order (its gradients are formed "
+                "in the forward); for a second derivative use the unfused layer with "
+                "KDLoss(double_backward=True)"
+            )
         self.tau, self.ce_weight, self.kd_weight = float(tau), float(ce_weight), float(kd_weight)
         self.tau_squared, self.not_true, self.reduction = bool(tau_squared), bool(not_true), reduction
-        self.ignore_index, self.chunk_rows, self.backend, self.validate = int(ignore_index), chunk_rows, backend, \
-            validate
+        self.ignore_index, self.chunk_rows, self.backend, self.validate = (
+            int(ignore_index),
+            chunk_rows,
+            backend,
+            validate,
+        )
 
-    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
-                bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
-                teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None,
-                segments: Tensor | None = None, num_segments: int | None = None) -> Tensor:
-        s = self.tau ** 2 if self.tau_squared else 1.0
-        return ops.linear_distill(hidden, weight, target, teacher_logits, bias=bias, teacher_hidden=teacher_hidden,
-                                  teacher_weight=teacher_weight, teacher_bias=teacher_bias, tau=self.tau,
-                                  ce_weight=self.ce_weight, kd_weight=self.kd_weight * s,
-                                  kind="not_true" if self.not_true else "full", reduction=self.reduction,
-                                  ignore_index=self.ignore_index, segments=segments, num_segments=num_segments,
-                                  chunk_rows=self.chunk_rows, backend=self.backend, validate=self.validate)
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        teacher_logits: Tensor | None = None,
+        *,
+        bias: Tensor | None = None,
+        teacher_hidden: Tensor | None = None,
+        teacher_weight: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
+        segments: Tensor | None = None,
+        num_segments: int | None = None,
+    ) -> Tensor:
+        s = self.tau**2 if self.tau_squared else 1.0
+        return ops.linear_distill(
+            hidden,
+            weight,
+            target,
+            teacher_logits,
+            bias=bias,
+            teacher_hidden=teacher_hidden,
+            teacher_weight=teacher_weight,
+            teacher_bias=teacher_bias,
+            tau=self.tau,
+            ce_weight=self.ce_weight,
+            kd_weight=self.kd_weight * s,
+            kind="not_true" if self.not_true else "full",
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            segments=segments,
+            num_segments=num_segments,
+            chunk_rows=self.chunk_rows,
+            backend=self.backend,
+            validate=self.validate,
+        )
 
     def extra_repr(self) -> str:
-        return (f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
-                f"tau_squared={self.tau_squared}, not_true={self.not_true}, reduction={self.reduction!r}, "
-                f"chunk_rows={self.chunk_rows}")
+        return (
+            f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
+            f"tau_squared={self.tau_squared}, not_true={self.not_true}, reduction={self.reduction!r}, "
+            f"chunk_rows={self.chunk_rows}"
+        )
 
 
 __all__ = ["KDLoss", "NTDLoss", "ASDLoss", "GKDLoss", "CADLoss", "ADCLoss", "LinearKDLoss", "confidence_from_freq"]

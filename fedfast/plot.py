@@ -5,6 +5,7 @@
 * :func:`heatmap` - a matrix's column shares in grey; :func:`partition_heatmap` - a partition's class-by-client
   matrix.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,6 +25,7 @@ def _plt():
         raise ValueError("plot: needs matplotlib (pip install matplotlib, or the fedfast[plot] extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -104,7 +106,7 @@ def accuracy_curves(dirs: list[str], out: str, title: str | None = None) -> dict
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for label, (r, m, s, n) in data.items():
-        line, = ax.plot(r, 100 * m, label=f"{label} (n={n})" if n > 1 else label, lw=1.6)
+        (line,) = ax.plot(r, 100 * m, label=f"{label} (n={n})" if n > 1 else label, lw=1.6)
         if n > 1:
             ax.fill_between(r, 100 * (m - s), 100 * (m + s), color=line.get_color(), alpha=0.2, lw=0)
     ax.set_xlabel("round")

@@ -21,6 +21,7 @@ client changes the sum by at most ``dp_clip``, so a round is one Gaussian mechan
 :func:`epsilon` gives the budget spent after ``rounds`` rounds, :func:`calibrate` the noise multiplier that spends a
 target epsilon in the planned rounds, :class:`Accountant` the per-run record (epsilon after every round).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,10 @@ def _dpa():
     try:
         import dp_accounting
     except ImportError:
-        raise ImportError("dp_accountant: privacy accounting needs Google's dp-accounting library: "
-                          "pip install \"fedfast[privacy]\" (or pip install dp-accounting)") from None
+        raise ImportError(
+            "dp_accountant: privacy accounting needs Google's dp-accounting library: "
+            'pip install "fedfast[privacy]" (or pip install dp-accounting)'
+        ) from None
     return dp_accounting
 
 
@@ -57,21 +60,25 @@ def check_accounting(delta, sampling: str, accountant: str) -> None:
     """The accounting settings a run can check before it knows its clients (:class:`fedfast.SimConfig` too):
     ``dp_delta``, ``dp_accountant``, and the one pair dp-accounting does not cover (PLD with fixed-size sampling)."""
     if sampling not in SAMPLINGS:
-        raise ValueError(f"client_sampling: private rounds are accounted for 'poisson' or 'fixed' sampling, got "
-                         f"{sampling!r}")
+        raise ValueError(
+            f"client_sampling: private rounds are accounted for 'poisson' or 'fixed' sampling, got {sampling!r}"
+        )
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"dp_accountant: must be one of {ACCOUNTANTS}, got {accountant!r}")
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
         raise ValueError(f"dp_delta: in (0, 1), got {delta!r}")
     if sampling == "fixed" and accountant == "pld":
-        raise ValueError("dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
-                         "without replacement; use dp_accountant = \"rdp\" or client_sampling = \"poisson\"")
+        raise ValueError(
+            "dp_accountant: dp-accounting's PLD accountant does not cover fixed-size sampling "
+            'without replacement; use dp_accountant = "rdp" or client_sampling = "poisson"'
+        )
 
 
 def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant):
     check_accounting(delta, sampling, accountant)
-    if noise_multiplier is not None and not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0
-                                             and math.isfinite(noise_multiplier)):
+    if noise_multiplier is not None and not (
+        isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0 and math.isfinite(noise_multiplier)
+    ):
         raise ValueError(f"dp_noise_multiplier: a finite number >= 0, got {noise_multiplier!r}")
     if not (isinstance(rounds, int) and rounds >= 0):
         raise ValueError(f"rounds: an integer >= 0, got {rounds!r}")
@@ -85,27 +92,44 @@ def _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_r
             raise ValueError(f"clients_per_round: in [1, num_clients = {num_clients}], got {clients_per_round!r}")
 
 
-def round_event(noise_multiplier: float, sampling: str, num_clients: int, clients_per_round: int | None = None,
-                rate: float | None = None):
+def round_event(
+    noise_multiplier: float,
+    sampling: str,
+    num_clients: int,
+    clients_per_round: int | None = None,
+    rate: float | None = None,
+):
     """The dp-accounting event of one private round (see the module docstring)."""
     dpa = _dpa()
     if sampling == "poisson":  # add/remove one client: the sum moves by up to C
         return dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(noise_multiplier))
     # replace one client: by up to 2 C, the multiplier relative to that sensitivity (module docstring)
-    return dpa.SampledWithoutReplacementDpEvent(num_clients, clients_per_round,
-                                                dpa.GaussianDpEvent(noise_multiplier / 2))
+    return dpa.SampledWithoutReplacementDpEvent(
+        num_clients, clients_per_round, dpa.GaussianDpEvent(noise_multiplier / 2)
+    )
 
 
 def _fresh(accountant: str, sampling: str):
     dpa = _dpa()
-    rel = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else
-           dpa.NeighboringRelation.REPLACE_ONE)
-    return dpa.rdp.RdpAccountant(neighboring_relation=rel) if accountant == "rdp" else \
-        dpa.pld.PLDAccountant(neighboring_relation=rel)
+    rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else dpa.NeighboringRelation.REPLACE_ONE
+    return (
+        dpa.rdp.RdpAccountant(neighboring_relation=rel)
+        if accountant == "rdp"
+        else dpa.pld.PLDAccountant(neighboring_relation=rel)
+    )
 
 
-def epsilon(noise_multiplier: float, delta: float, rounds: int, *, sampling: str, num_clients: int,
-            clients_per_round: int | None = None, rate: float | None = None, accountant: str = "rdp") -> float:
+def epsilon(
+    noise_multiplier: float,
+    delta: float,
+    rounds: int,
+    *,
+    sampling: str,
+    num_clients: int,
+    clients_per_round: int | None = None,
+    rate: float | None = None,
+    accountant: str = "rdp",
+) -> float:
     """Epsilon at ``delta`` after ``rounds`` private rounds (``inf`` without noise, 0 after no round)."""
     _check(noise_multiplier, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant)
     if rounds == 0:
@@ -118,9 +142,18 @@ def epsilon(noise_multiplier: float, delta: float, rounds: int, *, sampling: str
         return float(acc.get_epsilon(delta))
 
 
-def calibrate(target_epsilon: float, delta: float, rounds: int, *, sampling: str, num_clients: int,
-              clients_per_round: int | None = None, rate: float | None = None, accountant: str = "rdp",
-              tol: float = 1e-3) -> float:
+def calibrate(
+    target_epsilon: float,
+    delta: float,
+    rounds: int,
+    *,
+    sampling: str,
+    num_clients: int,
+    clients_per_round: int | None = None,
+    rate: float | None = None,
+    accountant: str = "rdp",
+    tol: float = 1e-3,
+) -> float:
     """The smallest noise multiplier (to ``tol``) whose ``rounds`` rounds spend at most ``target_epsilon`` at
     ``delta`` (``dp_epsilon`` given instead of ``dp_noise_multiplier``)."""
     _check(None, delta, rounds, sampling, num_clients, clients_per_round, rate, accountant)
@@ -132,21 +165,44 @@ def calibrate(target_epsilon: float, delta: float, rounds: int, *, sampling: str
 
     def event(z):
         return dpa.SelfComposedDpEvent(round_event(z, sampling, num_clients, clients_per_round, rate), rounds)
+
     with _quiet():
-        return float(dpa.calibrate_dp_mechanism(lambda: _fresh(accountant, sampling), event, target_epsilon, delta,
-                                                bracket_interval=dpa.LowerEndpointAndGuess(1e-3, 1.0), tol=tol))
+        return float(
+            dpa.calibrate_dp_mechanism(
+                lambda: _fresh(accountant, sampling),
+                event,
+                target_epsilon,
+                delta,
+                bracket_interval=dpa.LowerEndpointAndGuess(1e-3, 1.0),
+                tol=tol,
+            )
+        )
 
 
 class Accountant:
     """A private run's accounting: the budget spent after each round (``epsilon(r)``), and the refusal of a run
     whose rounds would spend more than ``max_epsilon`` (a resume with more rounds, say)."""
 
-    def __init__(self, noise_multiplier: float, delta: float, *, sampling: str, num_clients: int,
-                 clients_per_round: int | None = None, rate: float | None = None, accountant: str = "rdp",
-                 max_epsilon: float | None = None):
+    def __init__(
+        self,
+        noise_multiplier: float,
+        delta: float,
+        *,
+        sampling: str,
+        num_clients: int,
+        clients_per_round: int | None = None,
+        rate: float | None = None,
+        accountant: str = "rdp",
+        max_epsilon: float | None = None,
+    ):
         _check(noise_multiplier, delta, 0, sampling, num_clients, clients_per_round, rate, accountant)
-        self.kw = dict(sampling=sampling, num_clients=num_clients, clients_per_round=clients_per_round, rate=rate,
-                       accountant=accountant)
+        self.kw = dict(
+            sampling=sampling,
+            num_clients=num_clients,
+            clients_per_round=clients_per_round,
+            rate=rate,
+            accountant=accountant,
+        )
         self.noise_multiplier, self.delta, self.max_epsilon = noise_multiplier, delta, max_epsilon
         self._rdp_z = self._orders = self._rdp = None  # one round's RDP curve, for the multiplier _rdp_z
 
@@ -156,13 +212,29 @@ class Accountant:
         ``rounds`` times it (dp-accounting's ``compute_epsilon``); PLD composes each time."""
         if self.kw["accountant"] != "rdp" or rounds == 0 or self.noise_multiplier == 0:
             return epsilon(self.noise_multiplier, self.delta, rounds, **self.kw)
-        _check(self.noise_multiplier, self.delta, rounds, self.kw["sampling"], self.kw["num_clients"],
-               self.kw["clients_per_round"], self.kw["rate"], "rdp")
+        _check(
+            self.noise_multiplier,
+            self.delta,
+            rounds,
+            self.kw["sampling"],
+            self.kw["num_clients"],
+            self.kw["clients_per_round"],
+            self.kw["rate"],
+            "rdp",
+        )
         if self._rdp_z != self.noise_multiplier:
             acc = _fresh("rdp", self.kw["sampling"])
             with _quiet():
-                acc.compose(round_event(self.noise_multiplier, self.kw["sampling"], self.kw["num_clients"],
-                                        self.kw["clients_per_round"], self.kw["rate"]), 1)
+                acc.compose(
+                    round_event(
+                        self.noise_multiplier,
+                        self.kw["sampling"],
+                        self.kw["num_clients"],
+                        self.kw["clients_per_round"],
+                        self.kw["rate"],
+                    ),
+                    1,
+                )
             self._rdp_z, self._orders, self._rdp = self.noise_multiplier, acc.orders, acc.rdp
         rdp = _dpa().rdp.rdp_privacy_accountant
         return float(rdp.compute_epsilon(self._orders, rounds * self._rdp, self.delta)[0])
@@ -171,6 +243,8 @@ class Accountant:
         """Epsilon after ``rounds``; a ValueError naming ``rounds`` if it passes ``max_epsilon``."""
         eps = self.epsilon(rounds)
         if self.max_epsilon is not None and eps > self.max_epsilon * (1 + 1e-9):
-            raise ValueError(f"rounds: {rounds} private rounds spend epsilon = {eps:.4g} at delta = {self.delta:g}, "
-                             f"past the run's budget dp_epsilon = {self.max_epsilon:g}")
+            raise ValueError(
+                f"rounds: {rounds} private rounds spend epsilon = {eps:.4g} at delta = {self.delta:g}, "
+                f"past the run's budget dp_epsilon = {self.max_epsilon:g}"
+            )
         return eps

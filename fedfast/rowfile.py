@@ -12,6 +12,7 @@ The files are sparse and grow by doubling (``ftruncate``); :attr:`rows` is a tor
 ``uuid`` and keeps each referenced row's stamp, so a resume from a checkpoint whose rows were since overwritten,
 or against another file, is refused instead of reading garbage. Several processes may map the same file (one
 grows it, the others :meth:`follow` its size)."""
+
 from __future__ import annotations
 
 import errno
@@ -80,20 +81,26 @@ class RowFile:
             with open(path, "rb") as f:
                 head = f.read(HEADER)
         except FileNotFoundError:
-            raise ValueError(f"{path}: the per-client state file this checkpoint refers to is missing (it lives "
-                             f"beside the checkpoint, in the run directory)") from None
-        if not head.startswith(MAGIC) or b"\n" not in head[len(MAGIC):]:
+            raise ValueError(
+                f"{path}: the per-client state file this checkpoint refers to is missing (it lives "
+                f"beside the checkpoint, in the run directory)"
+            ) from None
+        if not head.startswith(MAGIC) or b"\n" not in head[len(MAGIC) :]:
             raise ValueError(f"{path}: not a fedfast per-client state file")
         try:
-            meta = json.loads(head[len(MAGIC):].split(b"\n", 1)[0])
+            meta = json.loads(head[len(MAGIC) :].split(b"\n", 1)[0])
         except ValueError:
             raise ValueError(f"{path}: not a fedfast per-client state file (unreadable header)") from None
         if uid is not None and meta.get("uuid") != uid:
-            raise ValueError(f"{path}: another per-client state file than the checkpoint's (its id is "
-                             f"{meta.get('uuid')}, the checkpoint's {uid}): the file was replaced since")
+            raise ValueError(
+                f"{path}: another per-client state file than the checkpoint's (its id is "
+                f"{meta.get('uuid')}, the checkpoint's {uid}): the file was replaced since"
+            )
         if meta.get("cols") != cols or meta.get("dtype") != _NAMES.get(dtype):
-            raise ValueError(f"{path}: rows of {meta.get('cols')} {meta.get('dtype')} values, the run keeps "
-                             f"{cols} {_NAMES.get(dtype)}")
+            raise ValueError(
+                f"{path}: rows of {meta.get('cols')} {meta.get('dtype')} values, the run keeps "
+                f"{cols} {_NAMES.get(dtype)}"
+            )
         return cls(base, cols, dtype, meta.get("uuid"))
 
     def _remap(self) -> None:
@@ -130,8 +137,10 @@ class RowFile:
         write through the mapping finds no block. A file system that cannot reserve: nothing reserved."""
         if stop <= start:
             return
-        for path, off, size in ((self.paths[0], HEADER + start * self.row_bytes, (stop - start) * self.row_bytes),
-                                (self.paths[1], start * 8, (stop - start) * 8)):
+        for path, off, size in (
+            (self.paths[0], HEADER + start * self.row_bytes, (stop - start) * self.row_bytes),
+            (self.paths[1], start * 8, (stop - start) * 8),
+        ):
             fd = os.open(path, os.O_RDWR)
             try:
                 os.posix_fallocate(fd, off, size)

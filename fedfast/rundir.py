@@ -16,6 +16,7 @@
   refused option) takes back everything it wrote and the directories it made; the marker, the lock file and
   the folder do not outlive it. A run that saved rounds keeps them (``--resume`` continues it).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,18 +36,36 @@ from .checkpoint import MAGIC
 MARKER = ".fedfast-run.json"
 LOCK = ".fedfast.lock"
 # names a run writes (a directory without a marker that holds one of them is not cleared, and not written into)
-OUTPUTS = ("config.json", "metrics.jsonl", "metrics.csv", "summary.json", "checkpoint.pt", "model_final.pt",
-           "model_best.pt", "tb", MARKER)
+OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "metrics.csv",
+    "summary.json",
+    "checkpoint.pt",
+    "model_final.pt",
+    "model_best.pt",
+    "tb",
+    MARKER,
+)
 
 
 class RunLocked(OSError):
     """Another process holds the run directory's lock."""
 
     def __init__(self, path: str, holder: dict):
-        who = (f"pid {holder.get('pid')} on host {holder.get('host')}" + (f" (since {holder['since']})"
-               if holder.get("since") else "")) if holder.get("pid") else "another process (it is starting)"
-        super().__init__(errno.EBUSY, f"{path}: in use by {who}: a run directory has one writer at a time; wait "
-                                      f"for it to end or choose another --out")
+        who = (
+            (
+                f"pid {holder.get('pid')} on host {holder.get('host')}"
+                + (f" (since {holder['since']})" if holder.get("since") else "")
+            )
+            if holder.get("pid")
+            else "another process (it is starting)"
+        )
+        super().__init__(
+            errno.EBUSY,
+            f"{path}: in use by {who}: a run directory has one writer at a time; wait "
+            f"for it to end or choose another --out",
+        )
         self.holder = holder
         self.path = path
 
@@ -115,13 +134,13 @@ class RunDir:
     def __init__(self, path: str):
         self.path = str(path)
         self._fd: int | None = None
-        self._made: list[str] = []   # directories this process created (deepest last)
+        self._made: list[str] = []  # directories this process created (deepest last)
         self._new: set[str] = set()  # files this process listed
         self.files: list[str] = []
         self.dirs: list[str] = []
-        self.saved = False           # a round's results are on disk (a checkpoint or a finished run)
-        self._wrote = False          # this process wrote the marker
-        self._lock_created = False   # this process created the lock file
+        self.saved = False  # a round's results are on disk (a checkpoint or a finished run)
+        self._wrote = False  # this process wrote the marker
+        self._lock_created = False  # this process created the lock file
 
     # -- the marker --------------------------------------------------------------------------------------------
     def _p(self, name: str) -> str:
@@ -132,8 +151,11 @@ class RunDir:
         if not os.path.exists(p):
             return None
         m = read_json(p, "fedfast run marker")
-        if not (isinstance(m, dict) and isinstance(m.get("files"), list)
-                and all(isinstance(x, str) for x in m["files"] + m.get("dirs", []))):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("files"), list)
+            and all(isinstance(x, str) for x in m["files"] + m.get("dirs", []))
+        ):
             raise ValueError(f"{p}: damaged fedfast run marker (expected an object with a list of files)")
         for x in m["files"] + m.get("dirs", []):  # a marker names files inside the run directory only
             if os.path.isabs(x) or ".." in x.replace("\\", "/").split("/"):
@@ -142,8 +164,10 @@ class RunDir:
 
     def _write_marker(self) -> None:
         self._wrote = True
-        write_atomic(self._p(MARKER), dumps({"fedfast": __version__, "files": self.files, "dirs": self.dirs,
-                                             "updated": _now()}, indent=1))
+        write_atomic(
+            self._p(MARKER),
+            dumps({"fedfast": __version__, "files": self.files, "dirs": self.dirs, "updated": _now()}, indent=1),
+        )
 
     def add(self, *names: str, dirs: tuple = ()) -> None:
         """List files (and folders) in the marker before they are written."""
@@ -246,12 +270,16 @@ class RunDir:
         if m is None:
             theirs = sorted(n for n in OUTPUTS if os.path.lexists(self._p(n)))
             if mode == "resume":
-                raise ValueError(f"--resume: {self.path} is not a fedfast run directory (no {MARKER}: fedfast "
-                                 f"writes it first in every run directory)")
+                raise ValueError(
+                    f"--resume: {self.path} is not a fedfast run directory (no {MARKER}: fedfast "
+                    f"writes it first in every run directory)"
+                )
             if theirs:
-                raise ValueError(f"{self.path}: holds {', '.join(theirs)} but is not a fedfast run directory (no "
-                                 f"{MARKER}); these files are not a run's, and --force removes only what a fedfast "
-                                 f"run wrote. Choose another --out, or move them away")
+                raise ValueError(
+                    f"{self.path}: holds {', '.join(theirs)} but is not a fedfast run directory (no "
+                    f"{MARKER}); these files are not a run's, and --force removes only what a fedfast "
+                    f"run wrote. Choose another --out, or move them away"
+                )
             self._write_marker()
             self._new.add(MARKER)
             return "new"
@@ -264,12 +292,16 @@ class RunDir:
         if mode == "resume":
             if state == "diverged":
                 s = read_json(self._p("summary.json"), "summary")
-                raise ValueError(f"--resume: the run in {self.path} diverged at round {s.get('diverged_round')}; "
-                                 f"resumed from its last checkpoint it would take the same steps and diverge again. "
-                                 f"Start it afresh with other settings (--force, or another --out)")
+                raise ValueError(
+                    f"--resume: the run in {self.path} diverged at round {s.get('diverged_round')}; "
+                    f"resumed from its last checkpoint it would take the same steps and diverge again. "
+                    f"Start it afresh with other settings (--force, or another --out)"
+                )
             if not has_ck:
-                raise ValueError(f"--resume: {self.path} holds no checkpoint.pt (the run saved no round); start it "
-                                 f"again with --force")
+                raise ValueError(
+                    f"--resume: {self.path} holds no checkpoint.pt (the run saved no round); start it "
+                    f"again with --force"
+                )
             return "resume"
         if mode == "auto":
             if state in ("complete", "diverged"):
@@ -280,9 +312,11 @@ class RunDir:
             listed = [f for f in self.files if f != MARKER and os.path.lexists(self._p(f))]
             if listed:
                 what = f"a {state} run" if state else "a fedfast run"
-                raise ValueError(f"{self.path}: holds {what} ({', '.join(listed[:6])}"
-                                 f"{', ...' if len(listed) > 6 else ''}); continue it with --resume {self.path} or "
-                                 f"replace it with --force (which removes only the files its {MARKER} lists)")
+                raise ValueError(
+                    f"{self.path}: holds {what} ({', '.join(listed[:6])}"
+                    f"{', ...' if len(listed) > 6 else ''}); continue it with --resume {self.path} or "
+                    f"replace it with --force (which removes only the files its {MARKER} lists)"
+                )
         self._clear()
         return "new"
 

@@ -25,6 +25,7 @@ A run that diverges (a non-finite training loss, client update, global model or 
 ``summary.json`` says ``"status": "diverged"`` and ``"diverged_round"``, ``model_best.pt`` holds the best finite
 model, and no checkpoint or ``model_final.pt`` of the diverged model is written.
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,8 +37,17 @@ import torch
 
 from . import __version__, fingerprint
 from ._io import WriteError, read_json
-from .callbacks import (Callback, Checkpointer, Progress, RunFiles, StopOnSignal, TensorBoard, best_round, jsonable,
-                        run_rounds)
+from .callbacks import (
+    Callback,
+    Checkpointer,
+    Progress,
+    RunFiles,
+    StopOnSignal,
+    TensorBoard,
+    best_round,
+    jsonable,
+    run_rounds,
+)
 from .checkpoint import load as load_checkpoint
 from .config import check_plugin_hashes
 from .sim.diverged import Diverged
@@ -53,8 +63,11 @@ class Interrupted(Exception):
     """SIGINT/SIGTERM stopped the run after a round; the checkpoint is written."""
 
     def __init__(self, signum: int, rnd: int, out_dir: str, message: str | None = None):
-        super().__init__(message or f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
-                                    f"`fedfast run --resume {out_dir}`")
+        super().__init__(
+            message
+            or f"stopped by {signal.Signals(signum).name} after round {rnd}; continue with "
+            f"`fedfast run --resume {out_dir}`"
+        )
         self.signum = signum
 
 
@@ -65,9 +78,12 @@ class RunWriteError(OSError):
     def __init__(self, err: OSError, out_dir: str, saved_round: int):
         super().__init__(err.errno, err.strerror)
         path = getattr(err, "path", None) or err.filename or out_dir
-        how = (f"the run's files up to its checkpoint of round {saved_round} are intact: free space (or lift the "
-               f"limit) and continue with `fedfast run --resume {out_dir}`" if saved_round else
-               "no round was checkpointed yet: free space (or lift the limit) and start it again with `--force`")
+        how = (
+            f"the run's files up to its checkpoint of round {saved_round} are intact: free space (or lift the "
+            f"limit) and continue with `fedfast run --resume {out_dir}`"
+            if saved_round
+            else "no round was checkpointed yet: free space (or lift the limit) and start it again with `--force`"
+        )
         self.message = f"{path}: could not be written ({err.strerror or err}); {how}"
 
     def __str__(self) -> str:
@@ -78,20 +94,27 @@ class RunDiverged(Exception):
     """The run diverged (:class:`fedfast.Diverged`); its directory holds the results up to that round."""
 
     def __init__(self, err: Diverged | None, out_dir: str, best_round=None, message: str | None = None):
-        keep = (f"model_best.pt holds the best finite model (round {best_round})" if best_round else
-                "no finite model was evaluated")
-        super().__init__(message or f"{err}. The run stopped: {out_dir} records it (summary.json: status "
-                                    f"\"diverged\"); {keep}")
+        keep = (
+            f"model_best.pt holds the best finite model (round {best_round})"
+            if best_round
+            else "no finite model was evaluated"
+        )
+        super().__init__(
+            message or f'{err}. The run stopped: {out_dir} records it (summary.json: status "diverged"); {keep}'
+        )
         self.error = err
 
 
 def determinism() -> dict:
     """The process settings a bit-exact rerun or resume depends on (recorded in config.json)."""
-    return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark)}
+    return {
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+    }
 
 
 def _comparable(cfg_json: dict) -> dict:
@@ -106,23 +129,42 @@ def _check_resume(ck: dict, ck_path: str, cfg, cfg_json: dict) -> None:
     if "plugin_sha256" in diff:
         check_plugin_hashes(theirs.get("plugin_sha256"), ck_path)
     if diff:
-        raise ValueError(f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
-                         + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4]) + "; now: "
-                         + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4]) + ")")
+        raise ValueError(
+            f"{ck_path}: the checkpoint's config differs in {', '.join(diff)} (checkpoint: "
+            + ", ".join(f"{k}={theirs.get(k)!r}" for k in diff[:4])
+            + "; now: "
+            + ", ".join(f"{k}={mine.get(k)!r}" for k in diff[:4])
+            + ")"
+        )
     done = int(ck.get("state", {}).get("round", 0))
     if cfg["rounds"] < done:
-        raise ValueError(f"rounds: the run in {os.path.dirname(ck_path)} has done {done} rounds; "
-                         f"rounds={cfg['rounds']} "
-                         f"cannot take them back (--set rounds=N with N >= {done} extends it)")
+        raise ValueError(
+            f"rounds: the run in {os.path.dirname(ck_path)} has done {done} rounds; "
+            f"rounds={cfg['rounds']} "
+            f"cannot take them back (--set rounds=N with N >= {done} extends it)"
+        )
     was = ck.get("threads")
     if was is not None and was != torch.get_num_threads():
-        print(f"fedfast: warning: threads: {torch.get_num_threads()} now, {was} when the run was checkpointed: the "
-              f"rest of the run sums in another order and is not bit-exact against a run never stopped (resume "
-              f"without --set threads to keep {was})", file=sys.stderr, flush=True)
+        print(
+            f"fedfast: warning: threads: {torch.get_num_threads()} now, {was} when the run was checkpointed: the "
+            f"rest of the run sums in another order and is not bit-exact against a run never stopped (resume "
+            f"without --set threads to keep {was})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = False, label: str = "",
-            out_dir: str | None = None, cell: str | None = None) -> list[dict]:
+def execute(
+    sim,
+    cfg,
+    rd: RunDir | None,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    label: str = "",
+    out_dir: str | None = None,
+    cell: str | None = None,
+) -> list[dict]:
     """Run ``cfg["rounds"]`` rounds of ``sim`` (a fresh Simulation) with the run directory's bookkeeping: the loop
     :func:`run_rounds` with the callbacks of :mod:`fedfast.callbacks`. ``rd``: the run directory, held by this
     process (None on the ranks that do not write: torchrun's ranks > 0 and the worker processes of ``--workers``
@@ -147,8 +189,15 @@ def execute(sim, cfg, rd: RunDir | None, *, resume: bool = False, quiet: bool = 
         callbacks.append(StopOnSignal())
     if lead:  # modules first imported at round time join the fingerprint before the round's checkpoint
         callbacks.append(fingerprint.CodeWatch(rd, fp))
-        ckpt = Checkpointer(rd, ck_path, {"version": __version__, "config": _comparable(cfg_json), "fingerprint": fp},
-                            cfg["checkpoint_every"], cfg["rounds"], files, saved_round=sim.rnd)
+        ckpt = Checkpointer(
+            rd,
+            ck_path,
+            {"version": __version__, "config": _comparable(cfg_json), "fingerprint": fp},
+            cfg["checkpoint_every"],
+            cfg["rounds"],
+            files,
+            saved_round=sim.rnd,
+        )
         callbacks.append(ckpt)
     try:
         sig = run_rounds(sim, cfg["rounds"], callbacks)
@@ -176,8 +225,14 @@ def _start(sim, cfg, rd: RunDir | None, cfg_json: dict, ck_path: str, resume: bo
     if cell is not None:
         _check_cell(cell, fp, os.path.dirname(ck_path))
     if rd is not None:
-        rd.write("config.json", dumps({**cfg_json, "determinism": determinism(), "fingerprint": fp,
-                                       "world_size": sim.comm.world}, indent=2, sort_keys=True))
+        rd.write(
+            "config.json",
+            dumps(
+                {**cfg_json, "determinism": determinism(), "fingerprint": fp, "world_size": sim.comm.world},
+                indent=2,
+                sort_keys=True,
+            ),
+        )
         rd.write("metrics.jsonl", "".join(dumps(jsonable(h)) + "\n" for h in sim.history))
         if sim.history:
             rd.saved = True
@@ -189,13 +244,18 @@ def _check_fingerprint(recorded: dict, now: dict, ck_path: str) -> None:
     of processes is allowed, with a warning (the sums run in another order: not bit-exact)."""
     what = changes(recorded, now)
     if what:
-        raise ValueError(f"{ck_path}: what the run's results depend on changed since it started: {'; '.join(what)}. "
-                         f"Continuing would mix two versions of the run: restore them, or start a new run with --out")
+        raise ValueError(
+            f"{ck_path}: what the run's results depend on changed since it started: {'; '.join(what)}. "
+            f"Continuing would mix two versions of the run: restore them, or start a new run with --out"
+        )
     was = recorded.get("world_size")
     if was is not None and was != now.get("world_size"):
-        print(f"fedfast: warning: {now.get('world_size')} process(es) now, {was} when the run started: the rest of the "
-              f"run sums in another order and is not bit-exact against a run never stopped", file=sys.stderr,
-              flush=True)
+        print(
+            f"fedfast: warning: {now.get('world_size')} process(es) now, {was} when the run started: the rest of the "
+            f"run sums in another order and is not bit-exact against a run never stopped",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_cell(cell: str, fp: dict, own: str) -> None:
@@ -210,7 +270,9 @@ def _check_cell(cell: str, fp: dict, own: str) -> None:
             continue
         what = "; ".join(changes(other, fp)) if other is not None else ""
         if what:
-            raise ValueError(f"sweep: {os.path.dirname(cj)} was run on other code or data than this run would be "
-                             f"({what}); "
-                             f"its seeds and this one's would be averaged into one mean. Sweep into a new study "
-                             f"directory (--out), or restore the code and data that run used")
+            raise ValueError(
+                f"sweep: {os.path.dirname(cj)} was run on other code or data than this run would be "
+                f"({what}); "
+                f"its seeds and this one's would be averaged into one mean. Sweep into a new study "
+                f"directory (--out), or restore the code and data that run used"
+            )

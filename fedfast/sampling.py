@@ -1,5 +1,6 @@
 """Which clients train in a round and in which order each sees its data: seeded, so any chunking, number of
 processes or reference loop draws the same (``SimConfig.client_sampling`` picks the round's rule)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,7 @@
 """The engine's settings (:class:`SimConfig`): what a :class:`fedfast.Simulation` runs and how, validated when made,
 with the method and its option tables. Kept apart from the engine so that configuration, tools and tests read the
 settings without the engine's machinery."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,6 @@ SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson")
 CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
 
-
 def check_device(dev: str, key: str = "device") -> None:
     """A device this torch can use; ValueError naming ``key`` otherwise (no traceback from deep in torch)."""
     try:
@@ -29,9 +29,12 @@ def check_device(dev: str, key: str = "device") -> None:
         return
     if d.type == "cuda":
         if not torch.cuda.is_available():
-            why = ("this torch is a CPU-only build" if torch.version.cuda is None
-                   else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
-            raise ValueError(f"{key}: {dev!r}, but {why} (torch {torch.__version__}); use {key} = \"cpu\"")
+            why = (
+                "this torch is a CPU-only build"
+                if torch.version.cuda is None
+                else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)"
+            )
+            raise ValueError(f'{key}: {dev!r}, but {why} (torch {torch.__version__}); use {key} = "cpu"')
         if d.index is not None and d.index >= torch.cuda.device_count():
             raise ValueError(f"{key}: {dev!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
         return
@@ -49,6 +52,7 @@ class SimConfig:
     defines it (``max_grad_norm`` / ``aggregate_weights`` left ``None`` take the method's own defaults, e.g.
     FedGKD's and ASD's clipping at 10 from their authors' code, FedDyn's uniform averaging). ``options``: the
     method's option tables, ``{"fedntd": {"beta": 1.0}}`` (or the running method's own keys, ``{"beta": 1.0}``)."""
+
     algorithm: str = "fedavg"
     options: dict = field(default_factory=dict)
     clients_per_round: int = 10
@@ -56,15 +60,15 @@ class SimConfig:
     local_epochs: int = 1
     local_steps: int | None = None  # instead of local_epochs: this many minibatch steps per client and round, through
     #   successive passes over its data (each in the seeded data order, its last partial batch a step of its own)
-    drop_last: bool = False     # each pass over a client's data takes full batches only (a DataLoader's drop_last)
+    drop_last: bool = False  # each pass over a client's data takes full batches only (a DataLoader's drop_last)
     batch_size: int = 50
     lr: float = 0.01
-    lr_decay: float = 1.0       # lr of round t (0-based): lr * lr_decay**t
-    momentum: float = 0.0       # local SGD momentum (fresh buffers every round)
-    weight_decay: float = 0.0   # SGD and Adam: coupled (L2 in the gradient); AdamW: decoupled
+    lr_decay: float = 1.0  # lr of round t (0-based): lr * lr_decay**t
+    momentum: float = 0.0  # local SGD momentum (fresh buffers every round)
+    weight_decay: float = 0.0  # SGD and Adam: coupled (L2 in the gradient); AdamW: decoupled
     client_optimizer: str = "sgd"  # "sgd", "adam" or "adamw" (torch.optim's; fresh state every round)
     adam_betas: tuple = (0.9, 0.999)  # Adam/AdamW betas (torch.optim defaults)
-    adam_eps: float = 1e-8      # Adam/AdamW eps
+    adam_eps: float = 1e-8  # Adam/AdamW eps
     max_grad_norm: float | None = None  # per-client gradient clipping (0: off); None: the method's default
     aggregate_weights: str | None = None  # "size" or "uniform"; None: the method's default
     seed: int = 0
@@ -73,13 +77,13 @@ class SimConfig:
     #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code);
     #   "poisson": each client independently with q = clients_per_round / K, seeded by (seed, round); a round may
     #   have no client (then the global model stays, or under DP takes the noise alone)
-    augment: str = "none"      # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
+    augment: str = "none"  # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
     client_chunk: int | None = None  # clients trained together; None: fits memory_budget_gb (CPU: <= 128 MiB params)
     memory_budget_gb: float | None = None  # None: 80% of free device memory (CPU: 60% of MemAvailable)
     eval_batch: int | None = None  # teacher-cache / evaluation batch; None: 1024 on CPU, 4096 on GPU
-    eval_every: int = 1        # evaluate every this many rounds, and always after the last (``rounds``)
+    eval_every: int = 1  # evaluate every this many rounds, and always after the last (``rounds``)
     state_dtype: str = "float32"  # per-client state (SCAFFOLD c_k, FedDyn h_k, MOON models): or "bfloat16"
     state_on_host: bool = False  # keep per-client state in pinned host memory (rows copied per round)
     state_store: str = "auto"  # per-client state rows: "memory"; "disk" (a memory-mapped file in the run directory);
@@ -87,16 +91,16 @@ class SimConfig:
     state_memory_gb: float | None = None  # "auto"'s limit; None: a quarter of the store's device memory at set-up
     # "auto": fedfast.batched where the model allows (checked), else vmap; "vmap": always vmap
     executor: str = "auto"
-    bn_stats: str = "global"   # BatchNorm running statistics: "global" (averaged like the weights; every client starts
+    bn_stats: str = "global"  # BatchNorm running statistics: "global" (averaged like the weights; every client starts
     #   from the global model's), or "local" (each client keeps its own between rounds, as FedBN; the global model's
     #   average is still made, for evaluation)
     features_layer: str | None = None  # the model's classifier by name ("fc2"; a module holding it: its last Linear
     #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
     #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
-    conv: str = "auto"         # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
+    conv: str = "auto"  # per-client convolutions (fedfast.ops.client_conv): "grouped" (one grouped conv2d),
     #   "gemm" (im2col + batched GEMMs), "triton" (implicit GEMMs, CUDA) or "hybrid" (the implicit-GEMM forward,
     #   cuDNN's grouped gradients; CUDA); "auto": by device (fedfast.sim.runtime.CONV_AUTO)
-    profile: bool = False      # split the local-step time (data, forward, teacher, loss, backward, step); syncs
+    profile: bool = False  # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
     # user-level differential privacy (DP-FedAvg; fedfast.privacy, docs/privacy.md): each sampled client's update
@@ -110,7 +114,7 @@ class SimConfig:
     dp_accountant: str = "rdp"  # "rdp" or "pld" (dp-accounting's)
     dp_clip_quantile: float | None = None  # adaptive clipping (Andrew et al. 2021): the clip follows this quantile
     #   of the update norms, C <- C exp(-dp_clip_lr (b - dp_clip_quantile)), b the noised fraction of unclipped updates
-    dp_clip_lr: float = 0.2               # adaptive clipping's geometric step (the paper's eta_C)
+    dp_clip_lr: float = 0.2  # adaptive clipping's geometric step (the paper's eta_C)
     dp_clip_count_noise: float | None = None  # std of the noise on the unclipped count; None: clients_per_round / 20
 
     def __post_init__(self):
@@ -122,8 +126,11 @@ class SimConfig:
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or \
-                not 0 <= self.seed < SEED_LIMIT:
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, (int, np.integer))
+            or not 0 <= self.seed < SEED_LIMIT
+        ):
             raise ValueError(f"seed: must be an integer in [0, 2**31), got {self.seed!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
@@ -143,8 +150,10 @@ class SimConfig:
             raise ValueError(f"adam_eps: must be > 0, got {self.adam_eps}")
         if self.client_optimizer != "sgd":
             if self.momentum:
-                raise ValueError(f"momentum: SGD momentum, not used by client_optimizer={self.client_optimizer!r} "
-                                 "(its first moment is adam_betas[0]); set momentum = 0")
+                raise ValueError(
+                    f"momentum: SGD momentum, not used by client_optimizer={self.client_optimizer!r} "
+                    "(its first moment is adam_betas[0]); set momentum = 0"
+                )
             if cls.sgd_only:
                 raise ValueError(f"client_optimizer: {self.algorithm} runs SGD client steps only: {cls.sgd_only}")
         if self.max_grad_norm is None:
@@ -154,16 +163,23 @@ class SimConfig:
         self._check_dp(cls)
         if self.aggregate_weights is None:
             self.aggregate_weights = "uniform" if self.dp_clip else cls.aggregation
-        choices = {"aggregate_weights": ("size", "uniform"), "teacher_cache_dtype": ("float32", "bfloat16"),
-                   "state_dtype": ("float32", "bfloat16"), "executor": ("auto", "vmap"),
-                   "state_store": ("auto", "memory", "disk"), "bn_stats": ("global", "local"),
-                   "client_sampling": SAMPLING, "conv": ("auto",) + CONV_IMPLS}
+        choices = {
+            "aggregate_weights": ("size", "uniform"),
+            "teacher_cache_dtype": ("float32", "bfloat16"),
+            "state_dtype": ("float32", "bfloat16"),
+            "executor": ("auto", "vmap"),
+            "state_store": ("auto", "memory", "disk"),
+            "bn_stats": ("global", "local"),
+            "client_sampling": SAMPLING,
+            "conv": ("auto",) + CONV_IMPLS,
+        }
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
         if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
-            raise ValueError(f"aggregate_weights: {self.algorithm} averages its participants "
-                             f"{cls.aggregation}-weighted")
+            raise ValueError(
+                f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted"
+            )
         if self.augment not in PIPELINES:
             raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
         if self.teacher is None:
@@ -173,33 +189,48 @@ class SimConfig:
         if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
         if self.local_steps is not None:
-            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, (int, np.integer)) or \
-                    self.local_steps < 1:
+            if (
+                isinstance(self.local_steps, bool)
+                or not isinstance(self.local_steps, (int, np.integer))
+                or self.local_steps < 1
+            ):
                 raise ValueError(f"local_steps: an integer >= 1 (or None: local_epochs), got {self.local_steps!r}")
             if self.local_epochs != 1:
-                raise ValueError(f"local_steps: {self.local_steps} steps per round replace local_epochs = "
-                                 f"{self.local_epochs}; give one of them")
+                raise ValueError(
+                    f"local_steps: {self.local_steps} steps per round replace local_epochs = "
+                    f"{self.local_epochs}; give one of them"
+                )
         if self.client_chunk is not None and int(self.client_chunk) < 1:
             raise ValueError(f"client_chunk: must be >= 1, got {self.client_chunk}")
         if self.features_layer is not None and not (isinstance(self.features_layer, str) and self.features_layer):
-            raise ValueError(f"features_layer: the name of the model's classifier layer (e.g. 'fc2'), or None, got "
-                             f"{self.features_layer!r}")
+            raise ValueError(
+                f"features_layer: the name of the model's classifier layer (e.g. 'fc2'), or None, got "
+                f"{self.features_layer!r}"
+            )
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb: must be > 0, got {self.memory_budget_gb}")
         if self.state_memory_gb is not None and not self.state_memory_gb > 0:
-            raise ValueError(f"state_memory_gb: must be > 0 (None: a quarter of the memory), got "
-                             f"{self.state_memory_gb}")
+            raise ValueError(
+                f"state_memory_gb: must be > 0 (None: a quarter of the memory), got {self.state_memory_gb}"
+            )
         if self.state_memory_gb is not None and self.state_store != "auto":
-            raise ValueError(f"state_memory_gb: the limit of state_store = 'auto', not used by "
-                             f"state_store = {self.state_store!r}")
+            raise ValueError(
+                f"state_memory_gb: the limit of state_store = 'auto', not used by state_store = {self.state_store!r}"
+            )
 
     def _check_dp(self, cls) -> None:
         """The private-run keys: each used only with dp_clip, and a run whose uploads, sampling or weights DP-FedAvg's
         analysis does not cover refused by name."""
-        given = [k for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
-                 if getattr(self, k) is not None] + (["dp_clip_lr"] if self.dp_clip_lr != 0.2 else [])
-        if not (isinstance(self.dp_clip, (int, float)) and not isinstance(self.dp_clip, bool) and
-                0 <= self.dp_clip < math.inf):
+        given = [
+            k
+            for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
+            if getattr(self, k) is not None
+        ] + (["dp_clip_lr"] if self.dp_clip_lr != 0.2 else [])
+        if not (
+            isinstance(self.dp_clip, (int, float))
+            and not isinstance(self.dp_clip, bool)
+            and 0 <= self.dp_clip < math.inf
+        ):
             raise ValueError(f"dp_clip: the clipping norm, a finite number >= 0 (0: not private), got {self.dp_clip!r}")
         if not self.dp_clip:
             if given:
@@ -207,8 +238,10 @@ class SimConfig:
             return
         if self.dp_clip_quantile is not None:
             if not (isinstance(self.dp_clip_quantile, (int, float)) and 0 < self.dp_clip_quantile < 1):
-                raise ValueError(f"dp_clip_quantile: the target fraction of unclipped updates, in (0, 1), got "
-                                 f"{self.dp_clip_quantile!r}")
+                raise ValueError(
+                    f"dp_clip_quantile: the target fraction of unclipped updates, in (0, 1), got "
+                    f"{self.dp_clip_quantile!r}"
+                )
             if not (isinstance(self.dp_clip_lr, (int, float)) and 0 < self.dp_clip_lr < math.inf):
                 raise ValueError(f"dp_clip_lr: adaptive clipping's step, a finite number > 0, got {self.dp_clip_lr!r}")
             v = self.dp_clip_count_noise
@@ -221,28 +254,40 @@ class SimConfig:
                 if getattr(self, k) is not None:
                     raise ValueError(f"{k}: an adaptive-clipping key, given without dp_clip_quantile")
         if self.dp_noise_multiplier is None and self.dp_epsilon is None:
-            raise ValueError("dp_clip: a private run needs dp_noise_multiplier (0: clipping only, epsilon infinite) or "
-                             "dp_epsilon (the budget to spend in `rounds` rounds)")
+            raise ValueError(
+                "dp_clip: a private run needs dp_noise_multiplier (0: clipping only, epsilon infinite) or "
+                "dp_epsilon (the budget to spend in `rounds` rounds)"
+            )
         for k in ("dp_noise_multiplier", "dp_epsilon"):
             v = getattr(self, k)
             ok = isinstance(v, (int, float)) and 0 <= v < math.inf and (k != "dp_epsilon" or v > 0)
             if v is not None and not ok:
                 raise ValueError(f"{k}: a finite number {'> 0' if k == 'dp_epsilon' else '>= 0'}, got {v!r}")
         if self.client_sampling not in ("uniform", "poisson"):
-            why = ("redraws an empty cohort, which the Poisson analysis does not cover" if self.client_sampling ==
-                   "bernoulli" else "draws the cohorts from the round index alone: they are public, and the analysis "
-                   "assumes secret sampling")
-            raise ValueError(f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
-                             f"(fixed size) or 'poisson'")
-        privacy.check_accounting(self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed",
-                                 self.dp_accountant)
+            why = (
+                "redraws an empty cohort, which the Poisson analysis does not cover"
+                if self.client_sampling == "bernoulli"
+                else "draws the cohorts from the round index alone: they are public, and the analysis "
+                "assumes secret sampling"
+            )
+            raise ValueError(
+                f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
+                f"(fixed size) or 'poisson'"
+            )
+        privacy.check_accounting(
+            self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed", self.dp_accountant
+        )
         if cls.uploads:
-            raise ValueError(f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
-                             f"clipping and noise cover the update only, so {self.algorithm} is refused in a private "
-                             f"run")
+            raise ValueError(
+                f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
+                f"clipping and noise cover the update only, so {self.algorithm} is refused in a private "
+                f"run"
+            )
         if self.aggregate_weights not in (None, "uniform") or (cls.aggregation_fixed and cls.aggregation != "uniform"):
-            raise ValueError("aggregate_weights: a private run sums the clipped updates with equal weight and divides "
-                             "by the expected cohort size; size-weighted averaging is refused under dp_clip")
+            raise ValueError(
+                "aggregate_weights: a private run sums the clipped updates with equal weight and divides "
+                "by the expected cohort size; size-weighted averaging is refused under dp_clip"
+            )
 
     def _tables(self, cls) -> dict:
         """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""
@@ -263,4 +308,3 @@ class SimConfig:
     def method_options(self) -> dict:
         """The method's resolved option tables (``{table: {key: value}}``, of a fresh instance)."""
         return self.method().options()
-

@@ -8,6 +8,7 @@ A method that diverges, or ends more than ``--points`` below FedAvg, must say so
 for the run's settings (checked here on the run's own config.json). Exit status 1 when a method fails without a
 caveat or without that warning. The table printed is the one ``docs/methods.md`` holds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def _warns(st, method: str) -> bool:
 
     from fedfast.assemble import build
     from fedfast.config import build_config
+
     run = next(r for r in st.runs if r["config"]["algorithm"] == method)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from fedfast import methods
     from fedfast.study import load_studies, study_rows
+
     st = load_studies([a.study])[0]
     rows = [r for r in study_rows(st) if not r["point"]]
     by = {r["method"]: r for r in rows}
@@ -45,8 +48,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"check_methods: {a.study} has no FedAvg row to compare with")
     ref = by["fedavg"]["final_test_accuracy"][0]
     bad = 0
-    lines = ["| method | final acc % | best acc % | last-10 mean % | final - FedAvg | diverged | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | final acc % | best acc % | last-10 mean % | final - FedAvg | diverged | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = r["method"]
         fin = r["final_test_accuracy"][0]
@@ -65,12 +70,16 @@ def main(argv=None) -> int:
         else:
             verdict = "below FedAvg: its caveat, and a warning"
         fmt = lambda k: "–" if r[k][0] is None else f"{100 * r[k][0]:.2f} ± {100 * (r[k][1] or 0):.2f}"  # noqa: E731
-        lines.append(f"| {m} | {fmt('final_test_accuracy')} | {fmt('best_test_accuracy')} | "
-                     f"{fmt('mean_last10_test_accuracy')} | {'–' if gap is None else f'{gap:+.2f}'} | "
-                     f"{len(r['diverged'])} of {r['runs']} | {verdict} |")
+        lines.append(
+            f"| {m} | {fmt('final_test_accuracy')} | {fmt('best_test_accuracy')} | "
+            f"{fmt('mean_last10_test_accuracy')} | {'–' if gap is None else f'{gap:+.2f}'} | "
+            f"{len(r['diverged'])} of {r['runs']} | {verdict} |"
+        )
     print("\n".join(lines))
-    print(f"\nFedAvg final: {100 * ref:.2f} %; a method fails when it diverges or ends more than {a.points:g} points "
-          f"below. {bad} undocumented failure(s).")
+    print(
+        f"\nFedAvg final: {100 * ref:.2f} %; a method fails when it diverges or ends more than {a.points:g} points "
+        f"below. {bad} undocumented failure(s)."
+    )
     return 1 if bad else 0
 
 

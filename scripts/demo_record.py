@@ -8,6 +8,7 @@ demo/mnist-shards --seeds 0,1,2,3,4``): its report and every run's final accurac
 seeds and what is not. The record names the CPU, the threads, torch, Python and the fedfast commit the runs
 were made at (from their own provenance). Written atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def _table(text: str) -> list[str]:
 
 def _runs(d: str) -> list[dict]:
     from fedfast.study import load_run, run_dirs
+
     return [load_run(r) for r in run_dirs(d)]
 
 
@@ -41,23 +43,34 @@ def record(demo: str, seeds: str | None) -> dict:
 
     from bench_rounds import machine
     from fedfast.study import report
+
     runs = _runs(demo)
     if not runs:
         raise SystemExit(f"demo_record: {demo} holds no runs (run `make demo` first)")
     vers = runs[0].get("versions") or {}
     m = machine(torch.device("cpu"))
-    m.update(commit=vers.get("commit") or "unknown", torch=vers.get("torch", m["torch"]),
-             python=vers.get("python", m["python"]),
-             threads=(runs[0]["config"].get("determinism") or {}).get("threads", m["threads"]))
-    out = {"command": "make demo", "machine": m, "date": datetime.datetime.now(datetime.timezone.utc)
-           .strftime("%Y-%m-%d"), "table": _table(report(demo)[0])}
+    m.update(
+        commit=vers.get("commit") or "unknown",
+        torch=vers.get("torch", m["torch"]),
+        python=vers.get("python", m["python"]),
+        threads=(runs[0]["config"].get("determinism") or {}).get("threads", m["threads"]),
+    )
+    out = {
+        "command": "make demo",
+        "machine": m,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "table": _table(report(demo)[0]),
+    }
     if seeds:
         finals: dict = {}
         for r in _runs(seeds):
             finals.setdefault(str(r["config"]["seed"]), {})[r["config"]["algorithm"]] = r["final_test_accuracy"]
-        out["seeds"] = {"command": f"fedfast sweep --preset demo/mnist-shards --seeds "
-                                   f"{','.join(sorted(finals, key=int))} --out {seeds}",
-                        "table": _table(report(seeds)[0]), "final_accuracy": finals}
+        out["seeds"] = {
+            "command": f"fedfast sweep --preset demo/mnist-shards --seeds "
+            f"{','.join(sorted(finals, key=int))} --out {seeds}",
+            "table": _table(report(seeds)[0]),
+            "final_accuracy": finals,
+        }
     return out
 
 
@@ -68,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "demo-results.json"))
     a = ap.parse_args(argv)
     from fedfast._io import write_atomic
+
     write_atomic(a.out, json.dumps(record(a.demo, a.seeds), indent=1) + "\n")
     print(f"wrote {a.out}; now run: python benchmarks/tables.py")
     return 0

@@ -8,6 +8,7 @@ Bytes depend on the machine (the C++ kernels are compiled for several instructio
 compare two runs on the same machine, never against a file from another. Each method runs on the tests' synthetic
 data (8 clients of unequal sizes, 4 per round, the MLP; tests/sequential_loop.py) with its paper defaults, plain
 and with ASD where it takes it, and under the BatchNorm CNN for the methods that keep per-client state."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,20 @@ def _digest(t: torch.Tensor) -> str:
 def run(name: str, model_kind: str) -> dict:
     import fedfast
     from sequential_loop import setup_data
+
     train, test, part, model = setup_data(model_kind)
-    cfg = fedfast.SimConfig(algorithm=name, clients_per_round=4, rounds=4, local_epochs=2, batch_size=16, lr=0.05,
-                            momentum=0.5, seed=3)
+    cfg = fedfast.SimConfig(
+        algorithm=name, clients_per_round=4, rounds=4, local_epochs=2, batch_size=16, lr=0.05, momentum=0.5, seed=3
+    )
     tr, splits = cfg.method().hold_out(train, cfg.seed)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model), tr, test, part if len(tr) == len(train) else
-                             fedfast.data.iid(tr.y, part.num_clients, seed=0), **splits)
+    sim = fedfast.Simulation(
+        cfg,
+        copy.deepcopy(model),
+        tr,
+        test,
+        part if len(tr) == len(train) else fedfast.data.iid(tr.y, part.num_clients, seed=0),
+        **splits,
+    )
     hist = sim.run()
     rec = [[r["train_loss"], r["test_loss"], r["test_accuracy"], r["clients"]] for r in hist]
     out = {"global": _digest(sim.global_flat), "records": hashlib.sha256(json.dumps(rec).encode()).hexdigest()[:16]}
@@ -52,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default="")
     a = ap.parse_args(argv)
     import fedfast
+
     torch.set_num_threads(1)
     res = {}
     for name in fedfast.methods.names():

@@ -5,6 +5,7 @@ multiplier and the last clip) and docs/privacy-accuracy.png (accuracy against ep
     fedfast sweep --preset docs/studies/privacy-mnist.toml --out runs/privacy-mnist --quiet
     python scripts/privacy_record.py runs/privacy-mnist
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,21 +29,31 @@ def collect(study: str) -> dict:
                     s = json.load(f)
                 with open(os.path.join(sdir, "metrics.jsonl")) as f:
                     last = json.loads(f.read().splitlines()[-1])
-                rows.append({"seed": s["seed"], "final_test_accuracy": s["final_test_accuracy"],
-                             "dp_epsilon": s.get("dp_epsilon"), "last_clip": last.get("dp_clip"),
-                             "commit": (s.get("versions") or {}).get("commit")})
+                rows.append(
+                    {
+                        "seed": s["seed"],
+                        "final_test_accuracy": s["final_test_accuracy"],
+                        "dp_epsilon": s.get("dp_epsilon"),
+                        "last_clip": last.get("dp_clip"),
+                        "commit": (s.get("versions") or {}).get("commit"),
+                    }
+                )
             accs = [r["final_test_accuracy"] for r in rows]
-            out.setdefault(method, {})[cell] = {"target_epsilon": None if eps == float("inf") else eps,
-                                                "mean": statistics.mean(accs),
-                                                "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                                                "runs": rows}
+            out.setdefault(method, {})[cell] = {
+                "target_epsilon": None if eps == float("inf") else eps,
+                "mean": statistics.mean(accs),
+                "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "runs": rows,
+            }
     return out
 
 
 def plot(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=120)
     xs = list(range(len(CELLS)))
     for method, cells in res.items():

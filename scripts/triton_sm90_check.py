@@ -10,6 +10,7 @@ specialization to a cubin *without launching it*. For each kernel it reports reg
 Usage: ``python scripts/triton_sm90_check.py [--arch 90] [--json OUT]`` (TRITON_INTERPRET must be unset).
 Exit status 1 when a kernel fails to compile, or spills while ``--no-spills`` is given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,15 +71,29 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([_ptxas(arch), "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                              src, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+        res = subprocess.run(
+            [
+                _ptxas(arch),
+                "-v",
+                f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                src,
+                "-o",
+                os.path.join(d, "k.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     out = res.stderr + res.stdout
     if res.returncode != 0 or "Used" not in out:
         raise RuntimeError(f"ptxas -v did not report resource usage: {out[-500:]}")
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, out)) else 0  # noqa: E731
-    return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
-            "spill_loads": num(r"(\d+) bytes spill loads"), "stack": num(r"(\d+) bytes stack frame"),
-            "smem": num(r"(\d+) bytes smem")}
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "stack": num(r"(\d+) bytes stack frame"),
+        "smem": num(r"(\d+) bytes smem"),
+    }
 
 
 def _matrix_path(ptx: str) -> str:
@@ -94,9 +109,12 @@ def _matrix_path(ptx: str) -> str:
 def _make_run(arch: int, label: list):
     def run(self, *args, grid, warmup, **kwargs):
         t0 = time.perf_counter()
-        rec = {"kernel": self.__name__, "case": label[0],
-               "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
-               "num_warps": kwargs.get("num_warps")}
+        rec = {
+            "kernel": self.__name__,
+            "case": label[0],
+            "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
+            "num_warps": kwargs.get("num_warps"),
+        }
         try:
             k = _ORIG_RUN(self, *args, grid=grid, warmup=True, **kwargs)
             usage = _ptxas_usage(k.asm["ptx"], arch)
@@ -108,6 +126,7 @@ def _make_run(arch: int, label: list):
         rec.update(ok=True, seconds=round(time.perf_counter() - t0, 3), matrix=_matrix_path(k.asm["ptx"]), **usage)
         RECORDS.append(rec)
         return k
+
     return run
 
 
@@ -123,17 +142,35 @@ def _cases():
 
     R = 7
 
-    def distill(C, dt=torch.float32, nt=False, soft=False, prob=False, alpha=False, rw=False, rho=False, seg=False,
-                rs=False):
+    def distill(
+        C, dt=torch.float32, nt=False, soft=False, prob=False, alpha=False, rw=False, rho=False, seg=False, rs=False
+    ):
         z = torch.randn(R, C).to(dt)
         t = torch.softmax(torch.randn(R, C), 1) if prob else torch.randn(R, C).to(dt)
         y = torch.randint(0, C, (R,))
         S = 3 if (rho or seg) else 1
         segs = torch.randint(0, S, (R,)) if (rho or seg) else None
         return lambda: distill_rows_triton(
-            z, t, y, torch.zeros(R) if prob else None, None, torch.rand(C) if alpha else None,
-            torch.rand(R) if rw else None, None, 1.0, torch.rand(S, C) * 0.5 if rho else None, segs,
-            torch.rand(R) if rs else None, 2.0, 1.0, 1.0, -100, nt, soft, False)
+            z,
+            t,
+            y,
+            torch.zeros(R) if prob else None,
+            None,
+            torch.rand(C) if alpha else None,
+            torch.rand(R) if rw else None,
+            None,
+            1.0,
+            torch.rand(S, C) * 0.5 if rho else None,
+            segs,
+            torch.rand(R) if rs else None,
+            2.0,
+            1.0,
+            1.0,
+            -100,
+            nt,
+            soft,
+            False,
+        )
 
     for C in (2, 10, 100, 1000, 4096, 5000):
         for nt in (False, True):
@@ -151,25 +188,51 @@ def _cases():
         yield f"scale_rows {dt}", lambda dt=dt: scale_rows_triton(torch.randn(R, 10).to(dt), torch.rand(R))
     yield "scale_rows fp32", lambda: scale_rows_triton(torch.randn(R, 10), torch.rand(R))
     from fedfast.triton.update_norms import update_norms_triton
+
     for dt in (torch.float32, torch.bfloat16):
-        yield f"update_norms {dt}", lambda dt=dt: update_norms_triton(torch.randn(4, 50000).to(dt), torch.randn(50000),
-                                                                     torch.tensor([0, 2, 3]))
+        yield (
+            f"update_norms {dt}",
+            lambda dt=dt: update_norms_triton(
+                torch.randn(4, 50000).to(dt), torch.randn(50000), torch.tensor([0, 2, 3])
+            ),
+        )
     from fedfast.triton.row_scale import row_scale_triton
+
     for mode, seg, check, it in itertools.product((0, 1, 2), (False, True), (False, True), (torch.int64, torch.int32)):
         if mode == 0 and not check:
             continue  # nothing to launch
-        yield f"row_scale mode={mode} seg={seg} check={check} {it}", \
+        yield (
+            f"row_scale mode={mode} seg={seg} check={check} {it}",
             lambda mode=mode, seg=seg, check=check, it=it: row_scale_triton(
-                torch.randint(0, 10, (R,)).to(it), torch.arange(R).to(it) if seg else None, 10, -100, mode, R,
-                torch.zeros(6, dtype=torch.int32) if check else None)
+                torch.randint(0, 10, (R,)).to(it),
+                torch.arange(R).to(it) if seg else None,
+                10,
+                -100,
+                mode,
+                R,
+                torch.zeros(6, dtype=torch.int32) if check else None,
+            ),
+        )
 
     for C, seg, dt in itertools.product((10, 5000), (False, True), (torch.float32, torch.bfloat16)):
-        yield f"asd C={C} seg={seg} {dt}", lambda C=C, seg=seg, dt=dt: asd_weights_triton(
-            torch.randn(R, C).to(dt), torch.randint(0, C, (R,)), torch.rand(3 if seg else 1, C) + 0.1,
-            torch.randint(0, 3, (R,)) if seg else None, 1.0, -100)
+        yield (
+            f"asd C={C} seg={seg} {dt}",
+            lambda C=C, seg=seg, dt=dt: asd_weights_triton(
+                torch.randn(R, C).to(dt),
+                torch.randint(0, C, (R,)),
+                torch.rand(3 if seg else 1, C) + 0.1,
+                torch.randint(0, 3, (R,)) if seg else None,
+                1.0,
+                -100,
+            ),
+        )
     for C, nt, dt in itertools.product((10, 5000), (False, True), (torch.float32, torch.bfloat16)):
-        yield f"mixture C={C} not_true={nt} {dt}", lambda C=C, nt=nt, dt=dt: teacher_mixture_triton(
-            torch.randn(3, R, C).to(dt), torch.rand(3), torch.randint(0, C, (R,)), 2.0, nt, -100)
+        yield (
+            f"mixture C={C} not_true={nt} {dt}",
+            lambda C=C, nt=nt, dt=dt: teacher_mixture_triton(
+                torch.randn(3, R, C).to(dt), torch.rand(3), torch.randint(0, C, (R,)), 2.0, nt, -100
+            ),
+        )
 
     n, P, N = 3, 3000, 5
 
@@ -177,9 +240,21 @@ def _cases():
         X = torch.randn(N, P).to(dt)
         rows = torch.tensor([0, 2, 4])
         return lambda: aggregate_triton(
-            X, rows, torch.randn(P), torch.rand(n), beta, 1.0, 1.0, torch.randn(P) if mom else None,
-            torch.randn(n, P) if state else None, torch.rand(n) if state else None,
-            torch.randn(P) if (state and shift) else None, torch.randn(4, P) if ring else None, 1, 2)
+            X,
+            rows,
+            torch.randn(P),
+            torch.rand(n),
+            beta,
+            1.0,
+            1.0,
+            torch.randn(P) if mom else None,
+            torch.randn(n, P) if state else None,
+            torch.rand(n) if state else None,
+            torch.randn(P) if (state and shift) else None,
+            torch.randn(4, P) if ring else None,
+            1,
+            2,
+        )
 
     yield "aggregate plain", agg()
     yield "aggregate bf16 clients", agg(dt=torch.bfloat16)
@@ -190,24 +265,66 @@ def _cases():
     yield "aggregate ring", agg(ring=True)
     yield "aggregate all", agg(mom=True, beta=0.9, state=True, shift=True, ring=True)
 
-    def step(grad_dt=torch.float32, mom=False, prox=False, lrows=False, clip=False, cvec=False, cscale=False,
-             crows=False, svec=False, sscale=False, act=False, rowlr=False, dnorm=False):
+    def step(
+        grad_dt=torch.float32,
+        mom=False,
+        prox=False,
+        lrows=False,
+        clip=False,
+        cvec=False,
+        cscale=False,
+        crows=False,
+        svec=False,
+        sscale=False,
+        act=False,
+        rowlr=False,
+        dnorm=False,
+    ):
         theta = torch.randn(n, P)
         return lambda: client_step_triton(
-            theta, torch.randn(n, P).to(grad_dt), torch.rand(n) if rowlr else torch.tensor([0.1]), 0.9 if mom else 0.0,
-            torch.zeros(n, P) if mom else None, torch.tensor([1e-4]), 0.1 if prox else 0.0,
-            torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None, torch.randn(P) if cvec else None,
-            torch.rand(n) if (cvec and cscale) else None, torch.randn(n, P) if crows else None, -1.0,
-            torch.randn(P) if svec else None, torch.rand(n) if (svec and sscale) else None, 10.0 if clip else 0.0,
-            torch.tensor([True, True, False]) if act else None, **delta(dnorm))
+            theta,
+            torch.randn(n, P).to(grad_dt),
+            torch.rand(n) if rowlr else torch.tensor([0.1]),
+            0.9 if mom else 0.0,
+            torch.zeros(n, P) if mom else None,
+            torch.tensor([1e-4]),
+            0.1 if prox else 0.0,
+            torch.randn(P) if prox else None,
+            torch.randn(n, P) if lrows else None,
+            torch.randn(P) if cvec else None,
+            torch.rand(n) if (cvec and cscale) else None,
+            torch.randn(n, P) if crows else None,
+            -1.0,
+            torch.randn(P) if svec else None,
+            torch.rand(n) if (svec and sscale) else None,
+            10.0 if clip else 0.0,
+            torch.tensor([True, True, False]) if act else None,
+            **delta(dnorm),
+        )
 
     def step_pieces(**kw):  # the engine's path on GPUs: autograd's per-parameter gradients through a block table
         theta = torch.randn(n, P)
         pieces = [torch.randn(n, 1000), torch.randn(n, 7), torch.randn(n, P - 1007)]
         return lambda: client_step_triton(
-            theta, pieces, torch.tensor([0.1]), 0.9 if kw.get("mom") else 0.0, torch.zeros(n, P) if kw.get("mom")
-            else None, torch.tensor([1e-4]), 0.0, None, None, None, None, None, 1.0, None, None,
-            10.0 if kw.get("clip") else 0.0, None, **delta(kw.get("delta")))
+            theta,
+            pieces,
+            torch.tensor([0.1]),
+            0.9 if kw.get("mom") else 0.0,
+            torch.zeros(n, P) if kw.get("mom") else None,
+            torch.tensor([1e-4]),
+            0.0,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1.0,
+            None,
+            None,
+            10.0 if kw.get("clip") else 0.0,
+            None,
+            **delta(kw.get("delta")),
+        )
 
     def delta(on):  # a private run's last step: the update norms in the step's pass
         return dict(delta_from=torch.randn(P), delta_norm=torch.zeros(n)) if on else {}
@@ -224,15 +341,43 @@ def _cases():
     yield "client_step cvec_scale", step(cvec=True, cscale=True)
     yield "client_step svec_scale", step(svec=True, sscale=True)
     yield "client_step clip prox lrows", step(clip=True, prox=True, lrows=True)
-    yield "client_step all", step(mom=True, prox=True, lrows=True, clip=True, cvec=True, cscale=True, crows=True,
-                                  svec=True, sscale=True, act=True, rowlr=True)
+    yield (
+        "client_step all",
+        step(
+            mom=True,
+            prox=True,
+            lrows=True,
+            clip=True,
+            cvec=True,
+            cscale=True,
+            crows=True,
+            svec=True,
+            sscale=True,
+            act=True,
+            rowlr=True,
+        ),
+    )
 
     def adam(decoupled=False, prox=False, lrows=False, clip=False, act=False, rowwd=False, beta1=0.9, dnorm=False):
         return lambda: client_adam_triton(
-            torch.randn(n, P), [torch.randn(n, P)], torch.zeros(n, P), torch.zeros(n, P), torch.ones(n),
-            torch.rand(n), beta1, 0.999, 1e-8, torch.rand(n) if rowwd else torch.tensor([1e-2]), decoupled,
-            0.1 if prox else 0.0, torch.randn(P) if prox else None, torch.randn(n, P) if lrows else None,
-            10.0 if clip else 0.0, torch.tensor([True, True, False]) if act else None, **delta(dnorm))
+            torch.randn(n, P),
+            [torch.randn(n, P)],
+            torch.zeros(n, P),
+            torch.zeros(n, P),
+            torch.ones(n),
+            torch.rand(n),
+            beta1,
+            0.999,
+            1e-8,
+            torch.rand(n) if rowwd else torch.tensor([1e-2]),
+            decoupled,
+            0.1 if prox else 0.0,
+            torch.randn(P) if prox else None,
+            torch.randn(n, P) if lrows else None,
+            10.0 if clip else 0.0,
+            torch.tensor([True, True, False]) if act else None,
+            **delta(dnorm),
+        )
 
     # per-client convolutions (implicit GEMM): the benchmark models' layer geometries, fp32 and TF32
     def conv(n, B, Cin, Cout, H, k, st, pad, bias, tf32, cl):
@@ -248,6 +393,7 @@ def _cases():
             conv_forward(x, w, b, (st, st), (pad, pad), (1, 1), torch.empty_like(g), tf32)
             conv_input_grad(g, w, (st, st), (pad, pad), (1, 1), torch.empty_like(x), tf32)
             conv_weight_grad(g, x, (st, st), (pad, pad), (1, 1), torch.empty_like(w), tf32)
+
         return run
 
     for tf32 in (False, True):
@@ -259,6 +405,7 @@ def _cases():
 
     def conv64():  # 64-bit index math (offsets past 2**31): strides of a huge tensor on a tiny stand-in
         from fedfast.triton import conv as tc
+
         orig = tc._idx64
         tc._idx64 = lambda *ts: True
         try:
@@ -266,6 +413,7 @@ def _cases():
             conv(2, 2, 3, 32, 32, 3, 1, 0, True, False, True)()
         finally:
             tc._idx64 = orig
+
     yield "conv 64-bit indices", conv64
 
     yield "client_adam plain", adam()
@@ -301,18 +449,25 @@ def main(argv=None) -> int:
     spills = [r for r in RECORDS if r["ok"] and (r["spill_stores"] or r["spill_loads"])]
     for r in RECORDS:
         if r["ok"]:
-            print(f"ok   sm_{a.arch} {r['kernel']:<20} {r['case']:<40} regs={r['registers']:<4} "
-                  f"spill={r['spill_stores']}/{r['spill_loads']}B smem={r['smem']}B warps={r['num_warps']} "
-                  f"{r['matrix']:<5} "
-                  f"{r['seconds']:.2f}s")
+            print(
+                f"ok   sm_{a.arch} {r['kernel']:<20} {r['case']:<40} regs={r['registers']:<4} "
+                f"spill={r['spill_stores']}/{r['spill_loads']}B smem={r['smem']}B warps={r['num_warps']} "
+                f"{r['matrix']:<5} "
+                f"{r['seconds']:.2f}s"
+            )
         else:
             print(f"FAIL sm_{a.arch} {r['kernel']:<20} {r['case']:<40} {r['error']}")
-    print(f"{len(RECORDS)} specializations, {len(bad)} failed, {len(spills)} spilling, "
-          f"{time.perf_counter() - t0:.1f}s; triton {triton.__version__}")
+    print(
+        f"{len(RECORDS)} specializations, {len(bad)} failed, {len(spills)} spilling, "
+        f"{time.perf_counter() - t0:.1f}s; triton {triton.__version__}"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"arch": a.arch, "triton": triton.__version__, "torch": torch.__version__,
-                       "records": RECORDS}, f, indent=1)
+            json.dump(
+                {"arch": a.arch, "triton": triton.__version__, "torch": torch.__version__, "records": RECORDS},
+                f,
+                indent=1,
+            )
     return 1 if bad or (a.no_spills and spills) else 0
 
 

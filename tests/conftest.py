@@ -21,8 +21,11 @@ def cpu_backends():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run with FEDFAST_GPU_TESTS=1 on a GPU machine)")
-    config.addinivalue_line("markers", "slow: tests of 9 s or more on a 2-core machine (wheel builds, CMake, sm_90 "
-                                       "compiles, multi-process runs); pytest -m 'not slow' runs the rest")
+    config.addinivalue_line(
+        "markers",
+        "slow: tests of 9 s or more on a 2-core machine (wheel builds, CMake, sm_90 "
+        "compiles, multi-process runs); pytest -m 'not slow' runs the rest",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,20 +57,26 @@ def _data_cache(tmp_path_factory):
 def _torch_state() -> dict:
     """The process-wide torch settings a test could leave changed for the tests after it (a thread count changed
     by one test once made a later test hit a oneDNN bug that shows only at 1 thread)."""
-    return {"threads": torch.get_num_threads(), "default dtype": torch.get_default_dtype(),
-            "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
-                                         torch.is_deterministic_algorithms_warn_only_enabled()),
-            "cudnn.deterministic": torch.backends.cudnn.deterministic,
-            "cudnn.benchmark": torch.backends.cudnn.benchmark,
-            "float32 matmul precision": torch.get_float32_matmul_precision(),
-            "grad mode": torch.is_grad_enabled()}
+    return {
+        "threads": torch.get_num_threads(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "grad mode": torch.is_grad_enabled(),
+    }
 
 
 def _restore(state: dict) -> None:
     torch.set_num_threads(state["threads"])
     torch.set_default_dtype(state["default dtype"])
-    torch.use_deterministic_algorithms(state["deterministic algorithms"][0],
-                                       warn_only=state["deterministic algorithms"][1])
+    torch.use_deterministic_algorithms(
+        state["deterministic algorithms"][0], warn_only=state["deterministic algorithms"][1]
+    )
     torch.backends.cudnn.deterministic = state["cudnn.deterministic"]
     torch.backends.cudnn.benchmark = state["cudnn.benchmark"]
     torch.set_float32_matmul_precision(state["float32 matmul precision"])
@@ -84,5 +93,8 @@ def _torch_state_kept():
     changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     if changed:
         _restore(before)
-        pytest.fail("the test left torch's global state changed (before -> after): "
-                    + "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()), pytrace=False)
+        pytest.fail(
+            "the test left torch's global state changed (before -> after): "
+            + "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()),
+            pytrace=False,
+        )

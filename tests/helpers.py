@@ -1,4 +1,5 @@
 """Shared test helpers: random inputs and error measures."""
+
 import torch
 
 
@@ -28,6 +29,7 @@ def client_modules(N=4, seed=0):
     from torch import nn
 
     from fedfast.flat import ClientStack
+
     torch.manual_seed(seed)
     base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     stack = ClientStack(base, N)
@@ -44,5 +46,5 @@ def set_grads(m, flat: torch.Tensor) -> None:
     """Give each parameter of ``m`` its slice of the flat gradient ``flat``."""
     off = 0
     for p in m.parameters():
-        p.grad = flat[off:off + p.numel()].view_as(p).clone()
+        p.grad = flat[off : off + p.numel()].view_as(p).clone()
         off += p.numel()

@@ -5,6 +5,7 @@ plainly (independently of fedfast's method classes: options are read from the re
 ``sequential(cfg, model, train, part, rounds, val)`` -> the global model after ``rounds`` rounds (flat [P]);
 ``engine_vs_loop(algorithm, options)`` runs the engine and this loop on the same data, sampling and batch order.
 """
+
 import collections
 import copy
 import math
@@ -32,8 +33,21 @@ def setup_data(model: str = "mlp"):
     torch.manual_seed(0)
     if model == "bn":
         nn = torch.nn
-        return train, test, part, nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                                                nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+        return (
+            train,
+            test,
+            part,
+            nn.Sequential(
+                nn.Conv2d(1, 4, 3),
+                nn.BatchNorm2d(4),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(64, 16),
+                nn.BatchNorm1d(16),
+                nn.ReLU(),
+                nn.Linear(16, 5),
+            ),
+        )
     model = models.MLP(36, (16,), 5)
     return train, test, part, model
 
@@ -55,7 +69,7 @@ def _add_(model, vec, scale=1.0):
     off = 0
     with torch.no_grad():
         for p in model.parameters():
-            p += scale * vec[off:off + p.numel()].view_as(p)
+            p += scale * vec[off : off + p.numel()].view_as(p)
             off += p.numel()
 
 
@@ -63,7 +77,7 @@ def _load_(model, vec):
     off = 0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(vec[off:off + p.numel()].view_as(p))
+            p.copy_(vec[off : off + p.numel()].view_as(p))
             off += p.numel()
 
 
@@ -83,8 +97,19 @@ def _options(cfg):
     return cfg.algorithm, {**vars(m.opts)}, None
 
 
-def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order_fn=None, client_loss=None,
-               out: dict | None = None, dp: dict | None = None):
+def sequential(
+    cfg,
+    model,
+    train,
+    part,
+    rounds,
+    val=None,
+    sampled_fn=None,
+    order_fn=None,
+    client_loss=None,
+    out: dict | None = None,
+    dp: dict | None = None,
+):
     """The literal loop (see the module docstring); returns the global model's flat parameters. ``client_loss(z, t,
     y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise). ``out``: receives the final
     global model's ``state_dict`` (``out["state"]``). ``dp`` (``clip``, ``z``, ``E``, ``gen``: a CPU generator):
@@ -106,25 +131,34 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
     gkd_hist = []
     if alg == "fedcad":  # the same auxiliary draw as the engine (aux_per_class per class, seeded)
         g = torch.Generator().manual_seed(cfg.seed + 7919)
-        aux = torch.cat([torch.nonzero(train.y == c).flatten()[
-            torch.randperm(int((train.y == c).sum()), generator=g)[:o["aux_per_class"]]]
-            for c in range(train.num_classes)])
+        aux = torch.cat(
+            [
+                torch.nonzero(train.y == c).flatten()[
+                    torch.randperm(int((train.y == c).sum()), generator=g)[: o["aux_per_class"]]
+                ]
+                for c in range(train.num_classes)
+            ]
+        )
     for rnd in range(rounds):
         sampled = sampled_fn(rnd) if sampled_fn else sample_clients(cfg.seed, rnd, K, cfg.clients_per_round)
-        lr = cfg.lr * cfg.lr_decay ** rnd
+        lr = cfg.lr * cfg.lr_decay**rnd
         states, sizes, flats, new_ck = [], [], [], {}
         teacher = copy.deepcopy(glob).eval()
         gflat = flat(glob)
         if adc_m is None:
             adc_m = torch.zeros_like(gflat)
         if alg == "fedgkd_vote":
-            vote_models = [mdl for mdl, _ in vote_hist[-o["buffer"]:]]
-            vote_w = torch.softmax(-torch.tensor([v for _, v in vote_hist[-o["buffer"]:]]) / o["beta"], 0) \
-                if vote_hist else None
+            vote_models = [mdl for mdl, _ in vote_hist[-o["buffer"] :]]
+            vote_w = (
+                torch.softmax(-torch.tensor([v for _, v in vote_hist[-o["buffer"] :]]) / o["beta"], 0)
+                if vote_hist
+                else None
+            )
         if alg == "fedgkd" and o["buffer"] > 1 and gkd_hist:  # the average of the buffered globals' state_dicts
-            last = gkd_hist[-o["buffer"]:]   # (parameters, and a BatchNorm model's running statistics: the code's)
-            teacher.load_state_dict({k: torch.stack([sd[k].double() for sd in last]).mean(0).to(last[0][k].dtype)
-                                     for k in last[0]})
+            last = gkd_hist[-o["buffer"] :]  # (parameters, and a BatchNorm model's running statistics: the code's)
+            teacher.load_state_dict(
+                {k: torch.stack([sd[k].double() for sd in last]).mean(0).to(last[0][k].dtype) for k in last[0]}
+            )
         if alg == "fedcad":
             with torch.no_grad():
                 xa, ya = train.batch(aux)
@@ -144,7 +178,8 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
                 opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=wd)
             else:
                 opt = (torch.optim.AdamW if cfg.client_optimizer == "adamw" else torch.optim.Adam)(
-                    local.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=wd)
+                    local.parameters(), lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=wd
+                )
             nsteps = 0
             H = cfg.local_epochs * -(-len(idx) // cfg.batch_size)
             if alg.startswith("fedadc"):
@@ -152,8 +187,9 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
             hist_k = torch.bincount(train.y[idx], minlength=train.num_classes).float()
             feats = _feature_hook(local) if alg == "moon" else None
             for e in range(cfg.local_epochs):
-                perm = order_fn(rnd, int(k), e, len(idx)) if order_fn else \
-                    client_order(cfg.seed, rnd, int(k), e, len(idx))
+                perm = (
+                    order_fn(rnd, int(k), e, len(idx)) if order_fn else client_order(cfg.seed, rnd, int(k), e, len(idx))
+                )
                 perm = idx[torch.from_numpy(np.asarray(perm))]
                 for b in perm.split(cfg.batch_size):
                     x, y = train.batch(b)
@@ -166,20 +202,26 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
                         loss = client_loss(z, t, y, hist_k)
                     elif asd is not None:  # ASD: the client's label distribution as prior; the KD term replaced
                         prior = hist_k / len(idx)
-                        loss = ffnn.ASDLoss(tau=asd["tau"], lam=asd["lam"], not_true=asd["not_true"],
-                                            entropy_tau=asd["entropy_tau"], tau_squared=asd["tau_squared"],
-                                            backend="reference")(z, t, y, prior)
+                        loss = ffnn.ASDLoss(
+                            tau=asd["tau"],
+                            lam=asd["lam"],
+                            not_true=asd["not_true"],
+                            entropy_tau=asd["entropy_tau"],
+                            tau_squared=asd["tau_squared"],
+                            backend="reference",
+                        )(z, t, y, prior)
                     elif alg == "fedadc_plus":
                         tt = t if o["teacher"] == "global" else z.detach()
-                        loss = ffnn.ADCLoss(tau=o["tau"], lam=o["lam"], tau_squared=o["tau_squared"],
-                                            backend="reference")(z, tt, y, hist_k)
+                        loss = ffnn.ADCLoss(
+                            tau=o["tau"], lam=o["lam"], tau_squared=o["tau_squared"], backend="reference"
+                        )(z, tt, y, hist_k)
                     elif alg == "fedgkd_vote":
                         if vote_models:
                             with torch.no_grad():
                                 T = torch.stack([mm(x) for mm in vote_models])
-                            loss = ffnn.GKDLoss(tau=o["tau"], gamma=2 * o["lam"], tau_squared=o["tau_squared"],
-                                                backend="reference")(
-                                z, T, y, teacher_weights=vote_w)
+                            loss = ffnn.GKDLoss(
+                                tau=o["tau"], gamma=2 * o["lam"], tau_squared=o["tau_squared"], backend="reference"
+                            )(z, T, y, teacher_weights=vote_w)
                         else:
                             loss = F.cross_entropy(z, y)
                     elif alg == "fedgkd":
@@ -199,10 +241,12 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
                         loss = F.cross_entropy(z, y) + o["mu"] * lcon
                     elif alg == "fedcad":
                         loss = ffnn.CADLoss(tau=o["tau"], tau_squared=o["tau_squared"], backend="reference")(
-                            z, t, y, class_alpha)
+                            z, t, y, class_alpha
+                        )
                     elif alg == "fedntd":
-                        loss = distill_reference(z, t, y, tau=o["tau"], kd_weight=o["beta"] * _s(o),
-                                                 not_true=True).mean()
+                        loss = distill_reference(
+                            z, t, y, tau=o["tau"], kd_weight=o["beta"] * _s(o), not_true=True
+                        ).mean()
                     elif alg == "kd":
                         loss = distill_reference(z, t, y, tau=o["tau"], kd_weight=o["beta"] * _s(o)).mean()
                     else:
@@ -220,7 +264,7 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
                         corr = c_glob - c_k[int(k)]
                         off = 0
                         for p in local.parameters():
-                            p.grad += corr[off:off + p.numel()].view_as(p)
+                            p.grad += corr[off : off + p.numel()].view_as(p)
                             off += p.numel()
                     opt.step()
                     if alg.startswith("fedadc") and o["order"] == "heavy_ball":  # theta -= lr (g + mbar)
@@ -229,7 +273,7 @@ def sequential(cfg, model, train, part, rounds, val=None, sampled_fn=None, order
             wk = flat(local)
             if alg == "scaffold":
                 rho = cfg.momentum if o["keff_momentum"] else 0.0
-                k_eff = (nsteps - rho * (1 - rho ** nsteps) / (1 - rho)) / (1 - rho) if rho else nsteps
+                k_eff = (nsteps - rho * (1 - rho**nsteps) / (1 - rho)) / (1 - rho) if rho else nsteps
                 new_ck[int(k)] = c_k[int(k)] - c_glob + (gflat - wk) / (k_eff * lr)
             if alg == "feddyn":
                 h_k[int(k)] = h_k[int(k)] + (wk - gflat)
@@ -295,8 +339,19 @@ def engine_vs_loop(algorithm, options=None, device=None, model="mlp", **cfg_kw):
     :func:`setup_data` ("bn": BatchNorm with running statistics; the global models' buffers must then agree too)."""
     train, test, part, model = setup_data(model)
     val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
-    kw = dict(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16, lr=0.05,
-              weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {})
+    kw = dict(
+        algorithm=algorithm,
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=16,
+        lr=0.05,
+        weight_decay=1e-4,
+        seed=3,
+        momentum=0.9,
+        max_grad_norm=0.0,
+        options=options or {},
+    )
     kw.update(cfg_kw)
     cfg = fedfast.SimConfig(**kw)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val, device=device)
@@ -304,8 +359,19 @@ def engine_vs_loop(algorithm, options=None, device=None, model="mlp", **cfg_kw):
     ref = sequential(cfg, copy.deepcopy(sim.model).cpu(), train, part, cfg.rounds, val=val, out=final)  # its head too
     hist = sim.run()
     g = sim.global_flat.cpu()
-    on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
-                                                           train, test, part, val=val, device=device, state_dir=d))
+    on_disk_too(
+        sim,
+        lambda d, **store: fedfast.Simulation(
+            dataclasses.replace(cfg, **store),
+            copy.deepcopy(model),
+            train,
+            test,
+            part,
+            val=val,
+            device=device,
+            state_dir=d,
+        ),
+    )
     err = float((g - ref).abs().max() / ref.abs().max())
     if sim.runtime.num_buffers:  # every buffer of the global model too (running statistics, num_batches_tracked)
         err = max(err, buffers_error(sim.state_dict(), final["state"]))
@@ -351,7 +417,7 @@ def asd_term(z, t, y, prior, a):
     kl = (torch.softmax(t / tau, 1) * (torch.log_softmax(t / tau, 1) - torch.log_softmax(z / tau, 1))).sum(1)
     H = -(torch.softmax(t / et, 1) * torch.log_softmax(t / et, 1)).sum(1)
     alpha = torch.exp(-H) / prior[y]
-    return a["lam"] * (alpha / alpha.sum() * kl).sum() * (tau ** 2 if a["tau_squared"] else 1.0)
+    return a["lam"] * (alpha / alpha.sum() * kl).sum() * (tau**2 if a["tau_squared"] else 1.0)
 
 
 class PlainLoop:
@@ -418,7 +484,7 @@ class PlainLoop:
     def round(self, rnd):
         """Round ``rnd`` (0-based) of the loop."""
         c = self.cfg
-        self.rnd, self.lr = rnd, c.lr * c.lr_decay ** rnd
+        self.rnd, self.lr = rnd, c.lr * c.lr_decay**rnd
         sampled = np.asarray(self.sample(rnd))
         self.gflat = flat(self.glob)
         self.round_start(sampled)
@@ -453,8 +519,20 @@ def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, execut
     of the global models after ``rounds`` rounds, the Simulation, the loop)."""
     train, test, part, base = setup_data()
     model = base if model is None else model
-    kw = dict(algorithm=algorithm, clients_per_round=4, rounds=rounds, local_epochs=2, batch_size=16, lr=0.05,
-              weight_decay=1e-4, seed=3, momentum=0.9, max_grad_norm=0.0, options=options or {}, executor=executor)
+    kw = dict(
+        algorithm=algorithm,
+        clients_per_round=4,
+        rounds=rounds,
+        local_epochs=2,
+        batch_size=16,
+        lr=0.05,
+        weight_decay=1e-4,
+        seed=3,
+        momentum=0.9,
+        max_grad_norm=0.0,
+        options=options or {},
+        executor=executor,
+    )
     kw.update(cfg_kw)
     cfg = fedfast.SimConfig(**kw)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device=device)
@@ -462,8 +540,12 @@ def engine_vs(loop_cls, algorithm, options=None, *, rounds=2, model=None, execut
     ref = loop.run(rounds)
     sim.run()
     g = sim.global_flat.cpu()
-    on_disk_too(sim, lambda d, **store: fedfast.Simulation(dataclasses.replace(cfg, **store), copy.deepcopy(model),
-                                                           train, test, part, device=device, state_dir=d))
+    on_disk_too(
+        sim,
+        lambda d, **store: fedfast.Simulation(
+            dataclasses.replace(cfg, **store), copy.deepcopy(model), train, test, part, device=device, state_dir=d
+        ),
+    )
     err = float((g - ref).abs().max() / ref.abs().max())
     if sim.runtime.num_buffers:  # every buffer of the global model too
         err = max(err, buffers_error(sim.state_dict(), loop.glob.state_dict()))
@@ -482,4 +564,5 @@ def plugin_fixture(path, name):
         methods.load_plugin(path)
         yield
         methods.unregister(name)
+
     return _loaded

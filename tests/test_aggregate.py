@@ -1,4 +1,5 @@
 """Fused server update vs the reference and vs a literal per-client state_dict loop."""
+
 import copy
 
 import pytest
@@ -11,8 +12,11 @@ from fedfast.ops import _backend
 
 from helpers import rel_err
 
-BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
-    (["triton"] if _backend.available("triton", "cpu") else [])
+BACKENDS = (
+    ["reference"]
+    + (["cpu"] if _backend.cpu_ext() is not None else [])
+    + (["triton"] if _backend.available("triton", "cpu") else [])
+)
 
 
 def _mlp():
@@ -44,8 +48,9 @@ def test_fedavg_and_fedavgm_match_state_dict_loop(backend):
     assert rel_err(out["global"], avg_loop) <= 1e-6 and rel_err(out["average"], avg_loop) <= 1e-6
     # FedAvgM: v = beta v + (g - avg); g' = g - eta_s v
     v0 = torch.randn(stack.P) * 0.01
-    out = ops.aggregate(stack.params, g, weights=sizes[ids], rows=torch.tensor(ids), beta=0.9, lr=1.5,
-                        momentum=v0, backend=backend)
+    out = ops.aggregate(
+        stack.params, g, weights=sizes[ids], rows=torch.tensor(ids), beta=0.9, lr=1.5, momentum=v0, backend=backend
+    )
     v1 = 0.9 * v0 + (g - avg_loop)
     assert rel_err(out["momentum"], v1) <= 1e-5 and rel_err(out["global"], g - 1.5 * v1) <= 1e-5
     # prefix participation == rows 0..n-1, uniform weights
@@ -145,6 +150,7 @@ def test_triton_unrolled_rows_give_the_same_bits(unroll):
     """The Triton aggregate with several rows loaded per iteration (n not a multiple of it, a NaN row among them):
     the same bits as one row per iteration (the sum keeps its order), the NaN row flagged."""
     from fedfast.triton.aggregate import aggregate_triton
+
     N, P = 7, 300
     X, g, R = torch.randn(N, P), torch.randn(P), torch.randn(5, P)
     rows = torch.tensor([6, 0, 3, 2, 5])
@@ -155,7 +161,9 @@ def test_triton_unrolled_rows_give_the_same_bits(unroll):
     many = aggregate_triton(*args, config=(128, unroll, 4))
     for a, b in zip(one, many):
         if a is not None:
-            assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+            assert (
+                torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+            )
     assert many[-1].tolist() == [False, False, True, False, False, True]
 
 
@@ -177,6 +185,7 @@ def test_dp_fedavg_equals_the_literal_loop(backend):
     """dp_clip / dp_noise / dp_denominator: clipped (a large and a zero update among them), noised and divided by
     the expected cohort size; with the server's momentum rule on top; within 1e-6 of the loop."""
     from fedfast.ops.aggregate_reference import dp_average_reference
+
     torch.manual_seed(0)
     N, P = 7, 1001
     g = torch.randn(P)
@@ -192,15 +201,18 @@ def test_dp_fedavg_equals_the_literal_loop(backend):
         assert rel_err(out["average"], want) <= 1e-6 and rel_err(out["global"], want) <= 1e-6
         # the norms given (the engine's, from the clients' last steps): the same clipped mean, no pass of its own
         norms = torch.linalg.vector_norm(X[rows] - g, dim=1)
-        given = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms,
-                              backend=backend)
+        given = ops.aggregate(
+            X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms, backend=backend
+        )
         assert rel_err(given["average"], want) <= 1e-6
-        wrong = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms * 2,
-                              backend=backend)  # they are used: doubled norms clip harder
+        wrong = ops.aggregate(
+            X, g, rows=rows, dp_clip=1.0, dp_noise=nz, dp_denominator=2.5, dp_norms=norms * 2, backend=backend
+        )  # they are used: doubled norms clip harder
         assert rel_err(wrong["average"], want) > 1e-3
     m = torch.randn(P)
-    out = ops.aggregate(X, g, rows=rows, dp_clip=1.0, dp_noise=noise, dp_denominator=2.5, beta=0.9, lr=0.5,
-                        momentum=m, backend=backend)
+    out = ops.aggregate(
+        X, g, rows=rows, dp_clip=1.0, dp_noise=noise, dp_denominator=2.5, beta=0.9, lr=0.5, momentum=m, backend=backend
+    )
     avg = _dp_loop(X[rows], g, 1.0, noise, 2.5)
     m_new = 0.9 * m.double() + (g.double() - avg)
     assert rel_err(out["momentum"], m_new) <= 1e-6 and rel_err(out["global"], g.double() - 0.5 * m_new) <= 1e-6
@@ -208,13 +220,16 @@ def test_dp_fedavg_equals_the_literal_loop(backend):
 
 def test_dp_fedavg_refuses_what_it_does_not_cover():
     X, g = torch.randn(4, 30), torch.randn(30)
-    for kw, key in ((dict(dp_clip=0.0, dp_denominator=1.0), "dp_clip"), (dict(dp_clip=1.0), "dp_denominator"),
-                    (dict(dp_clip=1.0, dp_denominator=2.0, weights=torch.ones(4)), "weights"),
-                    (dict(dp_clip=1.0, dp_denominator=2.0, state_rows=torch.zeros(4, 30)), "state_rows"),
-                    (dict(dp_clip=1.0, dp_denominator=2.0, dp_noise=torch.zeros(29)), "dp_noise"),
-                    (dict(dp_noise=torch.zeros(30)), "dp_noise"),
-                    (dict(dp_clip=1.0, dp_denominator=2.0, dp_norms=torch.ones(3)), "dp_norms"),
-                    (dict(dp_norms=torch.ones(4)), "dp_norms")):
+    for kw, key in (
+        (dict(dp_clip=0.0, dp_denominator=1.0), "dp_clip"),
+        (dict(dp_clip=1.0), "dp_denominator"),
+        (dict(dp_clip=1.0, dp_denominator=2.0, weights=torch.ones(4)), "weights"),
+        (dict(dp_clip=1.0, dp_denominator=2.0, state_rows=torch.zeros(4, 30)), "state_rows"),
+        (dict(dp_clip=1.0, dp_denominator=2.0, dp_noise=torch.zeros(29)), "dp_noise"),
+        (dict(dp_noise=torch.zeros(30)), "dp_noise"),
+        (dict(dp_clip=1.0, dp_denominator=2.0, dp_norms=torch.ones(3)), "dp_norms"),
+        (dict(dp_norms=torch.ones(4)), "dp_norms"),
+    ):
         with pytest.raises(ValueError, match=key):
             ops.aggregate(X, g, **kw)
 
@@ -225,6 +240,7 @@ def test_update_norms_equal_the_float64_norms(backend, dtype):
     """||X_k - g|| of the chosen rows: a row far from g, one equal to it, a P not a multiple of 8, bf16 rows; the
     cpu backend's C++ pass against the float64 reference to 1e-6."""
     from fedfast.ops.aggregate_reference import update_norms_reference
+
     torch.manual_seed(1)
     N, P = 6, 100003
     g = torch.randn(P)

@@ -1,4 +1,5 @@
 """On-device augmentation: crop windows, flips, cutout squares, determinism, batched shapes."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +16,12 @@ def test_crop_is_a_window_of_the_padded_image():
     out = augment(x, torch.Generator().manual_seed(0), crop_padding=2, flip=False)
     padded = F.pad(x, (2, 2, 2, 2))
     for i in range(x.shape[0]):
-        hits = [(oy, ox) for oy in range(5) for ox in range(5)
-                if torch.equal(out[i], padded[i, :, oy:oy + 8, ox:ox + 8])]
+        hits = [
+            (oy, ox)
+            for oy in range(5)
+            for ox in range(5)
+            if torch.equal(out[i], padded[i, :, oy : oy + 8, ox : ox + 8])
+        ]
         assert len(hits) == 1
 
 
@@ -51,8 +56,14 @@ def test_deterministic_and_batched_shapes():
 
 def test_paper_pipelines_pad_in_the_right_space():
     from fedfast.data import ArrayDataset, augmented_batch
-    ds = ArrayDataset(torch.full((8, 3, 8, 8), 200, dtype=torch.uint8), torch.zeros(8, dtype=torch.long), 10,
-                      (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+    ds = ArrayDataset(
+        torch.full((8, 3, 8, 8), 200, dtype=torch.uint8),
+        torch.zeros(8, dtype=torch.long),
+        10,
+        (0.5, 0.5, 0.5),
+        (0.25, 0.25, 0.25),
+    )
     idx = torch.arange(8).reshape(2, 4)
     x, y = augmented_batch(ds, idx, torch.Generator().manual_seed(0), "fedgkd")
     assert x.shape == (2, 4, 3, 8, 8) and y.shape == (2, 4)

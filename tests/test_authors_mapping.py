@@ -1,6 +1,7 @@
 """docs/kernels.md's "From the authors' code" table, row by row (issue 47: its RepDistiller row swapped the flags): each
 row's fedfast call, read from the docs file and evaluated, equals the authors' formula written out here (their
 flag names, their reductions), in value and in the student's gradient, in float64."""
+
 import os
 import re
 
@@ -71,7 +72,8 @@ def test_fedntd_row(data, tau_squared):
 
     def authors(zz):
         kl = _kl_batchmean(F.log_softmax(_not_true(zz, y, C) / tau, 1), F.softmax(_not_true(t, y, C) / tau, 1))
-        return F.cross_entropy(zz, y) + beta * (tau ** 2 if tau_squared else 1.0) * kl
+        return F.cross_entropy(zz, y) + beta * (tau**2 if tau_squared else 1.0) * kl
+
     expr = _row("FedNTD, `NTD_Loss")
     if not tau_squared:
         expr = expr.replace("beta=beta)", "beta=beta, tau_squared=False)")
@@ -86,12 +88,18 @@ def test_repdistiller_row(data, gamma, alpha):
     kd_T = 4.0
 
     def distill_kl(y_s, y_t, T):
-        return F.kl_div(F.log_softmax(y_s / T, 1), F.softmax(y_t / T, 1), reduction="sum") * T ** 2 / y_s.shape[0]
+        return F.kl_div(F.log_softmax(y_s / T, 1), F.softmax(y_t / T, 1), reduction="sum") * T**2 / y_s.shape[0]
 
     def authors(zz):
         return gamma * F.cross_entropy(zz, y) + alpha * distill_kl(zz, t, kd_T) + 0.3 * 0.0
-    _check(authors, _row("RepDistiller, `train_student.py"), dict(kd_T=kd_T, gamma=gamma, alpha=alpha, y_t=t, y=y), z,
-           "y_s")
+
+    _check(
+        authors,
+        _row("RepDistiller, `train_student.py"),
+        dict(kd_T=kd_T, gamma=gamma, alpha=alpha, y_t=t, y=y),
+        z,
+        "y_s",
+    )
     # DistillKL alone: no labels
     _check(lambda zz: distill_kl(zz, t, 2.0), _row("RepDistiller, `DistillKL"), dict(T=2.0, y_t=t), z, "y_s")
 
@@ -103,9 +111,14 @@ def test_fedgkd_row(data):
 
     def authors(zz):
         kl = _kl_batchmean(F.log_softmax(zz / temperature, 1), F.softmax(t / temperature, 1))
-        return F.cross_entropy(zz, y) + coef * temperature ** 2 * kl
-    _check(authors, _row("FedGKD, `CE + distillation"),
-           dict(temperature=temperature, distillation_coefficient=coef, t=t, y=y), z)
+        return F.cross_entropy(zz, y) + coef * temperature**2 * kl
+
+    _check(
+        authors,
+        _row("FedGKD, `CE + distillation"),
+        dict(temperature=temperature, distillation_coefficient=coef, t=t, y=y),
+        z,
+    )
 
 
 def test_fedgkd_vote_row(data):
@@ -118,10 +131,16 @@ def test_fedgkd_vote_row(data):
     def authors(zz):
         w = gamma / 2 * torch.softmax(-M * val_losses, 0)
         log_q = F.log_softmax(zz / tau, 1)
-        return F.cross_entropy(zz, y) + tau ** 2 * sum(w[m] * _kl_batchmean(log_q, F.softmax(teachers[m] / tau, 1))
-                                                      for m in range(M))
-    _check(authors, _row("FedGKD-VOTE"),
-           dict(tau=tau, gamma=gamma, teachers_MRC=teachers, y=y, M=M, val_losses=val_losses), z)
+        return F.cross_entropy(zz, y) + tau**2 * sum(
+            w[m] * _kl_batchmean(log_q, F.softmax(teachers[m] / tau, 1)) for m in range(M)
+        )
+
+    _check(
+        authors,
+        _row("FedGKD-VOTE"),
+        dict(tau=tau, gamma=gamma, teachers_MRC=teachers, y=y, M=M, val_losses=val_losses),
+        z,
+    )
 
 
 @pytest.mark.parametrize("not_true", [False, True])
@@ -140,6 +159,7 @@ def test_asd_rows(data, not_true):
         zs, ts = (_not_true(zz, y, C), _not_true(t, y, C)) if not_true else (zz, t)
         kl = (F.softmax(ts / tau, 1) * (F.log_softmax(ts / tau, 1) - F.log_softmax(zs / tau, 1))).sum(1)
         return F.cross_entropy(zz, y) + lamda * (w * kl).sum()
+
     expr = _row("FedNTD + ASD" if not_true else "ASD (FedAvg+ASD)")
     _check(authors, expr, dict(tau=tau, lamda=lamda, t=t, y=y, prior=prior), z)
 
@@ -154,6 +174,7 @@ def test_fedcad_row(data):
         ce = F.cross_entropy(zz, y, reduction="none")
         soft = -(F.softmax(t / tau, 1) * F.log_softmax(zz / tau, 1)).sum(1)
         return ((1 - ay) * ce + ay * soft).mean()
+
     _check(authors, _row("FedCAD"), dict(tau=tau, t=t, y=y, a=a), z)
 
 
@@ -168,15 +189,24 @@ def test_fedadc_plus_row(data):
         onehot = F.one_hot(y, C).bool()
         r = rho[None].expand(R, C).masked_fill(onehot, 0.0)
         phat = torch.where(onehot, (p * onehot).sum(1, keepdim=True) + (r * p).sum(1, keepdim=True), (1 - r) * p)
-        kd = F.kl_div(F.log_softmax(zz / tau, 1), phat, reduction="sum") * tau ** 2 / R
+        kd = F.kl_div(F.log_softmax(zz / tau, 1), phat, reduction="sum") * tau**2 / R
         return (1 - lam) * F.cross_entropy(zz, y) + lam * kd
-    _check(authors, _row("FedADC+"), dict(tau=tau, lam=lam, t=t, y=y, class_freq=class_freq),
-           z)
+
+    _check(authors, _row("FedADC+"), dict(tau=tau, lam=lam, t=t, y=y, class_freq=class_freq), z)
 
 
 def test_every_row_is_tested():
     """A row added to the table without a test here fails this (one prefix per test above)."""
-    tested = ("FedNTD, `NTD_Loss", "RepDistiller, `train_student.py", "RepDistiller, `DistillKL", "FedGKD, `CE + "
-              "distillation", "FedGKD-VOTE", "ASD (FedAvg+ASD)", "FedNTD + ASD", "FedCAD", "FedADC+")
+    tested = (
+        "FedNTD, `NTD_Loss",
+        "RepDistiller, `train_student.py",
+        "RepDistiller, `DistillKL",
+        "FedGKD, `CE + distillation",
+        "FedGKD-VOTE",
+        "ASD (FedAvg+ASD)",
+        "FedNTD + ASD",
+        "FedCAD",
+        "FedADC+",
+    )
     rows = list(_rows())
     assert len(rows) == len(tested) and all(any(r.startswith(p) for r in rows) for p in tested), rows

@@ -2,6 +2,7 @@
 as their code runs them, with the global np.random / random streams seeded as their main scripts seed them; every
 client's index set (and its order) and label counts compared, on MNIST at the papers' settings and on labels whose
 classes appear out of order; the split the same for every run seed where the authors' code fixes it."""
+
 import os
 import random
 
@@ -118,8 +119,9 @@ def _same(part, want: dict, y):
     for k in range(part.num_clients):
         got = np.asarray(part.indices[k])
         assert np.array_equal(got, np.asarray(want[k], dtype=np.int64)), k
-    counts = np.stack([np.bincount(y[np.asarray(want[k], dtype=np.int64)], minlength=int(y.max()) + 1)
-                       for k in range(len(want))])
+    counts = np.stack(
+        [np.bincount(y[np.asarray(want[k], dtype=np.int64)], minlength=int(y.max()) + 1) for k in range(len(want))]
+    )
     assert np.array_equal(part.histogram.numpy(), counts)
 
 
@@ -171,6 +173,7 @@ def test_the_split_through_a_run_config_and_its_seed(mnist_y):
     follows the run seed, as FedDyn's code is seeded; fedfast's stream keeps the run seed; refusals by name."""
     from fedfast.assemble import partition
     from fedfast.data import ArrayDataset
+
     train = ArrayDataset(torch.zeros(len(mnist_y), 1), torch.from_numpy(mnist_y), 10)
     rows = {}
     for seed in (0, 1, 2):
@@ -187,21 +190,29 @@ def test_the_split_through_a_run_config_and_its_seed(mnist_y):
     assert cfg.values["split_seed"] == 4 and cfg.values["split_stream"] == "fedfast"
     cfg2 = build_config(None, ["partition=shards", "seed=4", "split_seed=9"])
     assert not torch.equal(partition(cfg, train).rows, partition(cfg2, train).rows)
-    for bad, key in ((["partition=quantity_skew", "split_stream=authors"], "split_stream"), (["split_stream=x"], "split_stream"),
-                     (["split_seed=-2"], "split_seed")):
+    for bad, key in (
+        (["partition=quantity_skew", "split_stream=authors"], "split_stream"),
+        (["split_stream=x"], "split_stream"),
+        (["split_seed=-2"], "split_seed"),
+    ):
         with pytest.raises(ValueError, match=key):
             build_config(None, bad)
 
 
-@pytest.mark.parametrize("cell,want_fn", [
-    ("fedntd-table1/mnist-shards", lambda y: fedntd_sharding_as_written(y, 100, 2)),
-    ("fedntd-table1/mnist-lda", lambda y: fedntd_lda_as_written(y, 100, 0.1))])
+@pytest.mark.parametrize(
+    "cell,want_fn",
+    [
+        ("fedntd-table1/mnist-shards", lambda y: fedntd_sharding_as_written(y, 100, 2)),
+        ("fedntd-table1/mnist-lda", lambda y: fedntd_lda_as_written(y, 100, 0.1)),
+    ],
+)
 def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mnist_y, cell, want_fn):
     """The presets themselves: each MNIST cell's run config, for two run seeds and two methods, splits MNIST into
     the authors' 100 clients."""
     from fedfast import presets
     from fedfast.assemble import partition
     from fedfast.data import ArrayDataset
+
     train = ArrayDataset(torch.zeros(len(mnist_y), 1), torch.from_numpy(mnist_y), 10)
     with _global_streams(19940817):
         want = want_fn(mnist_y)
@@ -221,6 +232,7 @@ def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1, part
     list, receives the validation partition)."""
     import functools
     import math
+
     random_state = np.random.RandomState(seed)
     data_size = len(targets)
     indices = np.array([x for x in range(0, data_size)])
@@ -244,7 +256,7 @@ def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1, part
     num_splits = math.ceil(n_workers / n_auxi_workers)
     for idx in range(num_splits):
         to_index = from_index + int(n_auxi_workers / n_workers * num_indices)
-        splitted_targets.append(indices2targets[from_index:(num_indices if idx == num_splits - 1 else to_index)])
+        splitted_targets.append(indices2targets[from_index : (num_indices if idx == num_splits - 1 else to_index)])
         from_index = to_index
     idx_batch = []
     for _targets in splitted_targets:
@@ -258,8 +270,9 @@ def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1, part
             for _class in range(num_classes):
                 idx_class = _targets[np.where(_targets[:, 1] == _class)[0], 0]
                 proportions = random_state.dirichlet(np.repeat(alpha, _n_workers))
-                proportions = np.array([p * (len(idx_j) < _targets_size / _n_workers)
-                                        for p, idx_j in zip(proportions, _idx_batch)])
+                proportions = np.array(
+                    [p * (len(idx_j) < _targets_size / _n_workers) for p, idx_j in zip(proportions, _idx_batch)]
+                )
                 proportions = proportions / proportions.sum()
                 proportions = (np.cumsum(proportions) * len(idx_class)).astype(int)[:-1]
                 _idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(_idx_batch, np.split(idx_class, proportions))]
@@ -287,13 +300,19 @@ def test_fedgkd_split_gives_every_client_the_authors_samples(K, alpha, seed):
 
 def _write_cifar10(root, n_per_batch, seed=0):
     import pickle
+
     rng = np.random.default_rng(seed)
     d = root / "cifar-10-batches-py"
     d.mkdir()
     for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         with open(d / n, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
-                         b"labels": rng.integers(0, 10, n_per_batch).tolist()}, f)
+            pickle.dump(
+                {
+                    b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+                    b"labels": rng.integers(0, 10, n_per_batch).tolist(),
+                },
+                f,
+            )
 
 
 def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
@@ -301,39 +320,54 @@ def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
     so the authors' split is built with it; the clients hold the code's windows; FedCAD's held-out samples (drawn
     from every class) are refused by name, as are the text sets."""
     from fedfast.assemble import build_run
+
     _write_cifar10(tmp_path, 300)
-    keys = [f"data_dir={tmp_path}", "dataset=cifar10", "partition=dirichlet_fedgkd", "alpha=0.5", "num_clients=10",
-            "clients_per_round=2", "split_stream=authors", "seed=7", "model=mlp", "rounds=1"]
+    keys = [
+        f"data_dir={tmp_path}",
+        "dataset=cifar10",
+        "partition=dirichlet_fedgkd",
+        "alpha=0.5",
+        "num_clients=10",
+        "clients_per_round=2",
+        "split_stream=authors",
+        "seed=7",
+        "model=mlp",
+        "rounds=1",
+    ]
     from fedfast.data import load_cifar
+
     _, sim = build_run(build_config(None, keys + ["algorithm=fedgkd_vote"]))
     assert len(sim.train) == 1350  # 1500 less the last 10 %
     want = fedgkd_split_as_written(load_cifar(str(tmp_path), 10)[0].y.numpy(), 10, 0.5, 7)
-    got = [sim.plan.rows[sim.plan.offsets[k]:sim.plan.offsets[k + 1]] for k in range(10)]
+    got = [sim.plan.rows[sim.plan.offsets[k] : sim.plan.offsets[k + 1]] for k in range(10)]
     for k in range(10):
         assert np.array_equal(got[k], np.asarray(want[k])), k
     with pytest.raises(ValueError, match="split_stream.*fedcad"):
         build_run(build_config(None, keys + ["algorithm=fedcad", "fedcad.aux_holdout=true"]))
     for text in ("ag_news", "sst5"):  # their validation split comes from a command line not released
         with pytest.raises(ValueError, match=f"split_stream.*{text}"):
-            build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", f"dataset={text}",
-                                "model=mlp"])
+            build_config(None, ["partition=dirichlet_fedgkd", "split_stream=authors", f"dataset={text}", "model=mlp"])
 
 
 def test_a_plugin_partition_draws_with_split_seed():
     """spec["seed"] is the split's seed for a partition of one's own too: split_seed is never ignored."""
     from fedfast import data
     from fedfast.assemble import partition
+
     seen = []
 
     def mine(train, s):
         seen.append(s["seed"])
         return data.iid(train.y, s["num_clients"], seed=s["seed"])
+
     data.register_partition("mine_seeded", mine)
     try:
         train = data.ArrayDataset(torch.zeros(40, 1), torch.arange(40) % 4, 4)
         for extra, want in (([], 3), (["split_seed=11"], 11)):
-            partition(build_config(None, ["partition=mine_seeded", "seed=3", "num_clients=4", "clients_per_round=2"]
-                                   + extra), train)
+            partition(
+                build_config(None, ["partition=mine_seeded", "seed=3", "num_clients=4", "clients_per_round=2"] + extra),
+                train,
+            )
             assert seen[-1] == want
     finally:
         data.PARTITIONS.remove("mine_seeded")
@@ -358,6 +392,7 @@ def test_fedgkd_tiny_imagenet_split_shuffles_before_its_validation_split():
 def _write_tiny(root, wnids, per_class, n_val=4, seed=0):
     """A tiny-imagenet-200 folder: wnids.txt in the given (unsorted) order, train/<wnid>/images/<wnid>_<i>.JPEG."""
     from PIL import Image
+
     rng = np.random.default_rng(seed)
     base = root / "tiny-imagenet-200"
     base.mkdir()
@@ -366,13 +401,13 @@ def _write_tiny(root, wnids, per_class, n_val=4, seed=0):
         d = base / "train" / w / "images"
         d.mkdir(parents=True)
         for i in range(per_class):  # file names sort lexicographically: _0, _1, _10, _11, ..., _2, ...
-            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(d / f"{w}_{i}.JPEG",
-                                                                                   format="PNG")
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(d / f"{w}_{i}.JPEG", format="PNG")
     (base / "val" / "images").mkdir(parents=True)
     lines = []
     for i in range(n_val):
         Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
-            base / "val" / "images" / f"val_{i}.JPEG", format="PNG")
+            base / "val" / "images" / f"val_{i}.JPEG", format="PNG"
+        )
         lines.append(f"val_{i}.JPEG\t{wnids[i % len(wnids)]}\t0\t0\t63\t63")
     (base / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
 
@@ -384,13 +419,18 @@ def test_fedgkd_tiny_imagenet_through_a_run_in_imagefolders_order(tmp_path):
     pytest.importorskip("PIL")
     from fedfast.assemble import build_run
     from fedfast.data import load_tiny_imagenet
+
     wnids = ["n0300", "n0100", "n0500", "n0200", "n0400"]  # wnids.txt is not sorted
     _write_tiny(tmp_path, wnids, per_class=24)
     train, _ = load_tiny_imagenet(str(tmp_path))
     # ImageFolder's order, written out: sorted classes, sorted file names, label = rank of the wnid
-    files = [(w, f) for w in sorted(wnids) for f in sorted(os.listdir(tmp_path / "tiny-imagenet-200" / "train" / w
-                                                                      / "images"))]
+    files = [
+        (w, f)
+        for w in sorted(wnids)
+        for f in sorted(os.listdir(tmp_path / "tiny-imagenet-200" / "train" / w / "images"))
+    ]
     from PIL import Image
+
     for i in (0, 1, 2, 37, 119):
         w, f = files[i]
         with Image.open(tmp_path / "tiny-imagenet-200" / "train" / w / "images" / f) as im:
@@ -399,12 +439,22 @@ def test_fedgkd_tiny_imagenet_through_a_run_in_imagefolders_order(tmp_path):
     y = train.y.numpy()
     val = []
     want = fedgkd_split_as_written(y, 10, 1.0, 7, partition_type="random", val_out=val)
-    keys = [f"data_dir={tmp_path}", "dataset=tiny_imagenet", "partition=dirichlet_fedgkd", "alpha=1.0",
-            "num_clients=10", "clients_per_round=2", "split_stream=authors", "seed=7", "model=mlp", "rounds=1"]
+    keys = [
+        f"data_dir={tmp_path}",
+        "dataset=tiny_imagenet",
+        "partition=dirichlet_fedgkd",
+        "alpha=1.0",
+        "num_clients=10",
+        "clients_per_round=2",
+        "split_stream=authors",
+        "seed=7",
+        "model=mlp",
+        "rounds=1",
+    ]
     for algorithm in ("fedavg", "fedgkd_vote"):
         _, sim = build_run(build_config(None, keys + [f"algorithm={algorithm}"]))
         for k in range(10):  # the run's training set is in the code's shuffled order: compare the images
-            got = sim.train.x[sim.plan.rows[sim.plan.offsets[k]:sim.plan.offsets[k + 1]]]
+            got = sim.train.x[sim.plan.rows[sim.plan.offsets[k] : sim.plan.offsets[k + 1]]]
             assert torch.equal(got, train.x[torch.as_tensor(want[k])]), (algorithm, k)
         if algorithm == "fedgkd_vote":
             assert torch.equal(sim.server_splits["val"].x, train.x[torch.as_tensor(val)])
@@ -423,14 +473,17 @@ def feddyn_iid_as_written(trn_y, n_client, dataset, seed):
         n_cls_sample_per_device = n_data_per_clnt // 100
         per_class = len(trn_y) // 100  # the code writes 500 (CIFAR-100's); the test set is smaller
         for i in range(n_client):
-            out[i] = [int(rand_perm[idx[per_class * j + n_cls_sample_per_device * i + t]])
-                      for j in range(100) for t in range(n_cls_sample_per_device)]
+            out[i] = [
+                int(rand_perm[idx[per_class * j + n_cls_sample_per_device * i + t]])
+                for j in range(100)
+                for t in range(n_cls_sample_per_device)
+            ]
         return out
     n_data_per_clnt = int((len(trn_y)) / n_client)
     clnt_data_list = (np.ones(n_client) * n_data_per_clnt).astype(int)
     cum = np.concatenate(([0], np.cumsum(clnt_data_list)))
     for i in range(n_client):
-        out[i] = rand_perm[cum[i]:cum[i + 1]].tolist()
+        out[i] = rand_perm[cum[i] : cum[i + 1]].tolist()
     return out
 
 

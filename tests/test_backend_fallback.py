@@ -1,5 +1,6 @@
 """A missing or unloadable compiled extension: one warning per backend naming why and how to build it, the same in
 ``fedfast doctor``, and the reference backend's results (the real no-extension install: tests/test_packaging.py)."""
+
 import importlib
 import warnings
 
@@ -63,8 +64,10 @@ def test_doctor_names_the_missing_extension(broken_cpu_ext, capsys):
     assert "automatic backend on cpu: reference" in out
 
 
-@pytest.mark.parametrize("triton_v,numpy_v,bad", [("3.6.0", "2.4.4", True), ("3.6.0", "2.3.5", False),
-                                                  ("3.7.1", "2.4.6", False), ("3.8.0+git1", "3.0.0", False)])
+@pytest.mark.parametrize(
+    "triton_v,numpy_v,bad",
+    [("3.6.0", "2.4.4", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False), ("3.8.0+git1", "3.0.0", False)],
+)
 def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, numpy_v, bad):
     """triton 3.6's interpreter fails every kernel with a runtime loop bound under numpy >= 2.4 (measured: 27 of
     the 46 triton tests of the aggregate, client-step, Adam and convolution files; with numpy 2.3 all 52 of a wider
@@ -73,6 +76,7 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
     triton = pytest.importorskip("triton")
     import numpy
     from fedfast.ops.client_conv import client_conv2d
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton, "__version__", triton_v)
     monkeypatch.setattr(numpy, "__version__", numpy_v)
@@ -87,6 +91,7 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
     with pytest.raises(ValueError, match="triton>=3.7 or numpy<2.4"):
         client_conv2d(torch.zeros(1, 4, 5, 5), torch.zeros(1, 3, 4, 3, 3), None, impl="triton")
     from fedfast.sim.runtime import conv_impl
+
     with pytest.raises(ValueError, match=r"conv: 'triton' .*triton>=3.7 or numpy<2.4.*use conv"):
         conv_impl("triton", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -98,6 +103,7 @@ def test_automatic_conv_needs_no_triton(monkeypatch):
     where triton cannot run; an explicit "hybrid" there is refused by name."""
     from fedfast.ops import _backend
     from fedfast.sim import runtime
+
     monkeypatch.setitem(runtime.CONV_AUTO, "cpu", "hybrid")
     monkeypatch.setattr(_backend, "available", lambda name, dev: False)
     assert runtime.conv_impl("auto", torch.device("cpu")) == "grouped"

@@ -2,6 +2,7 @@
 message names the config key, argument or file at fault, never a traceback, a NaN or a silent success. Plus the
 run directory's data-loss and concurrency cases: a user's directory under --force, two processes on one run
 directory, a diverged run, refused resumes, clean-up after failures."""
+
 import json
 import os
 import pickle
@@ -18,8 +19,20 @@ from fedfast import data, nn as fnn
 from fedfast.cli import main
 from fedfast.rundir import LOCK, MARKER, RunDir
 
-SMALL = ["--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3", "--set",
-         "model=mlp", "--set", "rounds=2", "--set", "algorithm=fedavg"]
+SMALL = [
+    "--set",
+    "dataset=synthetic",
+    "--set",
+    "num_clients=10",
+    "--set",
+    "clients_per_round=3",
+    "--set",
+    "model=mlp",
+    "--set",
+    "rounds=2",
+    "--set",
+    "algorithm=fedavg",
+]
 SWEEP_SMALL = SMALL[:-2]  # a sweep's methods are --methods (--set algorithm is refused there)
 
 
@@ -47,6 +60,7 @@ def done_run(tmp_path_factory):
 
 def copy_run(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -99,12 +113,27 @@ def test_run_refuses_bad_keys(kv, msg, capsys, tmp_path):
     assert not (tmp_path / "r").exists(), "a refused config left a directory"
 
 
-@pytest.mark.parametrize("dataset,needs", [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python"),
-                                           ("tiny_imagenet", "tiny-imagenet-200"), ("cinic10", "cinic"),
-                                           ("femnist", "femnist"), ("idx", "train-images-idx3-ubyte")])
+@pytest.mark.parametrize(
+    "dataset,needs",
+    [
+        ("cifar10", "cifar-10-batches-py"),
+        ("cifar100", "cifar-100-python"),
+        ("tiny_imagenet", "tiny-imagenet-200"),
+        ("cinic10", "cinic"),
+        ("femnist", "femnist"),
+        ("idx", "train-images-idx3-ubyte"),
+    ],
+)
 def test_missing_data_names_data_dir_and_where_to_get_it(dataset, needs, capsys, tmp_path):
-    code, err = cli(capsys, "run", *SMALL, *sets(f"dataset={dataset}", f"data_dir={tmp_path / 'nodata'}"),
-                    "--out", tmp_path / "a" / "r", "--quiet")
+    code, err = cli(
+        capsys,
+        "run",
+        *SMALL,
+        *sets(f"dataset={dataset}", f"data_dir={tmp_path / 'nodata'}"),
+        "--out",
+        tmp_path / "a" / "r",
+        "--quiet",
+    )
     assert code == 2 and "data_dir" in err and needs.lower() in err.lower() and "download=True" not in err, err
     assert not (tmp_path / "a").exists(), "a failed run left its directory (and the parent it made)"
 
@@ -115,8 +144,14 @@ def test_cifar_message_says_where_to_get_it(capsys, tmp_path):
 
 
 def test_partition_failure_names_config_keys_not_python_arguments(capsys, tmp_path):
-    code, err = cli(capsys, "run", *SMALL, *sets("partition=dirichlet", "alpha=0.001", "num_clients=400",
-                                                  "clients_per_round=3"), "--out", tmp_path / "r")
+    code, err = cli(
+        capsys,
+        "run",
+        *SMALL,
+        *sets("partition=dirichlet", "alpha=0.001", "num_clients=400", "clients_per_round=3"),
+        "--out",
+        tmp_path / "r",
+    )
     assert code == 2 and "partition: dirichlet" in err and "alpha" in err and "min_size" not in err, err
 
 
@@ -256,8 +291,18 @@ def test_sweep_out_is_a_file(capsys, tmp_path):
 def test_sweep_refuses_a_changed_study(capsys, tmp_path):
     s = tmp_path / "s"
     s.mkdir()
-    (s / "study.json").write_text(json.dumps({"preset": None, "config": None, "methods": ["fedavg"], "seeds": [0],
-                                              "overrides": ["rounds=5"], "plugins": []}))
+    (s / "study.json").write_text(
+        json.dumps(
+            {
+                "preset": None,
+                "config": None,
+                "methods": ["fedavg"],
+                "seeds": [0],
+                "overrides": ["rounds=5"],
+                "plugins": [],
+            }
+        )
+    )
     code, err = cli(capsys, "sweep", "--methods", "fedavg", "--set", "rounds=2", "--out", s)
     assert code == 2 and "use another --out" in err
 
@@ -275,13 +320,16 @@ def test_report_on_an_empty_directory(capsys, tmp_path):
     assert code == 2 and str(tmp_path) in err
 
 
-@pytest.mark.parametrize("name,content,msg", [
-    ("summary.json", '{"x": 1', "summary.json: damaged summary file (line 1"),
-    ("summary.json", "[1]", "summary.json: damaged"),
-    ("summary.json", '{"complete": NaN', "summary.json: damaged"),
-    ("config.json", "{", "config.json: damaged config file"),
-    ("config.json", "{}", "config.json: damaged"),
-])
+@pytest.mark.parametrize(
+    "name,content,msg",
+    [
+        ("summary.json", '{"x": 1', "summary.json: damaged summary file (line 1"),
+        ("summary.json", "[1]", "summary.json: damaged"),
+        ("summary.json", '{"complete": NaN', "summary.json: damaged"),
+        ("config.json", "{", "config.json: damaged config file"),
+        ("config.json", "{}", "config.json: damaged"),
+    ],
+)
 def test_report_names_the_damaged_file(name, content, msg, done_run, tmp_path, capsys):
     d = copy_run(done_run, tmp_path / "study" / "r")
     (d / name).write_text(content)
@@ -296,10 +344,14 @@ def test_report_damaged_study_json(done_run, tmp_path, capsys):
     assert code == 2 and "study.json: damaged" in err
 
 
-@pytest.mark.parametrize("content,msg", [('{"round": 1, "test_accuracy": 0.5}\n{"round": 2, "test_acc',
-                                          "metrics.jsonl: line 2 is damaged"),
-                                         ('{"round": 1}\n[3]\n', "metrics.jsonl: line 2 is not a round's record"),
-                                         (b"\xff\xfe", "metrics.jsonl")])
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        ('{"round": 1, "test_accuracy": 0.5}\n{"round": 2, "test_acc', "metrics.jsonl: line 2 is damaged"),
+        ('{"round": 1}\n[3]\n', "metrics.jsonl: line 2 is not a round's record"),
+        (b"\xff\xfe", "metrics.jsonl"),
+    ],
+)
 def test_plot_names_the_damaged_metrics_line(content, msg, done_run, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     d = copy_run(done_run, tmp_path / "r")
@@ -320,8 +372,15 @@ def test_resume_of_a_missing_directory(capsys, tmp_path):
     assert code == 2 and "--resume" in err and "nope" in err and not (tmp_path / "nope").exists()
 
 
-@pytest.mark.parametrize("extra,word", [(["cfg.toml"], "a config file"), (["--out", "x"], "--out"),
-                                        (["--preset", "demo"], "--preset"), (["--force"], "--force")])
+@pytest.mark.parametrize(
+    "extra,word",
+    [
+        (["cfg.toml"], "a config file"),
+        (["--out", "x"], "--out"),
+        (["--preset", "demo"], "--preset"),
+        (["--force"], "--force"),
+    ],
+)
 def test_resume_refuses_what_it_would_ignore(extra, word, done_run, capsys, tmp_path):
     code, err = cli(capsys, "run", "--resume", done_run, *extra)
     assert code == 2 and word in err and "cannot go with it" in err, err
@@ -369,6 +428,7 @@ def test_forged_checkpoint_is_refused_without_torchs_advice(done_run, tmp_path, 
     import hashlib
     import io
     from fedfast import checkpoint
+
     d = copy_run(done_run, tmp_path / "r")
     buf = io.BytesIO()
     torch.save({"state": fedfast.SimConfig()}, buf)
@@ -399,16 +459,23 @@ def test_a_users_directory_survives(force, capsys, tmp_path):
     and the message says it is not a run (rather than that it "holds a run")."""
     d = tmp_path / "mine"
     (d / "tb" / "exp1").mkdir(parents=True)
-    files = {"config.json": "mine", "metrics.csv": "a,b", "summary.json": "{}", "weights.pt": "w",
-             "model_best.pt": "m", "tb/exp1/events.out.tfevents.1": "ev"}
+    files = {
+        "config.json": "mine",
+        "metrics.csv": "a,b",
+        "summary.json": "{}",
+        "weights.pt": "w",
+        "model_best.pt": "m",
+        "tb/exp1/events.out.tfevents.1": "ev",
+    }
     for k, v in files.items():
         (d / k).write_text(v)
     code, err = cli(capsys, "run", *SMALL, *(["--force"] if force else []), "--out", d)
     assert code == 2 and "is not a fedfast run directory" in err and "holds a run" not in err, err
     for k, v in files.items():
         assert (d / k).read_text() == v
-    assert sorted(os.listdir(d)) == sorted(["config.json", "metrics.csv", "summary.json", "weights.pt",
-                                            "model_best.pt", "tb"]), "fedfast left files in the user's directory"
+    assert sorted(os.listdir(d)) == sorted(
+        ["config.json", "metrics.csv", "summary.json", "weights.pt", "model_best.pt", "tb"]
+    ), "fedfast left files in the user's directory"
 
 
 def test_other_files_in_a_directory_are_kept(capsys, tmp_path):
@@ -455,16 +522,26 @@ def test_a_held_directory_is_refused_naming_the_holder(done_run, tmp_path, capsy
 
 
 def test_a_failed_run_leaves_no_directory(capsys, tmp_path):
-    code, _ = cli(capsys, "run", *SMALL, "--set", f"data_dir={tmp_path / 'x'}", "--set", "dataset=cifar10",
-                  "--out", tmp_path / "a" / "b" / "c")
+    code, _ = cli(
+        capsys,
+        "run",
+        *SMALL,
+        "--set",
+        f"data_dir={tmp_path / 'x'}",
+        "--set",
+        "dataset=cifar10",
+        "--out",
+        tmp_path / "a" / "b" / "c",
+    )
     assert code == 2 and not (tmp_path / "a").exists()
 
 
 def test_a_failed_force_run_in_an_existing_directory_leaves_it_as_the_user_had_it(done_run, tmp_path, capsys):
     d = copy_run(done_run, tmp_path / "r")
     (d / "notes.txt").write_text("n")
-    code, _ = cli(capsys, "run", *SMALL, "--set", "dataset=cifar10", "--set", f"data_dir={tmp_path / 'x'}",
-                  "--force", "--out", d)
+    code, _ = cli(
+        capsys, "run", *SMALL, "--set", "dataset=cifar10", "--set", f"data_dir={tmp_path / 'x'}", "--force", "--out", d
+    )
     assert code == 2 and sorted(os.listdir(d)) == ["notes.txt"]
 
 
@@ -473,6 +550,7 @@ def test_write_atomic_leaves_no_temporary_file_on_failure(tmp_path, monkeypatch)
 
     def full(*a):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(_io.os, "replace", full)
     with pytest.raises(OSError, match="No space"):
         _io.write_atomic(str(tmp_path / "x.json"), "{}")
@@ -482,9 +560,26 @@ def test_write_atomic_leaves_no_temporary_file_on_failure(tmp_path, monkeypatch)
 
 
 def _spawn(out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "fedfast", "run", *SMALL, "--set", "rounds=400", "--set",
-                             "threads=1", *extra,
-                             "--quiet", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            *SMALL,
+            "--set",
+            "rounds=400",
+            "--set",
+            "threads=1",
+            *extra,
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_processes_on_one_run_directory(tmp_path):
@@ -500,7 +595,7 @@ def test_two_processes_on_one_run_directory(tmp_path):
                 errs[name] = (p.returncode, p.stderr.read())
         time.sleep(0.05)
     assert len(errs) == 1, "neither run was refused"
-    (name, (code, err)), = errs.items()
+    ((name, (code, err)),) = errs.items()
     other = b if name == "a" else a
     assert code == 2 and f"in use by pid {other.pid}" in err, err
     t0 = time.time()  # the winner has started its rounds (its signal handlers are in place) before it is stopped
@@ -533,9 +628,23 @@ def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path, capsys):
 def test_two_sweeps_split_a_study(tmp_path):
     """Two ``fedfast sweep`` processes on one study run each run once between them."""
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "fedfast", "sweep", "--methods", "fedavg,fedprox", "--seeds", "0,1",
-           *SWEEP_SMALL,
-           "--set", "rounds=15", "--set", "threads=1", "--out", str(out)]  # one core each
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedfast",
+        "sweep",
+        "--methods",
+        "fedavg,fedprox",
+        "--seeds",
+        "0,1",
+        *SWEEP_SMALL,
+        "--set",
+        "rounds=15",
+        "--set",
+        "threads=1",
+        "--out",
+        str(out),
+    ]  # one core each
     a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     b = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     oa, ea = a.communicate(timeout=300)
@@ -583,12 +692,12 @@ def test_engine_raises_diverged():
 
 def test_report_and_sweep_mark_diverged_runs(tmp_path, capsys):
     out = tmp_path / "study"
-    code, err = cli(capsys, "sweep", "--methods", "fedntd", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE, "--out",
-                    out)
+    code, err = cli(capsys, "sweep", "--methods", "fedntd", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE, "--out", out)
     assert code == 0, err  # the sweep went on and finished
     assert "diverged" in err
-    code, err = cli(capsys, "sweep", "--methods", "fedntd,fedavg", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE,
-                    "--out", out)
+    code, err = cli(
+        capsys, "sweep", "--methods", "fedntd,fedavg", "--seeds", "0", *SWEEP_SMALL, *SWEEP_DIVERGE, "--out", out
+    )
     assert code == 0 and "fedntd seed 0: diverged, skipped" in err, err
     code, text = cli(capsys, "report", out)
     assert code == 0
@@ -620,16 +729,25 @@ SIMCONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kw,exc,key", SIMCONFIG_CASES, ids=[list(c[0])[-1] + "-" + str(i) for i, c in
-                                                             enumerate(SIMCONFIG_CASES)])
+@pytest.mark.parametrize(
+    "kw,exc,key", SIMCONFIG_CASES, ids=[list(c[0])[-1] + "-" + str(i) for i, c in enumerate(SIMCONFIG_CASES)]
+)
 def test_simconfig_refuses(kw, exc, key):
     with pytest.raises(exc, match=key):
         fedfast.SimConfig(**kw)
 
 
-@pytest.mark.parametrize("which,exc,key", [("model", TypeError, "model"), ("train", TypeError, "train"),
-                                           ("partition", TypeError, "partition"), ("device", ValueError, "device"),
-                                           ("config", TypeError, "config"), ("range", ValueError, "partition")])
+@pytest.mark.parametrize(
+    "which,exc,key",
+    [
+        ("model", TypeError, "model"),
+        ("train", TypeError, "train"),
+        ("partition", TypeError, "partition"),
+        ("device", ValueError, "device"),
+        ("config", TypeError, "config"),
+        ("range", ValueError, "partition"),
+    ],
+)
 def test_simulation_refuses(which, exc, key):
     tr, te, model, part = _sim_inputs()
     args = dict(config=fedfast.SimConfig(clients_per_round=2), model=model, train=tr, test=te, partition=part)
@@ -648,15 +766,18 @@ def test_simulation_refuses(which, exc, key):
         fedfast.Simulation(args["config"], args["model"], args["train"], args["test"], args["partition"], **kw)
 
 
-@pytest.mark.parametrize("call,key", [
-    (lambda y: data.shards(y, 0), "num_clients"),
-    (lambda y: data.iid(y, len(y) + 1), "num_clients"),
-    (lambda y: data.dirichlet_lda(y, 10, alpha=-1.0), "alpha"),
-    (lambda y: data.Partition([]), "indices"),
-    (lambda y: data.Partition([np.array([0, -3])]), "indices: client 0: negative"),
-    (lambda y: data.Partition([np.array([0.5, 1.5])]), "indices: client 0"),
-    (lambda y: data.Partition([np.arange(3), np.array([], dtype=int)]), "client 1 holds no samples"),
-])
+@pytest.mark.parametrize(
+    "call,key",
+    [
+        (lambda y: data.shards(y, 0), "num_clients"),
+        (lambda y: data.iid(y, len(y) + 1), "num_clients"),
+        (lambda y: data.dirichlet_lda(y, 10, alpha=-1.0), "alpha"),
+        (lambda y: data.Partition([]), "indices"),
+        (lambda y: data.Partition([np.array([0, -3])]), "indices: client 0: negative"),
+        (lambda y: data.Partition([np.array([0.5, 1.5])]), "indices: client 0"),
+        (lambda y: data.Partition([np.arange(3), np.array([], dtype=int)]), "client 1 holds no samples"),
+    ],
+)
 def test_partition_refuses(call, key):
     y = torch.arange(100) % 10
     with pytest.raises(ValueError, match=key):
@@ -673,6 +794,7 @@ def test_forged_cifar_batch_runs_no_code(tmp_path):
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {flag}",))
+
     (root / "data_batch_1").write_bytes(pickle.dumps({b"data": Evil()}))
     with pytest.raises(ValueError, match="data_batch_1: not an official CIFAR batch.*posix.system|data_batch_1"):
         data.load_cifar(str(tmp_path), 10)
@@ -684,8 +806,10 @@ def test_cifar_num_classes():
         data.load_cifar("x", 7)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00\x00\x08", b"\x00\x00\x08\x03\x00", b"\x01\x02\x03\x04",
-                                     b"\x00\x00\x77\x01\x00\x00\x00\x01\x00"])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00\x00\x08", b"\x00\x00\x08\x03\x00", b"\x01\x02\x03\x04", b"\x00\x00\x77\x01\x00\x00\x00\x01\x00"],
+)
 def test_read_idx_names_the_file(content, tmp_path):
     p = tmp_path / "train-images-idx3-ubyte"
     p.write_bytes(content)
@@ -705,26 +829,42 @@ def test_array_dataset_refuses_mismatched_shapes():
         data.ArrayDataset(torch.zeros(3, 1, 2, 2, dtype=torch.uint8), torch.zeros(4), 2)
 
 
-@pytest.mark.parametrize("make,key", [
-    (lambda: fnn.KDLoss(tau=0.0), "tau"),
-    (lambda: fnn.KDLoss(reduction="avg"), "reduction"),
-    (lambda: fnn.NTDLoss(tau=float("nan")), "tau"),
-    (lambda: fnn.GKDLoss(reduction="median"), "reduction"),
-    (lambda: fnn.ADCLoss(tau=-1.0), "tau"),
-])
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: fnn.KDLoss(tau=0.0), "tau"),
+        (lambda: fnn.KDLoss(reduction="avg"), "reduction"),
+        (lambda: fnn.NTDLoss(tau=float("nan")), "tau"),
+        (lambda: fnn.GKDLoss(reduction="median"), "reduction"),
+        (lambda: fnn.ADCLoss(tau=-1.0), "tau"),
+    ],
+)
 def test_nn_modules_refuse_bad_options(make, key):
     with pytest.raises(ValueError, match=key):
         make()
 
 
-@pytest.mark.parametrize("call,exc,key", [
-    (lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
-     ValueError, "teacher"),
-    (lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 5), torch.full((4,), 9)), ValueError, "target"),
-    (lambda m: m([1.0], torch.randn(4, 5), torch.zeros(4, dtype=torch.long)), TypeError, "student"),
-    (lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 5), torch.zeros(3, dtype=torch.long)),
-     ValueError, "target"),
-])
+@pytest.mark.parametrize(
+    "call,exc,key",
+    [
+        (
+            lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 6), torch.zeros(4, dtype=torch.long)),
+            ValueError,
+            "teacher",
+        ),
+        (
+            lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 5), torch.full((4,), 9)),
+            ValueError,
+            "target",
+        ),
+        (lambda m: m([1.0], torch.randn(4, 5), torch.zeros(4, dtype=torch.long)), TypeError, "student"),
+        (
+            lambda m: m(torch.randn(4, 5, requires_grad=True), torch.randn(4, 5), torch.zeros(3, dtype=torch.long)),
+            ValueError,
+            "target",
+        ),
+    ],
+)
 def test_nn_forward_refuses_bad_tensors(call, exc, key):
     with pytest.raises(exc, match=key):
         call(fnn.KDLoss(validate="eager"))
@@ -746,15 +886,36 @@ def test_a_run_directory_from_before_markers_is_adopted(done_run, tmp_path, caps
 def test_workers_that_all_fail_at_once_fail_the_run_and_leave_nothing(tmp_path):
     """Both --workers processes refused (missing data) before the launcher polled them: exit 2, not success, and
     no directory left."""
-    p = subprocess.run([sys.executable, "-m", "fedfast", "run", *SMALL, "--set", "dataset=cifar10", "--set",
-                        f"data_dir={tmp_path / 'nodata'}", "--workers", "2", "--out", str(tmp_path / "w" / "x")],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            *SMALL,
+            "--set",
+            "dataset=cifar10",
+            "--set",
+            f"data_dir={tmp_path / 'nodata'}",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "w" / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and "data_dir" in p.stderr and not (tmp_path / "w").exists(), p.stderr
 
 
 def test_workers_diverge_together(tmp_path):
     out = tmp_path / "w"
-    p = subprocess.run([sys.executable, "-m", "fedfast", "run", *SMALL, *DIVERGE, "--workers", "2", "--quiet",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "fedfast", "run", *SMALL, *DIVERGE, "--workers", "2", "--quiet", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 4 and "diverged" in p.stderr and "SIGABRT" not in p.stderr, p.stderr
     assert json.loads((out / "summary.json").read_text())["status"] == "diverged"

@@ -3,6 +3,7 @@
 left out of the statistics; the engine against a literal per-client loop that averages ``state_dict``s (a
 torchvision-layout ResNet-18, every buffer compared), ``bn_stats = "local"`` (FedBN), checkpoints, and the
 1e-3 gap of a BatchNorm ResNet without running statistics on MNIST shards, closed."""
+
 import copy
 import dataclasses
 
@@ -34,7 +35,7 @@ def _per_client(x, n, w, b, valid, momentum, running=None, training=True):
                 m.num_batches_tracked.fill_(int(running[2][k]))
         m.train(training)
         rows = valid[k] if valid is not None else slice(None)
-        ys.append(m(x[rows, k * C:(k + 1) * C]))
+        ys.append(m(x[rows, k * C : (k + 1) * C]))
         mods.append(m)
     return ys, mods
 
@@ -57,8 +58,11 @@ def test_client_batch_norm_equals_per_client_modules(layout, masked, momentum):
     if masked:
         valid[1, 4:] = False
         valid[2, 2:] = False
-    running = (torch.randn(n, C, dtype=torch.float64), torch.rand(n, C, dtype=torch.float64) + 0.5,
-               torch.tensor([3.0, 0.0, 7.0], dtype=torch.float64))
+    running = (
+        torch.randn(n, C, dtype=torch.float64),
+        torch.rand(n, C, dtype=torch.float64) + 0.5,
+        torch.tensor([3.0, 0.0, 7.0], dtype=torch.float64),
+    )
     g = torch.randn(*shape, dtype=torch.float64)
     if masked:  # a loss ignores the padding rows (their outputs are defined, and unused)
         g.view(B, n, C, -1).mul_(valid.t()[:, :, None, None])
@@ -66,21 +70,31 @@ def test_client_batch_norm_equals_per_client_modules(layout, masked, momentum):
     for name, fn in (("fast", client_batch_norm), ("reference", client_batch_norm_reference)):
         rm, rv, nbt = (t.clone() for t in running)
         xx, ww, bb = (t.detach().clone().requires_grad_() for t in (x, w, b))
-        y = fn(xx, n, ww, bb, valid=valid if masked else None, running_mean=rm, running_var=rv,
-               num_batches_tracked=nbt, update=True, momentum=momentum)
+        y = fn(
+            xx,
+            n,
+            ww,
+            bb,
+            valid=valid if masked else None,
+            running_mean=rm,
+            running_var=rv,
+            num_batches_tracked=nbt,
+            update=True,
+            momentum=momentum,
+        )
         (y * g).sum().backward()
         outs[name] = (y.detach(), xx.grad, ww.grad, bb.grad, rm, rv, nbt)
     xm = x.detach().reshape(B, n * C, 1, 1) if layout == "dense" else x.detach()
     xr = xm.clone().requires_grad_()
     ys, mods = _per_client(xr, n, w.detach(), b.detach(), valid if masked else None, momentum, running)
     gr = g.reshape(xm.shape)
-    loss = sum((yk * gr[valid[k] if masked else slice(None), k * C:(k + 1) * C]).sum() for k, yk in enumerate(ys))
+    loss = sum((yk * gr[valid[k] if masked else slice(None), k * C : (k + 1) * C]).sum() for k, yk in enumerate(ys))
     loss.backward()
     for name, (y, gx, gw, gb, rm, rv, nbt) in outs.items():
         y = y.reshape(xm.shape)
         for k, m in enumerate(mods):
             rows = valid[k] if masked else slice(None)
-            torch.testing.assert_close(y[rows, k * C:(k + 1) * C], ys[k], rtol=1e-10, atol=1e-10, msg=name)
+            torch.testing.assert_close(y[rows, k * C : (k + 1) * C], ys[k], rtol=1e-10, atol=1e-10, msg=name)
             torch.testing.assert_close(gw[k], m.weight.grad, rtol=1e-10, atol=1e-10, msg=name)
             torch.testing.assert_close(gb[k], m.bias.grad, rtol=1e-10, atol=1e-10, msg=name)
             torch.testing.assert_close(rm[k], m.running_mean, rtol=1e-12, atol=1e-12, msg=name)
@@ -89,8 +103,9 @@ def test_client_batch_norm_equals_per_client_modules(layout, masked, momentum):
         gx = gx.reshape(xm.shape)
         for k in range(n):  # the valid rows' input gradient (padding rows: their outputs are unused)
             rows = valid[k] if masked else slice(None)
-            torch.testing.assert_close(gx[rows, k * C:(k + 1) * C], xr.grad[rows, k * C:(k + 1) * C], rtol=1e-10,
-                                       atol=1e-10, msg=name)
+            torch.testing.assert_close(
+                gx[rows, k * C : (k + 1) * C], xr.grad[rows, k * C : (k + 1) * C], rtol=1e-10, atol=1e-10, msg=name
+            )
         if layout == "nhwc":
             assert y.is_contiguous(memory_format=torch.channels_last)  # the layout is kept
 
@@ -129,8 +144,16 @@ def test_statistics_are_accurate_in_channels_last_at_a_large_mean():
 
 # -- the executors ------------------------------------------------------------------------------------------------
 def _small_bn_net():
-    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(3 * 16, 6), nn.BatchNorm1d(6, momentum=None), nn.ReLU(), nn.Linear(6, 3))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 6),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.ReLU(),
+        nn.Linear(6, 3),
+    )
 
 
 @pytest.mark.parametrize("executor", ["batched", "vmap"])
@@ -163,10 +186,10 @@ def test_executors_keep_each_clients_buffers_and_skip_padding_rows(executor):
         zk = m(x[k][valid[k]])
         F.cross_entropy(zk, y[k][valid[k]]).backward()
         torch.testing.assert_close(z[k][valid[k]], zk, rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(g[k], torch.cat([p.grad.reshape(-1) for p in m.parameters()]), rtol=1e-9,
-                                   atol=1e-9)
-        torch.testing.assert_close(st.buffers[k], st.layout.flatten_buffers(m, torch.empty_like(st.buffers[k])),
-                                   rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(g[k], torch.cat([p.grad.reshape(-1) for p in m.parameters()]), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(
+            st.buffers[k], st.layout.flatten_buffers(m, torch.empty_like(st.buffers[k])), rtol=1e-9, atol=1e-9
+        )
     after = st.buffers.clone()
     assert not torch.equal(after, before)
     st.vmap_forward(x, valid=valid)  # no update
@@ -190,8 +213,11 @@ class _Basic(nn.Module):
         self.relu = nn.GELU() if smooth else nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) \
-            if stride != 1 or cin != cout else None
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else None
+        )
 
     def forward(self, x):
         identity = x
@@ -217,8 +243,11 @@ class ResNet18(nn.Module):
         self.maxpool = nn.AvgPool2d(3, 2, 1) if smooth else nn.MaxPool2d(3, 2, 1)
         cin = width
         for i, c in enumerate((width, 2 * width, 4 * width, 8 * width)):
-            setattr(self, f"layer{i + 1}", nn.Sequential(_Basic(cin, c, 1 if i == 0 else 2, smooth),
-                                                         _Basic(c, c, smooth=smooth)))
+            setattr(
+                self,
+                f"layer{i + 1}",
+                nn.Sequential(_Basic(cin, c, 1 if i == 0 else 2, smooth), _Basic(c, c, smooth=smooth)),
+            )
             cin = c
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(8 * width, num_classes)
@@ -252,7 +281,7 @@ class LocalStatsLoop(PlainLoop):
 
     def round(self, rnd):
         c = self.cfg
-        self.rnd, self.lr = rnd, c.lr * c.lr_decay ** rnd
+        self.rnd, self.lr = rnd, c.lr * c.lr_decay**rnd
         sampled = np.asarray(self.sample(rnd))
         init = {k: v.clone() for k, v in self.glob.state_dict().items()}
         first = self.first
@@ -260,8 +289,12 @@ class LocalStatsLoop(PlainLoop):
         for k in sampled:
             local = copy.deepcopy(self.glob)
             mine = self.own.get(int(k), first)
-            local.load_state_dict({n: (mine[n] if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
-                                       else v) for n, v in init.items()})
+            local.load_state_dict(
+                {
+                    n: (mine[n] if n.endswith(("running_mean", "running_var", "num_batches_tracked")) else v)
+                    for n, v in init.items()
+                }
+            )
             opt = self.optimizer(local, int(k))
             for e in range(c.local_epochs):
                 for b in self.batches(rnd, k, e):
@@ -286,15 +319,26 @@ def _resnet_run(executor="auto", smooth=False, seed=0, **cfg_kw):
     part = data.Partition(np.split(perm, np.cumsum(SIZES)[:-1]))
     torch.manual_seed(seed)
     model = ResNet18(smooth=smooth)
-    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=3, local_epochs=1, batch_size=32, lr=0.01,
-              momentum=0.5, seed=seed, executor=executor)
+    kw = dict(
+        algorithm="fedavg",
+        clients_per_round=4,
+        rounds=3,
+        local_epochs=1,
+        batch_size=32,
+        lr=0.01,
+        momentum=0.5,
+        seed=seed,
+        executor=executor,
+    )
     kw.update(cfg_kw)
     return fedfast.SimConfig(**kw), model, train, test, part
 
 
 def _max_rel(got: dict, want: dict, keys) -> float:
-    return max(float((got[k].double() - want[k].double()).abs().max() / want[k].double().abs().max().clamp_min(1e-12))
-               for k in keys)
+    return max(
+        float((got[k].double() - want[k].double()).abs().max() / want[k].double().abs().max().clamp_min(1e-12))
+        for k in keys
+    )
 
 
 def _whole_run(sim, loop_cls, cfg, model, train, part):
@@ -323,8 +367,8 @@ def test_resnet18_with_running_statistics_equals_the_literal_loop(executor):
     """torchvision's ResNet-18 layout (width 8, every BatchNorm tracking running statistics; GELU and an average
     pool in the ReLUs' and the max-pool's places, see :func:`_lockstep`), 3 rounds of 4 clients with partial
     batches, against a per-client loop that averages ``state_dict``s: every parameter and running statistic of the
-    global model within 5x the fp32 loop's own distance from the float64 loop (measured on the 2-core Intel Xeon VM over 6
-    seeds: engine 2e-5 to 1.2e-4, fp32 loop 1.6e-5 to 1.3e-4); every num_batches_tracked equal (the counts'
+    global model within 5x the fp32 loop's own distance from the float64 loop (measured on the 2-core Intel Xeon VM
+    over 6 seeds: engine 2e-5 to 1.2e-4, fp32 loop 1.6e-5 to 1.3e-4); every num_batches_tracked equal (the counts'
     weighted average, rounded); the test loss is the global model's in eval mode (the averaged statistics)."""
     cfg, model, train, test, part = _resnet_run(executor, smooth=True)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
@@ -405,8 +449,9 @@ def test_local_statistics_equal_the_fedbn_loop_and_resume():
     assert torch.equal(again.state.global_buffers, sim.state.global_buffers)
     assert torch.equal(again.client_buffers.dense(), rows)
     with pytest.raises(ValueError, match="bn_stats"):  # a checkpoint of the other setting
-        fedfast.Simulation(dataclasses.replace(cfg, bn_stats="global"), copy.deepcopy(model), train, test,
-                           part).restore(ck)
+        fedfast.Simulation(
+            dataclasses.replace(cfg, bn_stats="global"), copy.deepcopy(model), train, test, part
+        ).restore(ck)
     flat_model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4))
     with pytest.raises(ValueError, match="bn_stats"):
         fedfast.Simulation(cfg, flat_model, train, test, part)
@@ -450,8 +495,9 @@ def test_single_sample_batches_and_instance_norm_statistics_are_refused_by_name(
     with pytest.raises(ValueError, match="client 0's last minibatch holds one sample.*BatchNorm '2'.*drop_last"):
         fedfast.Simulation(cfg, model, train, test, part)
     fedfast.Simulation(dataclasses.replace(cfg, drop_last=True), model, train, test, part)
-    inorm = nn.Sequential(nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2, track_running_stats=True), nn.Flatten(),
-                          nn.Linear(8, 3))
+    inorm = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.InstanceNorm2d(2, track_running_stats=True), nn.Flatten(), nn.Linear(8, 3)
+    )
     with pytest.raises(ValueError, match="InstanceNorm with track_running_stats=True"):
         fedfast.Simulation(cfg, inorm, train, test, part)
 
@@ -474,8 +520,9 @@ class TinyResNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16, track_running_stats=False),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16, track_running_stats=False), nn.ReLU()
+        )
         self.block = _TinyBlock(16)
         self.fc = nn.Linear(16, 10)
 
@@ -494,8 +541,17 @@ def test_batch_statistics_resnet_on_mnist_shards_equals_the_loop(executor):
     part = data.shards(train.y, 100, shards_per_client=2, seed=0)
     torch.manual_seed(0)
     model = TinyResNet()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=1, local_epochs=1, batch_size=50,
-                            lr=0.05, momentum=0.5, seed=0, executor=executor)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg",
+        clients_per_round=3,
+        rounds=1,
+        local_epochs=1,
+        batch_size=50,
+        lr=0.05,
+        momentum=0.5,
+        seed=0,
+        executor=executor,
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     sampled = sim.plan.sample(0)[0].sampled
     assert (np.array([len(part.indices[k]) for k in sampled]) % 50).all()  # every client has a partial batch
@@ -505,6 +561,7 @@ def test_batch_statistics_resnet_on_mnist_shards_equals_the_loop(executor):
 
     def rel(a, b):
         return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
     own = rel(ref32, ref64)
     assert rel(sim.global_flat, ref64) <= 4 * own, (rel(sim.global_flat, ref64), own)
 
@@ -513,14 +570,18 @@ def test_local_statistics_on_disk_equal_in_memory(tmp_path):
     """bn_stats = "local" with the per-client store in the run directory's file (state_store = "disk"): the same
     run bit for bit as in memory, the file named client-buffers."""
     import os
+
     cfg, model, train, test, part = _resnet_run(smooth=True, bn_stats="local", rounds=2, clients_per_round=3)
     mem = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     mem.run()
-    disk = fedfast.Simulation(dataclasses.replace(cfg, state_store="disk"), copy.deepcopy(model), train, test,
-                              part, state_dir=str(tmp_path))
+    disk = fedfast.Simulation(
+        dataclasses.replace(cfg, state_store="disk"), copy.deepcopy(model), train, test, part, state_dir=str(tmp_path)
+    )
     disk.run()
-    assert disk.client_buffers.on_disk and sorted(os.listdir(tmp_path)) == ["client-buffers.rows",
-                                                                           "client-buffers.stamps"]
+    assert disk.client_buffers.on_disk and sorted(os.listdir(tmp_path)) == [
+        "client-buffers.rows",
+        "client-buffers.stamps",
+    ]
     assert disk.stores == [disk.client_buffers]
     assert torch.equal(disk.global_flat, mem.global_flat)
     assert torch.equal(disk.state.global_buffers, mem.state.global_buffers)

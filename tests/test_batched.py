@@ -1,4 +1,5 @@
 """The vmap-free grouped executor (fedfast.batched) against vmap(functional_call) and per-client modules."""
+
 import copy
 
 import pytest
@@ -16,10 +17,19 @@ CASES = [
     ("fedavg_cnn_mnist", lambda: models.FedAvgCNN(1, 10, 28), (1, 28, 28)),
     ("lenet5", lambda: models.LeNet5(10), (3, 32, 32)),
     ("fedadc_cnn", lambda: models.FedADCCNN(10), (3, 32, 32)),
-    ("gn_avgpool", lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.GroupNorm(2, 8), nn.ReLU(),
-                                         nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.AdaptiveAvgPool2d(2),
-                                         nn.Sequential(nn.Flatten(), nn.Linear(32, 6), nn.Tanh()),
-                                         nn.Linear(6, 5, bias=False)), (3, 9, 9)),
+    (
+        "gn_avgpool",
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.GroupNorm(2, 8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, groups=2),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Sequential(nn.Flatten(), nn.Linear(32, 6), nn.Tanh()),
+            nn.Linear(6, 5, bias=False),
+        ),
+        (3, 9, 9),
+    ),
     ("mlp", lambda: models.MLP(20, (7,), 3), (20,)),
     ("mlp_on_images", lambda: models.MLP(18, (7,), 3), (2, 3, 3)),  # Plan.dense_input: no grouped image layout
     ("wrapped_sequential", lambda: _Wrap(models.LeNet5(10)), (3, 32, 32)),
@@ -28,8 +38,13 @@ CASES = [
     ("resnet10_bn", lambda: models.resnet10(7, "bn"), (3, 16, 16)),
     ("resnet18_gn", lambda: models.resnet18(5, "gn", gn_groups=8), (3, 8, 8)),
     ("functional", lambda: _Functional(), (2, 6, 6)),
-    ("bn1d_mlp", lambda: nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(),
-                                       nn.Linear(8, 3)), (12,)),
+    (
+        "bn1d_mlp",
+        lambda: nn.Sequential(
+            nn.Linear(12, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.ReLU(), nn.Linear(8, 3)
+        ),
+        (12,),
+    ),
 ]
 
 
@@ -108,9 +123,13 @@ def test_unsupported_models_fall_back_to_vmap():
         def forward(self, x):
             return self.l(x) if x.sum() > 0 else -self.l(x)
 
-    for model, why in ((nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")), "padding"),
-                       (nn.Sequential(nn.Flatten(0)), "Flatten"), (Cat(), "cat"), (Branchy(), "torch.fx"),
-                       (nn.Sequential(nn.LSTM(3, 3)), "LSTM")):
+    for model, why in (
+        (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same")), "padding"),
+        (nn.Sequential(nn.Flatten(0)), "Flatten"),
+        (Cat(), "cat"),
+        (Branchy(), "torch.fx"),
+        (nn.Sequential(nn.LSTM(3, 3)), "LSTM"),
+    ):
         prog, reason = plan(model)
         assert prog is None and why in reason, (model, reason)
     assert plan(models.resnet10(10))[0] is not None  # residual graphs take the fast path
@@ -120,17 +139,22 @@ def test_unsupported_models_fall_back_to_vmap():
 def test_engine_uses_the_executor_for_wrapped_and_residual_models_and_warns_otherwise():
     import fedfast
     from fedfast import data
+
     train, test = data.synthetic(3, 60, 20, (3, 8, 8), seed=0)
     part = data.iid(train.y, 4, seed=0)
     cfg = fedfast.SimConfig(clients_per_round=2, batch_size=15)
-    for model in (_Wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))),
-                  models.resnet18(3, "gn", gn_groups=4)):
+    for model in (
+        _Wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))),
+        models.resnet18(3, "gn", gn_groups=4),
+    ):
         sim = fedfast.Simulation(cfg, model, train, test, part)
         assert sim.trainer.stack.plan is not None
-    sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
-                                                nn.Linear(144, 3)), train, test, part)
+    sim = fedfast.Simulation(
+        cfg, nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 3)), train, test, part
+    )
     assert sim.trainer.stack.plan is not None  # BatchNorm with running statistics: per-client buffers
     with pytest.warns(RuntimeWarning, match="vmap.*padding"):
-        sim = fedfast.Simulation(cfg, nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.Flatten(),
-                                                    nn.Linear(256, 3)), train, test, part)
+        sim = fedfast.Simulation(
+            cfg, nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.Flatten(), nn.Linear(256, 3)), train, test, part
+        )
     assert sim.trainer.stack.plan is None

@@ -1,5 +1,6 @@
 """fedfast bench: the authors' loss code it times against equals fedfast's losses (value and gradient), and the
 command writes its JSON (issue 36)."""
+
 import json
 import os
 import subprocess
@@ -34,9 +35,26 @@ def test_not_true_refinement_is_the_authors_gather():
 def test_bench_command_writes_its_json(tmp_path):
     out = tmp_path / "b.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "fedfast", "bench", "--shapes", "8,5;4,300", "--losses", "ntd,asd",
-                        "--no-compiled", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "bench",
+            "--shapes",
+            "8,5;4,300",
+            "--losses",
+            "ntd,asd",
+            "--no-compiled",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["machine"]["cores"] >= 1 and len(d["rows"]) == 4
@@ -44,8 +62,14 @@ def test_bench_command_writes_its_json(tmp_path):
         assert set(row["seconds"]) == {"authors", "fedfast"} and all(v > 0 for v in row["seconds"].values())
         assert set(row["peak_bytes"]) == {"authors", "fedfast"}
         assert all(isinstance(v, int) and v >= 0 for v in row["peak_bytes"].values())
-    bad = subprocess.run([sys.executable, "-m", "fedfast", "bench", "--losses", "nope"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "fedfast", "bench", "--losses", "nope"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--losses: unknown ['nope']" in bad.stderr
 
 
@@ -59,14 +83,20 @@ def test_fused_loss_peak_memory_is_one_logits_buffer(loss):
         pytest.skip("needs Linux's /proc/self/clear_refs")
     R, C = 1024, 8192
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "fedfast.bench", "--_memory", "fedfast", loss, str(R), str(C)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "fedfast.bench", "--_memory", "fedfast", loss, str(R), str(C)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split()[-1]) / (R * C * 4) <= 1.1
 
 
 def test_bench_refuses_a_device_it_cannot_use():
     from fedfast.bench import main
+
     with pytest.raises(SystemExit) as e:
         main(["--device", "nope"])
     assert e.value.code == 2

@@ -1,5 +1,6 @@
 """benchmarks/bench_rounds.py (the same-run engine vs plain-loop benchmark) on a tiny shape: it runs, both
 implementations train the same models, and the record holds what the tables are made from."""
+
 import json
 import os
 import sys
@@ -13,9 +14,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def bench_rounds(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import bench_rounds
-    monkeypatch.setitem(bench_rounds.SHAPES, "tiny_fedntd", dict(
-        dataset="cifar", K=8, n=10, m=4, B=5, E=2, model="simple_cnn", algorithm="fedntd", lr=0.05, momentum=0.9,
-        weight_decay=1e-5, rounds=1))
+
+    monkeypatch.setitem(
+        bench_rounds.SHAPES,
+        "tiny_fedntd",
+        dict(
+            dataset="cifar",
+            K=8,
+            n=10,
+            m=4,
+            B=5,
+            E=2,
+            model="simple_cnn",
+            algorithm="fedntd",
+            lr=0.05,
+            momentum=0.9,
+            weight_decay=1e-5,
+            rounds=1,
+        ),
+    )
     return bench_rounds
 
 

@@ -1,5 +1,6 @@
 """fedfast.callbacks: the run loop's order of calls, and each callback alone against a stand-in Simulation
 (issue 37): the record files, checkpoints, TensorBoard, progress lines and the stop on a signal."""
+
 import json
 import os
 import signal
@@ -8,8 +9,16 @@ import pytest
 import torch
 
 from fedfast import Diverged, SimConfig
-from fedfast.callbacks import (Callback, Checkpointer, Progress, RunFiles, StopOnSignal, TensorBoard, best_round,
-                               run_rounds)
+from fedfast.callbacks import (
+    Callback,
+    Checkpointer,
+    Progress,
+    RunFiles,
+    StopOnSignal,
+    TensorBoard,
+    best_round,
+    run_rounds,
+)
 from fedfast.checkpoint import load as load_checkpoint
 from fedfast.collectives import Local
 from fedfast.rundir import RunDir
@@ -35,9 +44,17 @@ class FakeSim:
     def _rec(self, r):
         acc = self.accs[r - 1]
         best = max([a for a in self.accs[:r] if a is not None], default=None)
-        return {"round": r, "test_accuracy": acc, "test_loss": 1.0 if acc is not None else None, "train_loss": 2.0,
-                "best_test_accuracy": best, "forgetting": None, "seconds": 0.1, "clients": [0, 1],
-                "method_metrics": {"m": float(r)}}
+        return {
+            "round": r,
+            "test_accuracy": acc,
+            "test_loss": 1.0 if acc is not None else None,
+            "train_loss": 2.0,
+            "best_test_accuracy": best,
+            "forgetting": None,
+            "seconds": 0.1,
+            "clients": [0, 1],
+            "method_metrics": {"m": float(r)},
+        }
 
     def checkpoint(self):
         return {"round": self.rnd}
@@ -81,8 +98,18 @@ def _rd(tmp_path):
 def test_the_loop_calls_each_callback_in_order():
     log = []
     assert run_rounds(FakeSim(), 2, [Log("a", log), Log("b", log)]) == 0
-    assert log == [("a", "start", 0), ("b", "start", 0), ("a", "round", 1), ("b", "round", 1), ("a", "round", 2),
-                   ("b", "round", 2), ("a", "end", 2), ("b", "end", 2), ("a", "close"), ("b", "close")]
+    assert log == [
+        ("a", "start", 0),
+        ("b", "start", 0),
+        ("a", "round", 1),
+        ("b", "round", 1),
+        ("a", "round", 2),
+        ("b", "round", 2),
+        ("a", "end", 2),
+        ("b", "end", 2),
+        ("a", "close"),
+        ("b", "close"),
+    ]
     log.clear()
     assert run_rounds(FakeSim(), 5, [Log("a", log, stop_at=2)]) == signal.SIGTERM
     assert log[-2:] == [("a", "interrupt", 2), ("a", "close")] and ("a", "end", 2) not in log
@@ -103,7 +130,12 @@ def test_run_files_write_metrics_best_model_and_summary(tmp_path):
     assert float(torch.load(os.path.join(rd.path, "model_final.pt"))["w"][0]) == 5
     files.summary(sim, True)
     s = json.load(open(os.path.join(rd.path, "summary.json")))
-    assert (s["status"], s["best_test_accuracy"], s["best_round"], s["final_test_accuracy"]) == ("complete", 0.8, 5, 0.8)
+    assert (s["status"], s["best_test_accuracy"], s["best_round"], s["final_test_accuracy"]) == (
+        "complete",
+        0.8,
+        5,
+        0.8,
+    )
     assert open(os.path.join(rd.path, "metrics.csv")).read().splitlines()[0].startswith("round,test_accuracy")
 
 
@@ -145,13 +177,17 @@ def test_checkpointer_every_n_rounds_on_a_signal_and_at_the_end(tmp_path):
 def test_tensorboard_logs_each_rounds_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     rd = _rd(tmp_path)
     tb = TensorBoard(rd)
     run_rounds(FakeSim(), 3, [tb])
     ev = EventAccumulator(os.path.join(rd.path, "tb"))
     ev.Reload()
-    assert [s.step for s in ev.Scalars("test_accuracy")] == [1, 3] and [s.value for s in ev.Scalars("method/m")] == \
-        [1.0, 2.0, 3.0]
+    assert [s.step for s in ev.Scalars("test_accuracy")] == [1, 3] and [s.value for s in ev.Scalars("method/m")] == [
+        1.0,
+        2.0,
+        3.0,
+    ]
     assert any(n.startswith("tb/") for n in rd.read_marker()["files"])  # the event file is the run's
 
 
@@ -171,6 +207,7 @@ def test_stop_on_signal_ends_after_the_round_and_restores_the_handlers():
         def on_round(self, sim, rec):
             if rec["round"] == 2:
                 os.kill(os.getpid(), signal.SIGTERM)  # arrives while the run is going: noted, not fatal
+
     sim = FakeSim()
     assert run_rounds(sim, 5, [Kill(), stop]) == signal.SIGTERM and sim.rnd == 2
     assert signal.getsignal(signal.SIGTERM) is before

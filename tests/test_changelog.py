@@ -3,6 +3,7 @@
 holds the 0.1.0 release's public names (every public module's top-level names, or its ``__all__``, and its
 classes' public methods; read from the release commit's source); each must still resolve where it was, or be a
 row of the CHANGELOG's table whose new home resolves."""
+
 import importlib
 import json
 import os
@@ -55,10 +56,13 @@ def test_every_name_of_the_release_resolves_or_is_in_the_changelog():
 def test_every_new_home_in_the_table_resolves_and_every_row_is_a_release_name():
     snap = json.load(open(os.path.join(ROOT, "tests", "data", "api-0.1.0.json")))["names"]
     released = {f"{m}.{n}" for m, names in snap.items() for n in names} | {
-        f"{m}.{n}.{x}" for m, names in snap.items() for n, members in names.items() for x in members}
+        f"{m}.{n}.{x}" for m, names in snap.items() for n, members in names.items() for x in members
+    }
     table = _table()
-    assert "fedfast.engine.client_order" in table and table["fedfast.engine.client_order"] == \
-        "fedfast.sampling.client_order"
+    assert (
+        "fedfast.engine.client_order" in table
+        and table["fedfast.engine.client_order"] == "fedfast.sampling.client_order"
+    )
     for old, new in table.items():
         assert old in released, old
         if new != "gone":

@@ -1,4 +1,5 @@
 """Fused all-client Adam / AdamW step vs torch.optim.Adam / AdamW on per-client nn.Modules, step by step."""
+
 import pytest
 import torch
 
@@ -8,8 +9,11 @@ from fedfast.ops.client_adam_reference import client_adam_reference
 
 from helpers import client_modules as _setup, flat_params as _flat, rel_err, set_grads as _set_grads
 
-BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
-    (["triton"] if _backend.available("triton", "cpu") else [])
+BACKENDS = (
+    ["reference"]
+    + (["cpu"] if _backend.cpu_ext() is not None else [])
+    + (["triton"] if _backend.available("triton", "cpu") else [])
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -38,9 +42,23 @@ def test_matches_torch_optim_per_client_with_own_step_counts(backend, decoupled,
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             opts[k].step()
         count += active.float()
-        ops.client_adam(theta, G, m1, m2, count.clamp_min(1), lr=torch.tensor(lrs), betas=betas, eps=eps,
-                        weight_decay=wd, decoupled=decoupled, prox_mu=mu, anchor=anchor, max_norm=clip,
-                        active=active, backend=backend)
+        ops.client_adam(
+            theta,
+            G,
+            m1,
+            m2,
+            count.clamp_min(1),
+            lr=torch.tensor(lrs),
+            betas=betas,
+            eps=eps,
+            weight_decay=wd,
+            decoupled=decoupled,
+            prox_mu=mu,
+            anchor=anchor,
+            max_norm=clip,
+            active=active,
+            backend=backend,
+        )
         for k, m in enumerate(mods):
             assert rel_err(theta[k], _flat(m)) <= 1e-6, (s, k)
             st = [opts[k].state[p] for p in m.parameters()]
@@ -56,13 +74,20 @@ def test_pieces_feddyn_term_and_large_rows_equal_the_reference(backend):
     P = sum(sizes)
     theta0, G = torch.randn(n, P), torch.randn(n, P)
     m0, v0 = torch.randn(n, P) * 0.1, torch.rand(n, P) * 0.1
-    kw = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=torch.tensor([0.0, 0.1, 0.01]),
-              loss_rows=torch.randn(n, P) * 0.1, max_norm=20.0, active=torch.tensor([True, False, True]))
+    kw = dict(
+        lr=0.01,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=torch.tensor([0.0, 0.1, 0.01]),
+        loss_rows=torch.randn(n, P) * 0.1,
+        max_norm=20.0,
+        active=torch.tensor([True, False, True]),
+    )
     step = torch.tensor([1.0, 7.0, 30.0])
     ref = client_adam_reference(theta0.double(), G.double(), m0.double(), v0.double(), step, **kw)
     pieces, off = [], 0
     for j, s in enumerate(sizes):
-        pieces.append(G[:, off:off + s] if j % 2 else G[:, off:off + s].contiguous())
+        pieces.append(G[:, off : off + s] if j % 2 else G[:, off : off + s].contiguous())
         off += s
     theta, m, v = theta0.clone(), m0.clone(), v0.clone()
     start, out = torch.randn(P), torch.full((n,), -1.0)

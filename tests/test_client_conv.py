@@ -1,5 +1,6 @@
 """ops.client_conv2d: every implementation against the per-client F.conv2d loop in float64 (forward, input,
 weight and bias gradients), across edge-case geometries and layouts."""
+
 import pytest
 import torch
 
@@ -10,12 +11,12 @@ from helpers import rel_err
 
 # (n, B, Cin, Cout, H, W, kernel, stride, padding, dilation, bias)
 GEOMS = [
-    (3, 2, 4, 5, 7, 6, 3, 1, 0, 1, True),        # plain 3x3, odd sizes
-    (2, 3, 3, 8, 8, 8, 3, 1, 1, 1, False),       # padding, 3 input channels (an image stem)
-    (4, 1, 2, 3, 9, 7, (3, 2), 2, (1, 0), 1, True),   # stride 2, non-square kernel and padding, one sample
-    (1, 2, 5, 4, 6, 6, 1, 2, 0, 1, False),       # 1x1 projection with stride (a ResNet shortcut), one client
-    (2, 2, 3, 2, 9, 9, 3, 1, 2, 2, True),        # dilation
-    (3, 2, 1, 6, 5, 5, 5, 1, 2, 1, True),        # 1 channel, 5x5 'same' (the FedAvg MNIST CNN's first layer)
+    (3, 2, 4, 5, 7, 6, 3, 1, 0, 1, True),  # plain 3x3, odd sizes
+    (2, 3, 3, 8, 8, 8, 3, 1, 1, 1, False),  # padding, 3 input channels (an image stem)
+    (4, 1, 2, 3, 9, 7, (3, 2), 2, (1, 0), 1, True),  # stride 2, non-square kernel and padding, one sample
+    (1, 2, 5, 4, 6, 6, 1, 2, 0, 1, False),  # 1x1 projection with stride (a ResNet shortcut), one client
+    (2, 2, 3, 2, 9, 9, 3, 1, 2, 2, True),  # dilation
+    (3, 2, 1, 6, 5, 5, 5, 1, 2, 1, True),  # 1 channel, 5x5 'same' (the FedAvg MNIST CNN's first layer)
     (2, 2, 17, 19, 4, 5, 3, (2, 1), 1, 1, True),  # channel counts past a tile, mixed strides
 ]
 
@@ -69,6 +70,7 @@ def test_triton_matches_reference(g, fold_below, monkeypatch):
     """Both reduction orders of the implicit GEMMs (per tap, and taps folded with channels), NCHW and NHWC."""
     pytest.importorskip("triton")
     from fedfast.triton import conv
+
     monkeypatch.setattr(conv, "FOLD_BELOW", fold_below)
     _check("triton", g, channels_last=g[0] % 2 == 0)
 
@@ -91,7 +93,7 @@ def test_reference_is_per_client_conv():
         with torch.no_grad():
             conv.weight.copy_(w[k])
             conv.bias.copy_(b[k])
-        assert torch.allclose(out[:, k * Cout:(k + 1) * Cout], conv(x[:, k * Cin:(k + 1) * Cin]))
+        assert torch.allclose(out[:, k * Cout : (k + 1) * Cout], conv(x[:, k * Cin : (k + 1) * Cin]))
 
 
 def test_a_wrong_client_offset_fails():
@@ -124,9 +126,11 @@ def test_triton_weight_gradient_with_a_split_reduction(g, split):
     reference; an oversized split is clamped to one share per BK-wide step."""
     pytest.importorskip("triton")
     from fedfast.triton import conv
+
     x, w, b, s, p, d = _inputs(g)
     want = _grads(client_conv2d_reference, x, w, b, s, p, d)[2]
     from torch.nn.modules.utils import _pair
+
     out = client_conv2d_reference(x, w, b, s, p, d)
     gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     dw = torch.full(w.shape, float("nan"))  # every element must be written
@@ -139,16 +143,18 @@ def test_weight_gradient_split_choice(monkeypatch):
     them shorter than MIN_SPLIT_STEPS steps, and one share once the tiles alone do."""
     pytest.importorskip("triton")
     from fedfast.triton import conv
+
     assert conv.wgrad_split(10, 10**6, 32, torch.device("cpu")) == 1
 
     class Props:
         multi_processor_count = 132
+
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
     cuda = torch.device("cuda")
     assert conv.wgrad_split(264, 10**6, 32, cuda) == 1
-    assert conv.wgrad_split(250, 98000, 32, cuda) == 2           # FedNTD's conv2 at 10 clients: 250 tiles
+    assert conv.wgrad_split(250, 98000, 32, cuda) == 2  # FedNTD's conv2 at 10 clients: 250 tiles
     assert conv.wgrad_split(9, 7840, 32, cuda) == 7840 // (32 * conv.MIN_SPLIT_STEPS)  # one client: capped by length
-    assert conv.wgrad_split(9, 100, 32, cuda) == 1                # too short to split
+    assert conv.wgrad_split(9, 100, 32, cuda) == 1  # too short to split
 
 
 def test_tf32_precision_is_three_products_by_default_and_checked_by_name(monkeypatch):
@@ -156,6 +162,7 @@ def test_tf32_precision_is_three_products_by_default_and_checked_by_name(monkeyp
     further from the float64 loop than the TF32 loop on an H100); a bad TF32_PRECISION is refused by name."""
     pytest.importorskip("triton")
     from fedfast.triton import conv
+
     assert conv.TF32_PRECISION == "tf32x3" and conv._prec(True) == "tf32x3" and conv._prec(False) == "ieee"
     monkeypatch.setattr(conv, "TF32_PRECISION", "tf32")
     assert conv._prec(True) == "tf32"

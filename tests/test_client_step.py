@@ -1,4 +1,5 @@
 """Fused all-client optimizer step vs the reference and vs torch.optim.SGD on per-client nn.Modules."""
+
 import pytest
 import torch
 
@@ -9,8 +10,11 @@ from fedfast.ops.client_step_reference import client_step_reference
 
 from helpers import client_modules as _setup, flat_params as _flat, rel_err, set_grads as _set_grads
 
-BACKENDS = ["reference"] + (["cpu"] if _backend.cpu_ext() is not None else []) + \
-    (["triton"] if _backend.available("triton", "cpu") else [])
+BACKENDS = (
+    ["reference"]
+    + (["cpu"] if _backend.cpu_ext() is not None else [])
+    + (["triton"] if _backend.available("triton", "cpu") else [])
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -31,8 +35,18 @@ def test_sgd_momentum_wd_prox_clip_match_torch_optim(backend, clip):
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             opts[k].step()
-        ops.client_step(theta, G, lr=torch.tensor(lrs), momentum=0.9, momentum_buf=buf, weight_decay=1e-3,
-                        prox_mu=mu, anchor=anchor, max_norm=clip, backend=backend)
+        ops.client_step(
+            theta,
+            G,
+            lr=torch.tensor(lrs),
+            momentum=0.9,
+            momentum_buf=buf,
+            weight_decay=1e-3,
+            prox_mu=mu,
+            anchor=anchor,
+            max_norm=clip,
+            backend=backend,
+        )
         for k, m in enumerate(mods):
             assert rel_err(theta[k], _flat(m)) <= 1e-6, (step, k)
 
@@ -52,8 +66,19 @@ def test_generic_terms_mask_and_offset(backend):
     wd = torch.tensor([0.0, 1e-3, 0.1, 1e-2, 0.0])
     s_k = torch.tensor([1.0, 0.3, 0.7, 2.0, 1.0])
     o_k = torch.tensor([1.0, 0.5, 0.25, 2.0, 1.0])
-    kw = dict(lr=0.05, momentum=0.5, weight_decay=wd, loss_rows=L, corr_vec=v, corr_vec_scale=s_k, corr_rows=C,
-              corr_rows_coef=-0.75, step_vec=u, step_vec_scale=o_k, active=active)
+    kw = dict(
+        lr=0.05,
+        momentum=0.5,
+        weight_decay=wd,
+        loss_rows=L,
+        corr_vec=v,
+        corr_vec_scale=s_k,
+        corr_rows=C,
+        corr_rows_coef=-0.75,
+        step_vec=u,
+        step_vec_scale=o_k,
+        active=active,
+    )
     ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
     theta, buf = theta0.clone(), buf0.clone()
     ops.client_step(theta, G, momentum_buf=buf, backend=backend, **kw)
@@ -83,15 +108,23 @@ def test_each_term_alone_is_its_formula(backend, terms):
     n, P = 4, 777
     theta0, G, buf0 = torch.randn(n, P), torch.randn(n, P), torch.randn(n, P)
     v, C, sk = torch.randn(P), torch.randn(n, P), torch.rand(n) + 0.5
-    kw = {"corr_vec": dict(corr_vec=v), "corr_vec_scaled": dict(corr_vec=v, corr_vec_scale=sk),
-          "corr_rows": dict(corr_rows=C, corr_rows_coef=0.5), "vec_minus_rows": dict(corr_vec=v, corr_rows=C,
-                                                                                     corr_rows_coef=-1.0),
-          "step_vec": dict(step_vec=v, step_vec_scale=sk)}[terms]
+    kw = {
+        "corr_vec": dict(corr_vec=v),
+        "corr_vec_scaled": dict(corr_vec=v, corr_vec_scale=sk),
+        "corr_rows": dict(corr_rows=C, corr_rows_coef=0.5),
+        "vec_minus_rows": dict(corr_vec=v, corr_rows=C, corr_rows_coef=-1.0),
+        "step_vec": dict(step_vec=v, step_vec_scale=sk),
+    }[terms]
     theta, buf = theta0.clone(), buf0.clone()
     ops.client_step(theta, G, lr=0.1, momentum=0.9, momentum_buf=buf, max_norm=5.0, backend=backend, **kw)
     g = G * torch.clamp(5.0 / (G.norm(dim=1, keepdim=True) + 1e-6), max=1.0)
-    corr = {"corr_vec": v[None], "corr_vec_scaled": sk[:, None] * v[None], "corr_rows": 0.5 * C,
-            "vec_minus_rows": v[None] - C, "step_vec": 0}[terms]
+    corr = {
+        "corr_vec": v[None],
+        "corr_vec_scaled": sk[:, None] * v[None],
+        "corr_rows": 0.5 * C,
+        "vec_minus_rows": v[None] - C,
+        "step_vec": 0,
+    }[terms]
     b = 0.9 * buf0 + g + corr
     step = b + (sk[:, None] * v[None] if terms == "step_vec" else 0)
     assert rel_err(buf, b) <= 1e-6 and rel_err(theta, theta0 - 0.1 * step) <= 1e-6
@@ -103,7 +136,7 @@ def test_fedadc_nesterov_ordering_equals_literal_loop(backend):
     Engine form: drift_shift_(-1), H heavy-ball steps with drift at the shifted point, drift_shift_(+1)."""
     torch.manual_seed(3)
     n, P, H, lr = 3, 20, 4, 0.1
-    A = torch.randn(n, P, P) / P ** 0.5
+    A = torch.randn(n, P, P) / P**0.5
     bvec = torch.randn(n, P)
     grad_f = lambda th: torch.einsum("kij,kj->ki", A.transpose(1, 2), torch.einsum("kij,kj->ki", A, th) - bvec)  # noqa
     d = torch.randn(P) * 0.05
@@ -151,18 +184,29 @@ def test_gradient_pieces_equal_the_flat_gradient(backend, variant):
     n, sizes = 3, [1, 4096 * 2 + 5, 7, 4095, 1]
     P = sum(sizes)
     theta0, G, buf0 = torch.randn(n, P), torch.randn(n, P), torch.randn(n, P)
-    kw = {"plain": dict(lr=0.1),
-          "momentum_wd": dict(lr=torch.tensor([0.1, 0.2, 0.05]), momentum=0.9, weight_decay=1e-2),
-          "clip": dict(lr=0.1, max_norm=3.0),
-          "prox_clip": dict(lr=0.1, prox_mu=0.3, anchor=torch.randn(P), max_norm=3.0),
-          "all_terms": dict(lr=0.1, momentum=0.5, loss_rows=torch.randn(n, P), corr_vec=torch.randn(P),
-                            corr_vec_scale=torch.rand(n), corr_rows=torch.randn(n, P), corr_rows_coef=-1.0,
-                            step_vec=torch.randn(P), step_vec_scale=torch.rand(n), max_norm=50.0,
-                            active=torch.tensor([True, False, True]))}[variant]
+    kw = {
+        "plain": dict(lr=0.1),
+        "momentum_wd": dict(lr=torch.tensor([0.1, 0.2, 0.05]), momentum=0.9, weight_decay=1e-2),
+        "clip": dict(lr=0.1, max_norm=3.0),
+        "prox_clip": dict(lr=0.1, prox_mu=0.3, anchor=torch.randn(P), max_norm=3.0),
+        "all_terms": dict(
+            lr=0.1,
+            momentum=0.5,
+            loss_rows=torch.randn(n, P),
+            corr_vec=torch.randn(P),
+            corr_vec_scale=torch.rand(n),
+            corr_rows=torch.randn(n, P),
+            corr_rows_coef=-1.0,
+            step_vec=torch.randn(P),
+            step_vec_scale=torch.rand(n),
+            max_norm=50.0,
+            active=torch.tensor([True, False, True]),
+        ),
+    }[variant]
     ref, rbuf = client_step_reference(theta0.clone(), G, momentum_buf=buf0.clone(), **kw)
     pieces, off = [], 0
     for j, s in enumerate(sizes):
-        p = G[:, off:off + s]
+        p = G[:, off : off + s]
         pieces.append(p.reshape(n, 1, s) if j == 3 else p.contiguous() if j % 2 else p)  # contiguous or not
         off += s
     theta, buf = theta0.clone(), buf0.clone()
@@ -194,12 +238,29 @@ def test_delta_norm_is_the_distance_of_the_new_row(backend, variant, pieces):
     P = sum(sizes)
     theta0, G, start = torch.randn(n, P), torch.randn(n, P), torch.randn(P)
     act = torch.tensor([True, False, True, True])
-    kw = {"plain": dict(lr=0.1),
-          "momentum_wd": dict(lr=torch.tensor([0.1, 0.2, 0.05, 0.1]), momentum=0.9, weight_decay=1e-2,
-                              momentum_buf=torch.randn(n, P), active=act),
-          "all_terms": dict(lr=0.1, momentum=0.5, momentum_buf=torch.randn(n, P), loss_rows=torch.randn(n, P),
-                            corr_vec=torch.randn(P), corr_rows=torch.randn(n, P), step_vec=torch.randn(P),
-                            prox_mu=0.2, anchor=torch.randn(P), max_norm=50.0, active=act)}[variant]
+    kw = {
+        "plain": dict(lr=0.1),
+        "momentum_wd": dict(
+            lr=torch.tensor([0.1, 0.2, 0.05, 0.1]),
+            momentum=0.9,
+            weight_decay=1e-2,
+            momentum_buf=torch.randn(n, P),
+            active=act,
+        ),
+        "all_terms": dict(
+            lr=0.1,
+            momentum=0.5,
+            momentum_buf=torch.randn(n, P),
+            loss_rows=torch.randn(n, P),
+            corr_vec=torch.randn(P),
+            corr_rows=torch.randn(n, P),
+            step_vec=torch.randn(P),
+            prox_mu=0.2,
+            anchor=torch.randn(P),
+            max_norm=50.0,
+            active=act,
+        ),
+    }[variant]
     grad = list(G.split(sizes, dim=1)) if pieces else G
     buf0 = kw["momentum_buf"].clone() if "momentum_buf" in kw else None
     theta, out = theta0.clone(), torch.full((n,), -1.0)
@@ -210,8 +271,7 @@ def test_delta_norm_is_the_distance_of_the_new_row(backend, variant, pieces):
     assert (out[~mask] == -1.0).all()
     # the same step without the output: the same parameters, bit for bit
     theta2 = theta0.clone()
-    ops.client_step(theta2, grad, backend=backend, **{**kw, **({"momentum_buf": buf0} if "momentum_buf" in kw
-                                                                else {})})
+    ops.client_step(theta2, grad, backend=backend, **{**kw, **({"momentum_buf": buf0} if "momentum_buf" in kw else {})})
     assert torch.equal(theta2, theta)
 
 

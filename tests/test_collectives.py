@@ -1,5 +1,6 @@
 """fedfast.collectives alone: one process's identities, and two gloo processes summing, taking maxima and
 gathering client state rows of unequal counts (the padding dropped) (issue 37)."""
+
 import os
 
 import pytest
@@ -26,17 +27,20 @@ def test_distributed_needs_an_initialised_group():
 
 def _rank(rank, world, store, out):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     c = Distributed()
     s = torch.tensor([float(rank + 1), 10.0 * rank])
     c.sum_(s)
     m = torch.tensor([float(rank), 5.0 - rank])
     c.max_(m)
-    ids = torch.tensor([10 + rank, 20 + rank, 30 + rank][:1 + 2 * rank])  # rank 0: one row, rank 1: three
+    ids = torch.tensor([10 + rank, 20 + rank, 30 + rank][: 1 + 2 * rank])  # rank 0: one row, rank 1: three
     rows = ids[:, None].float().expand(-1, 3).clone()
     g_ids, g_rows = c.gather_rows(ids, rows)
-    torch.save({"sum": s, "max": m, "ids": g_ids, "rows": g_rows, "rank": c.rank, "world": c.world},
-               os.path.join(out, f"{rank}.pt"))
+    torch.save(
+        {"sum": s, "max": m, "ids": g_ids, "rows": g_rows, "rank": c.rank, "world": c.world},
+        os.path.join(out, f"{rank}.pt"),
+    )
     os._exit(0)  # saved: skip interpreter teardown, where gloo's threads occasionally abort (test_distributed.py)
 
 

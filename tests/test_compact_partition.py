@@ -1,5 +1,6 @@
 """fedfast.data.Partition stored compactly (issue 38, step 1): one index array and per-client offsets, per-client
 views on demand, every check and the histogram vectorised, the engine's plan reading the compact form."""
+
 import copy
 import time
 
@@ -40,15 +41,22 @@ def test_histogram_and_summary_equal_a_loop_over_clients():
     assert s["num_samples"] == len(train) and s["size_min"] == int(want.sum(1).min())
 
 
-@pytest.mark.parametrize("rows,offsets,msg", [
-    ([0, 1, 2], [0, 2, 2, 3], "indices: client 1 holds no samples"),
-    ([0, -4, 2], [0, 2, 3], "indices: client 0: negative sample index -4"),
-    ([0, 1, 2, 1], [0, 1, 3, 4], r"indices: sample 1 is held by clients 1 and 2 \(1 sample\(s\) held more than once\)"),
-    ([0, 1, 1], [0, 3], "indices: sample 1 is held by client 0 twice"),
-    ([0, 1, 2], [0, 2], r"offsets: expected K \+ 1 >= 2 non-decreasing integers from 0 to len\(rows\) = 3"),
-    ([0, 1, 2], [0, 2, 1, 3], "offsets: expected"),
-    ([0.5, 1], [0, 2], "rows: expected a 1-d array of integer sample indices"),
-])
+@pytest.mark.parametrize(
+    "rows,offsets,msg",
+    [
+        ([0, 1, 2], [0, 2, 2, 3], "indices: client 1 holds no samples"),
+        ([0, -4, 2], [0, 2, 3], "indices: client 0: negative sample index -4"),
+        (
+            [0, 1, 2, 1],
+            [0, 1, 3, 4],
+            r"indices: sample 1 is held by clients 1 and 2 \(1 sample\(s\) held more than once\)",
+        ),
+        ([0, 1, 1], [0, 3], "indices: sample 1 is held by client 0 twice"),
+        ([0, 1, 2], [0, 2], r"offsets: expected K \+ 1 >= 2 non-decreasing integers from 0 to len\(rows\) = 3"),
+        ([0, 1, 2], [0, 2, 1, 3], "offsets: expected"),
+        ([0.5, 1], [0, 2], "rows: expected a 1-d array of integer sample indices"),
+    ],
+)
 def test_bad_compact_input_is_named(rows, offsets, msg):
     with pytest.raises(ValueError, match=msg):
         Partition.from_csr(np.array(rows), np.array(offsets))
@@ -124,18 +132,20 @@ def _split_at_loop(class_idx, cuts, K):
 @pytest.mark.parametrize("seed", range(4))
 def test_the_dirichlet_split_equals_the_per_client_loop(seed):
     from fedfast.data.partition import _split_at
+
     rng = np.random.default_rng(seed)
     K, C = 7, 4
     class_idx = [rng.permutation(rng.integers(0, 10**6, rng.integers(0, 40))) for _ in range(C)]
     cuts = [np.sort(rng.integers(0, len(i) + 1, K - 1)) for i in class_idx]  # empty pieces and classes included
     rows, offsets = _split_at(class_idx, cuts, K)
     want = _split_at_loop(class_idx, cuts, K)
-    assert [rows[offsets[k]:offsets[k + 1]].tolist() for k in range(K)] == want
+    assert [rows[offsets[k] : offsets[k + 1]].tolist() for k in range(K)] == want
 
 
 def test_partitioners_build_the_compact_form_with_their_loops_draws():
     """Each partitioner against its per-client loop written out (the same RNG stream): equal partitions."""
     from fedfast.data import partition as P
+
     rng = np.random.default_rng(0)
     y, w = rng.integers(0, 10, 3000), rng.integers(0, 200, 3000)
     # quantity skew: Dir sizes, consecutive pieces of one permutation

@@ -1,4 +1,5 @@
 """torch.compile: the ops are torch.library custom ops with fake impls, so fullgraph compiles (no graph break)."""
+
 import pytest
 import torch
 
@@ -36,9 +37,12 @@ def test_fullgraph_compile_no_graph_break(backend):
 def test_opcheck_distill_rows():
     """torch.library.opcheck: schema, fake impl and autograd registration are consistent."""
     from fedfast.ops.distill import distill_rows_op
+
     R, C = 5, 4
     z = torch.randn(R, C, requires_grad=True)
     t = torch.randn(R, C)
     y = torch.randint(0, C, (R,))
-    torch.library.opcheck(distill_rows_op, (z, t, y, None, None, None, None, None, torch.rand(R), 2.0, 1.0, 1.0, -100,
-                                            True, False, "reference"))
+    torch.library.opcheck(
+        distill_rows_op,
+        (z, t, y, None, None, None, None, None, torch.rand(R), 2.0, 1.0, 1.0, -100, True, False, "reference"),
+    )

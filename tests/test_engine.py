@@ -1,5 +1,6 @@
 """The engine's own behaviour (metrics, chunking, teachers, backends, inputs, host syncs). Every method against
 the plain sequential loop: tests/methods/test_<family>.py (reference: tests/sequential_loop.py)."""
+
 import collections
 import copy
 import os
@@ -16,8 +17,9 @@ from sequential_loop import engine_vs_loop, flat as _flat, sequential as _sequen
 
 def test_engine_learns_and_reports():
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=8, rounds=6, local_epochs=2, batch_size=16,
-                            lr=0.1, seed=0)
+    cfg = fedfast.SimConfig(
+        algorithm="fedntd", clients_per_round=8, rounds=6, local_epochs=2, batch_size=16, lr=0.1, seed=0
+    )
     hist = fedfast.Simulation(cfg, model, train, test, part).run()
     assert hist[-1]["test_accuracy"] > 0.5 > 0.2  # 5 classes: chance is 0.2
     assert {"round", "test_accuracy", "test_loss", "train_loss", "seconds", "timers"} <= set(hist[0])
@@ -27,17 +29,33 @@ def test_engine_learns_and_reports():
         fedfast.SimConfig(algorithm="kd+asd")  # ASD composes with CE or not-true KD bases only
 
 
-@pytest.mark.parametrize("algorithm,options", [("fedntd", dict(tau=2.0)), ("fedgkd_vote", dict(buffer=2, tau=2.0)),
-                                              ("fedadc_plus", dict(tau=2.0)), ("fedgkd", dict(buffer=2)),
-                                              ("fedavg+asd", {})])
+@pytest.mark.parametrize(
+    "algorithm,options",
+    [
+        ("fedntd", dict(tau=2.0)),
+        ("fedgkd_vote", dict(buffer=2, tau=2.0)),
+        ("fedadc_plus", dict(tau=2.0)),
+        ("fedgkd", dict(buffer=2)),
+        ("fedavg+asd", {}),
+    ],
+)
 def test_online_teacher_equals_cached_teacher(algorithm, options):
     """teacher='online' (one teacher forward per step on all clients' rows) == the per-round cache."""
     train, test, part, model = _setup()
     val = data.ArrayDataset(test.x[:50], test.y[:50], test.num_classes, test.mean, test.std)
     out = []
     for mode in ("cache", "online"):
-        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=3, local_epochs=1, batch_size=16,
-                                lr=0.05, seed=2, teacher=mode, options=options)
+        cfg = fedfast.SimConfig(
+            algorithm=algorithm,
+            clients_per_round=4,
+            rounds=3,
+            local_epochs=1,
+            batch_size=16,
+            lr=0.05,
+            seed=2,
+            teacher=mode,
+            options=options,
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
         sim.run()
         out.append(sim.global_flat)
@@ -49,15 +67,28 @@ def test_augmentation_online_teacher_and_cache_refused():
     part = data.iid(train.y, 6, seed=0)
     torch.manual_seed(0)
     model = models.MLP(144, (32,), 4)
-    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=6, rounds=4, local_epochs=1, batch_size=10,
-                            lr=0.05, augment="fedgkd", seed=0)
+    cfg = fedfast.SimConfig(
+        algorithm="fedntd",
+        clients_per_round=6,
+        rounds=4,
+        local_epochs=1,
+        batch_size=10,
+        lr=0.05,
+        augment="fedgkd",
+        seed=0,
+    )
     assert cfg.teacher == "online"
     runs = [fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part) for _ in range(2)]
     for sim in runs:
         assert all(np.isfinite(h["test_loss"]) for h in sim.run())
     assert torch.equal(runs[0].global_flat, runs[1].global_flat)  # deterministic by seed
-    plain = fedfast.Simulation(fedfast.SimConfig(**{**cfg.__dict__, "augment": "none", "teacher": None}),
-                               copy.deepcopy(model), train, test, part)
+    plain = fedfast.Simulation(
+        fedfast.SimConfig(**{**cfg.__dict__, "augment": "none", "teacher": None}),
+        copy.deepcopy(model),
+        train,
+        test,
+        part,
+    )
     plain.run()
     assert not torch.allclose(plain.global_flat, runs[0].global_flat, atol=1e-4)  # the batches were augmented
     with pytest.raises(ValueError, match="teacher"):
@@ -86,6 +117,7 @@ def test_cpu_auto_chunk_caps_parameter_bytes():
     """On a CPU the automatic chunk holds at most CPU_CHUNK_PARAM_BYTES of parameters (larger chunks measured
     up to 2x slower per sample there); an explicit client_chunk is honoured."""
     from fedfast.sim.memory import CPU_CHUNK_PARAM_BYTES
+
     train, test = data.synthetic(10, 3000, 50, (1, 28, 28), separation=1.0, seed=0)
     part = data.iid(train.y, 60, seed=0)
     model = models.FedAvgCNN(1, 10, 28)
@@ -94,15 +126,17 @@ def test_cpu_auto_chunk_caps_parameter_bytes():
     assert 1 <= cap < 50
     sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=50), model, train, test, part)
     assert sim.chunk == cap
-    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=50, client_chunk=50), model,
-                             train, test, part)
+    sim = fedfast.Simulation(
+        fedfast.SimConfig(algorithm="fedavg", clients_per_round=50, client_chunk=50), model, train, test, part
+    )
     assert sim.chunk == 50
 
 
 def test_metrics_per_class_accuracy_and_forgetting():
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=3, local_epochs=1, batch_size=16,
-                            lr=0.1, seed=0)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg", clients_per_round=3, rounds=3, local_epochs=1, batch_size=16, lr=0.1, seed=0
+    )
     sim = fedfast.Simulation(cfg, model, train, test, part)
     hist = sim.run()
     A = torch.tensor([h["class_accuracy"] for h in hist])
@@ -123,9 +157,11 @@ def test_only_round_advances_the_round():
     import inspect
     import re
     from fedfast import engine
+
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=4, eval_every=2, local_epochs=1,
-                            batch_size=16, lr=0.1, seed=0)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg", clients_per_round=3, rounds=4, eval_every=2, local_epochs=1, batch_size=16, lr=0.1, seed=0
+    )
     sim = fedfast.Simulation(cfg, model, train, test, part)
     for want in range(1, 3):
         acc = sim.evaluate()
@@ -134,8 +170,18 @@ def test_only_round_advances_the_round():
         assert sim.rnd == want and sim.history[-1] is rec and rec["round"] == want
         assert (rec["test_accuracy"] is not None) == (want % 2 == 0) and acc[0] > 0
     st = sim.state
-    rec, class_acc = sim.evaluator.record(4, st.eval_flat, st.history, st.class_acc, {"steps": 1, "clients": 3}, 0.0,
-                                          {}, 0.0, chunk=sim.chunk, method_metrics={})
+    rec, class_acc = sim.evaluator.record(
+        4,
+        st.eval_flat,
+        st.history,
+        st.class_acc,
+        {"steps": 1, "clients": 3},
+        0.0,
+        {},
+        0.0,
+        chunk=sim.chunk,
+        method_metrics={},
+    )
     assert rec["round"] == 4 and class_acc is not None and sim.rnd == 2 and len(sim.history) == 2
     sources = [engine.__file__] + glob.glob(os.path.join(os.path.dirname(engine.__file__), "sim", "*.py"))
     sets = {os.path.basename(f): re.findall(r"\.round\s*(?:\+=|=(?!=))|\brnd\s*\+=", open(f).read()) for f in sources}
@@ -149,17 +195,21 @@ def test_config_errors_name_the_option():
     train, test, part, model = _setup()
     with pytest.raises(ValueError, match="val"):
         fedfast.Simulation(fedfast.SimConfig(algorithm="fedgkd_vote", clients_per_round=4), model, train, test, part)
-    for kw, name in ((dict(algorithm="fedadc", options={"order": "red"}), "fedadc.order"),
-                     (dict(aggregate_weights="x"), "aggregate_weights"),
-                     (dict(client_chunk=0), "client_chunk"), (dict(momentum=1.5), "momentum"),
-                     (dict(algorithm="fedadc+asd"), "ASD add-on"), (dict(algorithm="fedadc_plus", options={"lam": 2.0}),
-                                                             "fedadc_plus.lam"),
-                     (dict(algorithm="feddyn", aggregate_weights="size"), "aggregate_weights"),
-                     (dict(algorithm="fedavg", options={"beta": 5}), "beta: not an option of fedavg"),
-                     (dict(algorithm="fedavg", options={"fedntd": {"beta": 5}}), "fedntd: an option table of"),
-                     (dict(algorithm="fedntd+asd", options={"fedntd": {"beta": 2}}), "fedntd.beta: not used"),
-                     (dict(algorithm="fedntd", options={"beta": "x"}), "fedntd.beta: expected a number"),
-                     (dict(rounds=0), "rounds"), (dict(lr=0), "lr")):
+    for kw, name in (
+        (dict(algorithm="fedadc", options={"order": "red"}), "fedadc.order"),
+        (dict(aggregate_weights="x"), "aggregate_weights"),
+        (dict(client_chunk=0), "client_chunk"),
+        (dict(momentum=1.5), "momentum"),
+        (dict(algorithm="fedadc+asd"), "ASD add-on"),
+        (dict(algorithm="fedadc_plus", options={"lam": 2.0}), "fedadc_plus.lam"),
+        (dict(algorithm="feddyn", aggregate_weights="size"), "aggregate_weights"),
+        (dict(algorithm="fedavg", options={"beta": 5}), "beta: not an option of fedavg"),
+        (dict(algorithm="fedavg", options={"fedntd": {"beta": 5}}), "fedntd: an option table of"),
+        (dict(algorithm="fedntd+asd", options={"fedntd": {"beta": 2}}), "fedntd.beta: not used"),
+        (dict(algorithm="fedntd", options={"beta": "x"}), "fedntd.beta: expected a number"),
+        (dict(rounds=0), "rounds"),
+        (dict(lr=0), "lr"),
+    ):
         with pytest.raises(ValueError, match=name):
             fedfast.SimConfig(**kw)
     with pytest.raises(TypeError, match="unexpected keyword argument 'beta'"):  # the dataclass's own message; a
@@ -181,8 +231,19 @@ class _Wrapped(torch.nn.Module):
 def test_engine_vmap_path_matches_sequential_loop(algorithm, extra):
     train, test, part, model = _setup()
     model = _Wrapped(model)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=16,
-                            lr=0.05, momentum=0.9, weight_decay=1e-4, seed=3, options=extra, executor="vmap")
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=16,
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-4,
+        seed=3,
+        options=extra,
+        executor="vmap",
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     ref = _sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds)  # MOON: with its projection head
     assert sim.trainer.stack.plan is None
@@ -194,8 +255,17 @@ def test_bf16_teacher_cache_close_to_fp32():
     train, test, part, model = _setup()
     out = []
     for dt in ("float32", "bfloat16"):
-        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16,
-                                lr=0.05, seed=2, options=dict(tau=2.0), teacher_cache_dtype=dt)
+        cfg = fedfast.SimConfig(
+            algorithm="fedntd",
+            clients_per_round=4,
+            rounds=2,
+            local_epochs=1,
+            batch_size=16,
+            lr=0.05,
+            seed=2,
+            options=dict(tau=2.0),
+            teacher_cache_dtype=dt,
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         sim.run()
         out.append(sim.global_flat)
@@ -209,11 +279,16 @@ def test_batch_statistics_with_padding_rows_equal_the_loop_without_a_warning():
     import warnings
 
     from sequential_loop import PlainLoop
+
     train, test = data.synthetic(3, 90, 30, (3, 8, 8), seed=0)
     part = data.iid(train.y, 4, seed=0)  # sizes 22/23: not multiples of 16
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, track_running_stats=False),
-                                torch.nn.Flatten(), torch.nn.Linear(144, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4, track_running_stats=False),
+        torch.nn.Flatten(),
+        torch.nn.Linear(144, 3),
+    )
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=2, batch_size=16, lr=0.05, rounds=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -223,16 +298,30 @@ def test_batch_statistics_with_padding_rows_equal_the_loop_without_a_warning():
     assert (sim.global_flat - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("algorithm,options,extra", [("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
-                                                     ("scaffold", {}, {}),
-                                                     ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
-                                                     ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
-                                                     ("fedgkd_vote", dict(buffer=2), {}), ("fedavgm", {}, {})])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
+        ("scaffold", {}, {}),
+        ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
+        ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
+        ("fedgkd_vote", dict(buffer=2), {}),
+        ("fedavgm", {}, {}),
+    ],
+)
 def test_engine_triton_backend_matches_sequential_loop(algorithm, options, extra):
     """Every fused op of the round through the Triton kernels (interpreter on CPU): the wiring a GPU run uses."""
     pytest.importorskip("triton")
-    err, _, _ = engine_vs_loop(algorithm, options, clients_per_round=3, local_epochs=1, batch_size=32,
-                               backend="triton", rounds=3 if "gkd" in algorithm else 2, **extra)
+    err, _, _ = engine_vs_loop(
+        algorithm,
+        options,
+        clients_per_round=3,
+        local_epochs=1,
+        batch_size=32,
+        backend="triton",
+        rounds=3 if "gkd" in algorithm else 2,
+        **extra,
+    )
     assert err <= 1e-4, err
 
 
@@ -240,14 +329,17 @@ def test_custom_loss_fn():
     """A user loss replaces the method's loss: plain CE through ops.distill equals fedavg; a label-smoothed CE
     with a teacher term equals the sequential loop running the same loss."""
     from fedfast import ops
+
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16,
-                            lr=0.05, seed=3)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16, lr=0.05, seed=3
+    )
     plain = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     plain.run()
 
     def ce(z, t, y, seg, S):
         return ops.distill(z, torch.zeros_like(z.detach()), y, kd_weight=0.0, segments=seg, num_segments=S)
+
     custom = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, loss_fn=ce)
     custom.run()
     assert torch.allclose(custom.global_flat, plain.global_flat, rtol=0, atol=1e-6)
@@ -258,6 +350,7 @@ def test_custom_loss_fn():
         rows = rows + 0.5 * ((z - t) ** 2).mean(1)
         cnt = torch.zeros(S).index_add_(0, seg, valid.float())
         return (torch.where(valid, rows, 0.0) / cnt[seg]).sum()
+
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, loss_fn=smooth_kd, loss_needs_teacher=True)
     sim.run()
     glob = copy.deepcopy(model)  # the sequential loop with the same loss
@@ -302,8 +395,9 @@ def test_bf16_and_host_client_state(algorithm):
     train, test, part, model = _setup()
     out = []
     for kw in (dict(), dict(state_dtype="bfloat16", state_on_host=True)):
-        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=3, batch_size=16, lr=0.05, seed=1,
-                                **kw)
+        cfg = fedfast.SimConfig(
+            algorithm=algorithm, clients_per_round=4, rounds=3, batch_size=16, lr=0.05, seed=1, **kw
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         sim.run()
         out.append(sim.global_flat)
@@ -315,12 +409,16 @@ def test_bf16_and_host_client_state(algorithm):
 def test_bad_simulation_inputs_name_the_argument():
     train, test, part, model = _setup()
     cfg = fedfast.SimConfig(clients_per_round=4)
-    cases = [((cfg, "x", train, test, part), TypeError, "model"), ((cfg, model, train.x, test, part), TypeError, "train"),
-             ((cfg, model, train, test, "p"), TypeError, "partition"), (({}, model, train, test, part), TypeError, "config"),
-             ((cfg, model, train, data.ArrayDataset(test.x, test.y.clamp(max=2), 3), part), ValueError, "test"),
-             ((cfg, models.MLP(36, (16,), 3), train, test, part), ValueError, "model: must return logits"),
-             ((cfg, models.MLP(20, (16,), 5), train, test, part), ValueError, "model: cannot run"),
-             ((cfg, model, test, test, part), ValueError, "partition")]
+    cases = [
+        ((cfg, "x", train, test, part), TypeError, "model"),
+        ((cfg, model, train.x, test, part), TypeError, "train"),
+        ((cfg, model, train, test, "p"), TypeError, "partition"),
+        (({}, model, train, test, part), TypeError, "config"),
+        ((cfg, model, train, data.ArrayDataset(test.x, test.y.clamp(max=2), 3), part), ValueError, "test"),
+        ((cfg, models.MLP(36, (16,), 3), train, test, part), ValueError, "model: must return logits"),
+        ((cfg, models.MLP(20, (16,), 5), train, test, part), ValueError, "model: cannot run"),
+        ((cfg, model, test, test, part), ValueError, "partition"),
+    ]
     for args, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             fedfast.Simulation(*args)
@@ -340,10 +438,28 @@ class _HostDataOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("algorithm,extra", [(a, {}) for a in ("fedavg", "fedprox", "kd", "fedntd", "fedgkd",
-                                                                 "fedgkd_vote", "fedcad", "fedavgm", "scaffold",
-                                                                 "feddyn", "fedadc", "fedadc_plus", "moon")]
-                         + [("fedntd+asd", dict(max_grad_norm=1.0, momentum=0.9))])
+@pytest.mark.parametrize(
+    "algorithm,extra",
+    [
+        (a, {})
+        for a in (
+            "fedavg",
+            "fedprox",
+            "kd",
+            "fedntd",
+            "fedgkd",
+            "fedgkd_vote",
+            "fedcad",
+            "fedavgm",
+            "scaffold",
+            "feddyn",
+            "fedadc",
+            "fedadc_plus",
+            "moon",
+        )
+    ]
+    + [("fedntd+asd", dict(max_grad_norm=1.0, momentum=0.9))],
+)
 def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
     """No host sync in the hot path: local training makes at most one tensor from host data per epoch (the
     batch table) plus a fixed few per chunk (method setup), however many steps it runs, and reads nothing
@@ -354,8 +470,9 @@ def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
     val = train.subset(slice(0, 50)) if algorithm == "fedgkd_vote" else None
     counts = {}
     for B in (40, 10):  # ~1-2 vs ~5-8 steps per epoch
-        cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=B,
-                                lr=0.05, seed=3, **extra)
+        cfg = fedfast.SimConfig(
+            algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=B, lr=0.05, seed=3, **extra
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=val)
         sim.round()  # round 1 (VOTE: no teacher yet)
         orig = sim.trainer.train_chunk
@@ -364,6 +481,7 @@ def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
         def counted(*a, **k):
             with mode:
                 return orig(*a, **k)
+
         sim.trainer.train_chunk = counted
         sim.round()
         counts[B] = dict(mode.counts)
@@ -373,10 +491,20 @@ def test_local_steps_take_no_host_data(algorithm, extra, monkeypatch):
     assert counts[10] == counts[40], counts  # independent of the number of steps
 
 
-@pytest.mark.parametrize("algorithm,keys", [("fedavg", set()), ("fedavgm", {"server_m"}), ("scaffold", {"c", "client_state"}),
-                                            ("feddyn", {"hbar", "avg", "client_state"}), ("moon", {"client_state"}),
-                                            ("fedgkd", {"buf", "count", "avg"}), ("fedgkd_vote", {"buf", "count", "val_loss"}),
-                                            ("fedadc", {"m"}), ("fedavg+asd", set())])
+@pytest.mark.parametrize(
+    "algorithm,keys",
+    [
+        ("fedavg", set()),
+        ("fedavgm", {"server_m"}),
+        ("scaffold", {"c", "client_state"}),
+        ("feddyn", {"hbar", "avg", "client_state"}),
+        ("moon", {"client_state"}),
+        ("fedgkd", {"buf", "count", "avg"}),
+        ("fedgkd_vote", {"buf", "count", "val_loss"}),
+        ("fedadc", {"m"}),
+        ("fedavg+asd", set()),
+    ],
+)
 def test_method_state_and_engine_interface(algorithm, keys):
     """A method's state is its own (state_dict lists it; the engine gains no attribute from it), and the engine
     satisfies the Engine protocol methods are written against."""
@@ -430,8 +558,10 @@ def test_eval_every_and_final_evaluation():
         fedfast.SimConfig(eval_every=0)
 
 
-@pytest.mark.parametrize("norm,algorithm,teacher", [("gn", "fedntd", None), ("bn", "moon", None),
-                                                     ("bn", "scaffold", None), ("bn", "fedntd", "online")])
+@pytest.mark.parametrize(
+    "norm,algorithm,teacher",
+    [("gn", "fedntd", None), ("bn", "moon", None), ("bn", "scaffold", None), ("bn", "fedntd", "online")],
+)
 def test_residual_models_take_the_batched_executor_and_match_the_loop(norm, algorithm, teacher):
     """A ResNet (residual additions; GroupNorm, or BatchNorm with per-client batch statistics) through the traced
     batched executor equals the sequential loop (client sizes divisible by the batch: no padding rows)."""
@@ -442,8 +572,17 @@ def test_residual_models_take_the_batched_executor_and_match_the_loop(norm, algo
     # lr 0.01: at 0.05 this untrained BatchNorm ResNet's first steps amplify the rounding difference between
     # oneDNN's NHWC and NCHW batch norm (~1e-7) to ~1e-3 in MOON's cosine terms (with NCHW the executor matches
     # the loop to 1e-7 there too)
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=3, rounds=2, local_epochs=1, batch_size=8,
-                            lr=0.01, momentum=0.9, seed=1, teacher=teacher)
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=3,
+        rounds=2,
+        local_epochs=1,
+        batch_size=8,
+        lr=0.01,
+        momentum=0.9,
+        seed=1,
+        teacher=teacher,
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     ref = _sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds)  # MOON: with its projection head
     assert sim.trainer.stack.plan is not None
@@ -460,8 +599,17 @@ def test_augmentation_is_independent_of_chunking():
     model = models.MLP(144, (32,), 4)
     out = []
     for chunk in (None, 2, 1):
-        cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=5, rounds=2, local_epochs=1, batch_size=10,
-                                lr=0.05, augment="fedntd", seed=0, client_chunk=chunk)
+        cfg = fedfast.SimConfig(
+            algorithm="fedntd",
+            clients_per_round=5,
+            rounds=2,
+            local_epochs=1,
+            batch_size=10,
+            lr=0.05,
+            augment="fedntd",
+            seed=0,
+            client_chunk=chunk,
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         sim.run()
         out.append(sim.global_flat)
@@ -490,8 +638,9 @@ def test_client_sampling_as_the_papers_codes():
 
     runs = {}
     for mode, seed, m in (("bernoulli", 3, 2), ("bernoulli", 5, 1), ("round_seeded", 3, 3), ("round_seeded", 9, 3)):
-        cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=m, rounds=6, batch_size=16, lr=0.05, seed=seed,
-                                client_sampling=mode)
+        cfg = fedfast.SimConfig(
+            algorithm="fedavg", clients_per_round=m, rounds=6, batch_size=16, lr=0.05, seed=seed, client_sampling=mode
+        )
         hist = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part).run()
         got = [sorted(h["clients"]) for h in hist]
         want = [asd_code(r, seed, m / K) if mode == "bernoulli" else fedntd_code(r, m) for r in range(6)]
@@ -517,8 +666,9 @@ def test_method_aggregation_weights_are_checked():
             return -np.ones(len(ids))
 
     train, test, part, model = _setup()
-    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, batch_size=16), model, train,
-                             test, part)
+    sim = fedfast.Simulation(
+        fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, batch_size=16), model, train, test, part
+    )
     sim.method.__class__ = Bad
     with pytest.raises(ValueError, match="bad.aggregation_weights"):
         sim.round()

@@ -1,5 +1,6 @@
 """fedfast.sim.facade.EngineView: what a method is bound to is exactly the Engine protocol, each member delegating
 to the Simulation's parts (issue 37)."""
+
 import copy
 
 import pytest
@@ -19,8 +20,9 @@ def _protocol_members() -> set:
 
 
 def test_the_view_is_the_protocol_and_nothing_more():
-    view = {k for k in dir(EngineView) if not k.startswith("_")} | \
-        {k for k in EngineView.__slots__ if not k.startswith("_")}
+    view = {k for k in dir(EngineView) if not k.startswith("_")} | {
+        k for k in EngineView.__slots__ if not k.startswith("_")
+    }
     assert view == _protocol_members()
 
 
@@ -42,8 +44,9 @@ def test_a_method_is_bound_to_the_view_and_sees_the_run_through_it():
     rows = torch.stack([e.global_flat, e.global_flat * 0.5])
     both = e.forward_clients(rows, x.reshape(2, 3, *x.shape[1:]))
     torch.testing.assert_close(both[1], e.forward(rows[1], x[3:]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(e.predict(e.global_flat, train, torch.arange(6)), sim.predict(e.global_flat, train,
-                                                                                            torch.arange(6)))
+    torch.testing.assert_close(
+        e.predict(e.global_flat, train, torch.arange(6)), sim.predict(e.global_flat, train, torch.arange(6))
+    )
     st = e.new_client_state(fill=torch.ones(sim.num_params), rows=2)
     assert st.shape == (8, 2 * sim.num_params) and bool((st.dense() == 1).all())
     assert e.client_params(2).data_ptr() == sim.trainer.stack.params.data_ptr()
@@ -73,6 +76,7 @@ def test_a_method_declares_its_state_and_reads_the_chunk_in_setup(monkeypatch):
     naming the hook."""
     from fedfast.methods import FedAvg, StateSpec, register
     from fedfast.methods.hooks import HookError
+
     seen = {}
 
     class Declared(FedAvg):
@@ -99,8 +103,13 @@ def test_a_method_declares_its_state_and_reads_the_chunk_in_setup(monkeypatch):
         assert bool((sim.method.client_state.dense() == 1).all())
         assert sim.budget.state_values == 2 * P
         with pytest.raises(HookError, match="client_state_spec.*StateSpec"):
-            fedfast.Simulation(fedfast.SimConfig(algorithm="wrong_view_test", clients_per_round=3),
-                               copy.deepcopy(model), train, test, part)
+            fedfast.Simulation(
+                fedfast.SimConfig(algorithm="wrong_view_test", clients_per_round=3),
+                copy.deepcopy(model),
+                train,
+                test,
+                part,
+            )
     finally:
         for name in ("declared_view_test", "wrong_view_test"):
             fedfast.methods.unregister(name)
@@ -118,14 +127,22 @@ def test_state_allocated_in_setup_still_works_for_a_release(monkeypatch):
     train, test, part, model = setup_data()
     register("legacy_view_test")(Legacy)
     try:
-        cfg = fedfast.SimConfig(algorithm="legacy_view_test", clients_per_round=8, rounds=1, batch_size=16,
-                                memory_budget_gb=0.0004)
+        cfg = fedfast.SimConfig(
+            algorithm="legacy_view_test", clients_per_round=8, rounds=1, batch_size=16, memory_budget_gb=0.0004
+        )
         with pytest.warns(DeprecationWarning, match="client_state_spec"):
             sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         P = sim.num_params
         assert sim.budget.state_values == 40 * P and sim.method.client_state.shape == (8, 40 * P)
-        plain = fedfast.Simulation(fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, rounds=1, batch_size=16,
-                                                     memory_budget_gb=0.0004), copy.deepcopy(model), train, test, part)
+        plain = fedfast.Simulation(
+            fedfast.SimConfig(
+                algorithm="fedavg", clients_per_round=8, rounds=1, batch_size=16, memory_budget_gb=0.0004
+            ),
+            copy.deepcopy(model),
+            train,
+            test,
+            part,
+        )
         assert sim.chunk < plain.chunk and sim.trainer is sim.engine._trainer
         sim.round()
     finally:

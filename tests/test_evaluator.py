@@ -1,5 +1,6 @@
 """fedfast.sim.evaluation alone: the Evaluator measures a model and makes a round's record, changing nothing;
 FedNTD's forgetting by hand (issue 37)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,16 +40,27 @@ def test_record_evaluates_every_eval_every_and_the_last_round_only():
     hist, accs, totals = [], [], {"steps": 4, "clients": [0, 1]}
     for rnd in range(1, 6):
         timers = {}
-        rec, ca = ev.record(rnd, rt.initial * (1 + rnd / 10), hist, accs, totals, torch.tensor(2.0), timers, 0.0,
-                            chunk=3, method_metrics={"x": 1.0} if rnd == 2 else {})
+        rec, ca = ev.record(
+            rnd,
+            rt.initial * (1 + rnd / 10),
+            hist,
+            accs,
+            totals,
+            torch.tensor(2.0),
+            timers,
+            0.0,
+            chunk=3,
+            method_metrics={"x": 1.0} if rnd == 2 else {},
+        )
         evaluated = rnd in (2, 4, 5)
         assert (rec["test_accuracy"] is not None) == evaluated == (ca is not None) == (rec["val_accuracy"] is not None)
         assert rec["round"] == rnd and rec["train_loss"] == 0.5 and rec["client_chunk"] == 3 and "eval" in timers
         assert ("method_metrics" in rec) == (rnd == 2)
         if evaluated:
             assert rec["forgetting"] == (forgetting(accs + [ca]) if accs else None)
-            assert rec["best_test_accuracy"] == max([h["test_accuracy"] for h in hist if h["test_accuracy"]
-                                                     is not None] + [rec["test_accuracy"]])
+            assert rec["best_test_accuracy"] == max(
+                [h["test_accuracy"] for h in hist if h["test_accuracy"] is not None] + [rec["test_accuracy"]]
+            )
             accs.append(ca)
         hist.append(rec)
     assert len(hist) == 5 and len(accs) == 3  # the caller keeps both; record() appended nothing

@@ -2,6 +2,7 @@
 ``engine.head`` applies: found in execution order, or named (``features_layer`` in the config, or on the model),
 refused when ambiguous - never the wrong layer silently. A model that declares its head first trains exactly as
 the same network declared in order."""
+
 import copy
 from dataclasses import dataclass
 
@@ -86,8 +87,11 @@ def test_ambiguous_models_are_refused_naming_the_fix():
 def test_named_layers():
     x = torch.randn(2, 1, 6, 6)
     m = InOrder()
-    with pytest.raises(ValueError, match=r"features_layer: the model has no layer 'fc2' \(its nn.Linear layers: "
-                                         r"'body.1', 'head'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"features_layer: the model has no layer 'fc2' \(its nn.Linear layers: "
+        r"'body.1', 'head'\)",
+    ):
         find_classifier(m, x, "fc2")
     with pytest.raises(ValueError, match="features_layer: 'body.2' is a ReLU with no nn.Linear in it"):
         find_classifier(m, x, "body.2")
@@ -104,6 +108,7 @@ FEATURES = []
 @register("record_features")
 class RecordFeatures(FedAvg):
     """FedAvg that records the shapes and dtypes of each step's features (a plug-in that needs features)."""
+
     needs_features = True
 
     @dataclass
@@ -128,8 +133,9 @@ def test_a_plugin_gets_the_classifier_input_of_a_head_first_model():
     cfg = fedfast.SimConfig(algorithm="record_features", clients_per_round=3, rounds=1, batch_size=16)
     fedfast.Simulation(cfg, a, train, test, part).run()
     n, B = 3, 16
-    assert FEATURES and all(f[0] == (n, B, 16) and f[1] == torch.float32 and f[2] == (n, B) and f[3] == torch.bool
-                            for f in FEATURES[:1])
+    assert FEATURES and all(
+        f[0] == (n, B, 16) and f[1] == torch.float32 and f[2] == (n, B) and f[3] == torch.bool for f in FEATURES[:1]
+    )
     assert {f[0][-1] for f in FEATURES} == {16}
 
 
@@ -139,8 +145,17 @@ def test_moon_on_a_head_first_model_equals_the_loop_on_the_same_network(projecti
     the literal loop on the in-order twin, weight for weight."""
     train, test, part, _ = setup_data()
     a, b = _twins()
-    kw = dict(algorithm="moon", clients_per_round=4, rounds=2, local_epochs=1, batch_size=16, lr=0.05, seed=3,
-              momentum=0.9, options={"moon": {"mu": 1.0, "projection_dim": projection_dim}})
+    kw = dict(
+        algorithm="moon",
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=3,
+        momentum=0.9,
+        options={"moon": {"mu": 1.0, "projection_dim": projection_dim}},
+    )
     sim = fedfast.Simulation(fedfast.SimConfig(**kw), a, train, test, part)
     assert sim.runtime.classifier_name == ("head" if projection_dim == 0 else "head.3")
     twin = with_projection_head(b, projection_dim, 3, classifier="head") if projection_dim else b  # the same seed
@@ -154,6 +169,7 @@ def test_moon_on_a_head_first_model_equals_the_loop_on_the_same_network(projecti
 
 def test_run_config_key_and_record(tmp_path):
     from fedfast.config import build_config
+
     cfg = build_config(overrides=["features_layer=fc", "algorithm=fedavg"])
     assert cfg["features_layer"] == "fc" and cfg.to_json()["features_layer"] == "fc"
     assert build_config(overrides=["algorithm=fedavg"])["features_layer"] is None

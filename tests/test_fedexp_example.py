@@ -1,6 +1,7 @@
 """examples/fedexp.py, a plug-in written from docs/methods.md's guide alone: FedExP against a literal per-client
 loop (the step size from the clients' updates, the averaged last two iterates), its metric in every round's
 record, and a resumed run equal to the straight one."""
+
 import json
 import os
 
@@ -19,6 +20,7 @@ fedexp = plugin_fixture(EXAMPLE, "fedexp")
 class ExPLoop(PlainLoop):
     """FedExP written plainly: Delta_i = w - w_i, Delta = mean_i Delta_i, eta = max(1, sum ||Delta_i||^2 /
     (2 M (||Delta||^2 + eps))), w' = w - eta Delta."""
+
     etas: list
 
     def round_start(self, sampled):
@@ -31,7 +33,7 @@ class ExPLoop(PlainLoop):
 
     def server(self, avg, sampled):
         delta = self.gflat - avg
-        eta = max(1.0, self.sq / (2 * len(sampled) * (float((delta ** 2).sum()) + self.o["eps"])))
+        eta = max(1.0, self.sq / (2 * len(sampled) * (float((delta**2).sum()) + self.o["eps"])))
         self.etas.append(eta)
         self.last = self.gflat
         return self.gflat - eta * delta
@@ -49,8 +51,21 @@ def test_fedexp_matches_the_literal_loop(options, extra):
 
 
 def test_fedexp_from_the_command_line_resumes_exactly(tmp_path):
-    sets = ["--plugin", EXAMPLE, "--set", "algorithm=fedexp", "--set", "dataset=synthetic", "--set",
-            "num_clients=8", "--set", "clients_per_round=3", "--set", "partition=iid", "--quiet"]
+    sets = [
+        "--plugin",
+        EXAMPLE,
+        "--set",
+        "algorithm=fedexp",
+        "--set",
+        "dataset=synthetic",
+        "--set",
+        "num_clients=8",
+        "--set",
+        "clients_per_round=3",
+        "--set",
+        "partition=iid",
+        "--quiet",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["run", *sets, "--set", "rounds=3", "--out", str(a)]) == 0
     assert main(["run", *sets, "--set", "rounds=2", "--out", str(b)]) == 0

@@ -2,6 +2,7 @@
 (``Engine.client_data``), against a literal per-client loop: the features from a forward hook, the MSE to the
 global prototypes in the loss, each client's prototypes from a pass of its trained model over its data (eval mode,
 in the partition's order), the server's mean over the round's clients; and the engine call alone."""
+
 import collections
 import os
 
@@ -96,8 +97,9 @@ def test_client_data_passes_each_sample_once_in_eval_mode():
     features of the classifier's input; bad ``batch`` refused by name."""
     train, test, part, _ = setup_data()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                                torch.nn.Linear(16, 5))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(36, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 5)
+    )
     seen = []
 
     class Watch(fedfast.methods.FedAvg):
@@ -111,8 +113,15 @@ def test_client_data_passes_each_sample_once_in_eval_mode():
 
     fedfast.methods.register("watch_client_data")(Watch)
     try:
-        cfg = fedfast.SimConfig(algorithm="watch_client_data", clients_per_round=3, rounds=1, batch_size=8,
-                                lr=0.05, augment="fedntd", seed=1)
+        cfg = fedfast.SimConfig(
+            algorithm="watch_client_data",
+            clients_per_round=3,
+            rounds=1,
+            batch_size=8,
+            lr=0.05,
+            augment="fedntd",
+            seed=1,
+        )
         sim = fedfast.Simulation(cfg, model, train, test, part)
         sim.run()
     finally:

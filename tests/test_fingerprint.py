@@ -2,6 +2,7 @@
 import, the data files and the number of processes; --resume refuses a change and names it (a touched file is no
 change, and is not hashed again); a sweep will not add a seed made on other code or data to a cell, and a report
 never averages runs of two fingerprints."""
+
 import json
 import os
 
@@ -31,6 +32,7 @@ data.register_dataset("fp_rows", load)
 def project(tmp_path, monkeypatch):
     """A plug-in dataset that reads a data file and imports a helper module beside it."""
     import numpy as np
+
     tag = tmp_path.name.replace("-", "_")
     d = tmp_path / "proj"
     (d / "data").mkdir(parents=True)
@@ -38,8 +40,11 @@ def project(tmp_path, monkeypatch):
     (d / f"lazy_{tag}.py").write_text("OFFSET = 0.0\n")
     (d / "plug.py").write_text(PLUGIN.format(tag=tag))
     rng = np.random.default_rng(0)
-    np.savez(d / "data" / "rows.npz", x=rng.normal(size=(300, 6)).astype(np.float32),
-             y=rng.integers(0, 3, 300).astype(np.int64))
+    np.savez(
+        d / "data" / "rows.npz",
+        x=rng.normal(size=(300, 6)).astype(np.float32),
+        y=rng.integers(0, 3, 300).astype(np.int64),
+    )
     monkeypatch.syspath_prepend(str(d))
     yield d
     data.DATASETS.remove("fp_rows")
@@ -47,9 +52,25 @@ def project(tmp_path, monkeypatch):
 
 
 def _args(d, *more):
-    return ["run", "--plugin", str(d / "plug.py"), "--set", "dataset=fp_rows", "--set", f"data_dir={d / 'data'}",
-            "--set", "partition=iid", "--set", "num_clients=6", "--set", "clients_per_round=2", "--set",
-            "checkpoint_every=1", "--quiet", *more]
+    return [
+        "run",
+        "--plugin",
+        str(d / "plug.py"),
+        "--set",
+        "dataset=fp_rows",
+        "--set",
+        f"data_dir={d / 'data'}",
+        "--set",
+        "partition=iid",
+        "--set",
+        "num_clients=6",
+        "--set",
+        "clients_per_round=2",
+        "--set",
+        "checkpoint_every=1",
+        "--quiet",
+        *more,
+    ]
 
 
 def test_config_records_the_fingerprint(project, tmp_path):
@@ -57,8 +78,11 @@ def test_config_records_the_fingerprint(project, tmp_path):
     assert main(_args(project, "--set", "rounds=1", "--out", str(out))) == 0
     fp = json.loads((out / "config.json").read_text())["fingerprint"]
     tag = tmp_path.name.replace("-", "_")
-    assert set(fp["code"]) == {str(project / "plug.py"), str(project / f"helpers_{tag}.py"),
-                               str(project / f"lazy_{tag}.py")}
+    assert set(fp["code"]) == {
+        str(project / "plug.py"),
+        str(project / f"helpers_{tag}.py"),
+        str(project / f"lazy_{tag}.py"),
+    }
     assert list(fp["data"]) == [str(project / "data" / "rows.npz")]
     assert fp["data"][str(project / "data" / "rows.npz")]["size"] == os.path.getsize(project / "data" / "rows.npz")
     assert fp["world_size"] == 1 and fp["fedfast"]["version"] == fedfast_version()
@@ -68,16 +92,20 @@ def test_config_records_the_fingerprint(project, tmp_path):
 
 def fedfast_version():
     import fedfast
+
     return fedfast.__version__
 
 
-@pytest.mark.parametrize("change,named", [
-    ("helper", "code file {d}/helpers_{tag}.py (sha256"),
-    ("lazy", "code file {d}/lazy_{tag}.py (sha256"),
-    ("data", "data file {d}/data/rows.npz (sha256"),
-    ("plugin", "plugins: {d}/plug.py changed since"),
-    ("fedfast", "fedfast's code (then"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ("helper", "code file {d}/helpers_{tag}.py (sha256"),
+        ("lazy", "code file {d}/lazy_{tag}.py (sha256"),
+        ("data", "data file {d}/data/rows.npz (sha256"),
+        ("plugin", "plugins: {d}/plug.py changed since"),
+        ("fedfast", "fedfast's code (then"),
+    ],
+)
 def test_resume_refuses_a_change_and_names_it(project, tmp_path, capsys, monkeypatch, change, named):
     out = tmp_path / "r"
     tag = tmp_path.name.replace("-", "_")
@@ -88,6 +116,7 @@ def test_resume_refuses_a_change_and_names_it(project, tmp_path, capsys, monkeyp
         (project / f"lazy_{tag}.py").write_text("OFFSET = 0.5\n")
     elif change == "data":
         import numpy as np
+
         z = dict(np.load(project / "data" / "rows.npz"))
         z["x"][5, 2] += 1.0
         np.savez(project / "data" / "rows.npz", **z)
@@ -140,9 +169,28 @@ def test_a_sweep_will_not_average_seeds_of_other_code(project, tmp_path, capsys)
     cell (seed 0 is complete and skipped). The report of a study holding both keeps them apart."""
     tag = tmp_path.name.replace("-", "_")
     study = tmp_path / "study"
-    sweep = ["sweep", "--plugin", str(project / "plug.py"), "--set", "dataset=fp_rows", "--set",
-             f"data_dir={project / 'data'}", "--set", "partition=iid", "--set", "num_clients=6", "--set",
-             "clients_per_round=2", "--set", "rounds=1", "--methods", "fedavg", "--out", str(study), "--quiet"]
+    sweep = [
+        "sweep",
+        "--plugin",
+        str(project / "plug.py"),
+        "--set",
+        "dataset=fp_rows",
+        "--set",
+        f"data_dir={project / 'data'}",
+        "--set",
+        "partition=iid",
+        "--set",
+        "num_clients=6",
+        "--set",
+        "clients_per_round=2",
+        "--set",
+        "rounds=1",
+        "--methods",
+        "fedavg",
+        "--out",
+        str(study),
+        "--quiet",
+    ]
     assert main([*sweep, "--seeds", "0"]) == 0
     (project / f"helpers_{tag}.py").write_text("SCALE = 3.0\n")
     capsys.readouterr()
@@ -198,6 +246,7 @@ def test_a_module_first_imported_at_round_time_is_fingerprinted(project, tmp_pat
         fp = json.loads((out / "config.json").read_text())["fingerprint"]
         assert late in fp["code"], sorted(fp["code"])
         from fedfast.checkpoint import load
+
         assert late in load(str(out / "checkpoint.pt"))["fingerprint"]["code"]
         (project / f"late_{tag}.py").write_text("SCALE = 3.0\n")
         capsys.readouterr()
@@ -208,8 +257,16 @@ def test_a_module_first_imported_at_round_time_is_fingerprinted(project, tmp_pat
         # a sweep: seed 0 on the helper as it is now, then the helper edited; seed 1 is refused
         (project / f"late_{tag}.py").write_text("SCALE = 1.0\n")
         study = tmp_path / "study"
-        sweep = ["sweep", *_args(project, "--plugin", str(project / "late_plug.py"))[1:], "--methods",
-                 f"fp_late_{tag}", "--set", "rounds=1", "--out", str(study)]
+        sweep = [
+            "sweep",
+            *_args(project, "--plugin", str(project / "late_plug.py"))[1:],
+            "--methods",
+            f"fp_late_{tag}",
+            "--set",
+            "rounds=1",
+            "--out",
+            str(study),
+        ]
         assert main([*sweep, "--seeds", "0"]) == 0
         (project / f"late_{tag}.py").write_text("SCALE = 2.0\n")
         capsys.readouterr()

@@ -1,4 +1,5 @@
 """fedfast.flat: N models in one flat buffer, zero-copy views, torch.func batching, exact round trips."""
+
 import copy
 
 import numpy as np
@@ -11,8 +12,13 @@ from fedfast.store.state import ClientState
 
 
 def small_cnn(bn=False):
-    layers = [nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4) if bn else nn.Identity(), nn.ReLU(), nn.Flatten(),
-              nn.Linear(4 * 6 * 6, 10)]
+    layers = [
+        nn.Conv2d(1, 4, 3),
+        nn.BatchNorm2d(4) if bn else nn.Identity(),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 10),
+    ]
     return nn.Sequential(*layers)
 
 

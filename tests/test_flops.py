@@ -1,4 +1,5 @@
 """fedfast.flops: the layer count equals torch's FlopCounterMode on a real training step (forward + backward)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,11 +7,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedfast import flops, models
 
-CASES = [("simple_cnn_cifar", lambda: models.SimpleCNN(10, 3, 0.0, 32), (3, 32, 32)),
-         ("simple_cnn_mnist", lambda: models.SimpleCNN(10, 1, 0.0, 28), (1, 28, 28)),
-         ("fedavg_cnn_mnist", lambda: models.FedAvgCNN(1, 10, 28), (1, 28, 28)),
-         ("resnet8_gn", lambda: models.CifarResNet8(10), (3, 32, 32)),
-         ("mlp", lambda: models.MLP(784, (200, 200), 10), (1, 28, 28))]
+CASES = [
+    ("simple_cnn_cifar", lambda: models.SimpleCNN(10, 3, 0.0, 32), (3, 32, 32)),
+    ("simple_cnn_mnist", lambda: models.SimpleCNN(10, 1, 0.0, 28), (1, 28, 28)),
+    ("fedavg_cnn_mnist", lambda: models.FedAvgCNN(1, 10, 28), (1, 28, 28)),
+    ("resnet8_gn", lambda: models.CifarResNet8(10), (3, 32, 32)),
+    ("mlp", lambda: models.MLP(784, (200, 200), 10), (1, 28, 28)),
+]
 
 
 def _measured(model, x):

@@ -2,6 +2,7 @@
 
 Run on a GPU machine with: FEDFAST_GPU_TESTS=1 python -m pytest -m gpu tests/test_gpu.py
 """
+
 import pytest
 import torch
 
@@ -31,12 +32,29 @@ def test_gpu_distill_matches_reference(backend, R, C, kind):
     for extra in (dict(), dict(rho=rho) if kind == "full" else dict(row_weight=torch.rand(R))):
         zz = z.cuda().requires_grad_(True)
         ex = {k: v.cuda() for k, v in extra.items()}
-        l1 = ops.distill(zz, t.cuda(), y.cuda(), kind=kind, tau=2.0, kd_weight=1.3, reduction="none",
-                         backend=backend, validate="eager", **ex)
+        l1 = ops.distill(
+            zz,
+            t.cuda(),
+            y.cuda(),
+            kind=kind,
+            tau=2.0,
+            kd_weight=1.3,
+            reduction="none",
+            backend=backend,
+            validate="eager",
+            **ex,
+        )
         l1.sum().backward()
         z64 = z.double().requires_grad_(True)
-        l0 = ops.distill_reference(z64, t.double(), y, tau=2.0, kd_weight=1.3, not_true=kind == "not_true",
-                                   **{k: v.double() for k, v in extra.items()})
+        l0 = ops.distill_reference(
+            z64,
+            t.double(),
+            y,
+            tau=2.0,
+            kd_weight=1.3,
+            not_true=kind == "not_true",
+            **{k: v.double() for k, v in extra.items()},
+        )
         (g0,) = torch.autograd.grad(l0.sum(), z64)
         assert rel_err(l1.cpu(), l0.detach()) <= 1e-5
         assert rel_err(zz.grad.cpu(), g0) <= 1e-5
@@ -93,6 +111,7 @@ def test_gpu_row_scale_kernel_matches_the_tensor_ops(backend):
     ignored and out-of-range targets and bad client ids, across the one-block kernel's row blocks."""
     _need(backend)
     from fedfast.ops.distill import device_row_scale, row_scale_torch
+
     g = torch.Generator().manual_seed(1)
     for R in (1, 1023, 1025, 65536):
         for dtype in (torch.int64, torch.int32):
@@ -120,6 +139,7 @@ def test_gpu_aggregate_and_client_step(backend):
     _need(backend)
     from fedfast.ops.aggregate_reference import aggregate_reference
     from fedfast.ops.client_step_reference import client_step_reference
+
     N, P = 12, 100003
     X = torch.randn(N, P)
     g = torch.randn(P)
@@ -133,12 +153,17 @@ def test_gpu_aggregate_and_client_step(backend):
     for kw_ref, kw in [
         (dict(beta=0.9, lr=1.5, momentum=m), dict(beta=0.9, lr=1.5, momentum=cu(m))),
         (dict(state_rows=R), dict(state_rows=cu(R))),
-        (dict(state_rows=R, state_coef=coef, state_shift=shift, ring=B, ring_slot=1, ring_count=2),
-         dict(state_rows=cu(R), state_coef=cu(coef), state_shift=cu(shift), ring=cu(B), ring_slot=1,
-              ring_count=2)),
+        (
+            dict(state_rows=R, state_coef=coef, state_shift=shift, ring=B, ring_slot=1, ring_count=2),
+            dict(state_rows=cu(R), state_coef=cu(coef), state_shift=cu(shift), ring=cu(B), ring_slot=1, ring_count=2),
+        ),
     ]:
-        ref = aggregate_reference(X[ids].double(), g.double(), wn.double(), **{
-            k: (v.double() if torch.is_tensor(v) else v) for k, v in kw_ref.items()})
+        ref = aggregate_reference(
+            X[ids].double(),
+            g.double(),
+            wn.double(),
+            **{k: (v.double() if torch.is_tensor(v) else v) for k, v in kw_ref.items()},
+        )
         out = ops.aggregate(cu(X), cu(g), weights=cu(w), rows=cu(ids), backend=backend, **kw)
         for key, val in out.items():
             assert rel_err(val.cpu(), ref[key]) <= 1e-5, key
@@ -153,14 +178,37 @@ def test_gpu_aggregate_and_client_step(backend):
     act = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
     lr = torch.rand(n) * 0.1
     c = torch.randn(P)
-    kw = dict(momentum=0.9, weight_decay=1e-3, prox_mu=0.1, anchor=g, corr_vec=c, corr_rows=torch.randn(n, P),
-              corr_rows_coef=-1.0, corr_vec_scale=torch.rand(n) + 0.5, loss_rows=torch.randn(n, P) * 0.1,
-              step_vec=torch.randn(P) * 0.01, step_vec_scale=torch.rand(n) + 0.5, max_norm=5.0, active=act)
-    ref, rbuf = client_step_reference(th0.double(), G.double(), lr=lr.double(), momentum_buf=buf0.double(), **{
-        k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+    kw = dict(
+        momentum=0.9,
+        weight_decay=1e-3,
+        prox_mu=0.1,
+        anchor=g,
+        corr_vec=c,
+        corr_rows=torch.randn(n, P),
+        corr_rows_coef=-1.0,
+        corr_vec_scale=torch.rand(n) + 0.5,
+        loss_rows=torch.randn(n, P) * 0.1,
+        step_vec=torch.randn(P) * 0.01,
+        step_vec_scale=torch.rand(n) + 0.5,
+        max_norm=5.0,
+        active=act,
+    )
+    ref, rbuf = client_step_reference(
+        th0.double(),
+        G.double(),
+        lr=lr.double(),
+        momentum_buf=buf0.double(),
+        **{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()},
+    )
     th, buf = cu(th0), cu(buf0)
-    ops.client_step(th, cu(G), lr=cu(lr), momentum_buf=buf, backend=backend,
-                    **{k: (cu(v) if torch.is_tensor(v) else v) for k, v in kw.items()})
+    ops.client_step(
+        th,
+        cu(G),
+        lr=cu(lr),
+        momentum_buf=buf,
+        backend=backend,
+        **{k: (cu(v) if torch.is_tensor(v) else v) for k, v in kw.items()},
+    )
     assert rel_err(th.cpu(), ref) <= 1e-6 and rel_err(buf.cpu(), rbuf) <= 1e-6
 
 
@@ -169,31 +217,60 @@ def test_gpu_aggregate_and_client_step(backend):
 def test_gpu_client_adam(backend, decoupled):
     _need(backend)
     from fedfast.ops.client_adam_reference import client_adam_reference
+
     n, P = 5, 100003
     th0, G = torch.randn(n, P), torch.randn(n, P)
     m0, v0 = torch.randn(n, P) * 0.1, torch.rand(n, P) * 0.1
     step, lr = torch.tensor([1.0, 2.0, 5.0, 9.0, 30.0]), torch.rand(n) * 0.01
-    kw = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=torch.rand(n) * 0.01, decoupled=decoupled, prox_mu=0.1,
-              anchor=torch.randn(P), loss_rows=torch.randn(n, P) * 0.1, max_norm=50.0,
-              active=torch.tensor([True, False, True, True, True]))
-    ref = client_adam_reference(th0.double(), G.double(), m0.double(), v0.double(), step, lr=lr.double(), **{
-        k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+    kw = dict(
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=torch.rand(n) * 0.01,
+        decoupled=decoupled,
+        prox_mu=0.1,
+        anchor=torch.randn(P),
+        loss_rows=torch.randn(n, P) * 0.1,
+        max_norm=50.0,
+        active=torch.tensor([True, False, True, True, True]),
+    )
+    ref = client_adam_reference(
+        th0.double(),
+        G.double(),
+        m0.double(),
+        v0.double(),
+        step,
+        lr=lr.double(),
+        **{k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()},
+    )
     cu = lambda t: t.cuda()  # noqa: E731
     th, m, v = cu(th0), cu(m0), cu(v0)
-    ops.client_adam(th, cu(G), m, v, cu(step), lr=cu(lr), backend=backend,
-                    **{k: (cu(x) if torch.is_tensor(x) else x) for k, x in kw.items()})
+    ops.client_adam(
+        th,
+        cu(G),
+        m,
+        v,
+        cu(step),
+        lr=cu(lr),
+        backend=backend,
+        **{k: (cu(x) if torch.is_tensor(x) else x) for k, x in kw.items()},
+    )
     for got, want in zip((th, m, v), ref):
         assert rel_err(got.cpu(), want) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("algorithm,options,extra", [("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
-                                                     ("scaffold", {}, {}),
-                                                     ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
-                                                     ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
-                                                     ("fedgkd_vote", dict(buffer=2), dict(rounds=3)), ("moon", {}, {}),
-                                                     ("fedprox", dict(mu=0.1), dict(client_optimizer="adamw",
-                                                                                    momentum=0.0, lr=1e-3))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedntd", dict(tau=2.0), dict(max_grad_norm=0.5)),
+        ("scaffold", {}, {}),
+        ("feddyn+asd", dict(feddyn=dict(alpha=0.1)), {}),
+        ("fedadc_plus", dict(beta=0.8), dict(momentum=0.0)),
+        ("fedgkd_vote", dict(buffer=2), dict(rounds=3)),
+        ("moon", {}, {}),
+        ("fedprox", dict(mu=0.1), dict(client_optimizer="adamw", momentum=0.0, lr=1e-3)),
+    ],
+)
 def test_gpu_engine_matches_sequential_loop(backend, algorithm, options, extra):
     """The whole round on the GPU (batched forward, fused loss / client step / server update on `backend`)
     against the literal per-client loop on the CPU."""
@@ -215,12 +292,14 @@ def _strict_local_training(sim):
             return orig(*a, **k)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
     sim.trainer.train_chunk = strict
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("algorithm,extra", [("fedavg", {}), ("fedntd+asd", dict(max_grad_norm=1.0)),
-                                             ("scaffold", {}), ("fedadc_plus", {})])
+@pytest.mark.parametrize(
+    "algorithm,extra", [("fedavg", {}), ("fedntd+asd", dict(max_grad_norm=1.0)), ("scaffold", {}), ("fedadc_plus", {})]
+)
 def test_gpu_local_training_never_syncs(backend, algorithm, extra):
     """CUDA's sync-debug mode raises on any synchronizing call (``.item()``, a pageable host-to-device copy,
     ``nonzero``...) made while the round's local steps run on the GPU."""
@@ -231,10 +310,19 @@ def test_gpu_local_training_never_syncs(backend, algorithm, extra):
 
     _need(backend)
     train, test, part, model = _setup()
-    cfg = fedfast.SimConfig(algorithm=algorithm, clients_per_round=4, rounds=2, local_epochs=2, batch_size=10,
-                            lr=0.05, seed=3, momentum=0.9, backend=backend, **extra)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
-                             device="cuda")
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=10,
+        lr=0.05,
+        seed=3,
+        momentum=0.9,
+        backend=backend,
+        **extra,
+    )
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part, device="cuda")
     sim.round()
     _strict_local_training(sim)
     sim.round()
@@ -260,19 +348,27 @@ def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
     train, test = (text.tokenize(texts[a:b], y[a:b], tok, 4, max_length=12) for a, b in ((0, 120), (120, 160)))
     part = data.dirichlet_lda(train.y, 6, alpha=0.5, seed=1, min_size=5)
     model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)
-    cfg = fedfast.SimConfig(algorithm="fedgkd", clients_per_round=3, rounds=2, local_epochs=2, batch_size=8,
-                            lr=5e-3, client_optimizer="adam", seed=3, backend=backend)
+    cfg = fedfast.SimConfig(
+        algorithm="fedgkd",
+        clients_per_round=3,
+        rounds=2,
+        local_epochs=2,
+        batch_size=8,
+        lr=5e-3,
+        client_optimizer="adam",
+        seed=3,
+        backend=backend,
+    )
     g0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ref = sequential(cfg, model, train, part, 1)
-    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part,
-                             device="cuda")
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part, device="cuda")
     assert isinstance(sim.trainer.stack.plan, grouped.GroupedPlan)
     sim.round()
     g = sim.global_flat.cpu()
     keep = torch.ones_like(g0, dtype=torch.bool)
     for s in sim.runtime.layout.params:  # the attention key bias has a zero gradient (see test_transformers)
         if s.name.endswith("k_lin.bias"):
-            keep[s.offset:s.offset + s.numel] = False
+            keep[s.offset : s.offset + s.numel] = False
     assert float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max()) <= 1e-3
     _strict_local_training(sim)
     sim.round()
@@ -290,6 +386,7 @@ def test_gpu_dataset_and_partitions_take_indices_from_any_device():
     import numpy as np
 
     from fedfast import data
+
     _cuda()
     train, _ = data.synthetic(4, 50, 10, (1, 4, 4), seed=0)
     gpu = train.to("cuda")
@@ -302,8 +399,12 @@ def test_gpu_dataset_and_partitions_take_indices_from_any_device():
     assert torch.equal(gpu.subset(torch.tensor([5, 2])).y.cpu(), train.y[[5, 2]])
     assert torch.equal(gpu.subset(torch.tensor([5, 2]).cuda()).y.cpu(), train.y[[5, 2]])
     y = gpu.y
-    for part in (data.iid(y, 5), data.shards(y, 10, 2), data.dirichlet_lda(y, 5, 0.5, min_size=2),
-                 data.by_writer(y % 3, labels=y)):
+    for part in (
+        data.iid(y, 5),
+        data.shards(y, 10, 2),
+        data.dirichlet_lda(y, 5, 0.5, min_size=2),
+        data.by_writer(y % 3, labels=y),
+    ):
         assert sum(len(i) for i in part.indices) == len(y) and part.histogram.sum() == len(y)
     assert len(data.per_class_sample(y, 2)) == 8
 
@@ -318,16 +419,27 @@ def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
     import fedfast
     from fedfast import data, models
     from fedfast.sim.memory import fp32_semantics
+
     _cuda()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from plain_loop import plain_loop_round
+
     train, test = data.synthetic(10, 40, 20, (3, 12, 12), seed=0)
     part = data.iid(train.y, 8, seed=0)
     torch.manual_seed(0)
     model = models.SimpleCNN(10, 3, 0.0, 12)
     s = dict(algorithm="fedntd", m=4, E=2, B=10, lr=0.05, momentum=0.9, weight_decay=1e-5)
-    cfg = fedfast.SimConfig(algorithm="fedntd", options={"beta": 1.0, "tau": 1.0}, clients_per_round=4, rounds=2,
-                            local_epochs=2, batch_size=10, lr=0.05, momentum=0.9, weight_decay=1e-5)
+    cfg = fedfast.SimConfig(
+        algorithm="fedntd",
+        options={"beta": 1.0, "tau": 1.0},
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=10,
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-5,
+    )
     with fp32_semantics():
         loop = copy.deepcopy(model).cuda()
         for r in range(2):
@@ -350,6 +462,7 @@ def test_gpu_client_conv_matches_reference(impl, tf32):
     from fedfast.ops.client_conv import client_conv2d
     from test_client_conv import GEOMS, _grads, _inputs
     from fedfast.ops.client_conv import client_conv2d_reference
+
     _need("triton") if impl in ("triton", "hybrid") else _cuda()
     old = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -374,8 +487,10 @@ def test_gpu_triton_weight_gradient_split(split):
     from torch.nn.modules.utils import _pair
     from fedfast.ops.client_conv import client_conv2d_reference
     from fedfast.triton import conv
+
     g = (2, 16, 16, 16, 20, 20, 3, 1, 1, 1, False)  # 6400 pixels per client: room for shares of 16 steps
     from test_client_conv import _inputs
+
     x, w, b, s, p, d = _inputs(g)
     x.requires_grad_(True)
     w.requires_grad_(True)
@@ -401,10 +516,12 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
     from fedfast.sim.memory import fp32_semantics
     from sequential_loop import sequential
     from test_engine_conv import _cnn_setup
+
     _need("triton") if conv in ("triton", "hybrid") else _cuda()
     train, test, part, model = _cnn_setup()
-    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
-                            seed=1, conv=conv)
+    cfg = fedfast.SimConfig(
+        algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9, seed=1, conv=conv
+    )
     ref = sequential(cfg, copy.deepcopy(model), train, part, cfg.rounds)
     with fp32_semantics():
         sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
@@ -420,6 +537,7 @@ def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     import fedfast
     from fedfast import data
     from torch import nn
+
     _cuda()
     train, test = data.synthetic(3, 4000, 10, (3072,), seed=0)
     part = data.iid(train.y, 4000, seed=0)
@@ -428,8 +546,14 @@ def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     with pytest.raises(fedfast.OutOfMemory, match=r"client_chunk: 4000 clients.*GiB.*client_chunk = \d+"):
         fedfast.Simulation(big, model, train.to("cuda"), test.to("cuda"), part, device="cuda")
     # per-client state of 4000 clients x 10.5M parameters (168 GB dense) holds rows only for the clients trained
-    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="scaffold", clients_per_round=2), model, train.to("cuda"),
-                             test.to("cuda"), part, device="cuda")
+    sim = fedfast.Simulation(
+        fedfast.SimConfig(algorithm="scaffold", clients_per_round=2),
+        model,
+        train.to("cuda"),
+        test.to("cuda"),
+        part,
+        device="cuda",
+    )
     st = sim.method.client_state
     assert st.written == 0 and st.nbytes < 2 * st.row_bytes + st.slot_of.nbytes
 
@@ -439,6 +563,7 @@ def test_gpu_state_store_in_pinned_memory_and_on_disk_equals_the_device_store(tm
     file: the same global model and state, bit for bit."""
     import fedfast
     from fedfast import data, models
+
     _cuda()
     train, test = data.synthetic(3, 600, 60, (16,), seed=0)
     part = data.iid(train.y, 40, seed=0)
@@ -446,8 +571,15 @@ def test_gpu_state_store_in_pinned_memory_and_on_disk_equals_the_device_store(tm
     for kw in (dict(state_store="memory"), dict(state_store="auto", state_on_host=True), dict(state_store="disk")):
         torch.manual_seed(0)
         cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=8, rounds=4, **kw)
-        sim = fedfast.Simulation(cfg, models.MLP(16, (32,), 3), train.to("cuda"), test.to("cuda"), part,
-                                 device="cuda", state_dir=str(tmp_path))
+        sim = fedfast.Simulation(
+            cfg,
+            models.MLP(16, (32,), 3),
+            train.to("cuda"),
+            test.to("cuda"),
+            part,
+            device="cuda",
+            state_dir=str(tmp_path),
+        )
         sim.run()
         st = sim.method.client_state
         assert st.on_disk == (kw["state_store"] == "disk") and st.pin == bool(kw.get("state_on_host"))
@@ -461,6 +593,7 @@ def test_gpu_bench_losses_against_the_authors_code():
     allocator's peak device memory."""
     _cuda()
     from fedfast import bench
+
     for loss in bench.LOSSES:
         z, t, y, extra = bench.inputs(loss, 96, 50, seed=2, device="cuda")
         za, zf = z.clone().requires_grad_(), z.clone().requires_grad_()
@@ -477,6 +610,7 @@ def test_gpu_bench_losses_against_the_authors_code():
 def test_gpu_float64_losses_are_float64_with_the_automatic_backend():
     _cuda()
     from fedfast.ops.distill_reference import distill_reference
+
     g = torch.Generator().manual_seed(0)
     z, t = torch.randn(40, 9, generator=g, dtype=torch.float64), torch.randn(40, 9, generator=g, dtype=torch.float64)
     y = torch.randint(0, 9, (40,), generator=g)
@@ -495,6 +629,7 @@ def test_gpu_client_batch_norm_matches_the_float64_reference(layout):
     _cuda()
     from fedfast.ops.client_batch_norm import client_batch_norm
     from fedfast.ops.client_batch_norm_reference import client_batch_norm_reference
+
     g = torch.Generator().manual_seed(0)
     n, C, B = 5, 16, 20
     x = torch.randn(B, n * C, 7, 7, generator=g, dtype=torch.float64) * 2 + 3
@@ -506,15 +641,27 @@ def test_gpu_client_batch_norm_matches_the_float64_reference(layout):
     f64 = dict(generator=g, dtype=torch.float64)
     running = (torch.randn(n, C, **f64), torch.rand(n, C, **f64) + 0.5, torch.full((n,), 3.0, dtype=torch.float64))
     outs = []
-    for fn, dev, dt in ((client_batch_norm_reference, "cpu", torch.float64),
-                        (client_batch_norm, "cuda", torch.float32)):
+    for fn, dev, dt in (
+        (client_batch_norm_reference, "cpu", torch.float64),
+        (client_batch_norm, "cuda", torch.float32),
+    ):
         xx = x.to(dev, dt)
         if layout == "nhwc":
             xx = xx.contiguous(memory_format=torch.channels_last)
         xx, ww, bb = (t.to(dev, dt).detach().clone().requires_grad_() for t in (xx, w, b))
         rm, rv, nbt = (t.to(dev, dt).clone() for t in running)
-        y = fn(xx, n, ww, bb, valid=valid.to(dev), running_mean=rm, running_var=rv, num_batches_tracked=nbt,
-               update=True, momentum=0.1)
+        y = fn(
+            xx,
+            n,
+            ww,
+            bb,
+            valid=valid.to(dev),
+            running_mean=rm,
+            running_var=rv,
+            num_batches_tracked=nbt,
+            update=True,
+            momentum=0.1,
+        )
         (y * gy.to(dev, dt)).sum().backward()
         outs.append([t.detach().double().cpu() for t in (y, xx.grad, ww.grad, bb.grad, rm, rv)])
     m = valid.t().repeat_interleave(C, 1)[:, :, None, None].expand_as(x)  # padding rows: outputs unused
@@ -537,6 +684,7 @@ def test_gpu_batch_norm_resnet_equals_the_loop(executor, tf32):
     from fedfast.sim.memory import tf32_semantics
     from sequential_loop import PlainLoop
     from test_batch_norm import _Data, _max_rel, _resnet_run
+
     cfg, model, train, test, part = _resnet_run(executor, smooth=True)
     ref = PlainLoop(cfg, copy.deepcopy(model).double(), _Data(train), part)
     ref.run(cfg.rounds)
@@ -568,10 +716,12 @@ def test_gpu_engine_with_tf32_on_is_as_close_as_the_tf32_loop(conv):
     from sequential_loop import sequential
     from test_batch_norm import _Data
     from test_engine_conv import _cnn_setup
+
     _need("triton")
     train, test, part, model = _cnn_setup()
-    cfg = fedfast.SimConfig(algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9,
-                            seed=1, conv=conv)
+    cfg = fedfast.SimConfig(
+        algorithm="fedntd", clients_per_round=3, rounds=2, batch_size=8, lr=0.05, momentum=0.9, seed=1, conv=conv
+    )
     ref = sequential(cfg, copy.deepcopy(model).double(), _Data(train), part, cfg.rounds).cpu()
     with tf32_semantics():
         loop = sequential(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), part, cfg.rounds).cpu()
@@ -590,11 +740,14 @@ def test_gpu_linear_kd_loss_matches_the_unfused_float64_loss(backend, reduction)
     against Linear + KDLoss in float64 on the CPU: value and the hidden, weight and bias gradients to 1e-5."""
     _need(backend)
     import fedfast.nn as fnn
+
     g = torch.Generator().manual_seed(0)
     R, H, V = 300, 64, 1000
     h, th = torch.randn(R, H, generator=g, dtype=torch.float64), torch.randn(R, 32, generator=g, dtype=torch.float64)
-    W, tW = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2, torch.randn(V, 32, generator=g,
-                                                                                  dtype=torch.float64) * 0.2
+    W, tW = (
+        torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2,
+        torch.randn(V, 32, generator=g, dtype=torch.float64) * 0.2,
+    )
     b, tb = torch.randn(V, generator=g, dtype=torch.float64), torch.randn(V, generator=g, dtype=torch.float64)
     y = torch.randint(0, V, (R,), generator=g)
     y[5] = -100
@@ -604,14 +757,22 @@ def test_gpu_linear_kd_loss_matches_the_unfused_float64_loss(backend, reduction)
     want = plain(h.requires_grad_() @ W.requires_grad_().T + b.requires_grad_(), th @ tW.T + tb, y, **kw)
     wgt = torch.linspace(0.5, 2.0, want.numel(), dtype=torch.float64).reshape(want.shape)
     gw = torch.autograd.grad((want * wgt).sum(), (h, W, b))
-    fused = fnn.LinearKDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction, chunk_rows=96,
-                             backend=backend)
+    fused = fnn.LinearKDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction, chunk_rows=96, backend=backend)
     cu = lambda t: t.detach().float().cuda()  # noqa: E731
     hc, Wc, bc = (cu(t).requires_grad_() for t in (h, W, b))
     from fedfast.sim.memory import fp32_semantics
+
     with fp32_semantics():
-        got = fused(hc, Wc, y.cuda(), bias=bc, teacher_hidden=cu(th), teacher_weight=cu(tW), teacher_bias=cu(tb),
-                    **{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()})
+        got = fused(
+            hc,
+            Wc,
+            y.cuda(),
+            bias=bc,
+            teacher_hidden=cu(th),
+            teacher_weight=cu(tW),
+            teacher_bias=cu(tb),
+            **{k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()},
+        )
         gg = torch.autograd.grad((got * cu(wgt)).sum(), (hc, Wc, bc))
     assert got.shape == want.shape and rel_err(got.detach().double().cpu(), want.detach()) <= 1e-5
     for a, e in zip(gg, gw):
@@ -623,6 +784,7 @@ def test_gpu_dp_fedavg_aggregate_on_triton_and_refused_on_cuda():
     automatic backend picks) against the float64 loop; the CUDA kernel refuses it by name."""
     _need("triton")
     from test_aggregate import _dp_loop
+
     torch.manual_seed(0)
     N, P = 9, 100003
     g = torch.randn(P)
@@ -632,8 +794,9 @@ def test_gpu_dp_fedavg_aggregate_on_triton_and_refused_on_cuda():
     rows = torch.tensor([0, 3, 4, 8])
     want = _dp_loop(X[rows], g, 0.5, noise, 1.5)
     for be in ("triton", None):
-        out = ops.aggregate(X.cuda(), g.cuda(), rows=rows.cuda(), dp_clip=0.5, dp_noise=noise.cuda(),
-                            dp_denominator=1.5, backend=be)
+        out = ops.aggregate(
+            X.cuda(), g.cuda(), rows=rows.cuda(), dp_clip=0.5, dp_noise=noise.cuda(), dp_denominator=1.5, backend=be
+        )
         assert rel_err(out["global"].double().cpu(), want) <= 1e-6
     if _backend.available("cuda", "cuda"):
         with pytest.raises(ValueError, match="backend"):
@@ -652,11 +815,30 @@ def test_gpu_client_step_delta_norm(backend):
     for adam in (False, True):
         theta, out = theta0.clone(), torch.full((n,), -1.0, device="cuda")
         if adam:
-            ops.client_adam(theta, G, torch.zeros_like(G), torch.zeros_like(G), 1, lr=0.01, active=act,
-                            delta_from=start, delta_norm=out, backend=backend)
+            ops.client_adam(
+                theta,
+                G,
+                torch.zeros_like(G),
+                torch.zeros_like(G),
+                1,
+                lr=0.01,
+                active=act,
+                delta_from=start,
+                delta_norm=out,
+                backend=backend,
+            )
         else:
-            ops.client_step(theta, G, lr=0.1, momentum=0.9, momentum_buf=torch.zeros_like(G), active=act,
-                            delta_from=start, delta_norm=out, backend=backend)
+            ops.client_step(
+                theta,
+                G,
+                lr=0.1,
+                momentum=0.9,
+                momentum_buf=torch.zeros_like(G),
+                active=act,
+                delta_from=start,
+                delta_norm=out,
+                backend=backend,
+            )
         want = torch.linalg.vector_norm(theta.double() - start.double(), dim=1)
         assert float(((out.double() - want).abs() / want)[act].max()) <= 1e-6 and float(out[2]) == -1.0
 
@@ -671,9 +853,20 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
 
     import fedfast
     from sequential_loop import sequential, setup_data
+
     train, test, part, model = setup_data("mlp")
-    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=3, local_epochs=1, batch_size=16, lr=0.05, seed=3,
-              max_grad_norm=0.0, dp_clip=0.05, backend=backend)
+    kw = dict(
+        algorithm="fedavg",
+        clients_per_round=4,
+        rounds=3,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=3,
+        max_grad_norm=0.0,
+        dp_clip=0.05,
+        backend=backend,
+    )
     cfg = fedfast.SimConfig(**kw, dp_noise_multiplier=0.0)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device="cuda")
     start = copy.deepcopy(sim.model).cpu()
@@ -681,7 +874,12 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
     ref = sequential(cfg, start, train, part, cfg.rounds, dp=dict(clip=0.05, z=0.0, E=4.0, gen=torch.Generator()))
     assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5
     from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
-    p = RoundPrivacy(PrivacySettings.of(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3)), fedfast.SimConfig().method(), 100,
-                     torch.device("cuda"))
+
+    p = RoundPrivacy(
+        PrivacySettings.of(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3)),
+        fedfast.SimConfig().method(),
+        100,
+        torch.device("cuda"),
+    )
     noise = p.average(torch.zeros(1_000_000, device="cuda"), torch.zeros(1_000_000, device="cuda"))
     assert abs(float(noise.std()) / (1.3 * 0.05 / 4) - 1) < 5e-3

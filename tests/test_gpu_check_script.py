@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh's own logic, on a machine without a GPU: an unknown stage and a stage past DEADLINE are
 reported in the log and the exit status (a device call is killed at 600 s: the script must end, log written,
 before that), and a stage that fits runs with its limit shown."""
+
 import os
 import subprocess
 import sys
@@ -9,10 +10,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(tmp_path, *stages, **env):
-    e = dict(os.environ, OUT=str(tmp_path), PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-             **{k: str(v) for k, v in env.items()})
-    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *stages], env=e, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    e = dict(
+        os.environ,
+        OUT=str(tmp_path),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        **{k: str(v) for k, v in env.items()},
+    )
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *stages],
+        env=e,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return p.returncode, (tmp_path / "gpu_check.log").read_text()
 
 

@@ -1,6 +1,7 @@
 """Issue 50: hooks return what they compute and the engine owns the accumulation; Round is read-only for methods.
 A plug-in written to the old guide (writing ctx.new_rows, ctx.incr, ctx.reduce) keeps working for one release with a
 DeprecationWarning naming the new form, and ends where the new form ends; wrong returns are refused naming the hook."""
+
 import copy
 
 import pytest
@@ -79,6 +80,7 @@ def registered():
         register(name)(cls)
         names.append(name)
         return name
+
     yield add
     for n in names:
         fedfast.methods.unregister(n)
@@ -109,13 +111,19 @@ def test_a_round_is_read_only_for_methods(registered):
         _sim(registered("hooks_writes_test", Writes)).round()
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda ctx, n: 3, r"collect.*must return a fedfast.methods.Collected"),
-    (lambda ctx, n: Collected(rows=torch.zeros(n, 7)), r"Collected.rows must be the chunk's clients' new rows"),
-    (lambda ctx, n: Collected(increment=torch.zeros(3)), r"Collected.increment must be a tensor"),
-    (lambda ctx, n: Collected(sums={"other": torch.zeros(())}), r"Collected.sums\['other'\]: not one of the round's"),
-    (lambda ctx, n: Collected(sums={"sq": torch.zeros(2)}), r"Collected.sums\['sq'\] must be a tensor \(\)"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda ctx, n: 3, r"collect.*must return a fedfast.methods.Collected"),
+        (lambda ctx, n: Collected(rows=torch.zeros(n, 7)), r"Collected.rows must be the chunk's clients' new rows"),
+        (lambda ctx, n: Collected(increment=torch.zeros(3)), r"Collected.increment must be a tensor"),
+        (
+            lambda ctx, n: Collected(sums={"other": torch.zeros(())}),
+            r"Collected.sums\['other'\]: not one of the round's",
+        ),
+        (lambda ctx, n: Collected(sums={"sq": torch.zeros(2)}), r"Collected.sums\['sq'\] must be a tensor \(\)"),
+    ],
+)
 def test_wrong_returns_are_refused_naming_the_hook(registered, bad, match):
     class Wrong(NewForm):
         def collect(self, ctx, out, lo, hi):

@@ -1,6 +1,7 @@
 """The output layer fused with the distillation loss in row chunks (fedfast.ops.linear_distill, fedfast.nn.LinearKDLoss,
 issue 36): equal to the unfused layer + KDLoss in value and in the gradients of hidden, weight and bias, at any chunk
 size; the teacher as logits or as hidden states + its own head; memory without the [R, V] logits."""
+
 import importlib
 import os
 import subprocess
@@ -43,25 +44,42 @@ def _grads(fn, *xs):
 def test_equals_the_unfused_layer_and_loss(backend, chunk, not_true, reduction):
     h, W, b, th, tW, tb, y = _case()
     t = th @ tW.T + tb
-    fused = fnn.LinearKDLoss(tau=2.0, ce_weight=0.7, not_true=not_true, reduction=reduction, chunk_rows=chunk,
-                             backend=backend)
-    plain = (fnn.NTDLoss(tau=2.0, beta=1.0, reduction=reduction) if not_true else
-             fnn.KDLoss(tau=2.0, ce_weight=0.7, reduction=reduction))
+    fused = fnn.LinearKDLoss(
+        tau=2.0, ce_weight=0.7, not_true=not_true, reduction=reduction, chunk_rows=chunk, backend=backend
+    )
+    plain = (
+        fnn.NTDLoss(tau=2.0, beta=1.0, reduction=reduction)
+        if not_true
+        else fnn.KDLoss(tau=2.0, ce_weight=0.7, reduction=reduction)
+    )
     if not_true:  # NTDLoss has no ce_weight: compare against the op with the same weights
+
         def ref(h_, W_, b_):
-            return ops.distill(h_ @ W_.T + b_, t, y, tau=2.0, ce_weight=0.7, kd_weight=4.0, kind="not_true",
-                               reduction=reduction, backend="reference")
+            return ops.distill(
+                h_ @ W_.T + b_,
+                t,
+                y,
+                tau=2.0,
+                ce_weight=0.7,
+                kd_weight=4.0,
+                kind="not_true",
+                reduction=reduction,
+                backend="reference",
+            )
     else:
+
         def ref(h_, W_, b_):
             return plain(h_ @ W_.T + b_, t, y)
+
     want, gw = _grads(ref, h, W, b)
     got, gg = _grads(lambda h_, W_, b_: fused(h_, W_, y, t, bias=b_), h, W, b)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
     for a, e in zip(gg, gw):
         assert torch.allclose(a, e, rtol=1e-10, atol=1e-13)
     # the teacher as hidden states and its own head: the same
-    got2, gg2 = _grads(lambda h_, W_, b_: fused(h_, W_, y, bias=b_, teacher_hidden=th, teacher_weight=tW,
-                                                  teacher_bias=tb), h, W, b)
+    got2, gg2 = _grads(
+        lambda h_, W_, b_: fused(h_, W_, y, bias=b_, teacher_hidden=th, teacher_weight=tW, teacher_bias=tb), h, W, b
+    )
     assert torch.allclose(got2, want, rtol=1e-12, atol=1e-14)
     assert all(torch.allclose(a, e, rtol=1e-10, atol=1e-13) for a, e in zip(gg2, gw))
 
@@ -71,32 +89,35 @@ def test_float32_without_bias_and_first_order_only():
     t = th @ tW.T
     want, gw = _grads(lambda h_, W_: fnn.KDLoss(tau=3.0)(h_ @ W_.T, t, y), h, W)
     got, gg = _grads(lambda h_, W_: fnn.LinearKDLoss(tau=3.0, chunk_rows=7)(h_, W_, y, t), h, W)
-    assert torch.allclose(got, want, rtol=1e-5) and all(torch.allclose(a, e, rtol=1e-4, atol=1e-6)
-                                                         for a, e in zip(gg, gw))
+    assert torch.allclose(got, want, rtol=1e-5) and all(
+        torch.allclose(a, e, rtol=1e-4, atol=1e-6) for a, e in zip(gg, gw)
+    )
     # create_graph=True gives the right first derivative (for the rows reductions too); only a second one is refused
     hh = h.clone().requires_grad_()
-    g, = torch.autograd.grad(fnn.LinearKDLoss()(hh, W, y, t), hh)
+    (g,) = torch.autograd.grad(fnn.LinearKDLoss()(hh, W, y, t), hh)
     for red in ("mean", "none"):
         out = fnn.LinearKDLoss(reduction=red)(hh, W, y, t)
-        g2, = torch.autograd.grad(out.sum() / (len(y) - 1 if red == "none" else 1), hh, create_graph=True)
+        (g2,) = torch.autograd.grad(out.sum() / (len(y) - 1 if red == "none" else 1), hh, create_graph=True)
         assert torch.allclose(g2, g, rtol=1e-5, atol=1e-7)
         with pytest.raises(RuntimeError, match="first-order"):
-            torch.autograd.grad((g2 ** 2).sum(), hh)
+            torch.autograd.grad((g2**2).sum(), hh)
 
 
 def test_bad_arguments_are_named():
     h, W, b, th, tW, tb, y = _case()
     t = th @ tW.T
-    cases = [(dict(teacher_logits=t, teacher_hidden=th, teacher_weight=tW), "teacher_logits / teacher_hidden"),
-             (dict(teacher_logits=t[:, :4]), "teacher_logits: expected"),
-             (dict(teacher_hidden=th, teacher_weight=tW[:, :3]), "teacher_hidden / teacher_weight"),
-             (dict(teacher_logits=t, bias=b[:3]), "bias: expected"),
-             (dict(teacher_logits=t, reduction="bogus"), "reduction"),
-             (dict(teacher_logits=t, reduction="segment"), "reduction: 'segment' needs `segments`"),
-             (dict(teacher_logits=t, detach_teacher=False), "detach_teacher: linear_distill's teacher is a fixed"),
-             (dict(teacher_logits=t, double_backward=True), "double_backward: the fused backward is first-order"),
-             (dict(teacher_logits=t, chunk_rows=0), "chunk_rows"),
-             (dict(teacher_logits=t, kind="mixed"), "kind")]
+    cases = [
+        (dict(teacher_logits=t, teacher_hidden=th, teacher_weight=tW), "teacher_logits / teacher_hidden"),
+        (dict(teacher_logits=t[:, :4]), "teacher_logits: expected"),
+        (dict(teacher_hidden=th, teacher_weight=tW[:, :3]), "teacher_hidden / teacher_weight"),
+        (dict(teacher_logits=t, bias=b[:3]), "bias: expected"),
+        (dict(teacher_logits=t, reduction="bogus"), "reduction"),
+        (dict(teacher_logits=t, reduction="segment"), "reduction: 'segment' needs `segments`"),
+        (dict(teacher_logits=t, detach_teacher=False), "detach_teacher: linear_distill's teacher is a fixed"),
+        (dict(teacher_logits=t, double_backward=True), "double_backward: the fused backward is first-order"),
+        (dict(teacher_logits=t, chunk_rows=0), "chunk_rows"),
+        (dict(teacher_logits=t, kind="mixed"), "kind"),
+    ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             ops.linear_distill(h, W, y, **kw)
@@ -106,21 +127,24 @@ def test_bad_arguments_are_named():
         ops.linear_distill(h, W, torch.full_like(y, 99), t)
     with pytest.raises(ValueError, match="target: expected shape"):
         ops.linear_distill(h, W, y[:3], t)
-    for kw, msg in ((dict(detach_teacher=False), "detach_teacher: LinearKDLoss"),
-                    (dict(double_backward=True), "double_backward: LinearKDLoss"), (dict(reduction="x"), "reduction")):
+    for kw, msg in (
+        (dict(detach_teacher=False), "detach_teacher: LinearKDLoss"),
+        (dict(double_backward=True), "double_backward: LinearKDLoss"),
+        (dict(reduction="x"), "reduction"),
+    ):
         with pytest.raises(ValueError, match=msg):
             fnn.LinearKDLoss(**kw)
 
 
 # the child processes' prelude: st(key) reads a /proc/self/status field in bytes (VmRSS, VmHWM)
-_RSS_CHILD = textwrap.dedent('''
+_RSS_CHILD = textwrap.dedent("""
     import gc, sys, torch
     import fedfast.nn as fnn
     def st(k):
         for line in open("/proc/self/status"):
             if line.startswith(k + ":"):
                 return int(line.split()[1]) * 1024
-''')
+""")
 
 
 @pytest.mark.slow
@@ -132,7 +156,7 @@ def test_memory_stays_below_one_logits_buffer(tmp_path):
     buffer); the unfused layer + KDLoss (the teacher's logits formed first) by more than two logits buffers."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    child = _RSS_CHILD + textwrap.dedent('''
+    child = _RSS_CHILD + textwrap.dedent("""
         R, H, V = 2048, 64, 32768
         g = torch.Generator().manual_seed(0)
         h, W = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.1
@@ -155,13 +179,14 @@ def test_memory_stays_below_one_logits_buffer(tmp_path):
         open("/proc/self/clear_refs", "w").write("5"); base = st("VmRSS")
         out = step()
         print((st("VmHWM") - base) / (R * V * 4))
-    ''')
+    """)
     res = {}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for mode in ("fused", "default", "plain"):
         (tmp_path / "m.py").write_text(child)
-        r = subprocess.run([sys.executable, str(tmp_path / "m.py"), mode], capture_output=True, text=True, env=env,
-                           timeout=300)
+        r = subprocess.run(
+            [sys.executable, str(tmp_path / "m.py"), mode], capture_output=True, text=True, env=env, timeout=300
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         res[mode] = float(r.stdout.split()[-1])
     assert res["fused"] <= 0.5 and res["default"] <= 1.0 and res["plain"] >= 2.0, res
@@ -169,21 +194,27 @@ def test_memory_stays_below_one_logits_buffer(tmp_path):
 
 # ---- issue 47: a first-class fused loss --------------------------------------------------------------------------
 
+
 def _unfused(reduction, segments=None, num_segments=None, not_true=False):
     """The unfused layer + the module's own loss, as a user would write it."""
-    loss = (fnn.NTDLoss(tau=2.0, beta=0.6, reduction=reduction) if not_true else
-            fnn.KDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction))
+    loss = (
+        fnn.NTDLoss(tau=2.0, beta=0.6, reduction=reduction)
+        if not_true
+        else fnn.KDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction)
+    )
 
     def f(h_, W_, b_, t, y):
         kw = {} if segments is None else dict(segments=segments, num_segments=num_segments)
         return loss(h_ @ W_.T + b_, t, y, **kw)
+
     return f
 
 
 def _fused(reduction, not_true=False, chunk=3):
     if not_true:
-        return fnn.LinearKDLoss(tau=2.0, ce_weight=1.0, kd_weight=0.6, not_true=True, reduction=reduction,
-                                chunk_rows=chunk)
+        return fnn.LinearKDLoss(
+            tau=2.0, ce_weight=1.0, kd_weight=0.6, not_true=True, reduction=reduction, chunk_rows=chunk
+        )
     return fnn.LinearKDLoss(tau=2.0, ce_weight=0.7, kd_weight=0.6, reduction=reduction, chunk_rows=chunk)
 
 
@@ -195,7 +226,7 @@ def test_every_reduction_and_segments_equal_the_unfused_loss(reduction, not_true
     h, W, b, th, tW, tb, y = _case(R=13)
     t = th @ tW.T + tb
     seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3])
-    for segments in ((None, seg) if reduction != "segment" else (seg,)):
+    for segments in (None, seg) if reduction != "segment" else (seg,):
         S = None if segments is None else 4
         ref = _unfused(reduction, segments, S, not_true)
         fused = _fused(reduction, not_true)
@@ -242,6 +273,7 @@ def test_no_gradient_work_without_anything_to_differentiate(monkeypatch):
     def spy(*a, **k):
         seen.append(tuple(a[-3:]) + (k["rows"],))  # need_h, need_W, need_b, rows
         return real(*a, **k)
+
     monkeypatch.setattr(ld, "_pass", spy)
     h, W, b, th, tW, tb, y = _case(torch.float32)
     t = th @ tW.T
@@ -268,6 +300,7 @@ def test_the_weight_gradient_is_written_once():
         out = real(*a, **k)
         made.append(out[2].data_ptr())  # not the tensor: a reference held here would make autograd copy it
         return out
+
     try:
         ld._pass = spy
         WW = W.clone().requires_grad_()
@@ -335,6 +368,7 @@ def test_composes_with_compile_export_trace_and_func(how, reduction):
 
         def f(p, h_):
             return torch.func.functional_call(m, p, (h_, y, th, tW))
+
         (gp, gh), val = torch.func.grad_and_value(f, argnums=(0, 1))(params, h)
         got = (val, gh, gp["W"], gp["b"])
     else:
@@ -387,6 +421,7 @@ def test_vmap_of_grad_over_models_with_their_own_labels(reduction):
 
     def u(h_, W_, t_, y_):
         return plain(h_ @ W_.T, t_, y_).sum()
+
     for dims, WW in (((0, 0, 0, 0), W), ((0, None, 0, 0), W[0])):
         got = torch.func.vmap(torch.func.grad_and_value(f, argnums=(0, 1)), in_dims=dims)(h, WW, t, y)
         want = torch.func.vmap(torch.func.grad_and_value(u, argnums=(0, 1)), in_dims=dims)(h, WW, t, y)
@@ -403,7 +438,7 @@ def test_backward_allocates_nothing_weight_sized():
     quarter of the weight (autograd materialised weight-sized zeros for the gradient outputs before: + 1.0)."""
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs")
-    child = _RSS_CHILD + textwrap.dedent('''
+    child = _RSS_CHILD + textwrap.dedent("""
         R, H, V = 256, 1024, 8192
         h = torch.randn(R, H).requires_grad_()
         W = (torch.randn(V, H) * 0.03).requires_grad_()
@@ -419,7 +454,7 @@ def test_backward_allocates_nothing_weight_sized():
             loss.backward()
             worst = max(worst, (st("VmHWM") - base) / (V * H * 4))
         print(worst)
-    ''')
+    """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

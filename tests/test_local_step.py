@@ -1,13 +1,22 @@
 """fedfast.local_step alone: the client optimisers against torch.optim per client (fresh at every reset, the
 inactive rows untouched), SAM's gradient against its formula, and the rows each keeps (issue 37)."""
+
 import pytest
 import torch
 from torch import nn
 
 import fedfast
 from fedfast.flat import ClientStack
-from fedfast.local_step import (OPTIMIZERS, SAM_EPS, Adam, OptimizerSettings, PlainGradient, SAMGradient, SGD,
-                                client_optimizer)
+from fedfast.local_step import (
+    OPTIMIZERS,
+    SAM_EPS,
+    Adam,
+    OptimizerSettings,
+    PlainGradient,
+    SAMGradient,
+    SGD,
+    client_optimizer,
+)
 
 
 def _grads(n, P, steps, seed=0):
@@ -15,8 +24,14 @@ def _grads(n, P, steps, seed=0):
     return [torch.randn(n, P, generator=g) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("opt,kw", [("sgd", dict(momentum=0.9, weight_decay=0.01)), ("adam", dict(weight_decay=0.01)),
-                                    ("adamw", dict(weight_decay=0.01, adam_betas=(0.8, 0.99)))])
+@pytest.mark.parametrize(
+    "opt,kw",
+    [
+        ("sgd", dict(momentum=0.9, weight_decay=0.01)),
+        ("adam", dict(weight_decay=0.01)),
+        ("adamw", dict(weight_decay=0.01, adam_betas=(0.8, 0.99))),
+    ],
+)
 def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
     cfg = fedfast.SimConfig(client_optimizer=opt, lr=0.05, **kw)
     n, P = 3, 7
@@ -34,11 +49,15 @@ def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
             o.step(theta, g[:a], a, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, max_norm=None, backend=None))
     for k in range(n):
         w = nn.Parameter(start[k].clone())
-        ref = {"sgd": lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay),
-               "adam": lambda p: torch.optim.Adam(p, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                                  weight_decay=cfg.weight_decay),
-               "adamw": lambda p: torch.optim.AdamW(p, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                                    weight_decay=cfg.weight_decay)}[opt]([w])
+        ref = {
+            "sgd": lambda p: torch.optim.SGD(p, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay),
+            "adam": lambda p: torch.optim.Adam(
+                p, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            ),
+            "adamw": lambda p: torch.optim.AdamW(
+                p, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            ),
+        }[opt]([w])
         for g, a in zip(grads, actives):
             if k < a:
                 w.grad = g[k].clone()
@@ -61,6 +80,7 @@ def test_sam_gradient_is_the_gradient_at_the_perturbed_weights():
 
     def loss_at(pv):
         return (stack.vmap_forward(x, params=pv) ** 2).sum()
+
     pv = stack.leaf_views(slice(0, 2))
     plain = PlainGradient().gradient(stack, loss_at(pv), pv, 2, None, torch.empty(2, stack.P))
     sam = SAMGradient(stack.params)

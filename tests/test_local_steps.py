@@ -1,5 +1,6 @@
 """SimConfig.local_steps: a fixed number of minibatch steps per client and round (FedGen's protocol) through
 successive passes over the client's data, equal to a literal loop that walks the same passes."""
+
 import copy
 
 import numpy as np
@@ -29,10 +30,14 @@ def literal(cfg, model, train, part, rounds):
             batches, e = [], 0
             steps = cfg.local_steps or float("inf")
             while len(batches) < steps and (cfg.local_steps or e < cfg.local_epochs):  # pass after pass, each in
-                batches += _batches(idx, client_order(cfg.seed, rnd, int(k), e, len(idx)), cfg.batch_size,  # the
-                                    cfg.drop_last)                                                  # seeded order
+                batches += _batches(
+                    idx,
+                    client_order(cfg.seed, rnd, int(k), e, len(idx)),
+                    cfg.batch_size,  # the
+                    cfg.drop_last,
+                )  # seeded order
                 e += 1
-            for b in batches[:cfg.local_steps] if cfg.local_steps else batches:
+            for b in batches[: cfg.local_steps] if cfg.local_steps else batches:
                 x, y = train.batch(b)
                 opt.zero_grad()
                 F.cross_entropy(local(x), y).backward()
@@ -44,8 +49,9 @@ def literal(cfg, model, train, part, rounds):
     return flat(glob)
 
 
-@pytest.mark.parametrize("steps,extra", [(3, {}), (11, dict(momentum=0.9, client_chunk=2)),
-                                         (11, dict(drop_last=True, batch_size=4))])
+@pytest.mark.parametrize(
+    "steps,extra", [(3, {}), (11, dict(momentum=0.9, client_chunk=2)), (11, dict(drop_last=True, batch_size=4))]
+)
 def test_local_steps_equal_the_literal_loop(steps, extra):
     """Clients of unequal sizes (5..40 rows, B = 16): 3 steps stop inside the first pass; 11 steps wrap around
     several passes with a partial batch at the end of each."""
@@ -64,8 +70,7 @@ def test_local_steps_equal_the_literal_loop(steps, extra):
 
 def test_local_steps_rounds_and_methods_see_the_steps():
     train, test, part, model = setup_data()
-    cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=3, rounds=1, batch_size=16, lr=0.05,
-                            local_steps=7)
+    cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=3, rounds=1, batch_size=16, lr=0.05, local_steps=7)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     ctx, totals, _ = sim.plan.sample(sim.rnd)
     assert (ctx.steps == 7).all() and ctx.epochs == 1 and totals["steps"] == 21
@@ -82,8 +87,16 @@ def test_local_steps_rounds_and_methods_see_the_steps():
 
 def test_drop_last_in_epochs_mode_equals_the_literal_loop_and_refuses_small_clients():
     train, test, part, model = setup_data()
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=4, rounds=2, batch_size=6, lr=0.05,
-                            local_epochs=2, drop_last=True, momentum=0.9)
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg",
+        clients_per_round=4,
+        rounds=2,
+        batch_size=6,
+        lr=0.05,
+        local_epochs=2,
+        drop_last=True,
+        momentum=0.9,
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     sim.run()
     ref = literal(cfg, model, train, part, 2)

@@ -1,5 +1,6 @@
 """The drop-in modules against independent, naive PyTorch formulas written from the papers, plus the
 spec's properties (methods-*.md) and reductions/segments."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +16,12 @@ BACKENDS = cpu_backends()
 
 def kl_rows(p_logits, q_logits, tau):
     """KL(softmax(p/tau) || softmax(q/tau)) per row, float64 (torch.kl_div)."""
-    return F.kl_div(F.log_softmax(q_logits.double() / tau, 1), F.log_softmax(p_logits.double() / tau, 1),
-                    reduction="none", log_target=True).sum(1)
+    return F.kl_div(
+        F.log_softmax(q_logits.double() / tau, 1),
+        F.log_softmax(p_logits.double() / tau, 1),
+        reduction="none",
+        log_target=True,
+    ).sum(1)
 
 
 def ntd_rows_gather(z, t, y, tau):
@@ -27,8 +32,11 @@ def ntd_rows_gather(z, t, y, tau):
 
 
 def _grad(loss_fn, z):
-    zz = z.detach().clone().double().requires_grad_(True) if z.dtype == torch.float64 else \
-        z.detach().clone().requires_grad_(True)
+    zz = (
+        z.detach().clone().double().requires_grad_(True)
+        if z.dtype == torch.float64
+        else z.detach().clone().requires_grad_(True)
+    )
     out = loss_fn(zz)
     out.backward()
     return out.detach(), zz.grad
@@ -85,8 +93,9 @@ def test_asd_loss_matches_naive(backend, not_true, entropy_tau):
     l1, g1 = _grad(lambda zz: m(zz, t, y, prior, segments=seg), z)
     l0, g0 = _grad(naive, z)
     assert rel_err(l1, l0) <= 1e-5 and rel_err(g1, g0) <= 1e-5
-    per = ffnn.ASDLoss(tau=2.0, lam=10.0, not_true=not_true, entropy_tau=entropy_tau, backend=backend,
-                       reduction="segment")(z, t, y, prior, segments=seg, num_segments=3)
+    per = ffnn.ASDLoss(
+        tau=2.0, lam=10.0, not_true=not_true, entropy_tau=entropy_tau, backend=backend, reduction="segment"
+    )(z, t, y, prior, segments=seg, num_segments=3)
     assert per.shape == (3,) and rel_err(per.sum(), l0) <= 1e-5
 
 
@@ -102,8 +111,13 @@ def test_gkd_loss_single_and_vote(backend):
     l1, g1 = _grad(lambda zz: m(zz, T[0], y), z)
     l0, g0 = _grad(naive1, z)
     assert rel_err(l1, l0) <= 1e-5 and rel_err(g1, g0) <= 1e-5
-    naivev = lambda zz: F.cross_entropy(zz.double(), y) + 0.1 * sum(  # noqa
-        float(w[k]) * kl_rows(T[k], zz, 1.0).mean() for k in range(M))
+    naivev = lambda zz: (
+        F.cross_entropy(zz.double(), y)
+        + 0.1
+        * sum(  # noqa
+            float(w[k]) * kl_rows(T[k], zz, 1.0).mean() for k in range(M)
+        )
+    )
     l1, g1 = _grad(lambda zz: m(zz, T, y, teacher_weights=w), z)
     l0, g0 = _grad(naivev, z)
     assert rel_err(l1, l0) <= 1e-5 and rel_err(g1, g0) <= 1e-5
@@ -169,7 +183,7 @@ def test_adc_loss_matches_naive(backend):
         p = F.softmax(t.double() / 4.0, 1)
         onehot = F.one_hot(y, C).bool()
         phat = torch.where(onehot, 0.0, (1 - rho) * p)
-        phat = phat + onehot * (1 - phat.sum(1, keepdim=True))          # Eq. 9: 1 - sum_{c!=y} (1-rho_c) p_c
+        phat = phat + onehot * (1 - phat.sum(1, keepdim=True))  # Eq. 9: 1 - sum_{c!=y} (1-rho_c) p_c
         kl = (torch.xlogy(phat, phat) - phat * F.log_softmax(zz.double() / 4.0, 1)).sum(1)
         ce = F.cross_entropy(zz.double(), y, reduction="none")
         rows = 0.65 * ce + 0.35 * 16.0 * kl
@@ -201,8 +215,17 @@ def test_adc_target_properties():
 def test_ntd_properties(backend):
     R, C = 8, 10
     z, t, y = make_inputs(R, C, ignore=False)
-    ntd_only = lambda zz, tt: ops.distill(zz, tt, y, kind="not_true", tau=2.0, ce_weight=0.0, kd_weight=1.0,  # noqa
-                                          backend=backend, reduction="none")
+    ntd_only = lambda zz, tt: ops.distill(
+        zz,
+        tt,
+        y,
+        kind="not_true",
+        tau=2.0,
+        ce_weight=0.0,
+        kd_weight=1.0,  # noqa
+        backend=backend,
+        reduction="none",
+    )
     # 1. student == teacher: zero loss and zero gradient
     zz = t.clone().requires_grad_(True)
     l = ntd_only(zz, t)
@@ -223,8 +246,9 @@ def test_ntd_properties(backend):
     assert rel_err(ntd_only(z + sh, t - sh).detach(), l.detach()) <= 1e-4
     # 4. C = 2: the NTD term vanishes identically
     z2c, t2c, y2c = make_inputs(R, 2, ignore=False)
-    l2 = ops.distill(z2c, t2c, y2c, kind="not_true", tau=2.0, ce_weight=0.0, kd_weight=1.0, backend=backend,
-                     reduction="none")
+    l2 = ops.distill(
+        z2c, t2c, y2c, kind="not_true", tau=2.0, ce_weight=0.0, kd_weight=1.0, backend=backend, reduction="none"
+    )
     assert l2.abs().max() == 0
     # 5. beta = 0 is CE
     ce = ffnn.NTDLoss(beta=0.0, backend=backend)(z, t, y)
@@ -306,16 +330,26 @@ def test_gradcheck_reference():
     t = torch.randn(R, C, dtype=torch.float64)
     y = torch.tensor([0, 4, -100, 2])
     seg = torch.tensor([0, 0, 1, 1])
-    for kw in [dict(), dict(not_true=True), dict(soft_ce=True, class_alpha=torch.rand(C, dtype=torch.float64)),
-               dict(rho=torch.rand(2, C, dtype=torch.float64), segments=seg),
-               dict(row_weight=torch.rand(R, dtype=torch.float64), not_true=True)]:
+    for kw in [
+        dict(),
+        dict(not_true=True),
+        dict(soft_ce=True, class_alpha=torch.rand(C, dtype=torch.float64)),
+        dict(rho=torch.rand(2, C, dtype=torch.float64), segments=seg),
+        dict(row_weight=torch.rand(R, dtype=torch.float64), not_true=True),
+    ]:
         f = lambda zz: ops.distill_reference(zz, t, y, tau=2.0, kd_weight=1.7, **kw)  # noqa
         assert torch.autograd.gradcheck(f, (z,))
     # and the op's own autograd (closed-form gradient) through gradcheck in float64
     f = lambda zz: ops.distill(zz, t, y, kind="not_true", tau=2.0, backend="reference", reduction="none")  # noqa
     assert torch.autograd.gradcheck(f, (z,))
-    f = lambda zz: ops.distill(zz, t, y, tau=2.0, backend="cpu" if "cpu" in BACKENDS else "reference",  # noqa
-                               reduction="none")
+    f = lambda zz: ops.distill(
+        zz,
+        t,
+        y,
+        tau=2.0,
+        backend="cpu" if "cpu" in BACKENDS else "reference",  # noqa
+        reduction="none",
+    )
     assert torch.autograd.gradcheck(f, (z,))
 
 
@@ -326,8 +360,13 @@ def test_closed_form_gradient_matches_autograd():
     t = torch.randn(R, C, dtype=torch.float64) * 2
     y = torch.tensor([0, 5, -100, 2, 3, 1, 1])
     seg = torch.tensor([0, 0, 0, 1, 1, 1, 1])
-    for kw in [dict(), dict(not_true=True), dict(soft_ce=True, class_alpha=torch.rand(C, dtype=torch.float64)),
-               dict(rho=torch.rand(2, C, dtype=torch.float64), segments=seg), dict(row_weight=torch.rand(R).double())]:
+    for kw in [
+        dict(),
+        dict(not_true=True),
+        dict(soft_ce=True, class_alpha=torch.rand(C, dtype=torch.float64)),
+        dict(rho=torch.rand(2, C, dtype=torch.float64), segments=seg),
+        dict(row_weight=torch.rand(R).double()),
+    ]:
         zz = z.clone().requires_grad_(True)
         l0 = ops.distill_reference(zz, t, y, tau=3.0, ce_weight=0.3, kd_weight=2.0, **kw)
         (g0,) = torch.autograd.grad(l0.sum(), zz)

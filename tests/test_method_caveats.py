@@ -1,5 +1,6 @@
 """Methods that fail at their defaults under some settings say so: their caveats (fedfast methods), a warning when a
 run uses those settings, and the presets never use them. scripts/check_methods.py checks a study against this."""
+
 import os
 import subprocess
 import sys
@@ -23,12 +24,15 @@ def _warnings(cfg, model):
     return [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
 
 
-@pytest.mark.parametrize("momentum,alpha,warns", [(0.9, 10.0, True), (0.9, 1.0, False), (0.0, 10.0, False),
-                                                  (0.5, 10.0, True), (0.5, 5.0, False)])
+@pytest.mark.parametrize(
+    "momentum,alpha,warns",
+    [(0.9, 10.0, True), (0.9, 1.0, False), (0.0, 10.0, False), (0.5, 10.0, True), (0.5, 5.0, False)],
+)
 def test_fedgen_warns_when_momentum_inflates_its_weights(momentum, alpha, warns):
     _, _, _, model = setup_data()
-    cfg = fedfast.SimConfig(algorithm="fedgen", momentum=momentum, options=dict(alpha=alpha, beta=alpha),
-                            clients_per_round=2)
+    cfg = fedfast.SimConfig(
+        algorithm="fedgen", momentum=momentum, options=dict(alpha=alpha, beta=alpha), clients_per_round=2
+    )
     got = [w for w in _warnings(cfg, model) if w.startswith("fedgen: ")]
     assert bool(got) == warns, got
     if warns:
@@ -40,8 +44,9 @@ def test_moon_warns_on_an_mlp_only():
     cfg = fedfast.SimConfig(algorithm="moon", clients_per_round=2)
     assert any(w.startswith("moon: mu = 1 on an MLP") for w in _warnings(cfg, mlp))
     assert not _warnings(fedfast.SimConfig(algorithm="moon", options=dict(mu=0.1), clients_per_round=2), mlp)
-    cnn = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                              torch.nn.Linear(144, 5))
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 5)
+    )
     assert not _warnings(cfg, cnn)
 
 
@@ -53,8 +58,11 @@ def test_caveats_are_printed_and_presets_never_hit_them():
             if not methods.get(m).caveats:
                 continue
             cfg = fedfast.config.build_config(None, [], base=cell.config(m)).sim_config()
-            model = models.build(cell.keys.get("model", "mlp")) if not \
-                str(cell.keys.get("model", "")).startswith("hf:") else models.FedAvgCNN()
+            model = (
+                models.build(cell.keys.get("model", "mlp"))
+                if not str(cell.keys.get("model", "")).startswith("hf:")
+                else models.FedAvgCNN()
+            )
             assert not cfg.method().check_settings(cfg, model), (cell.name, m)
 
 
@@ -77,14 +85,29 @@ partition = "iid"
 [cells.c]
 """)
     env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "fedfast", "sweep", str(study), "--out", str(tmp_path / "o"), "--quiet"],
-                       capture_output=True, text=True, env=env, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "fedfast", "sweep", str(study), "--out", str(tmp_path / "o"), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
-    ok = subprocess.run([sys.executable, "scripts/check_methods.py", str(tmp_path / "o")], capture_output=True,
-                        text=True, env=env, cwd=ROOT)
+    ok = subprocess.run(
+        [sys.executable, "scripts/check_methods.py", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert ok.returncode == 0 and "| moon |" in ok.stdout, ok.stdout + ok.stderr
-    strict = subprocess.run([sys.executable, "scripts/check_methods.py", str(tmp_path / "o"), "--points", "-100"],
-                            capture_output=True, text=True, env=env, cwd=ROOT)
+    strict = subprocess.run(
+        [sys.executable, "scripts/check_methods.py", str(tmp_path / "o"), "--points", "-100"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     out = strict.stdout
     assert strict.returncode == 1 and "| fedavg |" in out and "FAILS, no caveat" in out
     assert "below FedAvg: its caveat, and a warning" in out  # moon: its caveat, and it warned for an MLP

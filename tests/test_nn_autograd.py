@@ -1,6 +1,7 @@
 """fedfast.nn losses where PyTorch users take them: double backward, a teacher that learns, torch.jit.trace,
 torch.func, float64 reductions (issue 36). Each either works (against an independent eager formula or numerical
 derivatives) or fails with an error that names the limitation: never a silently wrong gradient."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,12 +26,14 @@ def _losses():
     prior = torch.rand(C, dtype=torch.float64) + 0.1
     alpha = torch.rand(C, dtype=torch.float64)
     freq = torch.rand(C, dtype=torch.float64) + 0.05
-    return [("kd", lambda **k: fnn.KDLoss(tau=3.0, ce_weight=0.5, **k), ()),
-            ("ntd", lambda **k: fnn.NTDLoss(tau=2.0, beta=0.7, **k), ()),
-            ("asd", lambda **k: fnn.ASDLoss(tau=2.0, lam=3.0, **k), (prior / prior.sum(),)),
-            ("gkd", lambda **k: fnn.GKDLoss(tau=2.0, gamma=0.4, **k), ()),
-            ("cad", lambda **k: fnn.CADLoss(tau=2.0, **k), (alpha,)),
-            ("adc", lambda **k: fnn.ADCLoss(tau=3.0, lam=0.4, **k), (freq,))]
+    return [
+        ("kd", lambda **k: fnn.KDLoss(tau=3.0, ce_weight=0.5, **k), ()),
+        ("ntd", lambda **k: fnn.NTDLoss(tau=2.0, beta=0.7, **k), ()),
+        ("asd", lambda **k: fnn.ASDLoss(tau=2.0, lam=3.0, **k), (prior / prior.sum(),)),
+        ("gkd", lambda **k: fnn.GKDLoss(tau=2.0, gamma=0.4, **k), ()),
+        ("cad", lambda **k: fnn.CADLoss(tau=2.0, **k), (alpha,)),
+        ("adc", lambda **k: fnn.ADCLoss(tau=3.0, lam=0.4, **k), (freq,)),
+    ]
 
 
 def kd_eager(z, t, y, tau, ce_weight, kd_weight):
@@ -38,7 +41,7 @@ def kd_eager(z, t, y, tau, ce_weight, kd_weight):
     keep = y != -100
     ce = F.cross_entropy(z[keep], y[keep])
     kl = F.kl_div(F.log_softmax(z[keep] / tau, 1), F.softmax(t[keep] / tau, 1), reduction="batchmean")
-    return ce_weight * ce + kd_weight * tau ** 2 * kl
+    return ce_weight * ce + kd_weight * tau**2 * kl
 
 
 @pytest.mark.parametrize("name,make,extra", _losses(), ids=[x[0] for x in _losses()])
@@ -46,9 +49,9 @@ def test_second_derivative_refused_by_default_and_exact_on_request(name, make, e
     z, t, y = _data()
     # default: the first derivative with create_graph=True is right; differentiating it again raises, by name
     zz = z.clone().requires_grad_()
-    g, = torch.autograd.grad(make()(zz, t, y, *extra), zz, create_graph=True)
+    (g,) = torch.autograd.grad(make()(zz, t, y, *extra), zz, create_graph=True)
     zr = z.clone().requires_grad_()
-    want, = torch.autograd.grad(make(double_backward=True)(zr, t, y, *extra), zr)
+    (want,) = torch.autograd.grad(make(double_backward=True)(zr, t, y, *extra), zr)
     assert torch.allclose(g, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="first-order.*double_backward=True"):
         torch.autograd.grad((g * g).sum(), zz)
@@ -63,15 +66,17 @@ def test_gradient_penalty_through_a_model_is_refused_not_wrong():
     z, t, y = _data()
     x = torch.randn(R, 5, dtype=torch.float64)
     lin = torch.nn.Linear(5, C).double()
-    gp, = torch.autograd.grad(fnn.KDLoss(tau=2.0)(lin(x), t, y), lin.weight, create_graph=True)
+    (gp,) = torch.autograd.grad(fnn.KDLoss(tau=2.0)(lin(x), t, y), lin.weight, create_graph=True)
     with pytest.raises(RuntimeError, match="first-order"):
-        (gp ** 2).sum().backward()
+        (gp**2).sum().backward()
     got = []
-    for fn in (lambda o: fnn.KDLoss(tau=2.0, double_backward=True)(o, t, y),
-               lambda o: kd_eager(o, t, y, 2.0, 1.0, 1.0)):
+    for fn in (
+        lambda o: fnn.KDLoss(tau=2.0, double_backward=True)(o, t, y),
+        lambda o: kd_eager(o, t, y, 2.0, 1.0, 1.0),
+    ):
         lin.zero_grad()
-        gp, = torch.autograd.grad(fn(lin(x)), lin.weight, create_graph=True)
-        (gp ** 2).sum().backward()
+        (gp,) = torch.autograd.grad(fn(lin(x)), lin.weight, create_graph=True)
+        (gp**2).sum().backward()
         got.append(lin.weight.grad.clone())
     assert torch.allclose(got[0], got[1], rtol=1e-10, atol=1e-14) and got[1].abs().max() > 0
 
@@ -102,6 +107,7 @@ def test_autograd_path_refuses_an_explicit_fused_backend():
 def test_jit_trace_records_the_right_loss(name, make, extra):
     """torch.jit.trace cannot record the fused op's stored gradient: the trace takes the autograd formulas, and the
     traced module gives the eager module's loss and gradients on new inputs."""
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -125,6 +131,7 @@ def test_jit_trace_records_the_right_loss(name, make, extra):
 @pytest.mark.parametrize("name,make,extra", _losses(), ids=[x[0] for x in _losses()])
 def test_torch_func_grad_and_vmap(name, make, extra):
     from torch.func import grad, vmap
+
     z, t, y = _data()
     loss = make()
     zz = z.clone().requires_grad_()
@@ -140,6 +147,7 @@ def test_float64_mean_is_exact_on_the_cpu_backend(reduction):
     """1/n was computed in float32 by the C++ row-scale pass (relative error 2e-8 to 5e-8); float64 now."""
     from fedfast.ops import _backend
     from fedfast.ops.distill_reference import distill_reference
+
     if not _backend.available("cpu", "cpu"):
         pytest.skip("the C++ extension is not built")
     z, t, y = _data()
@@ -155,6 +163,7 @@ def test_float64_mean_is_exact_on_the_cpu_backend(reduction):
 def test_asd_loss_defaults_are_the_official_code():
     """ASDLoss's teacher-entropy temperature defaults to 1.0 (the official FedAvg+ASD code), not the KD tau."""
     from fedfast.ops.distill_reference import asd_weights_reference
+
     z, t, y = _data()
     y = torch.randint(0, C, (R,))
     prior = torch.full((C,), 1.0 / C, dtype=torch.float64)
@@ -173,6 +182,7 @@ def test_float64_on_a_gpu_takes_the_float64_path_when_the_backend_is_automatic(m
     """The GPU kernels compute in fp32 (an explicit backend='triton' refuses float64 by name); the automatic choice
     sends a float64 loss to the float64 formulas instead of failing."""
     from fedfast.ops import _backend
+
     monkeypatch.delenv("FEDFAST_BACKEND", raising=False)
     monkeypatch.setattr(_backend, "resolve", lambda backend, device_type: backend or "triton")
     assert _backend.resolve_for(None, "cuda", torch.float64) == "reference"

@@ -2,6 +2,7 @@
 fedfast call is the one under test and nothing of the checkout's working directory helps): torch.compile on the
 first call (fullgraph, default mode with zero graph breaks, dynamic shapes, a whole model + loss + optimizer
 step), torch.export, autocast and bf16/fp16 inputs, DistributedDataParallel over gloo (issue 36)."""
+
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import textwrap
 
 import pytest
 
-PRELUDE = textwrap.dedent('''
+PRELUDE = textwrap.dedent("""
     import json, sys, torch
     torch.manual_seed(0)
     R, C = 24, 10
@@ -23,15 +24,16 @@ PRELUDE = textwrap.dedent('''
         return {"kd": (fnn.KDLoss(tau=3.0), ()), "ntd": (fnn.NTDLoss(tau=2.0), ()),
                 "asd": (fnn.ASDLoss(), (prior / prior.sum(),)), "gkd": (fnn.GKDLoss(tau=2.0), ()),
                 "cad": (fnn.CADLoss(), (torch.rand(C),)), "adc": (fnn.ADCLoss(), (torch.rand(C) + 0.1,))}
-''')
+""")
 
 
 def _child(tmp_path, body: str, timeout=600) -> dict:
     script = tmp_path / "child.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FEDFAST_BACKEND")}
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -40,7 +42,9 @@ def _child(tmp_path, body: str, timeout=600) -> dict:
 def test_compile_fullgraph_on_the_first_call(tmp_path, name):
     """The process's first fedfast op runs inside torch.compile(fullgraph=True) (this used to fail: the extension
     was imported in traced code); dynamic=True recompiles for nothing at a second batch size."""
-    out = _child(tmp_path, f'''
+    out = _child(
+        tmp_path,
+        f'''
         import fedfast.nn as fnn
         loss, extra = losses(fnn)["{name}"]
         res = {{}}
@@ -55,13 +59,16 @@ def test_compile_fullgraph_on_the_first_call(tmp_path, name):
                 a.backward(); b.backward()
                 res[f"{{dyn}}-{{r}}"] = [abs(float(a - b)), float((za.grad - zb.grad).abs().max())]
         print(json.dumps(res))
-    ''')
+    ''',
+    )
     for key, (dl, dg) in out.items():
         assert dl <= 1e-5 and dg <= 1e-6, (key, dl, dg)
 
 
 def test_default_compile_has_no_graph_break(tmp_path):
-    out = _child(tmp_path, '''
+    out = _child(
+        tmp_path,
+        """
         import fedfast.nn as fnn
         res = {}
         for name, (loss, extra) in losses(fnn).items():
@@ -70,14 +77,17 @@ def test_default_compile_has_no_graph_break(tmp_path):
             ex = torch._dynamo.explain(lambda a, b, c: loss(a, b, c, *extra))(z.requires_grad_(), t, y)
             res[name] = [ex.graph_break_count, [str(r.reason)[:200] for r in ex.break_reasons]]
         print(json.dumps(res))
-    ''')
+    """,
+    )
     assert all(n == 0 for n, _ in out.values()), out
 
 
 def test_compiled_model_loss_and_optimizer_step_equal_eager(tmp_path):
     """A model + NTD loss compiled with inductor (the default backend) and a compiled SGD step, three steps, against
     the same in eager mode."""
-    out = _child(tmp_path, '''
+    out = _child(
+        tmp_path,
+        """
         import copy
         import fedfast.nn as fnn
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, C))
@@ -96,12 +106,15 @@ def test_compiled_model_loss_and_optimizer_step_equal_eager(tmp_path):
             diffs.append(abs(float(a - b)))
         w = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
         print(json.dumps({"loss": max(diffs), "weights": w}))
-    ''')
+    """,
+    )
     assert out["loss"] <= 1e-5 and out["weights"] <= 1e-5, out
 
 
 def test_torch_export(tmp_path):
-    out = _child(tmp_path, '''
+    out = _child(
+        tmp_path,
+        """
         import fedfast.nn as fnn
         class Net(torch.nn.Module):
             def __init__(self):
@@ -114,14 +127,17 @@ def test_torch_export(tmp_path):
         ep = torch.export.export(net, (x, t, y))
         x2, t2 = torch.randn(R, 16), torch.randn(R, C)
         print(json.dumps({"diff": abs(float(ep.module()(x2, t2, y) - net(x2, t2, y)))}))
-    ''')
+    """,
+    )
     assert out["diff"] <= 1e-6, out
 
 
 def test_autocast_and_half_inputs(tmp_path):
     """Logits from a model under CPU autocast (bf16) and bf16/fp16 inputs: the loss (fp32) and the gradient (in the
     student's dtype) within half-precision rounding of the float64 formula on the same values."""
-    out = _child(tmp_path, '''
+    out = _child(
+        tmp_path,
+        """
         import fedfast.nn as fnn
         from fedfast.ops.distill_reference import distill_reference
         res = {}
@@ -143,7 +159,8 @@ def test_autocast_and_half_inputs(tmp_path):
             res[str(dt)] = [abs(float(l.double() - ref)) / abs(float(ref)),
                             float((z.grad.double() - zz.grad).norm() / zz.grad.norm()), str(z.grad.dtype)]
         print(json.dumps(res))
-    ''')
+    """,
+    )
     assert out["autocast_dtypes"] == ["torch.bfloat16", "torch.float32"] and out["autocast_grad_finite"], out
     assert out["autocast_loss"] <= 1e-5, out
     for dt in ("torch.bfloat16", "torch.float16"):
@@ -154,7 +171,9 @@ def test_autocast_and_half_inputs(tmp_path):
 def test_ddp_gloo_two_processes(tmp_path):
     """DistributedDataParallel (gloo, 2 processes) around a model trained with a fedfast loss: the averaged
     gradient equals the single-process gradient of the whole batch."""
-    out = _child(tmp_path, '''
+    out = _child(
+        tmp_path,
+        """
         import os, copy, tempfile
         import torch.distributed as dist
         import torch.multiprocessing as mp
@@ -179,5 +198,6 @@ def test_ddp_gloo_two_processes(tmp_path):
             # each half's mean loss, averaged by DDP = the batch mean (equal halves)
             fnn.KDLoss(tau=2.0)(model(x), t, y).backward()
             print(json.dumps({"diff": max(float((a - p.grad).abs().max()) for a, p in zip(got, model.parameters()))}))
-    ''')
+    """,
+    )
     assert out["diff"] <= 1e-6, out

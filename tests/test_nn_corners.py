@@ -1,6 +1,7 @@
 """fedfast.nn's last corners (issue 47): vmap(grad) over models with their own data and labels, ASD's full teacher
 gradient in mutual distillation, targets checked inside traced, exported and compiled graphs, and KDLoss as
 DistillKL without labels. Each against the authors' code or numerical derivatives, or a refusal by name."""
+
 import warnings
 
 import pytest
@@ -28,8 +29,10 @@ def _per_model():
 
 def _authors_cad(z, t, y, a, tau):
     ay = a[y]
-    return ((1 - ay) * F.cross_entropy(z, y, reduction="none")
-            + ay * -(F.softmax(t / tau, 1) * F.log_softmax(z / tau, 1)).sum(1)).mean()
+    return (
+        (1 - ay) * F.cross_entropy(z, y, reduction="none")
+        + ay * -(F.softmax(t / tau, 1) * F.log_softmax(z / tau, 1)).sum(1)
+    ).mean()
 
 
 def _authors_adc(z, t, y, freq, tau, lam):
@@ -38,28 +41,46 @@ def _authors_adc(z, t, y, freq, tau, lam):
     onehot = F.one_hot(y, z.shape[1]).bool()
     r = rho[None].expand_as(p).masked_fill(onehot, 0.0)
     phat = torch.where(onehot, (p * onehot).sum(1, keepdim=True) + (r * p).sum(1, keepdim=True), (1 - r) * p)
-    return (1 - lam) * F.cross_entropy(z, y) + lam * F.kl_div(F.log_softmax(z / tau, 1), phat,
-                                                              reduction="sum") * tau ** 2 / z.shape[0]
+    return (1 - lam) * F.cross_entropy(z, y) + lam * F.kl_div(
+        F.log_softmax(z / tau, 1), phat, reduction="sum"
+    ) * tau**2 / z.shape[0]
 
 
 CASES = {  # name: (fedfast loss of (z, t, t3, y, prior_k), the authors' code of the same)
-    "kd": (lambda z, t, t3, y, p: fnn.KDLoss(tau=bench.TAU["kd"])(z, t, y),
-           lambda z, t, t3, y, p: bench.kd_authors(z, t, y, {})),
-    "ntd": (lambda z, t, t3, y, p: fnn.NTDLoss(tau=bench.TAU["ntd"], beta=bench.BETA, tau_squared=False)(z, t, y),
-            lambda z, t, t3, y, p: bench.ntd_authors(z, t, y, {})),
-    "asd": (lambda z, t, t3, y, p: fnn.ASDLoss(tau=bench.TAU["asd"], lam=bench.LAM)(z, t, y, p),
-            lambda z, t, t3, y, p: bench.asd_authors(z, t, y, {"prior": p})),
-    "gkd_vote": (lambda z, t, t3, y, p: fnn.GKDLoss(tau=1.0, gamma=bench.GAMMA, tau_squared=False)(
-        z, t3, y, teacher_weights=torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)),
-        lambda z, t, t3, y, p: bench.gkd_authors(z, t3, y, {"weights": torch.tensor([0.2, 0.3, 0.5],
-                                                                                    dtype=torch.float64)})),
-    "gkd": (lambda z, t, t3, y, p: fnn.GKDLoss(tau=1.0, gamma=0.2)(z, t, y),
-            lambda z, t, t3, y, p: F.cross_entropy(z, y) + 0.1 * F.kl_div(F.log_softmax(z, 1), F.softmax(t, 1),
-                                                                             reduction="batchmean")),
-    "cad": (lambda z, t, t3, y, p: fnn.CADLoss(tau=2.0)(z, t, y, p),
-            lambda z, t, t3, y, p: _authors_cad(z, t, y, p, 2.0)),
-    "adc": (lambda z, t, t3, y, p: fnn.ADCLoss(tau=3.0, lam=0.35)(z, t, y, p * 10 + 1),
-            lambda z, t, t3, y, p: _authors_adc(z, t, y, p * 10 + 1, 3.0, 0.35)),
+    "kd": (
+        lambda z, t, t3, y, p: fnn.KDLoss(tau=bench.TAU["kd"])(z, t, y),
+        lambda z, t, t3, y, p: bench.kd_authors(z, t, y, {}),
+    ),
+    "ntd": (
+        lambda z, t, t3, y, p: fnn.NTDLoss(tau=bench.TAU["ntd"], beta=bench.BETA, tau_squared=False)(z, t, y),
+        lambda z, t, t3, y, p: bench.ntd_authors(z, t, y, {}),
+    ),
+    "asd": (
+        lambda z, t, t3, y, p: fnn.ASDLoss(tau=bench.TAU["asd"], lam=bench.LAM)(z, t, y, p),
+        lambda z, t, t3, y, p: bench.asd_authors(z, t, y, {"prior": p}),
+    ),
+    "gkd_vote": (
+        lambda z, t, t3, y, p: fnn.GKDLoss(tau=1.0, gamma=bench.GAMMA, tau_squared=False)(
+            z, t3, y, teacher_weights=torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+        ),
+        lambda z, t, t3, y, p: bench.gkd_authors(
+            z, t3, y, {"weights": torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)}
+        ),
+    ),
+    "gkd": (
+        lambda z, t, t3, y, p: fnn.GKDLoss(tau=1.0, gamma=0.2)(z, t, y),
+        lambda z, t, t3, y, p: (
+            F.cross_entropy(z, y) + 0.1 * F.kl_div(F.log_softmax(z, 1), F.softmax(t, 1), reduction="batchmean")
+        ),
+    ),
+    "cad": (
+        lambda z, t, t3, y, p: fnn.CADLoss(tau=2.0)(z, t, y, p),
+        lambda z, t, t3, y, p: _authors_cad(z, t, y, p, 2.0),
+    ),
+    "adc": (
+        lambda z, t, t3, y, p: fnn.ADCLoss(tau=3.0, lam=0.35)(z, t, y, p * 10 + 1),
+        lambda z, t, t3, y, p: _authors_adc(z, t, y, p * 10 + 1, 3.0, 0.35),
+    ),
 }
 
 
@@ -74,6 +95,7 @@ def test_vmap_of_grad_over_models_with_their_own_labels(name):
 
     def loss_of(fn):
         return lambda p, xk, tk, t3k, yk, pk: fn(functional_call(model, p, (xk,)), tk, t3k, yk, pk)
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no slow per-sample fallback of a custom op either
         got = vmap(grad(loss_of(ours)))(params, x, t, t3, y, prior)
@@ -99,8 +121,11 @@ def test_asd_teacher_gradient_runs_through_the_row_weights(not_true, segmented):
     seg = torch.tensor([0] * 4 + [1] * 6) if segmented else None
     pr = torch.stack([prior, prior.flip(0)]) if segmented else prior
     loss = fnn.ASDLoss(tau=2.0, lam=1.5, not_true=not_true, detach_teacher=False)
-    call = (lambda a, b: loss(a, b, y, pr, segments=seg, num_segments=2)) if segmented else \
-        (lambda a, b: loss(a, b, y, pr))
+    call = (
+        (lambda a, b: loss(a, b, y, pr, segments=seg, num_segments=2))
+        if segmented
+        else (lambda a, b: loss(a, b, y, pr))
+    )
     assert torch.autograd.gradcheck(call, (z, t))
     if segmented:
         return
@@ -112,6 +137,7 @@ def test_asd_teacher_gradient_runs_through_the_row_weights(not_true, segmented):
         zs, ts = (bench.refine_as_not_true(zz, y, C), bench.refine_as_not_true(tt, y, C)) if not_true else (zz, tt)
         kl = (F.softmax(ts / 2.0, 1) * (F.log_softmax(ts / 2.0, 1) - F.log_softmax(zs / 2.0, 1))).sum(1)
         return F.cross_entropy(zz, y) + 1.5 * (w * kl).sum()
+
     a = torch.autograd.grad(call(z, t), (z, t))
     b = torch.autograd.grad(written_out(z, t), (z, t))
     for u, v in zip(a, b):
@@ -160,8 +186,9 @@ def test_traced_segments_are_checked_in_the_graph():
     loss = fnn.KDLoss(tau=2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = torch.jit.trace(lambda a, b, c, s: loss(a, b, c, segments=s, num_segments=2),
-                              (z, t, y, torch.tensor([0, 0, 1, 1])))
+        run = torch.jit.trace(
+            lambda a, b, c, s: loss(a, b, c, segments=s, num_segments=2), (z, t, y, torch.tensor([0, 0, 1, 1]))
+        )
     with pytest.raises(RuntimeError, match="segments: client ids must be sorted"):
         run(z, t, y, torch.tensor([1, 0, 1, 1]))
 
@@ -173,10 +200,10 @@ def test_kd_loss_without_labels_is_distill_kl():
     ys = torch.randn(9, 7, generator=g, dtype=torch.float64, requires_grad=True)
     yt = torch.randn(9, 7, generator=g, dtype=torch.float64)
     T = 4.0
-    want = F.kl_div(F.log_softmax(ys / T, 1), F.softmax(yt / T, 1), reduction="sum") * T ** 2 / ys.shape[0]
+    want = F.kl_div(F.log_softmax(ys / T, 1), F.softmax(yt / T, 1), reduction="sum") * T**2 / ys.shape[0]
     got = fnn.KDLoss(tau=T, ce_weight=0, kd_weight=1)(ys, yt)
-    ga, = torch.autograd.grad(want, ys)
-    gb, = torch.autograd.grad(got, ys)
+    (ga,) = torch.autograd.grad(want, ys)
+    (gb,) = torch.autograd.grad(got, ys)
     assert abs(float(want.detach() - got.detach())) <= 1e-12 and torch.allclose(ga, gb, rtol=1e-10, atol=1e-14)
     with pytest.raises(ValueError, match=r"target: KDLoss's cross-entropy \(ce_weight=0.5\) needs the labels"):
         fnn.KDLoss(ce_weight=0.5)(ys, yt)

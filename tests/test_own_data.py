@@ -2,6 +2,7 @@
 exactly as the literal loop; datasets, partitions and models have option tables of their own, names that cannot be
 taken silently, paths relative to the file they are written in, and a partition's own number of clients; bad data
 and overlapping partitions are refused when they are made."""
+
 import copy
 import json
 import os
@@ -28,8 +29,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "own_data")
 @pytest.fixture(autouse=True)
 def _clean():
     yield
-    for reg, names in ((data.DATASETS, ("csv", "rows", "mnist", "opt_rows")),
-                       (data.PARTITIONS, ("by_column", "odd", "even")), (models.REGISTRY, ("tabular_mlp", "mlp", "tiny"))):
+    for reg, names in (
+        (data.DATASETS, ("csv", "rows", "mnist", "opt_rows")),
+        (data.PARTITIONS, ("by_column", "odd", "even")),
+        (models.REGISTRY, ("tabular_mlp", "mlp", "tiny")),
+    ):
         for n in names:
             reg.remove(n)
     methods.PLUGINS.clear()
@@ -74,17 +78,21 @@ def test_the_guides_example_runs_as_written(tmp_path):
     assert cfg["by_column"] == {"min_samples": 20} and cfg["tabular_mlp"] == {"hidden": 64, "layers": 2}
     assert rounds[-1]["test_accuracy"] > 0.4  # 4 classes: well above chance
     cmd, expected = _block("refused").strip().splitlines()
-    r = subprocess.run(_doc_command(cmd.lstrip("$ ")), cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        _doc_command(cmd.lstrip("$ ")), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 2 and r.stderr.strip() == expected, r.stderr
 
 
 def test_the_guides_python_snippet_runs(tmp_path, monkeypatch):
     text = open(DOC, encoding="utf-8").read()
-    snippet = text[text.index("## From Python"):].split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = text[text.index("## From Python") :].split("```python\n", 1)[1].split("```", 1)[0]
     shutil.copy(os.path.join(EXAMPLE, "tabular.py"), tmp_path)
-    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_sensors_csv.py"), str(tmp_path / "sensors.csv")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, os.path.join(EXAMPLE, "make_sensors_csv.py"), str(tmp_path / "sensors.csv")],
+        check=True,
+        capture_output=True,
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     ns = {}
@@ -103,8 +111,16 @@ def _rows(n=600, F=7, C=4, seed=0):
     return data.ArrayDataset(x, y, C, mean, std, name="rows")
 
 
-@pytest.mark.parametrize("algorithm,options", [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("fedntd", {}),
-                                               ("moon", {"projection_dim": 0, "mu": 0.1}), ("scaffold", {})])
+@pytest.mark.parametrize(
+    "algorithm,options",
+    [
+        ("fedavg", {}),
+        ("fedprox", {"mu": 0.1}),
+        ("fedntd", {}),
+        ("moon", {"projection_dim": 0, "mu": 0.1}),
+        ("scaffold", {}),
+    ],
+)
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
 def test_feature_rows_equal_the_literal_loop(algorithm, options, executor):
     """Tabular rows [N, F] (per-feature normalisation) through the batched executor and vmap: the engine equals
@@ -113,8 +129,19 @@ def test_feature_rows_equal_the_literal_loop(algorithm, options, executor):
     part = data.dirichlet_lda(train.y, 8, alpha=0.5, seed=1, min_size=5)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    cfg = fedfast.SimConfig(algorithm=algorithm, options=options, clients_per_round=4, rounds=2, local_epochs=2,
-                            batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, seed=3, executor=executor)
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        options=options,
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=16,
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-4,
+        seed=3,
+        executor=executor,
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     assert (sim.runtime.plan is not None) == (executor == "auto")
     ref = sequential(cfg, copy.deepcopy(sim.model), train, part, 2)
@@ -154,10 +181,28 @@ def test_nan_data_from_a_plugin_is_an_error_at_load_not_a_divergence(tmp_path, c
         "    x = torch.randn(300, 5); y = torch.arange(300) % 3\n"
         "    x[123, 2] = float('nan')\n"
         "    return data.ArrayDataset(x, y, 3, name='rows'), data.ArrayDataset(x[:50].nan_to_num(), y[:50], 3)\n"
-        "data.register_dataset('rows', load)\n")
-    code = main(["run", "--plugin", str(plugin), "--set", "dataset=rows", "--set", "partition=iid", "--set",
-                 "num_clients=5", "--set", "clients_per_round=2", "--set", "rounds=1", "--out", str(tmp_path / "r"),
-                 "--quiet"])
+        "data.register_dataset('rows', load)\n"
+    )
+    code = main(
+        [
+            "run",
+            "--plugin",
+            str(plugin),
+            "--set",
+            "dataset=rows",
+            "--set",
+            "partition=iid",
+            "--set",
+            "num_clients=5",
+            "--set",
+            "clients_per_round=2",
+            "--set",
+            "rounds=1",
+            "--out",
+            str(tmp_path / "r"),
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "rows [123]" in err and "NaN" in err and "lr" not in err, err
     assert not (tmp_path / "r").exists()
@@ -165,22 +210,28 @@ def test_nan_data_from_a_plugin_is_an_error_at_load_not_a_divergence(tmp_path, c
 
 # -- partitions ------------------------------------------------------------------------------------------------
 def test_overlapping_partitions_are_refused_unless_declared():
-    with pytest.raises(ValueError, match=r"sample 3 is held by clients 0 and 1 \(1 sample\(s\) held more than once\)"
-                                         r".*overlapping=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 3 is held by clients 0 and 1 \(1 sample\(s\) held more than once\)"
+        r".*overlapping=True",
+    ):
         data.Partition([[0, 1, 3], [3, 4]])
     with pytest.raises(ValueError, match="sample 2 is held by client 0 twice"):
         data.Partition([[2, 5, 2], [4]])
     p = data.Partition([[0, 1, 3], [3, 4]], overlapping=True)  # on purpose: accepted, and it trains
     train, _ = _rows(10), None
-    sim = fedfast.Simulation(fedfast.SimConfig(clients_per_round=2), torch.nn.Sequential(torch.nn.Linear(7, 4)), train,
-                             train, p)
+    sim = fedfast.Simulation(
+        fedfast.SimConfig(clients_per_round=2), torch.nn.Sequential(torch.nn.Linear(7, 4)), train, train, p
+    )
     assert sim.run()[-1]["round"] == 1
 
 
 def _plugin(tmp_path, body: str, name="mine.py"):
     f = tmp_path / name
-    f.write_text("import torch\nfrom dataclasses import dataclass\nfrom fedfast import data, models\n"
-                 "from fedfast.methods import opt\n" + body)
+    f.write_text(
+        "import torch\nfrom dataclasses import dataclass\nfrom fedfast import data, models\n"
+        "from fedfast.methods import opt\n" + body
+    )
     return str(f)
 
 
@@ -221,20 +272,29 @@ def test_entry_option_tables_are_validated_recorded_and_resolved(tmp_path):
     methods.load_plugin(plugin)
     cfg_file = tmp_path / "sub" / "run.toml"
     cfg_file.parent.mkdir()
-    cfg_file.write_text('dataset = "opt_rows"\npartition = "odd"\nmodel = "tiny"\nclients_per_round = 3\n'
-                        'rounds = 2\n[opt_rows]\nn = 400\npath = "rel/file.bin"\n[tiny]\nhidden = 5\n')
+    cfg_file.write_text(
+        'dataset = "opt_rows"\npartition = "odd"\nmodel = "tiny"\nclients_per_round = 3\n'
+        'rounds = 2\n[opt_rows]\nn = 400\npath = "rel/file.bin"\n[tiny]\nhidden = 5\n'
+    )
     cfg = build_config(str(cfg_file), ["data_dir=dd"])
-    assert cfg.entries == {"opt_rows": {"n": 400, "path": str(tmp_path / "sub" / "rel" / "file.bin")},
-                           "tiny": {"hidden": 5}}  # a path of the file: relative to the file
+    assert cfg.entries == {
+        "opt_rows": {"n": 400, "path": str(tmp_path / "sub" / "rel" / "file.bin")},
+        "tiny": {"hidden": 5},
+    }  # a path of the file: relative to the file
     assert cfg["data_dir"] == os.path.abspath("dd")  # a path of --set: relative to the working directory
     j = cfg.to_json()
     assert j["opt_rows"]["n"] == 400 and j["tiny"] == {"hidden": 5}
     assert build_config(base=j).entries == cfg.entries  # config.json runs again as it is
-    for sets, msg in ((["opt_rows.n=3"], r"opt_rows.n: must be >= 10"),
-                      (["opt_rows.m=3"], r"opt_rows.m: not an option of dataset 'opt_rows' \(its options: n, path\)"),
-                      (["tiny.hidden=x"], r"tiny.hidden: expected an integer"),
-                      (["dataset=synthetic", "model=mlp"], r"opt_rows: the option table of dataset 'opt_rows', but "
-                                                           r"the run's dataset is 'synthetic'")):
+    for sets, msg in (
+        (["opt_rows.n=3"], r"opt_rows.n: must be >= 10"),
+        (["opt_rows.m=3"], r"opt_rows.m: not an option of dataset 'opt_rows' \(its options: n, path\)"),
+        (["tiny.hidden=x"], r"tiny.hidden: expected an integer"),
+        (
+            ["dataset=synthetic", "model=mlp"],
+            r"opt_rows: the option table of dataset 'opt_rows', but "
+            r"the run's dataset is 'synthetic'",
+        ),
+    ):
         with pytest.raises(ValueError, match=msg):
             build_config(str(cfg_file), sets)
     out = tmp_path / "r"
@@ -245,21 +305,38 @@ def test_entry_option_tables_are_validated_recorded_and_resolved(tmp_path):
 
 def test_a_partitions_own_number_of_clients(tmp_path, capsys):
     plugin = _plugin(tmp_path, ROWS_PLUGIN)
-    base = ["run", "--plugin", plugin, "--set", "dataset=opt_rows", "--set", "model=tiny", "--set",
-            "clients_per_round=2", "--set", "rounds=1", "--quiet"]
+    base = [
+        "run",
+        "--plugin",
+        plugin,
+        "--set",
+        "dataset=opt_rows",
+        "--set",
+        "model=tiny",
+        "--set",
+        "clients_per_round=2",
+        "--set",
+        "rounds=1",
+        "--quiet",
+    ]
     assert main([*base, "--set", "partition=odd", "--set", "num_clients=9", "--out", str(tmp_path / "a")]) == 2
-    assert "num_clients: 9, but partition 'odd' decides the number of clients itself and made 5" in \
-        capsys.readouterr().err
+    assert (
+        "num_clients: 9, but partition 'odd' decides the number of clients itself and made 5" in capsys.readouterr().err
+    )
     data.register_partition("even", lambda train, s: data.Partition([[0, 1], [2, 3]]))  # ignores num_clients
     assert main([*base, "--set", "partition=even", "--set", "num_clients=3", "--out", str(tmp_path / "b")]) == 2
     assert "partition: 'even' made 2 clients, num_clients is 3" in capsys.readouterr().err
 
 
 # -- names -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("register,reg", [
-    (lambda **kw: data.register_dataset("mnist", lambda s: None, **kw), data.DATASETS),
-    (lambda **kw: data.register_partition("iid", lambda t, s: None, **kw), data.PARTITIONS),
-    (lambda **kw: models.register_model("mlp", lambda C, s: None, **kw), models.REGISTRY)])
+@pytest.mark.parametrize(
+    "register,reg",
+    [
+        (lambda **kw: data.register_dataset("mnist", lambda s: None, **kw), data.DATASETS),
+        (lambda **kw: data.register_partition("iid", lambda t, s: None, **kw), data.PARTITIONS),
+        (lambda **kw: models.register_model("mlp", lambda C, s: None, **kw), models.REGISTRY),
+    ],
+)
 def test_a_taken_name_is_refused_unless_replaced_on_purpose(register, reg):
     name = next(n for n in ("mnist", "iid", "mlp") if n in reg)
     before = reg[name]
@@ -273,11 +350,33 @@ def test_a_taken_name_is_refused_unless_replaced_on_purpose(register, reg):
 
 
 def test_a_replaced_dataset_is_recorded_and_marked_in_the_report(tmp_path):
-    plugin = _plugin(tmp_path, "def load(spec):\n    return data.synthetic(3, 200, 50, (1, 4, 4), seed=0)\n"
-                               "data.register_dataset('mnist', load, replace=True)\n")
+    plugin = _plugin(
+        tmp_path,
+        "def load(spec):\n    return data.synthetic(3, 200, 50, (1, 4, 4), seed=0)\n"
+        "data.register_dataset('mnist', load, replace=True)\n",
+    )
     out = tmp_path / "r"
-    assert main(["run", "--plugin", plugin, "--set", "partition=iid", "--set", "num_clients=4", "--set",
-                 "clients_per_round=2", "--set", "rounds=1", "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--plugin",
+                plugin,
+                "--set",
+                "partition=iid",
+                "--set",
+                "num_clients=4",
+                "--set",
+                "clients_per_round=2",
+                "--set",
+                "rounds=1",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert "mine.load" in cfg["replaced_entries"]["dataset"]["mnist"]["by"]
     assert main(["report", str(out)]) == 0
@@ -300,10 +399,13 @@ def test_loading_the_same_plugin_twice_is_harmless(tmp_path):
 # -- study files: paths relative to the file -------------------------------------------------------------------
 def test_a_study_files_paths_resolve_against_the_file(tmp_path, monkeypatch):
     from fedfast import presets
+
     d = tmp_path / "study"
     d.mkdir()
-    (d / "s.toml").write_text('[preset]\nmethods = ["fedavg"]\n[protocol]\ndataset = "synthetic"\n'
-                              'data_dir = "mydata"\nnum_clients = 10\nclients_per_round = 2\n')
+    (d / "s.toml").write_text(
+        '[preset]\nmethods = ["fedavg"]\n[protocol]\ndataset = "synthetic"\n'
+        'data_dir = "mydata"\nnum_clients = 10\nclients_per_round = 2\n'
+    )
     monkeypatch.chdir(tmp_path)
     cell = presets.get(str(d / "s.toml") + "/default")
     cfg = build_config(base=cell.config("fedavg"), source=cell.source, root=cell.root)
@@ -319,19 +421,26 @@ def test_a_study_file_names_the_plugins_data_and_options_beside_it(tmp_path, mon
     d = tmp_path / "study"
     d.mkdir()
     shutil.copy(os.path.join(EXAMPLE, "tabular.py"), d)
-    subprocess.run([sys.executable, os.path.join(EXAMPLE, "make_sensors_csv.py"), str(d / "sensors.csv")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, os.path.join(EXAMPLE, "make_sensors_csv.py"), str(d / "sensors.csv")],
+        check=True,
+        capture_output=True,
+    )
     (d / "own.toml").write_text(
         '[preset]\nmethods = ["fedavg"]\nseeds = [0]\nplugins = ["tabular.py"]\n'
         '[protocol]\ndataset = "csv"\npartition = "by_column"\nmodel = "tabular_mlp"\nclients_per_round = 4\n'
         'rounds = 2\nbatch_size = 32\n[protocol.csv]\npath = "sensors.csv"\ntest_fraction = 0.25\n'
-        '[protocol.tabular_mlp]\nhidden = 16\n')
+        "[protocol.tabular_mlp]\nhidden = 16\n"
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert main(["sweep", str(d / "own.toml"), "--out", "s", "--quiet"]) == 0
-    cfgs = [json.loads(open(os.path.join(r, "config.json")).read())
-            for r, _, files in os.walk(elsewhere / "s") if "config.json" in files]
+    cfgs = [
+        json.loads(open(os.path.join(r, "config.json")).read())
+        for r, _, files in os.walk(elsewhere / "s")
+        if "config.json" in files
+    ]
     assert len(cfgs) == 1 and cfgs[0]["csv"]["path"] == str(d / "sensors.csv")
     assert cfgs[0]["csv"]["test_fraction"] == 0.25 and cfgs[0]["tabular_mlp"]["hidden"] == 16
     assert cfgs[0]["num_clients"] == 24 and str(d / "sensors.csv") in cfgs[0]["fingerprint"]["data"]

@@ -15,6 +15,7 @@ for the isolated builds. What is checked:
   with ``FEDFAST_REQUIRE_EXT=1``, a failed build; building with isolation but without ``FEDFAST_NO_EXT`` stops
   with a message that says what to type.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,18 +40,24 @@ TORCH_PIN = torch.__version__.split("+")[0]
 
 def _env(**extra) -> dict:
     """The environment of a user's shell: nothing of this test session (PYTHONPATH, fedfast's switches)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "TRITON_INTERPRET", "VIRTUAL_ENV") and not k.startswith("FEDFAST_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "TRITON_INTERPRET", "VIRTUAL_ENV") and not k.startswith("FEDFAST_")
+    }
     env.update(MAX_JOBS="2", **extra)
     return env
 
 
 def _run(cmd, cwd, timeout=600, check=True, **extra) -> subprocess.CompletedProcess:
-    p = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(**extra), capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=_env(**extra), capture_output=True, text=True, timeout=timeout
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"
-                             f"--- stderr\n{p.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"
+            f"--- stderr\n{p.stderr[-4000:]}"
+        )
     return p
 
 
@@ -59,8 +66,16 @@ def source(tmp_path_factory) -> Path:
     """A copy of what a fresh clone would hold (tracked and new, non-ignored files): no build outputs."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("needs the git checkout (the test builds from a clean copy of its files)")
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     dst = tmp_path_factory.mktemp("src") / "fedfast"
     for f in filter(None, files):
         if (ROOT / f).is_file():
@@ -73,8 +88,9 @@ def source(tmp_path_factory) -> Path:
 def dist(source, tmp_path_factory) -> Path:
     """``make dist``'s command: the sdist, then the wheel built from it, against this environment's torch."""
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", out, source], cwd=source,
-         FEDFAST_REQUIRE_EXT="1")
+    _run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", out, source], cwd=source, FEDFAST_REQUIRE_EXT="1"
+    )
     return out
 
 
@@ -132,8 +148,17 @@ def test_dist_contents(dist):
     (wheel,) = dist.glob("fedfast-*.whl")
     names = tarfile.open(sdist).getnames()
     prefix = f"fedfast-{fedfast.__version__}/"
-    for f in ("pyproject.toml", "setup.py", "README.md", "CHANGELOG.md", "csrc/bindings.cpp", "csrc/fedfast_cpu.h",
-              "kernels/distill.cu", "kernels/common.cuh", "fedfast/presets/demo.toml"):
+    for f in (
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "CHANGELOG.md",
+        "csrc/bindings.cpp",
+        "csrc/fedfast_cpu.h",
+        "kernels/distill.cu",
+        "kernels/common.cuh",
+        "fedfast/presets/demo.toml",
+    ):
         assert prefix + f in names, f
     assert not any(n.endswith((".so", ".o")) for n in names)
     assert wheel.name.startswith(f"fedfast-{fedfast.__version__}-")
@@ -162,8 +187,25 @@ def test_installed_wheel_works_outside_the_checkout(installed, outside):
     assert "fedntd-table1/mnist-shards" in pre and "asd-cifar100/delta0.3" in pre
 
     run = outside / "runs" / "two"
-    _run([cli, "run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=4",
-          "--set", "rounds=2", "--set", "algorithm=fedntd", "--out", run], cwd=outside)
+    _run(
+        [
+            cli,
+            "run",
+            "--set",
+            "dataset=synthetic",
+            "--set",
+            "num_clients=10",
+            "--set",
+            "clients_per_round=4",
+            "--set",
+            "rounds=2",
+            "--set",
+            "algorithm=fedntd",
+            "--out",
+            run,
+        ],
+        cwd=outside,
+    )
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and (run / "summary.json").exists()
     assert json.loads((run / "summary.json").read_text())["versions"]["fedfast"] == fedfast.__version__
@@ -183,20 +225,33 @@ def test_failing_compiler_warns_or_fails(source, tmp_path):
     """A compiler that fails: the wheel builds without fedfast._C and says so; FEDFAST_REQUIRE_EXT=1 makes it an
     error (what make and CI set)."""
     out = tmp_path / "w"
-    p = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", out, source],
-             cwd=tmp_path, CC="/bin/false", CXX="/bin/false")
+    p = _run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", out, source],
+        cwd=tmp_path,
+        CC="/bin/false",
+        CXX="/bin/false",
+    )
     assert "WARNING: could not build fedfast._C" in p.stdout + p.stderr
     (wheel,) = out.glob("fedfast-*.whl")
     assert not any(n.endswith(".so") for n in zipfile.ZipFile(wheel).namelist())
-    p = _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "w2",
-              source], cwd=tmp_path, check=False, CC="/bin/false", CXX="/bin/false", FEDFAST_REQUIRE_EXT="1")
+    p = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp_path / "w2", source],
+        cwd=tmp_path,
+        check=False,
+        CC="/bin/false",
+        CXX="/bin/false",
+        FEDFAST_REQUIRE_EXT="1",
+    )
     assert p.returncode != 0 and not list((tmp_path / "w2").glob("*.whl"))
 
 
 def test_isolated_build_without_torch_says_what_to_type(source, venv, tmp_path):
     """pip's default (an isolated build environment, no torch in it) stops with the commands that work."""
-    p = _run([venv / "bin" / "python", "-m", "pip", "wheel", "--no-deps", "-w", tmp_path / "w", source],
-             cwd=tmp_path, check=False)
+    p = _run(
+        [venv / "bin" / "python", "-m", "pip", "wheel", "--no-deps", "-w", tmp_path / "w", source],
+        cwd=tmp_path,
+        check=False,
+    )
     assert p.returncode != 0
     assert "--no-build-isolation" in p.stdout + p.stderr and "FEDFAST_NO_EXT=1" in p.stdout + p.stderr
 
@@ -214,23 +269,33 @@ def test_no_extension_install_runs_on_reference(installed, source, outside, tmp_
     # the last test of the module: it replaces the compiled install in the shared environment
     _run([py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", wheel], cwd=outside)
     script = NTD_SCRIPT.replace('warnings.simplefilter("error")', 'warnings.simplefilter("always")')
-    script = script.replace('print(json.dumps(out))', '''
+    script = script.replace(
+        "print(json.dumps(out))",
+        """
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
     for _ in range(3):
         fedfast.nn.NTDLoss(backend="cpu")(z, t, y)
         fedfast.nn.NTDLoss()(z, t, y)
 out["warnings"] = [str(r.message) for r in rec if issubclass(r.category, RuntimeWarning)]
-print(json.dumps(out))''')
+print(json.dumps(out))""",
+    )
     res = json.loads(_run([py, "-c", script], cwd=outside).stdout.strip().splitlines()[-1])
     assert res["cpu_ext"] is None
     assert _close([res["cpu"]["loss"]], [res["reference"]["loss"]], 1e-6)
     assert _close(res["cpu"]["grad"], res["reference"]["grad"], 1e-6)
     # the first fallback warned inside the NTD loop above; none of the six later calls warns again
     assert res["warnings"] == [], res["warnings"]
-    first = _run([py, "-W", "always", "-c",
-                  "import torch, fedfast; z = torch.randn(4, 3); fedfast.nn.NTDLoss()(z, z, torch.tensor([0,1,2,0]))"],
-                 cwd=outside)
+    first = _run(
+        [
+            py,
+            "-W",
+            "always",
+            "-c",
+            "import torch, fedfast; z = torch.randn(4, 3); fedfast.nn.NTDLoss()(z, z, torch.tensor([0,1,2,0]))",
+        ],
+        cwd=outside,
+    )
     assert first.stderr.count("RuntimeWarning") == 1, first.stderr
     assert "backend 'cpu' is not usable (fedfast._C not built" in first.stderr
     assert "--no-build-isolation" in first.stderr
@@ -240,6 +305,21 @@ print(json.dumps(out))''')
     assert "all checks passed" in doc and "automatic backend on cpu: reference" in doc
 
     run = outside / "runs" / "ref"
-    _run([cli, "run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
-          "--set", "rounds=2", "--out", run], cwd=outside)
+    _run(
+        [
+            cli,
+            "run",
+            "--set",
+            "dataset=synthetic",
+            "--set",
+            "num_clients=10",
+            "--set",
+            "clients_per_round=3",
+            "--set",
+            "rounds=2",
+            "--out",
+            run,
+        ],
+        cwd=outside,
+    )
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -1,5 +1,6 @@
 """fedfast.sim.plan, the round plan as pure functions of seed, round and data placement (issue 37): cohort size,
 participants (seeded samplers and user schedules), each client's data order, and local_steps mode's step table."""
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,8 @@ from sequential_loop import setup_data
 
 def test_max_cohort():
     assert plan.max_cohort(10, 100, "uniform") == 10
-    assert plan.max_cohort(10, 100, "bernoulli") == 22      # 10 + 4 * sqrt(100 * 0.1 * 0.9) = 22
-    assert plan.max_cohort(90, 100, "bernoulli") == 100     # never more than every client
+    assert plan.max_cohort(10, 100, "bernoulli") == 22  # 10 + 4 * sqrt(100 * 0.1 * 0.9) = 22
+    assert plan.max_cohort(90, 100, "bernoulli") == 100  # never more than every client
 
 
 def test_round_clients_samplers_and_schedules():
@@ -35,7 +36,9 @@ def test_round_clients_samplers_and_schedules():
 def test_data_order_seeded_or_the_users_checked():
     assert np.array_equal(plan.data_order(1, 2, 3, 0, 9), client_order(1, 2, 3, 0, 9))
     assert plan.data_order(1, 2, 3, 1, 4, lambda r, k, e, n: list(reversed(range(n)))).tolist() == [3, 2, 1, 0]
-    with pytest.raises(ValueError, match=r"data_order: round 3, client 3, epoch 1: expected a permutation of range\(4\)"):
+    with pytest.raises(
+        ValueError, match=r"data_order: round 3, client 3, epoch 1: expected a permutation of range\(4\)"
+    ):
         plan.data_order(1, 2, 3, 1, 4, lambda r, k, e, n: [0, 0, 1, 2])
 
 
@@ -43,8 +46,10 @@ def test_steps_table_by_hand():
     rows = [np.array([10, 11, 12, 13, 14]), np.array([20, 21, 22])]
     ident = lambda k, e, n: np.arange(n)  # noqa: E731
     t = plan.steps_table(np.array([0, 1]), np.array([5, 3]), np.array([3, 2]), 4, 2, rows, ident)
-    assert t.tolist() == [[10, 11, 12, 13, 14, -1, 10, 11],        # the pass's last batch padded, then a new pass
-                          [20, 21, 22, -1, 20, 21, 22, -1]]
+    assert t.tolist() == [
+        [10, 11, 12, 13, 14, -1, 10, 11],  # the pass's last batch padded, then a new pass
+        [20, 21, 22, -1, 20, 21, 22, -1],
+    ]
     t = plan.steps_table(np.array([0]), np.array([5]), np.array([2]), 3, 2, rows, ident)  # drop_last: 2 full batches
     assert t.tolist() == [[10, 11, 12, 13, 10, 11]]
     rev = lambda k, e, n: np.arange(n)[::-1] if e % 2 else np.arange(n)  # noqa: E731  pass e in its own order
@@ -59,6 +64,13 @@ def test_engine_plans_with_these_functions():
     sim.round()
     assert np.array_equal(sim.plan.clients(sim.rnd), sample_clients(4, 1, sim.K, 3))
     ctx, _, step_rows = sim.plan.sample(sim.rnd)
-    want = plan.steps_table(ctx.sampled, ctx.sizes, ctx.data_batches, 3, cfg.batch_size, sim.plan.client_rows,
-                            lambda k, e, n: client_order(4, 1, k, e, n))
+    want = plan.steps_table(
+        ctx.sampled,
+        ctx.sizes,
+        ctx.data_batches,
+        3,
+        cfg.batch_size,
+        sim.plan.client_rows,
+        lambda k, e, n: client_order(4, 1, k, e, n),
+    )
     assert np.array_equal(step_rows, want)

@@ -3,6 +3,7 @@ recorded), the same file loads twice harmlessly, config.json records each plug-i
 file is refused on resume and rerun, a method's state is checkpointed without a list (resume equals the straight
 run for a plug-in that declares nothing), errors inside a plug-in name its file and line, an unknown algorithm
 suggests --plugin, and a method adds its own values to each round's metrics."""
+
 import json
 import textwrap
 
@@ -66,15 +67,31 @@ def _clean():
     methods.PLUGINS.clear()
 
 
-SETS = ["--set", "dataset=synthetic", "--set", "num_clients=8", "--set", "clients_per_round=3", "--set",
-        "partition=iid", "--set", "model=mlp", "--set", "algorithm=fedadam", "--quiet"]
+SETS = [
+    "--set",
+    "dataset=synthetic",
+    "--set",
+    "num_clients=8",
+    "--set",
+    "clients_per_round=3",
+    "--set",
+    "partition=iid",
+    "--set",
+    "model=mlp",
+    "--set",
+    "algorithm=fedadam",
+    "--quiet",
+]
 
 
 def test_a_taken_name_is_refused_naming_both_classes_and_files(tmp_path):
     path = _plugin(tmp_path, name="fedavg")
-    with pytest.raises(ValueError, match=r"line \d+: ValueError: register\('fedavg'\): the name 'fedavg' is taken by "
-                                         r"fedfast\.methods\.fedavg\.FedAvg .*fedavg\.py.*FedAdam.*fedadam\.py.*"
-                                         r"replace=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"line \d+: ValueError: register\('fedavg'\): the name 'fedavg' is taken by "
+        r"fedfast\.methods\.fedavg\.FedAvg .*fedavg\.py.*FedAdam.*fedadam\.py.*"
+        r"replace=True",
+    ):
         methods.load_plugin(path)
     assert methods.REGISTRY["fedavg"] is methods.BUILTIN["fedavg"]  # untouched
 
@@ -142,7 +159,8 @@ def test_a_changed_plugin_is_refused_on_resume_and_rerun(tmp_path, capsys):
 
 def test_errors_inside_a_plugin_name_its_file_and_line(tmp_path, capsys):
     bad_check = tmp_path / "badcheck.py"
-    bad_check.write_text(textwrap.dedent('''
+    bad_check.write_text(
+        textwrap.dedent("""
         from dataclasses import dataclass
         from fedfast.methods import FedAvg, opt, register
 
@@ -151,21 +169,40 @@ def test_errors_inside_a_plugin_name_its_file_and_line(tmp_path, capsys):
             @dataclass
             class Options:
                 lam: float = opt(0.5, "weight", check="[0,1[")
-    '''))
-    with pytest.raises(ValueError, match=rf"{bad_check}, line 9: opt\(check=...\): check '\[0,1\[': not a check; "
-                                         r"use .*\[a,b\)"):
+    """)
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"{bad_check}, line 9: opt\(check=...\): check '\[0,1\[': not a check; "
+        r"use .*\[a,b\)",
+    ):
         methods.load_plugin(str(bad_check))
     name_error = tmp_path / "nameerr.py"
-    name_error.write_text(textwrap.dedent('''
+    name_error.write_text(
+        textwrap.dedent("""
         from fedfast.methods import FedAvg, register
 
         @register("nameerr")
         class NameErr(FedAvg):
             def loss(self, ctx, b):
                 return undefined_thing(b)
-    '''))
-    code = main(["run", "--plugin", str(name_error), *SETS[:-3], "--set", "algorithm=nameerr", "--set", "rounds=1",
-                 "--quiet", "--out", str(tmp_path / "r")])
+    """)
+    )
+    code = main(
+        [
+            "run",
+            "--plugin",
+            str(name_error),
+            *SETS[:-3],
+            "--set",
+            "algorithm=nameerr",
+            "--set",
+            "rounds=1",
+            "--quiet",
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"in plug-in {name_error}, line 7, in loss: NameError" in err and "Traceback" not in err
     methods.unregister("nameerr")
@@ -183,6 +220,7 @@ def test_unknown_algorithm_suggests_plugin_and_close_names(capsys):
 
 def test_check_vocabulary_half_open_intervals():
     from fedfast.methods.base import parse_check
+
     ok, what = parse_check("[0,1)")
     assert ok(0) and ok(0.5) and not ok(1) and what == "in [0, 1)"
     ok, _ = parse_check("(0,inf)")
@@ -198,10 +236,12 @@ def test_round_metrics_are_checked(tmp_path):
     class Bad(methods.FedAvg):
         def round_metrics(self, ctx):
             return {"v": torch.ones(3)}
+
     try:
         train, test, part, model = setup_data()
-        sim = fedfast.Simulation(fedfast.SimConfig(algorithm="badmetric", clients_per_round=2), model, train, test,
-                                 part)
+        sim = fedfast.Simulation(
+            fedfast.SimConfig(algorithm="badmetric", clients_per_round=2), model, train, test, part
+        )
         with pytest.raises(TypeError, match=r"badmetric.round_metrics \(.*, line \d+\): 'v' must be one number"):
             sim.round()
     finally:

@@ -2,6 +2,7 @@
 each sampling and accountant, an analytic check where no subsampling happens (T Gaussian mechanisms compose to one of
 noise multiplier z / sqrt(T): Balle & Wang's analytic epsilon), the calibration of the noise multiplier to a target
 epsilon, the budget check, and refusals by name."""
+
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from fedfast import privacy  # noqa: E402
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
 def test_poisson_rounds_equal_the_library_called_directly(kind):
     z, q, T, delta = 1.1, 0.1, 50, 1e-5
-    acc = (dpa.rdp.RdpAccountant() if kind == "rdp" else dpa.pld.PLDAccountant())
+    acc = dpa.rdp.RdpAccountant() if kind == "rdp" else dpa.pld.PLDAccountant()
     acc.compose(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), T)
     want = acc.get_epsilon(delta)
     got = privacy.epsilon(z, delta, T, sampling="poisson", num_clients=1000, rate=q, accountant=kind)
@@ -76,9 +77,12 @@ def test_the_budget_refuses_more_rounds_and_bad_values_are_named():
     with pytest.raises(ValueError, match="rounds: 40 private rounds"):
         acc.check_plan(40)
     base = dict(sampling="poisson", num_clients=100, rate=0.1)
-    for kw, key in ((dict(base, rate=0.0), "client_rate"), (dict(base, sampling="bernoulli"), "client_sampling"),
-                    (dict(base, accountant="prv"), "dp_accountant"),
-                    (dict(sampling="fixed", num_clients=10, clients_per_round=11), "clients_per_round")):
+    for kw, key in (
+        (dict(base, rate=0.0), "client_rate"),
+        (dict(base, sampling="bernoulli"), "client_sampling"),
+        (dict(base, accountant="prv"), "dp_accountant"),
+        (dict(sampling="fixed", num_clients=10, clients_per_round=11), "clients_per_round"),
+    ):
         with pytest.raises(ValueError, match=key):
             privacy.epsilon(1.0, 1e-5, 3, **kw)
     with pytest.raises(ValueError, match="dp_delta"):

@@ -1,6 +1,7 @@
 """Private runs (issue 49): DP-FedAvg in the engine against the literal loop (clip each client's delta, sum, add the
 same noise, divide by the expected cohort size), Poisson sampling with empty cohorts, the noise's standard
 deviation, epsilon against the accountant called directly, calibration, checkpoints, and the refusals by name."""
+
 import copy
 import math
 
@@ -25,32 +26,56 @@ def _run(algorithm="fedavg", options=None, **kw):
     return cfg, sim, (train, test, part, model)
 
 
-@pytest.mark.parametrize("algorithm,options,sampling", [("fedavg", {}, "uniform"), ("fedavg", {}, "poisson"),
-                                                        ("fedntd", dict(tau=2.0), "uniform")])
+@pytest.mark.parametrize(
+    "algorithm,options,sampling",
+    [("fedavg", {}, "uniform"), ("fedavg", {}, "poisson"), ("fedntd", dict(tau=2.0), "uniform")],
+)
 def test_private_rounds_equal_the_literal_loop(algorithm, options, sampling):
     """Clip 0.05 (every client's delta is longer: clipping acts on each), z = 0.7: the engine's global model after
     three rounds equals the loop's clipped sum + the same noise over E = clients_per_round."""
-    cfg, sim, (train, _, part, model) = _run(algorithm, options, dp_clip=0.05, dp_noise_multiplier=0.7,
-                                             client_sampling=sampling)
+    cfg, sim, (train, _, part, model) = _run(
+        algorithm, options, dp_clip=0.05, dp_noise_multiplier=0.7, client_sampling=sampling
+    )
     start = copy.deepcopy(sim.model).cpu()
     hist = sim.run()
     K = part.num_clients
-    sampled_fn = (lambda r: sample_clients_poisson(cfg.seed, r, K, cfg.clients_per_round / K)) \
-        if sampling == "poisson" else None
+    sampled_fn = (
+        (lambda r: sample_clients_poisson(cfg.seed, r, K, cfg.clients_per_round / K)) if sampling == "poisson" else None
+    )
     gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    ref = sequential(cfg, start, train, part, cfg.rounds, sampled_fn=sampled_fn,
-                     dp=dict(clip=0.05, z=0.7, E=float(cfg.clients_per_round), gen=gen))
+    ref = sequential(
+        cfg,
+        start,
+        train,
+        part,
+        cfg.rounds,
+        sampled_fn=sampled_fn,
+        dp=dict(clip=0.05, z=0.7, E=float(cfg.clients_per_round), gen=gen),
+    )
     err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
     assert err <= 1e-6, err
     # a broken formula would show: without the noise, or without clipping, the loop lands elsewhere
     gen2 = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-    no_clip = sequential(cfg, copy.deepcopy(start), train, part, cfg.rounds, sampled_fn=sampled_fn,
-                         dp=dict(clip=1e9, z=0.7 * 0.05 / 1e9, E=float(cfg.clients_per_round), gen=gen2))
+    no_clip = sequential(
+        cfg,
+        copy.deepcopy(start),
+        train,
+        part,
+        cfg.rounds,
+        sampled_fn=sampled_fn,
+        dp=dict(clip=1e9, z=0.7 * 0.05 / 1e9, E=float(cfg.clients_per_round), gen=gen2),
+    )
     assert float((no_clip - ref).abs().max() / ref.abs().max()) > 1e-2
     for r, rec in enumerate(hist, 1):  # epsilon after each round: the accountant, called directly
-        want = privacy.epsilon(0.7, cfg.dp_delta, r, sampling="poisson" if sampling == "poisson" else "fixed",
-                               num_clients=K, clients_per_round=4 if sampling == "uniform" else None,
-                               rate=4 / K if sampling == "poisson" else None)
+        want = privacy.epsilon(
+            0.7,
+            cfg.dp_delta,
+            r,
+            sampling="poisson" if sampling == "poisson" else "fixed",
+            num_clients=K,
+            clients_per_round=4 if sampling == "uniform" else None,
+            rate=4 / K if sampling == "poisson" else None,
+        )
         assert rec["dp_epsilon"] == pytest.approx(want, rel=1e-12)
 
 
@@ -62,8 +87,9 @@ def test_poisson_rounds_without_a_client():
     assert rounds, "no empty cohort in 40 rounds"
     n = rounds[0] + 1
     for dp in ({}, dict(dp_clip=0.05, dp_noise_multiplier=1.0)):
-        cfg = fedfast.SimConfig(algorithm="fedavg", **{**BASE, "clients_per_round": 1, "rounds": n},
-                                client_sampling="poisson", **dp)
+        cfg = fedfast.SimConfig(
+            algorithm="fedavg", **{**BASE, "clients_per_round": 1, "rounds": n}, client_sampling="poisson", **dp
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         for _ in range(n - 1):
             sim.round()
@@ -81,6 +107,7 @@ def test_poisson_rounds_without_a_client():
 
 def test_noise_standard_deviation_is_z_clip_over_the_expected_cohort():
     from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
+
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, rounds=1, dp_clip=0.5, dp_noise_multiplier=1.3)
     p = RoundPrivacy(PrivacySettings.of(cfg), cfg.method(), 100, torch.device("cpu"))
     g = torch.zeros(200_000)
@@ -95,8 +122,9 @@ def test_epsilon_calibration_budget_and_resume():
     """dp_epsilon calibrates the noise for the planned rounds; the last round spends at most the budget; a checkpoint
     resumes bit for bit with its noise; more rounds than the budget allows are refused, naming rounds."""
     cfg, sim, (train, test, part, model) = _run(dp_clip=0.1, dp_epsilon=8.0, rounds=3, client_sampling="poisson")
-    z = privacy.calibrate(8.0, cfg.dp_delta, 3, sampling="poisson", num_clients=part.num_clients,
-                          rate=4 / part.num_clients)
+    z = privacy.calibrate(
+        8.0, cfg.dp_delta, 3, sampling="poisson", num_clients=part.num_clients, rate=4 / part.num_clients
+    )
     assert sim.privacy.z == pytest.approx(z)
     sim.round()
     sim.round()
@@ -116,26 +144,30 @@ def test_epsilon_calibration_budget_and_resume():
 
 def test_summary_records_the_final_epsilon():
     from fedfast.callbacks import summarize
+
     _, sim, _ = _run(dp_clip=0.1, dp_noise_multiplier=1.0, rounds=2)
     hist = sim.run()
     s = summarize(hist, {"algorithm": "fedavg", "seed": 3, "rounds": 2}, "cpu", True)
     assert s["dp_epsilon"] == hist[-1]["dp_epsilon"] and s["dp_epsilon"] > 0
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(algorithm="scaffold"), "scaffold uploads its control variates"),
-    (dict(algorithm="feddistill_plus"), "per-label mean logits"),
-    (dict(algorithm="feddisco"), "label distribution"),
-    (dict(client_sampling="bernoulli"), "client_sampling: 'bernoulli'"),
-    (dict(client_sampling="round_seeded"), "client_sampling: 'round_seeded'"),
-    (dict(aggregate_weights="size"), "aggregate_weights"),
-    (dict(dp_accountant="pld"), "dp_accountant"),
-    (dict(dp_clip_quantile=1.5), "dp_clip_quantile"),
-    (dict(dp_clip_count_noise=1.0), "dp_clip_count_noise: an adaptive-clipping key"),
-    (dict(dp_clip_quantile=0.5, dp_noise_multiplier=0.0, dp_clip_count_noise=1.0), "nothing is noised"),
-    (dict(dp_noise_multiplier=None), "dp_clip: a private run needs"),
-    (dict(dp_delta=0.0), "dp_delta"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(algorithm="scaffold"), "scaffold uploads its control variates"),
+        (dict(algorithm="feddistill_plus"), "per-label mean logits"),
+        (dict(algorithm="feddisco"), "label distribution"),
+        (dict(client_sampling="bernoulli"), "client_sampling: 'bernoulli'"),
+        (dict(client_sampling="round_seeded"), "client_sampling: 'round_seeded'"),
+        (dict(aggregate_weights="size"), "aggregate_weights"),
+        (dict(dp_accountant="pld"), "dp_accountant"),
+        (dict(dp_clip_quantile=1.5), "dp_clip_quantile"),
+        (dict(dp_clip_count_noise=1.0), "dp_clip_count_noise: an adaptive-clipping key"),
+        (dict(dp_clip_quantile=0.5, dp_noise_multiplier=0.0, dp_clip_count_noise=1.0), "nothing is noised"),
+        (dict(dp_noise_multiplier=None), "dp_clip: a private run needs"),
+        (dict(dp_delta=0.0), "dp_delta"),
+    ],
+)
 def test_refused_by_name(kw, match):
     base = dict(algorithm="fedavg", dp_clip=1.0, dp_noise_multiplier=1.0)
     with pytest.raises(ValueError, match=match):
@@ -178,31 +210,48 @@ def test_adaptive_clipping_equals_the_literal_loop():
     """dp_clip_quantile 0.5: the updates noised with z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2), the count of unclipped
     updates with sigma_b, and the clip moved geometrically each round, as the loop does; the records show the clip
     each round used, and epsilon is the accountant's at z (the count's release is inside it)."""
-    cfg, sim, (train, _, part, model) = _run(dp_clip=0.05, dp_noise_multiplier=0.7, dp_clip_quantile=0.5,
-                                             dp_clip_count_noise=1.0, rounds=4, client_sampling="poisson")
+    cfg, sim, (train, _, part, model) = _run(
+        dp_clip=0.05,
+        dp_noise_multiplier=0.7,
+        dp_clip_quantile=0.5,
+        dp_clip_count_noise=1.0,
+        rounds=4,
+        client_sampling="poisson",
+    )
     start = copy.deepcopy(sim.model).cpu()
     hist = sim.run()
     K, E = part.num_clients, 4.0
     sigma_b = 1.0
-    z_update = (0.7 ** -2 - (2 * sigma_b) ** -2) ** -0.5
-    dp = dict(clip=0.05, z=0.7, z_update=z_update, E=E, gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),
-              quantile=0.5, lr_c=0.2, sigma_b=sigma_b)
-    ref = sequential(cfg, start, train, part, cfg.rounds, dp=dp,
-                     sampled_fn=lambda r: sample_clients_poisson(cfg.seed, r, K, 4 / K))
+    z_update = (0.7**-2 - (2 * sigma_b) ** -2) ** -0.5
+    dp = dict(
+        clip=0.05,
+        z=0.7,
+        z_update=z_update,
+        E=E,
+        gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),
+        quantile=0.5,
+        lr_c=0.2,
+        sigma_b=sigma_b,
+    )
+    ref = sequential(
+        cfg, start, train, part, cfg.rounds, dp=dp, sampled_fn=lambda r: sample_clients_poisson(cfg.seed, r, K, 4 / K)
+    )
     err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
     assert err <= 1e-6, err
     assert [h["dp_clip"] for h in hist] == pytest.approx([0.05] + dp["clips"][:-1], rel=1e-6)
     assert sim.privacy.clip == pytest.approx(dp["clips"][-1], rel=1e-6)
     assert len(set(round(c, 9) for c in dp["clips"])) > 1  # the clip moved
-    assert hist[-1]["dp_epsilon"] == pytest.approx(privacy.epsilon(0.7, cfg.dp_delta, 4, sampling="poisson",
-                                                                   num_clients=K, rate=4 / K), rel=1e-12)
+    assert hist[-1]["dp_epsilon"] == pytest.approx(
+        privacy.epsilon(0.7, cfg.dp_delta, 4, sampling="poisson", num_clients=K, rate=4 / K), rel=1e-12
+    )
     with pytest.raises(ValueError, match="dp_clip_count_noise: adaptive clipping's count noise"):
         _run(dp_clip=0.05, dp_noise_multiplier=2.0, dp_clip_quantile=0.5, dp_clip_count_noise=0.5)
 
 
 def test_adaptive_clip_resumes_from_its_checkpoint():
-    cfg, sim, (train, test, part, model) = _run(dp_clip=0.05, dp_noise_multiplier=0.7, dp_clip_quantile=0.3,
-                                                dp_clip_count_noise=1.0, rounds=3)
+    cfg, sim, (train, test, part, model) = _run(
+        dp_clip=0.05, dp_noise_multiplier=0.7, dp_clip_quantile=0.3, dp_clip_count_noise=1.0, rounds=3
+    )
     sim.round()
     ck = sim.checkpoint()
     sim.round()
@@ -224,16 +273,23 @@ def test_every_method_runs_a_private_round_or_is_refused_by_name():
     for name in sorted(fedfast.methods.BUILTIN):
         cls = fedfast.methods.get(name)
         try:
-            cfg = fedfast.SimConfig(algorithm=name, dp_clip=0.5, dp_noise_multiplier=1.0,
-                                    **{**BASE, "rounds": 1, "clients_per_round": 3})
+            cfg = fedfast.SimConfig(
+                algorithm=name, dp_clip=0.5, dp_noise_multiplier=1.0, **{**BASE, "rounds": 1, "clients_per_round": 3}
+            )
         except ValueError as e:  # (and a method with the +asd add-on: the base's uploads decide)
             assert cls.uploads and cls.uploads in str(e) and "dp_clip" in str(e), (name, e)
             refused.append(name)
             continue
         assert not cls.uploads, name
         tr, splits = cfg.method().hold_out(train, cfg.seed)
-        sim = fedfast.Simulation(cfg, copy.deepcopy(model), tr, test, part if len(tr) == len(train) else
-                                 fedfast.data.iid(tr.y, part.num_clients, seed=0), **splits)
+        sim = fedfast.Simulation(
+            cfg,
+            copy.deepcopy(model),
+            tr,
+            test,
+            part if len(tr) == len(train) else fedfast.data.iid(tr.y, part.num_clients, seed=0),
+            **splits,
+        )
         rec = sim.round()
         assert rec["dp_epsilon"] > 0 and torch.isfinite(sim.global_flat).all(), name
         ran.append(name)
@@ -247,9 +303,12 @@ def test_a_private_run_directory_records_epsilon_and_refuses_a_resume_past_its_b
     import json
 
     from fedfast.cli import main
+
     cfg = tmp_path / "c.toml"
-    cfg.write_text('dataset = "synthetic"\npartition = "iid"\nnum_clients = 20\nclients_per_round = 4\nrounds = 2\n'
-                   'batch_size = 32\nlr = 0.05\nclient_sampling = "poisson"\ndp_clip = 0.5\ndp_epsilon = 3.0\n')
+    cfg.write_text(
+        'dataset = "synthetic"\npartition = "iid"\nnum_clients = 20\nclients_per_round = 4\nrounds = 2\n'
+        'batch_size = 32\nlr = 0.05\nclient_sampling = "poisson"\ndp_clip = 0.5\ndp_epsilon = 3.0\n'
+    )
     out = tmp_path / "run"
     assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -269,6 +328,7 @@ def test_a_private_run_directory_records_epsilon_and_refuses_a_resume_past_its_b
 def test_diverged_keeps_its_old_address_for_a_release():
     import fedfast.engine
     from fedfast.sim.diverged import Diverged
+
     with pytest.warns(DeprecationWarning, match="fedfast.sim.diverged.Diverged"):
         assert fedfast.engine.Diverged is Diverged
     assert fedfast.Diverged is Diverged
@@ -281,6 +341,7 @@ def test_names_issue_50_moved_keep_their_old_addresses_for_a_release():
     import fedfast.methods.kd
     from fedfast.methods.fedntd import FedLSNTD, FedNTD
     from fedfast.store.state import ClientState
+
     with pytest.warns(DeprecationWarning, match="fedfast.store.ClientState"):
         assert fedfast.flat.ClientState is ClientState
     for name, cls in (("FedNTD", FedNTD), ("FedLSNTD", FedLSNTD)):
@@ -292,17 +353,21 @@ def test_names_issue_50_moved_keep_their_old_addresses_for_a_release():
         fedfast.methods.kd.NoSuchName
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),                                                             # SGD, unequal sizes: rows end at many steps
-    dict(momentum=0.9, local_epochs=2, client_chunk=3),                 # momentum, two epochs, three chunks
-    dict(client_optimizer="adam", lr=0.01),                             # Adam's fused step
-    dict(local_steps=3, max_grad_norm=1.0),                             # fixed local steps, clipped gradients
-    dict(algorithm="fedsam", options=dict(rho=0.05)),                   # SAM's gradient
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # SGD, unequal sizes: rows end at many steps
+        dict(momentum=0.9, local_epochs=2, client_chunk=3),  # momentum, two epochs, three chunks
+        dict(client_optimizer="adam", lr=0.01),  # Adam's fused step
+        dict(local_steps=3, max_grad_norm=1.0),  # fixed local steps, clipped gradients
+        dict(algorithm="fedsam", options=dict(rho=0.05)),  # SAM's gradient
+    ],
+)
 def test_update_norms_come_from_each_clients_last_step(monkeypatch, kw):
     """The clip's norms ||X_k - g|| are added up by each client's last local step (ops.client_step's delta_norm)
     and handed to ops.aggregate, which then makes no pass of its own; they equal the rows' norms measured there."""
     import sys
+
     agg_mod = sys.modules["fedfast.ops.aggregate"]  # the module (fedfast.ops.aggregate is the op)
     measured, given = [], []
     real_norms, real_aggregate = agg_mod.update_norms, fedfast.ops.aggregate
@@ -331,20 +396,23 @@ def test_rows_written_after_the_last_step_are_measured_again(monkeypatch):
     the steps are stale, the stack's version counter says so, and ops.aggregate measures the rows itself - the
     private round then equals the one whose norms are always measured. A plug-in masking its own steps likewise."""
     import fedfast.sim.trainer as trainer_mod
+
     opts = dict(order="nesterov")
     _, sim, _ = _run("fedadc", opts, dp_clip=0.05, dp_noise_multiplier=0.5)
     seen = []
     real = trainer_mod.ChunkTrainer.update_norms
-    monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms",
-                        lambda self, n: seen.append(real(self, n)) or seen[-1])
+    monkeypatch.setattr(
+        trainer_mod.ChunkTrainer, "update_norms", lambda self, n: seen.append(real(self, n)) or seen[-1]
+    )
     sim.run()
     assert seen and all(s is None for s in seen)
     monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms", lambda self, n: None)
     _, sim2, _ = _run("fedadc", opts, dp_clip=0.05, dp_noise_multiplier=0.5)
     sim2.run()
     assert torch.equal(sim.global_flat, sim2.global_flat)
-    monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms",
-                        lambda self, n: seen.append(real(self, n)) or seen[-1])
+    monkeypatch.setattr(
+        trainer_mod.ChunkTrainer, "update_norms", lambda self, n: seen.append(real(self, n)) or seen[-1]
+    )
     # a plug-in masking its clients' steps itself (`active`): a client may skip its last step, so measured too
     from fedfast.methods import FedAvg, register
 

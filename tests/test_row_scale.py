@@ -1,5 +1,6 @@
 """The losses' row bookkeeping on the GPU backends (reduction weights + deferred target/segment checks in one launch),
 against the tensor-op reference, run here through the Triton interpreter; the CUDA twin is in tests/test_gpu.py."""
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,6 +25,7 @@ def _flags(y, seg, C, limit, ignore_index=-100):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_row_scale_triton_matches_the_tensor_ops(R, dtype):
     from fedfast.triton.row_scale import row_scale_triton
+
     g = torch.Generator().manual_seed(R)
     C = 10
     y = torch.randint(0, C, (R,), generator=g)
@@ -52,10 +54,12 @@ def test_row_scale_triton_matches_the_tensor_ops(R, dtype):
         assert torch.equal(rs, torch.ones(R)) and not st.any()
 
 
-@pytest.mark.parametrize("seg,limit", [([0, 0, 1, 1, 0, 2], 6), ([0, 1, 2, 3, 4, 5], 5), ([-1, 0, 0, 1, 1, 1], 6),
-                                       ([0, 0, 1, 1, 2, 2], 6)])
+@pytest.mark.parametrize(
+    "seg,limit", [([0, 0, 1, 1, 0, 2], 6), ([0, 1, 2, 3, 4, 5], 5), ([-1, 0, 0, 1, 1, 1], 6), ([0, 0, 1, 1, 2, 2], 6)]
+)
 def test_row_scale_triton_flags_bad_segments(seg, limit):
     from fedfast.triton.row_scale import row_scale_triton
+
     seg = torch.tensor(seg)
     st = torch.zeros(6, dtype=torch.int32)
     rs = row_scale_triton(torch.zeros(6, dtype=torch.long), seg, 3, -100, 2, limit, st)
@@ -109,9 +113,9 @@ def test_gpu_path_has_no_tensor_op_bookkeeping(monkeypatch, validate):
     (the weights and checks are one kernel, not the 26-50 tensor ops they were)."""
     import fedfast.triton.distill as td
     import fedfast.triton.row_scale as trs
+
     calls = []
-    monkeypatch.setattr(td, "distill_rows_triton", lambda s, *a, **k: (s.new_empty(s.shape[0]), torch.empty_like(s),
-                                                                        0))
+    monkeypatch.setattr(td, "distill_rows_triton", lambda s, *a, **k: (s.new_empty(s.shape[0]), torch.empty_like(s), 0))
     monkeypatch.setattr(td, "scale_rows_triton", lambda g, gl: g)
     monkeypatch.setattr(trs, "row_scale_triton", lambda y, *a: calls.append(a) or torch.empty(y.shape[0]))
     z, t = torch.randn(500, 10), torch.randn(500, 10)

@@ -1,4 +1,5 @@
 """fedfast.sim.state.RunState alone: all a run carries across rounds, and its checkpoint (issue 37)."""
+
 import pytest
 import torch
 
@@ -21,7 +22,9 @@ def test_start_is_round_zero_with_a_seeded_generator():
     a, b = RunState.start(g, g, seed=7), RunState.start(g, g, seed=7)
     assert (a.round, a.history, a.class_acc) == (0, [], [])
     assert torch.equal(torch.rand(3, generator=a.augment), torch.rand(3, generator=b.augment))
-    assert not torch.equal(RunState.start(g, g, seed=8).augment.get_state(), RunState.start(g, g, seed=7).augment.get_state())
+    assert not torch.equal(
+        RunState.start(g, g, seed=8).augment.get_state(), RunState.start(g, g, seed=7).augment.get_state()
+    )
 
 
 def test_checkpoint_is_plain_cpu_data_and_restores_every_field_and_generator():
@@ -35,7 +38,9 @@ def test_checkpoint_is_plain_cpu_data_and_restores_every_field_and_generator():
     fresh = RunState.start(torch.zeros(6), torch.zeros(6), seed=0)
     back = fresh.restored(ck)
     assert back is not fresh and fresh.round == 0  # a new state; the old one is left as it was
-    assert back.round == 3 and torch.equal(back.global_flat, st.global_flat) and torch.equal(back.eval_flat, st.eval_flat)
+    assert (
+        back.round == 3 and torch.equal(back.global_flat, st.global_flat) and torch.equal(back.eval_flat, st.eval_flat)
+    )
     assert back.history == st.history and back.history is not ck["history"]
     assert torch.equal(back.class_acc[0], st.class_acc[0])
     assert torch.equal(torch.rand(4, generator=back.augment), want_aug)
@@ -45,5 +50,7 @@ def test_checkpoint_is_plain_cpu_data_and_restores_every_field_and_generator():
 def test_a_checkpoint_of_another_shape_is_refused():
     ck = _state().checkpoint({}, SHAPE)
     RunState.check(ck, SHAPE)
-    with pytest.raises(ValueError, match=r"checkpoint: made for .*'num_clients': 4.*this simulation has .*'num_clients': 5"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint: made for .*'num_clients': 4.*this simulation has .*'num_clients': 5"
+    ):
         RunState.check(ck, {**SHAPE, "num_clients": 5})

@@ -1,5 +1,6 @@
 """Run directories: checkpoint/resume (bit for bit after SIGKILL and after SIGTERM), refusal of truncated, corrupt
 and mismatched checkpoints, no overwrite without --force, the saved models and summary."""
+
 import json
 import os
 import signal
@@ -14,9 +15,26 @@ import fedfast
 from fedfast import checkpoint, models
 from fedfast.cli import main
 
-ARGS = ["--set", "dataset=synthetic", "--set", "num_clients=20", "--set", "clients_per_round=5",
-        "--set", "algorithm=scaffold", "--set", "momentum=0.9", "--set", "local_epochs=2", "--set", "batch_size=20",
-        "--set", "augment=fedgkd", "--set", "model=mlp"]
+ARGS = [
+    "--set",
+    "dataset=synthetic",
+    "--set",
+    "num_clients=20",
+    "--set",
+    "clients_per_round=5",
+    "--set",
+    "algorithm=scaffold",
+    "--set",
+    "momentum=0.9",
+    "--set",
+    "local_epochs=2",
+    "--set",
+    "batch_size=20",
+    "--set",
+    "augment=fedgkd",
+    "--set",
+    "model=mlp",
+]
 
 
 def _metrics(d):
@@ -33,9 +51,26 @@ def _final(d):
 
 def _spawn(out, rounds, extra=()):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "fedfast", "run", *ARGS, "--set", f"rounds={rounds}",
-                             "--set", "checkpoint_every=1", *extra, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            *ARGS,
+            "--set",
+            f"rounds={rounds}",
+            "--set",
+            "checkpoint_every=1",
+            *extra,
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_rounds(out, n, proc, timeout=120):
@@ -94,7 +129,8 @@ def test_refuses_truncated_corrupt_and_mismatched_checkpoints(tmp_path, capsys, 
     def refused(msg):
         assert main(["run", "--resume", str(out), "--quiet"]) == 2
         assert msg in capsys.readouterr().err
-    ck.write_bytes(good[:len(good) // 2])
+
+    ck.write_bytes(good[: len(good) // 2])
     refused("checksum mismatch")
     ck.write_bytes(good[:40])
     refused("truncated")
@@ -117,9 +153,11 @@ def test_refuses_truncated_corrupt_and_mismatched_checkpoints(tmp_path, capsys, 
     # a checkpoint is plain data: loading never unpickles an object
     import io
     import pickle
+
     evil = io.BytesIO()
     pickle.dump({"x": fedfast.SimConfig()}, evil)
     import hashlib
+
     ck.write_bytes(checkpoint.MAGIC + hashlib.sha256(evil.getvalue()).hexdigest().encode() + b"\n" + evil.getvalue())
     refused("unreadable checkpoint payload")
 
@@ -142,14 +180,16 @@ def test_outputs_models_summary_and_csv(tmp_path):
     ev = [h for h in hist if h["test_accuracy"] is not None]
     assert [h["round"] for h in ev] == [2, 4]
     assert s["final_test_accuracy"] == ev[-1]["test_accuracy"] and s["best_test_accuracy"] == max(
-        h["test_accuracy"] for h in ev)
+        h["test_accuracy"] for h in ev
+    )
     assert s["mean_last10_test_accuracy"] == pytest.approx(sum(h["test_accuracy"] for h in ev) / 2)
     assert s["wall_seconds"] == pytest.approx(sum(h["seconds"] for h in hist))
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("round,test_accuracy") and len(rows) == 5 and rows[1].split(",")[1] == ""
     model = models.MLP(784, (200, 200), 10)
-    model.load_state_dict(torch.load(out / "model_final.pt", weights_only=True))   # one line, plain weights
+    model.load_state_dict(torch.load(out / "model_final.pt", weights_only=True))  # one line, plain weights
     from fedfast import data
+
     _, test = data.synthetic(10, 5000, 1000, (1, 28, 28), seed=0)
     x, y = test.batch(torch.arange(len(test)))
     with torch.no_grad():
@@ -165,6 +205,7 @@ def test_tensorboard_event_files(tmp_path):
     out = tmp_path / "run"
     assert main(["run", *ARGS, "--set", "rounds=2", "--set", "tensorboard=true", "--out", str(out), "--quiet"]) == 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("test_accuracy")] == [1, 2]
@@ -189,9 +230,28 @@ def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
 
     out = tmp_path / "dead"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "fedfast", "run", *ARGS, "--set", "rounds=200",
-                             "--set", "checkpoint_every=1", "--workers", "2", "--out", str(out), "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            *ARGS,
+            "--set",
+            "rounds=200",
+            "--set",
+            "checkpoint_every=1",
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     _wait_rounds(out, 2, proc)
     kids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True)
     pids = [int(p) for p in kids.stdout.split()]
@@ -209,8 +269,18 @@ def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
 def test_adam_run_resumes_to_the_uninterrupted_result(tmp_path):
     """client_optimizer = adamw with its betas from --set: 3 rounds straight equal 2 rounds then --resume to 3 (the
     tuple-valued adam_betas survives config.json and the checkpoint's config check)."""
-    opt = ["--set", "algorithm=fedntd", "--set", "client_optimizer=adamw", "--set", "adam_betas=0.8,0.99",
-           "--set", "momentum=0", "--set", "lr=1e-3"]
+    opt = [
+        "--set",
+        "algorithm=fedntd",
+        "--set",
+        "client_optimizer=adamw",
+        "--set",
+        "adam_betas=0.8,0.99",
+        "--set",
+        "momentum=0",
+        "--set",
+        "lr=1e-3",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert main(["run", *ARGS, *opt, "--set", "rounds=3", "--out", str(a), "--quiet"]) == 0
     assert main(["run", *ARGS, *opt, "--set", "rounds=2", "--out", str(b), "--quiet"]) == 0
@@ -227,8 +297,24 @@ def test_threads_are_recorded_and_a_resume_keeps_them(tmp_path, capsys):
     try:
         ref, cut = tmp_path / "ref", tmp_path / "cut"
         assert main(["run", *ARGS, "--set", "rounds=4", "--set", "threads=2", "--out", str(ref), "--quiet"]) == 0
-        assert main(["run", *ARGS, "--set", "rounds=2", "--set", "threads=2", "--set", "checkpoint_every=1",
-                     "--out", str(cut), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "run",
+                    *ARGS,
+                    "--set",
+                    "rounds=2",
+                    "--set",
+                    "threads=2",
+                    "--set",
+                    "checkpoint_every=1",
+                    "--out",
+                    str(cut),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
         cfg = json.load(open(cut / "config.json"))
         assert cfg["threads"] == 2 and cfg["determinism"]["threads"] == 2
         assert set(cfg["determinism"]) >= {"deterministic_algorithms", "float32_matmul_precision", "interop_threads"}

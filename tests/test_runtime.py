@@ -1,5 +1,6 @@
 """fedfast.sim.runtime.ModelRuntime alone: the model checked and flattened, its forwards, predictions, eval mode,
 classifier head and the trained model (issue 37)."""
+
 import pytest
 import torch
 from torch import nn
@@ -30,8 +31,10 @@ def test_forward_and_predict_are_the_models_own(executor):
     torch.testing.assert_close(rt.forward(flat, x), want, rtol=1e-5, atol=1e-6)
     got = rt.predict(flat, train, torch.arange(20))  # eval_batch = 7: three batches, the last partial
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert rt.predict(flat, train).shape == (len(train), 5) and rt.predict(flat, train, dtype=torch.bfloat16).dtype \
-        == torch.bfloat16
+    assert (
+        rt.predict(flat, train).shape == (len(train), 5)
+        and rt.predict(flat, train, dtype=torch.bfloat16).dtype == torch.bfloat16
+    )
     feats, logits = rt.forward(flat, x, features=True)
     assert rt.classifier_name == "3" and feats.shape == (20, 16)  # found on first use (no features_layer)
     torch.testing.assert_close(rt.head(flat[None], feats[None])[0], logits, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """fedfast.sampling alone: the seeded cohorts and data orders, each written out as the papers' code draws it
 (issue 37)."""
+
 import numpy as np
 
 from fedfast.sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded
@@ -35,6 +36,10 @@ def test_round_seeded_ignores_the_runs_seed():
 def test_client_order_is_a_seeded_permutation_per_client_and_epoch():
     o = client_order(1, 2, 3, 0, 20)
     assert sorted(o.tolist()) == list(range(20)) and np.array_equal(o, client_order(1, 2, 3, 0, 20))
-    others = [client_order(1, 2, 3, 1, 20), client_order(1, 2, 4, 0, 20), client_order(1, 3, 3, 0, 20),
-              client_order(2, 2, 3, 0, 20)]
+    others = [
+        client_order(1, 2, 3, 1, 20),
+        client_order(1, 2, 4, 0, 20),
+        client_order(1, 3, 3, 0, 20),
+        client_order(2, 2, 3, 0, 20),
+    ]
     assert all(not np.array_equal(o, x) for x in others)

@@ -1,4 +1,5 @@
 """Each part of the engine is given the settings it reads (fedfast.sim.settings), not the run's whole SimConfig."""
+
 import ast
 import dataclasses
 import inspect
@@ -20,8 +21,14 @@ from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
 
 from sequential_loop import setup_data
 
-PARTS = {RoundPlan: PlanSettings, ModelRuntime: RuntimeSettings, MemoryBudget: BudgetSettings,
-         Evaluator: EvalSettings, ChunkTrainer: TrainerSettings, RoundPrivacy: PrivacySettings}
+PARTS = {
+    RoundPlan: PlanSettings,
+    ModelRuntime: RuntimeSettings,
+    MemoryBudget: BudgetSettings,
+    Evaluator: EvalSettings,
+    ChunkTrainer: TrainerSettings,
+    RoundPrivacy: PrivacySettings,
+}
 SIM = pathlib.Path(fedfast.__file__).parent / "sim"
 
 
@@ -49,8 +56,17 @@ def test_every_settings_field_is_the_configs_of_the_same_name_and_type():
 
 
 def test_of_reads_the_config_and_its_groups():
-    cfg = fedfast.SimConfig(batch_size=7, momentum=0.5, client_optimizer="sgd", weight_decay=0.01, dp_clip=0.3, dp_noise_multiplier=0.0,
-                            max_grad_norm=3.0, profile=True, backend="torch")
+    cfg = fedfast.SimConfig(
+        batch_size=7,
+        momentum=0.5,
+        client_optimizer="sgd",
+        weight_decay=0.01,
+        dp_clip=0.3,
+        dp_noise_multiplier=0.0,
+        max_grad_norm=3.0,
+        profile=True,
+        backend="torch",
+    )
     s = TrainerSettings.of(cfg)
     assert (s.batch_size, s.dp_clip, s.profile, s.backend) == (7, 0.3, True, "torch")
     assert s.optimizer == OptimizerSettings.of(cfg)

@@ -1,6 +1,7 @@
 """What used to be silently dropped or truncated is refused by name (issue 46): fractional float labels; a study
 grid key of a method the study does not run, or of no method at all; ``--set algorithm`` / ``--set seed`` on a
 sweep; a run config's algorithm outside ``--methods``."""
+
 import numpy as np
 import pytest
 import torch
@@ -51,10 +52,13 @@ def test_fractional_labels_are_refused_and_whole_float_labels_read():
         data.Partition([np.arange(3), np.arange(3, 6)], labels=np.array([0.0, 1.0, 0.25, 1.0, 0.0, 1.0]))
 
 
-@pytest.mark.parametrize("methods,key,msg", [
-    ('["fedavg"]', "fedprox.mu", "none of the study's methods (fedavg) reads the table 'fedprox'"),
-    ('["fedavg", "fedprox"]', "fedprx.mu", "no method reads an option table 'fedprx' (misspelled?"),
-])
+@pytest.mark.parametrize(
+    "methods,key,msg",
+    [
+        ('["fedavg"]', "fedprox.mu", "none of the study's methods (fedavg) reads the table 'fedprox'"),
+        ('["fedavg", "fedprox"]', "fedprx.mu", "no method reads an option table 'fedprx' (misspelled?"),
+    ],
+)
 def test_a_grid_over_nothing_the_study_runs_is_refused(methods, key, msg, tmp_path, capsys):
     """A study file's grid key that varies none of its methods, or names no method's table, was dropped without a
     word and the report showed the plain runs as the grid; now the sweep stops before any run, naming the file and
@@ -77,13 +81,15 @@ def test_a_grid_the_chosen_methods_do_not_read_is_named(tmp_path, capsys):
     assert (tmp_path / "s" / "fedavg" / "seed0" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("setting,named", [("algorithm=scaffold", "use --methods scaffold"),
-                                           ("seed=3", "use --seeds 3")])
+@pytest.mark.parametrize(
+    "setting,named", [("algorithm=scaffold", "use --methods scaffold"), ("seed=3", "use --seeds 3")]
+)
 def test_sweep_refuses_set_algorithm_and_seed(setting, named, tmp_path, capsys):
     """`fedfast sweep --preset P --set algorithm=scaffold` ran the study's own rows and ignored the key; a sweep's
     methods and seeds are --methods and --seeds, and the refusal says so."""
-    code, out = cli(capsys, "sweep", "--preset", "demo/mnist-shards", "--set", setting, "--out", tmp_path / "s",
-                    "--quiet")
+    code, out = cli(
+        capsys, "sweep", "--preset", "demo/mnist-shards", "--set", setting, "--out", tmp_path / "s", "--quiet"
+    )
     assert code == 2 and f"--set {setting.split('=')[0]}: a sweep runs the" in out and named in out, out
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 
@@ -92,8 +98,10 @@ def test_a_config_files_algorithm_is_the_sweeps_method_or_refused(tmp_path, caps
     """A run config swept: its algorithm (and seed) are the sweep's defaults; an algorithm outside --methods is
     refused rather than silently replaced."""
     f = tmp_path / "run.toml"
-    f.write_text('algorithm = "fedprox"\nseed = 2\ndataset = "synthetic"\nnum_clients = 6\npartition = "iid"\nclients_per_round = 2\n'
-                 'rounds = 1\nmodel = "mlp"\n')
+    f.write_text(
+        'algorithm = "fedprox"\nseed = 2\ndataset = "synthetic"\nnum_clients = 6\npartition = "iid"\n'
+        'clients_per_round = 2\nrounds = 1\nmodel = "mlp"\n'
+    )
     code, out = cli(capsys, "sweep", f, "--out", tmp_path / "s", "--quiet")
     assert code == 0, out
     assert (tmp_path / "s" / "fedprox" / "seed2" / "summary.json").exists()

@@ -3,6 +3,7 @@ mode reads as a dense [K, cols] table would; a file in a run directory is copy-o
 overwritten before a newer one exists and a process killed during the scatter loses nothing; an older checkpoint
 whose rows were reused, a replaced or missing file are refused by name; a run resumed after a kill inside the
 scatter, and one over two processes sharing the file, end bit for bit as a run never stopped."""
+
 import json
 import os
 import signal
@@ -20,8 +21,13 @@ from fedfast.rowfile import RowFile
 from fedfast.store.state import ClientState
 
 K, P = 40, 6
-MODES = [("memory", False, None), ("disk", False, None), ("disk", True, None), ("auto", False, 5 * P * 4),
-         ("auto", True, 5 * P * 4)]
+MODES = [
+    ("memory", False, None),
+    ("disk", False, None),
+    ("disk", True, None),
+    ("auto", False, 5 * P * 4),
+    ("auto", True, 5 * P * 4),
+]
 
 
 def _rounds(st, ref, rounds, seed=0, m=5, at=None):
@@ -91,8 +97,11 @@ def test_an_older_checkpoint_whose_rows_were_reused_is_refused(tmp_path):
     _rounds(st, ref, 2, seed=1)
     st.state_dict()
     _rounds(st, ref, 6, seed=2)  # reuses rows `old` held
-    with pytest.raises(ValueError, match=r"client-state.rows: the rows of \d+ client\(s\).*overwritten after this "
-                                         r"checkpoint.*newest checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"client-state.rows: the rows of \d+ client\(s\).*overwritten after this "
+        r"checkpoint.*newest checkpoint",
+    ):
         ClientState(K, P, store="disk", directory=str(tmp_path)).load_state_dict(old)
 
 
@@ -104,8 +113,11 @@ def test_a_missing_replaced_or_elsewhere_file_is_refused_by_name(tmp_path):
         ClientState(K, P, store="disk").load_state_dict(ck)
     other = tmp_path / "other"
     other.mkdir()
-    with pytest.raises(ValueError, match=r"other/client-state.rows: the per-client state file this checkpoint "
-                                         r"refers to is missing"):
+    with pytest.raises(
+        ValueError,
+        match=r"other/client-state.rows: the per-client state file this checkpoint "
+        r"refers to is missing",
+    ):
         ClientState(K, P, store="disk", directory=str(other)).load_state_dict(ck)
     RowFile.create(str(other / "client-state"), P, torch.float32, 4)
     with pytest.raises(ValueError, match=r"another per-client state file than the checkpoint's"):
@@ -151,8 +163,11 @@ def test_auto_moves_to_the_file_past_its_limit_with_the_rows_so_far(tmp_path):
     back.load_state_dict(mem.state_dict())
     assert not back.on_disk and torch.equal(back.dense(), mem.dense())
     back.scatter_([30], torch.ones(1, P))
-    assert back.on_disk and torch.equal(back.gather(np.arange(12)), ref[:12]) and torch.equal(
-        back.gather([30]), torch.ones(1, P))
+    assert (
+        back.on_disk
+        and torch.equal(back.gather(np.arange(12)), ref[:12])
+        and torch.equal(back.gather([30]), torch.ones(1, P))
+    )
 
 
 def _rss() -> int:
@@ -180,6 +195,7 @@ def test_a_host_table_reserves_the_runs_rows_and_holds_only_those_written():
 
 def test_the_python_api_without_a_directory_keeps_the_file_temporary_and_checkpoints_the_rows():
     from fedfast import data, models
+
     train, test = data.synthetic(3, 300, 30, (8,), seed=0)
     part = data.iid(train.y, 12, seed=0)
     cfg = fedfast.SimConfig(algorithm="scaffold", clients_per_round=4, rounds=4, state_store="disk")
@@ -187,6 +203,7 @@ def test_the_python_api_without_a_directory_keeps_the_file_temporary_and_checkpo
     def make():
         torch.manual_seed(0)
         return fedfast.Simulation(cfg, models.MLP(8, (16,), 3), train, test, part)
+
     whole, half = make(), make()
     whole.run()
     half.round(), half.round()
@@ -201,6 +218,7 @@ def test_the_python_api_without_a_directory_keeps_the_file_temporary_and_checkpo
     tmp = os.path.dirname(st.file.paths[0])
     del half, st
     import gc
+
     gc.collect()
     assert not os.path.exists(tmp)  # the temporary directory goes with the store
 
@@ -209,11 +227,13 @@ def test_a_full_disk_while_the_file_grows_is_a_write_error_naming_it(tmp_path, m
     """The rows a round writes get their disk blocks first (posix_fallocate): a full disk is a WriteError naming the
     file there, never a SIGBUS from a write through the mapping."""
     from fedfast._io import WriteError
+
     st = ClientState(K, P, store="disk", directory=str(tmp_path))
     st.scatter_(np.arange(3), torch.ones(3, P))
 
     def full(fd, off, size):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(WriteError, match=r"client-state.rows: could not be written \(No space left on device"):
         st.scatter_(np.arange(3, 40), torch.ones(37, P))
@@ -221,9 +241,26 @@ def test_a_full_disk_while_the_file_grows_is_a_write_error_naming_it(tmp_path, m
 
 
 # -- runs: the CLI with the store forced to disk -----------------------------------------------------------------
-ARGS = ["--set", "dataset=synthetic", "--set", "num_clients=20", "--set", "clients_per_round=5", "--set",
-        "algorithm=scaffold", "--set", "local_epochs=1", "--set", "batch_size=20", "--set", "model=mlp",
-        "--set", "state_store=disk", "--set", "checkpoint_every=1"]
+ARGS = [
+    "--set",
+    "dataset=synthetic",
+    "--set",
+    "num_clients=20",
+    "--set",
+    "clients_per_round=5",
+    "--set",
+    "algorithm=scaffold",
+    "--set",
+    "local_epochs=1",
+    "--set",
+    "batch_size=20",
+    "--set",
+    "model=mlp",
+    "--set",
+    "state_store=disk",
+    "--set",
+    "checkpoint_every=1",
+]
 
 KILL_IN_SCATTER = """
 import os, signal, sys
@@ -241,8 +278,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 def _metrics(d):
-    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "timers")}
-            for line in open(os.path.join(d, "metrics.jsonl"))]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("seconds", "timers")}
+        for line in open(os.path.join(d, "metrics.jsonl"))
+    ]
 
 
 def _final(d):
@@ -268,8 +307,11 @@ def test_a_kill_during_the_scatter_loses_nothing_and_resume_is_bit_exact(tmp_pat
     marker = json.load(open(ref / ".fedfast-run.json"))
     assert {"client-state-scaffold.rows", "client-state-scaffold.stamps"} <= set(marker["files"])
     out = tmp_path / "killed"
-    p = subprocess.run([sys.executable, "-c", KILL_IN_SCATTER, "run", *args, "--set", "rounds=6", "--out", str(out),
-                        "--quiet"], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", KILL_IN_SCATTER, "run", *args, "--set", "rounds=6", "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert len(_metrics(out)) == 3  # killed inside round 4's scatter, after round 3's checkpoint
     ck = checkpoint.load(str(out / "checkpoint.pt"))["state"]["method"]["client_state"]
@@ -288,12 +330,15 @@ def test_a_run_whose_state_file_meets_a_full_disk_stops_naming_it_and_resumes(tm
         if calls["n"] > 4:  # the file made and round 1's rows reserved (rows and stamps each); then the disk is full
             raise OSError(28, "No space left on device")
         return real(fd, off, size)
+
     monkeypatch.setattr(os, "posix_fallocate", full)
     capsys.readouterr()
     assert main(["run", *ARGS, "--set", "rounds=4", "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "client-state-scaffold.rows: could not be written (No space left on device); the run's files up to its " \
-           "checkpoint of round 1 are intact" in err, err
+    assert (
+        "client-state-scaffold.rows: could not be written (No space left on device); the run's files up to its "
+        "checkpoint of round 1 are intact" in err
+    ), err
     monkeypatch.setattr(os, "posix_fallocate", real)
     assert main(["run", "--resume", str(out), "--quiet"]) == 0
     _same_run(out, ref)
@@ -305,7 +350,9 @@ def test_workers_share_one_file_and_resume_to_the_one_process_run(tmp_path):
     two = tmp_path / "two"
     assert main(["run", *ARGS, "--set", "rounds=2", "--workers", "2", "--out", str(two), "--quiet"]) == 0
     assert sorted(f for f in os.listdir(two) if f.startswith("client-state")) == [
-        "client-state-scaffold.rows", "client-state-scaffold.stamps"]  # one file for both processes
+        "client-state-scaffold.rows",
+        "client-state-scaffold.stamps",
+    ]  # one file for both processes
     assert main(["run", "--resume", str(two), "--set", "rounds=4", "--workers", "2", "--quiet"]) == 0
     got, want = _metrics(two), _metrics(ref)
     assert [r["round"] for r in got] == [1, 2, 3, 4]

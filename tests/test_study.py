@@ -1,6 +1,7 @@
 """Studies: every paper preset parses and names its cell; sweeps (skip complete runs, resume, refuse a changed
 study); report arithmetic against hand-computed values; plots (headless PNG with the expected curves); presets
 and doctor from the command line."""
+
 import json
 import math
 import os
@@ -47,9 +48,19 @@ def _fake_run(root, alg, seed, final, best, last10, forgetting, wall, accs=None)
     d = os.path.join(root, alg, f"seed{seed}")
     os.makedirs(d)
     json.dump({"algorithm": alg, "seed": seed}, open(os.path.join(d, "config.json"), "w"))
-    json.dump({"complete": True, "rounds": 50, "final_test_accuracy": final, "best_test_accuracy": best,
-               "mean_last10_test_accuracy": last10, "final_forgetting": forgetting, "wall_seconds": wall,
-               "device": "cpu"}, open(os.path.join(d, "summary.json"), "w"))
+    json.dump(
+        {
+            "complete": True,
+            "rounds": 50,
+            "final_test_accuracy": final,
+            "best_test_accuracy": best,
+            "mean_last10_test_accuracy": last10,
+            "final_forgetting": forgetting,
+            "wall_seconds": wall,
+            "device": "cpu",
+        },
+        open(os.path.join(d, "summary.json"), "w"),
+    )
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for r, a in enumerate(accs or [final], 1):
             f.write(json.dumps({"round": r, "test_accuracy": a}) + "\n")
@@ -67,6 +78,7 @@ def test_every_row_of_the_tables_runs_with_its_papers_settings():
 
     def cfg(cell, m):
         return build_config(None, [], base=allp[cell].config(m)).to_json()
+
     ntd = cfg("fedntd-table1/cifar10-shards-s2", "fedcurv")
     assert (ntd["client_sampling"], ntd["fedcurv"]) == ("round_seeded", {"lam": 1.0, "samples": 500})
     assert cfg("fedntd-table1/mnist-lda", "moon")["moon"]["projection_dim"] == 0  # FedNTD's MOON has no head
@@ -76,11 +88,17 @@ def test_every_row_of_the_tables_runs_with_its_papers_settings():
     assert sp["fedspeed"] == {"lam": 0.01, "rho": 0.0, "alpha_scaling": "minibatches", "evaluated": "all_clients"}
     assert cfg("asd-tiny-imagenet/iid", "fedsam+asd")["fedsam"]["rho"] == 0.03  # a cell's own option
     assert cfg("asd-tiny-imagenet/delta0.3", "fedsam")["fedsam"]["rho"] == 0.1
-    assert cfg("asd-cifar10/iid", "feddisco")["feddisco"]["scope"] == "all" and "fedsam" not in \
-        allp["asd-cifar10/iid"].reported  # Table 13 has no FedSAM rows
+    assert (
+        cfg("asd-cifar10/iid", "feddisco")["feddisco"]["scope"] == "all"
+        and "fedsam" not in allp["asd-cifar10/iid"].reported
+    )  # Table 13 has no FedSAM rows
     g = cfg("fedgkd-cifar100/alpha0.1", "fedgen")
-    assert (g["fedgen"]["alpha"], g["fedgen"]["beta"], g["fedgen"]["available_labels"], g["max_grad_norm"]) == \
-        (1.0, 0.0, False, 10.0)
+    assert (g["fedgen"]["alpha"], g["fedgen"]["beta"], g["fedgen"]["available_labels"], g["max_grad_norm"]) == (
+        1.0,
+        0.0,
+        False,
+        10.0,
+    )
     assert cfg("fedgkd-tiny-imagenet/alpha1", "fedgkd_plus")["model"] == "resnet50_bn"
     assert cfg("fedgkd-table4/sst5", "feddistill_plus")["feddistill_plus"]["coef"] == 0.1
     assert cfg("fedcad-table1/femnist", "fedlsd")["fedlsd"] == {"alpha": 0.3, "tau": 2.0, "tau_squared": False}
@@ -96,15 +114,16 @@ def test_report_arithmetic(tmp_path):
     _fake_run(root, "fedntd", 1, 0.82, 0.86, 0.80, 0.12, 110.0)
     _fake_run(root, "fedntd", 2, 0.87, 0.88, 0.86, 0.08, 120.0)
     _fake_run(root, "fedavg", 0, 0.70, 0.75, 0.69, 0.20, 90.0)
-    json.dump({"preset": "fedntd-table1/mnist-shards", "methods": ["fedntd", "fedavg"]},
-              open(tmp_path / "study.json", "w"))
+    json.dump(
+        {"preset": "fedntd-table1/mnist-shards", "methods": ["fedntd", "fedavg"]}, open(tmp_path / "study.json", "w")
+    )
     text, rows = report(root)
     ntd, avg = rows
     assert ntd["method"] == "fedntd" and ntd["seeds"] == [0, 1, 2]
     m, s = ntd["final_test_accuracy"]
-    assert m == pytest.approx(0.83) and s == pytest.approx(math.sqrt((0.03 ** 2 + 0.01 ** 2 + 0.04 ** 2) / 2))
+    assert m == pytest.approx(0.83) and s == pytest.approx(math.sqrt((0.03**2 + 0.01**2 + 0.04**2) / 2))
     assert ntd["wall_seconds"] == (pytest.approx(110.0), pytest.approx(10.0))
-    assert avg["final_test_accuracy"] == (pytest.approx(0.70), None)   # one seed: no std
+    assert avg["final_test_accuracy"] == (pytest.approx(0.70), None)  # one seed: no std
     assert ntd["paper"] == (84.44, 0.43) and ntd["delta"] == pytest.approx(83.0 - 84.44)
     assert "| fedntd | 0,1,2 | 50 | **83.00 ± 3.61** |" in text and "84.44 ± 0.43" in text and "-1.44" in text
     assert (tmp_path / "report.md").read_text() == text
@@ -114,6 +133,7 @@ def test_report_arithmetic(tmp_path):
 def test_plot_curves_mean_std_png(tmp_path):
     pytest.importorskip("matplotlib")
     from fedfast.plot import accuracy_curves
+
     root = str(tmp_path / "s")
     _fake_run(root, "fedavg", 0, 0.6, 0.6, 0.6, 0.1, 1.0, accs=[0.2, 0.4, 0.6])
     _fake_run(root, "fedavg", 1, 0.8, 0.8, 0.8, 0.1, 1.0, accs=[0.4, 0.6, 0.8])
@@ -127,6 +147,7 @@ def test_plot_curves_mean_std_png(tmp_path):
     raw = out.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
+
     img = matplotlib.image.imread(str(out))
     assert img.shape[0] > 200 and img.shape[1] > 400
     assert main(["plot", root, "-o", str(tmp_path / "cli.png")]) == 0 and (tmp_path / "cli.png").exists()
@@ -140,10 +161,23 @@ def test_sweep_skips_complete_runs_and_refuses_a_changed_study(tmp_path, capsys)
     dirs = sweep(out, ["fedavg", "fedntd"], [0, 1], overrides=sets, quiet=True)
     assert len(dirs) == 4 and all(json.load(open(os.path.join(d, "summary.json")))["complete"] for d in dirs)
     mtimes = [os.path.getmtime(os.path.join(d, "model_final.pt")) for d in dirs]
-    s = json.load(open(os.path.join(dirs[0], "summary.json")))   # an interrupted run: resumed, not restarted
+    s = json.load(open(os.path.join(dirs[0], "summary.json")))  # an interrupted run: resumed, not restarted
     json.dump({**s, "complete": False, "status": "incomplete"}, open(os.path.join(dirs[0], "summary.json"), "w"))
-    assert main(["sweep", "--methods", "fedavg,fedntd", "--seeds", "0,1", "--out", out,
-                 *sum([["--set", x] for x in sets], [])]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--methods",
+                "fedavg,fedntd",
+                "--seeds",
+                "0,1",
+                "--out",
+                out,
+                *sum([["--set", x] for x in sets], []),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("complete, skipped") == 3 and "| fedntd | 0,1 |" in printed
     assert [os.path.getmtime(os.path.join(d, "model_final.pt")) for d in dirs][1:] == mtimes[1:]
@@ -161,12 +195,39 @@ def test_presets_from_the_command_line(tmp_path, capsys):
     assert main(["presets", "fedgkd-cifar10/alpha0.5"]) == 0
     assert "77.44 ± 0.60" in capsys.readouterr().out
     out = tmp_path / "run"
-    assert main(["run", "--preset", "demo/mnist-shards", "--set", "algorithm=fedntd", "--set", "rounds=1",
-                 "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--preset",
+                "demo/mnist-shards",
+                "--set",
+                "algorithm=fedntd",
+                "--set",
+                "rounds=1",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     c = json.load(open(out / "config.json"))
     assert c["dataset"] == "mnist" and c["algorithm"] == "fedntd" and c["momentum"] == 0.9
-    assert main(["run", "--preset", "fedntd-table1/cifar10-shards-s2", "--set", f"data_dir={tmp_path}/none",
-                 "--out", str(tmp_path / "c10")]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--preset",
+                "fedntd-table1/cifar10-shards-s2",
+                "--set",
+                f"data_dir={tmp_path}/none",
+                "--out",
+                str(tmp_path / "c10"),
+            ]
+        )
+        == 2
+    )
     assert "cifar-10" in capsys.readouterr().err.lower()
     assert main(["run", "--preset", "nosuch/cell"]) == 2
 
@@ -176,14 +237,17 @@ def test_doctor_checks_backends(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "all checks passed" in out and "automatic backend on cpu: cpu" in out and " ok " in out
     from importlib import metadata
+
     assert f"optional: transformers {metadata.version('transformers')}, tokenizers" in out
     import importlib
+
     d = importlib.import_module("fedfast.ops.distill")
     real = d._backend_rows
 
     def broken(backend, *a):  # a backend whose loss is off by 1e-3: the doctor must say so
         loss, grad = real(backend, *a)
         return (loss + 1e-3, grad) if backend == "cpu" else (loss, grad)
+
     monkeypatch.setattr(d, "_backend_rows", broken)
     assert main(["doctor", "--quick"]) == 1
     out = capsys.readouterr().out
@@ -195,6 +259,7 @@ def test_fidelity_note_and_provenance_in_the_report(tmp_path, capsys):
     note under the table, and lists each run's fedfast version (and commit from a checkout), torch and device."""
     from fedfast import presets
     from fedfast.callbacks import source_commit
+
     note = presets.get("fedntd-table1/mnist-shards").reported_note
     assert "Lee-Gihun/FedNTD/issues/4" in note and "CutOut" in note and "95.8" in note
     assert presets.get("fedntd-table1/mnist-lda").reported_note == note
@@ -202,9 +267,27 @@ def test_fidelity_note_and_provenance_in_the_report(tmp_path, capsys):
     assert main(["presets", "fedntd-table1/mnist-shards"]) == 0
     assert "note on the reported numbers: The authors state" in capsys.readouterr().out
     out = tmp_path / "study"
-    assert main(["run", "--set", "dataset=synthetic", "--set", "num_clients=10", "--set", "clients_per_round=3",
-                 "--set", "rounds=2", "--set", "algorithm=fedavg", "--out", str(out / "fedavg" / "seed0"),
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--set",
+                "dataset=synthetic",
+                "--set",
+                "num_clients=10",
+                "--set",
+                "clients_per_round=3",
+                "--set",
+                "rounds=2",
+                "--set",
+                "algorithm=fedavg",
+                "--out",
+                str(out / "fedavg" / "seed0"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     (out / "study.json").write_text(json.dumps({"preset": "fedntd-table1/mnist-shards", "methods": ["fedavg"]}))
     text, _ = report(str(out))
     row = next(line for line in text.splitlines() if line.startswith("| fedavg"))

@@ -1,5 +1,6 @@
 """The measured tables of README.md and docs/benchmarks.md are generated from the committed benchmark JSON
 (benchmarks/tables.py): a hand edit of a generated number, or a new JSON without regenerating, fails here."""
+
 import os
 import shutil
 
@@ -12,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tables(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import tables
+
     return tables
 
 

@@ -1,5 +1,6 @@
 """fedfast.teachers alone: a step's teacher rows from a cached table, a cached mixture, or the teacher run on the
 step's own rows, and the round's cached teacher against the predictions it is made from (issue 37)."""
+
 import torch
 
 from fedfast import data, ops
@@ -9,6 +10,7 @@ from fedfast.teachers import CachedMixture, CachedTeacher, OnlineTeacher, cached
 
 class _Engine:
     """The two Engine members an online teacher uses, with the model logits = x @ flat.view(C, F)."""
+
     num_classes = 3
 
     def __init__(self):
@@ -23,6 +25,7 @@ class _Engine:
 
             def __exit__(self, *a):
                 engine.modes.append("train")
+
         return _Mode()
 
     def forward_each(self, flat, x, buffers=None, valid=None):
@@ -41,8 +44,9 @@ def _predict(flat, dataset, idx, dtype=torch.float32, buffers=None):
 
 def test_cached_tables_give_the_rows_asked_for():
     logits = torch.randn(6, 3)
-    assert torch.equal(CachedTeacher(logits.half()).rows(torch.tensor([4, 1]), None).logits,
-                       logits.half()[[4, 1]].float())
+    assert torch.equal(
+        CachedTeacher(logits.half()).rows(torch.tensor([4, 1]), None).logits, logits.half()[[4, 1]].float()
+    )
     P, neg = torch.rand(6, 3), torch.rand(6)
     r = CachedMixture(P, neg).rows(torch.tensor([2, 2, 0]), None)
     assert torch.equal(r.mixture[0], P[[2, 2, 0]]) and torch.equal(r.mixture[1], neg[[2, 2, 0]])
@@ -73,7 +77,9 @@ def test_cached_teacher_holds_the_predictions_on_the_cohorts_rows_only():
     t = cached_teacher(TeacherSpec.of(flat), _predict, train, idx)
     torch.testing.assert_close(t.logits[idx], _predict(flat, train, idx))
     assert t.logits[[0, 2, 11]].abs().sum() == 0
-    assert cached_teacher(TeacherSpec.of(flat), _predict, train, idx, dtype=torch.bfloat16).logits.dtype == torch.bfloat16
+    assert (
+        cached_teacher(TeacherSpec.of(flat), _predict, train, idx, dtype=torch.bfloat16).logits.dtype == torch.bfloat16
+    )
     models, w = [flat, -flat], torch.tensor([0.5, 0.5])
     mix = cached_teacher(TeacherSpec(models=models, weights=w, tau=1.5), _predict, train, idx)
     P, neg = ops.teacher_mixture(torch.stack([_predict(m, train, idx) for m in models]), w, train.y[idx], tau=1.5)

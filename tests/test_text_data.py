@@ -1,4 +1,5 @@
 """AG News and SST-5 readers on small files in their common formats, written by the test."""
+
 import json
 
 import pytest
@@ -9,8 +10,11 @@ from fedfast.data import text
 
 def test_ag_news_csv(tmp_path):
     p = tmp_path / "train.csv"
-    p.write_text('"3","Wall St. Bears Claw Back","Reuters - Short-sellers, \\\\band of ultra-cynics, are seeing green."\n'
-                 '"1","Title, with comma","A ""quoted"" word"\n\n"4","Tech","Chips"\n', encoding="utf-8")
+    p.write_text(
+        '"3","Wall St. Bears Claw Back","Reuters - Short-sellers, \\\\band of ultra-cynics, are seeing green."\n'
+        '"1","Title, with comma","A ""quoted"" word"\n\n"4","Tech","Chips"\n',
+        encoding="utf-8",
+    )
     texts, y = text.read_ag_news(str(p))
     assert y.tolist() == [2, 0, 3] and y.dtype == torch.int64
     assert texts[0].startswith("Wall St. Bears Claw Back Reuters - Short-sellers,") and "\\" not in texts[0]
@@ -27,8 +31,16 @@ def test_ag_news_csv(tmp_path):
 
 def test_sst5_jsonl_and_tsv(tmp_path):
     j = tmp_path / "train.jsonl"
-    j.write_text("\n".join(json.dumps(r) for r in [{"text": "a gripping film", "label": 4, "label_text": "very positive"},
-                                                   {"sentence": " dull ", "label": 1}]) + "\n")
+    j.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"text": "a gripping film", "label": 4, "label_text": "very positive"},
+                {"sentence": " dull ", "label": 1},
+            ]
+        )
+        + "\n"
+    )
     texts, y = text.read_sst5(str(j))
     assert texts == ["a gripping film", "dull"] and y.tolist() == [4, 1]
     t = tmp_path / "dev.tsv"

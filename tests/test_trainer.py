@@ -2,6 +2,7 @@
 trained at once from the global model (torch.optim.SGD with momentum per client, each client's own data order,
 the clients with fewer minibatches stopping early), the clients' gradients at their trained weights, and a bad
 loss named (issue 37)."""
+
 import copy
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ def test_a_chunk_equals_the_literal_loop():
         for e in range(cfg.local_epochs):
             idx = part.indices[k][torch.from_numpy(plan.order(0, int(k), e, len(part.indices[k])))]
             for b in range(0, len(idx), cfg.batch_size):
-                x, y = train.batch(idx[b:b + cfg.batch_size])
+                x, y = train.batch(idx[b : b + cfg.batch_size])
                 loss = F.cross_entropy(m(x), y)
                 opt.zero_grad()
                 loss.backward()
@@ -59,8 +60,10 @@ def test_local_gradients_are_each_clients_minibatch_gradient():
     ctx, _, _ = plan.sample(0)
     trainer.train_chunk(ctx, 0, 4, None, torch.zeros(()), start=rt.initial, step_rows=None, gen=torch.Generator())
     trained = trainer.stack.params.clone()
-    got = [(s, n, g.clone()) for s, n, g in trainer.local_gradients(ctx, 0, 4, [2, 2, 1, 1], epoch=0,
-                                                                    gen=torch.Generator())]
+    got = [
+        (s, n, g.clone())
+        for s, n, g in trainer.local_gradients(ctx, 0, 4, [2, 2, 1, 1], epoch=0, gen=torch.Generator())
+    ]
     assert [(s, n) for s, n, _ in got] == [(0, 4), (1, 2)]
     table = plan.batch_table(ctx, 0, 4, 0, 2 * cfg.batch_size)
     for s, n, g in got:
@@ -69,11 +72,12 @@ def test_local_gradients_are_each_clients_minibatch_gradient():
             with torch.no_grad():
                 for p, v in zip(m.parameters(), rt.layout.param_views(trained[j]).values()):
                     p.copy_(v)
-            r = torch.from_numpy(table[j, s * cfg.batch_size:(s + 1) * cfg.batch_size])
+            r = torch.from_numpy(table[j, s * cfg.batch_size : (s + 1) * cfg.batch_size])
             x, y = train.batch(r[r >= 0])
             F.cross_entropy(m(x), y).backward()
-            torch.testing.assert_close(g[j], torch.cat([p.grad.reshape(-1) for p in m.parameters()]), rtol=1e-5,
-                                       atol=1e-7)
+            torch.testing.assert_close(
+                g[j], torch.cat([p.grad.reshape(-1) for p in m.parameters()]), rtol=1e-5, atol=1e-7
+            )
     assert torch.equal(trainer.stack.params, trained)  # gradients only: the weights are left as they were
     with pytest.raises(ValueError, match="batches: 4 non-increasing counts"):
         next(trainer.local_gradients(ctx, 0, 4, [1, 2, 1, 1], epoch=0, gen=torch.Generator()))
@@ -82,5 +86,7 @@ def test_local_gradients_are_each_clients_minibatch_gradient():
 def test_a_loss_without_gradient_is_named():
     _, _, _, _, plan, rt, trainer = _parts(loss_fn=lambda z, t, y, seg, n: z.detach().sum())
     ctx, _, _ = plan.sample(0)
-    with pytest.raises(HookError, match=r"loss_fn \(.*test_trainer.py, line \d+\): must return one number.*no gradient"):
+    with pytest.raises(
+        HookError, match=r"loss_fn \(.*test_trainer.py, line \d+\): must return one number.*no gradient"
+    ):
         trainer.train_chunk(ctx, 0, 4, None, torch.zeros(()), start=rt.initial, step_rows=None, gen=torch.Generator())

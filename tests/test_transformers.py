@@ -4,6 +4,7 @@ state_dict averaging) for the methods of FedGKD's NLP table, tokenisation and it
 
 Everything is built locally: a tiny randomly initialised DistilBERT (or BERT) config and a WordLevel tokenizer
 trained on the test's own sentences (text_helpers); nothing is downloaded."""
+
 import copy
 import os
 import sys
@@ -42,7 +43,7 @@ def _update_err(sim, g, ref, g0):
     keep = torch.ones_like(g0, dtype=torch.bool)
     for s in sim.runtime.layout.params:
         if s.name.endswith(UNIDENTIFIABLE):
-            keep[s.offset:s.offset + s.numel] = False
+            keep[s.offset : s.offset + s.numel] = False
     return float((g - ref)[keep].abs().max() / (ref - g0)[keep].abs().max())
 
 
@@ -55,6 +56,7 @@ def test_grouped_executor_equals_each_clients_own_model(task, make, attn):
     """Three clients with different weights on padded batches: logits and every gradient equal functional_call of
     each client's own weights (BERT adds token-type ids and a pooler)."""
     from torch.func import functional_call
+
     tok, train, _, _ = task
     cfg = th.distilbert_config(4, len(tok), attn=attn) if make == "distilbert" else th.bert_config(4, len(tok))
     model = hf.from_config(cfg, seed=0)
@@ -62,8 +64,10 @@ def test_grouped_executor_equals_each_clients_own_model(task, make, attn):
     assert prog is not None, why
     g = torch.Generator().manual_seed(0)
     n, B = 3, 5
-    params = {k: (v.detach() + 0.05 * torch.randn((n, *v.shape), generator=g)).requires_grad_()
-              for k, v in model.named_parameters()}
+    params = {
+        k: (v.detach() + 0.05 * torch.randn((n, *v.shape), generator=g)).requires_grad_()
+        for k, v in model.named_parameters()
+    }
     x, y = train.batch(torch.arange(n * B).view(n, B))
     assert (x[:, :, 1] == 0).any() and (x[:, :, 0] == 0).any()  # padded rows and pad tokens present
     out = prog.forward(params, x, True)
@@ -91,9 +95,12 @@ def test_grouped_plan_says_why_not():
 
         def forward(self, x):
             return self.out(self.emb(x).mean(1))
-    for model, why in ((Tied(), "shared with another layer"), (nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
-                                                               "normalises over the batch"),
-                       (nn.Sequential(nn.Conv1d(2, 2, 1, bias=False)), "0.weight is not the weight or bias of a Linear")):
+
+    for model, why in (
+        (Tied(), "shared with another layer"),
+        (nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), "normalises over the batch"),
+        (nn.Sequential(nn.Conv1d(2, 2, 1, bias=False)), "0.weight is not the weight or bias of a Linear"),
+    ):
         prog, reason = grouped.plan(model)
         assert prog is None and why in reason, reason
     prog, _ = grouped.plan(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False)))
@@ -111,9 +118,17 @@ def test_grouped_executor_pad_rows_of_embeddings_get_no_gradient(task):
     assert emb[:, 0].abs().max() == 0 and emb[:, 2].abs().max() > 0  # [PAD] none, [CLS] some
 
 
-@pytest.mark.parametrize("algorithm,options", [("fedavg", {}), ("fedgkd", {}), ("fedgkd", dict(buffer=1)),
-                                               ("fedgkd_vote", dict(buffer=3)),
-                                               ("fedprox", dict(mu=0.1)), ("moon", dict(mu=0.1))])
+@pytest.mark.parametrize(
+    "algorithm,options",
+    [
+        ("fedavg", {}),
+        ("fedgkd", {}),
+        ("fedgkd", dict(buffer=1)),
+        ("fedgkd_vote", dict(buffer=3)),
+        ("fedprox", dict(mu=0.1)),
+        ("moon", dict(mu=0.1)),
+    ],
+)
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap of CPU SDPA: torch's per-client fallback
 def test_rounds_match_the_sequential_loop(task, algorithm, options, executor):
@@ -121,8 +136,18 @@ def test_rounds_match_the_sequential_loop(task, algorithm, options, executor):
     three rounds equals the plain loop's (per-client modules, torch.optim.Adam, state_dict averaging)."""
     tok, train, test, part = task
     model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)
-    cfg = fedfast.SimConfig(algorithm=algorithm, options=options, clients_per_round=3, rounds=3, local_epochs=2,
-                            batch_size=8, lr=5e-3, client_optimizer="adam", seed=3, executor=executor)
+    cfg = fedfast.SimConfig(
+        algorithm=algorithm,
+        options=options,
+        clients_per_round=3,
+        rounds=3,
+        local_epochs=2,
+        batch_size=8,
+        lr=5e-3,
+        client_optimizer="adam",
+        seed=3,
+        executor=executor,
+    )
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, val=test)
     g0 = _flat(sim.model)  # the model the engine trains (MOON: with its projection head)
     ref = sequential(cfg, copy.deepcopy(sim.model), train, part, cfg.rounds, val=test)
@@ -137,19 +162,29 @@ def test_the_loop_comparison_can_fail(task):
     tok, train, test, part = task
     model = hf.from_config(th.distilbert_config(4, len(tok)), seed=0)
     g0 = _flat(model)
-    kw = dict(algorithm="fedgkd", clients_per_round=3, rounds=2, local_epochs=2, batch_size=8, lr=1e-3, seed=3,
-              client_optimizer="adam")
+    kw = dict(
+        algorithm="fedgkd",
+        clients_per_round=3,
+        rounds=2,
+        local_epochs=2,
+        batch_size=8,
+        lr=1e-3,
+        seed=3,
+        client_optimizer="adam",
+    )
     ref = sequential(fedfast.SimConfig(**kw), model, train, part, 2)
-    sim = fedfast.Simulation(fedfast.SimConfig(adam_betas=(0.8, 0.999), **kw), copy.deepcopy(model), train, test,
-                             part)
+    sim = fedfast.Simulation(fedfast.SimConfig(adam_betas=(0.8, 0.999), **kw), copy.deepcopy(model), train, test, part)
     sim.run()
     assert _update_err(sim, sim.global_flat, ref, g0) > 1e-2
 
 
 def test_core_import_does_not_import_transformers():
     import subprocess
-    code = ("import sys, fedfast, fedfast.models.hf, fedfast.data.text, fedfast.grouped; "
-            "assert 'transformers' not in sys.modules and 'tokenizers' not in sys.modules")
+
+    code = (
+        "import sys, fedfast, fedfast.models.hf, fedfast.data.text, fedfast.grouped; "
+        "assert 'transformers' not in sys.modules and 'tokenizers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -162,8 +197,10 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 def _write_ag_news(d, n_train=60, n_test=20):
     texts, y = th.sentences(n_train + n_test, 4, seed=1)
     for name, rows in (("train.csv", range(n_train)), ("test.csv", range(n_train, n_train + n_test))):
-        (d / name).write_text("".join(f'"{int(y[i]) + 1}","{texts[i].split()[0]}","{" ".join(texts[i].split()[1:])}"\n'
-                                      for i in rows), encoding="utf-8")
+        (d / name).write_text(
+            "".join(f'"{int(y[i]) + 1}","{texts[i].split()[0]}","{" ".join(texts[i].split()[1:])}"\n' for i in rows),
+            encoding="utf-8",
+        )
     return texts
 
 
@@ -178,7 +215,7 @@ def test_tokenise_once_and_cache_beside_the_data(tmp_path, monkeypatch):
     assert train.x[torch.arange(60), 0, L - 1].eq(tok.sep_token_id).all()  # [SEP] last, also when truncated
     assert (train.x[:, 0] == tok.pad_token_id).eq(train.x[:, 1] == 0).all()  # pad exactly where the mask is 0
     ref = tok(texts[0], truncation=True, max_length=10)["input_ids"]
-    assert train.x[0, 0, :len(ref)].tolist() == ref
+    assert train.x[0, 0, : len(ref)].tolist() == ref
     caches = sorted(p.name for p in tmp_path.glob("*.tokens.npz"))
     assert len(caches) == 2 and caches[0].startswith("test.csv.") and caches[1].startswith("train.csv.")
     monkeypatch.setattr(text, "tokenize", lambda *a, **k: pytest.fail("tokenised again despite the cache"))
@@ -209,6 +246,7 @@ def test_read_only_data_directory_caches_in_the_user_cache(tmp_path, monkeypatch
         if os.path.dirname(os.path.abspath(path)) == str(d):
             raise PermissionError(13, "Permission denied", path)
         write(path, payload)
+
     monkeypatch.setattr(text, "write_atomic", read_only)  # where the cache writer looks it up
     text.load_ag_news(str(d), th.tokenizer(texts), max_length=10)
     assert len(list((tmp_path / "cache").glob("*.tokens.npz"))) == 2 and not list(d.glob("*.npz"))
@@ -218,6 +256,7 @@ def test_read_only_data_directory_caches_in_the_user_cache(tmp_path, monkeypatch
 
 def test_sst5_loader_and_missing_files(tmp_path):
     import json
+
     texts, y = th.sentences(30, 5, seed=2)
     for name, rows in (("train.jsonl", range(20)), ("test.jsonl", range(20, 30))):
         (tmp_path / name).write_text("\n".join(json.dumps({"text": texts[i], "label": int(y[i])}) for i in rows))
@@ -266,6 +305,7 @@ def test_bad_token_data_and_mismatched_models(task):
 def _save_checkpoint(d, tok, num_labels=4, classifier=False, dim=16):
     """A tiny pretrained-style checkpoint directory (save_pretrained of a base model and the tokenizer)."""
     from transformers import DistilBertForSequenceClassification, DistilBertModel
+
     cfg = th.distilbert_config(num_labels, len(tok), dim=dim)
     torch.manual_seed(5)
     (DistilBertForSequenceClassification(cfg) if classifier else DistilBertModel(cfg)).save_pretrained(d)
@@ -274,6 +314,7 @@ def _save_checkpoint(d, tok, num_labels=4, classifier=False, dim=16):
 
 def test_load_a_local_checkpoint(task, tmp_path):
     from transformers import DistilBertModel
+
     tok = task[0]
     _save_checkpoint(tmp_path / "ckpt", tok)
     model, tok2 = hf.load(f"hf:{tmp_path / 'ckpt'}", 4, seed=1)
@@ -298,9 +339,12 @@ def test_hub_id_without_internet_says_how_to_get_it(tmp_path):
     """No network here: an uncached hub id fails with how to save it where there is internet (in a fresh process,
     as the hub library reads HF_HUB_OFFLINE at import)."""
     import subprocess
-    code = ("import fedfast.models.hf as hf\n"
-            "try:\n    hf.load('hf:distilbert-base-uncased', 4)\n"
-            "except FileNotFoundError as e:\n    print(e)\n")
+
+    code = (
+        "import fedfast.models.hf as hf\n"
+        "try:\n    hf.load('hf:distilbert-base-uncased', 4)\n"
+        "except FileNotFoundError as e:\n    print(e)\n"
+    )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "model: cannot load the configuration of 'distilbert-base-uncased'" in out
@@ -313,24 +357,48 @@ def test_cli_runs_the_fedgkd_nlp_preset_on_local_files(task, tmp_path, capsys):
     import json
 
     from fedfast.cli import main
+
     texts, y = th.sentences(800, 5, seed=3)
     d = tmp_path / "sst5"
     d.mkdir()
     for name, rows in (("train.jsonl", range(600)), ("test.jsonl", range(600, 800))):
         (d / name).write_text("\n".join(json.dumps({"text": texts[i], "label": int(y[i])}) for i in rows))
     _save_checkpoint(tmp_path / "tiny", th.tokenizer(texts), num_labels=5, dim=32)
-    args = ["run", "--preset", "fedgkd-table4/sst5", "--set", "algorithm=fedgkd", "--set", f"model=hf:{tmp_path / 'tiny'}",
-            "--set", f"data_dir={d}", "--set", "rounds=6", "--set", "num_clients=10", "--set", "batch_size=16",
-            "--set", "lr=3e-3", "--set", "local_epochs=2", "--set", "alpha=1.0", "--quiet"]
+    args = [
+        "run",
+        "--preset",
+        "fedgkd-table4/sst5",
+        "--set",
+        "algorithm=fedgkd",
+        "--set",
+        f"model=hf:{tmp_path / 'tiny'}",
+        "--set",
+        f"data_dir={d}",
+        "--set",
+        "rounds=6",
+        "--set",
+        "num_clients=10",
+        "--set",
+        "batch_size=16",
+        "--set",
+        "lr=3e-3",
+        "--set",
+        "local_epochs=2",
+        "--set",
+        "alpha=1.0",
+        "--quiet",
+    ]
     assert main(args + ["--out", str(tmp_path / "run")]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and rows[-1]["best_test_accuracy"] > 0.4  # 5 classes: chance is 0.2
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["client_optimizer"] == "adam" and cfg["max_length"] == 128 and cfg["fedgkd"]["buffer"] == 1
     assert len(list(d.glob("*.tokens.npz"))) == 2
-    for bad, msg in (("model=mlp", "model: dataset 'sst5' holds texts; use a Hugging Face model"),
-                     ("dataset=mnist", "is a text model; dataset 'mnist' holds images"),
-                     ("train_fraction=0", "train_fraction: must lie in (0, 1]")):
+    for bad, msg in (
+        ("model=mlp", "model: dataset 'sst5' holds texts; use a Hugging Face model"),
+        ("dataset=mnist", "is a text model; dataset 'mnist' holds images"),
+        ("train_fraction=0", "train_fraction: must lie in (0, 1]"),
+    ):
         capsys.readouterr()
         assert main(args + ["--set", bad, "--out", str(tmp_path / "bad")]) == 2
         assert msg in capsys.readouterr().err

@@ -5,6 +5,7 @@ errors of the compiled path (e.g. an fp64 constant turning a loop-carried fp32 v
 show only here. ``scripts/triton_sm90_check.py`` compiles each specialization the launch wrappers produce
 with a stand-in driver (no GPU needed, nothing is launched).
 """
+
 import os
 import subprocess
 import sys
@@ -29,13 +30,34 @@ def test_triton_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "sm90.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "triton_sm90_check.py"), "--arch", "90",
-                        "--no-spills", "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "triton_sm90_check.py"),
+            "--arch",
+            "90",
+            "--no-spills",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     import json
+
     recs = json.loads(out.read_text())["records"]
     kernels = {x["kernel"] for x in recs}
-    assert kernels >= {"_distill_kernel", "_scale_rows_kernel", "_asd_kernel", "_mixture_kernel",
-                       "_aggregate_kernel", "_step_kernel", "_norm_kernel"}, kernels
+    assert kernels >= {
+        "_distill_kernel",
+        "_scale_rows_kernel",
+        "_asd_kernel",
+        "_mixture_kernel",
+        "_aggregate_kernel",
+        "_step_kernel",
+        "_norm_kernel",
+    }, kernels
     assert all(x["ok"] and x["registers"] > 0 for x in recs)

@@ -1,4 +1,5 @@
 """Bad input raises a clear ValueError/TypeError naming the argument; deferred (no-sync) validation."""
+
 import pytest
 import torch
 
@@ -28,23 +29,39 @@ def test_bad_inputs_name_the_argument(backend):
         (lambda: ffnn.KDLoss(tau=0.0), ValueError, "tau"),
         (lambda: ffnn.KDLoss(tau=-1.0), ValueError, "tau"),
         (lambda: ffnn.KDLoss(reduction="avg"), ValueError, "reduction"),
-        (lambda: ffnn.ASDLoss(backend=backend)(z, t, torch.tensor([0, 1, 2, 3]), torch.tensor([.5, .5, 0., .0, .0])),
-         ValueError, "class_prior"),
+        (
+            lambda: ffnn.ASDLoss(backend=backend)(
+                z, t, torch.tensor([0, 1, 2, 3]), torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0])
+            ),
+            ValueError,
+            "class_prior",
+        ),
         (lambda: ffnn.ASDLoss(backend=backend)(z, t, y, torch.ones(4)), ValueError, "class_prior"),
         (lambda: ffnn.CADLoss(backend=backend)(z, t, y, torch.full((5,), 1.5)), ValueError, "class_alpha"),
         (lambda: ffnn.CADLoss(backend=backend)(z, t, y, torch.ones(3)), ValueError, "class_alpha"),
         (lambda: ffnn.ADCLoss(backend=backend)(z, t, y, torch.zeros(5)), ValueError, "class_freq"),
         (lambda: ffnn.ADCLoss(backend=backend)(z, t, y, -torch.ones(5)), ValueError, "class_freq"),
         (lambda: ffnn.ADCLoss(lam=1.5), ValueError, "lam"),
-        (lambda: ffnn.GKDLoss(backend=backend)(z, torch.randn(3, 4, 5), y, teacher_weights=torch.ones(2)),
-         ValueError, "teacher_weights"),
-        (lambda: ffnn.GKDLoss(backend=backend)(z, torch.randn(3, 4, 5), y, teacher_weights=torch.tensor([1., -1, 1])),
-         ValueError, "teacher_weights"),
+        (
+            lambda: ffnn.GKDLoss(backend=backend)(z, torch.randn(3, 4, 5), y, teacher_weights=torch.ones(2)),
+            ValueError,
+            "teacher_weights",
+        ),
+        (
+            lambda: ffnn.GKDLoss(backend=backend)(
+                z, torch.randn(3, 4, 5), y, teacher_weights=torch.tensor([1.0, -1, 1])
+            ),
+            ValueError,
+            "teacher_weights",
+        ),
         (lambda: ffnn.NTDLoss(backend=backend)(z, t, y, segments=torch.tensor([0, 1, 0, 1])), ValueError, "segments"),
         (lambda: ffnn.NTDLoss(backend=backend)(z, t, y, segments=torch.tensor([0, 0, 1, 9])), ValueError, "segments"),
-        (lambda: ffnn.NTDLoss(backend=backend)(z, t, y, segments=torch.tensor([0., 0, 1, 1])), TypeError, "segments"),
-        (lambda: ffnn.NTDLoss(backend=backend)(torch.randn(4, 1), torch.randn(4, 1), torch.zeros(4).long()),
-         ValueError, "student"),
+        (lambda: ffnn.NTDLoss(backend=backend)(z, t, y, segments=torch.tensor([0.0, 0, 1, 1])), TypeError, "segments"),
+        (
+            lambda: ffnn.NTDLoss(backend=backend)(torch.randn(4, 1), torch.randn(4, 1), torch.zeros(4).long()),
+            ValueError,
+            "student",
+        ),
         (lambda: ops.distill(z, t, y, kind="ntd"), ValueError, "kind"),
         (lambda: ops.distill(z, t, y, backend="tpu"), ValueError, "backend"),
     ]
@@ -68,12 +85,14 @@ def test_deferred_validation_flags_without_raising_now():
 
 def test_fallback_warns_once(monkeypatch):
     from fedfast.ops import _backend
+
     monkeypatch.setattr(_backend, "_ext_cache", {"fedfast._C": None, "fedfast._C_cuda": None})
     monkeypatch.setattr(_backend, "_warned", set())
     monkeypatch.delenv("FEDFAST_BACKEND", raising=False)
     with pytest.warns(RuntimeWarning, match="falling back"):
         assert _backend.resolve(None, "cpu") == "reference"
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _backend.resolve(None, "cpu") == "reference"  # only one warning
@@ -81,6 +100,7 @@ def test_fallback_warns_once(monkeypatch):
 
 def test_env_backend_override(monkeypatch):
     from fedfast.ops import _backend
+
     monkeypatch.setenv("FEDFAST_BACKEND", "reference")
     assert _backend.resolve(None, "cpu") == "reference"
     monkeypatch.setenv("FEDFAST_BACKEND", "cuda")

@@ -7,6 +7,7 @@ is the same on every machine (seeded), 4,800 rows, about 600 KB.
 
     python examples/own_data/make_sensors_csv.py [OUT.csv]     # default: examples/own_data/sensors.csv
 """
+
 import csv
 import os
 import sys
@@ -18,9 +19,9 @@ SITES, FEATURES, CLASSES, ROWS = 24, 12, 4, 4800
 
 def main(out: str) -> None:
     rng = np.random.default_rng(2026)
-    centers = rng.normal(0.0, 0.6, size=(CLASSES, FEATURES))        # what a class looks like
-    site_mix = rng.dirichlet(np.full(CLASSES, 0.5), size=SITES)     # each site's label mix (non-IID)
-    site_shift = rng.normal(0.0, 0.8, size=(SITES, FEATURES))       # each site's sensor offset
+    centers = rng.normal(0.0, 0.6, size=(CLASSES, FEATURES))  # what a class looks like
+    site_mix = rng.dirichlet(np.full(CLASSES, 0.5), size=SITES)  # each site's label mix (non-IID)
+    site_shift = rng.normal(0.0, 0.8, size=(SITES, FEATURES))  # each site's sensor offset
     sizes = rng.multinomial(ROWS - SITES * 40, np.full(SITES, 1 / SITES)) + 40  # every site >= 40 rows
     tmp = out + ".tmp"
     with open(tmp, "w", newline="") as f:
@@ -36,5 +37,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                             "sensors.csv"))
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "sensors.csv"))

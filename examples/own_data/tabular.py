@@ -14,6 +14,7 @@ the config, as a method's options):
     python examples/own_data/make_sensors_csv.py                       # writes examples/own_data/sensors.csv
     fedfast run examples/own_data/run.toml --out runs/own-data          # run.toml names this file in `plugins`
 """
+
 import csv
 import os
 from dataclasses import dataclass
@@ -33,16 +34,18 @@ class CSVOptions:
     label_column: str = opt("label", "the column of integer class labels 0 .. C-1")
     group_column: str = opt("site", "the column naming the user (client) a row belongs to")
     test_fraction: float = opt(0.2, "the fraction of each group's rows held out as the test set", check="(0,1)")
-    split_seed: int = opt(0, "seed of the train/test split (fixed: every run of a study tests on the same rows)",
-                          check=">=0")
+    split_seed: int = opt(
+        0, "seed of the train/test split (fixed: every run of a study tests on the same rows)", check=">=0"
+    )
     standardize: bool = opt(True, "scale each feature to mean 0, std 1 (statistics of the training rows)")
 
 
 def _read(o: CSVOptions):
     """The table's features [N, F] (float32), labels [N] and group names [N]; errors name the file and line."""
     if not os.path.isfile(o.path):
-        raise FileNotFoundError(2, f"no such file; make it with `python examples/own_data/make_sensors_csv.py "
-                                   f"{o.path}`", o.path)
+        raise FileNotFoundError(
+            2, f"no such file; make it with `python examples/own_data/make_sensors_csv.py {o.path}`", o.path
+        )
     with open(o.path, newline="") as f:
         rows = csv.reader(f)
         header = next(rows, None)
@@ -90,8 +93,16 @@ def load_csv(spec):
         std = tuple(np.where(x[~test].std(0) > 0, x[~test].std(0), 1.0).tolist())
 
     def split(mask, name):
-        return data.ArrayDataset(torch.from_numpy(x[mask]), torch.from_numpy(y[mask]), C, mean, std, name=name,
-                                 groups=torch.from_numpy(gid[mask]))
+        return data.ArrayDataset(
+            torch.from_numpy(x[mask]),
+            torch.from_numpy(y[mask]),
+            C,
+            mean,
+            std,
+            name=name,
+            groups=torch.from_numpy(gid[mask]),
+        )
+
     return split(~test, "csv"), split(test, "csv test")
 
 

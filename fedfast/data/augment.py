@@ -12,6 +12,7 @@
 Pipelines of the papers: FedNTD CIFAR/MNIST = crop(4) + flip + cutout(16); CINIC-10 = reflect crop + flip;
 FedGKD / ASD = crop(4) + flip. Implementation: one gather with per-image row/column index maps.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def augment(x: Tensor, generator: torch.Generator | None = None, *, crop_padding: int = 4, flip: bool = True,
-            cutout: int = 0, padding_mode: str = "zeros", crop_prob: float = 1.0,
-            select: tuple[int, Tensor] | None = None) -> Tensor:
+def augment(
+    x: Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    crop_padding: int = 4,
+    flip: bool = True,
+    cutout: int = 0,
+    padding_mode: str = "zeros",
+    crop_prob: float = 1.0,
+    select: tuple[int, Tensor] | None = None,
+) -> Tensor:
     """``select = (total, rows)``: draw the random parameters for ``total`` images and use those of positions
     ``rows`` (the n images of ``x``), so an image's augmentation depends on its position in a larger batch, not
     on which part of it a call holds (the engine: the same result for any chunking or number of processes)."""
@@ -76,15 +85,21 @@ PIPELINES = {
     # CIFAR / MNIST (FedNTD App. B.2 and code)
     "fedntd": dict(crop_padding=4, flip=True, cutout=16, pad_in="raw"),
     "fedntd_cinic": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw", padding_mode="reflect"),
-    "fedgkd": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw"),            # FedGKD code: crop (pad 4) + flip
+    "fedgkd": dict(crop_padding=4, flip=True, cutout=0, pad_in="raw"),  # FedGKD code: crop (pad 4) + flip
     # ASD code: flip, p=0.5 crop of the padded normalised image
     "asd": dict(crop_padding=4, flip=True, cutout=0, pad_in="normalized", crop_prob=0.5),
     "none": dict(crop_padding=0, flip=False, cutout=0, pad_in="raw"),
 }
 
 
-def augmented_batch(ds, idx: Tensor, generator: torch.Generator | None = None, pipeline: str = "fedntd",
-                    dtype=torch.float32, select: tuple[int, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def augmented_batch(
+    ds,
+    idx: Tensor,
+    generator: torch.Generator | None = None,
+    pipeline: str = "fedntd",
+    dtype=torch.float32,
+    select: tuple[int, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Gather rows ``idx`` (e.g. [clients, B]) of an :class:`~fedfast.data.ArrayDataset` and apply a paper's
     pipeline on the device: crop/flip in raw or normalised space, normalise, then Cutout (``select``: see
     :func:`augment`)."""

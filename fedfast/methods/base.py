@@ -18,6 +18,7 @@ round: ``aggregation_weights``, ``round_start``, ``teacher``, ``sam_rho``, then 
 and the engine reads no method-specific attribute: a method reaches the engine only through :class:`Engine`
 (``self.engine``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,10 @@ from .hooks import ClientHooks, ServerHooks
 _NUM = r"[-+]?(?:inf|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
 _COMPARE = re.compile(rf"^\s*(>=|<=|>|<)\s*({_NUM})\s*$")
 _INTERVAL = re.compile(rf"^\s*([\[(])\s*({_NUM})\s*,\s*({_NUM})\s*([\])])\s*$")
-CHECK_VOCABULARY = ("'>x', '>=x', '<x', '<=x', or an interval '[a,b]', '(a,b)', '[a,b)', '(a,b]' (x, a, b numbers "
-                    "or inf; e.g. '>0', '[0,1)', '(0,inf)')")
+CHECK_VOCABULARY = (
+    "'>x', '>=x', '<x', '<=x', or an interval '[a,b]', '(a,b)', '[a,b)', '(a,b]' (x, a, b numbers "
+    "or inf; e.g. '>0', '[0,1)', '(0,inf)')"
+)
 
 
 def parse_check(check: str):
@@ -60,6 +63,7 @@ def parse_check(check: str):
 
         def fn(v):
             return (a < v if lo_open else a <= v) and (v < b if hi_open else v <= b)
+
         return fn, f"in {m.group(1)}{m.group(2)}, {m.group(3)}{m.group(4)}"
     raise ValueError(f"check {check!r}: not a check; use {CHECK_VOCABULARY}")
 
@@ -79,8 +83,10 @@ def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = 
             raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(check=...): {e}") from None
     if choices is not None and not isinstance(choices, (tuple, list)):
         caller = sys._getframe(1)
-        raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(choices=...): expected a tuple of "
-                         f"allowed values, got {choices!r}")
+        raise ValueError(
+            f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(choices=...): expected a tuple of "
+            f"allowed values, got {choices!r}"
+        )
     return field(default=default, metadata={"doc": doc, "check": check, "choices": choices, "path": bool(path)})
 
 
@@ -162,8 +168,9 @@ def make_options(table: str, cls, values: dict | None = None, *, method: str = "
     kw = {}
     for k, v in values.items():
         if k not in known:
-            raise ValueError(f"{table}.{k}: not an option of {method or table} (its options: "
-                             f"{', '.join(known) or 'none'})")
+            raise ValueError(
+                f"{table}.{k}: not an option of {method or table} (its options: {', '.join(known) or 'none'})"
+            )
         kw[k] = coerce_option(f"{table}.{k}", v, known[k])
     out = cls(**kw)
     validate_options(table, out)
@@ -177,17 +184,22 @@ class NoOptions:
 
 # -- per-round values -----------------------------------------------------------------------------------------
 # the fields a method of the old guide wrote (a DeprecationWarning for one release), and the form that replaces each
-_LEGACY = {"rows": "read ctx.rows; nothing writes it but the engine",
-           "new_rows": "return fedfast.methods.Collected(rows=...) from collect",
-           "incr": "return fedfast.methods.Collected(increment=...) from collect; the server reads ctx.increment",
-           "reduce": "return the round's sums from round_start ({name: zeros}) and Collected(sums={name: ...}) "
-                     "from collect; the server reads ctx.sums[name]",
-           "chunk": "return the chunk's state from chunk_start (or a new one from chunk_end)"}
+_LEGACY = {
+    "rows": "read ctx.rows; nothing writes it but the engine",
+    "new_rows": "return fedfast.methods.Collected(rows=...) from collect",
+    "incr": "return fedfast.methods.Collected(increment=...) from collect; the server reads ctx.increment",
+    "reduce": "return the round's sums from round_start ({name: zeros}) and Collected(sums={name: ...}) "
+    "from collect; the server reads ctx.sums[name]",
+    "chunk": "return the chunk's state from chunk_start (or a new one from chunk_end)",
+}
 
 
 def _deprecated(name: str) -> None:
-    warnings.warn(f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 @dataclass(kw_only=True)
@@ -197,17 +209,18 @@ class Round:
     ``round_start`` the round's sums, ``chunk_start`` / ``chunk_end`` the chunk's state, ``collect`` a
     :class:`Collected` - and the engine owns the accumulation. Setting an attribute raises AttributeError naming the
     new form (the old guide's ``new_rows``, ``incr``, ``reduce`` and ``chunk`` warn instead, for one release)."""
-    index: int                       # 0-based round number
-    sampled: np.ndarray              # client ids
-    sizes: np.ndarray                # local data sizes
-    steps: np.ndarray                # local steps per epoch (``local_steps`` runs: those steps, in one "epoch")
-    epochs: int                      # local epochs (1 in ``local_steps`` runs); steps * epochs: each client's steps
-    lr: float                        # this round's client learning rate
-    sampled_t: Tensor                # client ids on the device
-    hist: Tensor                     # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
+
+    index: int  # 0-based round number
+    sampled: np.ndarray  # client ids
+    sizes: np.ndarray  # local data sizes
+    steps: np.ndarray  # local steps per epoch (``local_steps`` runs: those steps, in one "epoch")
+    epochs: int  # local epochs (1 in ``local_steps`` runs); steps * epochs: each client's steps
+    lr: float  # this round's client learning rate
+    sampled_t: Tensor  # client ids on the device
+    hist: Tensor  # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
     positions: Tensor | None = None  # [m] each client's position in the whole round's sorted client list
-    num_total: int = 0               # clients in the whole round (all ranks)
-    rows: Tensor | None = None       # [m, P] the method's per-client state rows (gathered from client_state)
+    num_total: int = 0  # clients in the whole round (all ranks)
+    rows: Tensor | None = None  # [m, P] the method's per-client state rows (gathered from client_state)
     state_out: Tensor | None = None  # the engine's: the collected new rows of the round's clients, stored after it
     increment: Tensor | None = None  # [P] the collected increments, summed over the chunks and ranks (server reads)
     chunk: object = None  # the method's own per-chunk state: what its chunk_start returned (e.g. a dataclass)
@@ -225,13 +238,16 @@ class Round:
     def __setattr__(self, name, value):
         if getattr(self, "_sealed", False):
             if name not in _LEGACY:
-                raise AttributeError(f"Round.{name}: a Round is read-only for methods; a hook returns what it "
-                                     f"computes (round_start: the round's sums; chunk_start / chunk_end: the chunk's "
-                                     f"state; collect: fedfast.methods.Collected(rows=, increment=, sums=))")
+                raise AttributeError(
+                    f"Round.{name}: a Round is read-only for methods; a hook returns what it "
+                    f"computes (round_start: the round's sums; chunk_start / chunk_end: the chunk's "
+                    f"state; collect: fedfast.methods.Collected(rows=, increment=, sums=))"
+                )
             if name != "incr" or value is not self.increment:  # ``ctx.incr += x`` adds in place: nothing to set
                 _deprecated(name)
-                object.__setattr__(self, {"new_rows": "state_out", "incr": "increment", "reduce": "sums"}.get(
-                    name, name), value)
+                object.__setattr__(
+                    self, {"new_rows": "state_out", "incr": "increment", "reduce": "sums"}.get(name, name), value
+                )
             return
         object.__setattr__(self, name, value)
 
@@ -266,6 +282,7 @@ class Collected:
     ``increment`` [P]: added to the round's increment (``ctx.increment`` in ``server``, summed over the chunks and
     ranks); ``sums``: ``{name: tensor}`` added to the round's sums that ``round_start`` declared (``ctx.sums`` in
     ``server``)."""
+
     rows: Tensor | None = None
     increment: Tensor | None = None
     sums: dict | None = None
@@ -278,6 +295,7 @@ class StateSpec:
     row ([P], repeated into every row, or [rows * P]; ``cols``: [cols]; None: zeros); ``float32``: keep fp32 rows
     whatever ``state_dtype`` says. The memory budget sizes the chunk with it; the engine then allocates the store
     (``Method.client_state``, a :class:`fedfast.store.ClientState`) before ``Method.setup``."""
+
     rows: int = 1
     cols: int | None = None
     fill: Tensor | None = None
@@ -295,6 +313,7 @@ class TeacherSpec:
     each teacher's buffers (BatchNorm's running statistics, which a teacher in eval mode normalises with); None:
     the global model's (exact for the global model itself; a method whose teachers are other models of a
     BatchNorm network with running statistics passes theirs)."""
+
     models: Tensor
     weights: Tensor | None = None
     tau: float = 1.0
@@ -315,6 +334,7 @@ class TeacherRows:
     """The teacher for one local step's rows ``R = n_active * B``: ``logits`` [R, C] (one teacher) or [M, R, C]
     with ``weights`` [M]; or ``mixture`` = (P [R, C], negent [R]), the M teachers' mixture cached once per round
     (:func:`fedfast.ops.teacher_mixture`). :meth:`kwargs` are the matching :func:`fedfast.ops.distill` arguments."""
+
     logits: Tensor | None = None
     weights: Tensor | None = None
     mixture: tuple[Tensor, Tensor] | None = None
@@ -328,24 +348,25 @@ class TeacherRows:
 @dataclass(kw_only=True)
 class Step:
     """One local step of all active clients (the first ``num_clients`` rows of the stack). Built by keyword."""
-    logits: Tensor                   # [R, C] student logits, R = num_clients * B (requires grad)
-    target: Tensor                   # [R] labels; -100 on the padding rows of a client's last partial batch
-    segments: Tensor                 # [R] the row's client (0 .. num_clients-1)
+
+    logits: Tensor  # [R, C] student logits, R = num_clients * B (requires grad)
+    target: Tensor  # [R] labels; -100 on the padding rows of a client's last partial batch
+    segments: Tensor  # [R] the row's client (0 .. num_clients-1)
     num_clients: int
-    teacher: TeacherRows | None      # None when the method returned no TeacherSpec this round
-    hist: Tensor                     # [num_clients, C] label histograms of the active clients
-    x: Tensor                        # [num_clients, B, ...] the inputs (augmented if augmentation is on)
-    valid: Tensor                    # [num_clients, B] False on padding rows
-    features: Tensor | None = None   # [num_clients, B, F] input of the classifier (features_layer), if
+    teacher: TeacherRows | None  # None when the method returned no TeacherSpec this round
+    hist: Tensor  # [num_clients, C] label histograms of the active clients
+    x: Tensor  # [num_clients, B, ...] the inputs (augmented if augmentation is on)
+    valid: Tensor  # [num_clients, B] False on padding rows
+    features: Tensor | None = None  # [num_clients, B, F] input of the classifier (features_layer), if
     #                                  ``needs_features``
-    params: dict | None = None       # the active clients' parameters {name: [num_clients, *shape]} (autograd
+    params: dict | None = None  # the active clients' parameters {name: [num_clients, *shape]} (autograd
     #                                  leaves: a loss term on them, e.g. the classifier on other inputs)
-    perturbed: bool = False          # the second pass of a SAM step (at w + rho g/||g||): no side effects
-    bn_valid: Tensor | None = None   # ``valid`` on a step where some client's batch has padding rows, else None: pass
+    perturbed: bool = False  # the second pass of a SAM step (at w + rho g/||g||): no side effects
+    bn_valid: Tensor | None = None  # ``valid`` on a step where some client's batch has padding rows, else None: pass
     #                                  it as ``valid=`` to the engine's forwards on ``x`` (BatchNorm's batch
     #                                  statistics then skip the padding, as a per-client loop never sees it)
-    epoch: int = 0                   # the local epoch and the step within it (random draws keyed by them are the
-    step: int = 0                    # same for any chunking or number of processes)
+    epoch: int = 0  # the local epoch and the step within it (random draws keyed by them are the
+    step: int = 0  # same for any chunking or number of processes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,6 +377,7 @@ class ClientData:
     has fewer); ``y`` [n, b] int64 (-100 where none); ``valid`` [n, b] bool; ``logits`` [n, b, C] float32;
     ``features`` [n, b, F] float32 (the classifier's input) or None; ``start``: the position in each client's data
     of the slice's first sample. All on the engine's device, computed without autograd."""
+
     rows: Tensor
     y: Tensor
     valid: Tensor
@@ -368,81 +390,117 @@ class ClientData:
 @runtime_checkable
 class Engine(Protocol):
     """What a method may use of the engine (:class:`fedfast.engine.Simulation` implements it)."""
+
     device: torch.device
-    backend: str | None               # the ops backend (None: automatic)
-    num_clients: int                  # K, all clients
-    num_params: int                   # P, parameters of the model
+    backend: str | None  # the ops backend (None: automatic)
+    num_clients: int  # K, all clients
+    num_params: int  # P, parameters of the model
     num_classes: int
     seed: int
-    train: Any                        # the training set (fedfast.data.ArrayDataset, on the device)
-    config: Any                       # the engine settings (fedfast.SimConfig: lr, momentum, local_epochs, ...)
-    label_hist: Tensor                # [K, C] every client's label histogram
-    client_sizes: np.ndarray          # [K] every client's number of samples
+    train: Any  # the training set (fedfast.data.ArrayDataset, on the device)
+    config: Any  # the engine settings (fedfast.SimConfig: lr, momentum, local_epochs, ...)
+    label_hist: Tensor  # [K, C] every client's label histogram
+    client_sizes: np.ndarray  # [K] every client's number of samples
 
     @property
-    def global_flat(self) -> Tensor: ...        # [P] the model the clients start from this round (read only)
+    def global_flat(self) -> Tensor: ...  # [P] the model the clients start from this round (read only)
 
-    num_buffers: int                  # B, buffer values of the model (BatchNorm's running statistics; 0 without)
-
-    @property
-    def global_buffers(self) -> Tensor: ...     # [B] the global model's buffers (read only)
+    num_buffers: int  # B, buffer values of the model (BatchNorm's running statistics; 0 without)
 
     @property
-    def round_index(self) -> int: ...           # 0-based index of the current round
+    def global_buffers(self) -> Tensor: ...  # [B] the global model's buffers (read only)
 
-    def server_data(self, name: str): ...       # a server-held split ("val", "aux") or None
+    @property
+    def round_index(self) -> int: ...  # 0-based index of the current round
 
-    def forward(self, flat: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
-                valid: Tensor | None = None): ...
+    def server_data(self, name: str): ...  # a server-held split ("val", "aux") or None
+
+    def forward(
+        self,
+        flat: Tensor,
+        x: Tensor,
+        *,
+        features: bool = False,
+        buffers: Tensor | None = None,
+        valid: Tensor | None = None,
+    ): ...
+
     # one model (flat parameters [P]) on a batch x [R, ...] -> logits [R, C] (or (features, logits)). ``buffers``
     # [B]: the model's (default the global model's); ``valid`` [R]: the rows BatchNorm's batch statistics take
     # (default all). No forward but a local step's updates running statistics
 
-    def forward_clients(self, rows: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
-                        valid: Tensor | None = None): ...
+    def forward_clients(
+        self,
+        rows: Tensor,
+        x: Tensor,
+        *,
+        features: bool = False,
+        buffers: Tensor | None = None,
+        valid: Tensor | None = None,
+    ): ...
+
     # n models (rows [n, P], buffers [n, B] or [B]) on x [n, B, ...] -> logits [n, B, C] (or (features [n, B, F],
     # logits)); ``valid`` [n, B] (Step.valid on a step with padding rows)
 
-    def forward_each(self, flat: Tensor, x: Tensor, *, features: bool = False, buffers: Tensor | None = None,
-                     valid: Tensor | None = None): ...
+    def forward_each(
+        self,
+        flat: Tensor,
+        x: Tensor,
+        *,
+        features: bool = False,
+        buffers: Tensor | None = None,
+        valid: Tensor | None = None,
+    ): ...
+
     # one model on each client's own batch x [n, B, ...] -> [n, B, C] (or (features, logits)); a model with
     # batch-statistics norms sees each client's batch alone (its valid rows), as in a per-client loop
 
-    def predict(self, flat: Tensor, dataset, idx: Tensor | None = None, dtype=torch.float32,
-                buffers: Tensor | None = None) -> Tensor: ...
+    def predict(
+        self, flat: Tensor, dataset, idx: Tensor | None = None, dtype=torch.float32, buffers: Tensor | None = None
+    ) -> Tensor: ...
+
     # logits [len(idx), C] of one model on rows of a dataset, in large batches, eval mode, no grad
 
     def eval_mode(self) -> contextlib.AbstractContextManager: ...
+
     # the model's modules in eval mode inside (frozen references: no dropout, as a teacher)
 
     def new_client_state(self, fill: Tensor | None = None, rows: int = 1, *, cols: int | None = None): ...
+
     # a fedfast.store.ClientState [K, rows * P] (dtype and placement from the engine settings), rows = ``fill``;
     # ``cols``: rows of that many values instead. A method's own state is declared (Method.client_state_spec) and
     # allocated by the engine; calling this in setup is deprecated (it goes in the next release)
 
     def head(self, params, z: Tensor) -> Tensor: ...
+
     # the model's classifier (its last nn.Linear) of each client on z [n, R, F] -> [n, R, C], with ``params``
     # the step's parameters (Step.params), any {name: [n, *shape]} or flat rows [n, P]
 
     def head_params(self, params) -> tuple: ...
+
     # (weight [n, C, F], bias [n, C] or None) of that classifier, from the same kinds of ``params``
 
     def local_gradients(self, ctx, lo: int, hi: int, batches, *, epoch: int): ...
+
     # for the chunk's clients at their current parameters: one pass over ``batches`` [hi-lo] minibatches of each
     # client's data (data order of local epoch ``epoch``), yielding per step (s, n_act, grad [n_act, P]), the
     # gradient of each client's minibatch-mean cross-entropy (FedCurv's Fisher)
 
     def client_params(self, n: int) -> Tensor: ...
+
     # the live parameter rows [n, P] of the chunk's first n clients (in place updates allowed)
 
     def client_buffers(self, n: int) -> Tensor: ...
+
     # the live buffer rows [n, B] of the chunk's first n clients (BatchNorm statistics after their local steps)
 
     @property
-    def feature_width(self) -> int: ...         # F, the classifier's input width (Step.features' last dim)
+    def feature_width(self) -> int: ...  # F, the classifier's input width (Step.features' last dim)
 
-    def client_data(self, ctx, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
-                    train_mode: bool = False): ...
+    def client_data(
+        self, ctx, lo: int, hi: int, *, features: bool = False, batch: int | None = None, train_mode: bool = False
+    ): ...
+
     # the chunk's clients' models (stack rows 0:hi-lo, as they are now: trained, in chunk_end and collect) over
     # their own samples, each once, un-augmented, ``batch`` (default batch_size) per client at a time, in eval mode
     # (``train_mode``: the model's training mode, batch statistics without running-statistics updates), without
@@ -465,10 +523,12 @@ class Method(ClientHooks, ServerHooks):
     ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights), ``uploads``
     (what each client sends the server beyond its model update: a private run refuses the method, naming it).
     """
-    name: ClassVar[str] = ""          # registry name (set by @register)
-    table: ClassVar[str] = ""         # the option table's name (default: name)
-    paper: ClassVar[str] = ("McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized "
-                            "Data, AISTATS 2017")
+
+    name: ClassVar[str] = ""  # registry name (set by @register)
+    table: ClassVar[str] = ""  # the option table's name (default: name)
+    paper: ClassVar[str] = (
+        "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    )
     Options: ClassVar[type] = NoOptions
     max_grad_norm: ClassVar[float] = 0.0
     max_grad_norm_source: ClassVar[str] = ""
@@ -478,13 +538,13 @@ class Method(ClientHooks, ServerHooks):
     needs_classifier: ClassVar[bool] = False
     accepts_asd: ClassVar[bool] = False
     loss_options: ClassVar[tuple] = ()  # options that only shape the loss ASD replaces (refused with +asd)
-    state: ClassVar[tuple] = ()         # (read only for checkpoints of fedfast before automatic state)
-    transient: ClassVar[tuple] = ()     # attributes setup() rebuilds from the configuration: not checkpointed
-    caveats: ClassVar[str] = ""         # settings under which the method fails at its defaults, and what to change
+    state: ClassVar[tuple] = ()  # (read only for checkpoints of fedfast before automatic state)
+    transient: ClassVar[tuple] = ()  # attributes setup() rebuilds from the configuration: not checkpointed
+    caveats: ClassVar[str] = ""  # settings under which the method fails at its defaults, and what to change
     #                                     (fedfast methods prints it; check_settings warns when a run uses them)
-    sgd_only: ClassVar[str] = ""        # non-empty: why Adam/AdamW client steps are refused
-    sam: ClassVar[bool] = False         # the local steps may be SAM steps (sam_rho > 0): memory is sized for them
-    uploads: ClassVar[str] = ""         # what a client sends beyond its model update (control variates, logits,
+    sgd_only: ClassVar[str] = ""  # non-empty: why Adam/AdamW client steps are refused
+    sam: ClassVar[bool] = False  # the local steps may be SAM steps (sam_rho > 0): memory is sized for them
+    uploads: ClassVar[str] = ""  # what a client sends beyond its model update (control variates, logits,
     #                                     label counts, ...): DP-FedAvg's clipping and noise cover the update only, so
     #                                     a private run (dp_clip) refuses the method, naming this
 
@@ -499,8 +559,11 @@ class Method(ClientHooks, ServerHooks):
             if not isinstance(own, dict):
                 raise TypeError("options: pass keyword options or an Options instance, not both")
             own = {**own, **kw}
-        self.opts = own if isinstance(own, self.Options) else make_options(self.table_name(), self.Options, own,
-                                                                           method=self.name or type(self).__name__)
+        self.opts = (
+            own
+            if isinstance(own, self.Options)
+            else make_options(self.table_name(), self.Options, own, method=self.name or type(self).__name__)
+        )
         self.resolve()
         validate_options(self.table_name(), self.opts)
         self.engine: Engine | None = None
@@ -587,15 +650,23 @@ class Method(ClientHooks, ServerHooks):
         method has after ``setup`` (plus any it created since): a mismatch is a ValueError naming them."""
         if STATE_FORMAT not in state:
             return self._load_declared_state(state)
-        have = {k for k, v in vars(self).items() if k not in set(_NOT_STATE) | set(self.transient)
-                and not k.startswith("__") and not _is_constant_object(self, v)}
+        have = {
+            k
+            for k, v in vars(self).items()
+            if k not in set(_NOT_STATE) | set(self.transient)
+            and not k.startswith("__")
+            and not _is_constant_object(self, v)
+        }
         missing = sorted(have - set(state["attrs"]))
         if missing:
-            raise ValueError(f"state: the checkpoint of {self.name} lacks {missing} (written by another version "
-                             f"of the method?)")
+            raise ValueError(
+                f"state: the checkpoint of {self.name} lacks {missing} (written by another version of the method?)"
+            )
         if (self.client_state is None) != ("client_state" not in state):
-            raise ValueError(f"state: {self.name} keeps {'no ' if self.client_state is None else ''}per-client "
-                             f"state, the checkpoint {'has' if 'client_state' in state else 'has none'}")
+            raise ValueError(
+                f"state: {self.name} keeps {'no ' if self.client_state is None else ''}per-client "
+                f"state, the checkpoint {'has' if 'client_state' in state else 'has none'}"
+            )
         if self.client_state is not None:
             self.client_state.load_state_dict(state["client_state"])
         for k, packed in state["attrs"].items():
@@ -653,14 +724,19 @@ def pack_state(v, where: str):
     if isinstance(v, torch.Generator):
         return {"__generator__": v.get_state()}
     if isinstance(v, (list, tuple)):
-        return {"__tuple__" if isinstance(v, tuple) else "__list__": [pack_state(x, f"{where}[{i}]")
-                                                                      for i, x in enumerate(v)]}
+        return {
+            "__tuple__" if isinstance(v, tuple) else "__list__": [
+                pack_state(x, f"{where}[{i}]") for i, x in enumerate(v)
+            ]
+        }
     if isinstance(v, dict) and all(isinstance(k, (str, int)) for k in v):
         return {"__dict__": {k: pack_state(x, f"{where}[{k!r}]") for k, x in v.items()}}
-    raise TypeError(f"{where}: a {type(v).__module__}.{type(v).__qualname__}, which a checkpoint cannot hold. Keep "
-                    f"method state in tensors, numpy arrays, numbers, strings, lists/dicts of them, nn.Modules, "
-                    f"optimizers or torch.Generators; name the attribute in the class's `transient` if setup() "
-                    f"rebuilds it from the configuration, or override state_dict/load_state_dict")
+    raise TypeError(
+        f"{where}: a {type(v).__module__}.{type(v).__qualname__}, which a checkpoint cannot hold. Keep "
+        f"method state in tensors, numpy arrays, numbers, strings, lists/dicts of them, nn.Modules, "
+        f"optimizers or torch.Generators; name the attribute in the class's `transient` if setup() "
+        f"rebuilds it from the configuration, or override state_dict/load_state_dict"
+    )
 
 
 def unpack_state(p, current, device, where: str):
@@ -704,5 +780,16 @@ def unpack_state(p, current, device, where: str):
     return p
 
 
-__all__ = ["Method", "Engine", "Round", "Step", "ClientData", "TeacherSpec", "TeacherRows", "opt", "make_options",
-           "validate_options", "NoOptions"]
+__all__ = [
+    "Method",
+    "Engine",
+    "Round",
+    "Step",
+    "ClientData",
+    "TeacherSpec",
+    "TeacherRows",
+    "opt",
+    "make_options",
+    "validate_options",
+    "NoOptions",
+]

@@ -28,6 +28,7 @@ self-confidence target built from the client's label fractions ``gamma_c`` (``rh
 "global"``, B1; ``"local"``: the student's own detached prediction, as in CS-KD); ``tau = 4`` and the ``tau^2``
 factor follow CS-KD, whose KD loss the paper says it follows (B2, B3); ``lam = 0.35`` (§IV-C).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from .fedavg import FedAvg
 @dataclass
 class _Drift:
     """FedADC's per-chunk state: the drift beta_l m_t and each client's 1 / H_k."""
+
     drift: torch.Tensor
     inv_h: torch.Tensor
 
@@ -53,21 +55,27 @@ class _Drift:
 class FedADC(FedAvg):
     """FedADC (Ozfatura et al., Alg. 3): each local step adds the drift beta_l m_t / H_i; server m' = D/lr +
     (beta_g - beta_l) m, w' = w - alpha lr m' (uniform average)."""
+
     sgd_only = "its drift term is a correction of the SGD (momentum) step (Ozfatura et al. 2021)"
-    paper = ("Ozfatura, Ozfatura and Gündüz, FedADC: Accelerated Federated Learning with Drift Control, ISIT 2021 / "
-             "extended")
+    paper = (
+        "Ozfatura, Ozfatura and Gündüz, FedADC: Accelerated Federated Learning with Drift Control, ISIT 2021 / extended"
+    )
     aggregation = "uniform"
     accepts_asd = False
     state = ("m",)
 
     @dataclass
     class Options:
-        beta: float = opt(0.9, "beta_local, the drift's momentum share (grid {0.6, 0.7, 0.8, 0.9}, §IV-B)",
-                          check="[0,1]")
+        beta: float = opt(
+            0.9, "beta_local, the drift's momentum share (grid {0.6, 0.7, 0.8, 0.9}, §IV-B)", check="[0,1]"
+        )
         beta_global: float | None = opt(None, "beta_global (None: = beta, the paper's default)", check="[0,1]")
         alpha: float = opt(1.0, "server step scale alpha (Alg. 3 line 19; 1 as in SlowMo)", check=">0")
-        order: str = opt("nesterov", "'nesterov' (red, Alg. 3 lines 7-9) or 'heavy_ball' (blue, lines 10-11)",
-                         choices=("nesterov", "heavy_ball"))
+        order: str = opt(
+            "nesterov",
+            "'nesterov' (red, Alg. 3 lines 7-9) or 'heavy_ball' (blue, lines 10-11)",
+            choices=("nesterov", "heavy_ball"),
+        )
 
     def resolve(self):
         if self.opts.beta_global is None:
@@ -110,8 +118,11 @@ class FedADCPlus(FedADC):
         lam: float = opt(0.35, "lambda of Eq. 7 (§IV-C)", check="[0,1]")
         tau: float = opt(4.0, "temperature (CS-KD's default, which the paper follows; reading B2)", check=">0")
         tau_squared: bool = opt(True, "multiply the KL by tau^2 (CS-KD; reading B3)")
-        teacher: str = opt("global", "ptilde from the frozen 'global' model (reading B1) or the student's own "
-                                     "detached prediction ('local')", choices=("global", "local"))
+        teacher: str = opt(
+            "global",
+            "ptilde from the frozen 'global' model (reading B1) or the student's own detached prediction ('local')",
+            choices=("global", "local"),
+        )
 
     def uses_teacher(self):
         return self.opts.teacher == "global"

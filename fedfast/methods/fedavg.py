@@ -10,6 +10,7 @@
 * **FedAvgM** (Hsu et al. 2019; SlowMo): server momentum on the pseudo-gradient ``d = w_t - avg``:
   ``v <- beta v + d``, ``w_{t+1} = w_t - server_lr * v``; ``v_0 = 0``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,12 +24,14 @@ from .base import Method, opt
 @register("fedavg")
 class FedAvg(Method):
     """FedAvg (McMahan et al. 2017): CE, local SGD, size-weighted average of the participants' models."""
+
     accepts_asd = True
 
 
 @register("fedprox")
 class FedProx(FedAvg):
     """FedProx (Li et al. 2020): CE + (mu/2)||w - w_t||^2, the proximal gradient applied in the fused client step."""
+
     paper = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
 
     @dataclass
@@ -42,9 +45,11 @@ class FedProx(FedAvg):
 @register("fedavgm")
 class FedAvgM(FedAvg):
     """FedAvgM (Hsu et al. 2019): server momentum v <- beta v + (w_t - avg), w_{t+1} = w_t - server_lr v."""
+
     state = ("server_m",)
-    paper = ("Hsu et al., Measuring the Effects of Non-Identical Data Distribution for Federated Visual "
-             "Classification, 2019")
+    paper = (
+        "Hsu et al., Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification, 2019"
+    )
 
     @dataclass
     class Options:

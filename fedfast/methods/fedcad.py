@@ -25,6 +25,7 @@ Knowledge Distillation"), as FedCAD compares with it (Eq. 4, reading C7): the co
 reductions, ``T = 2`` (FedCAD: "For FedLSD, we set the temperature parameter T to 2") and ``alpha`` from FedCAD's
 grid {0.1, 0.3, 0.5} (the chosen value is unreported: 0.3, the middle). It needs no auxiliary set.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from .kd import FromGlobalModel
 class FedCAD(FromGlobalModel):
     """FedCAD (He et al., Eq. 5-6): per row (1 - a_y) CE + a_y soft-CE at T, a_y = beta + (gamma - beta) * mean over
     the server's auxiliary samples of class y of the global model's p_y (recomputed each round)."""
+
     paper = "He et al., Class-Wise Adaptive Self Distillation for Heterogeneous Federated Learning, 2022"
 
     @dataclass
@@ -91,21 +93,26 @@ class FedCAD(FromGlobalModel):
         self.alpha = self.class_alpha(self.engine.global_flat)
 
     def loss(self, ctx, b):
-        return self.kd(b.logits, b.teacher.logits, b.target, self.alpha, segments=b.segments,
-                       num_segments=b.num_clients)
+        return self.kd(
+            b.logits, b.teacher.logits, b.target, self.alpha, segments=b.segments, num_segments=b.num_clients
+        )
 
 
 @register("fedlsd")
 class FedLSD(FedCAD):
     """FedLSD (Lee et al. 2021, as FedCAD's Eq. 4): (1 - alpha) CE + alpha soft-CE to the global model at T = 2,
     FedCAD with beta = gamma = alpha."""
-    paper = ("Lee et al., Preservation of the Global Knowledge by Not-True Self Knowledge Distillation in Federated "
-             "Learning, arXiv 2106.03097v1, 2021 (as He et al., FedCAD, Eq. 4)")
+
+    paper = (
+        "Lee et al., Preservation of the Global Knowledge by Not-True Self Knowledge Distillation in Federated "
+        "Learning, arXiv 2106.03097v1, 2021 (as He et al., FedCAD, Eq. 4)"
+    )
 
     @dataclass
     class Options:
-        alpha: float = opt(0.3, "weight of the distillation (FedCAD: grid {0.1, 0.3, 0.5}; value unreported)",
-                           check="[0,1]")
+        alpha: float = opt(
+            0.3, "weight of the distillation (FedCAD: grid {0.1, 0.3, 0.5}; value unreported)", check="[0,1]"
+        )
         tau: float = opt(2.0, "temperature T (FedCAD: 'For FedLSD, we set T to 2')", check=">0")
         tau_squared: bool = opt(False, "multiply the soft-CE by T^2 (FedCAD's Eq. 4 has none)")
 

@@ -30,6 +30,7 @@ State: two parameter-sized rows per client ``[u_k | v_k]`` (``[K, 2P]``) plus ``
 1.73 GB with the CIFAR-10 CNN (P = 2,156,490), 1.76 GB on CIFAR-100 (P = 2,202,660), and 3.45 GB for
 CINIC-10's 200 clients; half with ``state_dtype = "bfloat16"``, in host memory with ``state_on_host``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +56,7 @@ def fisher_batches(steps: np.ndarray, samples: int, batch_size: int) -> np.ndarr
 @dataclass
 class _Penalty:
     """FedCurv's per-chunk state: 2 lam P_k, -2 lam Q_k, the penalty-gradient buffer, then the Fisher u_k."""
+
     curv: torch.Tensor
     lin: torch.Tensor
     grad: torch.Tensor
@@ -65,6 +67,7 @@ class _Penalty:
 class FedCurv(FedAvg):
     """FedCurv (Shoham et al. 2019): local loss + lam sum_{j != k} u_j (w - w_j)^2, u_j the diagonal Fisher of
     client j at its trained weights w_j (FedNTD's code)."""
+
     uploads = "its Fisher information diagonals (U, V)"
     paper = "Shoham et al., Overcoming Forgetting in Federated Learning on Non-IID Data, NeurIPS 2019 FL workshop"
     accepts_asd = False
@@ -89,8 +92,8 @@ class FedCurv(FedAvg):
     def chunk_start(self, ctx, lo, hi):
         P, lam = self.engine.num_params, self.opts.lam
         rows = ctx.rows[lo:hi]
-        curv = 2 * lam * (self.U - rows[:, :P])   # 2 lam P_k
-        lin = -2 * lam * (self.V - rows[:, P:])   # -2 lam Q_k
+        curv = 2 * lam * (self.U - rows[:, :P])  # 2 lam P_k
+        lin = -2 * lam * (self.V - rows[:, P:])  # -2 lam Q_k
         return _Penalty(curv, lin, torch.empty_like(curv))
 
     def step_terms(self, ctx, n_act):

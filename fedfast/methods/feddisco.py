@@ -20,6 +20,7 @@ the clipped weights renormalised over each round's participants) with ``a = 0.1`
 set these. If every participant's weight is <= 0 (``a`` much larger than ``b``) the code fails; fedfast raises
 an error naming ``feddisco.a``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ def discrepancy(p: np.ndarray, q: np.ndarray, distance: str) -> np.ndarray:
 class FedDisco(FedAvg):
     """FedDisco (Ye et al. 2023): aggregation weights ReLU(n_k - a d_k + b), normalised, d_k the normalised
     discrepancy between the client's label distribution and the global one."""
+
     uploads = "its label distribution (the server's discrepancy-aware weights)"
     paper = "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023"
     accepts_asd = True
@@ -58,12 +60,20 @@ class FedDisco(FedAvg):
     class Options:
         a: float = opt(0.5, f"weight of the discrepancy d_k ({_CODE}: disco_a 0.5; ASD's code 0.1)", check=">=0")
         b: float = opt(0.1, f"offset b ({_CODE}: disco_b 0.1; ASD's code 0.5)", check=">=0")
-        distance: str = opt("kl", f"the discrepancy D ({_CODE}: measure_difference 'kl')",
-                            choices=("kl", "l1", "l2", "cosine"))
-        target: str = opt("uniform", "the hypothesised global label distribution q: 'uniform' (the code) or "
-                                     "'global' (all clients' data)", choices=("uniform", "global"))
-        scope: str = opt("round", "'round': d_k over each round's participants (FedDisco's code); 'all': once "
-                                  "over all K clients (ASD's code)", choices=("round", "all"))
+        distance: str = opt(
+            "kl", f"the discrepancy D ({_CODE}: measure_difference 'kl')", choices=("kl", "l1", "l2", "cosine")
+        )
+        target: str = opt(
+            "uniform",
+            "the hypothesised global label distribution q: 'uniform' (the code) or 'global' (all clients' data)",
+            choices=("uniform", "global"),
+        )
+        scope: str = opt(
+            "round",
+            "'round': d_k over each round's participants (FedDisco's code); 'all': once "
+            "over all K clients (ASD's code)",
+            choices=("round", "all"),
+        )
 
     def setup(self):
         e = self.engine
@@ -83,8 +93,10 @@ class FedDisco(FedAvg):
         d = d / d.sum() if d.sum() > 0 else np.zeros_like(d)
         w = np.maximum(n - o.a * d + o.b, 0.0)
         if not w.sum() > 0:
-            raise ValueError(f"feddisco.a: every weight n_k - a d_k + b is <= 0 (a = {o.a}, b = {o.b}); lower "
-                             f"feddisco.a or raise feddisco.b")
+            raise ValueError(
+                f"feddisco.a: every weight n_k - a d_k + b is <= 0 (a = {o.a}, b = {o.b}); lower "
+                f"feddisco.a or raise feddisco.b"
+            )
         return w / w.sum()
 
     def aggregation_weights(self, ids, sizes, local_steps):

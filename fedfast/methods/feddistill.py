@@ -23,6 +23,7 @@ logits of the round, the others' means as the target. On a SAM step the tracked 
 State: ``A_k`` [C, C] per client in the per-client state store (``client_state``: rows for the clients that
 trained, zeros read for the others; 40 KB a client of CIFAR-100); ``sum_j A_j`` is the store's mean times K.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ _CODE = "CGCL-codes/FedGKD @72e7bac, worker_feddistill.py"
 @dataclass
 class _Logits:
     """FedDistill+'s per-chunk state: each (client, label)'s logit sum and count this round, and its targets."""
+
     sum: torch.Tensor
     count: torch.Tensor
     target: torch.Tensor
@@ -50,6 +52,7 @@ class _Logits:
 class FedDistillPlus(FedAvg):
     """FedDistill+ (Seo et al. 2020, as FedGKD runs it): CE + coef tau^2 KL(softmax(G_k[y]/tau) || softmax(z/tau)),
     G_k the other clients' per-label mean logits; parameters averaged."""
+
     uploads = "its per-label mean logits"
     paper = "Seo et al., Federated Knowledge Distillation, 2020 (FedDistill+, with parameter sharing, as Yao et al.)"
     max_grad_norm, max_grad_norm_source = 10.0, "CGCL-codes/FedGKD @72e7bac, pcode/workers/worker.py: clip 10"
@@ -63,7 +66,7 @@ class FedDistillPlus(FedAvg):
         skip_first_round: bool = opt(True, f"no distillation in round 1 ({_CODE}: comm_round <= 1)")
 
     def client_state_spec(self, e):
-        return StateSpec(cols=e.num_classes ** 2)  # A_k [C * C]: every client's latest upload (zeros before)
+        return StateSpec(cols=e.num_classes**2)  # A_k [C * C]: every client's latest upload (zeros before)
 
     def setup(self):
         e, o = self.engine, self.opts
@@ -75,8 +78,11 @@ class FedDistillPlus(FedAvg):
     def chunk_start(self, ctx, lo, hi):
         C, n, K = self.engine.num_classes, hi - lo, self.engine.num_clients
         target = (self.total - ctx.rows[lo:hi]) / max(K - 1, 1)  # G_k = (sum_j A_j - A_k) / (K - 1); ctx.rows: A_k
-        return _Logits(torch.zeros(n * C, C, device=self.engine.device), torch.ones(n * C, device=self.engine.device),
-                       target.reshape(n * C, C))
+        return _Logits(
+            torch.zeros(n * C, C, device=self.engine.device),
+            torch.ones(n * C, device=self.engine.device),
+            target.reshape(n * C, C),
+        )
 
     def loss(self, ctx, b):
         C = self.engine.num_classes

@@ -18,6 +18,7 @@ code, vcl-iisc/fed-adaptive-self-distillation @6cb4b68: ``s_k = n_k / B``, the r
 reproduces ASD's Table 2 FedDyn and FedDyn+ASD rows). ``alpha = 0.01`` is the middle of the FedDyn/FedADC grid
 {0.1, 0.01, 0.001}; FedNTD's code uses 0.1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .fedavg import FedAvg
 @dataclass
 class _Linear:
     """FedDyn's per-chunk state: alpha_k and the linear term's gradient alpha_k (h_k - w_t)."""
+
     alpha: torch.Tensor
     dyn: torch.Tensor
 
@@ -40,9 +42,12 @@ class _Linear:
 class FedDyn(FedAvg):
     """FedDyn (Acar et al. 2021; cloud form): loss + alpha_k <w, h_k - w_cld>, weight decay alpha_k + wd;
     h_k += w_k - w_cld; w_cld = mean_k w_k + hbar. The evaluated model is the participants' average."""
+
     uploads = "its unclipped model change w_k - g, summed into the server's state h"
-    sgd_only = ("its regulariser enters the client step as SGD weight decay alpha + wd (FedDyn's code); fedfast "
-                "defines FedDyn for SGD client steps only")
+    sgd_only = (
+        "its regulariser enters the client step as SGD weight decay alpha + wd (FedDyn's code); fedfast "
+        "defines FedDyn for SGD client steps only"
+    )
     paper = "Acar et al., Federated Learning Based on Dynamic Regularization, ICLR 2021"
     aggregation, aggregation_fixed = "uniform", True
     state = ("hbar", "avg")
@@ -50,8 +55,11 @@ class FedDyn(FedAvg):
     @dataclass
     class Options:
         alpha: float = opt(0.01, "regulariser alpha (FedDyn/FedADC grid {0.1, 0.01, 0.001})", check=">=0")
-        alpha_scaling: str = opt("mean_size", "alpha_k = alpha / s_k: 'mean_size' (FedDyn code) or 'minibatches' "
-                                              "(ASD code)", choices=("mean_size", "minibatches"))
+        alpha_scaling: str = opt(
+            "mean_size",
+            "alpha_k = alpha / s_k: 'mean_size' (FedDyn code) or 'minibatches' (ASD code)",
+            choices=("mean_size", "minibatches"),
+        )
 
     def client_state_spec(self, engine):
         return StateSpec()  # h_k, zero before a client trains
@@ -79,7 +87,7 @@ class FedDyn(FedAvg):
 
     def _h(self, rows):
         """The h_k columns of the state rows (a subclass may keep more per client after them)."""
-        return rows if rows.shape[1] == self.engine.num_params else rows[:, :self.engine.num_params]
+        return rows if rows.shape[1] == self.engine.num_params else rows[:, : self.engine.num_params]
 
     def chunk_start(self, ctx, lo, hi):
         a = self.alpha_k[lo:hi]

@@ -39,6 +39,7 @@ chunking or number of processes. The official code's "early stop" (no generator 
 which are single minibatch steps there) never triggers at its defaults (20 epochs) and is not reproduced.
 State: the generator, its Adam moments and step count.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,21 +84,26 @@ def _generator(seed: int, *key: int, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(s)
 
 
-def client_draws(seed: int, rnd: int, epoch: int, step: int, num_total: int, batch: int, gen_batch: int,
-                 noise: int, device="cpu"):
+def client_draws(
+    seed: int, rnd: int, epoch: int, step: int, num_total: int, batch: int, gen_batch: int, noise: int, device="cpu"
+):
     """The step's draws for every client of the round, by position: latent-matching noise [T, batch, noise],
     uniforms [T, gen_batch] that pick the teacher labels, teacher noise [T, gen_batch, noise]."""
     g = _generator(seed, 52807, rnd, epoch, step, device=device)
-    return (torch.rand(num_total, batch, noise, generator=g, device=device),
-            torch.rand(num_total, gen_batch, generator=g, device=device),
-            torch.rand(num_total, gen_batch, noise, generator=g, device=device))
+    return (
+        torch.rand(num_total, batch, noise, generator=g, device=device),
+        torch.rand(num_total, gen_batch, generator=g, device=device),
+        torch.rand(num_total, gen_batch, noise, generator=g, device=device),
+    )
 
 
 def server_draws(seed: int, rnd: int, steps: int, batch: int, noise: int, device="cpu"):
     """The server's draws of a round: uniforms [steps, batch] that pick the labels, noise [steps, batch, noise]."""
     g = _generator(seed, 52807, rnd, 10**6, device=device)
-    return (torch.rand(steps, batch, generator=g, device=device),
-            torch.rand(steps, batch, noise, generator=g, device=device))
+    return (
+        torch.rand(steps, batch, generator=g, device=device),
+        torch.rand(steps, batch, noise, generator=g, device=device),
+    )
 
 
 def pick(u: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -112,34 +118,47 @@ def pick(u: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 class FedGen(FedAvg):
     """FedGen (Zhu et al. 2021): a server-trained label-conditioned feature generator; clients add
     beta_t KL(h(G(y)) || z) + alpha_t CE(h(G(yhat)), yhat) with their own classifier h."""
+
     uploads = "its classifier head and label counts (the generator's training data)"
     needs_classifier = True
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
     accepts_asd = False
-    caveats = ("Its default weights alpha = beta = 10 are FedGen's MNIST setting for plain SGD. With SGD momentum "
-               "rho the generator terms take steps about 1 / (1 - rho) times larger, and training collapses. Under "
-               "FedNTD's MNIST protocol with the MLP and momentum 0.9 (examples/study/fedgen-momentum.toml, 30 "
-               "rounds, 2 seeds) FedGen ended at 30.2 % against FedAvg's 77.6 %. With alpha = beta = 1 there it "
-               "ended at 78.8 %, level with FedAvg. With plain SGD and the defaults it ended at 86.9 % against "
-               "FedAvg's 74.9 %. With momentum, either keep max(alpha, beta) / (1 - momentum) at most 10 (fedgen.alpha "
-               "= fedgen.beta = 1 at momentum 0.9), or train as FedGen does with momentum = 0.")
+    caveats = (
+        "Its default weights alpha = beta = 10 are FedGen's MNIST setting for plain SGD. With SGD momentum "
+        "rho the generator terms take steps about 1 / (1 - rho) times larger, and training collapses. Under "
+        "FedNTD's MNIST protocol with the MLP and momentum 0.9 (examples/study/fedgen-momentum.toml, 30 "
+        "rounds, 2 seeds) FedGen ended at 30.2 % against FedAvg's 77.6 %. With alpha = beta = 1 there it "
+        "ended at 78.8 %, level with FedAvg. With plain SGD and the defaults it ended at 86.9 % against "
+        "FedAvg's 74.9 %. With momentum, either keep max(alpha, beta) / (1 - momentum) at most 10 (fedgen.alpha "
+        "= fedgen.beta = 1 at momentum 0.9), or train as FedGen does with momentum = 0."
+    )
 
     @dataclass
     class Options:
-        alpha: float = opt(10.0, f"teacher-loss weight alpha ({_CODE}, model_config.py mnist: generative_alpha 10; "
-                                 "FedGKD's code: 0.1-1)", check=">=0")
-        beta: float = opt(10.0, f"latent-matching weight beta ({_CODE}: generative_beta 10; FedGKD's code: none)",
-                          check=">=0")
+        alpha: float = opt(
+            10.0,
+            f"teacher-loss weight alpha ({_CODE}, model_config.py mnist: generative_alpha 10; FedGKD's code: 0.1-1)",
+            check=">=0",
+        )
+        beta: float = opt(
+            10.0, f"latent-matching weight beta ({_CODE}: generative_beta 10; FedGKD's code: none)", check=">=0"
+        )
         decay: float = opt(0.98, f"alpha_t = max(1e-4, alpha decay^t) ({_CODE}: exp_lr_scheduler 0.98)", check="(0,1)")
-        gen_batch: int | None = opt(None, f"teacher labels per client step (None: batch_size; {_CODE} main.py: "
-                                          "gen_batch_size 32 = batch_size)", check=">=1")
-        available_labels: bool = opt(True, f"draw yhat from the client's own labels ({_CODE}); false: all classes "
-                                           "(FedGKD's code)")
-        hidden: int | None = opt(None, "generator hidden width (None: max(512, F): FedGKD's 512 / 2048 / 768)",
-                                 check=">=1")
+        gen_batch: int | None = opt(
+            None,
+            f"teacher labels per client step (None: batch_size; {_CODE} main.py: gen_batch_size 32 = batch_size)",
+            check=">=1",
+        )
+        available_labels: bool = opt(
+            True, f"draw yhat from the client's own labels ({_CODE}); false: all classes (FedGKD's code)"
+        )
+        hidden: int | None = opt(
+            None, "generator hidden width (None: max(512, F): FedGKD's 512 / 2048 / 768)", check=">=1"
+        )
         noise: int | None = opt(None, "noise dimension (None: F, FedGKD's GENERATORCONFIGS)", check=">=1")
-        gen_lr: float = opt(3e-4, f"generator Adam lr ({_CODE} mnist: ensemble_lr 3e-4; FedGKD's code 1e-4)",
-                            check=">0")
+        gen_lr: float = opt(
+            3e-4, f"generator Adam lr ({_CODE} mnist: ensemble_lr 3e-4; FedGKD's code 1e-4)", check=">0"
+        )
         gen_weight_decay: float = opt(1e-2, f"generator weight decay ({_CODE}: 1e-2)", check=">=0")
         gen_lr_decay: float = opt(0.98, f"generator lr decay per round ({_CODE}: ExponentialLR 0.98)", check="(0,1]")
         server_steps: int = opt(50, f"generator steps per round ({_CODE}: ensemble_epochs 50)", check=">=1")
@@ -167,24 +186,28 @@ class FedGen(FedAvg):
         rho = config.momentum if config.client_optimizer == "sgd" else 0.0
         eff = max(self.opts.alpha, self.opts.beta) / (1.0 - rho)
         if rho and eff > 10.0 * (1 + 1e-9):
-            return [f"alpha = {self.opts.alpha:g}, beta = {self.opts.beta:g} with SGD momentum {rho:g} weigh the "
-                    f"generator terms like {eff:g} under plain SGD (FedGen's MNIST setting: 10), and FedGen collapsed "
-                    f"in fedfast's check (30 % against FedAvg's 78 % on MNIST shards). Set fedgen.alpha and "
-                    f"fedgen.beta to {10.0 * (1.0 - rho):g}, or momentum = 0 as FedGen trains (fedfast methods fedgen)"]
+            return [
+                f"alpha = {self.opts.alpha:g}, beta = {self.opts.beta:g} with SGD momentum {rho:g} weigh the "
+                f"generator terms like {eff:g} under plain SGD (FedGen's MNIST setting: 10), and FedGen collapsed "
+                f"in fedfast's check (30 % against FedAvg's 78 % on MNIST shards). Set fedgen.alpha and "
+                f"fedgen.beta to {10.0 * (1.0 - rho):g}, or momentum = 0 as FedGen trains (fedfast methods fedgen)"
+            ]
         return []
 
     def weights_at(self, t: int) -> tuple[float, float]:
         """(alpha_t, beta_t) of round t (0-based)."""
         o = self.opts
-        return max(1e-4, o.alpha * o.decay ** t), max(1e-4, o.beta * o.decay ** t)
+        return max(1e-4, o.alpha * o.decay**t), max(1e-4, o.beta * o.decay**t)
 
     # -- clients ---------------------------------------------------------------------------------------------
     def round_start(self, ctx):
         e, C = self.engine, self.engine.num_classes
         self.generator.eval()
-        return {"w": torch.zeros(ctx.num_total, C, self.features, device=e.device),  # the participants' heads
-                "b": torch.zeros(ctx.num_total, C, device=e.device),
-                "counts": torch.zeros(ctx.num_total, C, device=e.device)}
+        return {
+            "w": torch.zeros(ctx.num_total, C, self.features, device=e.device),  # the participants' heads
+            "b": torch.zeros(ctx.num_total, C, device=e.device),
+            "counts": torch.zeros(ctx.num_total, C, device=e.device),
+        }
 
     def chunk_start(self, ctx, lo, hi):
         return lo  # the chunk's first round position: each client's draws are keyed by its position
@@ -198,9 +221,13 @@ class FedGen(FedAvg):
         v = b.valid.float()
         per = v / v.sum(1, keepdim=True).clamp_min(1)  # each client's minibatch mean
         alpha, beta = self.weights_at(ctx.index)
-        pos = ctx.positions[ctx.chunk:ctx.chunk + n]
-        eps1, u, eps2 = (d[pos] for d in client_draws(e.seed, ctx.index, b.epoch, b.step, ctx.num_total, B,
-                                                      self.gen_batch, self.noise_dim, e.device))
+        pos = ctx.positions[ctx.chunk : ctx.chunk + n]
+        eps1, u, eps2 = (
+            d[pos]
+            for d in client_draws(
+                e.seed, ctx.index, b.epoch, b.step, ctx.num_total, B, self.gen_batch, self.noise_dim, e.device
+            )
+        )
         with torch.no_grad():  # latent matching: the client's own classifier on generated features of the labels
             z1 = self.generator(eps1.reshape(n * B, -1), b.target.clamp_min(0)).reshape(n, B, -1)
             target = torch.softmax(e.head(b.params, z1), 2)
@@ -221,6 +248,7 @@ class FedGen(FedAvg):
 
         def at_positions(name, rows):  # the chunk's clients' rows of the round's table (zeros elsewhere)
             return torch.zeros_like(ctx.sums[name]).index_copy_(0, pos, rows.detach().contiguous())
+
         sums = {"w": at_positions("w", w), "counts": at_positions("counts", 1.0 + ctx.seen_hist[lo:hi])}  # labels
         if b is not None:
             sums["b"] = at_positions("b", b)
@@ -238,7 +266,7 @@ class FedGen(FedAvg):
         W, bias, counts = ctx.sums["w"], ctx.sums["b"], ctx.sums["counts"]
         weights = counts / counts.sum(0, keepdim=True)  # [m, C]: w[y, u] transposed
         qualified = (counts.amax(0) > 1)[None]  # labels some participant holds
-        lr = o.gen_lr * o.gen_lr_decay ** self.gen_rounds
+        lr = o.gen_lr * o.gen_lr_decay**self.gen_rounds
         for group in self.gen_opt.param_groups:
             group["lr"] = lr
         us, noise = server_draws(e.seed, ctx.index, o.server_steps, self.server_batch, self.noise_dim, e.device)
@@ -263,7 +291,7 @@ class FedGen(FedAvg):
         if STATE_FORMAT in state:
             return super().load_state_dict(state)
         state = dict(state)
-        gen = {k[len("generator."):]: state.pop(k) for k in list(state) if k.startswith("generator.")}
+        gen = {k[len("generator.") :]: state.pop(k) for k in list(state) if k.startswith("generator.")}
         adam = {k: state.pop(k) for k in list(state) if k.startswith("generator_adam.")}
         rounds = state.pop("generator_rounds", None)
         super().load_state_dict(state)
@@ -273,6 +301,7 @@ class FedGen(FedAvg):
         self.gen_rounds = int(rounds)
         for i, p in enumerate(self.generator.parameters()):
             if f"generator_adam.{i}.step" in adam:
-                self.gen_opt.state[p] = {k: adam[f"generator_adam.{i}.{k}"].to(self.engine.device if k != "step"
-                                                                                  else "cpu")
-                                         for k in ("exp_avg", "exp_avg_sq", "step")}
+                self.gen_opt.state[p] = {
+                    k: adam[f"generator_adam.{i}.{k}"].to(self.engine.device if k != "step" else "cpu")
+                    for k in ("exp_avg", "exp_avg_sq", "step")
+                }

@@ -37,6 +37,7 @@ projection head (``Linear(F, F) -> ReLU -> Linear(F, 256) -> Linear(256, C)``, a
 Public-code quirks not reproduced (snapshot 72e7bac): with ``buffer_length <= 1`` the teacher is set once to
 ``w_0`` and never refreshed; the VOTE sum is computed under ``no_grad``. fedfast implements the paper.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,16 +57,20 @@ _CODE = "official code 72e7bac, pcode/workers/worker.py: clip_grad_norm 10 every
 @register("fedgkd")
 class FedGKD(Method):
     """FedGKD (Yao et al., Eq. 4): CE + gamma/2 * tau^2 * KL to the parameter average of the last M global models."""
-    paper = ("Yao et al., Local-Global Knowledge Distillation in Heterogeneous Federated Learning with Non-IID "
-             "Data, 2021")
+
+    paper = (
+        "Yao et al., Local-Global Knowledge Distillation in Heterogeneous Federated Learning with Non-IID Data, 2021"
+    )
     max_grad_norm, max_grad_norm_source = 10.0, _CODE
     state = ("buf", "count", "avg")
 
     @dataclass
     class Options:
-        gamma: float = opt(0.2, "KD coefficient gamma (Eq. 4; gamma/2 = 0.1 on the batch-mean KL; ResNet-8 and "
-                                "DistilBERT)",
-                           check=">=0")
+        gamma: float = opt(
+            0.2,
+            "KD coefficient gamma (Eq. 4; gamma/2 = 0.1 on the batch-mean KL; ResNet-8 and DistilBERT)",
+            check=">=0",
+        )
         buffer: int = opt(5, "M, the global models averaged into the teacher (CV default, Table 7)", check=">=1")
         tau: float = opt(1.0, "temperature (the code's default; the paper has none)", check=">0")
         tau_squared: bool = opt(True, "multiply the KL by tau^2 (code)")
@@ -115,18 +120,20 @@ class FedGKD(Method):
         """The new global model's buffers into their ring (the slot the fused update gave its parameters)."""
         if hasattr(self, "buf_buffers"):
             self.buf_buffers[ctx.index % self.opts.buffer] = self.engine.global_buffers
-            self.avg_buffers = self.buf_buffers[:self.count].mean(0)
+            self.avg_buffers = self.buf_buffers[: self.count].mean(0)
 
 
 @register("fedgkd_plus")
 class FedGKDPlus(FedGKD):
     """FedGKD+ (Yao et al., §5.1): FedGKD on a model with MOON's projection head (2-layer MLP, output 256)."""
+
     needs_classifier = True
 
     @dataclass
     class Options(FedGKD.Options):
-        projection_dim: int = opt(256, "output of the projection head (§5.1 and the code's projection_layer: 256)",
-                                  check=">=1")
+        projection_dim: int = opt(
+            256, "output of the projection head (§5.1 and the code's projection_layer: 256)", check=">=1"
+        )
 
     def prepare_model(self, model, seed=0):
         return with_projection_head(model, self.opts.projection_dim, seed, classifier=self.classifier_name)
@@ -136,18 +143,22 @@ class FedGKDPlus(FedGKD):
 class FedGKDVote(FedGKD):
     """FedGKD-VOTE (Yao et al., Eq. 5): CE + tau^2 * sum_m g_m KL(p_m || q), g = lambda * softmax(-L / beta) over
     the M buffered global models' losses on the server's validation split; no KD in round 1."""
+
     state = ("buf", "count", "val_loss")
 
     @dataclass
     class Options:
         lam: float = opt(0.1, "lambda, the sum of the teacher weights g_m (Eq. 5; = FedGKD's gamma/2)", check=">=0")
-        buffer: int = opt(5, "M, the buffered global models used as teachers (5 on CV, 3 on NLP; Table 8)",
-                          check=">=1")
+        buffer: int = opt(5, "M, the buffered global models used as teachers (5 on CV, 3 on NLP; Table 8)", check=">=1")
         beta: float | None = opt(None, "softmax temperature of -L (Eq. 5; None: 1/M)", check=">0")
         tau: float = opt(1.0, "KD temperature (code default)", check=">0")
         tau_squared: bool = opt(True, "multiply the KL by tau^2 (code)")
-        val_fraction: float = opt(0.1, "the last fraction of the training set held out as the server's validation "
-                                       "split (code: val_data_ratio 0.1)", check="(0,1)")
+        val_fraction: float = opt(
+            0.1,
+            "the last fraction of the training set held out as the server's validation "
+            "split (code: val_data_ratio 0.1)",
+            check="(0,1)",
+        )
 
     def resolve(self):
         if self.opts.beta is None:
@@ -166,8 +177,10 @@ class FedGKDVote(FedGKD):
         o, e = self.opts, self.engine
         self.val = e.server_data("val")
         if self.val is None:
-            raise ValueError("val: FedGKD-VOTE needs a server-held validation split (Simulation(..., val=...); "
-                             "fedfast.methods.FedGKDVote().hold_out(train) makes one)")
+            raise ValueError(
+                "val: FedGKD-VOTE needs a server-held validation split (Simulation(..., val=...); "
+                "fedfast.methods.FedGKDVote().hold_out(train) makes one)"
+            )
         self.kd = fnn.GKDLoss(tau=o.tau, gamma=2 * o.lam, tau_squared=o.tau_squared, backend=e.backend)
         self.count = 0
         self.buf = torch.zeros(o.buffer, e.num_params, device=e.device)
@@ -180,21 +193,30 @@ class FedGKDVote(FedGKD):
     def teacher(self, ctx):
         if self.count == 0:
             return None  # round 1: no buffered global model yet, no KD (Eq. 5)
-        w = torch.softmax(-self.val_loss[:self.count] / self.opts.beta, 0)
+        w = torch.softmax(-self.val_loss[: self.count] / self.opts.beta, 0)
         bufs = getattr(self, "buf_buffers", None)
-        return TeacherSpec(self.buf[:self.count], w, tau=self.opts.tau,
-                           buffers=None if bufs is None else bufs[:self.count])
+        return TeacherSpec(
+            self.buf[: self.count], w, tau=self.opts.tau, buffers=None if bufs is None else bufs[: self.count]
+        )
 
     def loss(self, ctx, b):
         if b.teacher is None:
             return cross_entropy(b, self.engine.backend)
         t = b.teacher
-        return self.kd(b.logits, t.logits, b.target, teacher_weights=t.weights, mixture=t.mixture,
-                       segments=b.segments, num_segments=b.num_clients)
+        return self.kd(
+            b.logits,
+            t.logits,
+            b.target,
+            teacher_weights=t.weights,
+            mixture=t.mixture,
+            segments=b.segments,
+            num_segments=b.num_clients,
+        )
 
     def after_server(self, ctx, out):
         self.buf = out["ring"]  # the teachers are the buffered models themselves
         self._push_buffers(ctx)
         g = out["global"]
-        self.val_loss[ctx.index % self.opts.buffer] = F.cross_entropy(self.engine.predict(g, self.val).float(),
-                                                                      self.val.y)
+        self.val_loss[ctx.index % self.opts.buffer] = F.cross_entropy(
+            self.engine.predict(g, self.val).float(), self.val.y
+        )

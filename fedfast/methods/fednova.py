@@ -21,6 +21,7 @@ variate ``c``. The code defines ``c``'s update, ``c <- (1 - P) c + sum_{i in S} 
 ``-d_i``: fedfast's default (``ccvr_server = false``) runs the code; ``ccvr_server = true`` applies the update.
 State: ``d_i`` for every client ([K, P] rows) and ``c`` [P], with ``ccvr``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,16 +40,19 @@ _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"
 def effective_steps(tau: np.ndarray, rho: float) -> np.ndarray:
     """a_i: the steps tau_i of SGD with momentum rho, counted by how far they move the weights (FedNova, Eq. 8)."""
     tau = np.asarray(tau, dtype=np.float64)
-    return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho) if rho > 0 else tau
+    return (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho) if rho > 0 else tau
 
 
 @register("fednova")
 class FedNova(FedAvg):
     """FedNova (Wang et al. 2020): w' = w - tau_eff sum_i p_i (w - w_i) / a_i, a_i the momentum-corrected local
     steps; optional variance reduction g + c - d_i (FedNTD's code)."""
+
     uploads = "its normalised update and local step count (the server weighs each client by it)"
-    paper = ("Wang et al., Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization, "
-             "NeurIPS 2020")
+    paper = (
+        "Wang et al., Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization, "
+        "NeurIPS 2020"
+    )
     sgd_only = "its normalisation counts SGD (momentum) steps (Wang et al. 2020, Eq. 8)"
     accepts_asd = False
     state = ("c",)
@@ -56,8 +60,9 @@ class FedNova(FedAvg):
     @dataclass
     class Options:
         ccvr: bool = opt(True, f"variance reduction g + c - d_i ({_CODE}: nova_ccvr true)")
-        ccvr_server: bool = opt(False, "update the server variate c (defined but never called in FedNTD's code: "
-                                       "c stays 0)")
+        ccvr_server: bool = opt(
+            False, "update the server variate c (defined but never called in FedNTD's code: c stays 0)"
+        )
 
     def client_state_spec(self, engine):
         return StateSpec() if self.opts.ccvr else None  # d_i

@@ -14,6 +14,7 @@ beta = 0.3, local momentum 0.9), a named method over FedNTD with those defaults.
 
 Reading chosen: aggregation is size-weighted (Eq. 2 and the code; Alg. 1 writes uniform, equal under sharding).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ from .kd import FromGlobalModel
 @register("fedntd")
 class FedNTD(FromGlobalModel):
     """FedNTD (Lee et al. 2022, Eq. 10-11): CE + beta * tau^2 * KL over the not-true classes."""
-    paper = ("Lee et al., Preservation of the Global Knowledge by Not-True Distillation in Federated Learning, "
-             "NeurIPS 2022")
+
+    paper = (
+        "Lee et al., Preservation of the Global Knowledge by Not-True Distillation in Federated Learning, NeurIPS 2022"
+    )
     accepts_asd = True
     loss_options = ("beta", "tau", "tau_squared")
 
@@ -49,7 +52,8 @@ class FedNTD(FromGlobalModel):
 @register("fedls_ntd")
 class FedLSNTD(FedNTD):
     """FedLS-NTD (FedADC Table I): FedNTD with beta = 0.3, tau = 1 (Ozfatura et al. §IV-C)."""
-    paper = ("Lee et al. (FedNTD, NeurIPS 2022) as FedLS-NTD in Ozfatura, Ozfatura and Gündüz, FedADC, Table I")
+
+    paper = "Lee et al. (FedNTD, NeurIPS 2022) as FedLS-NTD in Ozfatura, Ozfatura and Gündüz, FedADC, Table I"
     accepts_asd = False  # fedntd+asd is the same method
 
     @dataclass

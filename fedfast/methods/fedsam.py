@@ -34,6 +34,7 @@ never sampled counting with ``w_0`` (``evaluated = "all_clients"``, which keeps 
 2 x [K, P] rows); and its perturbation is a no-op (``p.add(e_w)`` is not in place, so the second pass recomputes
 the gradient at ``w``), which ``rho = 0`` reproduces. The ASD presets set all three.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ _SIM = "woodenchild95/FL-Simulator @617ee01"
 @register("fedsam")
 class FedSAM(FedAvg):
     """FedSAM (Qu et al. 2022): FedAvg with SAM client steps, w <- w - lr grad L(w + rho g/||g||)."""
+
     sam = True
     paper = "Qu et al., Generalized Federated Learning via Sharpness Aware Minimization, ICML 2022"
     max_grad_norm, max_grad_norm_source = 10.0, f"{_SIM}, client/client.py: max_norm = 10"
@@ -67,9 +69,12 @@ class FedSAM(FedAvg):
 class FedSpeed(FedDyn):
     """FedSpeed (Sun et al. 2023): SAM client steps on L + lam <w, h_k - w_t> + lam/2 ||w||^2; h_k += w_k - w_t;
     w_{t+1} = mean of the participants + mean over all clients of h."""
+
     sam = True
-    paper = ("Sun et al., FedSpeed: Larger Local Interval, Less Communication Round, and Higher Generalization "
-             "Accuracy, ICLR 2023")
+    paper = (
+        "Sun et al., FedSpeed: Larger Local Interval, Less Communication Round, and Higher Generalization "
+        "Accuracy, ICLR 2023"
+    )
     max_grad_norm, max_grad_norm_source = 10.0, f"{_SIM}, client/client.py: max_norm = 10"
     sgd_only = "its prox-correction enters the SAM step as SGD weight decay lam + wd (FL-Simulator's code)"
     state = ("hbar", "avg", "wsum")
@@ -77,13 +82,18 @@ class FedSpeed(FedDyn):
     @dataclass
     class Options:
         lam: float = opt(0.1, f"prox-correction coefficient lambda ({_SIM}, train.py --lamb 0.1)", check=">=0")
-        rho: float = opt(0.1, f"SAM radius rho ({_SIM}, train.py --rho 0.1; ASD's code: a no-op, rho = 0)",
-                         check=">=0")
-        alpha_scaling: str = opt("none", "lam_k = lam / s_k: 'none' (FL-Simulator), 'minibatches' (ASD's code) or "
-                                         "'mean_size' (FedDyn's)", choices=("none", "minibatches", "mean_size"))
-        evaluated: str = opt("cloud", "the reported model: 'cloud' w_{t+1} (FL-Simulator), 'average' (the "
-                                      "participants' mean, as FedDyn) or 'all_clients' (ASD's code)",
-                             choices=("cloud", "average", "all_clients"))
+        rho: float = opt(0.1, f"SAM radius rho ({_SIM}, train.py --rho 0.1; ASD's code: a no-op, rho = 0)", check=">=0")
+        alpha_scaling: str = opt(
+            "none",
+            "lam_k = lam / s_k: 'none' (FL-Simulator), 'minibatches' (ASD's code) or 'mean_size' (FedDyn's)",
+            choices=("none", "minibatches", "mean_size"),
+        )
+        evaluated: str = opt(
+            "cloud",
+            "the reported model: 'cloud' w_{t+1} (FL-Simulator), 'average' (the "
+            "participants' mean, as FedDyn) or 'all_clients' (ASD's code)",
+            choices=("cloud", "average", "all_clients"),
+        )
 
     def coefficient(self):
         return self.opts.lam, self.opts.alpha_scaling
@@ -113,8 +123,9 @@ class FedSpeed(FedDyn):
             return got
         P = self.engine.num_params
         w = self.engine.client_params(hi - lo)
-        return Collected(rows=torch.cat([got.rows, w], 1), increment=got.increment,
-                         sums={"wsum": (w - ctx.rows[lo:hi, P:]).sum(0)})
+        return Collected(
+            rows=torch.cat([got.rows, w], 1), increment=got.increment, sums={"wsum": (w - ctx.rows[lo:hi, P:]).sum(0)}
+        )
 
     def server(self, ctx, avg):
         if self.wsum is not None:

@@ -7,6 +7,7 @@
 
 :class:`fedfast.methods.Method` is both; docs/methods.md lists the hooks in the order the engine calls them.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -49,15 +50,20 @@ def describe_value(v) -> str:
     return f"{type(v).__name__} {v!r}"[:120]
 
 
-def check_hook_return(method, hook: str, value, *, shape=None, device=None, kind: str = "tensor",
-                      what: str = "") -> None:
+def check_hook_return(
+    method, hook: str, value, *, shape=None, device=None, kind: str = "tensor", what: str = ""
+) -> None:
     """HookError naming the hook, its file and line, what it must return (``what``) and what it returned, when
     ``value`` is not a floating tensor (of ``shape``, on ``device``; ``kind="dict"``: a dict)."""
     if kind == "dict":
         ok = isinstance(value, dict)
     else:
-        ok = torch.is_tensor(value) and value.is_floating_point() and (shape is None or tuple(value.shape) == shape) \
+        ok = (
+            torch.is_tensor(value)
+            and value.is_floating_point()
+            and (shape is None or tuple(value.shape) == shape)
             and (device is None or value.device.type == torch.device(device).type)
+        )
     if not ok:
         raise HookError(f"{hook_site(method, hook)}: must return {what}, got {describe_value(value)}")
 
@@ -69,17 +75,19 @@ def round_metrics(method, ctx) -> dict:
     if not got:
         return {}
     if not isinstance(got, dict):
-        raise HookError(f"{hook_site(method, 'round_metrics')}: must return a dict of name -> number, got "
-                        f"{type(got).__name__}")
+        raise HookError(
+            f"{hook_site(method, 'round_metrics')}: must return a dict of name -> number, got {type(got).__name__}"
+        )
     out = {}
     for k, v in got.items():
         if not isinstance(k, str) or not k:
-            raise HookError(f"{hook_site(method, 'round_metrics')}: names must be non-empty strings, got "
-                            f"{k!r}")
+            raise HookError(f"{hook_site(method, 'round_metrics')}: names must be non-empty strings, got {k!r}")
         if torch.is_tensor(v):
             if v.numel() != 1:
-                raise HookError(f"{hook_site(method, 'round_metrics')}: {k!r} must be one number, got a "
-                                f"tensor of shape {tuple(v.shape)}")
+                raise HookError(
+                    f"{hook_site(method, 'round_metrics')}: {k!r} must be one number, got a "
+                    f"tensor of shape {tuple(v.shape)}"
+                )
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise HookError(f"{hook_site(method, 'round_metrics')}: {k!r} must be a number, got {v!r}")
@@ -89,8 +97,16 @@ def round_metrics(method, ctx) -> dict:
 
 def cross_entropy(b: Step, backend) -> Tensor:
     """Plain CE over the step's rows: the sum over clients of each client's minibatch mean (padding ignored)."""
-    return ops.distill(b.logits, torch.zeros_like(b.logits.detach()), b.target, kd_weight=0.0, segments=b.segments,
-                       num_segments=b.num_clients, reduction="mean", backend=backend)
+    return ops.distill(
+        b.logits,
+        torch.zeros_like(b.logits.detach()),
+        b.target,
+        kd_weight=0.0,
+        segments=b.segments,
+        num_segments=b.num_clients,
+        reduction="mean",
+        backend=backend,
+    )
 
 
 def weighted_mean_rows(rows: Tensor, valid: Tensor) -> Tensor:
@@ -135,7 +151,6 @@ class ClientHooks:
         return None
 
 
-
 class ServerHooks:
     """The server side of a method (the engine calls these around and after the clients' training)."""
 
@@ -169,8 +184,9 @@ class ServerHooks:
 
     def server(self, ctx: Round, avg: Tensor) -> Tensor:
         """The new global model from the participants' weighted average ``avg`` [P] (one fused call)."""
-        out = ops.aggregate(avg[None], self.engine.global_flat, rows=1, backend=self.engine.backend,
-                            **self.server_terms(ctx))
+        out = ops.aggregate(
+            avg[None], self.engine.global_flat, rows=1, backend=self.engine.backend, **self.server_terms(ctx)
+        )
         self.after_server(ctx, out)
         return out["global"]
 

@@ -7,6 +7,7 @@ that model shares (:class:`FromGlobalModel`: FedNTD in ``fedntd.py``, FedCAD / F
 
 FedNTD, the not-true form, is in :mod:`fedfast.methods.fedntd`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,6 +33,7 @@ class FromGlobalModel(Method):
 @register("kd")
 class KD(FromGlobalModel):
     """Plain KD to the global model: CE + beta * tau^2 * KL(softmax(z_g/tau) || softmax(z/tau))."""
+
     paper = "Hinton et al. 2015, as the KD baseline of Lee et al. (FedNTD), NeurIPS 2022, App. H"
 
     @dataclass
@@ -55,7 +57,11 @@ def __getattr__(name: str):
     addresses work for one release, with a DeprecationWarning naming the new one (the module, which imports this
     one, is loaded by then: ``fedfast.methods`` loads both)."""
     if name in ("FedNTD", "FedLSNTD"):
-        warnings.warn(f"fedfast.methods.kd.{name} moved to fedfast.methods.fedntd.{name} (or fedfast.methods.{name}); "
-                      f"the old address goes in the next release", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"fedfast.methods.kd.{name} moved to fedfast.methods.fedntd.{name} (or fedfast.methods.{name}); "
+            f"the old address goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(importlib.import_module(".fedntd", __package__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

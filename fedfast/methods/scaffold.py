@@ -12,6 +12,7 @@ code ("adaptive division", ``keff_momentum = true``) counts SGD momentum ``rho``
 ``K_eff = (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho)``, the total distance a unit gradient moves the
 weights under momentum. With ``momentum = 0`` both are K.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,12 @@ from .fedavg import FedAvg
 class Scaffold(FedAvg):
     """SCAFFOLD (Karimireddy et al. 2020; FedNTD's code): local steps use g + c - c_k; c_k' = c_k - c + (w_t - w_k) /
     (K_eff lr); c' = c + (1/N) sum (c_k' - c_k)."""
+
     uploads = "its control variates c_k' - c_k"
-    sgd_only = ("its control-variate update c_k' = c_k - c + (x - y) / (K lr) estimates the gradient from "
-                "K plain SGD steps (Karimireddy et al. 2020, option II)")
+    sgd_only = (
+        "its control-variate update c_k' = c_k - c + (x - y) / (K lr) estimates the gradient from "
+        "K plain SGD steps (Karimireddy et al. 2020, option II)"
+    )
     state = ("c",)
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
 
@@ -54,16 +58,20 @@ class Scaffold(FedAvg):
     def chunk_aggregate(self, ctx, lo, hi):
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
         rho = self.engine.config.momentum if self.opts.keff_momentum else 0.0
-        k_eff = (K - rho * (1 - rho ** K) / (1 - rho)) / (1 - rho) if rho > 0 else K
+        k_eff = (K - rho * (1 - rho**K) / (1 - rho)) / (1 - rho) if rho > 0 else K
         # c_k' = c_k - c + (w_t - w_k) / (K_eff lr): the fused update's state rows with shift -c and coefficient
         # a_k = -1 / (K_eff lr) on (w_k - w_t)
-        return dict(state_rows=ctx.rows[lo:hi], state_shift=-self.c,
-                    state_coef=(-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device))
+        return dict(
+            state_rows=ctx.rows[lo:hi],
+            state_shift=-self.c,
+            state_coef=(-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device),
+        )
 
     def collect(self, ctx, out, lo, hi):
         # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments; c_k' the clients' new rows
-        return Collected(rows=out["state_rows"],
-                         increment=(self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c)
+        return Collected(
+            rows=out["state_rows"], increment=(self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c
+        )
 
     def server(self, ctx, avg):
         self.c = self.c + ctx.increment

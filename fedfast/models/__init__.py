@@ -8,6 +8,7 @@ samples. :func:`build` makes one by name; :func:`register_model` adds one (a tak
 have options of its own (an ``options`` dataclass, the run config's ``[name]`` table: ``build(C, shape, opts)``).
 ``model = "hf:..."`` (Hugging Face) is separate (:mod:`fedfast.models.hf`).
 """
+
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,7 @@ from .resnet import CifarResNet8, ResNet, ResNet50, resnet10, resnet18, resnet50
 @dataclass(frozen=True)
 class ModelEntry:
     """``build(num_classes, input_shape)`` (with ``options``: ``build(num_classes, input_shape, options)``)."""
+
     build: Callable
     options: type | None = None
 
@@ -70,6 +72,7 @@ register_model("fedgen_cnn_mnist", lambda C, shape: FedGenCNN(C))
 class MLPOptions:
     """The MLP's ``[mlp]`` table: ``layers`` hidden layers of ``hidden`` units (default FedAvg's 784-200-200-10;
     ``layers = 0``: multinomial logistic regression)."""
+
     hidden: int = 200
     layers: int = 2
 
@@ -86,13 +89,33 @@ def _mlp(C, shape, o=None):
 
 register_model("mlp", _mlp, options=MLPOptions)
 # pfl-research's benchmark CNN, sized to the dataset's images (1x28x28: 1,199,882 parameters)
-register_model("simple_cnn", lambda C, shape: SimpleCNN(C, in_channels=shape[0], image_size=shape[1]) if shape
-               else SimpleCNN(C))
+register_model(
+    "simple_cnn", lambda C, shape: SimpleCNN(C, in_channels=shape[0], image_size=shape[1]) if shape else SimpleCNN(C)
+)
 # the CIFAR stem (3x3/1, no pool), as many input channels as the images
 register_model("resnet50_bn", lambda C, shape: resnet50(C, "bn", in_channels=_c(shape, 3)))
 register_model("resnet50_gn", lambda C, shape: resnet50(C, "gn", in_channels=_c(shape, 3)))
 REGISTRY.seal()
 
-__all__ = ["REGISTRY", "ModelEntry", "register_model", "build", "ASDCifarCNN", "ASDTinyImageNetCNN", "FedADCCNN",
-           "FedAvgCNN", "FedGenCNN", "LeNet5", "SimpleCNN", "MLP", "CifarResNet8", "ResNet", "ResNet50", "resnet10",
-           "resnet18", "resnet50", "ProjectionClassifier", "with_projection_head"]
+__all__ = [
+    "REGISTRY",
+    "ModelEntry",
+    "register_model",
+    "build",
+    "ASDCifarCNN",
+    "ASDTinyImageNetCNN",
+    "FedADCCNN",
+    "FedAvgCNN",
+    "FedGenCNN",
+    "LeNet5",
+    "SimpleCNN",
+    "MLP",
+    "CifarResNet8",
+    "ResNet",
+    "ResNet50",
+    "resnet10",
+    "resnet18",
+    "resnet50",
+    "ProjectionClassifier",
+    "with_projection_head",
+]

@@ -1,5 +1,6 @@
 """The papers' CNNs (layer lists from the papers and their code; docs/methods.md). All are plain ``nn.Module``s without
 running statistics, so ``torch.func.functional_call`` + ``vmap`` over stacked client parameters works."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -11,9 +12,18 @@ class FedAvgCNN(nn.Sequential):
 
     def __init__(self, in_channels: int = 3, num_classes: int = 10, image_size: int = 32):
         s = image_size // 4
-        super().__init__(nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(64 * s * s, 512), nn.ReLU(), nn.Linear(512, num_classes))
+        super().__init__(
+            nn.Conv2d(in_channels, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * s * s, 512),
+            nn.ReLU(),
+            nn.Linear(512, num_classes),
+        )
 
 
 class ASDCifarCNN(nn.Sequential):
@@ -21,9 +31,20 @@ class ASDCifarCNN(nn.Sequential):
     797,962 parameters for C=10, 815,332 for C=100."""
 
     def __init__(self, num_classes: int = 10):
-        super().__init__(nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(64, 64, 5), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1600, 384), nn.ReLU(), nn.Linear(384, 192),
-                         nn.ReLU(), nn.Linear(192, num_classes))
+        super().__init__(
+            nn.Conv2d(3, 64, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(1600, 384),
+            nn.ReLU(),
+            nn.Linear(384, 192),
+            nn.ReLU(),
+            nn.Linear(192, num_classes),
+        )
 
 
 class ASDTinyImageNetCNN(nn.Sequential):
@@ -36,8 +57,15 @@ class ASDTinyImageNetCNN(nn.Sequential):
         for _ in range(3):
             layers += [nn.Conv2d(c, 64, 3, padding=1), nn.GroupNorm(4, 64), nn.ReLU(), nn.MaxPool2d(2)]
             c = 64
-        super().__init__(*layers, nn.Flatten(), nn.Linear(4096, 512), nn.ReLU(), nn.Linear(512, 384), nn.ReLU(),
-                         nn.Linear(384, num_classes))
+        super().__init__(
+            *layers,
+            nn.Flatten(),
+            nn.Linear(4096, 512),
+            nn.ReLU(),
+            nn.Linear(512, 384),
+            nn.ReLU(),
+            nn.Linear(384, num_classes),
+        )
 
 
 class FedADCCNN(nn.Sequential):
@@ -45,19 +73,46 @@ class FedADCCNN(nn.Sequential):
     [R] (not given in the paper): conv3-32, conv3-32, pool, conv3-64, conv3-64, pool, FC 4096-512-256-128-C."""
 
     def __init__(self, num_classes: int = 10):
-        super().__init__(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1),
-                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4096, 512), nn.ReLU(),
-                         nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, num_classes))
+        super().__init__(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4096, 512),
+            nn.ReLU(),
+            nn.Linear(512, 256),
+            nn.ReLU(),
+            nn.Linear(256, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
 
 
 class LeNet5(nn.Sequential):
     """FedCAD's CIFAR-10 "FedAvg CNN" (LeNet-5 style): 62,006 parameters."""
 
     def __init__(self, num_classes: int = 10):
-        super().__init__(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
-                         nn.Linear(84, num_classes))
+        super().__init__(
+            nn.Conv2d(3, 6, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(400, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, num_classes),
+        )
 
 
 class SimpleCNN(nn.Sequential):
@@ -67,9 +122,18 @@ class SimpleCNN(nn.Sequential):
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.25, image_size: int = 32):
         side = (image_size - 4) // 2
-        super().__init__(nn.Conv2d(in_channels, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Dropout(dropout), nn.Flatten(), nn.Linear(64 * side * side, 128), nn.ReLU(),
-                         nn.Linear(128, num_classes))
+        super().__init__(
+            nn.Conv2d(in_channels, 32, 3),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(dropout),
+            nn.Flatten(),
+            nn.Linear(64 * side * side, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
 
 
 class FedGenCNN(nn.Sequential):
@@ -81,6 +145,14 @@ class FedGenCNN(nn.Sequential):
     BatchNorm in federated models. 26,434 parameters for C = 10; the classifier's input (FedGen's latent) is 32."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1):
-        super().__init__(nn.Conv2d(in_channels, 6, 3, 2, 1), nn.BatchNorm2d(6, track_running_stats=False), nn.ReLU(),
-                         nn.Conv2d(6, 16, 3, 2, 1), nn.BatchNorm2d(16, track_running_stats=False), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(784, 32), nn.Linear(32, num_classes))
+        super().__init__(
+            nn.Conv2d(in_channels, 6, 3, 2, 1),
+            nn.BatchNorm2d(6, track_running_stats=False),
+            nn.ReLU(),
+            nn.Conv2d(6, 16, 3, 2, 1),
+            nn.BatchNorm2d(16, track_running_stats=False),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(784, 32),
+            nn.Linear(32, num_classes),
+        )

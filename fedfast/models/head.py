@@ -9,6 +9,7 @@ the projection's output (the input of the new classifier). The new layers are in
 ``nn.Linear`` under ``torch.manual_seed(seed)``, without touching the caller's random state; the rest of the model
 is copied as is.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,9 @@ class ProjectionClassifier(nn.Sequential):
         super().__init__(nn.Linear(features, features), nn.ReLU(), nn.Linear(features, dim), nn.Linear(dim, classes))
 
 
-def with_projection_head(model: nn.Module, dim: int = 256, seed: int = 0, *, classifier: str | None = None,
-                         probe: torch.Tensor | None = None) -> nn.Module:
+def with_projection_head(
+    model: nn.Module, dim: int = 256, seed: int = 0, *, classifier: str | None = None, probe: torch.Tensor | None = None
+) -> nn.Module:
     """A copy of ``model`` with a projection head of output ``dim`` before a new classifier (see the module).
     ``classifier``: the qualified name of the classifier to replace; None: :func:`fedfast.flat.find_classifier`
     with ``probe`` (inputs: the last ``nn.Linear`` to run), or without it the model's ``features_layer``

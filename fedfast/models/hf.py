@@ -18,6 +18,7 @@ yet) or ``"hf:/path/to/dir"`` (a directory written by ``save_pretrained``, with 
 model's) in a run config loads the pretrained encoder with a new classification head of the dataset's classes
 (initialised from the run's seed), and the tokenizer the texts are tokenised with.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,8 @@ class HFClassifier(nn.Module):
         elif impl == "eager":
             keep = mask.bool()[:, None, None, :]
             mask = torch.zeros(keep.shape, dtype=torch.float32, device=x.device).masked_fill(
-                ~keep, torch.finfo(torch.float32).min)
+                ~keep, torch.finfo(torch.float32).min
+            )
         return self.hf(input_ids=ids, attention_mask=mask).logits
 
     def check_data(self, dataset, name: str = "train") -> None:
@@ -68,15 +70,21 @@ class HFClassifier(nn.Module):
         beyond its vocabulary (a tokenizer of another checkpoint), sequences longer than its position table,
         other classes than its head."""
         if getattr(dataset, "kind", "images") != "tokens":
-            raise ValueError(f"{name}: a text model takes tokenised texts (fedfast.data.text), not "
-                             f"{getattr(dataset, 'kind', 'images')}")
+            raise ValueError(
+                f"{name}: a text model takes tokenised texts (fedfast.data.text), not "
+                f"{getattr(dataset, 'kind', 'images')}"
+            )
         top = int(dataset.x[:, 0].max()) if len(dataset) else -1
         if top >= self.vocab_size:
-            raise ValueError(f"{name}: token id {top} is beyond the model's vocabulary of {self.vocab_size}: the "
-                             f"texts were tokenised with another model's tokenizer")
+            raise ValueError(
+                f"{name}: token id {top} is beyond the model's vocabulary of {self.vocab_size}: the "
+                f"texts were tokenised with another model's tokenizer"
+            )
         if self.max_positions is not None and dataset.x.shape[2] > self.max_positions:
-            raise ValueError(f"max_length: sequences of {dataset.x.shape[2]} tokens exceed the model's "
-                             f"{self.max_positions} positions")
+            raise ValueError(
+                f"max_length: sequences of {dataset.x.shape[2]} tokens exceed the model's "
+                f"{self.max_positions} positions"
+            )
         if dataset.num_classes != self.num_labels:
             raise ValueError(f"{name}: {dataset.num_classes} classes, but the model's head has {self.num_labels}")
 
@@ -85,13 +93,16 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("model: Hugging Face models need the optional packages transformers and tokenizers: "
-                          "pip install 'fedfast[text]' (or pip install transformers tokenizers)") from None
+        raise ImportError(
+            "model: Hugging Face models need the optional packages transformers and tokenizers: "
+            "pip install 'fedfast[text]' (or pip install transformers tokenizers)"
+        ) from None
     return transformers
 
 
-def load(source: str, num_classes: int, *, seed: int = 0, attn_implementation: str | None = None
-         ) -> tuple[HFClassifier, object]:
+def load(
+    source: str, num_classes: int, *, seed: int = 0, attn_implementation: str | None = None
+) -> tuple[HFClassifier, object]:
     """``(HFClassifier, tokenizer)`` from ``source``: ``"hf:<hub id or directory>"`` or a directory. The
     encoder's weights are the checkpoint's; the classification head is new for ``num_classes`` classes
     (initialised under ``torch.manual_seed(seed)``) unless the checkpoint's own head already has that many.
@@ -102,21 +113,29 @@ def load(source: str, num_classes: int, *, seed: int = 0, attn_implementation: s
         raise ValueError("model: 'hf:' needs a hub id or a directory, e.g. hf:distilbert-base-uncased")
     local = os.path.isdir(src)
     if not local and (src.startswith((".", "/", "~")) or src.count("/") > 1):  # a path, not "name" / "org/name"
-        raise FileNotFoundError(f"model: {src}: no such directory (a saved model: save_pretrained's config.json "
-                                f"and weights, with the tokenizer's files)")
-    how = (f"where the machine has internet, save it once (python -c \"from transformers import AutoTokenizer, "
-           f"AutoModelForSequenceClassification as M; [c.from_pretrained('{src}').save_pretrained('DIR') for c in "
-           f"(AutoTokenizer, M)]\") and set model = \"hf:DIR\"")
+        raise FileNotFoundError(
+            f"model: {src}: no such directory (a saved model: save_pretrained's config.json "
+            f"and weights, with the tokenizer's files)"
+        )
+    how = (
+        f'where the machine has internet, save it once (python -c "from transformers import AutoTokenizer, '
+        f"AutoModelForSequenceClassification as M; [c.from_pretrained('{src}').save_pretrained('DIR') for c in "
+        f'(AutoTokenizer, M)]") and set model = "hf:DIR"'
+    )
     try:
         config = tf.AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"model: cannot load the configuration of {src!r} ({str(e).splitlines()[0][:160]}); "
-                                + ("is it a directory written by save_pretrained?" if local else how)) from None
+        raise FileNotFoundError(
+            f"model: cannot load the configuration of {src!r} ({str(e).splitlines()[0][:160]}); "
+            + ("is it a directory written by save_pretrained?" if local else how)
+        ) from None
     head = int(getattr(config, "num_labels", 0))
     archs = getattr(config, "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in archs) and head != num_classes:
-        raise ValueError(f"model: {src!r} is a classifier of {head} classes, the dataset has {num_classes}; start "
-                         f"from its base model instead")
+        raise ValueError(
+            f"model: {src!r} is a classifier of {head} classes, the dataset has {num_classes}; start "
+            f"from its base model instead"
+        )
     config.num_labels = num_classes
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.random.fork_rng(devices=[]):
@@ -125,14 +144,17 @@ def load(source: str, num_classes: int, *, seed: int = 0, attn_implementation: s
             model = tf.AutoModelForSequenceClassification.from_pretrained(src, config=config, **kw)
             tok = tf.AutoTokenizer.from_pretrained(src)
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"model: cannot load {src!r} ({str(e).splitlines()[0][:160]}); "
-                                    + ("does the directory hold the weights and the tokenizer?" if local else how)
-                                    ) from None
+            raise FileNotFoundError(
+                f"model: cannot load {src!r} ({str(e).splitlines()[0][:160]}); "
+                + ("does the directory hold the weights and the tokenizer?" if local else how)
+            ) from None
     model.float()
     wrapped = HFClassifier(model)
     if len(tok) > wrapped.vocab_size:
-        raise ValueError(f"model: the tokenizer of {src!r} has {len(tok)} tokens but the model's embedding table "
-                         f"{wrapped.vocab_size} rows: tokenizer and weights come from different checkpoints")
+        raise ValueError(
+            f"model: the tokenizer of {src!r} has {len(tok)} tokens but the model's embedding table "
+            f"{wrapped.vocab_size} rows: tokenizer and weights come from different checkpoints"
+        )
     return wrapped, tok
 
 

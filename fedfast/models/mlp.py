@@ -1,4 +1,5 @@
 """Small MLPs: McMahan et al.'s 2NN (784-200-200-10, 199,210 parameters) and a generic one."""
+
 from __future__ import annotations
 
 from torch import nn

@@ -2,6 +2,7 @@
 running statistics (FedNTD, ``track_running_stats=False``: batch statistics in train and eval, so no buffers)
 or with GroupNorm (FedADC's ResNet-18-GN), and the bottleneck ResNet-50 (FedCAD on CIFAR-100 and FEMNIST,
 FedGKD on Tiny-ImageNet)."""
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ class CifarResNet8(nn.Module):
         super().__init__()
         norm = lambda c: _norm("gn", c, 16)  # noqa: E731
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), norm(16), nn.ReLU())
-        self.layers = nn.Sequential(BasicBlock(16, 16, 1, norm), BasicBlock(16, 32, 2, norm),
-                                    BasicBlock(32, 64, 2, norm))
+        self.layers = nn.Sequential(
+            BasicBlock(16, 16, 1, norm), BasicBlock(16, 32, 2, norm), BasicBlock(32, 64, 2, norm)
+        )
         self.pool = nn.AvgPool2d(8)
         self.fc = nn.Linear(64, num_classes)
         for m in self.modules():
@@ -69,8 +71,9 @@ class ResNet(nn.Module):
     with strides 1/2/2/2, global average pool, Linear(512, C). ``norm='bn'`` (no running stats, FedNTD's
     ResNet-10) or ``'gn'`` (GroupNorm with ``gn_groups`` groups; FedADC: 32)."""
 
-    def __init__(self, blocks=(2, 2, 2, 2), num_classes: int = 10, norm: str = "bn", gn_groups: int = 32,
-                 in_channels: int = 3):
+    def __init__(
+        self, blocks=(2, 2, 2, 2), num_classes: int = 10, norm: str = "bn", gn_groups: int = 32, in_channels: int = 3
+    ):
         super().__init__()
         nf = lambda c: _norm(norm, c, gn_groups=gn_groups)  # noqa: E731
         self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nf(64), nn.ReLU())
@@ -97,6 +100,7 @@ def resnet18(num_classes: int = 10, norm: str = "bn", **kw) -> ResNet:
 class Bottleneck(nn.Module):
     """torchvision's ResNet-50 bottleneck (v1.5: the stride on the 3x3 conv): 1x1 (width) - 3x3 (width, stride) -
     1x1 (4 width), each followed by the norm, a projection shortcut where the shape changes."""
+
     expansion = 4
 
     def __init__(self, cin: int, width: int, stride: int, norm):
@@ -128,15 +132,17 @@ class ResNet50(nn.Module):
     FedCAD, whose stem is unspecified). Parameters for C = 1000 with the ImageNet stem: 25,557,032, torchvision's
     ``resnet50()``; C = 10: 23,528,522; the CIFAR stem has 7,680 fewer; GroupNorm has as many as BatchNorm."""
 
-    def __init__(self, num_classes: int = 10, norm: str = "bn", stem: str = "cifar", in_channels: int = 3,
-                 gn_groups: int = 32):
+    def __init__(
+        self, num_classes: int = 10, norm: str = "bn", stem: str = "cifar", in_channels: int = 3, gn_groups: int = 32
+    ):
         super().__init__()
         if stem not in ("cifar", "imagenet"):
             raise ValueError(f"stem: 'cifar' or 'imagenet', got {stem!r}")
         nf = lambda c: _norm(norm, c, gn_groups=gn_groups)  # noqa: E731
         if stem == "imagenet":
-            self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False), nf(64), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False), nf(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+            )
         else:
             self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nf(64), nn.ReLU())
         layers, cin = [], 64

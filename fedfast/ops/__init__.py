@@ -9,6 +9,7 @@
   for Adam / AdamW.
 * :func:`raise_if_invalid` - read the deferred (no-sync) validation flags of GPU calls.
 """
+
 from ._backend import BACKENDS, resolve as resolve_backend
 from ._validate import raise_if_invalid
 from .aggregate import NonFiniteUpdate, aggregate, update_norms
@@ -17,11 +18,33 @@ from .client_adam import client_adam
 from .client_step import client_step, drift_shift_
 from .distill import distill, row_scale_torch
 from .linear_distill import linear_distill
-from .distill_reference import (asd_weights_reference, distill_reference, distill_rows_reference,
-                                teacher_mixture_reference)
+from .distill_reference import (
+    asd_weights_reference,
+    distill_reference,
+    distill_rows_reference,
+    teacher_mixture_reference,
+)
 from .teacher_mixture import teacher_mixture
 
-__all__ = ["aggregate", "update_norms", "NonFiniteUpdate", "client_step", "client_adam", "drift_shift_", "BACKENDS",
-           "resolve_backend", "raise_if_invalid", "distill", "row_scale_torch", "linear_distill", "teacher_mixture",
-           "asd_weights", "asd_row_weight", "asd_row_weights", "distill_reference", "distill_rows_reference",
-           "teacher_mixture_reference", "asd_weights_reference"]
+__all__ = [
+    "aggregate",
+    "update_norms",
+    "NonFiniteUpdate",
+    "client_step",
+    "client_adam",
+    "drift_shift_",
+    "BACKENDS",
+    "resolve_backend",
+    "raise_if_invalid",
+    "distill",
+    "row_scale_torch",
+    "linear_distill",
+    "teacher_mixture",
+    "asd_weights",
+    "asd_row_weight",
+    "asd_row_weights",
+    "distill_reference",
+    "distill_rows_reference",
+    "teacher_mixture_reference",
+    "asd_weights_reference",
+]

@@ -12,6 +12,7 @@ A backend whose extension is missing falls back to ``reference`` with one warnin
 optional at install time (setup.py), and :func:`ext_status` / ``fedfast doctor`` say why one is missing and how to
 build it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,9 +26,11 @@ _warned: set[str] = set()
 _ext_cache: dict[str, object] = {}
 _ext_error: dict[str, str] = {}
 # How to build the extensions, for messages: from a checkout, and from any source (sdist, git URL).
-BUILD_HINT = ("with a C++ compiler (gcc >= 9 or clang) and the torch you run installed: `make install` in a "
-              "checkout, or `pip install --no-build-isolation --force-reinstall --no-deps <fedfast source>` "
-              "(without FEDFAST_NO_EXT=1)")
+BUILD_HINT = (
+    "with a C++ compiler (gcc >= 9 or clang) and the torch you run installed: `make install` in a "
+    "checkout, or `pip install --no-build-isolation --force-reinstall --no-deps <fedfast source>` "
+    "(without FEDFAST_NO_EXT=1)"
+)
 
 
 def _load(modname: str):
@@ -39,8 +42,10 @@ def _load(modname: str):
             if isinstance(e, ModuleNotFoundError) and e.name == modname:
                 _ext_error[modname] = "not built (installed without a working compiler, or with FEDFAST_NO_EXT=1)"
             else:  # present but unloadable: typically built against another torch (an undefined C++ symbol)
-                _ext_error[modname] = (f"built but fails to import ({type(e).__name__}: {e}); it was probably "
-                                       f"compiled against another torch than {_torch_version()}: rebuild it")
+                _ext_error[modname] = (
+                    f"built but fails to import ({type(e).__name__}: {e}); it was probably "
+                    f"compiled against another torch than {_torch_version()}: rebuild it"
+                )
     return _ext_cache[modname]
 
 
@@ -95,9 +100,11 @@ def interpreter_problem() -> str:
     except Exception:  # noqa: BLE001 - triton missing: available() says so
         return ""
     if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
-        return (f"triton {triton.__version__}'s interpreter cannot run loops with a runtime bound under numpy "
-                f"{numpy.__version__} (int() of a 1-element array is an error since numpy 2.4): install "
-                f"triton>=3.7 or numpy<2.4")
+        return (
+            f"triton {triton.__version__}'s interpreter cannot run loops with a runtime bound under numpy "
+            f"{numpy.__version__} (int() of a 1-element array is an error since numpy 2.4): install "
+            f"triton>=3.7 or numpy<2.4"
+        )
     return ""
 
 
@@ -121,9 +128,12 @@ def available(name: str, device_type: str) -> bool:
 def _fallback(name: str, why: str) -> str:
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"fedfast: backend {name!r} is not usable ({why}); falling back to 'reference' (correct, "
-                      f"slower). Build it {BUILD_HINT}; `fedfast doctor` shows what is built.",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"fedfast: backend {name!r} is not usable ({why}); falling back to 'reference' (correct, "
+            f"slower). Build it {BUILD_HINT}; `fedfast doctor` shows what is built.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return "reference"
 
 

@@ -1,5 +1,6 @@
 """Row bookkeeping the loss ops share (:mod:`.distill`, :mod:`.asd_weights`, :mod:`.linear_distill`): which rows
 count, how many valid rows each segment holds, and per-class tables checked and laid out for the kernels."""
+
 from __future__ import annotations
 
 import torch

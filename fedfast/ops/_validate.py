@@ -17,6 +17,7 @@ silently dropped): the target and segment checks go into the graph instead (mode
 ``fedfast::checked_target`` / ``fedfast::checked_segments`` ops, which raise when the graph runs). Inside a
 ``torch.func.vmap`` transform values are batched and cannot be read: checks are off there.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,10 @@ def segment_count(segments: torch.Tensor, num_segments) -> int:
     if segments.shape[0] == 0:
         return 1
     if in_vmap():
-        raise ValueError("num_segments: reduction='segment' under torch.func.vmap needs num_segments (the count "
-                         "of segments is otherwise read from the batched ids)")
+        raise ValueError(
+            "num_segments: reduction='segment' under torch.func.vmap needs num_segments (the count "
+            "of segments is otherwise read from the batched ids)"
+        )
     return int(segments.max()) + 1
 
 
@@ -87,8 +90,10 @@ def raise_if_invalid(device: torch.device | str | None = None) -> None:
         st.zero_()
         bad = [name for name, f in zip(_CHECKS, flags) if f]
         if bad:
-            raise ValueError(f"fedfast: invalid values were passed on {d} in argument(s) {bad} "
-                             f"(deferred validation; rerun with validate='eager' to locate the call)")
+            raise ValueError(
+                f"fedfast: invalid values were passed on {d} in argument(s) {bad} "
+                f"(deferred validation; rerun with validate='eager' to locate the call)"
+            )
 
 
 def check(name: str, bad: torch.Tensor, message: str, mode: str) -> None:

@@ -10,6 +10,7 @@ NaN policy: a client row containing NaN or inf is detected in the same pass; the
 a ``ValueError`` naming the rows (nothing is returned, so the caller's global model and state are
 untouched: every output is a new tensor).
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,8 +59,9 @@ def _vec(name, t, P):
     return t
 
 
-def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: str | None = None,
-                 chunk_bytes: int = 64 << 20) -> Tensor:
+def update_norms(
+    clients: Tensor, global_params: Tensor, idx: Tensor, backend: str | None = None, chunk_bytes: int = 64 << 20
+) -> Tensor:
     """``||X_k - g||`` [n] of the rows ``idx`` (spec: :func:`~fedfast.ops.aggregate_reference.update_norms_reference`),
     on the difference (no cancellation: an update is small against the parameters). The cpu backend streams each
     row once in C++ (squares summed in double), the GPU backends once in Triton (slices of each row in parallel,
@@ -70,14 +72,19 @@ def update_norms(clients: Tensor, global_params: Tensor, idx: Tensor, backend: s
         return _backend.cpu_ext().update_norms(clients, idx, global_params)
     if be in ("triton", "cuda") and acc == torch.float32 and _backend.available("triton", clients.device.type):
         from ..triton.update_norms import update_norms_triton  # one pass over the rows (the CUDA backend's too)
+
         return update_norms_triton(clients, global_params, idx)
     P = clients.shape[1]
     step = max(1, chunk_bytes // max(1, P * 4))
     g = global_params.to(acc)
     if not idx.numel():
         return torch.zeros(0, dtype=acc, device=clients.device)
-    return torch.cat([torch.linalg.vector_norm(clients.index_select(0, idx[a:a + step]).to(acc) - g, dim=1)
-                      for a in range(0, idx.numel(), step)])
+    return torch.cat(
+        [
+            torch.linalg.vector_norm(clients.index_select(0, idx[a : a + step]).to(acc) - g, dim=1)
+            for a in range(0, idx.numel(), step)
+        ]
+    )
 
 
 def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, norms, backend):
@@ -92,19 +99,23 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, no
     if not (isinstance(denominator, (int, float)) and 0 < denominator < float("inf")):
         raise ValueError(f"dp_denominator: the expected cohort size, a finite number > 0, got {denominator!r}")
     if weights is not None:
-        raise ValueError("weights: size-weighted aggregation is refused under DP (dp_clip): DP-FedAvg sums the "
-                         "clipped updates and divides by the expected cohort size")
+        raise ValueError(
+            "weights: size-weighted aggregation is refused under DP (dp_clip): DP-FedAvg sums the "
+            "clipped updates and divides by the expected cohort size"
+        )
     if state_rows is not None:
-        raise ValueError("state_rows: per-client state rows are an upload that dp_clip does not clip nor dp_noise "
-                         "cover")
+        raise ValueError(
+            "state_rows: per-client state rows are an upload that dp_clip does not clip nor dp_noise cover"
+        )
     P = clients.shape[1]
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
     _vec("dp_noise", noise, P)
     if norms is None:
         norms = update_norms(clients, g, idx, backend)
     elif not (isinstance(norms, Tensor) and norms.shape == (idx.numel(),) and norms.is_floating_point()):
-        raise ValueError(f"dp_norms: expected a float tensor of shape ({idx.numel()},) (one update norm per "
-                         f"participating client)")
+        raise ValueError(
+            f"dp_norms: expected a float tensor of shape ({idx.numel()},) (one update norm per participating client)"
+        )
     s = torch.clamp(float(clip) / norms, max=1.0)
     w = s / float(denominator)
     shift = (1.0 - w.sum()) * g.to(acc)
@@ -112,11 +123,29 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, no
         shift = shift + noise.to(acc) / float(denominator)
     return w.to(acc), shift, (norms <= float(clip)).sum().to(acc)
 
-def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None, beta: float = 0.0,
-              scale: float = 1.0, lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
-              state_coef=None, state_shift: Tensor | None = None, ring: Tensor | None = None, ring_slot: int = 0,
-              ring_count: int = 1, dp_clip: float | None = None, dp_noise: Tensor | None = None,
-              dp_denominator: float | None = None, dp_norms: Tensor | None = None, backend: str | None = None) -> dict:
+
+def aggregate(
+    clients: Tensor,
+    global_params: Tensor,
+    *,
+    weights=None,
+    rows=None,
+    beta: float = 0.0,
+    scale: float = 1.0,
+    lr: float = 1.0,
+    momentum: Tensor | None = None,
+    state_rows: Tensor | None = None,
+    state_coef=None,
+    state_shift: Tensor | None = None,
+    ring: Tensor | None = None,
+    ring_slot: int = 0,
+    ring_count: int = 1,
+    dp_clip: float | None = None,
+    dp_noise: Tensor | None = None,
+    dp_denominator: float | None = None,
+    dp_norms: Tensor | None = None,
+    backend: str | None = None,
+) -> dict:
     """New global model and server state from the participating clients (one pass over their rows).
 
     ``clients`` [N, P] (fp32/bf16/fp16); ``rows``: participating row indices [n] or a prefix length
@@ -146,8 +175,9 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
     idx = _rows_index(rows, N, dev)
     n = idx.numel()
-    dp = _dp_terms(clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, dp_norms,
-                   backend)
+    dp = _dp_terms(
+        clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, dp_norms, backend
+    )
     if dp is not None:
         w, avg_shift, unclipped = dp
     elif weights is None:
@@ -170,8 +200,9 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
         c = 1.0 if state_coef is None else state_coef
         coef = torch.as_tensor(c, device=dev, dtype=torch.float32).reshape(-1)
         if coef.numel() not in (1, n):
-            raise ValueError(f"state_coef: expected a scalar or one value per participating client ({n}), got "
-                             f"{coef.numel()} values")
+            raise ValueError(
+                f"state_coef: expected a scalar or one value per participating client ({n}), got {coef.numel()} values"
+            )
         coef = coef.expand(n).contiguous()
     elif state_coef is not None or state_shift is not None:
         raise ValueError("state_coef/state_shift: given without state_rows")
@@ -184,35 +215,67 @@ def aggregate(clients: Tensor, global_params: Tensor, *, weights=None, rows=None
     be = _backend.resolve(backend, dev.type)
     if dp is not None and be == "cuda":  # not in the CUDA kernel yet: Triton's (or the reference) instead
         if backend == "cuda":
-            raise ValueError("backend: DP-FedAvg's aggregation (dp_clip) is not on the CUDA backend yet; use "
-                             "backend='triton' (or leave it unset)")
+            raise ValueError(
+                "backend: DP-FedAvg's aggregation (dp_clip) is not on the CUDA backend yet; use "
+                "backend='triton' (or leave it unset)"
+            )
         be = "triton" if _backend.available("triton", dev.type) else "reference"
 
     if be in ("cpu", "triton", "cuda") and clients.dtype != torch.float64:
         # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
-        args = (clients, idx, global_params, w, float(beta), float(scale), float(lr), momentum, state_rows, coef,
-                state_shift, ring, int(ring_slot), int(ring_count), avg_shift)
+        args = (
+            clients,
+            idx,
+            global_params,
+            w,
+            float(beta),
+            float(scale),
+            float(lr),
+            momentum,
+            state_rows,
+            coef,
+            state_shift,
+            ring,
+            int(ring_slot),
+            int(ring_count),
+            avg_shift,
+        )
         if be == "cpu":
             res = _backend.cpu_ext().aggregate(*args)
         elif be == "cuda":
             res = _backend.cuda_ext().aggregate(*args)
         else:
             from ..triton.aggregate import aggregate_triton
+
             res = aggregate_triton(*args)
         keys = ("global", "average", "momentum", "state_rows", "state_change", "ring", "ring_mean", "_bad")
         out = {k: v for k, v in zip(keys, res) if v is not None and (k != "ring_mean" or ring is not None)}
         bad = out.pop("_bad")
     else:
         X = clients.index_select(0, idx)
-        out = aggregate_reference(X, global_params, w, beta=beta, scale=scale, lr=lr, momentum=momentum,
-                                  state_rows=state_rows, state_coef=coef, state_shift=state_shift, ring=ring,
-                                  ring_slot=ring_slot, ring_count=ring_count, avg_shift=avg_shift)
+        out = aggregate_reference(
+            X,
+            global_params,
+            w,
+            beta=beta,
+            scale=scale,
+            lr=lr,
+            momentum=momentum,
+            state_rows=state_rows,
+            state_coef=coef,
+            state_shift=state_shift,
+            ring=ring,
+            ring_slot=ring_slot,
+            ring_count=ring_count,
+            avg_shift=avg_shift,
+        )
         bad = torch.cat([~torch.isfinite(X).all(dim=1), ~torch.isfinite(out["average"]).all().reshape(1)])
     if bad.any():
         rows_bad = idx[bad[:-1]].tolist()
         what = f"rows {rows_bad} contain NaN or inf" if rows_bad else "the weighted average overflowed"
-        raise NonFiniteUpdate(f"clients: {what}; the update was refused (global model and server state unchanged)",
-                              rows_bad)
+        raise NonFiniteUpdate(
+            f"clients: {what}; the update was refused (global model and server state unchanged)", rows_bad
+        )
     if dp is not None:
         out["dp_unclipped"] = unclipped
     return out

@@ -29,16 +29,30 @@ The ops know no method: which method fills which term (server momentum, control 
 buffer) is written in its own file under ``fedfast/methods/`` (``chunk_aggregate``, ``server_terms``) and tabulated in
 docs/methods.md.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 
-def aggregate_reference(X: Tensor, g: Tensor, w: Tensor, *, beta: float = 0.0, scale: float = 1.0,
-                        lr: float = 1.0, momentum: Tensor | None = None, state_rows: Tensor | None = None,
-                        state_coef=None, state_shift: Tensor | None = None, ring: Tensor | None = None,
-                        ring_slot: int = 0, ring_count: int = 1, avg_shift: Tensor | None = None):
+def aggregate_reference(
+    X: Tensor,
+    g: Tensor,
+    w: Tensor,
+    *,
+    beta: float = 0.0,
+    scale: float = 1.0,
+    lr: float = 1.0,
+    momentum: Tensor | None = None,
+    state_rows: Tensor | None = None,
+    state_coef=None,
+    state_shift: Tensor | None = None,
+    ring: Tensor | None = None,
+    ring_slot: int = 0,
+    ring_count: int = 1,
+    avg_shift: Tensor | None = None,
+):
     """Returns a dict with ``global`` [P], ``average`` [P] and, as used, ``momentum``, ``state_rows``,
     ``state_change``, ``ring``, ``ring_mean`` (all new tensors, fp32; fp64 when ``X`` is fp64)."""
     acc = torch.float64 if X.dtype == torch.float64 else torch.float32

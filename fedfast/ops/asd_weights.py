@@ -6,6 +6,7 @@ softmax, natural log; ``prior`` the client's label distribution, row ``s_i = seg
 Eq. 20). The KD row weight handed to the fused loss is ``n_seg(i) * alpha_i`` so that the segment mean of
 ``CE_i + lam * n_seg * alpha_i * KL_i`` is the paper's ``CE_mean + lam * sum_i alpha_i KL_i``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,17 +17,26 @@ from ._rows import class_table, segment_counts, valid_rows
 from .distill_reference import asd_weights_reference
 
 
-def _asd_weights_rows(teacher: Tensor, target: Tensor, class_prior: Tensor, segments: Tensor | None,
-                      entropy_tau: float, ignore_index: int, backend: str) -> Tensor:
+def _asd_weights_rows(
+    teacher: Tensor,
+    target: Tensor,
+    class_prior: Tensor,
+    segments: Tensor | None,
+    entropy_tau: float,
+    ignore_index: int,
+    backend: str,
+) -> Tensor:
     if backend == "reference":
-        return asd_weights_reference(teacher, target, class_prior, segments, entropy_tau=entropy_tau,
-                                     ignore_index=ignore_index)
+        return asd_weights_reference(
+            teacher, target, class_prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index
+        )
     args = (teacher, target, class_prior, segments, float(entropy_tau), int(ignore_index))
     if backend == "cpu":
         return _backend.cpu_ext().asd_weights(*args)
     if backend == "cuda":
         return _backend.cuda_ext().asd_weights(*args)
     from ..triton.asd_weights import asd_weights_triton
+
     return asd_weights_triton(*args)
 
 
@@ -40,9 +50,17 @@ def _(teacher, target, class_prior, segments, entropy_tau, ignore_index, backend
     return teacher.new_empty((teacher.shape[0],), dtype=dt)
 
 
-def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None, *,
-                entropy_tau: float = 1.0, ignore_index: int = -100, backend: str | None = None,
-                validate: str | None = None) -> Tensor:
+def asd_weights(
+    teacher: Tensor,
+    target: Tensor,
+    class_prior,
+    segments: Tensor | None = None,
+    *,
+    entropy_tau: float = 1.0,
+    ignore_index: int = -100,
+    backend: str | None = None,
+    validate: str | None = None,
+) -> Tensor:
     """Un-normalised ASD weights ``alphahat`` [R] (0 on ignored rows). ``class_prior`` [C] or [S, C]."""
     _validate.check_logits("teacher", teacher)
     _validate.check_tau("entropy_tau", entropy_tau)
@@ -57,8 +75,9 @@ def asd_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor |
     _check_prior(prior, target, segments, C, ignore_index, mode)
     be = _backend.resolve_for(backend, dev.type, teacher.dtype)
     op = _asd_weights_rows if _backend.plain_eager(teacher, target, segments) else asd_weights_op
-    return op(teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau),
-              int(ignore_index), be)
+    return op(
+        teacher.detach().contiguous(), target.contiguous(), prior, segments, float(entropy_tau), int(ignore_index), be
+    )
 
 
 def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: int, mode: str) -> None:
@@ -74,9 +93,17 @@ def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: 
 PRIOR_MESSAGE = "must be finite, >= 0 and > 0 for every class present in target"
 
 
-def asd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None = None, *,
-                    entropy_tau: float = 1.0, ignore_index: int = -100, backend: str | None = None,
-                    validate: str | None = None) -> Tensor:
+def asd_row_weights(
+    teacher: Tensor,
+    target: Tensor,
+    class_prior,
+    segments: Tensor | None = None,
+    *,
+    entropy_tau: float = 1.0,
+    ignore_index: int = -100,
+    backend: str | None = None,
+    validate: str | None = None,
+) -> Tensor:
     """ASD's KD row weights ``n_seg(i) * alpha_i`` [R] (:func:`asd_weights` normalised by :func:`asd_row_weight`),
     the ``row_weight`` of :func:`fedfast.ops.distill`. On the cpu backend in eager mode one C++ pass computes the
     weights, their per-segment normalisation and the ``class_prior`` check."""
@@ -87,15 +114,24 @@ def asd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tens
     be = _backend.resolve_for(backend, dev.type, teacher.dtype)
     mode = _validate.mode_for(dev, validate)
     if be != "cpu" or mode == "defer" or not _backend.plain_eager(teacher, target, segments):
-        ahat = asd_weights(teacher, target, class_prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index,
-                           backend=backend, validate=validate)
+        ahat = asd_weights(
+            teacher,
+            target,
+            class_prior,
+            segments,
+            entropy_tau=entropy_tau,
+            ignore_index=ignore_index,
+            backend=backend,
+            validate=validate,
+        )
         return asd_row_weight(ahat, target, C, segments, ignore_index)
     _validate.check_target(target, R, C, ignore_index, dev, "off")  # types and shapes; values in the C++ pass
     if segments is not None:
         _validate.check_segments(segments, R, dev, "off", None)
     prior = class_table("class_prior", class_prior, C, dev, segments)
-    rw, status = _backend.cpu_ext().asd_row_weight(teacher.detach(), target, prior, segments, float(entropy_tau),
-                                                   int(ignore_index))
+    rw, status = _backend.cpu_ext().asd_row_weight(
+        teacher.detach(), target, prior, segments, float(entropy_tau), int(ignore_index)
+    )
     if status and mode != "off":
         if status & 2:
             raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
@@ -105,8 +141,15 @@ def asd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tens
     return rw
 
 
-def asd_autograd_row_weights(teacher: Tensor, target: Tensor, class_prior, segments: Tensor | None,
-                             entropy_tau: float, ignore_index: int, mode: str) -> Tensor:
+def asd_autograd_row_weights(
+    teacher: Tensor,
+    target: Tensor,
+    class_prior,
+    segments: Tensor | None,
+    entropy_tau: float,
+    ignore_index: int,
+    mode: str,
+) -> Tensor:
     """ASD's row weights ``n_seg(i) * alpha_i`` with PyTorch's formulas (:func:`asd_weights_reference`, then
     :func:`asd_row_weight`): differentiable in ``teacher`` (mutual distillation, ``detach_teacher=False``: the
     gradient reaches the teacher through the weights too) and transformable (``torch.func``). ``class_prior``
@@ -121,18 +164,21 @@ def asd_autograd_row_weights(teacher: Tensor, target: Tensor, class_prior, segme
     return asd_row_weight(ahat, target, C, segments, ignore_index)
 
 
-def asd_row_weight(alphahat: Tensor, target: Tensor, C: int, segments: Tensor | None = None,
-                   ignore_index: int = -100) -> Tensor:
+def asd_row_weight(
+    alphahat: Tensor, target: Tensor, C: int, segments: Tensor | None = None, ignore_index: int = -100
+) -> Tensor:
     """``n_seg(i) * alpha_i`` with ``alpha`` normalised to sum 1 over each segment's valid rows (no host sync)."""
     valid = valid_rows(target, C, ignore_index)
     R = alphahat.shape[0]
     if segments is None:
         total = alphahat.sum()
         n = valid.sum().to(alphahat.dtype)
-        return torch.where(valid, alphahat * n / total.clamp_min(torch.finfo(alphahat.dtype).tiny),
-                           torch.zeros_like(alphahat))
+        return torch.where(
+            valid, alphahat * n / total.clamp_min(torch.finfo(alphahat.dtype).tiny), torch.zeros_like(alphahat)
+        )
     seg = segments.long().clamp(0, max(R - 1, 0))
     sums = torch.zeros(R, dtype=alphahat.dtype, device=alphahat.device).index_add(0, seg, alphahat)[seg]
     n = segment_counts(segments, valid).to(alphahat.dtype)
-    return torch.where(valid, alphahat * n / sums.clamp_min(torch.finfo(alphahat.dtype).tiny),
-                       torch.zeros_like(alphahat))
+    return torch.where(
+        valid, alphahat * n / sums.clamp_min(torch.finfo(alphahat.dtype).tiny), torch.zeros_like(alphahat)
+    )

@@ -4,6 +4,7 @@ Formulas and order (a proximal term, per-client loss rows, clipping, L2 or decou
 by each client's own step count, masking): :mod:`fedfast.ops.client_adam_reference`. Backends: ``cpu`` (C++),
 ``triton`` (fedfast/triton/client_adam.py), ``cuda`` (kernels/client_adam.cu) and ``reference``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,11 +16,27 @@ from .client_step import _per_client, delta_args, delta_norms_after, grad_pieces
 from .client_step_reference import delta_norms_reference
 
 
-def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
-                betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
-                prox_mu: float = 0.0, anchor: Tensor | None = None, loss_rows: Tensor | None = None,
-                max_norm: float | None = None, active: Tensor | None = None, delta_from: Tensor | None = None,
-                delta_norm: Tensor | None = None, backend: str | None = None) -> None:
+def client_adam(
+    theta: Tensor,
+    grad: "Tensor | list[Tensor]",
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay=0.0,
+    decoupled: bool = False,
+    prox_mu: float = 0.0,
+    anchor: Tensor | None = None,
+    loss_rows: Tensor | None = None,
+    max_norm: float | None = None,
+    active: Tensor | None = None,
+    delta_from: Tensor | None = None,
+    delta_norm: Tensor | None = None,
+    backend: str | None = None,
+) -> None:
     """Update ``theta``, ``exp_avg`` and ``exp_avg_sq`` [n, P] (fp32, contiguous) in place.
 
     ``grad``: [n, P] or the per-parameter pieces ``[n, *shape_p]`` in column order (read in place on ``cpu``).
@@ -56,12 +73,29 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
     be = _backend.resolve(backend, dev.type)
     if be != "reference":  # every compiled backend takes FEDFAST_CLIENT_ADAM's arguments (csrc/op_signatures.h)
         on_device = be == "cuda" and delta  # the CUDA binding's step leaves the norms to a pass after it
-        args = (theta, pieces if pieces is not None else [grad], exp_avg, exp_avg_sq, step_t, lr_t, b1, b2,
-                float(eps), wd_t, bool(decoupled), float(prox_mu), anchor, loss_rows,
-                float(max_norm) if max_norm is not None else 0.0, active,
-                None if on_device else delta_from, None if on_device else delta_norm)
+        args = (
+            theta,
+            pieces if pieces is not None else [grad],
+            exp_avg,
+            exp_avg_sq,
+            step_t,
+            lr_t,
+            b1,
+            b2,
+            float(eps),
+            wd_t,
+            bool(decoupled),
+            float(prox_mu),
+            anchor,
+            loss_rows,
+            float(max_norm) if max_norm is not None else 0.0,
+            active,
+            None if on_device else delta_from,
+            None if on_device else delta_norm,
+        )
         if be == "triton":
             from ..triton.client_adam import client_adam_triton
+
             client_adam_triton(*args)
         else:
             (_backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()).client_adam(*args)
@@ -69,11 +103,23 @@ def client_adam(theta: Tensor, grad: "Tensor | list[Tensor]", exp_avg: Tensor, e
             delta_norms_after(theta, delta_from, delta_norm, active)
         return
     g = torch.cat([p.reshape(n, -1) for p in pieces], 1) if pieces is not None else grad
-    new, m, v = client_adam_reference(theta, g, exp_avg, exp_avg_sq, step_t, lr=lr_t if lr_t.numel() == n
-                                      else float(lr_t), betas=(b1, b2), eps=eps,
-                                      weight_decay=wd_t if wd_t.numel() == n else float(wd_t),
-                                      decoupled=decoupled, prox_mu=prox_mu, anchor=anchor, loss_rows=loss_rows,
-                                      max_norm=max_norm, active=active)
+    new, m, v = client_adam_reference(
+        theta,
+        g,
+        exp_avg,
+        exp_avg_sq,
+        step_t,
+        lr=lr_t if lr_t.numel() == n else float(lr_t),
+        betas=(b1, b2),
+        eps=eps,
+        weight_decay=wd_t if wd_t.numel() == n else float(wd_t),
+        decoupled=decoupled,
+        prox_mu=prox_mu,
+        anchor=anchor,
+        loss_rows=loss_rows,
+        max_norm=max_norm,
+        active=active,
+    )
     if delta:
         delta_norms_reference(new, delta_from, delta_norm, active)
     theta.copy_(new)

@@ -15,6 +15,7 @@ parameters with its own step count: a client's moments start at zero and its bia
 optimizer is made (every round, as the engine's SGD momentum). Rows with ``active[k] == False`` are left
 unchanged (parameters and moments; their step count is the caller's).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,24 @@ from torch import Tensor
 from .client_step_reference import _per_row, clipped_loss_grad
 
 
-def client_adam_reference(theta: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step, *, lr,
-                          betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=0.0, decoupled: bool = False,
-                          prox_mu: float = 0.0, anchor: Tensor | None = None, loss_rows: Tensor | None = None,
-                          max_norm: float | None = None, active: Tensor | None = None):
+def client_adam_reference(
+    theta: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay=0.0,
+    decoupled: bool = False,
+    prox_mu: float = 0.0,
+    anchor: Tensor | None = None,
+    loss_rows: Tensor | None = None,
+    max_norm: float | None = None,
+    active: Tensor | None = None,
+):
     """Returns ``(theta', exp_avg', exp_avg_sq')`` as new tensors. ``step``: [n] (or a scalar) step counts."""
     acc = torch.float64 if theta.dtype == torch.float64 else torch.float32
     n = theta.shape[0]
@@ -42,7 +57,7 @@ def client_adam_reference(theta: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_
     m = exp_avg.to(acc) + (1 - b1) * (g - exp_avg.to(acc))
     v = b2 * exp_avg_sq.to(acc) + (1 - b2) * g * g
     t = _per_row(step, n, torch.float64, th.device)
-    bc1, bc2 = (1 - b1 ** t).to(acc), (1 - b2 ** t).to(acc)
+    bc1, bc2 = (1 - b1**t).to(acc), (1 - b2**t).to(acc)
     new = new - lr_k / bc1 * m / (v.sqrt() / bc2.sqrt() + eps)
     if active is not None:
         keep = ~active.to(torch.bool).reshape(-1, 1)

@@ -23,6 +23,7 @@ the 2-core Intel Xeon VM, [50, 640, 16, 16] NHWC fp32, forward + backward: 20 ms
 ``benchmarks/bench_batch_norm.py``: 1.3 to 2.5x PyTorch's time (docs/benchmarks.md, "BatchNorm"). A fused CPU
 kernel is the way to PyTorch's speed at this accuracy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -104,8 +105,9 @@ class _BatchStatsNorm(torch.autograd.Function):
         if need[0]:
             k = invstd if w is None else invstd * w.view(n, -1)
             if m is None:  # gx = k (g - s1/N - xhat s2/N)
-                gx = torch.addcmul(torch.addcmul(_c(-k * s1 / cnt[:, None]), xhat, _c(-k * s2 / cnt[:, None])),
-                                   g4, _c(k))
+                gx = torch.addcmul(
+                    torch.addcmul(_c(-k * s1 / cnt[:, None]), xhat, _c(-k * s2 / cnt[:, None])), g4, _c(k)
+                )
             else:  # the correction on the valid rows only
                 corr = torch.addcmul(_c(s1 / cnt[:, None]), xhat, _c(s2 / cnt[:, None])).mul_(m)
                 gx = (g4 - corr).mul_(_c(k))
@@ -123,11 +125,21 @@ def _unview(t: Tensor, shape) -> Tensor:
         return t.reshape(shape)
 
 
-def client_batch_norm(x: Tensor, n: int, weight: Tensor | None, bias: Tensor | None, *,
-                      valid: Tensor | None = None, running_mean: Tensor | None = None,
-                      running_var: Tensor | None = None, num_batches_tracked: Tensor | None = None,
-                      use_batch_stats: bool = True, update: bool = False, momentum: float | None = 0.1,
-                      eps: float = 1e-5) -> Tensor:
+def client_batch_norm(
+    x: Tensor,
+    n: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    valid: Tensor | None = None,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    num_batches_tracked: Tensor | None = None,
+    use_batch_stats: bool = True,
+    update: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
     """BatchNorm of n clients on ``x [B, n*C, *spatial]`` (the definition:
     :mod:`fedfast.ops.client_batch_norm_reference`): ``weight`` / ``bias`` ``[n, C]`` or None; ``valid [n, B]``
     (bool; None: every row); the running buffers ``[n, C]`` (``num_batches_tracked [n]``) are read when not
@@ -149,7 +161,10 @@ def client_batch_norm(x: Tensor, n: int, weight: Tensor | None, bias: Tensor | N
     m = None if valid is None else valid.t().to(x.dtype)[:, :, None, None]
     y, mean, var = _BatchStatsNorm.apply(x, n, w, b, m, eps)
     if update:
-        cnt = (valid.sum(1).to(x.dtype) if valid is not None else torch.full((n,), float(x.shape[0]), dtype=x.dtype,
-                                                                             device=x.device)) * (x[0, 0].numel())
+        cnt = (
+            valid.sum(1).to(x.dtype)
+            if valid is not None
+            else torch.full((n,), float(x.shape[0]), dtype=x.dtype, device=x.device)
+        ) * (x[0, 0].numel())
         update_running_(mean, var, cnt, running_mean, running_var, num_batches_tracked, momentum)
     return y

@@ -18,6 +18,7 @@ padding computes them:
   ``running_mean = f * mean + (1 - f) * running_mean``; ``running_var = f * var * N_k / (N_k - 1) + (1 - f) *
   running_var`` (the unbiased variance).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,15 @@ def batch_stats(x: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor
     return mean, (xc * xc).sum((0, 3)) / cnt[:, None], cnt
 
 
-def update_running_(mean: Tensor, var: Tensor, cnt: Tensor, running_mean: Tensor, running_var: Tensor,
-                    num_batches_tracked: Tensor | None, momentum: float | None) -> None:
+def update_running_(
+    mean: Tensor,
+    var: Tensor,
+    cnt: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+) -> None:
     """``nn.BatchNorm``'s running-buffer update for each client, in place (see the module docstring)."""
     with torch.no_grad():
         if num_batches_tracked is not None:
@@ -55,11 +63,21 @@ def update_running_(mean: Tensor, var: Tensor, cnt: Tensor, running_mean: Tensor
         running_var.copy_(f * unbiased.to(running_var.dtype) + (1 - f) * running_var)
 
 
-def client_batch_norm_reference(x: Tensor, n: int, weight: Tensor | None, bias: Tensor | None, *,
-                                valid: Tensor | None = None, running_mean: Tensor | None = None,
-                                running_var: Tensor | None = None, num_batches_tracked: Tensor | None = None,
-                                use_batch_stats: bool = True, update: bool = False, momentum: float | None = 0.1,
-                                eps: float = 1e-5) -> Tensor:
+def client_batch_norm_reference(
+    x: Tensor,
+    n: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    valid: Tensor | None = None,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    num_batches_tracked: Tensor | None = None,
+    use_batch_stats: bool = True,
+    update: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
     """See the module docstring: ``x [B, n*C, *spatial]``, ``weight`` / ``bias`` ``[n, C]`` or None, ``valid [n, B]``
     bool or None, running buffers ``[n, C]`` (``num_batches_tracked [n]``) updated in place when ``update``.
     Returns y shaped as x."""

@@ -30,6 +30,7 @@ and a single TF32 product put the engine 60x further from the float64 loop than 
 benchmarks/results/nvidia-h100-80gb-hbm3-tf32.json). It costs 24 % of a pfl_cifar_50 round there (28.4 against
 22.9 ms); ``fedfast.triton.conv.TF32_PRECISION = "tf32"`` opts into the single product.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,17 @@ def out_size(H: int, W: int, kernel, stride, padding, dilation) -> tuple[int, in
 def client_conv2d_reference(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, dilation=1) -> Tensor:
     """The specification: a loop of ``F.conv2d`` over the clients (any dtype, float64 included)."""
     n, Cout, Cin = w.shape[:3]
-    outs = [F.conv2d(x[:, k * Cin:(k + 1) * Cin], w[k], None if b is None else b[k], _pair(stride), _pair(padding),
-                     _pair(dilation)) for k in range(n)]
+    outs = [
+        F.conv2d(
+            x[:, k * Cin : (k + 1) * Cin],
+            w[k],
+            None if b is None else b[k],
+            _pair(stride),
+            _pair(padding),
+            _pair(dilation),
+        )
+        for k in range(n)
+    ]
     return torch.cat(outs, 1)
 
 
@@ -113,8 +123,9 @@ class _GemmConv(torch.autograd.Function):
                 gw = torch.matmul(gv, cols.view(B, n, Cin * KH * KW, L).transpose(2, 3)).sum(0).reshape(w.shape)
             if ctx.needs_input_grad[0]:
                 gcols = torch.matmul(w.reshape(1, n, Cout, Cin * KH * KW).transpose(2, 3), gv)
-                gx = F.fold(gcols.reshape(B * n, Cin * KH * KW, L), (H, W), (KH, KW), dilation, padding,
-                            stride).view(B, n * Cin, H, W)
+                gx = F.fold(gcols.reshape(B * n, Cin * KH * KW, L), (H, W), (KH, KW), dilation, padding, stride).view(
+                    B, n * Cin, H, W
+                )
         if has_b and ctx.needs_input_grad[2]:
             gb = gv.sum((0, 3))
         return gx, gw, gb, None, None, None
@@ -126,11 +137,15 @@ class _TritonConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, grads="triton"):
         from ..triton.conv import conv_forward
+
         B, _, H, W = x.shape
         n, Cout = w.shape[:2]
         OH, OW = out_size(H, W, w.shape[3:], stride, padding, dilation)
-        fmt = torch.channels_last if (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-                                      and not x.is_contiguous()) else torch.contiguous_format
+        fmt = (
+            torch.channels_last
+            if (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+            else torch.contiguous_format
+        )
         out = torch.empty(B, n * Cout, OH, OW, device=x.device, dtype=torch.float32, memory_format=fmt)
         wc = w.contiguous()
         conv_forward(x, wc, None if b is None else b.contiguous(), stride, padding, dilation, out, _tf32(x.device))
@@ -143,13 +158,15 @@ class _TritonConv(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         from ..triton.conv import conv_input_grad, conv_weight_grad
+
         x, w = ctx.saved_tensors
         stride, padding, dilation, has_b = ctx.geom
         tf32 = _tf32(g.device)
         gx = gw = gb = None
         if ctx.grads == "cudnn":
-            gx, gw = _grouped_grads(g, x, w, stride, padding, dilation, ctx.needs_input_grad[0],
-                                    ctx.needs_input_grad[1])
+            gx, gw = _grouped_grads(
+                g, x, w, stride, padding, dilation, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            )
         else:
             if ctx.needs_input_grad[0]:
                 gx = conv_input_grad(g, w, stride, padding, dilation, torch.empty_like(x), tf32)
@@ -173,13 +190,15 @@ def _grouped_grads(g, x, w, stride, padding, dilation, need_x: bool, need_w: boo
         got = iter(torch.autograd.grad(out, [t for t, on in ((xs, need_x), (ws, need_w)) if on], g))
         gx, gw = (next(got) if need_x else None), (next(got) if need_w else None)
     else:
-        gx, gw, _ = torch.ops.aten.convolution_backward(g, x, w2, None, list(stride), list(padding), list(dilation),
-                                                        False, [0, 0], n, [need_x, need_w, False])
+        gx, gw, _ = torch.ops.aten.convolution_backward(
+            g, x, w2, None, list(stride), list(padding), list(dilation), False, [0, 0], n, [need_x, need_w, False]
+        )
     return gx, (gw.view(w.shape) if gw is not None else None)
 
 
-def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, dilation=1, *,
-                  impl: str = "grouped") -> Tensor:
+def client_conv2d(
+    x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, dilation=1, *, impl: str = "grouped"
+) -> Tensor:
     """Every client's convolution at once (see the module docstring). ValueError names a bad argument."""
     if impl not in IMPLS:
         raise ValueError(f"impl: one of {IMPLS}, got {impl!r}")
@@ -197,16 +216,25 @@ def client_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, paddi
     if OH < 1 or OW < 1:
         raise ValueError(f"x: {tuple(x.shape[2:])} images are smaller than the kernel {tuple(w.shape[3:])}")
     if impl == "grouped":
-        return conv2d(x, w.reshape(n * Cout, Cin, *w.shape[3:]), None if b is None else b.reshape(-1), stride,
-                        padding, dilation, n)
+        return conv2d(
+            x,
+            w.reshape(n * Cout, Cin, *w.shape[3:]),
+            None if b is None else b.reshape(-1),
+            stride,
+            padding,
+            dilation,
+            n,
+        )
     if x.dtype != torch.float32 or w.dtype != torch.float32:
         raise TypeError(f"x, w: impl={impl!r} computes in fp32, got {x.dtype} and {w.dtype} (use impl='grouped')")
     if impl == "gemm":
         return _GemmConv.apply(x, w, b, stride, padding, dilation)
     if not _backend.available("triton", x.device.type):
         why = _backend.interpreter_problem()
-        raise ValueError(f"impl: {impl!r} needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "
-                         f"{x.device.type}" + (f" ({why})" if why else ""))
+        raise ValueError(
+            f"impl: {impl!r} needs a CUDA device (or TRITON_INTERPRET=1) and triton; x is on "
+            f"{x.device.type}" + (f" ({why})" if why else "")
+        )
     return _TritonConv.apply(x, w, b, stride, padding, dilation, "cudnn" if impl == "hybrid" else "triton")
 
 

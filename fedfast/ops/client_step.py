@@ -5,6 +5,7 @@ momentum, a step offset, masking): :mod:`fedfast.ops.client_step_reference`. The
 says in its own file which of its quantities fills which. Backends: ``cpu`` (C++), ``cuda``
 (kernels/client_step.cu), ``triton`` and ``reference``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,10 @@ def grad_pieces(grad, n: int, P: int) -> list | None:
             raise ValueError(f"grad: the pieces have {cols} columns per row, theta has {P}")
         return pieces
     if not isinstance(grad, Tensor) or grad.shape != (n, P):
-        raise ValueError(f"grad: expected shape ({n}, {P}) or a list of per-parameter pieces, got "
-                         f"{tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__}")
+        raise ValueError(
+            f"grad: expected shape ({n}, {P}) or a list of per-parameter pieces, got "
+            f"{tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__}"
+        )
     return None
 
 
@@ -54,12 +57,18 @@ def delta_args(delta_from, delta_norm, n: int, P: int, dev) -> bool:
     """Validate the step's update-norm output (``delta_norm`` [n] fp32, written, with ``delta_from`` [P]); whether
     it is asked for."""
     if (delta_from is None) != (delta_norm is None):
-        raise ValueError("delta_from/delta_norm: give both (the point the norms are measured from and the [n] output)"
-                         " or neither")
+        raise ValueError(
+            "delta_from/delta_norm: give both (the point the norms are measured from and the [n] output) or neither"
+        )
     if delta_norm is None:
         return False
-    if not (isinstance(delta_norm, Tensor) and delta_norm.shape == (n,) and delta_norm.dtype == torch.float32 and
-            delta_norm.is_contiguous() and delta_norm.device == dev):
+    if not (
+        isinstance(delta_norm, Tensor)
+        and delta_norm.shape == (n,)
+        and delta_norm.dtype == torch.float32
+        and delta_norm.is_contiguous()
+        and delta_norm.device == dev
+    ):
         raise TypeError(f"delta_norm: expected a contiguous fp32 ({n},) tensor on {dev} (it is written in place)")
     if not (isinstance(delta_from, Tensor) and delta_from.shape == (P,) and delta_from.is_floating_point()):
         raise ValueError(f"delta_from: expected a float tensor of shape ({P},)")
@@ -70,20 +79,36 @@ def delta_norms_after(theta: Tensor, delta_from: Tensor, delta_norm: Tensor, act
     """The CUDA backends' update norms: one pass over the rows just written (Triton's, else the reference's)."""
     if _backend.available("triton", theta.device.type):
         from ..triton.update_norms import update_norms_triton
+
         d = update_norms_triton(theta, delta_from, torch.arange(theta.shape[0], device=theta.device))
         delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
     else:
         delta_norms_reference(theta, delta_from, delta_norm, active)
 
 
-def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: float = 0.0,
-                momentum_buf: Tensor | None = None,
-                weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
-                loss_rows: Tensor | None = None, corr_vec: Tensor | None = None, corr_vec_scale=None,
-                corr_rows: Tensor | None = None, corr_rows_coef: float = 1.0,
-                step_vec: Tensor | None = None, step_vec_scale=None,
-                max_norm: float | None = None, active: Tensor | None = None,
-                delta_from: Tensor | None = None, delta_norm: Tensor | None = None, backend: str | None = None) -> None:
+def client_step(
+    theta: Tensor,
+    grad: "Tensor | list[Tensor]",
+    *,
+    lr,
+    momentum: float = 0.0,
+    momentum_buf: Tensor | None = None,
+    weight_decay=0.0,
+    prox_mu: float = 0.0,
+    anchor: Tensor | None = None,
+    loss_rows: Tensor | None = None,
+    corr_vec: Tensor | None = None,
+    corr_vec_scale=None,
+    corr_rows: Tensor | None = None,
+    corr_rows_coef: float = 1.0,
+    step_vec: Tensor | None = None,
+    step_vec_scale=None,
+    max_norm: float | None = None,
+    active: Tensor | None = None,
+    delta_from: Tensor | None = None,
+    delta_norm: Tensor | None = None,
+    backend: str | None = None,
+) -> None:
     """Update ``theta`` [n, P] (fp32, contiguous) and ``momentum_buf`` [n, P] in place.
 
     ``grad``: [n, P], or the per-parameter gradients ``[n, *shape_p]`` in the columns' order (what
@@ -106,9 +131,15 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     n, P = theta.shape
     dev = theta.device
     pieces = grad_pieces(grad, n, P)
-    for name, t, shp in (("momentum_buf", momentum_buf, (n, P)), ("anchor", anchor, (P,)),
-                         ("loss_rows", loss_rows, (n, P)), ("corr_vec", corr_vec, (P,)),
-                         ("corr_rows", corr_rows, (n, P)), ("step_vec", step_vec, (P,)), ("active", active, (n,))):
+    for name, t, shp in (
+        ("momentum_buf", momentum_buf, (n, P)),
+        ("anchor", anchor, (P,)),
+        ("loss_rows", loss_rows, (n, P)),
+        ("corr_vec", corr_vec, (P,)),
+        ("corr_rows", corr_rows, (n, P)),
+        ("step_vec", step_vec, (P,)),
+        ("active", active, (n,)),
+    ):
         if t is not None and t.shape != shp:
             raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
     if prox_mu and anchor is None:
@@ -133,11 +164,30 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
     # triton: fp32 pieces are read in place through a block table (fedfast/triton/client_step.py)
 
     # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
-    args = (theta, grad, lr_t, float(momentum), momentum_buf, wd_t, float(prox_mu), anchor, loss_rows, corr_vec, cs_t,
-            corr_rows, rc, step_vec, ss_t, float(max_norm) if max_norm is not None else 0.0, active,
-            delta_from if be != "cuda" else None, delta_norm if be != "cuda" else None)
+    args = (
+        theta,
+        grad,
+        lr_t,
+        float(momentum),
+        momentum_buf,
+        wd_t,
+        float(prox_mu),
+        anchor,
+        loss_rows,
+        corr_vec,
+        cs_t,
+        corr_rows,
+        rc,
+        step_vec,
+        ss_t,
+        float(max_norm) if max_norm is not None else 0.0,
+        active,
+        delta_from if be != "cuda" else None,
+        delta_norm if be != "cuda" else None,
+    )
     if be == "triton":
         from ..triton.client_step import client_step_triton
+
         client_step_triton(*args)
         return
     if be in ("cpu", "cuda"):
@@ -145,12 +195,25 @@ def client_step(theta: Tensor, grad: "Tensor | list[Tensor]", *, lr, momentum: f
         if delta and be == "cuda":
             delta_norms_after(theta, delta_from, delta_norm, active)
         return
-    new, buf = client_step_reference(theta, grad, lr=lr_t if lr_t.numel() == n else float(lr_t),
-                                     momentum=momentum, momentum_buf=momentum_buf,
-                                     weight_decay=wd_t if wd_t.numel() == n else float(wd_t), prox_mu=prox_mu,
-                                     anchor=anchor, loss_rows=loss_rows, corr_vec=corr_vec, corr_vec_scale=cs_t,
-                                     corr_rows=corr_rows, corr_rows_coef=rc, step_vec=step_vec, step_vec_scale=ss_t,
-                                     max_norm=max_norm, active=active)
+    new, buf = client_step_reference(
+        theta,
+        grad,
+        lr=lr_t if lr_t.numel() == n else float(lr_t),
+        momentum=momentum,
+        momentum_buf=momentum_buf,
+        weight_decay=wd_t if wd_t.numel() == n else float(wd_t),
+        prox_mu=prox_mu,
+        anchor=anchor,
+        loss_rows=loss_rows,
+        corr_vec=corr_vec,
+        corr_vec_scale=cs_t,
+        corr_rows=corr_rows,
+        corr_rows_coef=rc,
+        step_vec=step_vec,
+        step_vec_scale=ss_t,
+        max_norm=max_norm,
+        active=active,
+    )
     if delta:
         delta_norms_reference(new, delta_from, delta_norm, active)
     theta.copy_(new)

@@ -33,6 +33,7 @@ A step offset applied before each gradient evaluation instead (a Nesterov orderi
 the shifted sequence with one half-step ``theta -= lr * u`` before the first step and ``theta += lr * u`` after the
 last (``drift_shift_``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,9 @@ def _per_row(v, n, acc, device):
     return torch.full((n, 1), float(v), dtype=acc, device=device)
 
 
-def clipped_loss_grad(th: Tensor, g: Tensor, prox_mu: float, anchor: Tensor | None, loss_rows: Tensor | None,
-                      max_norm: float | None) -> Tensor:
+def clipped_loss_grad(
+    th: Tensor, g: Tensor, prox_mu: float, anchor: Tensor | None, loss_rows: Tensor | None, max_norm: float | None
+) -> Tensor:
     """Steps 1-2: the loss gradient with the proximal term and the per-client loss term, clipped per client as
     ``clip_grad_norm_`` (``max_norm / (total_norm + 1e-6)``), in ``th``'s dtype."""
     if prox_mu:
@@ -63,12 +65,26 @@ def _scaled_vec(v: Tensor, scale, n: int, acc, device) -> Tensor:
     return d if scale is None else _per_row(scale, n, acc, device) * d
 
 
-def client_step_reference(theta: Tensor, grad: Tensor, *, lr, momentum: float = 0.0, momentum_buf: Tensor | None = None,
-                          weight_decay=0.0, prox_mu: float = 0.0, anchor: Tensor | None = None,
-                          loss_rows: Tensor | None = None, corr_vec: Tensor | None = None, corr_vec_scale=None,
-                          corr_rows: Tensor | None = None, corr_rows_coef: float = 1.0,
-                          step_vec: Tensor | None = None, step_vec_scale=None,
-                          max_norm: float | None = None, active: Tensor | None = None):
+def client_step_reference(
+    theta: Tensor,
+    grad: Tensor,
+    *,
+    lr,
+    momentum: float = 0.0,
+    momentum_buf: Tensor | None = None,
+    weight_decay=0.0,
+    prox_mu: float = 0.0,
+    anchor: Tensor | None = None,
+    loss_rows: Tensor | None = None,
+    corr_vec: Tensor | None = None,
+    corr_vec_scale=None,
+    corr_rows: Tensor | None = None,
+    corr_rows_coef: float = 1.0,
+    step_vec: Tensor | None = None,
+    step_vec_scale=None,
+    max_norm: float | None = None,
+    active: Tensor | None = None,
+):
     """Returns ``(theta', momentum_buf')`` as new tensors (``momentum_buf'`` is None without momentum)."""
     acc = torch.float64 if theta.dtype == torch.float64 else torch.float32
     n = theta.shape[0]

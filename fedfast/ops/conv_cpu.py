@@ -21,6 +21,7 @@ same input channels); dilation does not apply to a 1 x 1 kernel. fedfast takes t
 strided shortcuts (:class:`PointwiseConv2d`, which the ResNets use, so a plain per-client loop is safe too).
 ``tests/test_conv_cpu.py`` runs the crashing shapes in subprocesses at 1 and 2 threads.
 """
+
 from __future__ import annotations
 
 import torch

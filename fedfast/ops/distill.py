@@ -4,6 +4,7 @@ Formula and papers: see :mod:`fedfast.ops.distill_reference` (the spec). This mo
 with ``torch.library`` (fake impls for ``torch.compile``, autograd whose backward only scales the
 gradient stored in forward), dispatches to a backend, validates inputs and applies the reduction.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,25 +25,75 @@ def _loss_dtype(student: Tensor) -> torch.dtype:
     return torch.float64 if student.dtype == torch.float64 else torch.float32
 
 
-def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments,
-                  row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce, asd=None, mix_weights=None,
-                  in_place: bool = False):
+def _backend_rows(
+    backend,
+    student,
+    teacher,
+    target,
+    teacher_negent,
+    class_alpha,
+    row_weight,
+    rho,
+    segments,
+    row_scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    ignore_index,
+    not_true,
+    soft_ce,
+    asd=None,
+    mix_weights=None,
+    in_place: bool = False,
+):
     """(loss rows, d(loss)/d(student)) from a backend; every compiled one takes ``FEDFAST_DISTILL_ROWS``'s arguments
     in one order (csrc/op_signatures.h). The cpu kernel's own: ``asd`` = ``(class_prior [S, C], entropy_tau,
     validate mode)``: ASD's row weights computed from the teacher in the same call; ``mix_weights`` [M]: the teacher
     is M teachers' logits [M, R, C], mixed row by row inside the op (FedGKD-VOTE); ``in_place``: the gradient written
     over ``student`` (contiguous; a chunked caller's logits)."""
     if backend == "reference":
-        return distill_rows_reference(student, teacher, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
-                                      not_true=not_true, soft_ce=soft_ce, ignore_index=ignore_index,
-                                      class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
-                                      teacher_negent=teacher_negent, row_scale=row_scale)
+        return distill_rows_reference(
+            student,
+            teacher,
+            target,
+            tau=tau,
+            ce_weight=ce_weight,
+            kd_weight=kd_weight,
+            not_true=not_true,
+            soft_ce=soft_ce,
+            ignore_index=ignore_index,
+            class_alpha=class_alpha,
+            row_weight=row_weight,
+            rho=rho,
+            segments=segments,
+            teacher_negent=teacher_negent,
+            row_scale=row_scale,
+        )
     prior, entropy_tau, mode = asd if asd is not None else (None, 1.0, "off")
-    args = (student, teacher, target, teacher_negent, mix_weights, class_alpha, row_weight, prior, float(entropy_tau),
-            rho, segments, row_scale, float(tau), float(ce_weight), float(kd_weight), int(ignore_index),
-            bool(not_true), bool(soft_ce), bool(in_place))
+    args = (
+        student,
+        teacher,
+        target,
+        teacher_negent,
+        mix_weights,
+        class_alpha,
+        row_weight,
+        prior,
+        float(entropy_tau),
+        rho,
+        segments,
+        row_scale,
+        float(tau),
+        float(ce_weight),
+        float(kd_weight),
+        int(ignore_index),
+        bool(not_true),
+        bool(soft_ce),
+        bool(in_place),
+    )
     if backend == "triton":
         from ..triton.distill import distill_rows_triton
+
         loss, grad, status = distill_rows_triton(*args)
     elif backend in ("cpu", "cuda"):
         loss, grad, status = (_backend.cpu_ext() if backend == "cpu" else _backend.cuda_ext()).distill_rows(*args)
@@ -54,19 +105,64 @@ def _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha
 
 
 @torch.library.custom_op("fedfast::distill_rows", mutates_args=())
-def distill_rows_op(student: Tensor, teacher: Tensor, target: Tensor, teacher_negent: Optional[Tensor],
-                    class_alpha: Optional[Tensor], row_weight: Optional[Tensor], rho: Optional[Tensor],
-                    segments: Optional[Tensor], row_scale: Optional[Tensor], tau: float, ce_weight: float,
-                    kd_weight: float, ignore_index: int, not_true: bool, soft_ce: bool,
-                    backend: str) -> tuple[Tensor, Tensor]:
-    loss, grad = _backend_rows(backend, student, teacher, target, teacher_negent, class_alpha, row_weight, rho,
-                               segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true, soft_ce)
+def distill_rows_op(
+    student: Tensor,
+    teacher: Tensor,
+    target: Tensor,
+    teacher_negent: Optional[Tensor],
+    class_alpha: Optional[Tensor],
+    row_weight: Optional[Tensor],
+    rho: Optional[Tensor],
+    segments: Optional[Tensor],
+    row_scale: Optional[Tensor],
+    tau: float,
+    ce_weight: float,
+    kd_weight: float,
+    ignore_index: int,
+    not_true: bool,
+    soft_ce: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    loss, grad = _backend_rows(
+        backend,
+        student,
+        teacher,
+        target,
+        teacher_negent,
+        class_alpha,
+        row_weight,
+        rho,
+        segments,
+        row_scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        ignore_index,
+        not_true,
+        soft_ce,
+    )
     return loss, grad
 
 
 @distill_rows_op.register_fake
-def _(student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, tau, ce_weight,
-      kd_weight, ignore_index, not_true, soft_ce, backend):
+def _(
+    student,
+    teacher,
+    target,
+    teacher_negent,
+    class_alpha,
+    row_weight,
+    rho,
+    segments,
+    row_scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    ignore_index,
+    not_true,
+    soft_ce,
+    backend,
+):
     return student.new_empty(student.shape[0], dtype=_loss_dtype(student)), torch.empty_like(student)
 
 
@@ -75,6 +171,7 @@ def scale_rows(grad: Tensor, grad_loss: Tensor, backend: str) -> Tensor:
     Bytes: 2*R*C*g + 4R."""
     if backend == "triton":
         from ..triton.distill import scale_rows_triton
+
         return scale_rows_triton(grad, grad_loss)
     if backend == "cuda":
         return _backend.cuda_ext().scale_rows(grad, grad_loss)
@@ -98,10 +195,12 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = inputs[-1]
 
 
-FIRST_ORDER = ("fedfast's fused distillation backward is first-order: it scales d(loss)/d(student) stored in the "
-               "forward, so a gradient of this gradient (create_graph=True: gradient penalties, Hessian-vector "
-               "products) would be wrong. Pass double_backward=True (fedfast.nn losses, fedfast.ops.distill) to "
-               "compute the loss with PyTorch's autograd formulas instead")
+FIRST_ORDER = (
+    "fedfast's fused distillation backward is first-order: it scales d(loss)/d(student) stored in the "
+    "forward, so a gradient of this gradient (create_graph=True: gradient penalties, Hessian-vector "
+    "products) would be wrong. Pass double_backward=True (fedfast.nn losses, fedfast.ops.distill) to "
+    "compute the loss with PyTorch's autograd formulas instead"
+)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -171,14 +270,46 @@ class _DistillRowsFn(torch.autograd.Function):
         return _first_order(_scale_stored(grad, grad_loss, ctx.backend), out), None, None
 
 
-def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                 ce_weight, kd_weight, ignore_index, not_true, soft_ce, backend, total: bool = False, asd=None,
-                 mix_weights=None):
+def distill_rows(
+    student,
+    teacher,
+    target,
+    teacher_negent,
+    class_alpha,
+    row_weight,
+    rho,
+    segments,
+    row_scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    ignore_index,
+    not_true,
+    soft_ce,
+    backend,
+    total: bool = False,
+    asd=None,
+    mix_weights=None,
+):
     """The loss rows [R] (their sum with ``total``), differentiable in ``student``: the custom op while
     ``torch.compile`` traces, the autograd.Function fast path in eager mode (``asd``, ``mix_weights``: eager cpu
     only, see :func:`_backend_rows`)."""
-    args = (target, teacher_negent, class_alpha, row_weight, rho, segments, row_scale, float(tau),
-            float(ce_weight), float(kd_weight), int(ignore_index), bool(not_true), bool(soft_ce), backend)
+    args = (
+        target,
+        teacher_negent,
+        class_alpha,
+        row_weight,
+        rho,
+        segments,
+        row_scale,
+        float(tau),
+        float(ce_weight),
+        float(kd_weight),
+        int(ignore_index),
+        bool(not_true),
+        bool(soft_ce),
+        backend,
+    )
     if torch.compiler.is_compiling():
         loss_rows, _ = distill_rows_op(student, teacher, *args)
         return loss_rows.sum() if total else loss_rows
@@ -186,8 +317,9 @@ def distill_rows(student, teacher, target, teacher_negent, class_alpha, row_weig
     return _DistillRowsFn.apply(student, teacher, args + (bool(total), cpu_only))
 
 
-def row_scale_torch(target: Tensor, C: int, ignore_index: int, segments: Tensor | None,
-                    dtype: torch.dtype = torch.float32) -> Tensor:
+def row_scale_torch(
+    target: Tensor, C: int, ignore_index: int, segments: Tensor | None, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Reduction weights with tensor ops (no host sync): 1/#valid rows, or 1/#valid rows of the row's segment."""
     valid = valid_rows(target, C, ignore_index)
     if segments is None:
@@ -204,12 +336,15 @@ def _teacher_logits(teacher, mixture, rho, teacher_weights, R: int, C: int, dev)
     if mixture is not None:
         if teacher is not None:
             raise ValueError("mixture: pass either teacher logits or a precomputed mixture, not both")
-        if not (isinstance(mixture, (tuple, list)) and len(mixture) == 2 and
-                all(isinstance(t, Tensor) for t in mixture)):
+        if not (
+            isinstance(mixture, (tuple, list)) and len(mixture) == 2 and all(isinstance(t, Tensor) for t in mixture)
+        ):
             raise TypeError("mixture: expected a (P [R, C], negent [R]) pair of tensors")
         if mixture[0].shape != (R, C) or mixture[1].shape != (R,):
-            raise ValueError(f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "
-                             f"{tuple(mixture[1].shape)}")
+            raise ValueError(
+                f"mixture: expected P [{R}, {C}] and negent [{R}], got {tuple(mixture[0].shape)} and "
+                f"{tuple(mixture[1].shape)}"
+            )
         if mixture[0].device != dev or mixture[1].device != dev:
             raise ValueError(f"mixture: must be on {dev}")
         if rho is not None or teacher_weights is not None:
@@ -221,21 +356,29 @@ def _teacher_logits(teacher, mixture, rho, teacher_weights, R: int, C: int, dev)
         teacher = teacher[None]
     _validate.check_logits("teacher", teacher, ndim=3)
     if teacher.shape[1:] != (R, C):
-        raise ValueError(f"teacher: expected [{R}, {C}] or [M, {R}, {C}] to match student, got "
-                         f"{tuple(teacher.shape)}")
+        raise ValueError(f"teacher: expected [{R}, {C}] or [M, {R}, {C}] to match student, got {tuple(teacher.shape)}")
     if teacher.device != dev:
         raise ValueError(f"teacher: on {teacher.device}, student is on {dev}")
     return teacher
 
 
-def device_row_scale(be: str, target: Tensor, segments: Tensor | None, C: int, ignore_index: int, smode: int,
-                     limit: int, status: Tensor | None):
+def device_row_scale(
+    be: str,
+    target: Tensor,
+    segments: Tensor | None,
+    C: int,
+    ignore_index: int,
+    smode: int,
+    limit: int,
+    status: Tensor | None,
+):
     """The rows' reduction weights (fp32 [R]; None for ``smode`` 0) and, with ``status``, the deferred target and
     segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
     launch on a GPU backend (``fedfast.triton.row_scale`` / ``fedfast._C_cuda.row_scale``), as ``(True, weights)``;
     ``(False, None)`` when the backend has no such kernel (a CUDA extension built before it)."""
     if be == "triton":
         from ..triton.row_scale import row_scale_triton
+
         return True, row_scale_triton(target, segments, C, int(ignore_index), smode, int(limit), status)
     fn = getattr(_backend.cuda_ext(), "row_scale", None)
     if fn is None:
@@ -289,8 +432,9 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     return target, segments, row_scale
 
 
-def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau, kind: str, ignore_index: int,
-                   be: str, mode: str):
+def _teacher_input(
+    student, teacher, target, mixture, rho, teacher_weights, tau, kind: str, ignore_index: int, be: str, mode: str
+):
     """What the fused rows read as the teacher: one teacher's logits, or M teachers' (or a precomputed) mixture
     ``P`` with its negative entropy, and None; on the cpu backend in eager mode the M teachers [M, R, C] themselves,
     no negentropy, and their weights [M] (the op mixes each row)."""
@@ -307,8 +451,16 @@ def _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
         if be == "cpu" and _backend.plain_eager(student, teacher):  # mixed inside the row op: no [R, C] mixture
             return teacher.contiguous(), None, mixture_weights(tw, M, dev, teacher.dtype, mode)
-        P, negent = teacher_mixture(teacher, tw, target, tau=tau, not_true=(kind == "not_true"),
-                                    ignore_index=ignore_index, backend=be, validate=mode)
+        P, negent = teacher_mixture(
+            teacher,
+            tw,
+            target,
+            tau=tau,
+            not_true=(kind == "not_true"),
+            ignore_index=ignore_index,
+            backend=be,
+            validate=mode,
+        )
         teacher_in = P
     else:
         teacher_in = teacher[0]
@@ -328,8 +480,7 @@ def _reduce(loss_rows: Tensor, reduction: str, segments, num_segments):
     if segments is None:
         return loss_rows.sum().reshape(1)
     S = _validate.segment_count(segments, num_segments)
-    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add(0, segments.long().clamp(0, S - 1),
-                                                                       loss_rows)
+    return torch.zeros(S, dtype=loss_rows.dtype, device=dev).index_add(0, segments.long().clamp(0, S - 1), loss_rows)
 
 
 def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc: torch.dtype, mode: str):
@@ -338,8 +489,12 @@ def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc
     if class_alpha is not None:
         class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
         if mode != "off":
-            _validate.check("class_alpha", ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
-                            "per-class weights must lie in [0, 1]", mode)
+            _validate.check(
+                "class_alpha",
+                ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
+                "per-class weights must lie in [0, 1]",
+                mode,
+            )
     if rho is not None:
         rho = class_table("rho", rho, C, dev, segments)
     if row_weight is not None:
@@ -366,14 +521,36 @@ def autograd_reason(student, teacher, detach_teacher: bool, double_backward: boo
     return ""
 
 
-def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, kind, soft_ce, class_alpha,
-                      row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments, backend,
-                      mode, mixture, detach_teacher):
+def _distill_autograd(
+    why,
+    student,
+    teacher,
+    target,
+    tau,
+    ce_weight,
+    kd_weight,
+    kind,
+    soft_ce,
+    class_alpha,
+    row_weight,
+    rho,
+    teacher_weights,
+    segments,
+    reduction,
+    ignore_index,
+    num_segments,
+    backend,
+    mode,
+    mixture,
+    detach_teacher,
+):
     """The loss as plain differentiable PyTorch ops (:func:`distill_reference`): any order of derivative, gradients
     into the teacher unless ``detach_teacher``, traceable and transformable; slower than the fused op."""
     if backend not in (None, "reference"):
-        raise ValueError(f"backend: {backend!r} computes the fused first-order gradient; {why} needs PyTorch's "
-                         f"autograd formulas (leave backend unset, or 'reference')")
+        raise ValueError(
+            f"backend: {backend!r} computes the fused first-order gradient; {why} needs PyTorch's "
+            f"autograd formulas (leave backend unset, or 'reference')"
+        )
     R, C = student.shape
     dev = student.device
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
@@ -393,25 +570,59 @@ def _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, 
         if rho is not None:
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
-        teacher_in, negent = teacher_mixture_reference(fix(teacher), tw, target, tau=tau,
-                                                       not_true=(kind == "not_true"), ignore_index=ignore_index)
+        teacher_in, negent = teacher_mixture_reference(
+            fix(teacher), tw, target, tau=tau, not_true=(kind == "not_true"), ignore_index=ignore_index
+        )
     else:
         teacher_in = fix(teacher[0])
     class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev, acc, mode)
     row_scale = row_scale_torch(target, C, ignore_index, segments, acc) if reduction in ("mean", "segment") else None
-    loss_rows = distill_reference(student, teacher_in, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
-                                  not_true=kind == "not_true", soft_ce=soft_ce, ignore_index=ignore_index,
-                                  class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
-                                  teacher_negent=negent, row_scale=row_scale)
+    loss_rows = distill_reference(
+        student,
+        teacher_in,
+        target,
+        tau=tau,
+        ce_weight=ce_weight,
+        kd_weight=kd_weight,
+        not_true=kind == "not_true",
+        soft_ce=soft_ce,
+        ignore_index=ignore_index,
+        class_alpha=class_alpha,
+        row_weight=row_weight,
+        rho=rho,
+        segments=segments,
+        teacher_negent=negent,
+        row_scale=row_scale,
+    )
     return _reduce(loss_rows, reduction, segments, num_segments)
 
 
-def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.0, ce_weight: float = 1.0,
-            kd_weight: float = 1.0, kind: str = "full", soft_ce: bool = False, class_alpha=None,
-            row_weight: Tensor | None = None, rho=None, teacher_weights=None, segments: Tensor | None = None,
-            reduction: str = "mean", ignore_index: int = -100, num_segments: int | None = None,
-            backend: str | None = None, validate: str | None = None, mixture=None, detach_teacher: bool = True,
-            double_backward: bool = False, class_prior=None, entropy_tau: float = 1.0) -> Tensor:
+def distill(
+    student: Tensor,
+    teacher: Tensor,
+    target: Tensor,
+    *,
+    tau: float = 1.0,
+    ce_weight: float = 1.0,
+    kd_weight: float = 1.0,
+    kind: str = "full",
+    soft_ce: bool = False,
+    class_alpha=None,
+    row_weight: Tensor | None = None,
+    rho=None,
+    teacher_weights=None,
+    segments: Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    num_segments: int | None = None,
+    backend: str | None = None,
+    validate: str | None = None,
+    mixture=None,
+    detach_teacher: bool = True,
+    double_backward: bool = False,
+    class_prior=None,
+    entropy_tau: float = 1.0,
+) -> Tensor:
     """Fused CE + distillation loss (see :mod:`fedfast.ops.distill_reference` for the formula).
 
     ``student`` [R, C] logits (grad flows); ``teacher`` [R, C] logits, or [M, R, C] with
@@ -455,36 +666,94 @@ def distill(student: Tensor, teacher: Tensor, target: Tensor, *, tau: float = 1.
         _validate.check_tau("entropy_tau", entropy_tau)
         if row_weight is not None:
             raise ValueError("class_prior: ASD computes the KD row weights; pass row_weight or class_prior, not both")
-        if mixture is not None or teacher_weights is not None or not isinstance(teacher, Tensor) or (
-                teacher.dim() == 3 and teacher.shape[0] != 1):
+        if (
+            mixture is not None
+            or teacher_weights is not None
+            or not isinstance(teacher, Tensor)
+            or (teacher.dim() == 3 and teacher.shape[0] != 1)
+        ):
             raise ValueError("class_prior: ASD's weights need a single teacher's logits [R, C]")
         t2 = teacher if teacher.dim() == 2 else teacher[0]
         if t2.shape != student.shape:
             raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
         if why:  # PyTorch's formulas: differentiable in the teacher (detach_teacher=False), transformable (vmap)
-            row_weight = asd_autograd_row_weights(t2 if not detach_teacher else t2.detach(), target, class_prior,
-                                                  segments, entropy_tau, ignore_index, mode)
+            row_weight = asd_autograd_row_weights(
+                t2 if not detach_teacher else t2.detach(),
+                target,
+                class_prior,
+                segments,
+                entropy_tau,
+                ignore_index,
+                mode,
+            )
         elif be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
             asd = (class_table("class_prior", class_prior, C, dev, segments), float(entropy_tau), mode)
         else:
-            row_weight = asd_row_weights(t2, target, class_prior, segments, entropy_tau=entropy_tau,
-                                         ignore_index=ignore_index, backend=None if why else backend,
-                                         validate=validate)
+            row_weight = asd_row_weights(
+                t2,
+                target,
+                class_prior,
+                segments,
+                entropy_tau=entropy_tau,
+                ignore_index=ignore_index,
+                backend=None if why else backend,
+                validate=validate,
+            )
     if why:
-        return _distill_autograd(why, student, teacher, target, tau, ce_weight, kd_weight, kind, soft_ce, class_alpha,
-                                 row_weight, rho, teacher_weights, segments, reduction, ignore_index, num_segments,
-                                 backend, mode, mixture, detach_teacher)
+        return _distill_autograd(
+            why,
+            student,
+            teacher,
+            target,
+            tau,
+            ce_weight,
+            kd_weight,
+            kind,
+            soft_ce,
+            class_alpha,
+            row_weight,
+            rho,
+            teacher_weights,
+            segments,
+            reduction,
+            ignore_index,
+            num_segments,
+            backend,
+            mode,
+            mixture,
+            detach_teacher,
+        )
     teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
     target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
-    teacher_in, negent, mix_weights = _teacher_input(student, teacher, target, mixture, rho, teacher_weights, tau,
-                                                     kind, ignore_index, be, mode)
-    class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev,
-                                               _loss_dtype(student), mode)
+    teacher_in, negent, mix_weights = _teacher_input(
+        student, teacher, target, mixture, rho, teacher_weights, tau, kind, ignore_index, be, mode
+    )
+    class_alpha, rho, row_weight = _row_tables(
+        class_alpha, rho, row_weight, segments, R, C, dev, _loss_dtype(student), mode
+    )
     s = student if student.stride(-1) == 1 else student.contiguous()
     total = reduction in ("mean", "sum") or (reduction == "segment" and segments is None)
-    loss = distill_rows(s, teacher_in, target, negent, class_alpha, row_weight, rho, segments, row_scale, tau,
-                        ce_weight, kd_weight, ignore_index, kind == "not_true", soft_ce, be, total=total, asd=asd,
-                        mix_weights=mix_weights)
+    loss = distill_rows(
+        s,
+        teacher_in,
+        target,
+        negent,
+        class_alpha,
+        row_weight,
+        rho,
+        segments,
+        row_scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        ignore_index,
+        kind == "not_true",
+        soft_ce,
+        be,
+        total=total,
+        asd=asd,
+        mix_weights=mix_weights,
+    )
     if total:  # "mean": rows carry 1/n (or 1/n_segment) already
         return loss.reshape(1) if reduction == "segment" else loss
     return _reduce(loss, reduction, segments, num_segments)

@@ -24,6 +24,7 @@ FedGKD-VOTE (Yao et al., Eq. 5): ``teacher_mixture_reference`` turns M teachers 
 ``D_i = negent_i - sum_c P_ic log q_ic = sum_m w_m KL(p_m || q)`` and ``W = sum_m w_m``.
 Rows whose target is ``ignore_index`` (or out of range) give ``L_i = 0`` and zero gradient.
 """
+
 from __future__ import annotations
 
 import torch
@@ -96,9 +97,24 @@ def _weights(acc, R, device, y, ce_weight, kd_weight, class_alpha, row_weight, r
     return a, b
 
 
-def distill_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_weight=1.0, not_true=False,
-                      soft_ce=False, ignore_index=-100, class_alpha=None, row_weight=None, rho=None,
-                      segments=None, teacher_negent=None, row_scale=None):
+def distill_reference(
+    student,
+    teacher,
+    target,
+    *,
+    tau=1.0,
+    ce_weight=1.0,
+    kd_weight=1.0,
+    not_true=False,
+    soft_ce=False,
+    ignore_index=-100,
+    class_alpha=None,
+    row_weight=None,
+    rho=None,
+    segments=None,
+    teacher_negent=None,
+    row_scale=None,
+):
     """Per-row loss ``L_i`` [R] (see module docstring). Differentiable in ``student``.
 
     ``teacher`` is [R, C] logits, or - when ``teacher_negent`` [R] is given - a [R, C] target
@@ -126,8 +142,7 @@ def teacher_mixture_reference(teachers, weights, target, *, tau=1.0, not_true=Fa
     M, R, C = teachers.shape
     valid = _valid(target, C, ignore_index)
     y = torch.where(valid, target, torch.zeros_like(target)).long()
-    drop = (_onehot(y, C) & valid[:, None]) if not_true else \
-        torch.zeros(R, C, dtype=torch.bool, device=teachers.device)
+    drop = (_onehot(y, C) & valid[:, None]) if not_true else torch.zeros(R, C, dtype=torch.bool, device=teachers.device)
     logp = torch.log_softmax((teachers.to(acc) / tau).masked_fill(drop, float("-inf")), dim=2)
     p = torch.exp(logp)
     w = weights.to(acc)[:, None, None]
@@ -153,19 +168,47 @@ def asd_weights_reference(teacher, target, class_prior, segments=None, *, entrop
     return torch.where(valid, ahat, torch.zeros_like(ahat))
 
 
-def distill_rows_reference(student, teacher, target, *, tau=1.0, ce_weight=1.0, kd_weight=1.0, not_true=False,
-                           soft_ce=False, ignore_index=-100, class_alpha=None, row_weight=None, rho=None,
-                           segments=None, teacher_negent=None, row_scale=None):
+def distill_rows_reference(
+    student,
+    teacher,
+    target,
+    *,
+    tau=1.0,
+    ce_weight=1.0,
+    kd_weight=1.0,
+    not_true=False,
+    soft_ce=False,
+    ignore_index=-100,
+    class_alpha=None,
+    row_weight=None,
+    rho=None,
+    segments=None,
+    teacher_negent=None,
+    row_scale=None,
+):
     """The ``reference`` backend: ``(L [R], dL_i/dz_i [R, C])`` with the closed-form gradient.
 
     ``dL_i/dz_i = a_i (softmax(z_i) - e_y) + (b_i / tau) (W_i q_i - P_i)`` with ``W_i = sum_c P_ic``;
     the tests check it against autograd through :func:`distill_reference`.
     """
     with torch.no_grad():
-        loss = distill_reference(student, teacher, target, tau=tau, ce_weight=ce_weight, kd_weight=kd_weight,
-                                 not_true=not_true, soft_ce=soft_ce, ignore_index=ignore_index,
-                                 class_alpha=class_alpha, row_weight=row_weight, rho=rho, segments=segments,
-                                 teacher_negent=teacher_negent, row_scale=row_scale)
+        loss = distill_reference(
+            student,
+            teacher,
+            target,
+            tau=tau,
+            ce_weight=ce_weight,
+            kd_weight=kd_weight,
+            not_true=not_true,
+            soft_ce=soft_ce,
+            ignore_index=ignore_index,
+            class_alpha=class_alpha,
+            row_weight=row_weight,
+            rho=rho,
+            segments=segments,
+            teacher_negent=teacher_negent,
+            row_scale=row_scale,
+        )
         acc, z, valid, y, onehot, drop = _setup(student, target, ignore_index, not_true)
         q = torch.softmax((z / tau).masked_fill(drop, float("-inf")), dim=1)
         P, _ = _target(teacher, acc, tau, drop, onehot, rho, segments, teacher_negent)

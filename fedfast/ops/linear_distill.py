@@ -31,6 +31,7 @@ one model's chunks after another). ``create_graph=True`` gives the right first d
 refused when taken. Not supported, refused by name: a teacher that receives gradients (``detach_teacher=False``)
 and second derivatives (``double_backward=True``): use the unfused layer with :class:`fedfast.nn.KDLoss`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,8 +42,10 @@ from torch import Tensor
 from . import _backend, _validate
 from .distill import _backend_rows, _loss_dtype, row_scale_torch
 
-_FIRST_ORDER = ("linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
-                "for a second derivative use the unfused layer and fedfast.nn.KDLoss(double_backward=True)")
+_FIRST_ORDER = (
+    "linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
+    "for a second derivative use the unfused layer and fedfast.nn.KDLoss(double_backward=True)"
+)
 _REDUCTIONS = ("mean", "sum", "none", "segment")
 
 
@@ -52,9 +55,29 @@ def default_chunk_rows(R: int, V: int) -> int:
     return max(1, -(-R // 4))
 
 
-def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, kd_weight: float, not_true: bool,
-          ignore_index: int, chunk: int, backend: str, need_h: bool, need_W: bool, need_b: bool, rows: bool,
-          functional: bool = False):
+def _pass(
+    h,
+    W,
+    b,
+    t,
+    th,
+    tW,
+    tb,
+    target,
+    scale,
+    tau: float,
+    ce_weight: float,
+    kd_weight: float,
+    not_true: bool,
+    ignore_index: int,
+    chunk: int,
+    backend: str,
+    need_h: bool,
+    need_W: bool,
+    need_b: bool,
+    rows: bool,
+    functional: bool = False,
+):
     """One pass over the row chunks: ``(loss, gh, gW, gb)`` with ``loss`` the scaled rows' sum (or the rows [R],
     ``rows``) and the gradients of ``sum_i scale_i L_i`` (None where not needed). ``gh`` is written chunk by chunk,
     ``gW`` accumulated in place (fp32; the weight's dtype after, one conversion for a half-precision weight);
@@ -62,8 +85,28 @@ def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, k
     R, V = h.shape[0], W.shape[0]
     acc = _loss_dtype(h)
     if functional:
-        return _pass_functional(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true,
-                                ignore_index, chunk, backend, need_h, need_W, need_b, rows)
+        return _pass_functional(
+            h,
+            W,
+            b,
+            t,
+            th,
+            tW,
+            tb,
+            target,
+            scale,
+            tau,
+            ce_weight,
+            kd_weight,
+            not_true,
+            ignore_index,
+            chunk,
+            backend,
+            need_h,
+            need_W,
+            need_b,
+            rows,
+        )
     gh = torch.empty_like(h) if need_h else None
     gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
@@ -77,19 +120,35 @@ def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, k
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
-        z = torch.mm(hc, Wa.T, out=zbuf[:r1 - r0])
+        z = torch.mm(hc, Wa.T, out=zbuf[: r1 - r0])
         if b is not None:
             z.add_(b)
         if t is not None:
             tc = t[r0:r1].contiguous()
         else:
-            tc = torch.mm(th[r0:r1], tW.T, out=tbuf[:r1 - r0])
+            tc = torch.mm(th[r0:r1], tW.T, out=tbuf[: r1 - r0])
             if tb is not None:
                 tc.add_(tb)
         # the C++ kernel writes the gradient over the chunk's logits (no second [chunk, V] buffer)
-        loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1].contiguous(), None, None, None, None, None,
-                                     scale[r0:r1].contiguous(), tau, ce_weight, kd_weight, ignore_index, not_true,
-                                     False, in_place=backend == "cpu")
+        loss_rows, g = _backend_rows(
+            backend,
+            z,
+            tc,
+            target[r0:r1].contiguous(),
+            None,
+            None,
+            None,
+            None,
+            None,
+            scale[r0:r1].contiguous(),
+            tau,
+            ce_weight,
+            kd_weight,
+            ignore_index,
+            not_true,
+            False,
+            in_place=backend == "cpu",
+        )
         if rows:
             out[r0:r1] = loss_rows
         else:
@@ -111,8 +170,28 @@ def _pass(h, W, b, t, th, tW, tb, target, scale, tau: float, ce_weight: float, k
     return out, gh, gW, gb
 
 
-def _pass_functional(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                     backend, need_h, need_W, need_b, rows):
+def _pass_functional(
+    h,
+    W,
+    b,
+    t,
+    th,
+    tW,
+    tb,
+    target,
+    scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    not_true,
+    ignore_index,
+    chunk,
+    backend,
+    need_h,
+    need_W,
+    need_b,
+    rows,
+):
     """:func:`_pass` out of place, for a backward under ``torch.func`` (whose saved tensors may be batched)."""
     acc = _loss_dtype(h)
     R = h.shape[0]
@@ -126,8 +205,24 @@ def _pass_functional(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_w
             tc = t[r0:r1]
         else:
             tc = th[r0:r1] @ tW.T if tb is None else th[r0:r1] @ tW.T + tb
-        loss_rows, g = _backend_rows(backend, z, tc, target[r0:r1], None, None, None, None, None, scale[r0:r1], tau,
-                                     ce_weight, kd_weight, ignore_index, not_true, False)
+        loss_rows, g = _backend_rows(
+            backend,
+            z,
+            tc,
+            target[r0:r1],
+            None,
+            None,
+            None,
+            None,
+            None,
+            scale[r0:r1],
+            tau,
+            ce_weight,
+            kd_weight,
+            ignore_index,
+            not_true,
+            False,
+        )
         outs.append(loss_rows if rows else loss_rows.sum())
         if need_h:
             ghs.append((g.to(Wa.dtype) @ Wa).to(h.dtype))
@@ -162,21 +257,80 @@ def _empty(x: Tensor | None, like: Tensor) -> Tensor:
 
 # -- torch.compile / torch.export / torch.jit.trace: custom ops with fake kernels and registered autograd ----------
 @torch.library.custom_op("fedfast::linear_distill_total", mutates_args=())
-def _total_op(h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor], th: Optional[Tensor],
-              tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, scale: Tensor, tau: float, ce_weight: float,
-              kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str, need_h: bool,
-              need_W: bool, need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    loss, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true,
-                             ignore_index, chunk, backend, need_h, need_W, need_b, rows=False)
+def _total_op(
+    h: Tensor,
+    W: Tensor,
+    b: Optional[Tensor],
+    t: Optional[Tensor],
+    th: Optional[Tensor],
+    tW: Optional[Tensor],
+    tb: Optional[Tensor],
+    target: Tensor,
+    scale: Tensor,
+    tau: float,
+    ce_weight: float,
+    kd_weight: float,
+    not_true: bool,
+    ignore_index: int,
+    chunk: int,
+    backend: str,
+    need_h: bool,
+    need_W: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    loss, gh, gW, gb = _pass(
+        h,
+        W,
+        b,
+        t,
+        th,
+        tW,
+        tb,
+        target,
+        scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        not_true,
+        ignore_index,
+        chunk,
+        backend,
+        need_h,
+        need_W,
+        need_b,
+        rows=False,
+    )
     return loss, _empty(gh, h), _empty(gW, W), _empty(gb, h)
 
 
 @_total_op.register_fake
-def _(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
-      need_h, need_W, need_b):
-    return (h.new_empty((), dtype=_loss_dtype(h)), torch.empty_like(h) if need_h else h.new_empty(0),
-            torch.empty_like(W) if need_W else W.new_empty(0),
-            torch.empty_like(b) if need_b and b is not None else h.new_empty(0))
+def _(
+    h,
+    W,
+    b,
+    t,
+    th,
+    tW,
+    tb,
+    target,
+    scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    not_true,
+    ignore_index,
+    chunk,
+    backend,
+    need_h,
+    need_W,
+    need_b,
+):
+    return (
+        h.new_empty((), dtype=_loss_dtype(h)),
+        torch.empty_like(h) if need_h else h.new_empty(0),
+        torch.empty_like(W) if need_W else W.new_empty(0),
+        torch.empty_like(b) if need_b and b is not None else h.new_empty(0),
+    )
 
 
 def _total_setup(ctx, inputs, output):
@@ -200,34 +354,149 @@ _total_op.register_autograd(_total_backward, setup_context=_total_setup)
 
 
 @torch.library.custom_op("fedfast::linear_distill_rows_backward", mutates_args=())
-def _rows_backward_op(grad_scale: Tensor, h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor],
-                      th: Optional[Tensor], tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, tau: float,
-                      ce_weight: float, kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str,
-                      need_h: bool, need_W: bool, need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    _, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, grad_scale, tau, ce_weight, kd_weight, not_true,
-                          ignore_index, chunk, backend, need_h, need_W, need_b, rows=False)
+def _rows_backward_op(
+    grad_scale: Tensor,
+    h: Tensor,
+    W: Tensor,
+    b: Optional[Tensor],
+    t: Optional[Tensor],
+    th: Optional[Tensor],
+    tW: Optional[Tensor],
+    tb: Optional[Tensor],
+    target: Tensor,
+    tau: float,
+    ce_weight: float,
+    kd_weight: float,
+    not_true: bool,
+    ignore_index: int,
+    chunk: int,
+    backend: str,
+    need_h: bool,
+    need_W: bool,
+    need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _, gh, gW, gb = _pass(
+        h,
+        W,
+        b,
+        t,
+        th,
+        tW,
+        tb,
+        target,
+        grad_scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        not_true,
+        ignore_index,
+        chunk,
+        backend,
+        need_h,
+        need_W,
+        need_b,
+        rows=False,
+    )
     return _empty(gh, h), _empty(gW, W), _empty(gb, h)
 
 
 @_rows_backward_op.register_fake
-def _(grad_scale, h, W, b, t, th, tW, tb, target, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
-      need_h, need_W, need_b):
-    return (torch.empty_like(h) if need_h else h.new_empty(0), torch.empty_like(W) if need_W else W.new_empty(0),
-            torch.empty_like(b) if need_b and b is not None else h.new_empty(0))
+def _(
+    grad_scale,
+    h,
+    W,
+    b,
+    t,
+    th,
+    tW,
+    tb,
+    target,
+    tau,
+    ce_weight,
+    kd_weight,
+    not_true,
+    ignore_index,
+    chunk,
+    backend,
+    need_h,
+    need_W,
+    need_b,
+):
+    return (
+        torch.empty_like(h) if need_h else h.new_empty(0),
+        torch.empty_like(W) if need_W else W.new_empty(0),
+        torch.empty_like(b) if need_b and b is not None else h.new_empty(0),
+    )
 
 
 @torch.library.custom_op("fedfast::linear_distill_rows", mutates_args=())
-def _rows_op(h: Tensor, W: Tensor, b: Optional[Tensor], t: Optional[Tensor], th: Optional[Tensor],
-             tW: Optional[Tensor], tb: Optional[Tensor], target: Tensor, scale: Tensor, tau: float, ce_weight: float,
-             kd_weight: float, not_true: bool, ignore_index: int, chunk: int, backend: str, need_h: bool,
-             need_W: bool, need_b: bool) -> Tensor:
-    return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                 backend, False, False, False, rows=True)[0]
+def _rows_op(
+    h: Tensor,
+    W: Tensor,
+    b: Optional[Tensor],
+    t: Optional[Tensor],
+    th: Optional[Tensor],
+    tW: Optional[Tensor],
+    tb: Optional[Tensor],
+    target: Tensor,
+    scale: Tensor,
+    tau: float,
+    ce_weight: float,
+    kd_weight: float,
+    not_true: bool,
+    ignore_index: int,
+    chunk: int,
+    backend: str,
+    need_h: bool,
+    need_W: bool,
+    need_b: bool,
+) -> Tensor:
+    return _pass(
+        h,
+        W,
+        b,
+        t,
+        th,
+        tW,
+        tb,
+        target,
+        scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        not_true,
+        ignore_index,
+        chunk,
+        backend,
+        False,
+        False,
+        False,
+        rows=True,
+    )[0]
 
 
 @_rows_op.register_fake
-def _(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk, backend,
-      need_h, need_W, need_b):
+def _(
+    h,
+    W,
+    b,
+    t,
+    th,
+    tW,
+    tb,
+    target,
+    scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    not_true,
+    ignore_index,
+    chunk,
+    backend,
+    need_h,
+    need_W,
+    need_b,
+):
     return h.new_empty((h.shape[0],), dtype=_loss_dtype(h))
 
 
@@ -242,8 +511,9 @@ def _rows_backward(ctx, grad_rows):
         raise RuntimeError(_FIRST_ORDER)
     h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
     *args, need_h, need_W, need_b = ctx.args
-    gh, gW, gb = _rows_backward_op(grad_rows.to(scale.dtype) * scale, h, W, b, t, th, tW, tb, target, *args,
-                                   need_h, need_W, need_b)
+    gh, gW, gb = _rows_backward_op(
+        grad_rows.to(scale.dtype) * scale, h, W, b, t, th, tW, tb, target, *args, need_h, need_W, need_b
+    )
     return ((gh if need_h else None), (gW if need_W else None), (gb if need_b else None)) + (None,) * 16
 
 
@@ -257,10 +527,49 @@ class _Total(torch.autograd.Function):
     the graph kept (``retain_graph``) or under a ``torch.func`` transform it scales copies."""
 
     @staticmethod
-    def forward(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                backend, need_h, need_W, need_b):
-        return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                     backend, need_h, need_W, need_b, rows=False)
+    def forward(
+        h,
+        W,
+        b,
+        t,
+        th,
+        tW,
+        tb,
+        target,
+        scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        not_true,
+        ignore_index,
+        chunk,
+        backend,
+        need_h,
+        need_W,
+        need_b,
+    ):
+        return _pass(
+            h,
+            W,
+            b,
+            t,
+            th,
+            tW,
+            tb,
+            target,
+            scale,
+            tau,
+            ce_weight,
+            kd_weight,
+            not_true,
+            ignore_index,
+            chunk,
+            backend,
+            need_h,
+            need_W,
+            need_b,
+            rows=False,
+        )
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -289,8 +598,9 @@ class _Total(torch.autograd.Function):
             return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 16
         grads, ctx.grads = ctx.grads, None
         if grads is None:
-            raise RuntimeError("linear_distill: backward through the graph a second time; pass retain_graph=True to "
-                               "the first backward")
+            raise RuntimeError(
+                "linear_distill: backward through the graph a second time; pass retain_graph=True to the first backward"
+            )
         keep = torch._C._autograd._get_current_graph_task_keep_graph() or torch.is_grad_enabled()
         if keep:
             ctx.grads = grads
@@ -303,10 +613,49 @@ class _Rows(torch.autograd.Function):
     with each row's incoming gradient."""
 
     @staticmethod
-    def forward(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                backend, need_h, need_W, need_b):
-        return _pass(h, W, b, t, th, tW, tb, target, scale, tau, ce_weight, kd_weight, not_true, ignore_index, chunk,
-                     backend, False, False, False, rows=True)[0]
+    def forward(
+        h,
+        W,
+        b,
+        t,
+        th,
+        tW,
+        tb,
+        target,
+        scale,
+        tau,
+        ce_weight,
+        kd_weight,
+        not_true,
+        ignore_index,
+        chunk,
+        backend,
+        need_h,
+        need_W,
+        need_b,
+    ):
+        return _pass(
+            h,
+            W,
+            b,
+            t,
+            th,
+            tW,
+            tb,
+            target,
+            scale,
+            tau,
+            ce_weight,
+            kd_weight,
+            not_true,
+            ignore_index,
+            chunk,
+            backend,
+            False,
+            False,
+            False,
+            rows=True,
+        )[0]
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -325,8 +674,23 @@ class _Rows(torch.autograd.Function):
         h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
         *args, need_h, need_W, need_b = ctx.args
         with torch.no_grad():
-            _, gh, gW, gb = _pass(h, W, b, t, th, tW, tb, target, grad_rows.to(scale.dtype) * scale, *args, need_h,
-                                  need_W, need_b, rows=False, functional=ctx.functional)
+            _, gh, gW, gb = _pass(
+                h,
+                W,
+                b,
+                t,
+                th,
+                tW,
+                tb,
+                target,
+                grad_rows.to(scale.dtype) * scale,
+                *args,
+                need_h,
+                need_W,
+                need_b,
+                rows=False,
+                functional=ctx.functional,
+            )
         # create_graph=True or a torch.func transform: right, and refused once differentiated
         if torch.is_grad_enabled():
             anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b)) if need]
@@ -368,23 +732,41 @@ def _scaled(grads, s, anchors) -> tuple:
     return tuple(out)
 
 
-def _check(hidden, weight, target, teacher_logits, bias, teacher_hidden, teacher_weight, teacher_bias, kind, reduction,
-           detach_teacher, double_backward):
+def _check(
+    hidden,
+    weight,
+    target,
+    teacher_logits,
+    bias,
+    teacher_hidden,
+    teacher_weight,
+    teacher_bias,
+    kind,
+    reduction,
+    detach_teacher,
+    double_backward,
+):
     """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. Returns (lead, H, V)."""
     if not isinstance(hidden, Tensor) or hidden.dim() < 1 or not hidden.is_floating_point():
-        raise ValueError(f"hidden: expected a floating [..., H] tensor, got "
-                         f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}")
+        raise ValueError(
+            f"hidden: expected a floating [..., H] tensor, got "
+            f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}"
+        )
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight: expected a floating [V, H] tensor, got "
-                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+        raise ValueError(
+            f"weight: expected a floating [V, H] tensor, got "
+            f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}"
+        )
     lead, H, V = tuple(hidden.shape[:-1]), hidden.shape[-1], weight.shape[0]
     if weight.shape[1] != H:
         raise ValueError(f"weight: expected [V, {H}] to match hidden [..., {H}], got {tuple(weight.shape)}")
     if V < 2:
         raise ValueError(f"weight: needs at least 2 output classes, got V={V}")
     if not isinstance(target, Tensor) or tuple(target.shape) != lead:
-        raise ValueError(f"target: expected shape {lead} (hidden's leading dimensions), got "
-                         f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}")
+        raise ValueError(
+            f"target: expected shape {lead} (hidden's leading dimensions), got "
+            f"{tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__}"
+        )
     if bias is not None and tuple(bias.shape) != (V,):
         raise ValueError(f"bias: expected shape ({V},), got {tuple(bias.shape)}")
     if kind not in ("full", "not_true"):
@@ -392,46 +774,91 @@ def _check(hidden, weight, target, teacher_logits, bias, teacher_hidden, teacher
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: one of {_REDUCTIONS}, got {reduction!r}")
     if detach_teacher is not True:
-        raise ValueError("detach_teacher: linear_distill's teacher is a fixed target (its logits, or its hidden "
-                         "states and head, get no gradient); for mutual distillation use the unfused layer with "
-                         "fedfast.nn.KDLoss(detach_teacher=False)")
+        raise ValueError(
+            "detach_teacher: linear_distill's teacher is a fixed target (its logits, or its hidden "
+            "states and head, get no gradient); for mutual distillation use the unfused layer with "
+            "fedfast.nn.KDLoss(detach_teacher=False)"
+        )
     if double_backward is not False:
         raise ValueError("double_backward: " + _FIRST_ORDER.split(": ", 1)[1])
     if (teacher_logits is None) == (teacher_hidden is None):
-        raise ValueError("teacher_logits / teacher_hidden: give the teacher's logits [..., V], or its hidden states "
-                         "with teacher_weight (and teacher_bias), not both")
+        raise ValueError(
+            "teacher_logits / teacher_hidden: give the teacher's logits [..., V], or its hidden states "
+            "with teacher_weight (and teacher_bias), not both"
+        )
     if teacher_logits is not None:
         if tuple(teacher_logits.shape) != lead + (V,):
             raise ValueError(f"teacher_logits: expected {list(lead + (V,))}, got {tuple(teacher_logits.shape)}")
     else:
-        if teacher_weight is None or tuple(teacher_hidden.shape[:-1]) != lead or teacher_weight.dim() != 2 or \
-                teacher_weight.shape != (V, teacher_hidden.shape[-1]):
-            raise ValueError(f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
-                             f"{tuple(teacher_hidden.shape)} and "
-                             f"{None if teacher_weight is None else tuple(teacher_weight.shape)}")
+        if (
+            teacher_weight is None
+            or tuple(teacher_hidden.shape[:-1]) != lead
+            or teacher_weight.dim() != 2
+            or teacher_weight.shape != (V, teacher_hidden.shape[-1])
+        ):
+            raise ValueError(
+                f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
+                f"{tuple(teacher_hidden.shape)} and "
+                f"{None if teacher_weight is None else tuple(teacher_weight.shape)}"
+            )
         if teacher_bias is not None and tuple(teacher_bias.shape) != (V,):
             raise ValueError(f"teacher_bias: expected shape ({V},), got {tuple(teacher_bias.shape)}")
     dev = hidden.device
-    for name, x in (("weight", weight), ("bias", bias), ("teacher_logits", teacher_logits),
-                    ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
-                    ("teacher_bias", teacher_bias), ("target", target)):
+    for name, x in (
+        ("weight", weight),
+        ("bias", bias),
+        ("teacher_logits", teacher_logits),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+        ("teacher_bias", teacher_bias),
+        ("target", target),
+    ):
         if x is not None and x.device != dev:
             raise ValueError(f"{name}: on {x.device}, hidden is on {dev}")
     return lead, H, V
 
 
-def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logits: Tensor | None = None, *,
-                   bias: Tensor | None = None, teacher_hidden: Tensor | None = None,
-                   teacher_weight: Tensor | None = None, teacher_bias: Tensor | None = None, tau: float = 1.0,
-                   ce_weight: float = 1.0, kd_weight: float = 1.0, kind: str = "full", reduction: str = "mean",
-                   ignore_index: int = -100, segments: Tensor | None = None, num_segments: int | None = None,
-                   chunk_rows: int | None = None, backend: str | None = None, validate: str | None = None,
-                   detach_teacher: bool = True, double_backward: bool = False) -> Tensor:
+def linear_distill(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    teacher_logits: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    teacher_hidden: Tensor | None = None,
+    teacher_weight: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    tau: float = 1.0,
+    ce_weight: float = 1.0,
+    kd_weight: float = 1.0,
+    kind: str = "full",
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    segments: Tensor | None = None,
+    num_segments: int | None = None,
+    chunk_rows: int | None = None,
+    backend: str | None = None,
+    validate: str | None = None,
+    detach_teacher: bool = True,
+    double_backward: bool = False,
+) -> Tensor:
     """The fused linear + distillation loss (see the module docstring): a scalar ("mean", "sum"), per-row losses
     shaped as ``target`` ("none") or per-segment means (``"segment"``), differentiable in ``hidden``, ``weight``
     and ``bias``."""
-    lead, H, V = _check(hidden, weight, target, teacher_logits, bias, teacher_hidden, teacher_weight, teacher_bias,
-                        kind, reduction, detach_teacher, double_backward)
+    lead, H, V = _check(
+        hidden,
+        weight,
+        target,
+        teacher_logits,
+        bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        kind,
+        reduction,
+        detach_teacher,
+        double_backward,
+    )
     _validate.check_tau("tau", tau)
     h = hidden.reshape(-1, H)
     R = h.shape[0]
@@ -449,20 +876,40 @@ def linear_distill(hidden: Tensor, weight: Tensor, target: Tensor, teacher_logit
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
     be = _backend.resolve_for(backend, dev.type, h.dtype)
-    nod = (lambda x: None if x is None else x.detach())
+    nod = lambda x: None if x is None else x.detach()
     t = nod(teacher_logits.reshape(R, V)) if teacher_logits is not None else None
     th = nod(teacher_hidden.reshape(R, -1)) if teacher_hidden is not None else None
     acc = _loss_dtype(h)
-    scale = row_scale_torch(y, V, ignore_index, segments, acc) if reduction in ("mean", "segment") else \
-        torch.ones(R, dtype=acc, device=dev)
+    scale = (
+        row_scale_torch(y, V, ignore_index, segments, acc)
+        if reduction in ("mean", "segment")
+        else torch.ones(R, dtype=acc, device=dev)
+    )
     grad_on = torch.is_grad_enabled()
     traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
     # torch.compile guards on requires_grad; an exported or traced graph is run later with whichever inputs require
     # grad then, so it forms every gradient (unless grad mode was off when it was made)
     fixed = torch.jit.is_tracing() or torch.compiler.is_exporting()
     need = [grad_on and x is not None and (fixed or x.requires_grad) for x in (hidden, weight, bias)]
-    args = (h, weight, bias, t, th, nod(teacher_weight), nod(teacher_bias), y, scale, float(tau), float(ce_weight),
-            float(kd_weight), kind == "not_true", int(ignore_index), int(chunk), be, *need)
+    args = (
+        h,
+        weight,
+        bias,
+        t,
+        th,
+        nod(teacher_weight),
+        nod(teacher_bias),
+        y,
+        scale,
+        float(tau),
+        float(ce_weight),
+        float(kd_weight),
+        kind == "not_true",
+        int(ignore_index),
+        int(chunk),
+        be,
+        *need,
+    )
     if reduction in ("mean", "sum"):
         if traced:  # torch.compile, torch.export, torch.jit.trace: the custom op
             return _total_op(*args)[0]

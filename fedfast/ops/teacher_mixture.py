@@ -5,6 +5,7 @@
 M separate KL terms). With ``not_true`` each p_m is the softmax over the not-true classes (FedNTD).
 In the engine it is computed once per round per cached teacher table.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,17 +15,20 @@ from . import _backend, _validate
 from .distill_reference import teacher_mixture_reference
 
 
-def _mixture_rows(teachers: Tensor, weights: Tensor, target: Tensor, tau: float, not_true: bool,
-                  ignore_index: int, backend: str) -> tuple[Tensor, Tensor]:
+def _mixture_rows(
+    teachers: Tensor, weights: Tensor, target: Tensor, tau: float, not_true: bool, ignore_index: int, backend: str
+) -> tuple[Tensor, Tensor]:
     if backend == "reference":
-        return teacher_mixture_reference(teachers, weights, target, tau=tau, not_true=not_true,
-                                         ignore_index=ignore_index)
+        return teacher_mixture_reference(
+            teachers, weights, target, tau=tau, not_true=not_true, ignore_index=ignore_index
+        )
     args = (teachers, weights, target, float(tau), bool(not_true), int(ignore_index))
     if backend == "cpu":
         return tuple(_backend.cpu_ext().teacher_mixture(*args))
     if backend == "cuda":
         return tuple(_backend.cuda_ext().teacher_mixture(*args))
     from ..triton.teacher_mixture import teacher_mixture_triton
+
     return teacher_mixture_triton(*args)
 
 
@@ -47,13 +51,23 @@ def mixture_weights(weights, M: int, dev, dtype: torch.dtype, mode: str) -> Tens
         raise ValueError(f"teacher_weights: expected shape ({M},) (one weight per teacher), got {tuple(w.shape)}")
     w = w.to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
     if mode != "off":
-        _validate.check("teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(),
-                        "weights must be finite and >= 0", mode)
+        _validate.check(
+            "teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(), "weights must be finite and >= 0", mode
+        )
     return w
 
 
-def teacher_mixture(teachers: Tensor, weights, target: Tensor, *, tau: float = 1.0, not_true: bool = False,
-                    ignore_index: int = -100, backend: str | None = None, validate: str | None = None):
+def teacher_mixture(
+    teachers: Tensor,
+    weights,
+    target: Tensor,
+    *,
+    tau: float = 1.0,
+    not_true: bool = False,
+    ignore_index: int = -100,
+    backend: str | None = None,
+    validate: str | None = None,
+):
     """Return ``(P [R, C], negent [R])`` (fp32; fp64 for fp64 teachers). See the module docstring."""
     _validate.check_logits("teachers", teachers, ndim=3)
     _validate.check_tau("tau", tau)
@@ -64,5 +78,6 @@ def teacher_mixture(teachers: Tensor, weights, target: Tensor, *, tau: float = 1
     _validate.check_target(target, R, C, ignore_index, dev, mode)
     be = _backend.resolve_for(backend, dev.type, teachers.dtype)
     plain = _backend.plain_eager(teachers, w, target)
-    return (_mixture_rows if plain else teacher_mixture_op)(teachers.detach().contiguous(), w, target.contiguous(),
-                                                            float(tau), bool(not_true), int(ignore_index), be)
+    return (_mixture_rows if plain else teacher_mixture_op)(
+        teachers.detach().contiguous(), w, target.contiguous(), float(tau), bool(not_true), int(ignore_index), be
+    )

@@ -29,6 +29,7 @@ method of one; ``fedfast sweep --preset NAME`` runs several methods over several
 five papers' tables runs in fedfast (a test checks that each row names a registered method); rows a column does
 not have are listed with why. Unknown tables and keys are refused with the file and key named.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,20 +50,20 @@ class Preset:
     paper: str
     table: str
     cell: str
-    metric: str                      # "final" or "best"
+    metric: str  # "final" or "best"
     seeds: list
-    keys: dict                       # run and engine keys of the cell
-    options: dict = field(default_factory=dict)   # {method: {option table: {...}}} as the paper runs them
-    engine: dict = field(default_factory=dict)    # {method: {engine key: value}}
+    keys: dict  # run and engine keys of the cell
+    options: dict = field(default_factory=dict)  # {method: {option table: {...}}} as the paper runs them
+    engine: dict = field(default_factory=dict)  # {method: {engine key: value}}
     reported: dict = field(default_factory=dict)  # {method: [mean] or [mean, std]} in %
     notes: str = ""
     default_methods: list = field(default_factory=list)  # [preset] methods: rows every cell runs
-    missing: dict = field(default_factory=dict)   # {method: why the table has no number for it in this cell}
-    reported_note: str = ""                       # what qualifies this cell's reported numbers (a fidelity note)
-    source: str = ""                              # the study file (absolute path)
-    plugins: tuple = ()                           # plug-in method files it names (absolute paths)
-    grid: dict = field(default_factory=dict)      # {key: [values]}: option grids of the study
-    select: str = ""                              # the metric report selects grid points on ("" = the default)
+    missing: dict = field(default_factory=dict)  # {method: why the table has no number for it in this cell}
+    reported_note: str = ""  # what qualifies this cell's reported numbers (a fidelity note)
+    source: str = ""  # the study file (absolute path)
+    plugins: tuple = ()  # plug-in method files it names (absolute paths)
+    grid: dict = field(default_factory=dict)  # {key: [values]}: option grids of the study
+    select: str = ""  # the metric report selects grid points on ("" = the default)
 
     def config(self, algorithm: str) -> dict:
         """The config dict (as a TOML file would give it) of ``algorithm`` in this cell."""
@@ -93,9 +94,18 @@ class Preset:
 
     def card(self) -> dict:
         """What a study directory records of its cell (study.json), so that its report needs no study file."""
-        return {"name": self.name, "source": self.source, "paper": self.paper, "table": self.table,
-                "cell": self.cell, "metric": self.metric, "reported": self.reported, "notes": self.notes,
-                "missing": self.missing, "reported_note": self.reported_note}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "paper": self.paper,
+            "table": self.table,
+            "cell": self.cell,
+            "metric": self.metric,
+            "reported": self.reported,
+            "notes": self.notes,
+            "missing": self.missing,
+            "reported_note": self.reported_note,
+        }
 
 
 def _fail(path: str, where: str, msg: str) -> ValueError:
@@ -131,16 +141,21 @@ def load_file(path: str) -> list[Preset]:
     d = read_config_file(path)
     bad = [k for k in d if k not in _TOP]
     if bad:
-        raise _fail(path, bad[0], f"unknown table or key of a study file (known: {', '.join(_TOP)}; a study's "
-                                  f"run keys go in [protocol] or a cell)")
+        raise _fail(
+            path,
+            bad[0],
+            f"unknown table or key of a study file (known: {', '.join(_TOP)}; a study's "
+            f"run keys go in [protocol] or a cell)",
+        )
     meta = _table(path, "preset", d.get("preset", {}))
     bad = [k for k in meta if k not in _META]
     if bad:
         raise _fail(path, f"preset.{bad[0]}", f"unknown key (known: {', '.join(_META)})")
     metric = meta.get("metric", "final")
     if metric not in ("final", "best"):
-        raise _fail(path, "preset.metric", f"\"final\" or \"best\" (which accuracy the reported numbers are), "
-                                           f"got {metric!r}")
+        raise _fail(
+            path, "preset.metric", f'"final" or "best" (which accuracy the reported numbers are), got {metric!r}'
+        )
     seeds = meta.get("seeds", [0, 1, 2])
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int and s >= 0 for s in seeds):
         raise _fail(path, "preset.seeds", f"expected a non-empty list of integers >= 0, got {seeds!r}")
@@ -161,8 +176,9 @@ def load_file(path: str) -> list[Preset]:
         for p in plugins:
             methods.load_plugin(p)
     protocol = _table(path, "protocol", d.get("protocol", {}))
-    options = {m: dict(_table(path, f"options.{m}", o))
-               for m, o in _table(path, "options", d.get("options", {})).items()}
+    options = {
+        m: dict(_table(path, f"options.{m}", o)) for m, o in _table(path, "options", d.get("options", {})).items()
+    }
     engine = {m: dict(_table(path, f"engine.{m}", e)) for m, e in _table(path, "engine", d.get("engine", {})).items()}
     grid = flat_grid(path, _table(path, "grid", d.get("grid", {})))
     cells = _table(path, "cells", d.get("cells", {"default": {}}))
@@ -172,8 +188,11 @@ def load_file(path: str) -> list[Preset]:
         c = dict(_table(path, f"cells.{cell}", c))
         reported = {}
         for m, v in _table(path, f"cells.{cell}.reported", c.pop("reported", {})).items():
-            if not (isinstance(v, list) and 1 <= len(v) <= 2 and all(isinstance(x, (int, float)) and
-                                                                     not isinstance(x, bool) for x in v)):
+            if not (
+                isinstance(v, list)
+                and 1 <= len(v) <= 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            ):
                 raise _fail(path, f"cells.{cell}.reported.{m}", f"expected [mean] or [mean, std] in %, got {v!r}")
             reported[m] = [float(x) for x in v]
         missing = {k: str(v) for k, v in _table(path, f"cells.{cell}.missing", c.pop("missing", {})).items()}
@@ -185,9 +204,28 @@ def load_file(path: str) -> list[Preset]:
                 merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
             opts[m] = merged
         keys = {**protocol, **c}
-        out.append(Preset(f"{stem}/{cell}", meta.get("paper", ""), meta.get("table", ""), cell, metric, list(seeds),
-                          keys, opts, engine, reported, meta.get("notes", ""), list(meta.get("methods", [])),
-                          missing, note, path, tuple(plugins), grid, meta.get("select", "")))
+        out.append(
+            Preset(
+                f"{stem}/{cell}",
+                meta.get("paper", ""),
+                meta.get("table", ""),
+                cell,
+                metric,
+                list(seeds),
+                keys,
+                opts,
+                engine,
+                reported,
+                meta.get("notes", ""),
+                list(meta.get("methods", [])),
+                missing,
+                note,
+                path,
+                tuple(plugins),
+                grid,
+                meta.get("select", ""),
+            )
+        )
     return out
 
 
@@ -222,32 +260,37 @@ def resolve(spec: str, what: str = "--preset") -> list[Preset]:
     if os.path.isfile(spec):
         return load_file(spec)
     i = spec.rfind(".toml/")
-    if i >= 0 and os.path.isfile(spec[:i + 5]):
-        cells = load_file(spec[:i + 5])
-        want = spec[i + 6:]
+    if i >= 0 and os.path.isfile(spec[: i + 5]):
+        cells = load_file(spec[: i + 5])
+        want = spec[i + 6 :]
         hit = [p for p in cells if p.cell == want]
         if not hit:
-            raise ValueError(f"{what}: {spec[:i + 5]} has no cell {want!r} (its cells: "
-                             f"{', '.join(p.cell for p in cells)})")
+            raise ValueError(
+                f"{what}: {spec[: i + 5]} has no cell {want!r} (its cells: {', '.join(p.cell for p in cells)})"
+            )
         return hit
     if spec.endswith(".toml") or ".toml/" in spec:
-        raise ValueError(f"{what}: study file {spec[:i + 5] if i >= 0 else spec}: no such file")
+        raise ValueError(f"{what}: study file {spec[: i + 5] if i >= 0 else spec}: no such file")
     allp = load_all()
     if spec in allp:
         return [allp[spec]]
     whole = [p for p in allp.values() if p.name.split("/", 1)[0] == spec]
     if whole:
         return whole
-    raise ValueError(f"{what}: no preset {spec!r} and no such study file (`fedfast presets` lists the presets; a "
-                     f"study file is a path ending in .toml)")
+    raise ValueError(
+        f"{what}: no preset {spec!r} and no such study file (`fedfast presets` lists the presets; a "
+        f"study file is a path ending in .toml)"
+    )
 
 
 def get(name: str, what: str = "--preset") -> Preset:
     """The one cell ``name`` names (see :func:`resolve`)."""
     cells = resolve(name, what)
     if len(cells) > 1:
-        raise ValueError(f"{what}: {name} has {len(cells)} cells; name one as {name}/CELL (cells: "
-                         f"{', '.join(p.cell for p in cells)})")
+        raise ValueError(
+            f"{what}: {name} has {len(cells)} cells; name one as {name}/CELL (cells: "
+            f"{', '.join(p.cell for p in cells)})"
+        )
     return cells[0]
 
 

@@ -2,6 +2,7 @@
 client of a chunk needs, how many clients a chunk holds, and the message of an :class:`~fedfast.sim.memory.OutOfMemory`
 naming the setting to change. The engine measures the inputs (the model's activations, what the device has free)
 and calls these; nothing here reads a device or a model, so each is tested alone (``tests/test_budget.py``)."""
+
 from __future__ import annotations
 
 from .memory import CPU_CHUNK_PARAM_BYTES, _gib
@@ -40,8 +41,19 @@ def chunk_clients(budget: float, row_bytes: int, act_bytes: int, num_params: int
     return n
 
 
-def oom_message(what: str, key: str, *, next_round: int, memory_state: str, chunk: int, num_params: int,
-                row_bytes: int, act_bytes: int, batch_size: int, eval_batch: int) -> str:
+def oom_message(
+    what: str,
+    key: str,
+    *,
+    next_round: int,
+    memory_state: str,
+    chunk: int,
+    num_params: int,
+    row_bytes: int,
+    act_bytes: int,
+    batch_size: int,
+    eval_batch: int,
+) -> str:
     """The message of an out-of-memory failure in ``what`` (during round ``next_round``, 1-based, unless ``what`` is
     an allocation at set-up): the memory state, the estimate, and the setting ``key`` (``client_chunk`` or
     ``eval_batch``, whose results do not depend on them; ``state_dtype``: the per-client state store)."""
@@ -55,10 +67,13 @@ def oom_message(what: str, key: str, *, next_round: int, memory_state: str, chun
             f"{row_bytes // max(4 * num_params, 1)} parameter-sized fp32 buffers, plus batch-{batch_size} "
             f"activations). Set client_chunk = "
             f"{max(1, chunk // 2)} (or a lower memory_budget_gb) to train fewer clients at a time; results "
-            f"do not depend on it.")
+            f"do not depend on it."
+        )
     if key == "state_dtype":
-        return head + ("The store holds a row for every client trained so far: state_dtype = 'bfloat16' halves it, "
-                       "state_on_host = true moves it to host memory, state_store = 'disk' (or a lower "
-                       "state_memory_gb with state_store = 'auto') keeps the rows in a memory-mapped file of the run "
-                       "directory, fewer rounds or a smaller cohort touch fewer clients.")
+        return head + (
+            "The store holds a row for every client trained so far: state_dtype = 'bfloat16' halves it, "
+            "state_on_host = true moves it to host memory, state_store = 'disk' (or a lower "
+            "state_memory_gb with state_store = 'auto') keeps the rows in a memory-mapped file of the run "
+            "directory, fewer rounds or a smaller cohort touch fewer clients."
+        )
     return head + f"Set eval_batch lower than {eval_batch} (rows per forward pass); results do not depend on it."

@@ -1,4 +1,5 @@
 """Test (and validation) metrics of the evaluated model, per class, a round's record, and FedNTD's forgetting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from .settings import Settings
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSettings(Settings):
     """What the evaluator reads of a run's config: which rounds are evaluated."""
+
     eval_every: int
     rounds: int
 
@@ -26,8 +28,14 @@ class Evaluator:
     ``runtime``: the :class:`~fedfast.sim.runtime.ModelRuntime`; ``comm``: the run's collectives (each process
     evaluates its share of the rows, the sums are all-reduced)."""
 
-    def __init__(self, settings: EvalSettings, runtime: ModelRuntime, comm: Local | Distributed, test: ArrayDataset,
-                 validation: ArrayDataset | None):
+    def __init__(
+        self,
+        settings: EvalSettings,
+        runtime: ModelRuntime,
+        comm: Local | Distributed,
+        test: ArrayDataset,
+        validation: ArrayDataset | None,
+    ):
         self.settings = EvalSettings.given(settings)
         self.runtime, self.comm, self.test, self.validation = runtime, comm, test, validation
 
@@ -46,15 +54,27 @@ class Evaluator:
                 z = rt.forward(flat, x).float()
                 acc[-1] += F.cross_entropy(z, y, reduction="sum").double()
                 acc[:C].index_add_(0, y, (z.argmax(1) == y).double())
-                acc[C:2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+                acc[C : 2 * C].index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
         self.comm.sum_(acc)
-        correct, count = acc[:C], acc[C:2 * C]
+        correct, count = acc[:C], acc[C : 2 * C]
         n = len(data)
         class_acc = (correct / count.clamp_min(1)).float().cpu()
         return float(correct.sum()) / n, float(acc[-1]) / n, class_acc
 
-    def record(self, rnd: int, flat: torch.Tensor, history: list, class_accs: list, totals: dict, loss_sum,
-               timers: dict, t1: float, *, chunk: int, method_metrics: dict) -> tuple[dict, object]:
+    def record(
+        self,
+        rnd: int,
+        flat: torch.Tensor,
+        history: list,
+        class_accs: list,
+        totals: dict,
+        loss_sum,
+        timers: dict,
+        t1: float,
+        *,
+        chunk: int,
+        method_metrics: dict,
+    ) -> tuple[dict, object]:
         """Round ``rnd``'s record (1-based) and the per-class test accuracy it measured (None when it did not
         evaluate): test metrics of the model ``flat`` on every ``eval_every``-th round and after the last one;
         other rounds report ``None`` for them (forgetting and the best accuracy run over the evaluated rounds of
@@ -66,14 +86,21 @@ class Evaluator:
             if self.validation is not None:
                 val = self.evaluate(flat, self.validation)
         timers["eval"] = time.perf_counter() - t1
-        accs = [h["test_accuracy"] for h in history if h["test_accuracy"] is not None] + \
-            ([acc] if acc is not None else [])
-        rec = {"round": rnd, "test_accuracy": acc, "test_loss": test_loss,
-               "train_loss": float(loss_sum) / max(totals["steps"], 1),
-               "best_test_accuracy": max(accs) if accs else None,
-               "forgetting": forgetting(class_accs + [class_acc]) if acc is not None else None,
-               "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
-               "clients": totals["clients"], "timers": timers, "client_chunk": chunk}
+        accs = [h["test_accuracy"] for h in history if h["test_accuracy"] is not None] + (
+            [acc] if acc is not None else []
+        )
+        rec = {
+            "round": rnd,
+            "test_accuracy": acc,
+            "test_loss": test_loss,
+            "train_loss": float(loss_sum) / max(totals["steps"], 1),
+            "best_test_accuracy": max(accs) if accs else None,
+            "forgetting": forgetting(class_accs + [class_acc]) if acc is not None else None,
+            "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
+            "clients": totals["clients"],
+            "timers": timers,
+            "client_chunk": chunk,
+        }
         if self.validation is not None:
             rec["val_accuracy"], rec["val_loss"] = (val[0], val[1]) if val is not None else (None, None)
         if method_metrics:

@@ -2,6 +2,7 @@
 protocol, and nothing else, by delegating to the parts of a run - the model runtime, the round plan, the memory
 budget, the run state, the server-held splits and (once the chunk is sized) the chunk trainer. It holds those parts,
 never the :class:`fedfast.Simulation` that wires them. ``Method.bind`` receives it."""
+
 from __future__ import annotations
 
 import warnings
@@ -28,11 +29,38 @@ class EngineView:
     is sized (a method declares its per-client state to it: ``Method.client_state_spec``); the chunk trainer is
     attached once it exists, before ``Method.bind``."""
 
-    __slots__ = ("_runtime", "_plan", "_budget", "_state", "_splits", "_trainer", "_binding", "device", "backend",
-                 "num_clients", "num_params", "num_classes", "seed", "train", "config", "client_sizes", "num_buffers")
+    __slots__ = (
+        "_runtime",
+        "_plan",
+        "_budget",
+        "_state",
+        "_splits",
+        "_trainer",
+        "_binding",
+        "device",
+        "backend",
+        "num_clients",
+        "num_params",
+        "num_classes",
+        "seed",
+        "train",
+        "config",
+        "client_sizes",
+        "num_buffers",
+    )
 
-    def __init__(self, config: SimConfig, *, runtime: ModelRuntime, plan: RoundPlan, budget: MemoryBudget,
-                 state: RunState, train: ArrayDataset, server_splits: dict, device: torch.device):
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        runtime: ModelRuntime,
+        plan: RoundPlan,
+        budget: MemoryBudget,
+        state: RunState,
+        train: ArrayDataset,
+        server_splits: dict,
+        device: torch.device,
+    ):
         self._runtime, self._plan, self._budget, self._state = runtime, plan, budget, state
         self._splits, self._trainer, self._binding = server_splits, None, False
         self.device, self.backend, self.seed, self.config = device, config.backend, config.seed, config
@@ -47,8 +75,10 @@ class EngineView:
     @property
     def _tr(self):
         if self._trainer is None:
-            raise RuntimeError("the chunk's rows exist once the engine has sized the chunk: a method reads them from "
-                               "Method.setup on, not in client_state_spec")
+            raise RuntimeError(
+                "the chunk's rows exist once the engine has sized the chunk: a method reads them from "
+                "Method.setup on, not in client_state_spec"
+            )
         return self._trainer
 
     @property
@@ -78,23 +108,48 @@ class EngineView:
     def eval_mode(self):
         return self._runtime.eval_mode()
 
-    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
-                buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+    def forward(
+        self,
+        flat: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        features: bool = False,
+        buffers: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ):
         return self._runtime.forward(flat, x, features=features, buffers=buffers, valid=valid)
 
-    def forward_clients(self, rows: torch.Tensor, x: torch.Tensor, *, features: bool = False,
-                        buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+    def forward_clients(
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        features: bool = False,
+        buffers: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ):
         """Models ``rows`` [n, P] (buffers [n, B] or [B], default the global model's) on ``x`` [n, B, ...] (the
         trainer stack's batched forward)."""
         rt, n = self._runtime, rows.shape[0]
         b = rt.buffers if buffers is None else buffers
         return self._tr.stack.vmap_forward(
-            x, rows=slice(0, n), params=rt.layout.param_views(rows),
+            x,
+            rows=slice(0, n),
+            params=rt.layout.param_views(rows),
             features=rt.features_module() if features else None,
-            buffers=rt.layout.buffer_views(b.expand(n, -1) if b.dim() == 1 else b), valid=valid)
+            buffers=rt.layout.buffer_views(b.expand(n, -1) if b.dim() == 1 else b),
+            valid=valid,
+        )
 
-    def forward_each(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
-                     buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+    def forward_each(
+        self,
+        flat: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        features: bool = False,
+        buffers: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ):
         """One model (flat [P]) on each client's own batch ``x`` [n, B, ...] -> [n, B, C] (or (features, logits)).
         Models that normalise with batch statistics see each client's batch alone (a grouped forward, as in a
         per-client loop); other models run once on the n*B rows (the same values, without n weight copies)."""
@@ -106,21 +161,31 @@ class EngineView:
             return out[0].reshape(n, B, -1), out[1].reshape(n, B, -1)
         return out.reshape(n, B, -1)
 
-    def predict(self, flat: torch.Tensor, dataset, idx: torch.Tensor | None = None, dtype=torch.float32,
-                buffers: torch.Tensor | None = None):
+    def predict(
+        self,
+        flat: torch.Tensor,
+        dataset,
+        idx: torch.Tensor | None = None,
+        dtype=torch.float32,
+        buffers: torch.Tensor | None = None,
+    ):
         return self._runtime.predict(flat, dataset, idx, dtype, buffers)
 
-    def new_client_state(self, fill: torch.Tensor | None = None, rows: int = 1, *,
-                         cols: int | None = None) -> ClientState:
+    def new_client_state(
+        self, fill: torch.Tensor | None = None, rows: int = 1, *, cols: int | None = None
+    ) -> ClientState:
         """Per-client state ``[K, rows * P]`` (``rows`` parameter-sized rows per client, e.g. FedCurv's Fisher and
         Fisher-weighted model); ``fill`` [P] repeated into every row; ``cols``: rows of ``cols`` values instead
         (``fill`` then [cols]). Deprecated inside ``Method.setup``: declare the state (``Method.client_state_spec``)
         so the memory budget sizes the chunk with it; the engine then allocates it before ``setup``."""
         if self._binding:
-            warnings.warn("new_client_state in Method.setup is deprecated (it goes in the next release): return "
-                          "fedfast.methods.StateSpec(rows=..., cols=..., fill=...) from the method's client_state_spec "
-                          "instead; the engine allocates self.client_state before setup", DeprecationWarning,
-                          stacklevel=3)
+            warnings.warn(
+                "new_client_state in Method.setup is deprecated (it goes in the next release): return "
+                "fedfast.methods.StateSpec(rows=..., cols=..., fill=...) from the method's client_state_spec "
+                "instead; the engine allocates self.client_state before setup",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         return self._budget.client_state(self.num_clients, fill, rows, cols=cols)
 
     def head_params(self, params) -> tuple:
@@ -141,8 +206,16 @@ class EngineView:
         """F, the classifier's input width (``Step.features`` is ``[n, B, F]``)."""
         return self._runtime.features_module().in_features
 
-    def client_data(self, ctx: Round, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
-                    train_mode: bool = False):
+    def client_data(
+        self,
+        ctx: Round,
+        lo: int,
+        hi: int,
+        *,
+        features: bool = False,
+        batch: int | None = None,
+        train_mode: bool = False,
+    ):
         """The chunk's clients' models over their own samples, each once, un-augmented, in slices of ``batch`` per
         client (:meth:`fedfast.sim.trainer.ChunkTrainer.client_data`): yields ``fedfast.methods.ClientData``."""
         return self._tr.client_data(ctx, lo, hi, features=features, batch=batch, train_mode=train_mode)
@@ -153,8 +226,13 @@ class EngineView:
         return self._tr.stack.buffers[:n]
 
 
-def bind_method(method: Method, view: EngineView, budget: MemoryBudget, size_chunk: Callable[[], int],
-                make_trainer: Callable[[int], ChunkTrainer]) -> tuple[int, ChunkTrainer]:
+def bind_method(
+    method: Method,
+    view: EngineView,
+    budget: MemoryBudget,
+    size_chunk: Callable[[], int],
+    make_trainer: Callable[[int], ChunkTrainer],
+) -> tuple[int, ChunkTrainer]:
     """Wire ``method`` to its engine in the order that needs no back-reference: the method declares its per-client
     state to the view of the parts so far (``Method.client_state_spec``), the budget sizes the chunk with it
     (``size_chunk()``), the chunk trainer is made (``make_trainer(chunk)``) and attached to the view, the store is
@@ -163,15 +241,18 @@ def bind_method(method: Method, view: EngineView, budget: MemoryBudget, size_chu
     needs it. Returns ``(chunk, trainer)``."""
     spec = method.client_state_spec(view)
     if spec is not None and not isinstance(spec, StateSpec):
-        raise HookError(f"{hook_site(method, 'client_state_spec')}: must return a fedfast.methods.StateSpec or None, "
-                        f"got {describe_value(spec)}")
+        raise HookError(
+            f"{hook_site(method, 'client_state_spec')}: must return a fedfast.methods.StateSpec or None, "
+            f"got {describe_value(spec)}"
+        )
     budget.declare(spec.values(view.num_params) if spec is not None else None)
     chunk = size_chunk()
     trainer = make_trainer(chunk)
     view._attach(trainer)
     if spec is not None:
-        method.client_state = budget.client_state(view.num_clients, spec.fill, spec.rows, cols=spec.cols,
-                                                  float32=spec.float32)
+        method.client_state = budget.client_state(
+            view.num_clients, spec.fill, spec.rows, cols=spec.cols, float32=spec.float32
+        )
     view._binding = True
     try:
         method.bind(view)

@@ -1,4 +1,5 @@
 """The checks a :class:`fedfast.Simulation`'s arguments pass before anything is built."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,9 @@ from ..data.datasets import ArrayDataset
 from ..data.partition import Partition
 
 
-def check_inputs(model, datasets, partition, loss_fn, schedule, data_order, *, client_sampling: str,
-                 augment: str) -> None:
+def check_inputs(
+    model, datasets, partition, loss_fn, schedule, data_order, *, client_sampling: str, augment: str
+) -> None:
     """The arguments of :class:`fedfast.Simulation` (``datasets``: ``(name, dataset or None)`` pairs, the training
     set first; ``client_sampling``, ``augment``: its config's): their types and agreement (classes, frozen
     parameters, augmentation of non-images, a model's own data checks), a clear error naming the argument, before
@@ -31,12 +33,16 @@ def check_inputs(model, datasets, partition, loss_fn, schedule, data_order, *, c
         raise TypeError("data_order: expected a callable (round, client, epoch, n) -> permutation of range(n)")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
-        raise ValueError(f"model: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} are frozen "
-                         f"(requires_grad=False); the engine trains every parameter of the model, so train a "
-                         f"model without them (e.g. move frozen layers into preprocessing)")
+        raise ValueError(
+            f"model: parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} are frozen "
+            f"(requires_grad=False); the engine trains every parameter of the model, so train a "
+            f"model without them (e.g. move frozen layers into preprocessing)"
+        )
     if augment != "none" and not train.is_image:
-        raise ValueError(f"augment: {augment!r} augments images; the training set holds {train.name or 'tokens'}"
-                         f" (use augment = 'none')")
+        raise ValueError(
+            f"augment: {augment!r} augments images; the training set holds {train.name or 'tokens'}"
+            f" (use augment = 'none')"
+        )
     check = getattr(model, "check_data", None)  # a model may refuse data it was not made for (HFClassifier)
     if callable(check):
         for name, ds in datasets:

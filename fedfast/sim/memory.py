@@ -1,4 +1,5 @@
 """Memory: what is free on a device, the error a run that does not fit raises, and full-fp32 matmuls."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,7 @@ def _gib(b: float) -> str:
 
 def _is_oom(e: BaseException) -> bool:
     """A device allocation failure (CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 CPU_CHUNK_PARAM_BYTES = 128 * 2**20  # auto chunking on a CPU: at most this much of the chunk's parameters

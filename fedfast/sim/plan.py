@@ -2,6 +2,7 @@
 who trains (the cohort), in which order each client reads its data, ``local_steps`` mode's table of rows per step,
 and :class:`RoundPlan`, which holds the placement and gives each round's context, weights, batch tables and
 augmented minibatches. Nothing here reads the engine; each part is tested alone (``tests/test_plan.py``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,13 @@ from ..data.datasets import ArrayDataset
 from ..data.partition import ClientIndices, Partition
 from ..methods.base import Method, Round
 from ..methods.hooks import hook_site
-from ..sampling import (client_order, sample_clients, sample_clients_bernoulli, sample_clients_poisson,
-                        sample_clients_round_seeded)
+from ..sampling import (
+    client_order,
+    sample_clients,
+    sample_clients_bernoulli,
+    sample_clients_poisson,
+    sample_clients_round_seeded,
+)
 from .settings import Settings
 
 
@@ -30,8 +36,14 @@ def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:
     return min(num_clients, int(np.ceil(num_clients * p + 4 * np.sqrt(num_clients * p * (1 - p)))))
 
 
-def round_clients(seed: int, rnd: int, num_clients: int, clients_per_round: int, sampling: str,
-                  schedule: Sequence | Callable | None = None) -> np.ndarray:
+def round_clients(
+    seed: int,
+    rnd: int,
+    num_clients: int,
+    clients_per_round: int,
+    sampling: str,
+    schedule: Sequence | Callable | None = None,
+) -> np.ndarray:
     """Round ``rnd``'s (0-based) participants as int64 ids: the seeded sampler named by ``sampling`` ("uniform",
     "bernoulli", "round_seeded"), or the user's ``schedule`` (a list of per-round id lists, or ``rnd -> ids``),
     checked: a non-empty 1-d list of distinct ids in [0, num_clients); errors name ``schedule`` and the round."""
@@ -53,8 +65,9 @@ def round_clients(seed: int, rnd: int, num_clients: int, clients_per_round: int,
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"schedule: round {rnd + 1}: expected a non-empty 1-d list of client ids, got {ids!r}")
     if ids.min() < 0 or ids.max() >= num_clients or len(np.unique(ids)) != len(ids):
-        raise ValueError(f"schedule: round {rnd + 1}: client ids must be distinct and in [0, {num_clients}), "
-                         f"got {ids.tolist()}")
+        raise ValueError(
+            f"schedule: round {rnd + 1}: client ids must be distinct and in [0, {num_clients}), got {ids.tolist()}"
+        )
     return ids.astype(np.int64)
 
 
@@ -66,13 +79,21 @@ def data_order(seed: int, rnd: int, client: int, epoch: int, n: int, user_order:
         return client_order(seed, rnd, client, epoch, n)
     perm = np.asarray(user_order(rnd, client, epoch, n))
     if perm.shape != (n,) or not np.array_equal(np.sort(perm), np.arange(n)):
-        raise ValueError(f"data_order: round {rnd + 1}, client {client}, epoch {epoch}: expected a "
-                         f"permutation of range({n})")
+        raise ValueError(
+            f"data_order: round {rnd + 1}, client {client}, epoch {epoch}: expected a permutation of range({n})"
+        )
     return perm
 
 
-def steps_table(clients: np.ndarray, sizes: np.ndarray, data_batches: np.ndarray, steps: int, batch_size: int,
-                client_rows: Sequence[np.ndarray], order: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+def steps_table(
+    clients: np.ndarray,
+    sizes: np.ndarray,
+    data_batches: np.ndarray,
+    steps: int,
+    batch_size: int,
+    client_rows: Sequence[np.ndarray],
+    order: Callable[[int, int, int], np.ndarray],
+) -> np.ndarray:
     """``local_steps`` mode: rows ``[len(clients), steps * batch_size]`` of ``steps`` minibatches per client, taken
     from successive passes over its data (pass e in the order ``order(client, e, n)``; ``client_rows[client]``: its
     rows of the training set), each pass's ``data_batches`` batches, the last partial one padded with -1 (a smaller
@@ -86,8 +107,8 @@ def steps_table(clients: np.ndarray, sizes: np.ndarray, data_batches: np.ndarray
             idx = client_rows[k][order(k, e, nk)]
             for b in range(nb):
                 chunk = np.full(B, -1, dtype=np.int64)
-                part = idx[b * B:(b + 1) * B]
-                chunk[:len(part)] = part
+                part = idx[b * B : (b + 1) * B]
+                chunk[: len(part)] = part
                 rows.append(chunk)
             e += 1
         out[j] = np.concatenate(rows[:steps])
@@ -98,6 +119,7 @@ def steps_table(clients: np.ndarray, sizes: np.ndarray, data_batches: np.ndarray
 class PlanSettings(Settings):
     """What the round plan reads of a run's config: the cohort's size and sampling, the seed, the batch size and
     passes (epochs or steps, ``drop_last``), the learning-rate schedule, the augmentation and the weights."""
+
     clients_per_round: int
     client_sampling: str
     seed: int
@@ -118,9 +140,19 @@ class RoundPlan:
     tables, and each step's minibatch with its augmentation (:meth:`minibatch`). ``method`` is asked for its
     aggregation weights only (``Method.aggregation_weights``)."""
 
-    def __init__(self, settings: PlanSettings, train: ArrayDataset, partition: Partition, method: Method, *,
-                 device: torch.device, rank: int = 0, world: int = 1, schedule: Sequence | Callable | None = None,
-                 data_order: Callable | None = None):
+    def __init__(
+        self,
+        settings: PlanSettings,
+        train: ArrayDataset,
+        partition: Partition,
+        method: Method,
+        *,
+        device: torch.device,
+        rank: int = 0,
+        world: int = 1,
+        schedule: Sequence | Callable | None = None,
+        data_order: Callable | None = None,
+    ):
         self.settings = settings = PlanSettings.given(settings)
         self.train, self.method, self.device = train, method, device
         self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
@@ -131,8 +163,9 @@ class RoundPlan:
         if int(rows.max()) >= len(train):
             raise ValueError(f"partition: holds sample indices beyond the training set ({len(train)} samples)")
         if partition.num_classes is not None and partition.num_classes != train.num_classes:
-            raise ValueError(f"partition: made for {partition.num_classes} classes, the training set has "
-                             f"{train.num_classes}")
+            raise ValueError(
+                f"partition: made for {partition.num_classes} classes, the training set has {train.num_classes}"
+            )
         if schedule is None and settings.clients_per_round > K:
             raise ValueError(f"clients_per_round: {settings.clients_per_round} > {K} clients")
         self.num_classes = train.num_classes
@@ -145,8 +178,9 @@ class RoundPlan:
         in ``clients`` of each row's client (vectorised gathers over the compact partition: O(their samples))."""
         lens = self.client_sizes[clients]
         owner = np.repeat(np.arange(len(clients), dtype=np.int64), lens)
-        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens - self.offsets[clients],
-                                                                      lens)
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(lens) - lens - self.offsets[clients], lens
+        )
         return self.rows[pos], owner
 
     def histograms(self, clients: np.ndarray) -> torch.Tensor:
@@ -167,8 +201,11 @@ class RoundPlan:
     def max_cohort(self) -> int:
         """The most clients a round of this run can have (:func:`max_cohort`; a schedule: every client)."""
         c = self.settings
-        return max_cohort(c.clients_per_round, self.num_clients, c.client_sampling) if self.schedule is None \
+        return (
+            max_cohort(c.clients_per_round, self.num_clients, c.client_sampling)
+            if self.schedule is None
             else self.num_clients
+        )
 
     def clients(self, rnd: int) -> np.ndarray:
         """Round ``rnd``'s participants (:func:`round_clients`)."""
@@ -190,8 +227,10 @@ class RoundPlan:
         batches = (sizes // c.batch_size if c.drop_last else np.ceil(sizes / c.batch_size)).astype(int)  # per pass
         if c.drop_last and (batches == 0).any():
             small = sampled[batches == 0].tolist()
-            raise ValueError(f"drop_last: client(s) {small[:5]} hold fewer than batch_size = {c.batch_size} samples, "
-                             f"so drop_last leaves them no batch; use a smaller batch_size or drop_last = false")
+            raise ValueError(
+                f"drop_last: client(s) {small[:5]} hold fewer than batch_size = {c.batch_size} samples, "
+                f"so drop_last leaves them no batch; use a smaller batch_size or drop_last = false"
+            )
         order = np.argsort(-batches, kind="stable")  # most steps first: active clients are a prefix
         sampled, sizes, batches = sampled[order], sizes[order], batches[order]
         epochs = 1 if c.local_steps else c.local_epochs
@@ -202,21 +241,36 @@ class RoundPlan:
         positions = np.arange(len(sampled))
         num_total = len(sampled)
         if self.world > 1:  # this rank's clients: every world-th of the sorted list (balanced, still sorted)
-            sampled, sizes, steps, batches, weights = (a[self.rank::self.world] for a in (sampled, sizes, steps,
-                                                                                          batches, weights))
-            positions = positions[self.rank::self.world]
+            sampled, sizes, steps, batches, weights = (
+                a[self.rank :: self.world] for a in (sampled, sizes, steps, batches, weights)
+            )
+            positions = positions[self.rank :: self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
         hist = self.histograms(sampled)
-        ctx = Round(index=rnd, sampled=sampled, sizes=sizes, steps=steps, epochs=epochs,
-                    lr=c.lr * c.lr_decay ** rnd, sampled_t=sampled_t, hist=hist,
-                    positions=host_to_device(positions, self.device), num_total=num_total, weights=weights,
-                    clients=everyone, data_batches=batches)
+        ctx = Round(
+            index=rnd,
+            sampled=sampled,
+            sizes=sizes,
+            steps=steps,
+            epochs=epochs,
+            lr=c.lr * c.lr_decay**rnd,
+            sampled_t=sampled_t,
+            hist=hist,
+            positions=host_to_device(positions, self.device),
+            num_total=num_total,
+            weights=weights,
+            clients=everyone,
+            data_batches=batches,
+        )
         step_rows = None
         if c.local_steps:  # each client's rows for its local_steps steps
             step_rows = self.steps_table(ctx, 0, len(sampled), c.local_steps)
         if c.local_steps or c.drop_last:  # the labels of the rows each client trains on
-            tables = [step_rows] if c.local_steps else \
-                [self.batch_table(ctx, 0, len(sampled), e, int(steps[0]) * c.batch_size) for e in range(epochs)]
+            tables = (
+                [step_rows]
+                if c.local_steps
+                else [self.batch_table(ctx, 0, len(sampled), e, int(steps[0]) * c.batch_size) for e in range(epochs)]
+            )
             seen = np.zeros((len(sampled), self.num_classes), dtype=np.int64)
             for t in tables:
                 for j, r in enumerate(t):
@@ -233,14 +287,23 @@ class RoundPlan:
             return sizes.astype(np.float64) if self.settings.aggregate_weights == "size" else np.ones(len(ids))
         w = np.asarray(w, dtype=np.float64)
         if w.shape != ids.shape or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
-            raise ValueError(f"{hook_site(self.method, 'aggregation_weights')}: expected {len(ids)} finite "
-                             f"non-negative weights with a positive sum, got {w.tolist()}")
+            raise ValueError(
+                f"{hook_site(self.method, 'aggregation_weights')}: expected {len(ids)} finite "
+                f"non-negative weights with a positive sum, got {w.tolist()}"
+            )
         return w
 
     def steps_table(self, ctx: Round, lo: int, hi: int, T: int) -> np.ndarray:
         """``local_steps`` mode's rows for the round's clients ``lo:hi`` (:func:`steps_table`)."""
-        return steps_table(ctx.sampled[lo:hi], ctx.sizes[lo:hi], ctx.data_batches[lo:hi], T, self.settings.batch_size,
-                           self.client_rows, lambda k, e, n: self.order(ctx.index, k, e, n))
+        return steps_table(
+            ctx.sampled[lo:hi],
+            ctx.sizes[lo:hi],
+            ctx.data_batches[lo:hi],
+            T,
+            self.settings.batch_size,
+            self.client_rows,
+            lambda k, e, n: self.order(ctx.index, k, e, n),
+        )
 
     def batch_table(self, ctx: Round, lo: int, hi: int, epoch: int, width: int) -> np.ndarray:
         """The round's clients ``lo:hi``: their rows in local pass ``epoch``, each in its own data order, padded
@@ -254,20 +317,21 @@ class RoundPlan:
             table[j, :take] = self.client_rows[k][perm[:take]]
         return table
 
-    def minibatch(self, ctx: Round, table: torch.Tensor, lo: int, n_act: int, e: int, s: int,
-                  gen: torch.Generator):
+    def minibatch(self, ctx: Round, table: torch.Tensor, lo: int, n_act: int, e: int, s: int, gen: torch.Generator):
         """Step ``s`` of pass ``e`` for the chunk starting at ``lo``: the active clients' inputs [n_act, B, ...]
         (augmented with ``gen`` re-seeded from (seed, round, epoch, step) and each row's position in the whole
         cohort: the same for any chunking or number of processes), labels (-100 on padding rows), the valid-row
         mask and the row indices."""
         c, B = self.settings, self.settings.batch_size
-        rows = table[:n_act, s * B:(s + 1) * B]
+        rows = table[:n_act, s * B : (s + 1) * B]
         valid = rows >= 0
         ridx = rows.clamp_min(0)
         if c.augment != "none":
-            gen.manual_seed(int(np.random.SeedSequence([c.seed, 104729, ctx.index, e, s])
-                                .generate_state(1, np.uint64)[0]) & (2**63 - 1))
-            pos = (ctx.positions[lo:lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
+            gen.manual_seed(
+                int(np.random.SeedSequence([c.seed, 104729, ctx.index, e, s]).generate_state(1, np.uint64)[0])
+                & (2**63 - 1)
+            )
+            pos = (ctx.positions[lo : lo + n_act, None] * B + self._arange_b[None, :B]).reshape(-1)
             x, y = augmented_batch(self.train, ridx, gen, pipeline=c.augment, select=(ctx.num_total * B, pos))
         else:
             x, y = self.train.batch(ridx)

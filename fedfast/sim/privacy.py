@@ -24,6 +24,7 @@ std ``sigma_b = dp_clip_count_noise`` (default E / 20, the paper's), and after t
 paid for by noising the updates with ``z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (the paper's Theorem 1: the pair
 is then one Gaussian mechanism of multiplier z), so the accountant's z is unchanged.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +45,7 @@ _SERVER_SIDE = {"beta", "scale", "lr", "momentum", "ring", "ring_slot", "ring_co
 class PrivacySettings(Settings):
     """What a private run's server side reads of the config: the clip and noise (or the budget it is calibrated
     to), the accountant, adaptive clipping's settings, and the sampling the accountant assumes."""
+
     dp_clip: float
     dp_noise_multiplier: float | None
     dp_epsilon: float | None
@@ -67,9 +69,13 @@ class RoundPrivacy:
         self.clip = float(s.dp_clip)
         self.expected = float(s.clients_per_round)  # E: the expected cohort size (Poisson: q K)
         sampling = "poisson" if s.client_sampling == "poisson" else "fixed"
-        self.acct_kw = dict(sampling=sampling, num_clients=int(num_clients), accountant=s.dp_accountant,
-                            clients_per_round=int(s.clients_per_round) if sampling == "fixed" else None,
-                            rate=s.clients_per_round / num_clients if sampling == "poisson" else None)
+        self.acct_kw = dict(
+            sampling=sampling,
+            num_clients=int(num_clients),
+            accountant=s.dp_accountant,
+            clients_per_round=int(s.clients_per_round) if sampling == "fixed" else None,
+            rate=s.clients_per_round / num_clients if sampling == "poisson" else None,
+        )
         if s.dp_noise_multiplier is not None:
             self.z = float(s.dp_noise_multiplier)
         else:
@@ -87,25 +93,38 @@ class RoundPrivacy:
         if not self.adaptive or z == 0:
             return z
         if not 2 * self.sigma_b > z:
-            raise ValueError(f"dp_clip_count_noise: adaptive clipping's count noise {self.sigma_b:g} must exceed "
-                             f"dp_noise_multiplier / 2 = {z / 2:g} (the updates' noise is "
-                             f"(z^-2 - (2 sigma_b)^-2)^(-1/2)); raise dp_clip_count_noise")
-        return (z ** -2 - (2 * self.sigma_b) ** -2) ** -0.5
+            raise ValueError(
+                f"dp_clip_count_noise: adaptive clipping's count noise {self.sigma_b:g} must exceed "
+                f"dp_noise_multiplier / 2 = {z / 2:g} (the updates' noise is "
+                f"(z^-2 - (2 sigma_b)^-2)^(-1/2)); raise dp_clip_count_noise"
+            )
+        return (z**-2 - (2 * self.sigma_b) ** -2) ** -0.5
 
     @classmethod
-    def of(cls, settings: PrivacySettings, method: Method, plan: RoundPlan, runtime: ModelRuntime, schedule,
-           device: torch.device) -> "RoundPrivacy | None":
+    def of(
+        cls,
+        settings: PrivacySettings,
+        method: Method,
+        plan: RoundPlan,
+        runtime: ModelRuntime,
+        schedule,
+        device: torch.device,
+    ) -> "RoundPrivacy | None":
         """The run's DP parts (None without ``dp_clip``); a schedule (public cohorts) and a model with buffers
         (BatchNorm statistics, averaged from the clients' data unclipped) refused by name."""
         if not PrivacySettings.given(settings).dp_clip:
             return None
         if schedule is not None:
-            raise ValueError("schedule: a private run's cohorts must be sampled secretly (client_sampling); a "
-                             "given schedule is refused under dp_clip")
+            raise ValueError(
+                "schedule: a private run's cohorts must be sampled secretly (client_sampling); a "
+                "given schedule is refused under dp_clip"
+            )
         if runtime.num_buffers:
-            raise ValueError(f"dp_clip: the model's {runtime.num_buffers} buffer values (BatchNorm running "
-                             f"statistics) are averaged from the clients' data, uploads DP-FedAvg's clipping and noise "
-                             f"do not cover; use a model without them (GroupNorm)")
+            raise ValueError(
+                f"dp_clip: the model's {runtime.num_buffers} buffer values (BatchNorm running "
+                f"statistics) are averaged from the clients' data, uploads DP-FedAvg's clipping and noise "
+                f"do not cover; use a model without them (GroupNorm)"
+            )
         return cls(settings, method, plan.num_clients, device)
 
     def chunk_arguments(self, extra: dict, norms: torch.Tensor | None = None) -> dict:
@@ -113,9 +132,11 @@ class RoundPrivacy:
         ``norms``: the clients' update norms from their last local steps (None: the op measures the rows)."""
         client_side = sorted(set(extra) - _SERVER_SIDE)
         if client_side:
-            raise ValueError(f"dp_clip: {self.method.name}'s chunk_aggregate passes {client_side}, per-client uploads "
-                             f"that DP-FedAvg's clipping and noise do not cover (declare them in the method's "
-                             f"`uploads`)")
+            raise ValueError(
+                f"dp_clip: {self.method.name}'s chunk_aggregate passes {client_side}, per-client uploads "
+                f"that DP-FedAvg's clipping and noise do not cover (declare them in the method's "
+                f"`uploads`)"
+            )
         return dict(dp_clip=self.clip, dp_denominator=self.expected, dp_norms=norms, **extra)
 
     def begin_round(self, ctx) -> float:
@@ -123,8 +144,10 @@ class RoundPrivacy:
         name. With adaptive clipping, the round's count of unclipped updates (summed over the chunks and processes
         with the method's sums)."""
         if ctx.sums:
-            raise ValueError(f"dp_clip: {self.method.name} sums {sorted(ctx.sums)} over its clients (ctx.sums), "
-                             f"uploads that DP-FedAvg's clipping and noise do not cover")
+            raise ValueError(
+                f"dp_clip: {self.method.name} sums {sorted(ctx.sums)} over its clients (ctx.sums), "
+                f"uploads that DP-FedAvg's clipping and noise do not cover"
+            )
         if self.adaptive:
             ctx.sums["_dp_unclipped"] = torch.zeros((), device=self.device)
         return self.clip
@@ -168,8 +191,14 @@ class RoundPrivacy:
         """A checkpoint's DP state into ``privacy`` (the run's, or None); a private checkpoint into a run that is
         not (or the reverse) refused."""
         if (privacy is not None) != ("privacy" in ck):
-            raise ValueError("checkpoint: " + ("a private run's (dp_clip), this config is not private" if "privacy" in
-                                               ck else "a run without dp_clip, this config is private"))
+            raise ValueError(
+                "checkpoint: "
+                + (
+                    "a private run's (dp_clip), this config is not private"
+                    if "privacy" in ck
+                    else "a run without dp_clip, this config is private"
+                )
+            )
         if privacy is not None:
             privacy.load_state_dict(ck["privacy"], rounds)
 
@@ -178,8 +207,10 @@ class RoundPrivacy:
         ``rounds`` changed) and its generator; the run refused when ``rounds`` would pass ``dp_epsilon``."""
         z = float(st["noise_multiplier"])
         if self.settings.dp_noise_multiplier is not None and z != self.z:
-            raise ValueError(f"dp_noise_multiplier: the checkpoint's run drew noise of multiplier {z:g}, this config "
-                             f"gives {self.z:g}")
+            raise ValueError(
+                f"dp_noise_multiplier: the checkpoint's run drew noise of multiplier {z:g}, this config "
+                f"gives {self.z:g}"
+            )
         self.z = z
         self.z_update = self._update_multiplier(z)
         self.clip = float(st.get("clip", self.clip))

@@ -1,6 +1,7 @@
 """The model as the engine runs it, fixed after construction: the flat layout of its parameters, the verified
 batched executor (:mod:`fedfast.batched`'s traced program, :mod:`fedfast.grouped`'s copy, or vmap), the
 functional forward of one flat model, predictions in large batches, eval mode, and the classifier head."""
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,11 @@ def conv_impl(setting: str, device: torch.device) -> str:
         impl = "grouped"  # the automatic choice needs no optional package
     if impl in ("triton", "hybrid") and not _backend.available("triton", device.type):
         why = _backend.interpreter_problem()
-        raise ValueError(f"conv: {impl!r} runs on CUDA devices (with triton installed), not {device.type}"
-                         + (f" ({why})" if why else "") + "; use conv = 'grouped' or 'gemm'")
+        raise ValueError(
+            f"conv: {impl!r} runs on CUDA devices (with triton installed), not {device.type}"
+            + (f" ({why})" if why else "")
+            + "; use conv = 'grouped' or 'gemm'"
+        )
     return impl
 
 
@@ -63,6 +67,7 @@ def buffers_kept(model: nn.Module):
 class RuntimeSettings(Settings):
     """What the model runtime reads of a run's config: the executor, the convolutions, the evaluation batch and the
     classifier's name."""
+
     executor: str
     conv: str
     eval_batch: int | None
@@ -84,16 +89,20 @@ class ModelRuntime:
         self.eval_batch = settings.eval_batch or (1024 if device.type == "cpu" else 4096)
         for name, mod in model.named_modules():
             if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats:
-                raise ValueError(f"model: {name!r} is an InstanceNorm with track_running_stats=True; fedfast keeps "
-                                 f"per-client running statistics for BatchNorm layers only: use "
-                                 f"track_running_stats=False (InstanceNorm's default)")
+                raise ValueError(
+                    f"model: {name!r} is an InstanceNorm with track_running_stats=True; fedfast keeps "
+                    f"per-client running statistics for BatchNorm layers only: use "
+                    f"track_running_stats=False (InstanceNorm's default)"
+                )
         with buffers_kept(model):
             self.check_model()
         self.layout = FlatLayout(model)
         self.num_params = self.layout.P
         self.num_buffers = self.layout.B
-        self.batch_stats = any(isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
-                               for mod in model.modules())  # BatchNorm/InstanceNorm: batch statistics
+        self.batch_stats = any(
+            isinstance(mod, nn.modules.batchnorm._NormBase) and not isinstance(mod, nn.GroupNorm)
+            for mod in model.modules()
+        )  # BatchNorm/InstanceNorm: batch statistics
         self.running_stats = has_running_stats(model)
         self.conv = conv_impl(settings.conv, device)
         self.initial_buffers = self.layout.flatten_buffers(model).to(device)
@@ -136,14 +145,18 @@ class ModelRuntime:
             if not why:
                 return prog
             whys.append(why)
-        warnings.warn(f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executors, "
-                      f"because {whys[0]}, and {whys[1]}; that path measured 1.7x slower per round on a 2-core CPU "
-                      f"(FedAvg, simple_cnn, 1000 clients x 60, 50 per round). Supported layers: fedfast.batched, "
-                      f"fedfast.grouped.", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executors, "
+            f"because {whys[0]}, and {whys[1]}; that path measured 1.7x slower per round on a 2-core CPU "
+            f"(FedAvg, simple_cnn, 1000 clients x 60, 50 per round). Supported layers: fedfast.batched, "
+            f"fedfast.grouped.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return None
 
     def _probe_executor(self, prog, kind: str) -> str:
-        """"" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
+        """ "" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
         perturbed copy) on a probe batch of up to 4 training rows, else why not."""
         x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -154,8 +167,9 @@ class ModelRuntime:
         bv = {k: v[None].expand(2, *v.shape) for k, v in self.layout.buffer_views(self.initial_buffers).items()}
         with self.eval_mode(), fp32_semantics():  # TF32 (cuDNN's default) would differ by ~1e-3 on both sides
             try:
-                ref = torch.stack([functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float()
-                                   for i in range(2)])
+                ref = torch.stack(
+                    [functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float() for i in range(2)]
+                )
                 got = prog.forward(pv, torch.stack([x, x]), False, buffers=bv).float()
             except (RuntimeError, ValueError, TypeError) as e:
                 return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
@@ -181,6 +195,7 @@ class ModelRuntime:
             acts.append(o.numel() if torch.is_tensor(o) else 0)
             if with_im2col and isinstance(m, nn.Conv2d) and m.groups == 1:  # im2col: kept and its gradient
                 acts.append(2 * inp[0].numel() * m.kernel_size[0] * m.kernel_size[1] // 3)
+
         self._probe([m.register_forward_hook(hook) for m in self.model.modules() if not list(m.children())])
         return sum(acts)
 
@@ -189,8 +204,13 @@ class ModelRuntime:
         """``{name: S}``: each BatchNorm layer's values per channel and sample in training (its input's spatial
         positions, 1 after a Linear), from one forward of two training samples (the buffers kept)."""
         out = {}
-        self._probe([m.register_forward_hook(lambda m_, inp, o, n=n: out.__setitem__(n, inp[0][0, 0].numel()))
-                     for n, m in self.model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)])
+        self._probe(
+            [
+                m.register_forward_hook(lambda m_, inp, o, n=n: out.__setitem__(n, inp[0][0, 0].numel()))
+                for n, m in self.model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            ]
+        )
         return out
 
     def _probe(self, hooks: list) -> None:
@@ -222,8 +242,15 @@ class ModelRuntime:
             self._classifier = self.model.get_submodule(self.classifier_name)
         return self._classifier
 
-    def forward(self, flat: torch.Tensor, x: torch.Tensor, *, features: bool = False,
-                buffers: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+    def forward(
+        self,
+        flat: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        features: bool = False,
+        buffers: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ):
         """One model (flat parameters [P], ``buffers`` [B], default the global model's) on a batch ``x`` [R, ...]:
         the batched executor with one client, else functional_call. With ``features``: ``(input of the
         classifier, logits)``. ``valid`` [R]: the rows that enter BatchNorm's batch statistics (None: all). Never
@@ -233,16 +260,23 @@ class ModelRuntime:
         if self.plan is not None:
             pv = {k: v[None] for k, v in self.layout.param_views(flat).items()}
             bv = {k: v[None] for k, v in self.layout.buffer_views(b).items()}
-            out = self.plan.forward(pv, x[None], self.model.training, feat, buffers=bv,
-                                    valid=None if valid is None else valid[None])
+            out = self.plan.forward(
+                pv, x[None], self.model.training, feat, buffers=bv, valid=None if valid is None else valid[None]
+            )
             return (out[0][0], out[1][0]) if features else out[0]
         fwd = functional_forward(self.model, feat)
         with fedfast_batch_norm(self.model):
             return fwd(self.layout.param_views(flat), self.layout.buffer_views(b), x, valid)
 
     @torch.no_grad()
-    def predict(self, flat: torch.Tensor, dataset: ArrayDataset, idx: torch.Tensor | None = None,
-                dtype=torch.float32, buffers: torch.Tensor | None = None) -> torch.Tensor:
+    def predict(
+        self,
+        flat: torch.Tensor,
+        dataset: ArrayDataset,
+        idx: torch.Tensor | None = None,
+        dtype=torch.float32,
+        buffers: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of the model ``flat`` (with ``buffers``, default the global model's) on rows ``idx`` of
         ``dataset`` (default all), in large batches, eval mode."""
         if idx is None:
@@ -250,8 +284,8 @@ class ModelRuntime:
         out = torch.empty(len(idx), dataset.num_classes, device=self.device, dtype=dtype)
         with self.eval_mode():
             for s in range(0, len(idx), self.eval_batch):
-                x, _ = dataset.batch(idx[s:s + self.eval_batch])
-                out[s:s + self.eval_batch] = self.forward(flat, x, buffers=buffers).to(dtype)
+                x, _ = dataset.batch(idx[s : s + self.eval_batch])
+                out[s : s + self.eval_batch] = self.forward(flat, x, buffers=buffers).to(dtype)
         return out
 
     def head_params(self, params) -> tuple:

@@ -4,6 +4,7 @@ another :class:`Settings` is that group, made from the same config), and is buil
 ...)``. A part never holds the run's whole config, so what it depends on is read off its settings class, and a read
 of anything else is an ``AttributeError`` in the first test that reaches it (tests/test_settings.py checks every
 class's fields against SimConfig's)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,14 +24,17 @@ class Settings:
         kw = {}
         for f in dataclasses.fields(cls):
             group = hints[f.name]
-            kw[f.name] = group.of(config) if isinstance(group, type) and issubclass(group, Settings) else \
-                getattr(config, f.name)
+            kw[f.name] = (
+                group.of(config) if isinstance(group, type) and issubclass(group, Settings) else getattr(config, f.name)
+            )
         return cls(**kw)
 
     @classmethod
     def given(cls, settings, argument: str = "settings") -> typing.Self:
         """``settings`` when it is a ``cls``, else a TypeError naming ``argument`` and the way to make one."""
         if not isinstance(settings, cls):
-            raise TypeError(f"{argument}: expected a {cls.__module__}.{cls.__name__} (made with "
-                            f"{cls.__name__}.of(config)), got {type(settings).__name__}")
+            raise TypeError(
+                f"{argument}: expected a {cls.__module__}.{cls.__name__} (made with "
+                f"{cls.__name__}.of(config)), got {type(settings).__name__}"
+            )
         return settings

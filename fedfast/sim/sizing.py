@@ -2,6 +2,7 @@
 measured on two probe samples), how many clients a chunk holds, the per-client state's allocation, and the
 :class:`~fedfast.sim.memory.OutOfMemory` that names the bytes and the setting to change. The arithmetic is
 :mod:`fedfast.sim.budget`'s; this part measures its inputs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ class BudgetSettings(Settings):
     """What the memory budget reads of a run's config: the budget, the batch size, the client optimiser (its rows
     per client), and the per-client state's dtype, place and memory limit (``rounds``: how many clients' rows the
     store can come to hold)."""
+
     memory_budget_gb: float | None
     batch_size: int
     optimizer: OptimizerSettings
@@ -38,8 +40,15 @@ class MemoryBudget:
     """The memory budget of a run of ``method`` with the model ``runtime`` runs (:class:`ModelRuntime`) on
     ``device``."""
 
-    def __init__(self, settings: BudgetSettings, method: Method, runtime: ModelRuntime, device: torch.device,
-                 state_dir: str | None = None, max_cohort: int = 1):
+    def __init__(
+        self,
+        settings: BudgetSettings,
+        method: Method,
+        runtime: ModelRuntime,
+        device: torch.device,
+        state_dir: str | None = None,
+        max_cohort: int = 1,
+    ):
         self.settings = BudgetSettings.given(settings)
         self.method, self.runtime, self.device = method, runtime, device
         self.state_dir, self.max_cohort = state_dir, max_cohort
@@ -55,8 +64,12 @@ class MemoryBudget:
         measured once (with the method's declared per-client state, :meth:`declare`)."""
         if self._client_bytes is None:
             c, P = self.settings, self.runtime.num_params
-            rows = budget.param_rows(OPTIMIZERS[c.optimizer.client_optimizer].rows(c.optimizer), self.state_values, P,
-                                     SAMGradient.rows if self.method.sam else 0)
+            rows = budget.param_rows(
+                OPTIMIZERS[c.optimizer.client_optimizer].rows(c.optimizer),
+                self.state_values,
+                P,
+                SAMGradient.rows if self.method.sam else 0,
+            )
             act = self.runtime.activation_elems(with_im2col=self.runtime.conv == "gemm")
             self._client_bytes = budget.client_bytes(P, rows, act, c.batch_size)
         return self._client_bytes
@@ -70,8 +83,9 @@ class MemoryBudget:
         c, P = self.settings, self.runtime.num_params
         free = 0 if c.memory_budget_gb else _free_bytes(self.device)
         rows, act = self.client_bytes()
-        return budget.chunk_clients(budget.budget_bytes(c.memory_budget_gb, self.device.type, free), rows, act, P,
-                                    self.device.type)
+        return budget.chunk_clients(
+            budget.budget_bytes(c.memory_budget_gb, self.device.type, free), rows, act, P, self.device.type
+        )
 
     def memory_state(self) -> str:
         """What is free on the device, in words."""
@@ -83,9 +97,18 @@ class MemoryBudget:
     def oom_message(self, what: str, key: str, *, next_round: int, chunk: int) -> str:
         """The message of an :class:`OutOfMemory` in ``what`` (:func:`fedfast.sim.budget.oom_message`)."""
         rows, act = self.client_bytes()
-        return budget.oom_message(what, key, next_round=next_round, memory_state=self.memory_state(), chunk=chunk,
-                                  num_params=self.runtime.num_params, row_bytes=rows, act_bytes=act,
-                                  batch_size=self.settings.batch_size, eval_batch=self.runtime.eval_batch)
+        return budget.oom_message(
+            what,
+            key,
+            next_round=next_round,
+            memory_state=self.memory_state(),
+            chunk=chunk,
+            num_params=self.runtime.num_params,
+            row_bytes=rows,
+            act_bytes=act,
+            batch_size=self.settings.batch_size,
+            eval_batch=self.runtime.eval_batch,
+        )
 
     @contextlib.contextmanager
     def guard(self, what: str, key: str, *, next_round: int, chunk: int):
@@ -98,8 +121,16 @@ class MemoryBudget:
                 raise
             raise OutOfMemory(self.oom_message(what, key, next_round=next_round, chunk=chunk)) from None
 
-    def client_state(self, num_clients: int, fill: torch.Tensor | None = None, rows: int = 1, *,
-                     cols: int | None = None, name: str | None = None, float32: bool = False) -> ClientState:
+    def client_state(
+        self,
+        num_clients: int,
+        fill: torch.Tensor | None = None,
+        rows: int = 1,
+        *,
+        cols: int | None = None,
+        name: str | None = None,
+        float32: bool = False,
+    ) -> ClientState:
         """Per-client state of ``num_clients`` clients, ``rows`` parameter-sized rows each (or ``cols`` values), in
         the settings' dtype and place (:class:`fedfast.store.ClientState`: rows held for the clients written only);
         ``fill``: a client's initial value, [P] (repeated ``rows`` times) or [rows * P] (``cols``: [cols]).
@@ -120,9 +151,19 @@ class MemoryBudget:
         if c.state_store == "auto":  # the table's memory: state_memory_gb, else a quarter of its device's
             where = torch.device("cpu") if c.state_on_host else self.device
             limit = int(c.state_memory_gb * 2**30) if c.state_memory_gb else _free_bytes(where) // 4
-        with self.guard(f"allocating the per-client state store of {name or self.method.name}", "state_dtype",
-                        next_round=1, chunk=0):
-            return ClientState(num_clients, rows * P, device=self.device, pin_memory=c.state_on_host, dtype=dtype,
-                               fill=init, store=c.state_store, directory=self.state_dir, memory_budget=limit,
-                               name=name or "client-state-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", self.method.name),
-                               max_rows=1 + min(num_clients, c.rounds * self.max_cohort))
+        with self.guard(
+            f"allocating the per-client state store of {name or self.method.name}", "state_dtype", next_round=1, chunk=0
+        ):
+            return ClientState(
+                num_clients,
+                rows * P,
+                device=self.device,
+                pin_memory=c.state_on_host,
+                dtype=dtype,
+                fill=init,
+                store=c.state_store,
+                directory=self.state_dir,
+                memory_budget=limit,
+                name=name or "client-state-" + re.sub(r"[^A-Za-z0-9_.+-]", "_", self.method.name),
+                max_rows=1 + min(num_clients, c.rounds * self.max_cohort),
+            )

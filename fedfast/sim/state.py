@@ -4,6 +4,7 @@ Everything else a :class:`fedfast.Simulation` holds is fixed at construction (th
 placement of the data, the memory budget) or lives within one round (the trainer's buffers, the round's context).
 The method keeps its own state (``Method.state_dict``); a checkpoint is this state's serialisation plus the
 method's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ class RunState:
     every generator the run draws from; torch's global generator is saved beside it); ``global_buffers`` [B]: the
     global model's buffers (BatchNorm's running statistics: the participants' weighted average; empty for a model
     without), which the evaluated model shares."""
+
     round: int
     global_flat: torch.Tensor
     eval_flat: torch.Tensor
@@ -42,14 +44,22 @@ class RunState:
     global_buffers: torch.Tensor
 
     @classmethod
-    def start(cls, global_flat: torch.Tensor, eval_flat: torch.Tensor, seed: int,
-              buffers: torch.Tensor | None = None) -> "RunState":
+    def start(
+        cls, global_flat: torch.Tensor, eval_flat: torch.Tensor, seed: int, buffers: torch.Tensor | None = None
+    ) -> "RunState":
         """Round 0: the initial model (and its ``buffers``), no history."""
         gen = torch.Generator(device=global_flat.device).manual_seed(seed + 104729)
         if buffers is None:
             buffers = global_flat.new_zeros(0)
-        return cls(round=0, global_flat=global_flat, eval_flat=eval_flat, history=[], class_acc=[], augment=gen,
-                   global_buffers=buffers)
+        return cls(
+            round=0,
+            global_flat=global_flat,
+            eval_flat=eval_flat,
+            history=[],
+            class_acc=[],
+            augment=gen,
+            global_buffers=buffers,
+        )
 
     def checkpoint(self, method_state: dict, shape: dict) -> dict:
         """Plain data (tensors on the CPU): this state, the method's state, torch's generators, and ``shape`` (what
@@ -58,10 +68,17 @@ class RunState:
         rng = {"torch": torch.get_rng_state(), "augment": self.augment.get_state().cpu()}
         if dev.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(dev)
-        return {"round": self.round, "global": self.global_flat.cpu(), "evaluated": self.eval_flat.cpu(),
-                "buffers": self.global_buffers.cpu(), "method": _on_cpu(method_state),
-                "class_accuracy": [a.cpu() for a in self.class_acc],
-                "history": self.history, "rng": rng, "shape": shape}
+        return {
+            "round": self.round,
+            "global": self.global_flat.cpu(),
+            "evaluated": self.eval_flat.cpu(),
+            "buffers": self.global_buffers.cpu(),
+            "method": _on_cpu(method_state),
+            "class_accuracy": [a.cpu() for a in self.class_acc],
+            "history": self.history,
+            "rng": rng,
+            "shape": shape,
+        }
 
     @staticmethod
     def check(ck: dict, shape: dict) -> None:
@@ -87,13 +104,22 @@ class RunState:
         buffers = ck.get("buffers")
         if buffers is None:  # a checkpoint of fedfast before the model's buffers were state
             if self.global_buffers.numel():
-                raise ValueError(f"checkpoint: holds no model buffers, this model has {self.global_buffers.numel()} "
-                                 f"buffer values (BatchNorm statistics); it was written by a fedfast that did not "
-                                 f"keep them: start the run again")
+                raise ValueError(
+                    f"checkpoint: holds no model buffers, this model has {self.global_buffers.numel()} "
+                    f"buffer values (BatchNorm statistics); it was written by a fedfast that did not "
+                    f"keep them: start the run again"
+                )
             buffers = self.global_buffers
         if tuple(buffers.shape) != tuple(self.global_buffers.shape):
-            raise ValueError(f"checkpoint: holds {buffers.numel()} model buffer values, this model has "
-                             f"{self.global_buffers.numel()}")
-        return RunState(round=int(ck["round"]), global_flat=ck["global"].to(dev), eval_flat=ck["evaluated"].to(dev),
-                        history=list(ck["history"]), class_acc=list(ck["class_accuracy"]), augment=gen,
-                        global_buffers=buffers.to(dev).clone())
+            raise ValueError(
+                f"checkpoint: holds {buffers.numel()} model buffer values, this model has {self.global_buffers.numel()}"
+            )
+        return RunState(
+            round=int(ck["round"]),
+            global_flat=ck["global"].to(dev),
+            eval_flat=ck["evaluated"].to(dev),
+            history=list(ck["history"]),
+            class_acc=list(ck["class_accuracy"]),
+            augment=gen,
+            global_buffers=buffers.to(dev).clone(),
+        )

@@ -2,6 +2,7 @@
 buffer, and every local step of a chunk of clients at once - the minibatch tables of the round plan, the batched
 forward and the method's (or a user's) loss, the gradient (plain or SAM's) and the client optimiser's fused step
 with the method's terms. It also gives a method the clients' gradients at their trained weights."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ from .settings import Settings
 class TrainerSettings(Settings):
     """What the local training reads of a run's config: the client optimiser's settings, the batch size, the ops'
     backend, whether the run is private (its update norms come from the last steps) and the step profile."""
+
     optimizer: OptimizerSettings
     batch_size: int
     backend: str | None
@@ -42,25 +44,40 @@ class ChunkTrainer:
     :class:`~fedfast.sim.plan.RoundPlan` (batch tables, minibatches); ``loss_fn``: the user's loss replacing the
     method's (``Simulation(loss_fn=)``); ``row_bytes``: one client's parameter-sized buffers (the budget's)."""
 
-    def __init__(self, settings: TrainerSettings, method: Method, runtime: ModelRuntime, plan: RoundPlan, *,
-                 chunk: int, device: torch.device, loss_fn=None, row_bytes: int = 0):
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        method: Method,
+        runtime: ModelRuntime,
+        plan: RoundPlan,
+        *,
+        chunk: int,
+        device: torch.device,
+        loss_fn=None,
+        row_bytes: int = 0,
+    ):
         self.settings = settings = TrainerSettings.given(settings)
         self.method, self.runtime, self.plan, self.device = method, runtime, plan, device
         self.chunk, self.loss_fn = chunk, loss_fn
         P = runtime.num_params
         free = _free_bytes(device)
         if device.type == "cuda" and chunk * row_bytes > free:
-            raise OutOfMemory(f"client_chunk: {chunk} clients' parameter buffers need {_gib(chunk * row_bytes)} "
-                              f"({P} parameters x {row_bytes // (4 * P)} fp32 buffers each), {_gib(free)} is free "
-                              f"on {device}; set client_chunk = {max(1, int(0.8 * free // max(row_bytes, 1)))} or "
-                              f"lower")
+            raise OutOfMemory(
+                f"client_chunk: {chunk} clients' parameter buffers need {_gib(chunk * row_bytes)} "
+                f"({P} parameters x {row_bytes // (4 * P)} fp32 buffers each), {_gib(free)} is free "
+                f"on {device}; set client_chunk = {max(1, int(0.8 * free // max(row_bytes, 1)))} or "
+                f"lower"
+            )
         self.stack = ClientStack(runtime.model, chunk, device=device, use_executor=False)
         self.stack.plan = runtime.plan  # the verified program (None: vmap)
         self.optimizer = client_optimizer(settings.optimizer, self.stack.params)  # SGD/Adam/AdamW, reset per chunk
         # the C++ and Triton client steps read autograd's per-parameter gradients in place; the CUDA backend takes
         # one flat [n, P] gradient, reused every step
-        self.gradbuf = None if ops._backend.resolve(settings.backend, device.type) in ("cpu", "triton") else \
-            torch.empty_like(self.stack.params)
+        self.gradbuf = (
+            None
+            if ops._backend.resolve(settings.backend, device.type) in ("cpu", "triton")
+            else torch.empty_like(self.stack.params)
+        )
         self.sam = None  # SAM steps: the first gradient and the perturbed weights [chunk, P] (made on use)
         # a private run (dp_clip): each client's ||theta_k - start|| from its last step's own pass over the row
         self.delta_norm = torch.zeros(chunk, device=device) if settings.dp_clip else None
@@ -84,9 +101,19 @@ class ChunkTrainer:
         self._last = now
 
     # -- phase 3 -------------------------------------------------------------------------------------------------
-    def train_chunk(self, ctx: Round, lo: int, hi: int, teacher, loss_sum: torch.Tensor, *, start: torch.Tensor,
-                    start_buffers: torch.Tensor | None = None, step_rows: np.ndarray | None,
-                    gen: torch.Generator) -> None:
+    def train_chunk(
+        self,
+        ctx: Round,
+        lo: int,
+        hi: int,
+        teacher,
+        loss_sum: torch.Tensor,
+        *,
+        start: torch.Tensor,
+        start_buffers: torch.Tensor | None = None,
+        step_rows: np.ndarray | None,
+        gen: torch.Generator,
+    ) -> None:
         """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the
         global model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's
         own); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync). ``step_rows``:
@@ -102,8 +129,12 @@ class ChunkTrainer:
         if start_buffers is not None and self.runtime.num_buffers:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
         self.optimizer.reset(n)
-        step_kw = dict(lr=ctx.lr, weight_decay=c.optimizer.weight_decay, max_norm=c.optimizer.max_grad_norm or None,
-                       backend=c.backend)
+        step_kw = dict(
+            lr=ctx.lr,
+            weight_decay=c.optimizer.weight_decay,
+            max_norm=c.optimizer.max_grad_norm or None,
+            backend=c.backend,
+        )
         ctx._set(chunk=None)
         ctx._set(chunk=method.chunk_start(ctx, lo, hi))  # the method's own per-chunk state, handed back as ctx.chunk
         hist_c = ctx.hist[lo:hi]
@@ -112,8 +143,10 @@ class ChunkTrainer:
         if not rho >= 0:
             raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
         if rho and not method.sam:
-            raise ValueError(f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
-                             f"memory budget counts SAM's two extra parameter rows per client only then)")
+            raise ValueError(
+                f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
+                f"memory budget counts SAM's two extra parameter rows per client only then)"
+            )
         if rho and self.sam is None:
             self.sam = SAMGradient(self.stack.params)
         rule = self.sam if rho else PlainGradient()
@@ -130,24 +163,43 @@ class ChunkTrainer:
                 n_act = int((steps[lo:hi] > s).sum())
                 x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, gen)
                 # BatchNorm's statistics leave padding rows out: the mask only on steps that have any (host table)
-                bn_valid = valid if (rows[:n_act, s * B:(s + 1) * B] < 0).any() else None
+                bn_valid = valid if (rows[:n_act, s * B : (s + 1) * B] < 0).any() else None
                 self.tick("data")
                 pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
                 t = teacher.rows(ridx.reshape(-1), x, bn_valid) if teacher is not None else None
                 self.tick("teacher")
                 seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                batch = dict(x=x, y=y, valid=valid, seg=seg, teacher=t, hist=hist_c[:n_act], features=features,
-                             epoch=e, step=s, bn_valid=bn_valid)
+                batch = dict(
+                    x=x,
+                    y=y,
+                    valid=valid,
+                    seg=seg,
+                    teacher=t,
+                    hist=hist_c[:n_act],
+                    features=features,
+                    epoch=e,
+                    step=s,
+                    bn_valid=bn_valid,
+                )
                 loss = self.step_loss(ctx, pv, perturbed=False, **batch)
                 grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
-                    self.stack, loss, pv, n_act,
+                    self.stack,
+                    loss,
+                    pv,
+                    n_act,
                     lambda p2: self.step_loss(ctx, p2, perturbed=True, **batch),
-                    None if self.gradbuf is None else self.gradbuf[:n_act])
+                    None if self.gradbuf is None else self.gradbuf[:n_act],
+                )
                 self.tick("backward")
                 terms = method.step_terms(ctx, n_act)
                 if not isinstance(terms, dict):
-                    check_hook_return(method, "step_terms", terms, kind="dict",
-                                      what="a dict of fedfast.ops.client_step keyword arguments ({} for none)")
+                    check_hook_return(
+                        method,
+                        "step_terms",
+                        terms,
+                        kind="dict",
+                        what="a dict of fedfast.ops.client_step keyword arguments ({} for none)",
+                    )
                 kw = {**step_kw, **terms}
                 masked = masked or "active" in terms
                 # private: the clients whose last step this is (the active prefix's tail) get ||theta - start||
@@ -171,24 +223,56 @@ class ChunkTrainer:
             return None
         return self.delta_norm[:n]
 
-    def step_loss(self, ctx: Round, pv, *, x, y, valid, seg, teacher, hist, features, perturbed: bool, epoch: int,
-                  step: int, bn_valid=None):
+    def step_loss(
+        self,
+        ctx: Round,
+        pv,
+        *,
+        x,
+        y,
+        valid,
+        seg,
+        teacher,
+        hist,
+        features,
+        perturbed: bool,
+        epoch: int,
+        step: int,
+        bn_valid=None,
+    ):
         """The forward of the active clients with parameters ``pv`` and the method's (or ``loss_fn``'s) loss. The
         forward updates BatchNorm's running statistics in the clients' buffer rows, except SAM's second pass
         (``perturbed``), as SAM's reference implementations disable them there. ``bn_valid``: the rows that enter
         BatchNorm's batch statistics (None: every row)."""
         n_act = x.shape[0]
-        out = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, features=features, valid=bn_valid,
-                                      update=not perturbed)
+        out = self.stack.vmap_forward(
+            x, rows=slice(0, n_act), params=pv, features=features, valid=bn_valid, update=not perturbed
+        )
         feat, z = out if features is not None else (None, out)
         self.tick("forward")
         zf, yf = z.reshape(-1, z.shape[-1]), y.reshape(-1)
         if self.loss_fn is not None:
             loss = self.loss_fn(zf, teacher.logits if teacher is not None else None, yf, seg, n_act)
         else:
-            loss = self.method.loss(ctx, Step(logits=zf, target=yf, segments=seg, num_clients=n_act, teacher=teacher,
-                                              hist=hist, x=x, valid=valid, features=feat, params=pv,
-                                              perturbed=perturbed, epoch=epoch, step=step, bn_valid=bn_valid))
+            loss = self.method.loss(
+                ctx,
+                Step(
+                    logits=zf,
+                    target=yf,
+                    segments=seg,
+                    num_clients=n_act,
+                    teacher=teacher,
+                    hist=hist,
+                    x=x,
+                    valid=valid,
+                    features=feat,
+                    params=pv,
+                    perturbed=perturbed,
+                    epoch=epoch,
+                    step=step,
+                    bn_valid=bn_valid,
+                ),
+            )
         if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
             self._bad_loss(loss)
         self.tick("loss")
@@ -197,24 +281,39 @@ class ChunkTrainer:
     def _bad_loss(self, loss) -> None:
         """HookError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
         if self.loss_fn is not None:
-            fn = inspect.unwrap(getattr(self.loss_fn, "__call__", self.loss_fn) if not inspect.isfunction(self.loss_fn)
-                                else self.loss_fn)
+            fn = inspect.unwrap(
+                getattr(self.loss_fn, "__call__", self.loss_fn)
+                if not inspect.isfunction(self.loss_fn)
+                else self.loss_fn
+            )
             code = getattr(fn, "__code__", None)
             where = f"loss_fn ({code.co_filename}, line {code.co_firstlineno})" if code else "loss_fn"
         else:
             where = hook_site(self.method, "loss")
-        must = ("one number: a 0-d float tensor that depends on the logits (the sum over the active clients of "
-                "each client's minibatch mean; fedfast.methods.weighted_mean_rows(rows, b.valid) makes it from "
-                "per-row losses)")
+        must = (
+            "one number: a 0-d float tensor that depends on the logits (the sum over the active clients of "
+            "each client's minibatch mean; fedfast.methods.weighted_mean_rows(rows, b.valid) makes it from "
+            "per-row losses)"
+        )
         if torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point():
-            raise HookError(f"{where}: must return {must}; the returned value has no gradient (computed without "
-                            f"autograd, detached, or from no input that requires grad)")
+            raise HookError(
+                f"{where}: must return {must}; the returned value has no gradient (computed without "
+                f"autograd, detached, or from no input that requires grad)"
+            )
         raise HookError(f"{where}: must return {must}, got {describe_value(loss)}")
 
     # -- what a method reads of the chunk ----------------------------------------------------------------------------
     @torch.no_grad()
-    def client_data(self, ctx: Round, lo: int, hi: int, *, features: bool = False, batch: int | None = None,
-                    train_mode: bool = False):
+    def client_data(
+        self,
+        ctx: Round,
+        lo: int,
+        hi: int,
+        *,
+        features: bool = False,
+        batch: int | None = None,
+        train_mode: bool = False,
+    ):
         """The chunk's clients' models (stack rows ``0:hi-lo``, as they are now) over their own samples: every
         sample of each client once, in the partition's order, un-augmented, ``batch`` samples per client at a time
         (default ``batch_size``); yields :class:`fedfast.methods.ClientData`. Eval mode unless ``train_mode`` (the
@@ -233,7 +332,7 @@ class ChunkTrainer:
         table[owner, pos] = rows
         feat = self.runtime.features_module() if features else None
         for s in range(0, table.shape[1], int(b)):
-            part = table[:, s:s + int(b)]
+            part = table[:, s : s + int(b)]
             ok = part >= 0
             idx = host_to_device(np.where(ok, part, table[:, :1]), self.device)  # exhausted: own first samples
             x, y = self.runtime.train.batch(idx)
@@ -243,8 +342,14 @@ class ChunkTrainer:
             with contextlib.nullcontext() if train_mode else self.runtime.eval_mode():
                 out = self.stack.vmap_forward(x, rows=slice(0, n), features=feat, valid=bn)
             f, z = out if features else (None, out)
-            yield ClientData(rows=host_to_device(part, self.device), y=torch.where(valid, y, torch.full_like(y, -100)),
-                             valid=valid, logits=z.float(), features=None if f is None else f.float(), start=s)
+            yield ClientData(
+                rows=host_to_device(part, self.device),
+                y=torch.where(valid, y, torch.full_like(y, -100)),
+                valid=valid,
+                logits=z.float(),
+                features=None if f is None else f.float(),
+                start=s,
+            )
 
     def local_gradients(self, ctx: Round, lo: int, hi: int, batches, *, epoch: int, gen: torch.Generator):
         """One pass over ``batches`` [hi-lo] (non-increasing) minibatches of each of the chunk's clients, in the data
@@ -254,24 +359,41 @@ class ChunkTrainer:
         and update no running statistics (only a local step's forward does)."""
         B, C = self.settings.batch_size, self.runtime.train.num_classes
         batches = np.asarray(batches, dtype=np.int64)
-        if batches.shape != (hi - lo,) or (np.diff(batches) > 0).any() or (batches < 0).any() or \
-                (batches > ctx.data_batches[lo:hi]).any():
-            raise ValueError(f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
-                             f"got {batches.tolist()}")
+        if (
+            batches.shape != (hi - lo,)
+            or (np.diff(batches) > 0).any()
+            or (batches < 0).any()
+            or (batches > ctx.data_batches[lo:hi]).any()
+        ):
+            raise ValueError(
+                f"batches: {hi - lo} non-increasing counts within each client's minibatches per epoch, "
+                f"got {batches.tolist()}"
+            )
         S = int(batches[0]) if len(batches) else 0
         table = self.plan.batch_table(ctx, lo, hi, epoch, S * B)
         table[np.arange(S * B)[None, :] >= (batches * B)[:, None]] = -1
         host = table
         table = host_to_device(table, self.device)
-        buf = self.gradbuf if self.gradbuf is not None else \
-            torch.empty(hi - lo, self.runtime.num_params, device=self.device)
+        buf = (
+            self.gradbuf
+            if self.gradbuf is not None
+            else torch.empty(hi - lo, self.runtime.num_params, device=self.device)
+        )
         for s in range(S):
             n_act = int((batches > s).sum())
             x, y, valid, _ = self.plan.minibatch(ctx, table, lo, n_act, epoch, s, gen)
             pv = self.stack.leaf_views(slice(0, n_act))
-            bn_valid = valid if (host[:n_act, s * B:(s + 1) * B] < 0).any() else None
+            bn_valid = valid if (host[:n_act, s * B : (s + 1) * B] < 0).any() else None
             z = self.stack.vmap_forward(x, rows=slice(0, n_act), params=pv, valid=bn_valid).reshape(-1, C)
             seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-            loss = ops.distill(z, torch.zeros_like(z.detach()), y.reshape(-1), kd_weight=0.0, segments=seg,
-                               num_segments=n_act, reduction="mean", backend=self.settings.backend)
+            loss = ops.distill(
+                z,
+                torch.zeros_like(z.detach()),
+                y.reshape(-1),
+                kd_weight=0.0,
+                segments=seg,
+                num_segments=n_act,
+                reduction="mean",
+                backend=self.settings.backend,
+            )
             yield s, n_act, self.stack.flat_grad(loss, pv, buf[:n_act])

@@ -8,6 +8,7 @@ clients' BatchNorm statistics) for up to all K clients, held for the clients wri
   outgrows the GPU), :mod:`.file` (a memory-mapped file, :mod:`fedfast.rowfile`, for state larger than memory);
 * :mod:`.shared`: the round's rows into a store across the processes of a ``torch.distributed`` group.
 """
+
 from .state import ClientState
 
 __all__ = ["ClientState"]

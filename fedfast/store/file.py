@@ -1,5 +1,6 @@
 """Rows in a memory-mapped file (:class:`FileRows`, over :class:`fedfast.rowfile.RowFile`): per-client state
 larger than memory (``state_store = "disk"``, or ``"auto"`` past ``state_memory``)."""
+
 from __future__ import annotations
 
 import os

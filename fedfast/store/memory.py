@@ -1,4 +1,5 @@
 """Rows in device or host memory (:class:`MemoryRows`), the store's default place."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,16 @@ class MemoryRows(RowPlace):
     and new are held at once), never past ``max_rows``. ``auto``: the store moves to a file past
     ``memory_budget``, so growth stops there."""
 
-    def __init__(self, cols: int, dtype: torch.dtype, device: torch.device, *, max_rows: int,
-                 memory_budget: int | None = None, auto: bool = False):
+    def __init__(
+        self,
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        max_rows: int,
+        memory_budget: int | None = None,
+        auto: bool = False,
+    ):
         super().__init__(cols, dtype)
         self.device, self.max_rows, self.memory_budget, self.auto = device, int(max_rows), memory_budget, auto
         self.table = self._alloc(1)
@@ -31,8 +40,9 @@ class MemoryRows(RowPlace):
         cap = self.table.shape[0]
         if need <= cap:
             return
-        cap_rows = self.max_rows if self.memory_budget is None else min(self.max_rows, self.memory_budget //
-                                                                         self.row_bytes)
+        cap_rows = (
+            self.max_rows if self.memory_budget is None else min(self.max_rows, self.memory_budget // self.row_bytes)
+        )
         grown = None
         if self._reserves() and need <= cap_rows and cap_rows * self.row_bytes <= physical_bytes():
             try:

@@ -4,6 +4,7 @@ memory-mapped file (:class:`fedfast.store.file.FileRows`).
 
 A place holds a table ``[capacity, cols]`` of the storage dtype and makes room for rows; which row holds which
 client, copy-on-write and checkpoints are the store's (:class:`fedfast.store.state.ClientState`)."""
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ the table to the file is rank 0's decision, made for all.
 
 ``comm``: the group (:class:`fedfast.collectives.Local` or :class:`~fedfast.collectives.Distributed`: ``rank``,
 ``world``, ``gather_ids``, ``gather_rows``, ``any_``, ``broadcast_`` and ``barrier``)."""
+
 from __future__ import annotations
 
 import torch
@@ -29,20 +30,25 @@ def store_rows(comm, st: ClientState, ids: torch.Tensor, rows: torch.Tensor) -> 
             st.scatter_(all_ids, all_rows, spill=False)
             return
         if st.directory is None and comm.world > 1:
-            raise ValueError("state_dir: several processes share the per-client state's file (state_store = "
-                             f"{st.store!r}) in a directory they all see; pass Simulation(..., state_dir=...)")
+            raise ValueError(
+                "state_dir: several processes share the per-client state's file (state_store = "
+                f"{st.store!r}) in a directory they all see; pass Simulation(..., state_dir=...)"
+            )
         if comm.rank == 0:
             st._spill()
         comm.barrier()
         if comm.rank != 0:
             st._attach()
-    slots = torch.from_numpy(st._allocate(host_ids, spill=False)) if comm.rank == 0 else \
-        torch.empty(len(host_ids), dtype=torch.int64)
+    slots = (
+        torch.from_numpy(st._allocate(host_ids, spill=False))
+        if comm.rank == 0
+        else torch.empty(len(host_ids), dtype=torch.int64)
+    )
     slots = slots.to(ids.device)
     comm.broadcast_(slots, 0)
     slots = slots.cpu().numpy()
     if comm.rank != 0:
         st._follow(slots)
-    st._write(slots[start:start + len(ids)], rows)
+    st._write(slots[start : start + len(ids)], rows)
     comm.barrier()
     st._assign(host_ids, slots, track=comm.rank == 0)

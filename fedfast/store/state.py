@@ -1,5 +1,6 @@
 """The per-client state store (:class:`ClientState`): which row holds which client, copy-on-write and checkpoints,
 over a place (:mod:`fedfast.store.place`) that holds the rows."""
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,21 @@ class ClientState:
     :func:`fedfast.store.shared.store_rows`, which runs a scatter's steps (``_allocate``, ``_write``,
     ``_assign``) apart."""
 
-    def __init__(self, num_clients: int, P: int, *, device=None, dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False, fill=0.0, store: str = "memory", directory: str | None = None,
-                 memory_budget: int | None = None, name: str = "client-state", max_rows: int | None = None):
+    def __init__(
+        self,
+        num_clients: int,
+        P: int,
+        *,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+        pin_memory: bool = False,
+        fill=0.0,
+        store: str = "memory",
+        directory: str | None = None,
+        memory_budget: int | None = None,
+        name: str = "client-state",
+        max_rows: int | None = None,
+    ):
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype: per-client state is fp32 or bf16, got {dtype}")
         if int(num_clients) < 1 or int(P) < 1:
@@ -73,10 +86,10 @@ class ClientState:
         self.table[0] = init.expand(self.cols).to(self.place.device, dtype)
         self.slot_of = np.zeros(self.num_clients, dtype=np.int64)  # 0: never written (reads the initial row)
         self._written = 0
-        self.used = 1        # rows [0, used) of the table are allocated
-        self.seq = 0         # writes so far (a row's stamp: the write that filled it)
+        self.used = 1  # rows [0, used) of the table are allocated
+        self.seq = 0  # writes so far (a row's stamp: the write that filled it)
         self.commit_seq = 0  # the write count at the latest state_dict / load_state_dict
-        self.free = np.empty(0, dtype=np.int64)     # rows to reuse (copy-on-write files)
+        self.free = np.empty(0, dtype=np.int64)  # rows to reuse (copy-on-write files)
         self.pending = np.empty(0, dtype=np.int64)  # superseded rows the latest checkpoint may hold
 
     # -- what the store is -------------------------------------------------------------------------------------
@@ -177,7 +190,7 @@ class ClientState:
         total = torch.zeros(self.cols, device=self.table.device)
         step = max(1, 2**26 // self.row_bytes)
         for s in range(0, len(slots), step):
-            total += self.table.index_select(0, self._slots(slots[s:s + step])).float().sum(0)
+            total += self.table.index_select(0, self._slots(slots[s : s + step])).float().sum(0)
         self.place.release()
         total = total + (self.num_clients - len(slots)) * self.table[0].float()
         return (total / self.num_clients).to(self.device)
@@ -251,8 +264,10 @@ class ClientState:
         """Map the file another process made (the table moves there; ``uid``: the file it must be)."""
         if not self.on_disk:
             if self.directory is None:
-                raise ValueError("directory: a store shared by several processes keeps its file in a directory they "
-                                 "all see (a run directory)")
+                raise ValueError(
+                    "directory: a store shared by several processes keeps its file in a directory they "
+                    "all see (a run directory)"
+                )
             self.place = FileRows.open(self.directory, self.name, self.cols, self.dtype, uid)
 
     def _follow(self, slots: np.ndarray) -> None:
@@ -275,13 +290,25 @@ class ClientState:
         ids, slots = self._referenced()
         if not self.cow:
             rows = self.table.index_select(0, self._slots(slots)).cpu()
-            return {"ids": torch.from_numpy(ids), "rows": rows, "init": self.table[0].cpu(),
-                    "num_clients": self.num_clients}
+            return {
+                "ids": torch.from_numpy(ids),
+                "rows": rows,
+                "init": self.table[0].cpu(),
+                "num_clients": self.num_clients,
+            }
         self.place.flush()
-        out = {"file": self.name, "uuid": self.file.uuid, "ids": torch.from_numpy(ids),
-               "slots": torch.from_numpy(slots.copy()), "stamps": torch.from_numpy(np.array(self.place.stamps[slots])),
-               "used": self.used, "seq": self.seq, "num_clients": self.num_clients, "cols": self.cols,
-               "dtype": str(self.dtype).replace("torch.", "")}
+        out = {
+            "file": self.name,
+            "uuid": self.file.uuid,
+            "ids": torch.from_numpy(ids),
+            "slots": torch.from_numpy(slots.copy()),
+            "stamps": torch.from_numpy(np.array(self.place.stamps[slots])),
+            "used": self.used,
+            "seq": self.seq,
+            "num_clients": self.num_clients,
+            "cols": self.cols,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
         self.free = np.concatenate([self.free, self.pending])
         self.pending = np.empty(0, dtype=np.int64)
         self.commit_seq = self.seq
@@ -293,21 +320,31 @@ class ClientState:
         if torch.is_tensor(state):
             if tuple(state.shape) != self.shape:
                 raise ValueError(f"state: client_state has shape {tuple(state.shape)}, expected {self.shape}")
-            state = {"ids": torch.arange(self.num_clients), "rows": state, "init": self.table[0].cpu(),
-                     "num_clients": self.num_clients}
+            state = {
+                "ids": torch.arange(self.num_clients),
+                "rows": state,
+                "init": self.table[0].cpu(),
+                "num_clients": self.num_clients,
+            }
         if "file" in state:
             return self._load_file(state)
         ids, rows = state["ids"], state["rows"]
-        if state.get("num_clients") != self.num_clients or rows.dim() != 2 or rows.shape[1] != self.cols or \
-                tuple(ids.shape) != (rows.shape[0],):
-            raise ValueError(f"state: client_state of {state.get('num_clients')} clients x {tuple(rows.shape[1:])} "
-                             f"values, expected {self.num_clients} x ({self.cols},)")
+        if (
+            state.get("num_clients") != self.num_clients
+            or rows.dim() != 2
+            or rows.shape[1] != self.cols
+            or tuple(ids.shape) != (rows.shape[0],)
+        ):
+            raise ValueError(
+                f"state: client_state of {state.get('num_clients')} clients x {tuple(rows.shape[1:])} "
+                f"values, expected {self.num_clients} x ({self.cols},)"
+            )
         a = self._ids(ids)
         self._reset(state["init"])
         for s in range(0, len(a), 4096):  # through the store's own growth, in memory as it was checkpointed (a
-            part = a[s:s + 4096]  # move to the file is the next scatter's: all processes of a group decide it)
+            part = a[s : s + 4096]  # move to the file is the next scatter's: all processes of a group decide it)
             slots = self._allocate(part, spill=False)
-            self._write(slots, rows[s:s + 4096].float())
+            self._write(slots, rows[s : s + 4096].float())
             self._assign(part, slots)
         self.commit_seq = self.seq
 
@@ -319,15 +356,22 @@ class ClientState:
         self.free = self.pending = np.empty(0, dtype=np.int64)
 
     def _load_file(self, state: dict) -> None:
-        if state.get("num_clients") != self.num_clients or state.get("cols") != self.cols or \
-                state.get("dtype") != str(self.dtype).replace("torch.", ""):
-            raise ValueError(f"state: client_state of {state.get('num_clients')} clients x {state.get('cols')} "
-                             f"{state.get('dtype')} values, expected {self.num_clients} x {self.cols} "
-                             f"{str(self.dtype).replace('torch.', '')}")
+        if (
+            state.get("num_clients") != self.num_clients
+            or state.get("cols") != self.cols
+            or state.get("dtype") != str(self.dtype).replace("torch.", "")
+        ):
+            raise ValueError(
+                f"state: client_state of {state.get('num_clients')} clients x {state.get('cols')} "
+                f"{state.get('dtype')} values, expected {self.num_clients} x {self.cols} "
+                f"{str(self.dtype).replace('torch.', '')}"
+            )
         if self.directory is None:
-            raise ValueError(f"state: the checkpoint's per-client state is in the file {state['file']}.rows of its "
-                             f"run directory: restore it with that directory as the store's directory "
-                             f"(Simulation(..., state_dir=...))")
+            raise ValueError(
+                f"state: the checkpoint's per-client state is in the file {state['file']}.rows of its "
+                f"run directory: restore it with that directory as the store's directory "
+                f"(Simulation(..., state_dir=...))"
+            )
         self.name = state["file"]
         place = FileRows.open(self.directory, self.name, self.cols, self.dtype, state["uuid"])
         f = place.file
@@ -337,9 +381,11 @@ class ClientState:
             raise ValueError(f"{f.paths[0]}: holds {f.capacity} rows, the checkpoint refers to rows up to {used - 1}")
         stale = np.flatnonzero(np.asarray(f.stamps[slots]) != state["stamps"].numpy())
         if len(stale):
-            raise ValueError(f"{f.paths[0]}: the rows of {len(stale)} client(s) (e.g. client {int(ids[stale[0]])}) "
-                             f"were overwritten after this checkpoint was taken: only the run's newest checkpoint "
-                             f"can be resumed")
+            raise ValueError(
+                f"{f.paths[0]}: the rows of {len(stale)} client(s) (e.g. client {int(ids[stale[0]])}) "
+                f"were overwritten after this checkpoint was taken: only the run's newest checkpoint "
+                f"can be resumed"
+            )
         self.place = place
         self.slot_of[:] = 0
         self.slot_of[ids] = slots

@@ -27,6 +27,7 @@ The package's parts: :mod:`.plan` (grids, labels, the runs of a sweep, shards, p
 them: processes, threads, signals, the study's lock) and :mod:`.report` (reading runs, selecting grid points, the
 tables as Markdown, CSV or LaTeX); :func:`sweep` joins planning and running.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,19 +37,78 @@ from .. import presets as _presets
 from .._io import write_atomic
 from ..config import read_config_file
 from .execute import _assign_threads, _run_jobs, _run_serial, _study_lock
-from .plan import (GRID_VAL_FRACTION, STUDY, _applies, _given, _merge_spec, _plan, _protocol, _sweep_axes, _token,
-                   check_grid, parse_grid, parse_shard, point_label)
-from .report import (DEFAULT_SELECT, FORMATS, SELECT, SELECT_ALIASES, Study, _read_study, load_run, load_studies,
-                     mean_std, report, run_dirs, select, select_key, study_rows, tex)
+from .plan import (
+    GRID_VAL_FRACTION,
+    STUDY,
+    _applies,
+    _given,
+    _merge_spec,
+    _plan,
+    _protocol,
+    _sweep_axes,
+    _token,
+    check_grid,
+    parse_grid,
+    parse_shard,
+    point_label,
+)
+from .report import (
+    DEFAULT_SELECT,
+    FORMATS,
+    SELECT,
+    SELECT_ALIASES,
+    Study,
+    _read_study,
+    load_run,
+    load_studies,
+    mean_std,
+    report,
+    run_dirs,
+    select,
+    select_key,
+    study_rows,
+    tex,
+)
 
-__all__ = ["DEFAULT_SELECT", "FORMATS", "GRID_VAL_FRACTION", "SELECT", "SELECT_ALIASES", "STUDY", "Study",
-           "load_run", "load_studies", "mean_std", "parse_grid", "parse_shard", "point_label", "report", "run_dirs",
-           "select", "select_key", "study_rows", "sweep", "tex"]
+__all__ = [
+    "DEFAULT_SELECT",
+    "FORMATS",
+    "GRID_VAL_FRACTION",
+    "SELECT",
+    "SELECT_ALIASES",
+    "STUDY",
+    "Study",
+    "load_run",
+    "load_studies",
+    "mean_std",
+    "parse_grid",
+    "parse_shard",
+    "point_label",
+    "report",
+    "run_dirs",
+    "select",
+    "select_key",
+    "study_rows",
+    "sweep",
+    "tex",
+]
 
 
-def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None = None, config: str | None = None,
-          overrides: list[str] | None = None, plugins=(), quiet: bool = False, workers: int = 1,
-          grid: list[str] | None = None, jobs: int = 1, shard: tuple[int, int] | None = None) -> list[str]:
+def sweep(
+    out: str,
+    methods: list[str],
+    seeds: list[int],
+    *,
+    preset: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    plugins=(),
+    quiet: bool = False,
+    workers: int = 1,
+    grid: list[str] | None = None,
+    jobs: int = 1,
+    shard: tuple[int, int] | None = None,
+) -> list[str]:
     """Run every (method, grid point, seed) of a study into ``out``; finished runs (complete or diverged) are
     skipped, interrupted ones resumed. ``preset``: a study file (``STUDY.toml``, ``STUDY.toml/CELL``) or a preset
     name; ``config``: a run config (or a study file). ``grid``: ``KEY=v1,v2`` items (over a study file's
@@ -86,12 +146,17 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         ss = list(seeds) if seeds else (c.seeds if c is not None else [0])
         if c is not None:
             check_grid(c.grid, c.methods, f"{c.source}: [grid]")  # the study's own grid against its own rows
-        g = {k: [_token(v) for v in vals] for k, vals in (c.grid if c is not None else {}).items()
-             if k not in cli_grid and _applies(k, ms)}  # the file's grid over methods this sweep runs
+        g = {
+            k: [_token(v) for v in vals]
+            for k, vals in (c.grid if c is not None else {}).items()
+            if k not in cli_grid and _applies(k, ms)
+        }  # the file's grid over methods this sweep runs
         skipped = sorted(set(c.grid if c is not None else {}) - set(g) - set(cli_grid))
         if skipped and not quiet:
-            print(f"grid: {', '.join(skipped)} of {c.source} vary no method of --methods {','.join(ms)}: not swept",
-                  flush=True)
+            print(
+                f"grid: {', '.join(skipped)} of {c.source} vary no method of --methods {','.join(ms)}: not swept",
+                flush=True,
+            )
         g.update(cli_grid)
         ov = list(overrides)
         base_keys = c.keys if c is not None else {}
@@ -99,12 +164,19 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
             ov.append(f"val_fraction={GRID_VAL_FRACTION}")  # grid points are selected on a validation split
             grid_added = True
         plugs = tuple(plugins) + tuple(p for p in (c.plugins if c is not None else ()) if p not in plugins)
-        spec = {"preset": c.name if c is not None else None,
-                "study": c.source if c is not None and not c.packaged else None,
-                "cell": c.card() if c is not None else None,
-                "protocol": _protocol(c), "config": os.path.abspath(config) if config else None, "methods": ms,
-                "seeds": ss, "overrides": overrides, "plugins": [os.path.abspath(x) for x in plugs], "grid": g,
-                "select": c.select if c is not None else ""}
+        spec = {
+            "preset": c.name if c is not None else None,
+            "study": c.source if c is not None and not c.packaged else None,
+            "cell": c.card() if c is not None else None,
+            "protocol": _protocol(c),
+            "config": os.path.abspath(config) if config else None,
+            "methods": ms,
+            "seeds": ss,
+            "overrides": overrides,
+            "plugins": [os.path.abspath(x) for x in plugs],
+            "grid": g,
+            "select": c.select if c is not None else "",
+        }
         if spec["select"]:
             select_key(spec["select"], f"{c.source}: preset.select")
         specs.append((sub, spec))
@@ -118,8 +190,11 @@ def sweep(out: str, methods: list[str], seeds: list[int], *, preset: str | None 
         if not quiet:
             print(f"shard {shard[0]}/{shard[1]}: {len(plan)} of the study's {total} runs", flush=True)
     if grid_added and not quiet:
-        print(f"grid: val_fraction = {GRID_VAL_FRACTION} of each run's training data is held out as the validation "
-              f"split that `fedfast report` selects grid points on (--set val_fraction=F to change it)", flush=True)
+        print(
+            f"grid: val_fraction = {GRID_VAL_FRACTION} of each run's training data is held out as the validation "
+            f"split that `fedfast report` selects grid points on (--set val_fraction=F to change it)",
+            flush=True,
+        )
     _assign_threads(plan, jobs, workers)
     if jobs > 1:
         return _run_jobs(plan, jobs, workers, quiet, out)

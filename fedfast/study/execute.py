@@ -1,5 +1,6 @@
 """Running a study's planned runs: one after another or several at once (processes, threads per job), signals
 passed on, the study's lock, and the lines that say how each run ended."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,6 @@ from .plan import _Run
 from .report import load_run
 
 
-
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -32,8 +32,11 @@ def _assign_threads(plan: list[_Run], jobs: int, workers: int) -> None:
     """Each run's intra-op threads: the user's; an interrupted run's recorded number (so it resumes bit-exact);
     else the cores divided between the runs at once (and their worker processes)."""
     # the cores this process may use (a scheduler's allocation, not the machine's), divided between the runs
-    default = max(1, _cores() // (jobs * workers)) if jobs > 1 else (
-        0 if workers > 1 else min(torch.get_num_threads(), _cores()))
+    default = (
+        max(1, _cores() // (jobs * workers))
+        if jobs > 1
+        else (0 if workers > 1 else min(torch.get_num_threads(), _cores()))
+    )
     for r in plan:
         if r.threads_given:
             continue
@@ -51,8 +54,9 @@ def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
     for r in plan:
         try:
             if workers > 1:
-                done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=quiet, label=r.label,
-                                   cell=os.path.dirname(r.dir))
+                done = run_workers(
+                    r.cfg, r.dir, workers, mode="auto", quiet=quiet, label=r.label, cell=os.path.dirname(r.dir)
+                )
             else:
                 done = run(r.cfg, r.dir, mode="auto", quiet=quiet, label=r.label, cell=os.path.dirname(r.dir))
             if done is None and not quiet:
@@ -65,8 +69,12 @@ def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
             diverged.append(r.dir)
             print(f"{r.label}: {e}", file=sys.stderr, flush=True)
         except Interrupted as e:
-            raise Interrupted(e.signum, -1, r.dir, message=f"{e}, or run the same `fedfast sweep` command (it "
-                                                          f"resumes the run and goes on with the study)") from None
+            raise Interrupted(
+                e.signum,
+                -1,
+                r.dir,
+                message=f"{e}, or run the same `fedfast sweep` command (it resumes the run and goes on with the study)",
+            ) from None
         dirs.append(r.dir)
     _tail(held, diverged, quiet)
     return dirs
@@ -74,8 +82,11 @@ def _run_serial(plan: list[_Run], workers: int, quiet: bool) -> list[str]:
 
 def _tail(held: list, diverged: list, quiet: bool) -> None:
     if held and not quiet:
-        print(f"{len(held)} run(s) were running in other processes; `fedfast sweep` again (or `fedfast report`) "
-              f"once they end", flush=True)
+        print(
+            f"{len(held)} run(s) were running in other processes; `fedfast sweep` again (or `fedfast report`) "
+            f"once they end",
+            flush=True,
+        )
     if diverged and not quiet:
         print(f"{len(diverged)} run(s) diverged; the report marks them and leaves them out of the means", flush=True)
 
@@ -95,8 +106,9 @@ def _job_main(r: _Run, workers: int) -> None:
         methods.load_plugin(p)
     try:
         if workers > 1:
-            done = run_workers(r.cfg, r.dir, workers, mode="auto", quiet=True, label=r.label,
-                                   cell=os.path.dirname(r.dir))
+            done = run_workers(
+                r.cfg, r.dir, workers, mode="auto", quiet=True, label=r.label, cell=os.path.dirname(r.dir)
+            )
         else:
             done = run(r.cfg, r.dir, mode="auto", quiet=True, label=r.label, cell=os.path.dirname(r.dir))
         code = _RAN if done is not None else _SKIPPED
@@ -141,6 +153,7 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
     def handler(signum, _frame):
         stop.setdefault("sig", signum)
         forward()
+
     old = {}
     with contextlib.suppress(ValueError):  # not the main thread: no signal handling
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -156,8 +169,11 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 if not quiet:
-                    print(f"{r.label}: started ({r.cfg['threads']} thread{'s' if r.cfg['threads'] != 1 else ''}) -> "
-                          f"{r.dir}", flush=True)
+                    print(
+                        f"{r.label}: started ({r.cfg['threads']} thread{'s' if r.cfg['threads'] != 1 else ''}) -> "
+                        f"{r.dir}",
+                        flush=True,
+                    )
             for p in [p for p in running if p.exitcode is not None]:
                 r = running.pop(p)
                 p.join()
@@ -177,14 +193,22 @@ def _run_jobs(plan: list[_Run], jobs: int, workers: int, quiet: bool, out: str) 
             signal.signal(s, h)
     _tail(held, diverged, quiet)
     if stop:
-        raise Interrupted(stop["sig"], -1, out, message=f"stopped by {signal.Signals(stop['sig']).name}: the running "
-                          f"runs checkpointed; the same `fedfast sweep` command continues the study in {out}")
+        raise Interrupted(
+            stop["sig"],
+            -1,
+            out,
+            message=f"stopped by {signal.Signals(stop['sig']).name}: the running "
+            f"runs checkpointed; the same `fedfast sweep` command continues the study in {out}",
+        )
     if failed:
         r, code = failed[0]
         why = {EXIT_ERROR: "an error (its message is above)", EXIT_WORKER_DIED: "a worker process that died"}.get(
-            code, f"exit code {code}" if code is not None and code >= 0 else f"signal {-code if code else '?'}")
-        raise ValueError(f"{r.label} ({r.dir}) failed with {why}; no further runs were started. Fix it and run the "
-                         f"same command again (finished runs are kept)")
+            code, f"exit code {code}" if code is not None and code >= 0 else f"signal {-code if code else '?'}"
+        )
+        raise ValueError(
+            f"{r.label} ({r.dir}) failed with {why}; no further runs were started. Fix it and run the "
+            f"same command again (finished runs are kept)"
+        )
     return dirs
 
 
@@ -212,14 +236,18 @@ def _finished_line(r: _Run) -> str:
     except (ValueError, OSError):
         return f"{r.label}: done -> {r.dir}"
     acc = s.get("final_test_accuracy")
-    return (f"{r.label}: final test_acc " + (f"{100 * acc:.2f}%" if acc is not None else "-")
-            + (f"  val {100 * s['final_val_accuracy']:.2f}%" if s.get("final_val_accuracy") is not None else "")
-            + f"  {s.get('wall_seconds', 0):.1f}s  -> {r.dir}")
+    return (
+        f"{r.label}: final test_acc "
+        + (f"{100 * acc:.2f}%" if acc is not None else "-")
+        + (f"  val {100 * s['final_val_accuracy']:.2f}%" if s.get("final_val_accuracy") is not None else "")
+        + f"  {s.get('wall_seconds', 0):.1f}s  -> {r.dir}"
+    )
 
 
 @contextlib.contextmanager
 def _study_lock(out: str):
     import fcntl
+
     fd = os.open(os.path.join(out, ".fedfast-study.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -1,5 +1,6 @@
 """Reading a study's runs and writing its tables: means and spreads over seeds, grid-point selection on a
 validation metric, the papers' numbers beside ours, as Markdown, CSV or LaTeX."""
+
 from __future__ import annotations
 
 import csv
@@ -26,11 +27,14 @@ SELECT = {
     "final_test_loss": (False, "final test loss"),
     "final_forgetting": (False, "final forgetting"),
 }
-SELECT_ALIASES = {"val": "final_val_accuracy", "val_best": "best_val_accuracy",
-                  "val_last10": "mean_last10_val_accuracy",
-                  "test": "final_test_accuracy", "test_best": "best_test_accuracy"}
+SELECT_ALIASES = {
+    "val": "final_val_accuracy",
+    "val_best": "best_val_accuracy",
+    "val_last10": "mean_last10_val_accuracy",
+    "test": "final_test_accuracy",
+    "test_best": "best_test_accuracy",
+}
 DEFAULT_SELECT = "final_val_accuracy"
-
 
 
 def select_key(name: str | None, what: str = "--select") -> str:
@@ -38,12 +42,15 @@ def select_key(name: str | None, what: str = "--select") -> str:
     name = (name or DEFAULT_SELECT).strip()
     key = SELECT_ALIASES.get(name, name)
     if key not in SELECT:
-        raise ValueError(f"{what}: {name!r} is not a metric to select on (one of {', '.join(SELECT)}, or "
-                         f"{', '.join(SELECT_ALIASES)})")
+        raise ValueError(
+            f"{what}: {name!r} is not a metric to select on (one of {', '.join(SELECT)}, or "
+            f"{', '.join(SELECT_ALIASES)})"
+        )
     return key
 
 
 # -- grids ----------------------------------------------------------------------------------------------------
+
 
 def run_dirs(root: str) -> list[str]:
     """Run directories (holding a summary.json) at or below ``root``, sorted."""
@@ -97,19 +104,29 @@ def _fmt(m, s, scale=100.0, digits=2):
     return f"{scale * m:.{digits}f}" + (f" ± {scale * s:.{digits}f}" if s is not None else "")
 
 
-_STATS = ("final_test_accuracy", "best_test_accuracy", "mean_last10_test_accuracy", "final_forgetting",
-          "final_test_loss", "final_val_accuracy", "best_val_accuracy", "mean_last10_val_accuracy", "final_val_loss",
-          "wall_seconds")
+_STATS = (
+    "final_test_accuracy",
+    "best_test_accuracy",
+    "mean_last10_test_accuracy",
+    "final_forgetting",
+    "final_test_loss",
+    "final_val_accuracy",
+    "best_val_accuracy",
+    "mean_last10_val_accuracy",
+    "final_val_loss",
+    "wall_seconds",
+)
 
 
 @dataclass
 class Study:
     """One study directory read back: its runs, what study.json says of it, and its rows."""
+
     dir: str
     meta: dict
-    cell: dict | None     # the cell's card (name, paper, table, metric, reported, reported_note, notes)
+    cell: dict | None  # the cell's card (name, paper, table, metric, reported, reported_note, notes)
     runs: list
-    grid: list            # the grid's keys
+    grid: list  # the grid's keys
 
     @property
     def title(self) -> str:
@@ -159,8 +176,14 @@ def study_rows(st: Study) -> list[dict]:
     order = st.meta.get("methods") or []
     groups: dict[tuple, list[dict]] = {}
     for r in st.runs:  # runs of other code or data (another fingerprint) are a row of their own: never one mean
-        groups.setdefault((r["config"]["algorithm"], point_label(r["config"], st.grid),
-                           identity(r["config"].get("fingerprint")) or ""), []).append(r)
+        groups.setdefault(
+            (
+                r["config"]["algorithm"],
+                point_label(r["config"], st.grid),
+                identity(r["config"].get("fingerprint")) or "",
+            ),
+            [],
+        ).append(r)
     split = {k[:2] for k in groups if sum(1 for j in groups if j[:2] == k[:2]) > 1}
     methods = [m for m in order if any(k[0] == m for k in groups)]
     methods += sorted({k[0] for k in groups} - set(methods))
@@ -169,13 +192,23 @@ def study_rows(st: Study) -> list[dict]:
         for key in sorted((k for k in groups if k[0] == m), key=lambda k: (_point_order(k[1], st.meta), k[2])):
             every = groups[key]
             g = [r for r in every if r["status"] != "diverged"]  # diverged runs: counted, not averaged
-            div = sorted(((r["config"]["seed"], r.get("diverged_round")) for r in every if r["status"] == "diverged"),
-                         key=lambda x: (x[0] is None, x))
-            row = {"study": st.title, "method": m, "point": key[1], "seeds": sorted(r["config"]["seed"] for r in g),
-                   "complete": all(r["complete"] for r in g), "rounds": min((r["rounds"] for r in g), default=None),
-                   "diverged": div, "runs": len(every), "selected": False,
-                   "fingerprint": (key[2] or "unrecorded") if key[:2] in split else None,
-                   "replaced": _replaced_of(every)}
+            div = sorted(
+                ((r["config"]["seed"], r.get("diverged_round")) for r in every if r["status"] == "diverged"),
+                key=lambda x: (x[0] is None, x),
+            )
+            row = {
+                "study": st.title,
+                "method": m,
+                "point": key[1],
+                "seeds": sorted(r["config"]["seed"] for r in g),
+                "complete": all(r["complete"] for r in g),
+                "rounds": min((r["rounds"] for r in g), default=None),
+                "diverged": div,
+                "runs": len(every),
+                "selected": False,
+                "fingerprint": (key[2] or "unrecorded") if key[:2] in split else None,
+                "replaced": _replaced_of(every),
+            }
             for k in _STATS:
                 row[k] = mean_std([r.get(k) for r in g])
             if m in st.reported:
@@ -273,29 +306,43 @@ def _selection_note(st: Study, rows: list[dict], picked: dict, key: str) -> list
     words = SELECT[key][1]
     out = []
     if key.startswith(("final_val", "best_val", "mean_last10_val")):
-        fr = sorted({r["config"].get("val_fraction") for r in st.runs if r["config"]["algorithm"] in gridded}
-                    - {None, 0, 0.0})
+        fr = sorted(
+            {r["config"].get("val_fraction") for r in st.runs if r["config"]["algorithm"] in gridded} - {None, 0, 0.0}
+        )
         if not fr:
-            return [f"Selection: none. The runs have no validation split (val_fraction = 0), and grid points are "
-                    f"selected on the {words} by default, never on the test set: sweep with --set "
-                    f"val_fraction=0.1, or name a metric with --select (e.g. --select final_test_accuracy, "
-                    f"which selects on the test set)."]
-        out.append(f"Selected per method: the grid point with the {'highest' if SELECT[key][0] else 'lowest'} mean "
-                   f"{words} over seeds (`{key}`; a validation split of val_fraction = "
-                   f"{', '.join(format(f, 'g') for f in fr)} of the training data, held out before partitioning, "
-                   f"not the test set); points with a diverged seed are not eligible.")
+            return [
+                f"Selection: none. The runs have no validation split (val_fraction = 0), and grid points are "
+                f"selected on the {words} by default, never on the test set: sweep with --set "
+                f"val_fraction=0.1, or name a metric with --select (e.g. --select final_test_accuracy, "
+                f"which selects on the test set)."
+            ]
+        out.append(
+            f"Selected per method: the grid point with the {'highest' if SELECT[key][0] else 'lowest'} mean "
+            f"{words} over seeds (`{key}`; a validation split of val_fraction = "
+            f"{', '.join(format(f, 'g') for f in fr)} of the training data, held out before partitioning, "
+            f"not the test set); points with a diverged seed are not eligible."
+        )
     else:
-        out.append(f"Selected per method: the grid point with the {'highest' if SELECT[key][0] else 'lowest'} mean "
-                   f"{words} over seeds (`{key}`)" + ("; this selects on the test set, so the selected rows are "
-                                                      "optimistic estimates." if "test" in key else "."))
+        out.append(
+            f"Selected per method: the grid point with the {'highest' if SELECT[key][0] else 'lowest'} mean "
+            f"{words} over seeds (`{key}`)"
+            + (
+                "; this selects on the test set, so the selected rows are optimistic estimates."
+                if "test" in key
+                else "."
+            )
+        )
     for m in gridded:
         r = picked.get(m)
         if r is None:
             out.append(f"- {m}: none selected (no point has the metric on every seed without divergence)")
         else:
             scale = 100.0 if "accuracy" in key else 1.0
-            out.append(f"- {m}: {r['point']} ({_fmt(*r[key], scale=scale, digits=2 if scale == 100 else 4)}"
-                       + (", incomplete" if not r["complete"] else "") + ")")
+            out.append(
+                f"- {m}: {r['point']} ({_fmt(*r[key], scale=scale, digits=2 if scale == 100 else 4)}"
+                + (", incomplete" if not r["complete"] else "")
+                + ")"
+            )
     return out
 
 
@@ -310,8 +357,12 @@ def _replaced_of(runs: list[dict]) -> dict | None:
 
 
 def _label(r: dict) -> str:
-    return r["method"] + (" ‡" if r.get("replaced") else "") + (f" [{r['point']}]" if r["point"] else "") + \
-        (f" §{r['fingerprint']}" if r.get("fingerprint") else "")
+    return (
+        r["method"]
+        + (" ‡" if r.get("replaced") else "")
+        + (f" [{r['point']}]" if r["point"] else "")
+        + (f" §{r['fingerprint']}" if r.get("fingerprint") else "")
+    )
 
 
 def _replaced_notes(rows: list[dict]) -> list[str]:
@@ -321,33 +372,43 @@ def _replaced_notes(rows: list[dict]) -> list[str]:
     for r in rows:
         for name, v in (r.get("replaced") or {}).items():
             seen[name] = v
-    out = [f"‡ {name} here is {v['by']}, registered with replace=True over {v['replaced']}: not fedfast's {name}."
-           for name, v in sorted(seen.items())]
+    out = [
+        f"‡ {name} here is {v['by']}, registered with replace=True over {v['replaced']}: not fedfast's {name}."
+        for name, v in sorted(seen.items())
+    ]
     if any(r.get("fingerprint") for r in rows):
-        out.append("§ runs of one method and grid point made with other code or data (fedfast's source, the plug-ins "
-                   "and the modules they import, the data files: the run's fingerprint, in its config.json) are rows "
-                   "of their own, marked with the fingerprint, never averaged into one mean.")
+        out.append(
+            "§ runs of one method and grid point made with other code or data (fedfast's source, the plug-ins "
+            "and the modules they import, the data files: the run's fingerprint, in its config.json) are rows "
+            "of their own, marked with the fingerprint, never averaged into one mean."
+        )
     return out
 
 
 def _tag(r: dict) -> str:
     tag = "" if r["complete"] else " (incomplete)"
     if r["diverged"]:
-        tag += (f" ({len(r['diverged'])} of {r['runs']} diverged: "
-                + ", ".join(f"seed {s} at round {d}" for s, d in r["diverged"]) + "; not in the mean)")
+        tag += (
+            f" ({len(r['diverged'])} of {r['runs']} diverged: "
+            + ", ".join(f"seed {s} at round {d}" for s, d in r["diverged"])
+            + "; not in the mean)"
+        )
     return tag
 
 
 def _paper_cells(r: dict, dagger: str) -> list:
     """The paper's number and Δ of a row, as table cells (not bold)."""
     p = r.get("paper")
-    return [((p[0] / 100, p[1] / 100 if p[1] is not None else None, 100.0, 2) if p else "–", False),
-            (f"{r['delta']:+.2f}{dagger}" if r.get("delta") is not None else "–", False)]
+    return [
+        ((p[0] / 100, p[1] / 100 if p[1] is not None else None, 100.0, 2) if p else "–", False),
+        (f"{r['delta']:+.2f}{dagger}" if r.get("delta") is not None else "–", False),
+    ]
 
 
 def _md_table(head: list[str], body: list[list]) -> list[str]:
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(_md_cell(c, b) for c, b in cells) + " |" for cells in body])
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(_md_cell(c, b) for c, b in cells) + " |" for cells in body
+    ]
 
 
 def _best(rows: list[dict], key: str) -> float | None:
@@ -359,8 +420,12 @@ def _single(st: Study, rows: list[dict], sel_note: list[str], fmt: str) -> str:
     """One study: a row per method and grid point, then the selected rows."""
     has_val = any(r["final_val_accuracy"][0] is not None for r in rows)
     paper = bool(st.reported)
-    cols = [("final acc %", "final_test_accuracy", 100.0, 2), ("best acc %", "best_test_accuracy", 100.0, 2),
-            ("last-10 mean %", "mean_last10_test_accuracy", 100.0, 2), ("forgetting", "final_forgetting", 1.0, 4)]
+    cols = [
+        ("final acc %", "final_test_accuracy", 100.0, 2),
+        ("best acc %", "best_test_accuracy", 100.0, 2),
+        ("last-10 mean %", "mean_last10_test_accuracy", 100.0, 2),
+        ("forgetting", "final_forgetting", 1.0, 4),
+    ]
     if has_val:
         cols.append(("val acc %", "final_val_accuracy", 100.0, 2))
     cols.append(("wall s", "wall_seconds", 1.0, 1))
@@ -372,30 +437,42 @@ def _single(st: Study, rows: list[dict], sel_note: list[str], fmt: str) -> str:
     dagger = " †" if (st.cell or {}).get("reported_note") else ""
     for r in shown:
         name = (f"{r['method']} (selected: {r['point']})" if r.get("shown_selected") else _label(r)) + _tag(r)
-        cells = [(name, False), (",".join(map(str, r["seeds"])) or "–", False),
-                 (str(r["rounds"]) if r["rounds"] is not None else "–", False)]
+        cells = [
+            (name, False),
+            (",".join(map(str, r["seeds"])) or "–", False),
+            (str(r["rounds"]) if r["rounds"] is not None else "–", False),
+        ]
         for _, k, scale, digits in cols:
             m, s = r[k]
             cells.append(((m, s, scale, digits), k in bold and m is not None and m == best[k]))
         if paper:
             cells += _paper_cells(r, dagger)
         body.append(cells)
-    title = (f"{st.cell['name']}: {st.cell['paper']}, {st.cell['table']}" if st.cell and st.cell.get("paper")
-             else f"Study {st.title}")
-    head_note = f"The paper reports the {st.cell['metric']} test accuracy; Δ = ours − paper on that column." \
-        if paper else None
+    title = (
+        f"{st.cell['name']}: {st.cell['paper']}, {st.cell['table']}"
+        if st.cell and st.cell.get("paper")
+        else f"Study {st.title}"
+    )
+    head_note = (
+        f"The paper reports the {st.cell['metric']} test accuracy; Δ = ours − paper on that column." if paper else None
+    )
     dev = sorted({str(r.get("device")) for r in st.runs})
     nd = sum(len(r["diverged"]) for r in rows)
-    count = (f"{len(st.runs)} runs; device {', '.join(dev)}; mean ± sample std over seeds; bold: the best of the "
-             f"column" + (f"; {nd} diverged run{'s' if nd > 1 else ''} left out of the means (marked)." if nd else "."))
+    count = (
+        f"{len(st.runs)} runs; device {', '.join(dev)}; mean ± sample std over seeds; bold: the best of the "
+        f"column" + (f"; {nd} diverged run{'s' if nd > 1 else ''} left out of the means (marked)." if nd else ".")
+    )
     note = f"† On the paper's numbers of this cell: {st.cell['reported_note']}" if dagger else None
     prov = [_provenance(r, st.dir) for r in st.runs]
     protocol = " ".join((st.cell or {}).get("notes", "").split())
     sel_note = _replaced_notes(rows) + sel_note
     if fmt == "latex":
         notes = [n for n in (head_note, count, note) if n] + sel_note + ([f"Protocol: {protocol}"] if protocol else [])
-        return _latex([(None, head[1:])], body, title, notes, grouped=False) + \
-            "% Runs (provenance):\n" + "".join(f"% {tex(p)}\n" for p in prov)
+        return (
+            _latex([(None, head[1:])], body, title, notes, grouped=False)
+            + "% Runs (provenance):\n"
+            + "".join(f"% {tex(p)}\n" for p in prov)
+        )
     lines = [f"# {title}", ""] + ([head_note, ""] if head_note else [])
     lines += _md_table(head, body)
     lines += ["", count] + (["", note] if note else []) + ([""] + sel_note if sel_note else [])
@@ -424,7 +501,7 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
         for m in methods:
             mine = [r for r in rs if r["method"] == m]
             pick = [r for r in mine if r["selected"]]
-            for r in (pick if pick else mine):
+            for r in pick if pick else mine:
                 shown[(m + (" ‡" if r.get("replaced") else "")) if (pick or len(mine) == 1) else _label(r)] = r
         per.append(shown)
     labels = list(dict.fromkeys(k for shown in per for k in shown))
@@ -447,10 +524,13 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
             body[i].append(((m, s, 100.0, 2), m is not None and m == best))
             if paper:
                 body[i] += _paper_cells(r, dag)
-    metric_words = ("final test accuracy (%) unless the column says (best): the best over rounds, as that cell's "
-                    "paper reports")
-    notes = [f"Each entry: {metric_words}; mean ± sample std over seeds; bold: the best of the column. A gridded "
-             f"method's row is its selected grid point."]
+    metric_words = (
+        "final test accuracy (%) unless the column says (best): the best over rounds, as that cell's paper reports"
+    )
+    notes = [
+        f"Each entry: {metric_words}; mean ± sample std over seeds; bold: the best of the column. A gridded "
+        f"method's row is its selected grid point."
+    ]
     nd = sum(len(r["diverged"]) for rs in per_study for r in rs)
     if nd:
         notes.append(f"{nd} diverged run{'s' if nd > 1 else ''} left out of the means (see each study's report).")
@@ -477,16 +557,49 @@ def _versions_line(r: dict, full: bool = False) -> str:
     """A run's fedfast version (and commit), torch (and python, ``full``) and device."""
     v = r.get("versions") or {}
     c = v.get("commit")
-    return (f"fedfast {v.get('fedfast', '?')}" + (f" (commit {c if full else c[:12]})" if c else "")
-            + f", torch {v.get('torch', '?')}" + (f", python {v.get('python', '?')}" if full else "")
-            + f", device {r.get('device', '?')}")
+    return (
+        f"fedfast {v.get('fedfast', '?')}"
+        + (f" (commit {c if full else c[:12]})" if c else "")
+        + f", torch {v.get('torch', '?')}"
+        + (f", python {v.get('python', '?')}" if full else "")
+        + f", device {r.get('device', '?')}"
+    )
 
 
-_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "Δ": r"$\Delta$",
-        "†": r"$^\dagger$", "−": "-", "–": "--", "—": "---", "≥": r"$\geq$", "≤": r"$\leq$", "×": r"$\times$",
-        "α": r"$\alpha$", "β": r"$\beta$", "τ": r"$\tau$", "μ": r"$\mu$", "λ": r"$\lambda$", "δ": r"$\delta$",
-        "ρ": r"$\rho$", "≈": r"$\approx$", "→": r"$\to$", "←": r"$\leftarrow$", "“": "``", "”": "''", "’": "'"}
+_TEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "±": r"$\pm$",
+    "Δ": r"$\Delta$",
+    "†": r"$^\dagger$",
+    "−": "-",
+    "–": "--",
+    "—": "---",
+    "≥": r"$\geq$",
+    "≤": r"$\leq$",
+    "×": r"$\times$",
+    "α": r"$\alpha$",
+    "β": r"$\beta$",
+    "τ": r"$\tau$",
+    "μ": r"$\mu$",
+    "λ": r"$\lambda$",
+    "δ": r"$\delta$",
+    "ρ": r"$\rho$",
+    "≈": r"$\approx$",
+    "→": r"$\to$",
+    "←": r"$\leftarrow$",
+    "“": "``",
+    "”": "''",
+    "’": "'",
+}
 
 
 def tex(s: str) -> str:
@@ -521,9 +634,15 @@ def _latex(groups, body, title: str, notes: list[str], grouped: bool) -> str:
     """A ``table`` float (booktabs rules): ``groups`` = [(title, [sub-column heads])], a header row of the
     titles over their sub-columns when ``grouped``."""
     ncols = 1 + sum(len(g[1]) for g in groups)
-    lines = [f"% {tex(title)}", "% written by fedfast report; needs \\usepackage{booktabs}",
-             r"\begin{table}[t]", r"\centering", r"\small",
-             r"\begin{tabular}{l" + "c" * (ncols - 1) + "}", r"\toprule"]
+    lines = [
+        f"% {tex(title)}",
+        "% written by fedfast report; needs \\usepackage{booktabs}",
+        r"\begin{table}[t]",
+        r"\centering",
+        r"\small",
+        r"\begin{tabular}{l" + "c" * (ncols - 1) + "}",
+        r"\toprule",
+    ]
     if grouped:
         heads, rules, col = [""], [], 2
         for t, sub in groups:
@@ -546,11 +665,18 @@ def _latex(groups, body, title: str, notes: list[str], grouped: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CSV_STATS = (("final_test_acc", "final_test_accuracy", 100.0), ("best_test_acc", "best_test_accuracy", 100.0),
-              ("last10_test_acc", "mean_last10_test_accuracy", 100.0), ("forgetting", "final_forgetting", 1.0),
-              ("final_test_loss", "final_test_loss", 1.0), ("final_val_acc", "final_val_accuracy", 100.0),
-              ("best_val_acc", "best_val_accuracy", 100.0), ("last10_val_acc", "mean_last10_val_accuracy", 100.0),
-              ("final_val_loss", "final_val_loss", 1.0), ("wall_s", "wall_seconds", 1.0))
+_CSV_STATS = (
+    ("final_test_acc", "final_test_accuracy", 100.0),
+    ("best_test_acc", "best_test_accuracy", 100.0),
+    ("last10_test_acc", "mean_last10_test_accuracy", 100.0),
+    ("forgetting", "final_forgetting", 1.0),
+    ("final_test_loss", "final_test_loss", 1.0),
+    ("final_val_acc", "final_val_accuracy", 100.0),
+    ("best_val_acc", "best_val_accuracy", 100.0),
+    ("last10_val_acc", "mean_last10_val_accuracy", 100.0),
+    ("final_val_loss", "final_val_loss", 1.0),
+    ("wall_s", "wall_seconds", 1.0),
+)
 
 
 def _csv(studies: list[Study], per_study: list[list[dict]], keys: list[str]) -> str:
@@ -558,24 +684,39 @@ def _csv(studies: list[Study], per_study: list[list[dict]], keys: list[str]) -> 
     point of a gridded method and ``selected_on`` the metric."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    head = ["study", "dir", "method", "point", "selected", "selected_on", "status", "seeds", "n", "diverged",
-            "rounds"] + [f"{n}_{x}" for n, _, _ in _CSV_STATS for x in ("mean", "std")] + \
-           ["paper_metric", "paper_mean", "paper_std", "delta"]
+    head = (
+        ["study", "dir", "method", "point", "selected", "selected_on", "status", "seeds", "n", "diverged", "rounds"]
+        + [f"{n}_{x}" for n, _, _ in _CSV_STATS for x in ("mean", "std")]
+        + ["paper_metric", "paper_mean", "paper_std", "delta"]
+    )
     w.writerow(head)
     for st, rows, key in zip(studies, per_study, keys):
         many = set(_gridded(rows))
         for r in rows:
             gridded = r["method"] in many
-            line = [st.title, st.dir, r["method"], r["point"], str(r["selected"]).lower() if gridded else "",
-                    key if gridded else "", "complete" if r["complete"] else "incomplete",
-                    " ".join(map(str, r["seeds"])), len(r["seeds"]),
-                    " ".join(f"{s}@{d}" for s, d in r["diverged"]), r["rounds"] if r["rounds"] is not None else ""]
+            line = [
+                st.title,
+                st.dir,
+                r["method"],
+                r["point"],
+                str(r["selected"]).lower() if gridded else "",
+                key if gridded else "",
+                "complete" if r["complete"] else "incomplete",
+                " ".join(map(str, r["seeds"])),
+                len(r["seeds"]),
+                " ".join(f"{s}@{d}" for s, d in r["diverged"]),
+                r["rounds"] if r["rounds"] is not None else "",
+            ]
             for _, k, scale in _CSV_STATS:
                 m, s = r[k]
                 line += ["" if m is None else f"{scale * m:.10g}", "" if s is None else f"{scale * s:.10g}"]
             p = r.get("paper")
-            line += [st.cell["metric"] if p else "", p[0] if p else "", p[1] if p and p[1] is not None else "",
-                     f"{r['delta']:.4f}" if r.get("delta") is not None else ""]
+            line += [
+                st.cell["metric"] if p else "",
+                p[0] if p else "",
+                p[1] if p and p[1] is not None else "",
+                f"{r['delta']:.4f}" if r.get("delta") is not None else "",
+            ]
             w.writerow(line)
     return buf.getvalue()
 

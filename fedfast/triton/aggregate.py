@@ -5,6 +5,7 @@ NaN/inf, then applies the server rule, the optional per-client state-row update 
 a_k (X_k - g) with the column sum of its changes, and the ring-buffer write.
 Bytes: n*P*x + 4P*(2 + 2*[momentum]) + 8*n*P with state rows + 4P*[shift, change, ring].
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,10 +14,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_ptr, coef_ptr, shift_ptr, change_ptr,
-                      ring_ptr, gout_ptr, avg_ptr, bad_ptr, ashift_ptr, n, P, beta, scale, lr, slot,
-                      HAS_M: tl.constexpr, KEEP_M: tl.constexpr, STATE: tl.constexpr, SHIFT: tl.constexpr,
-                      RING: tl.constexpr, ASHIFT: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+def _aggregate_kernel(
+    x_ptr,
+    rows_ptr,
+    w_ptr,
+    g_ptr,
+    m_ptr,
+    mo_ptr,
+    r_ptr,
+    ro_ptr,
+    coef_ptr,
+    shift_ptr,
+    change_ptr,
+    ring_ptr,
+    gout_ptr,
+    avg_ptr,
+    bad_ptr,
+    ashift_ptr,
+    n,
+    P,
+    beta,
+    scale,
+    lr,
+    slot,
+    HAS_M: tl.constexpr,
+    KEEP_M: tl.constexpr,
+    STATE: tl.constexpr,
+    SHIFT: tl.constexpr,
+    RING: tl.constexpr,
+    ASHIFT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
     cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     cm = cols < P
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -34,8 +63,9 @@ def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_pt
             # flag row k if any element is NaN/inf: a masked atomic issues no memory op for finite data and needs
             # no cross-warp reduction (a tl.max + atomic per row costs a barrier per iteration)
             nonfinite = cm & ok & ((x != x) | (tl.abs(x) == float("inf")))
-            tl.atomic_max(bad_ptr + k + tl.zeros([BLOCK], dtype=tl.int64), tl.full([BLOCK], 1, tl.int32),
-                          mask=nonfinite)
+            tl.atomic_max(
+                bad_ptr + k + tl.zeros([BLOCK], dtype=tl.int64), tl.full([BLOCK], 1, tl.int32), mask=nonfinite
+            )
     g = tl.load(g_ptr + cols, mask=cm, other=0.0)
     mm = scale * (g - acc)  # m' = beta m + scale (g - avg) ; g' = g - lr m'
     if HAS_M:
@@ -71,8 +101,24 @@ def _aggregate_kernel(x_ptr, rows_ptr, w_ptr, g_ptr, m_ptr, mo_ptr, r_ptr, ro_pt
 CONFIG = (1024, 4, 4)
 
 
-def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state_coef, state_shift, ring, slot,
-                     count, avg_shift=None, config=None):
+def aggregate_triton(
+    X,
+    rows,
+    g,
+    w,
+    beta,
+    scale,
+    lr,
+    momentum,
+    state_rows,
+    state_coef,
+    state_shift,
+    ring,
+    slot,
+    count,
+    avg_shift=None,
+    config=None,
+):
     """Same contract as the C++ ``aggregate``: returns [global, average, momentum, state_rows, state_change, ring,
     ring_mean, bad (n + 1 flags)]. ``config``: (BLOCK, UNROLL, num_warps), default :data:`CONFIG`."""
     X = X.contiguous()
@@ -92,11 +138,38 @@ def aggregate_triton(X, rows, g, w, beta, scale, lr, momentum, state_rows, state
     o = lambda t: t if t is not None else d  # noqa: E731
     BLOCK, UNROLL, warps = config or CONFIG
     _aggregate_kernel[(triton.cdiv(P, BLOCK),)](
-        X, rows.long().contiguous(), w, g, o(m), o(mo), o(r), o(ro), o(coef), o(shift), o(change), o(rb), gout, avg,
-        bad, o(ashift), n, P, float(beta), float(scale), float(lr), int(slot), HAS_M=m is not None, KEEP_M=keep_m,
-        STATE=r is not None, SHIFT=shift is not None, RING=rb is not None, ASHIFT=ashift is not None, BLOCK=BLOCK,
+        X,
+        rows.long().contiguous(),
+        w,
+        g,
+        o(m),
+        o(mo),
+        o(r),
+        o(ro),
+        o(coef),
+        o(shift),
+        o(change),
+        o(rb),
+        gout,
+        avg,
+        bad,
+        o(ashift),
+        n,
+        P,
+        float(beta),
+        float(scale),
+        float(lr),
+        int(slot),
+        HAS_M=m is not None,
+        KEEP_M=keep_m,
+        STATE=r is not None,
+        SHIFT=shift is not None,
+        RING=rb is not None,
+        ASHIFT=ashift is not None,
+        BLOCK=BLOCK,
         UNROLL=UNROLL,
-        num_warps=warps)
+        num_warps=warps,
+    )
     badb = bad.bool()
     badb[n] = ~torch.isfinite(avg).all()
     ring_mean = rb[:count].mean(0) if rb is not None else None

@@ -4,6 +4,7 @@
 one pass: with running max m, ``s = sum e^{x-m}``, ``u = sum e^{x-m} (x-m)``, ``H = log s - u/s``.
 Bytes: R*C*t + 12R (+ gathers of prior).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,21 @@ from .distill import _row_targets, launch_config
 
 
 @triton.jit
-def _asd_kernel(t_ptr, y_ptr, prior_ptr, seg_ptr, out_ptr, R, C, S, inv_tau, ignore_index,
-                HAS_SEG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _asd_kernel(
+    t_ptr,
+    y_ptr,
+    prior_ptr,
+    seg_ptr,
+    out_ptr,
+    R,
+    C,
+    S,
+    inv_tau,
+    ignore_index,
+    HAS_SEG: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     y, valid, seg = _row_targets(y_ptr, seg_ptr, rows, rmask, C, S, ignore_index, HAS_SEG)
@@ -25,8 +39,10 @@ def _asd_kernel(t_ptr, y_ptr, prior_ptr, seg_ptr, out_ptr, R, C, S, inv_tau, ign
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         m2 = rmask[:, None] & (cols < C)[None, :]
-        x = tl.load(t_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m2,
-                    other=float("-inf")).to(tl.float32) * inv_tau
+        x = (
+            tl.load(t_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m2, other=float("-inf")).to(tl.float32)
+            * inv_tau
+        )
         m_new = tl.maximum(m, tl.max(x, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         ms_old = tl.where(m == float("-inf"), m_safe, m)
@@ -51,10 +67,20 @@ def asd_weights_triton(teacher, target, class_prior, segments, entropy_tau, igno
     S = class_prior.shape[0]
     if R:
         BR, BC, _, nw = launch_config(C)
-        _asd_kernel[(triton.cdiv(R, BR),)](teacher.contiguous(), target.contiguous(),
-                                           class_prior.float().contiguous(),
-                                           segments if segments is not None else target, out, R, C, S,
-                                           1.0 / entropy_tau, ignore_index,
-                                           HAS_SEG=(segments is not None and S > 1), BLOCK_R=BR, BLOCK_C=BC,
-                                           num_warps=nw)
+        _asd_kernel[(triton.cdiv(R, BR),)](
+            teacher.contiguous(),
+            target.contiguous(),
+            class_prior.float().contiguous(),
+            segments if segments is not None else target,
+            out,
+            R,
+            C,
+            S,
+            1.0 / entropy_tau,
+            ignore_index,
+            HAS_SEG=(segments is not None and S > 1),
+            BLOCK_R=BR,
+            BLOCK_C=BC,
+            num_warps=nw,
+        )
     return out

@@ -5,6 +5,7 @@ Grid (n rows x column blocks). The per-row scalars (lr / (1 - b1^t_k), sqrt(1 - 
 clipping reuses the SGD step's partial-norm kernel. Bytes: 28*n*P (theta r/w, grad r, m r/w, v r/w) + 4*n*P with
 loss rows; + 4*n*P read with clipping.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,40 @@ from .client_step import _delta_part, _row_block, clip_factors, delta_finish, de
 
 
 @triton.jit
-def _adam_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, ss_ptr, bc2_ptr, wd_ptr, decay_ptr, m_ptr, v_ptr, act_ptr,
-                 df_ptr, dp_ptr, P, mu, b2, w1, w2, eps, WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr,
-                 HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, DECOUPLED: tl.constexpr, LERP_LOW: tl.constexpr,
-                 ACT: tl.constexpr, DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_LROWS,
-                                        CLIP, ACT, BLOCK)
+def _adam_kernel(
+    th_ptr,
+    g_ptr,
+    a_ptr,
+    lrows_ptr,
+    clip_ptr,
+    ss_ptr,
+    bc2_ptr,
+    wd_ptr,
+    decay_ptr,
+    m_ptr,
+    v_ptr,
+    act_ptr,
+    df_ptr,
+    dp_ptr,
+    P,
+    mu,
+    b2,
+    w1,
+    w2,
+    eps,
+    WD_ROW: tl.constexpr,
+    HAS_PROX: tl.constexpr,
+    HAS_LROWS: tl.constexpr,
+    CLIP: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    LERP_LOW: tl.constexpr,
+    ACT: tl.constexpr,
+    DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    k, cols, m, offs, g, t = _row_block(
+        th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_LROWS, CLIP, ACT, BLOCK
+    )
     if DECOUPLED:
         t = t * tl.load(decay_ptr + k)
     else:
@@ -44,14 +73,32 @@ def adam_row_scalars(step, lr, wd, beta1: float, beta2: float, n: int, decoupled
     """The kernel's per-client scalars [n] fp32, computed on the device in float64 (torch.optim.Adam's Python
     floats): ``lr_k / (1 - b1^t_k)``, ``sqrt(1 - b2^t_k)`` and (AdamW, else None) ``1 - lr_k wd_k``."""
     t64, lr64 = step.double().reshape(n), lr.double().reshape(-1).expand(n)
-    step_size = (lr64 / (1.0 - beta1 ** t64)).float().contiguous()
-    bc2_sqrt = torch.sqrt(1.0 - beta2 ** t64).float().contiguous()
+    step_size = (lr64 / (1.0 - beta1**t64)).float().contiguous()
+    bc2_sqrt = torch.sqrt(1.0 - beta2**t64).float().contiguous()
     decay = (1.0 - lr64 * wd.double().reshape(-1).expand(n)).float().contiguous() if decoupled else None
     return step_size, bc2_sqrt, decay
 
 
-def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd, decoupled, prox_mu, anchor,
-                       loss_rows, max_norm, active, delta_from=None, delta_norm=None):
+def client_adam_triton(
+    theta,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    wd,
+    decoupled,
+    prox_mu,
+    anchor,
+    loss_rows,
+    max_norm,
+    active,
+    delta_from=None,
+    delta_norm=None,
+):
     """The compiled backends' argument order (``FEDFAST_CLIENT_ADAM``, fedfast.ops.client_adam). ``grad``: one
     [n, P] tensor or the per-parameter pieces [n, *shape] in column order (put side by side here); ``step`` [n]:
     each client's step count; ``lr``, ``wd``: [1] or [n]. ``delta_norm`` with ``delta_from``: as the SGD step's."""
@@ -66,12 +113,37 @@ def client_adam_triton(theta, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2,
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK)
     w1, w2 = 1.0 - float(beta1), 1.0 - float(beta2)
     dfrom, part = delta_parts(theta, delta_from, NB)
-    _adam_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, step_size, bc2_sqrt, wd.float().contiguous(),
-                          f32(decay), exp_avg, exp_avg_sq,
-                          active.to(torch.int8).contiguous() if active is not None else theta, dfrom, part,
-                          P, float(prox_mu), float(beta2), w1, w2, float(eps),
-                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
-                          CLIP=max_norm > 0, DECOUPLED=decay is not None, LERP_LOW=w1 < 0.5,
-                          ACT=active is not None, DELTA=delta_from is not None, BLOCK=BLOCK, num_warps=4)
+    _adam_kernel[(n, NB)](
+        theta,
+        grad,
+        f32(anchor),
+        f32(loss_rows),
+        clip,
+        step_size,
+        bc2_sqrt,
+        wd.float().contiguous(),
+        f32(decay),
+        exp_avg,
+        exp_avg_sq,
+        active.to(torch.int8).contiguous() if active is not None else theta,
+        dfrom,
+        part,
+        P,
+        float(prox_mu),
+        float(beta2),
+        w1,
+        w2,
+        float(eps),
+        WD_ROW=wd.numel() == n and n > 1,
+        HAS_PROX=bool(prox_mu),
+        HAS_LROWS=loss_rows is not None,
+        CLIP=max_norm > 0,
+        DECOUPLED=decay is not None,
+        LERP_LOW=w1 < 0.5,
+        ACT=active is not None,
+        DELTA=delta_from is not None,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     if delta_from is not None:
         delta_finish(part, delta_norm, active)

@@ -5,6 +5,7 @@ of the loss gradient; the per-row clip factor is a tiny [n] reduction. Generic t
 correction s_k v + r C_k (v [P], C [n, P]) inside momentum, a step offset o_k u (u [P]) outside it. Bytes: 20*n*P
 with momentum (theta r/w, grad r, buffer r/w) + 4*n*P per optional per-row input (L, C).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,21 @@ def _loss_grad(th_ptr, g_ptrs, a_ptr, lrows_ptr, offs, cols, m, mu, HAS_PROX: tl
 
 
 @triton.jit
-def _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX: tl.constexpr,
-               HAS_LROWS: tl.constexpr, CLIP: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _row_block(
+    th_ptr,
+    g_ptr,
+    a_ptr,
+    lrows_ptr,
+    clip_ptr,
+    act_ptr,
+    P,
+    mu,
+    HAS_PROX: tl.constexpr,
+    HAS_LROWS: tl.constexpr,
+    CLIP: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """This program's row k and column block: (k, cols, mask, offsets, clipped loss-side gradient, theta)."""
     k = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -60,8 +74,22 @@ def _piece_block(tab_ptr, k, NPC, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, part_ptr, P, NB, mu, tab_ptr, NPC, HAS_PROX: tl.constexpr,
-                 HAS_LROWS: tl.constexpr, PIECES: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_kernel(
+    th_ptr,
+    g_ptr,
+    a_ptr,
+    lrows_ptr,
+    part_ptr,
+    P,
+    NB,
+    mu,
+    tab_ptr,
+    NPC,
+    HAS_PROX: tl.constexpr,
+    HAS_LROWS: tl.constexpr,
+    PIECES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     k = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     if PIECES:
@@ -82,12 +110,45 @@ def _delta_part(t, df_ptr, dp_ptr, k, cols, m):
 
 
 @triton.jit
-def _step_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, lr_ptr, wd_ptr, cv_ptr, cs_ptr, cr_ptr, sv_ptr, ss_ptr,
-                 buf_ptr, act_ptr, df_ptr, dp_ptr, P, mu, rcoef, mom, tab_ptr, NPC, LR_ROW: tl.constexpr,
-                 WD_ROW: tl.constexpr, HAS_PROX: tl.constexpr, HAS_LROWS: tl.constexpr, CLIP: tl.constexpr,
-                 CVEC: tl.constexpr, CSCALE: tl.constexpr, CROWS: tl.constexpr, MOM: tl.constexpr, SVEC: tl.constexpr,
-                 SSCALE: tl.constexpr, ACT: tl.constexpr, PIECES: tl.constexpr, DELTA: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _step_kernel(
+    th_ptr,
+    g_ptr,
+    a_ptr,
+    lrows_ptr,
+    clip_ptr,
+    lr_ptr,
+    wd_ptr,
+    cv_ptr,
+    cs_ptr,
+    cr_ptr,
+    sv_ptr,
+    ss_ptr,
+    buf_ptr,
+    act_ptr,
+    df_ptr,
+    dp_ptr,
+    P,
+    mu,
+    rcoef,
+    mom,
+    tab_ptr,
+    NPC,
+    LR_ROW: tl.constexpr,
+    WD_ROW: tl.constexpr,
+    HAS_PROX: tl.constexpr,
+    HAS_LROWS: tl.constexpr,
+    CLIP: tl.constexpr,
+    CVEC: tl.constexpr,
+    CSCALE: tl.constexpr,
+    CROWS: tl.constexpr,
+    MOM: tl.constexpr,
+    SVEC: tl.constexpr,
+    SSCALE: tl.constexpr,
+    ACT: tl.constexpr,
+    PIECES: tl.constexpr,
+    DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     if PIECES:
         k = tl.program_id(0).to(tl.int64)
         cols, m, gptrs = _piece_block(tab_ptr, k, NPC, BLOCK)
@@ -98,8 +159,9 @@ def _step_kernel(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, lr_ptr, wd_ptr, cv_p
         if CLIP:
             g = g * tl.load(clip_ptr + k)
     else:
-        k, cols, m, offs, g, t = _row_block(th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX,
-                                            HAS_LROWS, CLIP, ACT, BLOCK)
+        k, cols, m, offs, g, t = _row_block(
+            th_ptr, g_ptr, a_ptr, lrows_ptr, clip_ptr, act_ptr, P, mu, HAS_PROX, HAS_LROWS, CLIP, ACT, BLOCK
+        )
     wd = tl.load(wd_ptr + k) if WD_ROW else tl.load(wd_ptr)
     g += wd * t
     if CVEC:  # the correction s_k v + r C_k, summed before it is added
@@ -136,9 +198,23 @@ def clip_factors(theta, grad, anchor, lrows, prox_mu, max_norm, BLOCK, pieces=No
     NB = triton.cdiv(P, BLOCK) if pieces is None else pieces[2]
     part = torch.empty(n, NB, dtype=torch.float32, device=theta.device)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
-    _norm_kernel[(n, NB)](theta, theta if pieces is not None else grad, anchor, lrows, part, P, NB, float(prox_mu), tab,
-                          npc, HAS_PROX=bool(prox_mu), HAS_LROWS=lrows is not theta, PIECES=pieces is not None,
-                          BLOCK=BLOCK, num_warps=4)
+    _norm_kernel[(n, NB)](
+        theta,
+        theta if pieces is not None else grad,
+        anchor,
+        lrows,
+        part,
+        P,
+        NB,
+        float(prox_mu),
+        tab,
+        npc,
+        HAS_PROX=bool(prox_mu),
+        HAS_LROWS=lrows is not theta,
+        PIECES=pieces is not None,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     return torch.clamp(max_norm / (part.sum(1).sqrt() + 1e-6), max=1.0)
 
 
@@ -180,9 +256,27 @@ def delta_finish(part, delta_norm, active) -> None:
     delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
 
 
-def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, loss_rows, corr_vec, corr_vec_scale,
-                       corr_rows, corr_rows_coef, step_vec, step_vec_scale, max_norm, active, delta_from=None,
-                       delta_norm=None):
+def client_step_triton(
+    theta,
+    grad,
+    lr,
+    momentum,
+    buf,
+    wd,
+    prox_mu,
+    anchor,
+    loss_rows,
+    corr_vec,
+    corr_vec_scale,
+    corr_rows,
+    corr_rows_coef,
+    step_vec,
+    step_vec_scale,
+    max_norm,
+    active,
+    delta_from=None,
+    delta_norm=None,
+):
     """The compiled backends' argument order (fedfast.ops.client_step). ``grad``: one ``[n, P]`` tensor, or the
     per-parameter fp32 gradients ``[n, *shape]`` (contiguous; read in place through a block table: no
     concatenation, 8 bytes per parameter and client less traffic per step). ``delta_norm`` (written, with
@@ -205,18 +299,46 @@ def client_step_triton(theta, grad, lr, momentum, buf, wd, prox_mu, anchor, loss
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK, pieces)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
     dfrom, part = delta_parts(theta, delta_from, NB)
-    _step_kernel[(n, NB)](theta, grad, f32(anchor), f32(loss_rows), clip, lr.float().contiguous(),
-                          wd.float().contiguous(), f32(corr_vec), f32(corr_vec_scale), f32(corr_rows), f32(step_vec),
-                          f32(step_vec_scale), buf if buf is not None else theta,
-                          active.to(torch.int8).contiguous() if active is not None else theta, dfrom, part, P,
-                          float(prox_mu),
-                          float(corr_rows_coef), float(momentum), tab, npc, LR_ROW=lr.numel() == n and n > 1,
-                          WD_ROW=wd.numel() == n and n > 1, HAS_PROX=bool(prox_mu), HAS_LROWS=loss_rows is not None,
-                          CLIP=max_norm > 0, CVEC=corr_vec is not None,
-                          CSCALE=corr_vec is not None and corr_vec_scale is not None, CROWS=corr_rows is not None,
-                          MOM=buf is not None, SVEC=step_vec is not None,
-                          SSCALE=step_vec is not None and step_vec_scale is not None, ACT=active is not None,
-                          PIECES=pieces is not None, DELTA=delta_from is not None, BLOCK=BLOCK, num_warps=4)
+    _step_kernel[(n, NB)](
+        theta,
+        grad,
+        f32(anchor),
+        f32(loss_rows),
+        clip,
+        lr.float().contiguous(),
+        wd.float().contiguous(),
+        f32(corr_vec),
+        f32(corr_vec_scale),
+        f32(corr_rows),
+        f32(step_vec),
+        f32(step_vec_scale),
+        buf if buf is not None else theta,
+        active.to(torch.int8).contiguous() if active is not None else theta,
+        dfrom,
+        part,
+        P,
+        float(prox_mu),
+        float(corr_rows_coef),
+        float(momentum),
+        tab,
+        npc,
+        LR_ROW=lr.numel() == n and n > 1,
+        WD_ROW=wd.numel() == n and n > 1,
+        HAS_PROX=bool(prox_mu),
+        HAS_LROWS=loss_rows is not None,
+        CLIP=max_norm > 0,
+        CVEC=corr_vec is not None,
+        CSCALE=corr_vec is not None and corr_vec_scale is not None,
+        CROWS=corr_rows is not None,
+        MOM=buf is not None,
+        SVEC=step_vec is not None,
+        SSCALE=step_vec is not None and step_vec_scale is not None,
+        ACT=active is not None,
+        PIECES=pieces is not None,
+        DELTA=delta_from is not None,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     del keep
     if delta_from is not None:
         delta_finish(part, delta_norm, active)

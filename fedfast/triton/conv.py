@@ -19,6 +19,7 @@ x and w once and writes out (``4 * (B*n*Cin*H*W + n*Cout*Cin*KH*KW + B*n*Cout*OH
 the caches. ``PREC``: ``"ieee"`` (fp32 semantics) or ``"tf32"`` (tensor cores, as cuDNN convolutions run by
 default: ``torch.backends.cudnn.allow_tf32``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,12 +28,42 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, o_ptr, Bn, Cin, H, W, Cout, OH, OW,
-                     sxb, sxc, sxh, sxw, sob, soc, soh, sow,
-                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
-                     PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     FOLD: tl.constexpr, IDX64: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
+def _conv_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    o_ptr,
+    Bn,
+    Cin,
+    H,
+    W,
+    Cout,
+    OH,
+    OW,
+    sxb,
+    sxc,
+    sxh,
+    sxw,
+    sob,
+    soc,
+    soh,
+    sow,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    SH: tl.constexpr,
+    SW: tl.constexpr,
+    PH: tl.constexpr,
+    PW: tl.constexpr,
+    DH: tl.constexpr,
+    DW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FOLD: tl.constexpr,
+    IDX64: tl.constexpr,
+    PREC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     k = tl.program_id(2).to(tl.int64)
     M = Bn * OH * OW
@@ -64,8 +95,11 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, o_ptr, Bn, Cin, H, W, Cout, OH, OW,
             iw = iwb[:, None] + sd[None, :]
             a_ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             a = tl.load(x_base + row[:, None] + (ci * sxc + rd * sxh + sd * sxw)[None, :], mask=a_ok, other=0.0)
-            wt = tl.load(w_base + offs_n[None, :] * Ktot + ci[:, None] * (KH * KW) + rs[:, None],
-                         mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+            wt = tl.load(
+                w_base + offs_n[None, :] * Ktot + ci[:, None] * (KH * KW) + rs[:, None],
+                mask=j_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
             acc += tl.dot(a, wt, input_precision=PREC)
     else:  # per tap: 1-D pixel index math, the channels of a pixel contiguous in NHWC
         for tap in range(0, KH * KW):  # a loop, not unrolled: 25 unrolled 5x5 taps spill registers
@@ -79,10 +113,12 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, o_ptr, Bn, Cin, H, W, Cout, OH, OW,
                 if IDX64:
                     ci = ci.to(tl.int64)
                 c_ok = ci < Cin
-                a = tl.load(x_base + pix[:, None] + ci[None, :] * sxc,
-                            mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-                wt = tl.load(w_base + offs_n[None, :] * Ktot + ci[:, None] * (KH * KW) + tap,
-                             mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+                a = tl.load(x_base + pix[:, None] + ci[None, :] * sxc, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
+                wt = tl.load(
+                    w_base + offs_n[None, :] * Ktot + ci[:, None] * (KH * KW) + tap,
+                    mask=c_ok[:, None] & n_ok[None, :],
+                    other=0.0,
+                )
                 acc += tl.dot(a, wt, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + k * Cout + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -91,11 +127,40 @@ def _conv_fwd_kernel(x_ptr, w_ptr, b_ptr, o_ptr, Bn, Cin, H, W, Cout, OH, OW,
 
 
 @triton.jit
-def _conv_dgrad_kernel(g_ptr, w_ptr, dx_ptr, Bn, Cin, H, W, Cout, OH, OW,
-                       sgb, sgc, sgh, sgw, sdb, sdc, sdh, sdw,
-                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
-                       PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, FOLD: tl.constexpr, IDX64: tl.constexpr,
-                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _conv_dgrad_kernel(
+    g_ptr,
+    w_ptr,
+    dx_ptr,
+    Bn,
+    Cin,
+    H,
+    W,
+    Cout,
+    OH,
+    OW,
+    sgb,
+    sgc,
+    sgh,
+    sgw,
+    sdb,
+    sdc,
+    sdh,
+    sdw,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    SH: tl.constexpr,
+    SW: tl.constexpr,
+    PH: tl.constexpr,
+    PW: tl.constexpr,
+    DH: tl.constexpr,
+    DW: tl.constexpr,
+    FOLD: tl.constexpr,
+    IDX64: tl.constexpr,
+    PREC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     k = tl.program_id(2).to(tl.int64)
     M = Bn * H * W
@@ -125,12 +190,22 @@ def _conv_dgrad_kernel(g_ptr, w_ptr, dx_ptr, Bn, Cin, H, W, Cout, OH, OW,
             tw = iw[:, None] + PW - s[None, :] * DW
             thc, twc = tl.maximum(th, 0), tl.maximum(tw, 0)
             oh, ow = thc // SH, twc // SW
-            a_ok = m_ok[:, None] & j_ok[None, :] & (th >= 0) & (tw >= 0) & (oh * SH == thc) & \
-                (ow * SW == twc) & (oh < OH) & (ow < OW)
-            a = tl.load(g_base + bb[:, None] * sgb + co[None, :] * sgc + oh * sgh + ow * sgw,
-                        mask=a_ok, other=0.0)
-            wt = tl.load(w_base + co[:, None] * (Cin * KH * KW) + offs_n[None, :] * (KH * KW) + rs[:, None],
-                         mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+            a_ok = (
+                m_ok[:, None]
+                & j_ok[None, :]
+                & (th >= 0)
+                & (tw >= 0)
+                & (oh * SH == thc)
+                & (ow * SW == twc)
+                & (oh < OH)
+                & (ow < OW)
+            )
+            a = tl.load(g_base + bb[:, None] * sgb + co[None, :] * sgc + oh * sgh + ow * sgw, mask=a_ok, other=0.0)
+            wt = tl.load(
+                w_base + co[:, None] * (Cin * KH * KW) + offs_n[None, :] * (KH * KW) + rs[:, None],
+                mask=j_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
             acc += tl.dot(a, wt, input_precision=PREC)
     else:
         for tap in range(0, KH * KW):
@@ -150,25 +225,59 @@ def _conv_dgrad_kernel(g_ptr, w_ptr, dx_ptr, Bn, Cin, H, W, Cout, OH, OW,
                 if IDX64:
                     co = co.to(tl.int64)
                 c_ok = co < Cout
-                a = tl.load(g_base + pix[:, None] + co[None, :] * sgc,
-                            mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-                wt = tl.load(w_base + co[:, None] * (Cin * KH * KW) + offs_n[None, :] * (KH * KW) + tap,
-                             mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+                a = tl.load(g_base + pix[:, None] + co[None, :] * sgc, mask=p_ok[:, None] & c_ok[None, :], other=0.0)
+                wt = tl.load(
+                    w_base + co[:, None] * (Cin * KH * KW) + offs_n[None, :] * (KH * KW) + tap,
+                    mask=c_ok[:, None] & n_ok[None, :],
+                    other=0.0,
+                )
                 acc += tl.dot(a, wt, input_precision=PREC)
     d = dx_ptr + k * Cin * sdc + bb[:, None] * sdb + offs_n[None, :] * sdc + (ih * sdh + iw * sdw)[:, None]
     tl.store(d, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
-                       sgb, sgc, sgh, sgw, sxb, sxc, sxh, sxw, nclients, ksplit, kchunk,
-                       KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
-                       PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, FOLD: tl.constexpr, IDX64: tl.constexpr,
-                       PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _conv_wgrad_kernel(
+    g_ptr,
+    x_ptr,
+    dw_ptr,
+    Bn,
+    Cin,
+    H,
+    W,
+    Cout,
+    OH,
+    OW,
+    sgb,
+    sgc,
+    sgh,
+    sgw,
+    sxb,
+    sxc,
+    sxh,
+    sxw,
+    nclients,
+    ksplit,
+    kchunk,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    SH: tl.constexpr,
+    SW: tl.constexpr,
+    PH: tl.constexpr,
+    PW: tl.constexpr,
+    DH: tl.constexpr,
+    DW: tl.constexpr,
+    FOLD: tl.constexpr,
+    IDX64: tl.constexpr,
+    PREC: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     pid_z = tl.program_id(2)
     k = (pid_z // ksplit).to(tl.int64)  # the client
-    part = pid_z % ksplit               # its share of the reduction: pixels [part * kchunk, (part + 1) * kchunk)
+    part = pid_z % ksplit  # its share of the reduction: pixels [part * kchunk, (part + 1) * kchunk)
     Ntot = KH * KW * Cin
     Ktot = Bn * OH * OW
     p_lo = part * kchunk
@@ -205,21 +314,28 @@ def _conv_wgrad_kernel(g_ptr, x_ptr, dw_ptr, Bn, Cin, H, W, Cout, OH, OW,
         bb = p // (OH * OW)
         pp = p % (OH * OW)
         oh, ow = pp // OW, pp % OW
-        gt = tl.load(g_base + offs_m[:, None] * sgc + (bb * sgb + oh * sgh + ow * sgw)[None, :],
-                     mask=m_ok[:, None] & p_ok[None, :], other=0.0)                     # [BM, BK]
+        gt = tl.load(
+            g_base + offs_m[:, None] * sgc + (bb * sgb + oh * sgh + ow * sgw)[None, :],
+            mask=m_ok[:, None] & p_ok[None, :],
+            other=0.0,
+        )  # [BM, BK]
         if FOLD:
             ihb, iwb = oh * SH - PH, ow * SW - PW
             ih = ihb[:, None] + rd[None, :]
             iw = iwb[:, None] + sd[None, :]
             x_ok = p_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            xt = tl.load(x_base + (bb * sxb + ihb * sxh + iwb * sxw)[:, None] + colx[None, :],
-                         mask=x_ok, other=0.0)                                           # [BK, BN]
+            xt = tl.load(
+                x_base + (bb * sxb + ihb * sxh + iwb * sxw)[:, None] + colx[None, :], mask=x_ok, other=0.0
+            )  # [BK, BN]
         else:
             ih = oh * SH - PH + r1 * DH
             iw = ow * SW - PW + s1 * DW
             q_ok = p_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            xt = tl.load(x_base + (bb * sxb + ih * sxh + iw * sxw)[:, None] + ci[None, :] * sxc,
-                         mask=q_ok[:, None] & j_ok[None, :], other=0.0)
+            xt = tl.load(
+                x_base + (bb * sxb + ih * sxh + iw * sxw)[:, None] + ci[None, :] * sxc,
+                mask=q_ok[:, None] & j_ok[None, :],
+                other=0.0,
+            )
         acc += tl.dot(gt, xt, input_precision=PREC)
     if FOLD:
         col = ci * (KH * KW) + rs
@@ -286,12 +402,38 @@ def conv_forward(x, w, b, stride, padding, dilation, out, tf32: bool = False, cf
     BM, BN, BK, nw, ns = _cfg("fwd", cfg, fold or i64)
     BN = _n_block(Cout, BN)
     grid = (triton.cdiv(B * OH * OW, BM), triton.cdiv(Cout, BN), n)
-    _conv_fwd_kernel[grid](x, w, b if b is not None else w, out, B, Cin, H, W, Cout, OH, OW,
-                           *_strides(x), *_strides(out), KH=KH, KW=KW, SH=stride[0], SW=stride[1],
-                           PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], HAS_BIAS=b is not None,
-                           FOLD=fold, IDX64=i64, PREC=_prec(tf32),
-                           BM=BM, BN=BN, BK=BK,
-                           num_warps=nw, num_stages=ns)
+    _conv_fwd_kernel[grid](
+        x,
+        w,
+        b if b is not None else w,
+        out,
+        B,
+        Cin,
+        H,
+        W,
+        Cout,
+        OH,
+        OW,
+        *_strides(x),
+        *_strides(out),
+        KH=KH,
+        KW=KW,
+        SH=stride[0],
+        SW=stride[1],
+        PH=padding[0],
+        PW=padding[1],
+        DH=dilation[0],
+        DW=dilation[1],
+        HAS_BIAS=b is not None,
+        FOLD=fold,
+        IDX64=i64,
+        PREC=_prec(tf32),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=nw,
+        num_stages=ns,
+    )
     return out
 
 
@@ -304,12 +446,36 @@ def conv_input_grad(g, w, stride, padding, dilation, dx, tf32: bool = False, cfg
     BM, BN, BK, nw, ns = _cfg("dgrad", cfg, fold or i64)
     BN = _n_block(Cin, BN)
     grid = (triton.cdiv(B * H * W, BM), triton.cdiv(Cin, BN), n)
-    _conv_dgrad_kernel[grid](g, w, dx, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(dx),
-                             KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
-                             DH=dilation[0], DW=dilation[1], FOLD=fold, IDX64=i64,
-                             PREC=_prec(tf32),
-                             BM=BM, BN=BN, BK=BK,
-                             num_warps=nw, num_stages=ns)
+    _conv_dgrad_kernel[grid](
+        g,
+        w,
+        dx,
+        B,
+        Cin,
+        H,
+        W,
+        Cout,
+        OH,
+        OW,
+        *_strides(g),
+        *_strides(dx),
+        KH=KH,
+        KW=KW,
+        SH=stride[0],
+        SW=stride[1],
+        PH=padding[0],
+        PW=padding[1],
+        DH=dilation[0],
+        DW=dilation[1],
+        FOLD=fold,
+        IDX64=i64,
+        PREC=_prec(tf32),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=nw,
+        num_stages=ns,
+    )
     return dx
 
 
@@ -349,16 +515,43 @@ def conv_weight_grad(g, x, stride, padding, dilation, dw, tf32: bool = False, cf
     split = int(c[5]) if len(c) > 5 and c[5] else wgrad_split(triton.cdiv(Cout, BM) * nb * n, ktot, BK, dw.device)
     split = max(1, min(split, triton.cdiv(ktot, BK)))
     kchunk = triton.cdiv(triton.cdiv(ktot, split), BK) * BK  # a multiple of BK
-    split = triton.cdiv(ktot, kchunk)                        # no empty share
+    split = triton.cdiv(ktot, kchunk)  # no empty share
     dst = dw if split == 1 else torch.empty((split,) + tuple(dw.shape), device=dw.device, dtype=dw.dtype)
     i64 = i64 or _idx64(dst)
     grid = (triton.cdiv(Cout, BM), nb, n * split)
-    _conv_wgrad_kernel[grid](g, x, dst, B, Cin, H, W, Cout, OH, OW, *_strides(g), *_strides(x), n, split, kchunk,
-                             KH=KH, KW=KW, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
-                             DH=dilation[0], DW=dilation[1], FOLD=fold, IDX64=i64,
-                             PREC=_prec(tf32),
-                             BM=BM, BN=BN, BK=BK,
-                             num_warps=nw, num_stages=ns)
+    _conv_wgrad_kernel[grid](
+        g,
+        x,
+        dst,
+        B,
+        Cin,
+        H,
+        W,
+        Cout,
+        OH,
+        OW,
+        *_strides(g),
+        *_strides(x),
+        n,
+        split,
+        kchunk,
+        KH=KH,
+        KW=KW,
+        SH=stride[0],
+        SW=stride[1],
+        PH=padding[0],
+        PW=padding[1],
+        DH=dilation[0],
+        DW=dilation[1],
+        FOLD=fold,
+        IDX64=i64,
+        PREC=_prec(tf32),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=nw,
+        num_stages=ns,
+    )
     if split > 1:
         torch.sum(dst, 0, out=dw)
     return dw

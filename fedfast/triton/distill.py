@@ -6,6 +6,7 @@ at y for not-true), pass 2 writes ``dL/dz`` and accumulates the loss terms. When
 (``SINGLE``) the tile is loaded once and stays in registers.
 Bytes moved: R*C*(s + t + g) + 12R (s, t, g: element sizes of student, teacher, gradient).
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,8 +72,7 @@ def _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, like, RHO: tl.constexpr):
 
 
 @triton.jit
-def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
-           PROB: tl.constexpr, RHO: tl.constexpr):
+def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB: tl.constexpr, RHO: tl.constexpr):
     m1, s1 = _online(m1, s1, z)
     mq, sq = _online(mq, sq, zq)
     zy += tl.sum(tl.where(is_y, z, 0.0), axis=1)
@@ -93,8 +93,34 @@ def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
 
 
 @triton.jit
-def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst, inv_st, W, Py, a, kb,
-          valid, cross, negent, PROB: tl.constexpr, RHO: tl.constexpr):
+def _emit(
+    g_ptr,
+    offs,
+    m2,
+    z,
+    zq,
+    tt,
+    is_y,
+    rho,
+    l1p,
+    m1,
+    inv_s1,
+    mq,
+    lsq,
+    inv_sq,
+    mt,
+    lst,
+    inv_st,
+    W,
+    Py,
+    a,
+    kb,
+    valid,
+    cross,
+    negent,
+    PROB: tl.constexpr,
+    RHO: tl.constexpr,
+):
     # log q = (zq - mq) - log(sq), q = exp(zq - mq) / sq: never form mq + log(sq) (digits lost at |z| ~ 1e4)
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
     mqs = tl.where(mq == float("-inf"), 0.0, mq)
@@ -125,12 +151,38 @@ def _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_s
 
 
 @triton.jit
-def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho_ptr, l1p_ptr, seg_ptr, loss_ptr, g_ptr,
-                    R, C, S, inv_tau, ce_w, kd_w, ignore_index,
-                    NOT_TRUE: tl.constexpr, SOFT_CE: tl.constexpr, PROB: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                    HAS_RW: tl.constexpr, HAS_RS: tl.constexpr, RHO: tl.constexpr, HAS_SEG: tl.constexpr,
-                    SINGLE: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _distill_kernel(
+    z_ptr,
+    t_ptr,
+    y_ptr,
+    neg_ptr,
+    alpha_ptr,
+    rw_ptr,
+    rs_ptr,
+    rho_ptr,
+    l1p_ptr,
+    seg_ptr,
+    loss_ptr,
+    g_ptr,
+    R,
+    C,
+    S,
+    inv_tau,
+    ce_w,
+    kd_w,
+    ignore_index,
+    NOT_TRUE: tl.constexpr,
+    SOFT_CE: tl.constexpr,
+    PROB: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    HAS_RS: tl.constexpr,
+    RHO: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
@@ -142,15 +194,17 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
     if SINGLE:
         z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols0, C, rmask, y, inv_tau, NOT_TRUE, PROB)
         rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols0, C, m2, tt, RHO)
-        m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty,
-                                                       PROB, RHO)
+        m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(
+            z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB, RHO
+        )
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
             rho, _ = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
-            m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv,
-                                                           zy, ty, PROB, RHO)
+            m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(
+                z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB, RHO
+            )
     if not PROB:
         W = zero + 1.0
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
@@ -185,15 +239,67 @@ def _distill_kernel(z_ptr, t_ptr, y_ptr, neg_ptr, alpha_ptr, rw_ptr, rs_ptr, rho
     cross = zero
     negent = zero
     if SINGLE:
-        cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst, inv_st,
-                              W, Py, a, kb, valid, cross, negent, PROB, RHO)
+        cross, negent = _emit(
+            g_ptr,
+            offs,
+            m2,
+            z,
+            zq,
+            tt,
+            is_y,
+            rho,
+            l1p,
+            m1,
+            inv_s1,
+            mq,
+            lsq,
+            inv_sq,
+            mt,
+            lst,
+            inv_st,
+            W,
+            Py,
+            a,
+            kb,
+            valid,
+            cross,
+            negent,
+            PROB,
+            RHO,
+        )
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
             rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
-            cross, negent = _emit(g_ptr, offs, m2, z, zq, tt, is_y, rho, l1p, m1, inv_s1, mq, lsq, inv_sq, mt, lst,
-                                  inv_st, W, Py, a, kb, valid, cross, negent, PROB, RHO)
+            cross, negent = _emit(
+                g_ptr,
+                offs,
+                m2,
+                z,
+                zq,
+                tt,
+                is_y,
+                rho,
+                l1p,
+                m1,
+                inv_s1,
+                mq,
+                lsq,
+                inv_sq,
+                mt,
+                lst,
+                inv_st,
+                W,
+                Py,
+                a,
+                kb,
+                valid,
+                cross,
+                negent,
+                PROB,
+                RHO,
+            )
     if PROB:
         negent = tl.load(neg_ptr + rows, mask=rmask, other=0.0)
     ce = (m1s - zy) + tl.log(s1)
@@ -221,18 +327,46 @@ def launch_config(C: int, elem_budget: int = 512, max_block_c: int = 2048, elems
     return block_r, block_c, single, num_warps
 
 
-def distill_rows_triton(student, teacher, target, negent, mix_weights, class_alpha, row_weight, class_prior,
-                        entropy_tau, rho, segments, row_scale, tau, ce_weight, kd_weight, ignore_index, not_true,
-                        soft_ce, in_place, config=None):
+def distill_rows_triton(
+    student,
+    teacher,
+    target,
+    negent,
+    mix_weights,
+    class_alpha,
+    row_weight,
+    class_prior,
+    entropy_tau,
+    rho,
+    segments,
+    row_scale,
+    tau,
+    ce_weight,
+    kd_weight,
+    ignore_index,
+    not_true,
+    soft_ce,
+    in_place,
+    config=None,
+):
     """The compiled backends' argument order (``FEDFAST_DISTILL_ROWS``, fedfast.ops.distill); returns (loss [R],
     dL/dz [R, C], 0). ``mix_weights``, ``class_prior`` and ``in_place`` are the CPU kernel's: on a GPU
     fedfast.ops.distill mixes the teachers and computes ASD's weights in ops of their own first, so they are refused
     here. ``config``: (BLOCK_R, BLOCK_C, num_warps) instead of :func:`launch_config`'s (benchmarks/gpu_probe.py)."""
-    given = [k for k, v in (("mix_weights", mix_weights is not None), ("class_prior", class_prior is not None),
-                            ("in_place", bool(in_place))) if v]
+    given = [
+        k
+        for k, v in (
+            ("mix_weights", mix_weights is not None),
+            ("class_prior", class_prior is not None),
+            ("in_place", bool(in_place)),
+        )
+        if v
+    ]
     if given:
-        raise ValueError(f"{given[0]}: the CPU kernel's argument; the triton backend takes the teacher mixed and ASD's "
-                         f"row weights made (fedfast.ops.distill does both)")
+        raise ValueError(
+            f"{given[0]}: the CPU kernel's argument; the triton backend takes the teacher mixed and ASD's "
+            f"row weights made (fedfast.ops.distill does both)"
+        )
     R, C = student.shape
     if student.dtype == torch.float64:
         raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
@@ -249,13 +383,38 @@ def distill_rows_triton(student, teacher, target, negent, mix_weights, class_alp
         BR, BC, nw = config
         single = C <= BC
     _distill_kernel[(triton.cdiv(R, BR),)](
-        student, teacher, target, f32(negent), f32(class_alpha), f32(row_weight), f32(row_scale), f32(rho), f32(l1p),
-        segments if segments is not None else target, loss, grad,
-        R, C, S, 1.0 / tau, ce_weight, kd_weight, ignore_index,
-        NOT_TRUE=not_true, SOFT_CE=soft_ce, PROB=negent is not None, HAS_ALPHA=class_alpha is not None,
-        HAS_RW=row_weight is not None, HAS_RS=row_scale is not None, RHO=rho is not None,
+        student,
+        teacher,
+        target,
+        f32(negent),
+        f32(class_alpha),
+        f32(row_weight),
+        f32(row_scale),
+        f32(rho),
+        f32(l1p),
+        segments if segments is not None else target,
+        loss,
+        grad,
+        R,
+        C,
+        S,
+        1.0 / tau,
+        ce_weight,
+        kd_weight,
+        ignore_index,
+        NOT_TRUE=not_true,
+        SOFT_CE=soft_ce,
+        PROB=negent is not None,
+        HAS_ALPHA=class_alpha is not None,
+        HAS_RW=row_weight is not None,
+        HAS_RS=row_scale is not None,
+        RHO=rho is not None,
         HAS_SEG=(segments is not None and S > 1),
-        SINGLE=single, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
+        SINGLE=single,
+        BLOCK_R=BR,
+        BLOCK_C=BC,
+        num_warps=nw,
+    )
     return loss, grad, 0
 
 
@@ -275,6 +434,7 @@ def scale_rows_triton(grad, grad_loss):
     N = grad.numel()
     if N:
         BLOCK = 4096
-        _scale_rows_kernel[(triton.cdiv(N, BLOCK),)](grad, grad_loss.contiguous(), out, N, grad.shape[1],
-                                                     BLOCK=BLOCK, num_warps=8)
+        _scale_rows_kernel[(triton.cdiv(N, BLOCK),)](
+            grad, grad_loss.contiguous(), out, N, grad.shape[1], BLOCK=BLOCK, num_warps=8
+        )
     return out

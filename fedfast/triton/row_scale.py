@@ -16,6 +16,7 @@ written (y, s: the sizes of the target and segment ids). 1/n is divided with IEE
 fp32 ``/`` is the approximate ``div.full.f32`` on NVIDIA GPUs, 1 ulp off torch's and the C++ pass's 1/n for some n
 (seen on the H100, 2026-11-27: R = 1025 rows of 21 clients).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_scale_kernel(y_ptr, seg_ptr, cnt_ptr, rs_ptr, st_ptr, R, C, ignore_index, limit,
-                      HAS_SEG: tl.constexpr, MODE: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
+def _row_scale_kernel(
+    y_ptr,
+    seg_ptr,
+    cnt_ptr,
+    rs_ptr,
+    st_ptr,
+    R,
+    C,
+    ignore_index,
+    limit,
+    HAS_SEG: tl.constexpr,
+    MODE: tl.constexpr,
+    CHECK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """MODE 0: checks only; 1: 1/#valid rows; 2: 1/#valid rows of the row's segment (needs HAS_SEG)."""
     offs0 = tl.arange(0, BLOCK)
     bad_t = tl.zeros([BLOCK], dtype=tl.int32)
@@ -69,9 +83,11 @@ def _row_scale_kernel(y_ptr, seg_ptr, cnt_ptr, rs_ptr, st_ptr, R, C, ignore_inde
             sc = tl.minimum(tl.maximum(s, 0), R - 1)
             # read through an atomic (at L2, where the counts were added), not a possibly stale L1 line
             n = tl.atomic_add(cnt_ptr + sc, tl.zeros([BLOCK], dtype=tl.int32), mask=m)
-            tl.store(rs_ptr + o, tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + 1.0,
-                                                tl.maximum(n, 1).to(tl.float32)),
-                     mask=m)
+            tl.store(
+                rs_ptr + o,
+                tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + 1.0, tl.maximum(n, 1).to(tl.float32)),
+                mask=m,
+            )
     if CHECK:
         tl.atomic_or(st_ptr, tl.max(bad_t, axis=0))
         tl.atomic_or(st_ptr + 1, tl.max(bad_s, axis=0))
@@ -89,8 +105,20 @@ def row_scale_triton(target, segments, C: int, ignore_index: int, mode: int, lim
     if R == 0 or (mode == 0 and status is None):
         return rs
     cnt = torch.empty(R, dtype=torch.int32, device=dev) if mode == 2 else target
-    _row_scale_kernel[(1,)](target, segments if segments is not None else target, cnt, rs if rs is not None else cnt,
-                            status if status is not None else cnt, R, C, ignore_index, limit,
-                            HAS_SEG=segments is not None, MODE=mode, CHECK=status is not None,
-                            BLOCK=1024, num_warps=8)
+    _row_scale_kernel[(1,)](
+        target,
+        segments if segments is not None else target,
+        cnt,
+        rs if rs is not None else cnt,
+        status if status is not None else cnt,
+        R,
+        C,
+        ignore_index,
+        limit,
+        HAS_SEG=segments is not None,
+        MODE=mode,
+        CHECK=status is not None,
+        BLOCK=1024,
+        num_warps=8,
+    )
     return rs

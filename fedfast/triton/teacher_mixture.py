@@ -5,6 +5,7 @@ One program per BLOCK_R rows; for each teacher an online (max, sum-exp) pass, th
 into P (fp32). Bytes: 2*M*R*C*t (two reads per teacher) + (2M-1)*4*R*C (P read-modify-write) + 4R.
 Run once per round per cached teacher table, so simplicity beats the last byte here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,21 @@ from .distill import _row_targets, launch_config
 
 
 @triton.jit
-def _mixture_kernel(t_ptr, w_ptr, y_ptr, P_ptr, neg_ptr, M, R, C, inv_tau, ignore_index,
-                    NOT_TRUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _mixture_kernel(
+    t_ptr,
+    w_ptr,
+    y_ptr,
+    P_ptr,
+    neg_ptr,
+    M,
+    R,
+    C,
+    inv_tau,
+    ignore_index,
+    NOT_TRUE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     y, valid, _ = _row_targets(y_ptr, y_ptr, rows, rmask, C, 1, ignore_index, False)
@@ -31,8 +45,12 @@ def _mixture_kernel(t_ptr, w_ptr, y_ptr, P_ptr, neg_ptr, M, R, C, inv_tau, ignor
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             m2 = rmask[:, None] & (cols < C)[None, :]
-            x = tl.load(base + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m2,
-                        other=float("-inf")).to(tl.float32) * inv_tau
+            x = (
+                tl.load(base + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m2, other=float("-inf")).to(
+                    tl.float32
+                )
+                * inv_tau
+            )
             if NOT_TRUE:
                 x = tl.where(cols[None, :] == y[:, None], float("-inf"), x)
             m_new = tl.maximum(m, tl.max(x, axis=1))
@@ -66,7 +84,20 @@ def teacher_mixture_triton(teachers, weights, target, tau, not_true, ignore_inde
     neg = torch.empty(R, dtype=torch.float32, device=teachers.device)
     if R:
         BR, BC, _, nw = launch_config(C)
-        _mixture_kernel[(triton.cdiv(R, BR),)](teachers.contiguous(), weights.float().contiguous(),
-                                               target.contiguous(), P, neg, M, R, C, 1.0 / tau, ignore_index,
-                                               NOT_TRUE=not_true, BLOCK_R=BR, BLOCK_C=BC, num_warps=nw)
+        _mixture_kernel[(triton.cdiv(R, BR),)](
+            teachers.contiguous(),
+            weights.float().contiguous(),
+            target.contiguous(),
+            P,
+            neg,
+            M,
+            R,
+            C,
+            1.0 / tau,
+            ignore_index,
+            NOT_TRUE=not_true,
+            BLOCK_R=BR,
+            BLOCK_C=BC,
+            num_warps=nw,
+        )
     return P, neg

@@ -6,6 +6,7 @@ and writes the slice's sum of squares (fp32 lanes); the slices' partial sums are
 participating rows instead of the chunked ``index_select`` + difference + norm of the tensor-op path (three reads and
 two writes of each row). Bytes: n*P*x (rows) + P*4 per row slice (g, from L2) + n*S*4 (partials).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,13 +32,23 @@ def _norms_kernel(x_ptr, idx_ptr, g_ptr, out_ptr, P, S, BLOCK: tl.constexpr, ITE
     tl.store(out_ptr + k * S + s, tl.sum(acc, axis=0))
 
 
-def update_norms_triton(clients: torch.Tensor, global_params: torch.Tensor, idx: torch.Tensor,
-                        BLOCK: int = 1024, ITERS: int = 16) -> torch.Tensor:
+def update_norms_triton(
+    clients: torch.Tensor, global_params: torch.Tensor, idx: torch.Tensor, BLOCK: int = 1024, ITERS: int = 16
+) -> torch.Tensor:
     """``||X_k - g||`` [n] (fp32) of the rows ``idx`` of ``clients`` [N, P] (fp32/bf16/fp16)."""
     n, P = idx.numel(), clients.shape[1]
     S = triton.cdiv(P, BLOCK * ITERS)
     part = torch.empty(n, S, dtype=torch.float32, device=clients.device)
     if n:
-        _norms_kernel[(n, S)](clients.contiguous(), idx.contiguous(), global_params.float().contiguous(), part, P, S,
-                              BLOCK=BLOCK, ITERS=ITERS, num_warps=4)
+        _norms_kernel[(n, S)](
+            clients.contiguous(),
+            idx.contiguous(),
+            global_params.float().contiguous(),
+            part,
+            P,
+            S,
+            BLOCK=BLOCK,
+            ITERS=ITERS,
+            num_warps=4,
+        )
     return part.double().sum(1).sqrt().float()

@@ -1,5 +1,6 @@
 """ASD as an add-on over each base method, against the plain sequential loop; defaults from Yashwanth et al. and
 the official code (vcl-iisc/fed-adaptive-self-distillation @6cb4b68)."""
+
 import pytest
 import torch
 
@@ -8,11 +9,17 @@ from fedfast import nn as ffnn
 from sequential_loop import engine_vs_loop
 
 
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("fedavg+asd", dict(asd=dict(lam=10.0, tau=2.0)), {}), ("fedntd+asd", dict(asd=dict(lam=5.0)), {}),
-    ("scaffold+asd", dict(asd=dict(lam=5.0)), {}), ("feddyn+asd", dict(asd=dict(lam=5.0), feddyn=dict(alpha=0.1)), {}),
-    ("fedprox+asd", dict(asd=dict(tau=2.0), fedprox=dict(mu=0.05)), {}),
-    ("fedavg+asd", dict(asd=dict(entropy_tau=2.0, not_true=True)), dict(max_grad_norm=0.5))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedavg+asd", dict(asd=dict(lam=10.0, tau=2.0)), {}),
+        ("fedntd+asd", dict(asd=dict(lam=5.0)), {}),
+        ("scaffold+asd", dict(asd=dict(lam=5.0)), {}),
+        ("feddyn+asd", dict(asd=dict(lam=5.0), feddyn=dict(alpha=0.1)), {}),
+        ("fedprox+asd", dict(asd=dict(tau=2.0), fedprox=dict(mu=0.05)), {}),
+        ("fedavg+asd", dict(asd=dict(entropy_tau=2.0, not_true=True)), dict(max_grad_norm=0.5)),
+    ],
+)
 def test_matches_sequential_loop(algorithm, options, extra):
     err, _, _ = engine_vs_loop(algorithm, options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
@@ -21,8 +28,13 @@ def test_matches_sequential_loop(algorithm, options, extra):
 def test_defaults_follow_the_official_code():
     """lam 10, tau 2, clipping at 10 on every +asd method; the teacher entropy at temperature 1 on the official
     FedAvg+ASD / FedNTD+ASD path (train_fedavgreg_mdl) and at tau on FedProx+ASD / FedDyn+ASD."""
-    for alg, ent, nt in (("fedavg+asd", 1.0, False), ("fedntd+asd", 1.0, True), ("fedprox+asd", 2.0, False),
-                         ("feddyn+asd", 2.0, False), ("scaffold+asd", 2.0, False)):
+    for alg, ent, nt in (
+        ("fedavg+asd", 1.0, False),
+        ("fedntd+asd", 1.0, True),
+        ("fedprox+asd", 2.0, False),
+        ("feddyn+asd", 2.0, False),
+        ("scaffold+asd", 2.0, False),
+    ):
         cfg = fedfast.SimConfig(algorithm=alg)
         a = cfg.method().asd
         assert (a.lam, a.tau, a.entropy_tau, a.not_true, cfg.max_grad_norm) == (10.0, 2.0, ent, nt, 10.0), alg

@@ -1,6 +1,7 @@
 """Adam and AdamW client steps (``client_optimizer``) against the plain sequential loop with torch.optim.Adam /
 AdamW per client, composed with FedProx, clipping, weight decay, the KD losses and client chunking; the methods
 whose client-step terms are defined for SGD refuse them by name."""
+
 import pytest
 
 import fedfast
@@ -9,18 +10,29 @@ from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("fedavg", {}, {}),
-    ("fedprox", dict(mu=0.1), dict(max_grad_norm=0.5)),
-    ("fedntd", dict(tau=2.0), dict(client_chunk=3)),
-    ("fedgkd", {}, {}),
-    ("moon", {}, {}),
-    ("fedavg+asd", {}, {}),
-    ("fedavg", {}, dict(backend="reference")),
-])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedavg", {}, {}),
+        ("fedprox", dict(mu=0.1), dict(max_grad_norm=0.5)),
+        ("fedntd", dict(tau=2.0), dict(client_chunk=3)),
+        ("fedgkd", {}, {}),
+        ("moon", {}, {}),
+        ("fedavg+asd", {}, {}),
+        ("fedavg", {}, dict(backend="reference")),
+    ],
+)
 def test_matches_sequential_loop(optimizer, algorithm, options, extra):
-    err, sim, _ = engine_vs_loop(algorithm, options, momentum=0.0, client_optimizer=optimizer, lr=1e-3,
-                                 weight_decay=1e-2, adam_betas=(0.8, 0.99), **extra)
+    err, sim, _ = engine_vs_loop(
+        algorithm,
+        options,
+        momentum=0.0,
+        client_optimizer=optimizer,
+        lr=1e-3,
+        weight_decay=1e-2,
+        adam_betas=(0.8, 0.99),
+        **extra,
+    )
     assert err <= 1e-4, err
     assert isinstance(sim.trainer.optimizer, Adam) and sim.trainer.optimizer.decoupled == (optimizer == "adamw")
 
@@ -30,12 +42,20 @@ def test_a_wrong_moment_or_bias_correction_is_caught():
     import copy
 
     from sequential_loop import sequential, setup_data
+
     train, test, part, model = setup_data()
-    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=2, local_epochs=2, batch_size=16, lr=1e-3, seed=3,
-              client_optimizer="adam")
+    kw = dict(
+        algorithm="fedavg",
+        clients_per_round=4,
+        rounds=2,
+        local_epochs=2,
+        batch_size=16,
+        lr=1e-3,
+        seed=3,
+        client_optimizer="adam",
+    )
     ref = sequential(fedfast.SimConfig(**kw), model, train, part, 2)
-    sim = fedfast.Simulation(fedfast.SimConfig(adam_betas=(0.5, 0.999), **kw), copy.deepcopy(model), train, test,
-                             part)
+    sim = fedfast.Simulation(fedfast.SimConfig(adam_betas=(0.5, 0.999), **kw), copy.deepcopy(model), train, test, part)
     sim.run()
     err = float((sim.global_flat - ref).abs().max() / ref.abs().max())
     assert err > 1e-3, err  # 10x the tolerance of the comparisons above

@@ -1,5 +1,6 @@
 """FedAvg, FedProx, FedAvgM against the plain sequential loop; the engine's plain defaults; user schedules and data
 orders (replaying another framework's cohorts); Partition from plain index lists; the trained model."""
+
 import copy
 
 import numpy as np
@@ -11,10 +12,17 @@ from fedfast import data
 from sequential_loop import engine_vs_loop, flat, sequential, setup_data
 
 
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("fedavg", {}, {}), ("fedprox", dict(mu=0.1), {}), ("fedprox", dict(mu=0.3), dict(max_grad_norm=0.5)),
-    ("fedavgm", dict(server_lr=1.0, server_momentum=0.9), {}), ("fedavgm", dict(server_lr=0.7), dict(client_chunk=3)),
-    ("fedavg", {}, dict(aggregate_weights="uniform"))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedavg", {}, {}),
+        ("fedprox", dict(mu=0.1), {}),
+        ("fedprox", dict(mu=0.3), dict(max_grad_norm=0.5)),
+        ("fedavgm", dict(server_lr=1.0, server_momentum=0.9), {}),
+        ("fedavgm", dict(server_lr=0.7), dict(client_chunk=3)),
+        ("fedavg", {}, dict(aggregate_weights="uniform")),
+    ],
+)
 def test_matches_sequential_loop(algorithm, options, extra):
     err, sim, hist = engine_vs_loop(algorithm, options, lr_decay=0.99, **extra)
     assert len(hist) == 2 and all(np.isfinite(h["test_loss"]) for h in hist)
@@ -43,19 +51,27 @@ def test_schedule_and_data_order_replay_given_cohorts():
         return np.random.default_rng(1000 * rnd + 10 * client + epoch).permutation(n)[::-1].copy()
 
     for sched in (cohorts, lambda r: cohorts[r]):
-        cfg = fedfast.SimConfig(algorithm="fedavgm", clients_per_round=3, rounds=3, local_epochs=2, batch_size=16,
-                                lr=0.05, momentum=0.9)
+        cfg = fedfast.SimConfig(
+            algorithm="fedavgm", clients_per_round=3, rounds=3, local_epochs=2, batch_size=16, lr=0.05, momentum=0.9
+        )
         ref = sequential(cfg, model, train, part, 3, sampled_fn=lambda r: cohorts[r], order_fn=order)
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, schedule=sched, data_order=order)
         hist = sim.run()
         assert [sorted(h["clients"]) for h in hist] == [sorted(c.tolist()) for c in cohorts]
         assert (sim.global_flat - ref).abs().max() <= 1e-5 * ref.abs().max()
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=2, batch_size=16)
-    for sched, msg in (([[0, 0]], "distinct"), ([[9]], "distinct and in"), ([[]], "non-empty"), ([[1]] , "has 1 rounds")):
+    for sched, msg in (
+        ([[0, 0]], "distinct"),
+        ([[9]], "distinct and in"),
+        ([[]], "non-empty"),
+        ([[1]], "has 1 rounds"),
+    ):
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, schedule=sched)
         with pytest.raises(ValueError, match="schedule"):
             sim.run()
-    bad = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, data_order=lambda r, k, e, n: np.zeros(n, int))
+    bad = fedfast.Simulation(
+        cfg, copy.deepcopy(model), train, test, part, data_order=lambda r, k, e, n: np.zeros(n, int)
+    )
     with pytest.raises(ValueError, match="data_order"):
         bad.round()
     with pytest.raises(TypeError, match="schedule"):
@@ -75,8 +91,13 @@ def test_partition_from_plain_index_lists():
         sim.run()
         outs.append(sim.global_flat)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    for bad, msg in (([], "non-empty"), ([[0, 1], [2.5]], "integer"), ([[0, -1]], "negative"), ([[0], []], "no samples"),
-                     ([np.zeros((1, 1), int)], "1-d")):
+    for bad, msg in (
+        ([], "non-empty"),
+        ([[0, 1], [2.5]], "integer"),
+        ([[0, -1]], "negative"),
+        ([[0], []], "no samples"),
+        ([np.zeros((1, 1), int)], "1-d"),
+    ):
         with pytest.raises(ValueError, match=msg):
             data.Partition(bad)
     with pytest.raises(ValueError, match="beyond"):

@@ -1,4 +1,5 @@
 """FedCAD against the plain sequential loop; its class weights (Eq. 6) and server-held auxiliary data."""
+
 import copy
 
 import pytest
@@ -9,8 +10,10 @@ from fedfast import data
 from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, setup_data
 
 
-@pytest.mark.parametrize("options,extra", [({}, {}), (dict(tau=1.0, beta=0.1, gamma=0.9, tau_squared=True), {}),
-                                           (dict(alpha_tau=2.0), dict(client_chunk=2))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [({}, {}), (dict(tau=1.0, beta=0.1, gamma=0.9, tau_squared=True), {}), (dict(alpha_tau=2.0), dict(client_chunk=2))],
+)
 def test_matches_sequential_loop(options, extra):
     err, _, _ = engine_vs_loop("fedcad", options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err

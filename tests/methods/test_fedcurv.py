@@ -1,6 +1,7 @@
 """FedCurv against a literal per-client loop written as FedNTD's code runs it (the penalty in the loss, the
 Fisher from squared minibatch gradients after training, the server's dictionaries of every client's latest
 u, v), on the batched executor and on vmap; its defaults and options."""
+
 import numpy as np
 import pytest
 import torch
@@ -47,8 +48,14 @@ class CurvLoop(PlainLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [({}, {}), (dict(samples=20, lam=0.5), dict(client_chunk=3)),
-                                           (dict(lam=2.0), dict(momentum=0.0, max_grad_norm=1.0))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        ({}, {}),
+        (dict(samples=20, lam=0.5), dict(client_chunk=3)),
+        (dict(lam=2.0), dict(momentum=0.0, max_grad_norm=1.0)),
+    ],
+)
 def test_matches_literal_loop(options, extra, executor):
     err, sim, loop = engine_vs(CurvLoop, "fedcurv", options, rounds=3, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err

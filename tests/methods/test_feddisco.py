@@ -1,5 +1,6 @@
 """FedDisco against a literal per-client loop (its weights written out in numpy), on the batched executor and on
 vmap; the defaults of FedDisco's code and ASD's settings; its options refused by name."""
+
 import numpy as np
 import pytest
 import torch
@@ -53,18 +54,26 @@ class DiscoASDLoop(DiscoLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options", [dict(asd=dict(lam=3.0)), dict(feddisco=dict(a=0.1, b=0.5, scope="all"),
-                                                                   asd=dict(lam=5.0, entropy_tau=2.0))])
+@pytest.mark.parametrize(
+    "options",
+    [dict(asd=dict(lam=3.0)), dict(feddisco=dict(a=0.1, b=0.5, scope="all"), asd=dict(lam=5.0, entropy_tau=2.0))],
+)
 def test_feddisco_asd_matches_literal_loop(options, executor):
     err, _, _ = engine_vs(DiscoASDLoop, "feddisco+asd", options, executor=executor, lr_decay=0.99, momentum=0.0)
     assert err <= 1e-4, err
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [
-    ({}, {}), (dict(a=0.1, b=0.5, scope="all"), {}), (dict(distance="l1", target="global", a=1.0), {}),
-    (dict(distance="cosine", a=0.8), dict(aggregate_weights="uniform", client_chunk=3)),
-    (dict(distance="l2", a=0.7, b=0.0), {})])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        ({}, {}),
+        (dict(a=0.1, b=0.5, scope="all"), {}),
+        (dict(distance="l1", target="global", a=1.0), {}),
+        (dict(distance="cosine", a=0.8), dict(aggregate_weights="uniform", client_chunk=3)),
+        (dict(distance="l2", a=0.7, b=0.0), {}),
+    ],
+)
 def test_matches_literal_loop(options, extra, executor):
     err, sim, loop = engine_vs(DiscoLoop, "feddisco", options, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
@@ -92,6 +101,7 @@ def test_defaults_and_options():
 
 def test_all_weights_clipped_is_an_error():
     from fedfast.methods.feddisco import FedDisco
+
     m = FedDisco(a=100.0, b=0.0)
     m.engine = type("E", (), {"config": fedfast.SimConfig()})()
     m.counts, m.q = np.array([[5.0, 0.0], [0.0, 5.0]]), np.array([0.5, 0.5])

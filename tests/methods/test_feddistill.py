@@ -1,5 +1,6 @@
 """FedDistill+ against a literal per-client loop (the per-label logit tracker and the server's average of the
 others' written out as FedGKD's code intends them), on the batched executor and on vmap; its defaults."""
+
 import pytest
 import torch
 
@@ -41,11 +42,14 @@ class DistillLoop(PlainLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [({}, {}), (dict(coef=1.0, tau=2.0, skip_first_round=False),
-                                                      dict(client_chunk=3, max_grad_norm=None))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [({}, {}), (dict(coef=1.0, tau=2.0, skip_first_round=False), dict(client_chunk=3, max_grad_norm=None))],
+)
 def test_matches_literal_loop(options, extra, executor):
-    err, sim, loop = engine_vs(DistillLoop, "feddistill_plus", options, rounds=3, executor=executor,
-                               lr_decay=0.99, **extra)
+    err, sim, loop = engine_vs(
+        DistillLoop, "feddistill_plus", options, rounds=3, executor=executor, lr_decay=0.99, **extra
+    )
     assert err <= 1e-4, err
     A = torch.stack([loop.A[k] for k in range(loop.K)])
     uploads = sim.method.client_state.dense().reshape(A.shape)  # the server's per-client uploads (zeros: none yet)

@@ -1,12 +1,19 @@
 """FedDyn against the plain sequential loop (cloud model, h_k, both alpha_k scalings)."""
+
 import pytest
 
 import fedfast
 from sequential_loop import engine_vs_loop
 
 
-@pytest.mark.parametrize("options,extra", [(dict(alpha=0.1), {}), (dict(alpha=0.1), dict(client_chunk=1)),
-                                           (dict(alpha=0.05, alpha_scaling="minibatches"), {})])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        (dict(alpha=0.1), {}),
+        (dict(alpha=0.1), dict(client_chunk=1)),
+        (dict(alpha=0.05, alpha_scaling="minibatches"), {}),
+    ],
+)
 def test_matches_sequential_loop(options, extra):
     err, sim, _ = engine_vs_loop("feddyn", options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err

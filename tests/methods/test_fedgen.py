@@ -2,6 +2,7 @@
 serverpFedGen.train_generator: its own generator module, KLDivLoss, NLLLoss, the diversity loss, torch.optim.Adam),
 on the batched executor and on vmap; the random draws come from fedgen.client_draws / server_draws (keyed by round,
 epoch, step, client position); checkpoints keep the generator."""
+
 import copy
 
 import numpy as np
@@ -63,11 +64,13 @@ class GenLoop(PlainLoop):
             return loss
         alpha = max(1e-4, o["alpha"] * o["decay"] ** self.rnd)
         beta = max(1e-4, o["beta"] * o["decay"] ** self.rnd)
-        eps1, u, eps2 = (d[self.pos[k]] for d in client_draws(self.cfg.seed, self.rnd, self.e, s, self.m, self.B,
-                                                               self.gB, self.noise))
+        eps1, u, eps2 = (
+            d[self.pos[k]]
+            for d in client_draws(self.cfg.seed, self.rnd, self.e, s, self.m, self.B, self.gB, self.noise)
+        )
         head = self.head_of(local)
         with torch.no_grad():
-            target_p = F.softmax(head(self.gen(eps1[:len(y)], y)), 1)
+            target_p = F.softmax(head(self.gen(eps1[: len(y)], y)), 1)
         latent = nn.KLDivLoss(reduction="batchmean")(F.log_softmax(z, 1), target_p)
         labels = [c for c in range(self.train.num_classes) if self.hist[k][c] > 0 or not o["available_labels"]]
         yhat = torch.tensor([labels[int(v * len(labels))] for v in u.tolist()])
@@ -108,10 +111,16 @@ class GenLoop(PlainLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [
-    (dict(alpha=1.0, beta=1.0, hidden=24, noise=8), {}),
-    (dict(alpha=0.5, beta=0.0, available_labels=False, gen_batch=8, server_steps=7, server_batch=12), dict(
-        client_chunk=3, max_grad_norm=1.0))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        (dict(alpha=1.0, beta=1.0, hidden=24, noise=8), {}),
+        (
+            dict(alpha=0.5, beta=0.0, available_labels=False, gen_batch=8, server_steps=7, server_batch=12),
+            dict(client_chunk=3, max_grad_norm=1.0),
+        ),
+    ],
+)
 def test_matches_literal_loop(options, extra, executor):
     err, sim, loop = engine_vs(GenLoop, "fedgen", options, rounds=3, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
@@ -128,8 +137,9 @@ def test_generator_changes_training_and_checkpoints():
     _, avg, _ = engine_vs(PlainLoop, "fedavg", {}, rounds=3)
     assert float((gen.global_flat - avg.global_flat).abs().max() / avg.global_flat.abs().max()) > 1e-3
     train, test, part, model = setup_data()
-    cfg = fedfast.SimConfig(algorithm="fedgen", clients_per_round=4, rounds=3, batch_size=16, lr=0.05, seed=2,
-                            options=dict(hidden=16))
+    cfg = fedfast.SimConfig(
+        algorithm="fedgen", clients_per_round=4, rounds=3, batch_size=16, lr=0.05, seed=2, options=dict(hidden=16)
+    )
     full = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
     full.run()
     half = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
@@ -149,14 +159,31 @@ def test_defaults_and_sizes():
     ensemble_lr 3e-4, weight_decay 1e-2, ensemble_epochs 50, ensemble_eta 1; exp_lr_scheduler 0.98; generator
     sizes as FedGKD states them (hidden max(512, F): 512 for ResNet-8's 64 features, noise F)."""
     o = fedfast.SimConfig(algorithm="fedgen").method().opts
-    assert (o.alpha, o.beta, o.decay, o.gen_lr, o.gen_weight_decay, o.gen_lr_decay, o.server_steps, o.eta,
-            o.available_labels, o.gen_batch, o.hidden, o.noise) == \
-        (10.0, 10.0, 0.98, 3e-4, 1e-2, 0.98, 50, 1.0, True, None, None, None)
+    assert (
+        o.alpha,
+        o.beta,
+        o.decay,
+        o.gen_lr,
+        o.gen_weight_decay,
+        o.gen_lr_decay,
+        o.server_steps,
+        o.eta,
+        o.available_labels,
+        o.gen_batch,
+        o.hidden,
+        o.noise,
+    ) == (10.0, 10.0, 0.98, 3e-4, 1e-2, 0.98, 50, 1.0, True, None, None, None)
     train, test, part, _ = setup_data()
     from fedfast import data, models
+
     tr, te = data.synthetic(5, 40, 10, (3, 32, 32), seed=0)
-    sim = fedfast.Simulation(fedfast.SimConfig(algorithm="fedgen", clients_per_round=2, batch_size=8),
-                             models.build("resnet8_gn", 5), tr, te, data.iid(tr.y, 4, seed=0))
+    sim = fedfast.Simulation(
+        fedfast.SimConfig(algorithm="fedgen", clients_per_round=2, batch_size=8),
+        models.build("resnet8_gn", 5),
+        tr,
+        te,
+        data.iid(tr.y, 4, seed=0),
+    )
     assert (sim.method.hidden, sim.method.noise_dim, sim.method.features) == (512, 64, 64)
     for key, bad in (("decay", 1.0), ("gen_lr", 0.0), ("server_steps", 0), ("gen_batch", 0)):
         with pytest.raises(ValueError, match=f"fedgen.{key}"):

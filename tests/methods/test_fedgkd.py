@@ -1,4 +1,5 @@
 """FedGKD and FedGKD-VOTE against the plain sequential loop; defaults from Yao et al. and CGCL-codes/FedGKD."""
+
 import copy
 
 import pytest
@@ -9,11 +10,18 @@ from fedfast import data
 from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, setup_data
 
 
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("fedgkd", {}, {}), ("fedgkd", dict(buffer=2), {}), ("fedgkd", dict(buffer=1, skip_first_round=False), {}),
-    ("fedgkd", dict(buffer=3, gamma=0.4, tau=2.0), dict(max_grad_norm=0.5)),
-    ("fedgkd_vote", dict(buffer=2), {}), ("fedgkd_vote", dict(buffer=3, lam=0.3, beta=0.5, tau=2.0), {}),
-    ("fedgkd_vote", dict(buffer=2), dict(client_chunk=3))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedgkd", {}, {}),
+        ("fedgkd", dict(buffer=2), {}),
+        ("fedgkd", dict(buffer=1, skip_first_round=False), {}),
+        ("fedgkd", dict(buffer=3, gamma=0.4, tau=2.0), dict(max_grad_norm=0.5)),
+        ("fedgkd_vote", dict(buffer=2), {}),
+        ("fedgkd_vote", dict(buffer=3, lam=0.3, beta=0.5, tau=2.0), {}),
+        ("fedgkd_vote", dict(buffer=2), dict(client_chunk=3)),
+    ],
+)
 def test_matches_sequential_loop(algorithm, options, extra):
     err, sim, _ = engine_vs_loop(algorithm, options, rounds=3, lr_decay=0.99, **extra)
     if algorithm == "fedgkd" and sim.method.opts.buffer > 1:  # the teacher is the buffer average, not the last global
@@ -36,9 +44,21 @@ def test_first_round_skips_distillation():
     """Round 1 with skip_first_round equals FedAvg's round 1; without it, the KD term (to w_0) changes it."""
     train, test, part, model = setup_data()
     out = {}
-    for name, alg, opts in (("avg", "fedavg", {}), ("skip", "fedgkd", {}), ("kd", "fedgkd", {"skip_first_round": False})):
-        cfg = fedfast.SimConfig(algorithm=alg, options=opts, clients_per_round=4, rounds=1, local_epochs=2,
-                                batch_size=16, lr=0.1, max_grad_norm=0.0)
+    for name, alg, opts in (
+        ("avg", "fedavg", {}),
+        ("skip", "fedgkd", {}),
+        ("kd", "fedgkd", {"skip_first_round": False}),
+    ):
+        cfg = fedfast.SimConfig(
+            algorithm=alg,
+            options=opts,
+            clients_per_round=4,
+            rounds=1,
+            local_epochs=2,
+            batch_size=16,
+            lr=0.1,
+            max_grad_norm=0.0,
+        )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
         sim.run()
         out[name] = sim.global_flat
@@ -66,11 +86,11 @@ class GKDPlusLoop(PlainLoop):
     def round_start(self, sampled):
         self.teacher = copy.deepcopy(self.glob).eval()
         if self.history:
-            avg = torch.stack(self.history[-self.o["buffer"]:]).mean(0)
+            avg = torch.stack(self.history[-self.o["buffer"] :]).mean(0)
             off = 0
             with torch.no_grad():
                 for p in self.teacher.parameters():
-                    p.copy_(avg[off:off + p.numel()].view_as(p))
+                    p.copy_(avg[off : off + p.numel()].view_as(p))
                     off += p.numel()
 
     def loss(self, local, x, y, k):
@@ -91,10 +111,12 @@ class GKDPlusLoop(PlainLoop):
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
 @pytest.mark.parametrize("options,extra", [({}, {}), (dict(buffer=2, projection_dim=8, tau=2.0), dict(client_chunk=3))])
 def test_fedgkd_plus_matches_literal_loop(options, extra, executor):
-    err, sim, _ = engine_vs(GKDPlusLoop, "fedgkd_plus", options, rounds=3, executor=executor, lr_decay=0.99,
-                            max_grad_norm=None, **extra)
+    err, sim, _ = engine_vs(
+        GKDPlusLoop, "fedgkd_plus", options, rounds=3, executor=executor, lr_decay=0.99, max_grad_norm=None, **extra
+    )
     assert err <= 1e-4, err
     from fedfast.flat import classifier_of
+
     assert classifier_of(sim.model).in_features == sim.method.opts.projection_dim
 
 
@@ -107,8 +129,10 @@ def test_fedgkd_plus_defaults():
         fedfast.SimConfig(algorithm="fedgkd_plus", options={"projection_dim": 0})
 
 
-@pytest.mark.parametrize("algorithm,options,rounds", [("fedgkd", dict(buffer=3, skip_first_round=False), 4),
-                                                      ("fedgkd_vote", dict(buffer=2), 3)])
+@pytest.mark.parametrize(
+    "algorithm,options,rounds",
+    [("fedgkd", dict(buffer=3, skip_first_round=False), 4), ("fedgkd_vote", dict(buffer=2), 3)],
+)
 def test_batchnorm_teachers_carry_their_running_statistics(algorithm, options, rounds):
     """A model whose BatchNorm keeps running statistics (issue 46): FedGKD's teacher is the average of the buffered
     globals' whole state_dicts (parameters and statistics, as the code averages them) and VOTE's teachers are the

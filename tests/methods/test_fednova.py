@@ -1,6 +1,7 @@
 """FedNova against a literal per-client loop written as FedNTD's code runs it (gradient assignment with the
 variance-reduction term, the normalised average of the local models), on the batched executor and on vmap; its
 defaults (FedNTD's config) and effective step counts."""
+
 import collections
 
 import numpy as np
@@ -20,13 +21,13 @@ class NovaLoop(PlainLoop):
         super().__init__(*a, **kw)
         P = self.w0.numel()
         self.d = collections.defaultdict(lambda: torch.zeros(P))  # d_k, the client's last normalised update
-        self.c = torch.zeros(P)                                    # the server variate (weighted_d)
+        self.c = torch.zeros(P)  # the server variate (weighted_d)
         self.local = {}
 
     def round_start(self, sampled):
         c, rho = self.cfg, self.cfg.momentum
         tau = c.local_epochs * np.ceil(self.sizes / c.batch_size)
-        self.a = (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho) if rho else tau  # a_i for every client
+        self.a = (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho) if rho else tau  # a_i for every client
 
     def step(self, local, opt, x, y, k):
         opt.zero_grad()
@@ -35,7 +36,7 @@ class NovaLoop(PlainLoop):
         if self.o["ccvr"]:  # grad_batch = grad + c_i, c_i = weighted_d - d_i, assigned back before opt.step()
             corr, off = self.c - self.d[k], 0
             for p in local.parameters():
-                p.grad += corr[off:off + p.numel()].view_as(p)
+                p.grad += corr[off : off + p.numel()].view_as(p)
                 off += p.numel()
         opt.step()
 
@@ -59,9 +60,15 @@ class NovaLoop(PlainLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [
-    ({}, {}), (dict(ccvr=False), {}), (dict(ccvr_server=True), dict(client_chunk=3)),
-    ({}, dict(momentum=0.0, aggregate_weights="uniform"))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        ({}, {}),
+        (dict(ccvr=False), {}),
+        (dict(ccvr_server=True), dict(client_chunk=3)),
+        ({}, dict(momentum=0.0, aggregate_weights="uniform")),
+    ],
+)
 def test_matches_literal_loop(options, extra, executor):
     err, sim, _ = engine_vs(NovaLoop, "fednova", options, rounds=3, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err

@@ -1,5 +1,6 @@
 """FedRS against a literal per-client loop (the restricted softmax written out), on the batched executor and on
 vmap; its defaults (FedADC Table I's alpha, the official code's proportional scaling and clipping)."""
+
 import copy
 
 import pytest
@@ -24,9 +25,15 @@ class RSLoop(PlainLoop):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("options,extra", [({}, {}), (dict(proportional=False, alpha=0.2), {}),
-                                           (dict(alpha=0.0), dict(max_grad_norm=None, client_chunk=3)),
-                                           (dict(alpha=0.5), dict(max_grad_norm=0.3))])
+@pytest.mark.parametrize(
+    "options,extra",
+    [
+        ({}, {}),
+        (dict(proportional=False, alpha=0.2), {}),
+        (dict(alpha=0.0), dict(max_grad_norm=None, client_chunk=3)),
+        (dict(alpha=0.5), dict(max_grad_norm=0.3)),
+    ],
+)
 def test_matches_literal_loop(options, extra, executor):
     err, _, _ = engine_vs(RSLoop, "fedrs", options, executor=executor, lr_decay=0.99, **extra)
     assert err <= 1e-4, err

@@ -1,6 +1,7 @@
 """FedSAM and FedSpeed (and their +ASD) against literal per-client loops: the SAM step written out as the
 reference codes do it (ESAM: loss, backward, w += rho g/||g||, loss, backward, w -= e, clip, SGD), FedSpeed's
 prox-correction and server as FL-Simulator's; on the batched executor and on vmap."""
+
 import collections
 import copy
 
@@ -14,6 +15,7 @@ from sequential_loop import PlainLoop, asd_term, engine_vs, flat
 
 class SAMLoop(PlainLoop):
     """FedSAM: FedAvg with SAM steps (FL-Simulator client/fedsam.py with optimizer/ESAM.py)."""
+
     rho_key = "rho"
 
     def __init__(self, cfg, *a, **kw):
@@ -74,13 +76,14 @@ class SpeedLoop(SAMLoop):
 
     def optimizer(self, local, k):
         c = self.cfg
-        return torch.optim.SGD(local.parameters(), lr=self.lr, momentum=c.momentum,
-                               weight_decay=c.weight_decay + self.lam(k))
+        return torch.optim.SGD(
+            local.parameters(), lr=self.lr, momentum=c.momentum, weight_decay=c.weight_decay + self.lam(k)
+        )
 
     def extra_grad(self, local, k):
         corr, off = self.lam(k) * (self.h[k] - self.gflat), 0
         for p in local.parameters():
-            p.grad += corr[off:off + p.numel()].view_as(p)
+            p.grad += corr[off : off + p.numel()].view_as(p)
             off += p.numel()
 
     def client_end(self, k, local, nsteps):
@@ -90,8 +93,11 @@ class SpeedLoop(SAMLoop):
     def server(self, avg, sampled):
         cloud = avg + sum(self.h.values()) / self.K
         ev = self.o["evaluated"]
-        self.evaluated = {"cloud": cloud, "average": avg,
-                          "all_clients": torch.stack(list(self.latest.values())).mean(0)}[ev]
+        self.evaluated = {
+            "cloud": cloud,
+            "average": avg,
+            "all_clients": torch.stack(list(self.latest.values())).mean(0),
+        }[ev]
         return cloud
 
 
@@ -105,13 +111,22 @@ def _check(loop_cls, algorithm, options, executor, **extra):
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("fedsam", {}, dict(max_grad_norm=None)), ("fedsam", dict(rho=0.5), dict(client_chunk=3)),
-    ("fedsam+asd", dict(asd=dict(lam=2.0)), dict(momentum=0.0)),
-    ("fedspeed", {}, {}), ("fedspeed", dict(lam=0.05, rho=0.0, alpha_scaling="minibatches", evaluated="all_clients"),
-                           dict(max_grad_norm=None)),
-    ("fedspeed", dict(alpha_scaling="mean_size", evaluated="average", rho=0.3), dict(client_chunk=2)),
-    ("fedspeed+asd", dict(asd=dict(lam=3.0)), dict(momentum=0.0))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("fedsam", {}, dict(max_grad_norm=None)),
+        ("fedsam", dict(rho=0.5), dict(client_chunk=3)),
+        ("fedsam+asd", dict(asd=dict(lam=2.0)), dict(momentum=0.0)),
+        ("fedspeed", {}, {}),
+        (
+            "fedspeed",
+            dict(lam=0.05, rho=0.0, alpha_scaling="minibatches", evaluated="all_clients"),
+            dict(max_grad_norm=None),
+        ),
+        ("fedspeed", dict(alpha_scaling="mean_size", evaluated="average", rho=0.3), dict(client_chunk=2)),
+        ("fedspeed+asd", dict(asd=dict(lam=3.0)), dict(momentum=0.0)),
+    ],
+)
 def test_matches_literal_loop(algorithm, options, extra, executor):
     loop = SpeedLoop if algorithm.startswith("fedspeed") else SAMLoop
     sim = _check(loop, algorithm, options, executor, **extra)
@@ -136,12 +151,22 @@ def test_defaults():
     assert (cfg.method().opts.rho, cfg.max_grad_norm) == (0.1, 10.0)
     cfg = fedfast.SimConfig(algorithm="fedspeed")
     o = cfg.method().opts
-    assert (o.lam, o.rho, o.alpha_scaling, o.evaluated, cfg.max_grad_norm, cfg.aggregate_weights) == \
-        (0.1, 0.1, "none", "cloud", 10.0, "uniform")
+    assert (o.lam, o.rho, o.alpha_scaling, o.evaluated, cfg.max_grad_norm, cfg.aggregate_weights) == (
+        0.1,
+        0.1,
+        "none",
+        "cloud",
+        10.0,
+        "uniform",
+    )
     assert fedfast.SimConfig(algorithm="fedspeed+asd").method().asd.entropy_tau == 1.0
     assert fedfast.SimConfig(algorithm="fedsam+asd").method().asd.entropy_tau == 2.0
-    for alg, key, bad in (("fedsam", "rho", -0.1), ("fedspeed", "lam", -1.0), ("fedspeed", "evaluated", "best"),
-                          ("fedspeed", "alpha_scaling", "sizes")):
+    for alg, key, bad in (
+        ("fedsam", "rho", -0.1),
+        ("fedspeed", "lam", -1.0),
+        ("fedspeed", "evaluated", "best"),
+        ("fedspeed", "alpha_scaling", "sizes"),
+    ):
         with pytest.raises(ValueError, match=f"{alg}.{key}"):
             fedfast.SimConfig(algorithm=alg, options={key: bad})
     with pytest.raises(ValueError, match="client_optimizer"):
@@ -152,6 +177,7 @@ def test_defaults():
 def test_sam_with_adam_and_a_bad_radius(opt):
     """SAM composes with Adam client steps (the perturbed gradient feeds torch.optim.Adam / AdamW, as in the
     loop); a negative radius from a method's hook is refused by name."""
+
     class NegSAM(fedfast.methods.FedAvg):
         name = "negsam"
 
@@ -194,6 +220,7 @@ class FrozenStatsSAMLoop(SAMLoop):
         def loss(local, x, y, k):
             saved.append([b.detach().clone() for b in local.buffers()])  # before each pass
             return first(local, x, y, k)
+
         self.loss = loss
         try:
             super().step(local, opt, x, y, k)
@@ -210,8 +237,10 @@ def test_sam_on_a_batchnorm_model_updates_running_statistics_once_per_step(execu
     """A model with BatchNorm running statistics: the SAM step's first pass updates them, the perturbed pass does not;
     every buffer of the global model equals the loop's (num_batches_tracked counts steps)."""
     from sequential_loop import setup_data
-    err, sim, loop = engine_vs(FrozenStatsSAMLoop, "fedsam", dict(rho=0.1), model=setup_data("bn")[3],
-                               executor=executor, lr_decay=0.99)
+
+    err, sim, loop = engine_vs(
+        FrozenStatsSAMLoop, "fedsam", dict(rho=0.1), model=setup_data("bn")[3], executor=executor, lr_decay=0.99
+    )
     assert (sim.trainer.stack.plan is not None) == (executor == "auto")
     assert sim.runtime.num_buffers and err <= 1e-4, err
     nbt = sim.state_dict()["1.num_batches_tracked"]

@@ -1,4 +1,5 @@
 """KD and FedNTD against the plain sequential loop; their defaults follow Lee et al. (FedNTD) and its code."""
+
 import pytest
 import torch
 
@@ -6,10 +7,16 @@ import fedfast
 from sequential_loop import PlainLoop, engine_vs, engine_vs_loop
 
 
-@pytest.mark.parametrize("algorithm,options,extra", [
-    ("kd", dict(tau=3.0), {}), ("kd", dict(beta=0.5, tau=2.0, tau_squared=False), {}),
-    ("fedntd", dict(tau=2.0), {}), ("fedntd", dict(tau=2.0, beta=0.3), dict(max_grad_norm=0.5)),
-    ("fedntd", {}, dict(client_chunk=2))])
+@pytest.mark.parametrize(
+    "algorithm,options,extra",
+    [
+        ("kd", dict(tau=3.0), {}),
+        ("kd", dict(beta=0.5, tau=2.0, tau_squared=False), {}),
+        ("fedntd", dict(tau=2.0), {}),
+        ("fedntd", dict(tau=2.0, beta=0.3), dict(max_grad_norm=0.5)),
+        ("fedntd", {}, dict(client_chunk=2)),
+    ],
+)
 def test_matches_sequential_loop(algorithm, options, extra):
     err, _, _ = engine_vs_loop(algorithm, options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
@@ -31,6 +38,7 @@ class NTDLoop(PlainLoop):
 
     def round_start(self, sampled):
         import copy
+
         self.teacher = copy.deepcopy(self.glob).eval()
 
     def loss(self, local, x, y, k):

@@ -1,4 +1,5 @@
 """MOON against the plain sequential loop (previous local models as per-client state)."""
+
 import pytest
 
 from sequential_loop import engine_vs_loop
@@ -21,6 +22,7 @@ def test_projection_head_is_the_default_and_optional():
     from fedfast import models
     from fedfast.flat import classifier_of
     from sequential_loop import flat, setup_data
+
     train, test, part, model = setup_data()
     before = flat(model)
     cfg = fedfast.SimConfig(algorithm="moon", clients_per_round=3, rounds=1, batch_size=16, lr=0.05)
@@ -30,10 +32,16 @@ def test_projection_head_is_the_default_and_optional():
     assert len(head) == 1 and classifier_of(sim.model).in_features == 256
     sim.run()
     assert torch.equal(flat(model), before)  # untouched
-    plain = fedfast.Simulation(fedfast.SimConfig(algorithm="moon", clients_per_round=3, options={"projection_dim": 0}),
-                               copy.deepcopy(model),
-                               train, test, part)
-    assert plain.model is not None and not any(isinstance(m, models.ProjectionClassifier) for m in plain.model.modules())
+    plain = fedfast.Simulation(
+        fedfast.SimConfig(algorithm="moon", clients_per_round=3, options={"projection_dim": 0}),
+        copy.deepcopy(model),
+        train,
+        test,
+        part,
+    )
+    assert plain.model is not None and not any(
+        isinstance(m, models.ProjectionClassifier) for m in plain.model.modules()
+    )
 
 
 @pytest.mark.parametrize("executor", ["auto", "vmap"])

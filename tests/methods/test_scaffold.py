@@ -1,12 +1,14 @@
 """SCAFFOLD against the plain sequential loop (control variates, K_eff with momentum)."""
+
 import pytest
 
 import fedfast
 from sequential_loop import engine_vs_loop
 
 
-@pytest.mark.parametrize("options,extra", [({}, {}), ({}, dict(client_chunk=3)), (dict(keff_momentum=False), {}),
-                                           ({}, dict(momentum=0.0))])
+@pytest.mark.parametrize(
+    "options,extra", [({}, {}), ({}, dict(client_chunk=3)), (dict(keff_momentum=False), {}), ({}, dict(momentum=0.0))]
+)
 def test_matches_sequential_loop(options, extra):
     err, sim, _ = engine_vs_loop("scaffold", options, lr_decay=0.99, **extra)
     assert err <= 1e-4, err
