@@ -71,8 +71,7 @@ inline void entropy_block_any(int64_t C, double* X, double* E, double* H) { entr
 
 }  // namespace
 
-at::Tensor asd_weights_cpu(const at::Tensor& teacher_in, const at::Tensor& target_in, const at::Tensor& class_prior,
-                           const c10::optional<at::Tensor>& segments_in, double entropy_tau, int64_t ignore_index) {
+FEDFAST_ASD_WEIGHTS(asd_weights_cpu) {
   TORCH_CHECK(teacher_in.dim() == 2, "teacher must be [R, C]");
   const at::Tensor teacher = teacher_in.contiguous(), target = target_in.contiguous();
   c10::optional<at::Tensor> segments;
@@ -136,10 +135,8 @@ at::Tensor asd_weights_cpu(const at::Tensor& teacher_in, const at::Tensor& targe
 // segment ids clamped to [0, R) as fedfast/ops/asd_weights.py's asd_row_weight does. status bit 0: class_prior
 // has a negative or non-finite entry, or is not > 0 at (segment, target) of a valid row; bit 1: a target outside
 // [0, C) that is not ignore_index; bit 2: segments not sorted or outside [0, R).
-std::tuple<at::Tensor, int64_t> asd_row_weight_cpu(const at::Tensor& teacher, const at::Tensor& target_in,
-                                                   const at::Tensor& class_prior,
-                                                   const c10::optional<at::Tensor>& segments_in,
-                                                   double entropy_tau, int64_t ignore_index) {
+FEDFAST_ASD_ROW_WEIGHT(asd_row_weight_cpu) {
+  const at::Tensor& teacher = teacher_in;
   const at::Tensor target = target_in.contiguous();
   c10::optional<at::Tensor> segments;
   if (segments_in.has_value()) segments = segments_in->contiguous();

@@ -68,7 +68,7 @@ FEDFAST_DISTILL_ROWS(distill_rows_cuda) {
   return {loss, grad, 0};
 }
 
-at::Tensor scale_rows_cuda(const at::Tensor& grad_in, const at::Tensor& grad_loss_in) {
+FEDFAST_SCALE_ROWS(scale_rows_cuda) {
   check_cuda(grad_in, "grad");
   c10::cuda::CUDAGuard guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous(), gl = grad_loss_in.to(at::kFloat).contiguous();
@@ -79,9 +79,7 @@ at::Tensor scale_rows_cuda(const at::Tensor& grad_in, const at::Tensor& grad_los
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> teacher_mixture_cuda(const at::Tensor& teachers_in, const at::Tensor& weights,
-                                                        const at::Tensor& target_in, double tau, bool not_true,
-                                                        int64_t ignore_index) {
+FEDFAST_TEACHER_MIXTURE(teacher_mixture_cuda) {
   check_cuda(teachers_in, "teachers");
   c10::cuda::CUDAGuard guard(teachers_in.device());
   const at::Tensor teachers = teachers_in.contiguous(), target = target_in.contiguous();
@@ -97,12 +95,11 @@ std::tuple<at::Tensor, at::Tensor> teacher_mixture_cuda(const at::Tensor& teache
   return {P, neg};
 }
 
-at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& target_in, const at::Tensor& prior_in,
-                            const c10::optional<at::Tensor>& segments_in, double entropy_tau, int64_t ignore_index) {
+FEDFAST_ASD_WEIGHTS(asd_weights_cuda) {
   check_cuda(teacher_in, "teacher");
   c10::cuda::CUDAGuard guard(teacher_in.device());
   const at::Tensor teacher = teacher_in.contiguous(), target = target_in.contiguous();
-  const at::Tensor prior = prior_in.to(at::kFloat).contiguous();
+  const at::Tensor prior = class_prior.to(at::kFloat).contiguous();
   at::Tensor segments;
   if (segments_in.has_value()) segments = segments_in->contiguous();
   const int64_t R = teacher.size(0), C = teacher.size(1);
@@ -117,10 +114,8 @@ at::Tensor asd_weights_cuda(const at::Tensor& teacher_in, const at::Tensor& targ
   return out;
 }
 
-// (row_scale [R] fp32, or None for mode 0); status: the deferred-validation flags, or None (no checks).
-c10::optional<at::Tensor> row_scale_cuda(const at::Tensor& target_in, const c10::optional<at::Tensor>& segments_in,
-                                         int64_t C, int64_t ignore_index, int64_t mode, int64_t limit,
-                                         const c10::optional<at::Tensor>& status) {
+// (row_scale [R] fp32, or None for mode 0; 0); status: the deferred-validation flags, or None (no checks).
+FEDFAST_ROW_SCALE(row_scale_cuda) {
   check_cuda(target_in, "target");
   c10::cuda::CUDAGuard guard(target_in.device());
   const at::Tensor target = target_in.contiguous();
@@ -135,7 +130,7 @@ c10::optional<at::Tensor> row_scale_cuda(const at::Tensor& target_in, const c10:
   at::Tensor rs, counts;
   if (mode) rs = at::empty({R}, target.options().dtype(at::kFloat));
   if (mode == 2) counts = at::empty({R}, target.options().dtype(at::kInt));
-  if (mode == 0 && !status.has_value()) return c10::nullopt;
+  if (mode == 0 && !status.has_value()) return {c10::nullopt, 0};
   check_launch(fedfast_row_scale(target.data_ptr(), target.scalar_type() == at::kLong,
                                  segments.defined() ? segments.data_ptr() : nullptr,
                                  segments.defined() && segments.scalar_type() == at::kLong,
@@ -144,8 +139,8 @@ c10::optional<at::Tensor> row_scale_cuda(const at::Tensor& target_in, const c10:
                                  status.has_value() ? status->data_ptr<int>() : nullptr, R, C, ignore_index, limit,
                                  (int)mode, c10::cuda::getCurrentCUDAStream().stream()),
                "row_scale");
-  if (!mode) return c10::nullopt;
-  return rs;
+  if (!mode) return {c10::nullopt, 0};
+  return {rs, 0};
 }
 
 FEDFAST_AGGREGATE(aggregate_cuda) {

@@ -15,23 +15,16 @@ namespace fedfast {
 
 FEDFAST_DISTILL_ROWS(distill_rows_cpu);
 
-std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers, const at::Tensor& weights,
-                                                       const at::Tensor& target, double tau, bool not_true,
-                                                       int64_t ignore_index);
+FEDFAST_TEACHER_MIXTURE(teacher_mixture_cpu);
 
-at::Tensor asd_weights_cpu(const at::Tensor& teacher, const at::Tensor& target, const at::Tensor& class_prior,
-                           const c10::optional<at::Tensor>& segments, double entropy_tau, int64_t ignore_index);
-std::tuple<at::Tensor, int64_t> asd_row_weight_cpu(const at::Tensor& teacher, const at::Tensor& target,
-                                                   const at::Tensor& class_prior,
-                                                   const c10::optional<at::Tensor>& segments, double entropy_tau,
-                                                   int64_t ignore_index);
+FEDFAST_ASD_WEIGHTS(asd_weights_cpu);
+FEDFAST_ASD_ROW_WEIGHT(asd_row_weight_cpu);
 
-std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target, const c10::optional<at::Tensor>& segments,
-                                              int64_t C, int64_t ignore_index, int64_t mode, int64_t limit);
+FEDFAST_ROW_SCALE(row_scale_cpu);
 
 FEDFAST_AGGREGATE(aggregate_cpu);
 
-at::Tensor update_norms_cpu(const at::Tensor& X, const at::Tensor& rows, const at::Tensor& g);
+FEDFAST_UPDATE_NORMS(update_norms_cpu);
 
 FEDFAST_CLIENT_STEP(client_step_cpu);
 

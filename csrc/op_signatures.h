@@ -39,6 +39,49 @@
       const c10::optional<at::Tensor>& segments, const c10::optional<at::Tensor>& row_scale, double tau,          \
       double ce_weight, double kd_weight, int64_t ignore_index, bool not_true, bool soft_ce, bool in_place)
 
+// FedGKD-VOTE's teacher mixture: for M teachers' logits [M, R, C] and weights [M], P_i = sum_m w_m
+// softmax(t_mi / tau) (over the not-true classes with not_true) and negent_i = sum_m w_m sum_c p log p. Returns
+// {P [R, C], negent [R]}.
+#define FEDFAST_TEACHER_MIXTURE(name)                                                                             \
+  std::tuple<at::Tensor, at::Tensor> name(const at::Tensor& teachers_in, const at::Tensor& weights,               \
+                                          const at::Tensor& target_in, double tau, bool not_true,                 \
+                                          int64_t ignore_index)
+
+// ASD's per-row weights alphahat_i = exp(-H(softmax(t_i / entropy_tau))) / class_prior[s_i, y_i] (class_prior [C]
+// or [S, C], by the row's segment). Returns alphahat [R] (0 on ignored rows).
+#define FEDFAST_ASD_WEIGHTS(name)                                                                                 \
+  at::Tensor name(const at::Tensor& teacher_in, const at::Tensor& target_in, const at::Tensor& class_prior,      \
+                  const c10::optional<at::Tensor>& segments_in, double entropy_tau, int64_t ignore_index)
+
+// ASD's KD row weights: asd_weights' alphahat normalised to sum 1 within each segment, times the segment's
+// valid rows (n_s alpha_i), with the prior's checks. Returns {weights [R], flags}: bit 0 the prior has a negative
+// or non-finite entry or is not > 0 at a valid row's (segment, target); bit 1 a target outside [0, C) that is not
+// ignore_index; bit 2 segments unsorted or outside [0, R).
+#define FEDFAST_ASD_ROW_WEIGHT(name)                                                                              \
+  std::tuple<at::Tensor, int64_t> name(const at::Tensor& teacher_in, const at::Tensor& target_in,                 \
+                                       const at::Tensor& class_prior,                                             \
+                                       const c10::optional<at::Tensor>& segments_in, double entropy_tau,          \
+                                       int64_t ignore_index)
+
+// The distillation op's backward: grad_loss_in[:, None] * grad_in in fp32, stored in grad_in's dtype.
+#define FEDFAST_SCALE_ROWS(name) at::Tensor name(const at::Tensor& grad_in, const at::Tensor& grad_loss_in)
+
+// Each row's reduction weight and the checks of the targets and segments, in one pass: mode 0 no weights (checks
+// only), 1 one mean over the valid rows (1/n), 2 one mean per segment (1/n_s; sorted client ids < limit). status:
+// a GPU's int32 flags [>= 2] the launch ORs its findings into (deferred checks, no host sync; the CPU pass takes
+// none and returns them). Flags: bit 0 a target outside [0, C) that is not ignore_index, bit 1 segments unsorted or
+// out of range. Returns {row_scale [R] fp32 (None for mode 0), the flags found on the host (0 on a GPU)}.
+#define FEDFAST_ROW_SCALE(name)                                                                                   \
+  std::tuple<c10::optional<at::Tensor>, int64_t> name(const at::Tensor& target_in,                                \
+                                                      const c10::optional<at::Tensor>& segments_in, int64_t C,    \
+                                                      int64_t ignore_index, int64_t mode, int64_t limit,          \
+                                                      const c10::optional<at::Tensor>& status)
+
+// The update norms ||X_k - g|| [n] fp32 of the rows rows_in [n] of X_in [N, P] (fp32, bf16 or fp16) from g_in [P],
+// squares summed in double (DP-FedAvg's clipping when the last local steps did not measure them).
+#define FEDFAST_UPDATE_NORMS(name) \
+  at::Tensor name(const at::Tensor& X_in, const at::Tensor& rows_in, const at::Tensor& g_in)
+
 // Fused all-client optimizer step, in place: theta [n, P] and the momentum buffer. grad_in: one [n, P] tensor or
 // the per-parameter pieces [n, *shape] in column order. Generic terms: prox_mu with anchor [P], loss_rows [n, P]
 // (clipped with the gradient), corr_vec [P] x corr_vec_scale [n] + corr_rows_coef x corr_rows [n, P] (inside

@@ -1,6 +1,6 @@
 // Reduction weights and value validation of targets/segments in one serial pass over R ints (CPU).
 //   mode 0: no weights (validation only); 1: s_i = 1 / #valid rows; 2: s_i = 1 / #valid rows of segment(i).
-// Returns (s [R] fp32, or an empty tensor for mode 0; status: bit 0 = a target outside [0, C) that is not
+// Returns (s [R] fp32, or None for mode 0; flags: bit 0 = a target outside [0, C) that is not
 // ignore_index, bit 1 = segments not sorted / out of [0, limit)). Replaces ~15 small tensor ops per call.
 #include <vector>
 
@@ -8,13 +8,13 @@
 
 namespace fedfast {
 
-std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target_in, const c10::optional<at::Tensor>& seg_in,
-                                              int64_t C, int64_t ignore_index, int64_t mode, int64_t limit) {
+FEDFAST_ROW_SCALE(row_scale_cpu) {
+  TORCH_CHECK(!status.has_value(), "row_scale_cpu: the CPU pass returns its flags; status is a GPU's");
   const at::Tensor target = target_in.contiguous();
   c10::optional<at::Tensor> segments;
-  if (seg_in.has_value()) segments = seg_in->contiguous();
+  if (segments_in.has_value()) segments = segments_in->contiguous();
   const int64_t R = target.size(0);
-  int64_t status = 0;
+  int64_t flags = 0;
   std::vector<int64_t> seg_ids;
   if (segments.has_value()) {
     seg_ids.resize(R);
@@ -23,7 +23,7 @@ std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target_in, const
       const at::Tensor& s = *segments;
       const int64_t v = s.scalar_type() == at::kLong ? s.data_ptr<int64_t>()[i]
                                                      : static_cast<int64_t>(s.data_ptr<int32_t>()[i]);
-      if (v < 0 || v >= limit || (i > 0 && v < prev)) status |= 2;
+      if (v < 0 || v >= limit || (i > 0 && v < prev)) flags |= 2;
       prev = v;
       seg_ids[i] = v < 0 ? 0 : (v >= R ? R - 1 : v);
     }
@@ -34,11 +34,11 @@ std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target_in, const
     const int64_t y = target.scalar_type() == at::kLong ? target.data_ptr<int64_t>()[i]
                                                         : static_cast<int64_t>(target.data_ptr<int32_t>()[i]);
     const bool ok = y != ignore_index && y >= 0 && y < C;
-    if (!ok && y != ignore_index) status |= 1;
+    if (!ok && y != ignore_index) flags |= 1;
     valid[i] = ok;
     n_valid += ok;
   }
-  if (mode == 0) return {at::Tensor(), status};
+  if (mode == 0) return {c10::nullopt, flags};
   auto scale = at::empty({R}, target.options().dtype(at::kFloat));
   float* sp = scale.data_ptr<float>();
   if (mode == 1 || !segments.has_value()) {
@@ -52,7 +52,7 @@ std::tuple<at::Tensor, int64_t> row_scale_cpu(const at::Tensor& target_in, const
       sp[i] = 1.0f / static_cast<float>(n > 0 ? n : 1);
     }
   }
-  return {scale, status};
+  return {scale, flags};
 }
 
 }  // namespace fedfast

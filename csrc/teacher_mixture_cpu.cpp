@@ -23,9 +23,7 @@ inline float mix_any(int64_t C, float* X, float* E, float* P, float* U, float w)
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> teacher_mixture_cpu(const at::Tensor& teachers_in, const at::Tensor& weights,
-                                                       const at::Tensor& target_in, double tau, bool not_true,
-                                                       int64_t ignore_index) {
+FEDFAST_TEACHER_MIXTURE(teacher_mixture_cpu) {
   TORCH_CHECK(teachers_in.dim() == 3, "teachers must be [M, R, C]");
   const at::Tensor teachers = teachers_in.contiguous(), target = target_in.contiguous();
   const int64_t M = teachers.size(0), R = teachers.size(1), C = teachers.size(2);

@@ -24,7 +24,7 @@ void norms_impl(const X* xp, const int64_t* rows, int64_t n, int64_t P, const fl
 
 }  // namespace
 
-at::Tensor update_norms_cpu(const at::Tensor& X_in, const at::Tensor& rows_in, const at::Tensor& g_in) {
+FEDFAST_UPDATE_NORMS(update_norms_cpu) {
   const at::Tensor X = X_in.contiguous(), rows = rows_in.to(at::kLong).contiguous();
   const at::Tensor g = g_in.to(at::kFloat).contiguous();
   const int64_t n = rows.size(0), P = X.size(1);

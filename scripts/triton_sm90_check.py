@@ -193,7 +193,7 @@ def _cases():
         yield (
             f"update_norms {dt}",
             lambda dt=dt: update_norms_triton(
-                torch.randn(4, 50000).to(dt), torch.randn(50000), torch.tensor([0, 2, 3])
+                torch.randn(4, 50000).to(dt), torch.tensor([0, 2, 3]), torch.randn(50000)
             ),
         )
     from fedfast.triton.row_scale import row_scale_triton

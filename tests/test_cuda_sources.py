@@ -63,3 +63,25 @@ def test_cuda_binding_syntax(tmp_path):
     ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_every_bound_op_is_defined_by_its_declared_signature():
+    """Each function bound to Python from C++ (bindings.cpp, bindings_cuda.cpp) is defined as
+    ``FEDFAST_<OP>(name) { ... }`` with a signature declared once in csrc/op_signatures.h, and an op bound on both
+    sides uses the same declaration."""
+    csrc = os.path.join(ROOT, "csrc")
+    declared = set(re.findall(r"#define (FEDFAST_[A-Z_]+)\(name\)", open(os.path.join(csrc, "op_signatures.h")).read()))
+    defined = {}
+    for f in os.listdir(csrc):
+        if f.endswith(".cpp"):
+            for macro, fn in re.findall(r"^(FEDFAST_[A-Z_]+)\((\w+)\) \{", open(os.path.join(csrc, f)).read(), re.M):
+                defined[fn] = macro
+    ops = {}
+    for f, prefix in (("bindings.cpp", "fedfast::"), ("bindings_cuda.cpp", "")):
+        bound = re.findall(r'm\.def\("(\w+)", &' + re.escape(prefix) + r"(\w+)", open(os.path.join(csrc, f)).read())
+        assert bound, f
+        for op, fn in bound:
+            assert defined.get(fn) in declared, f"{f}: {op} -> {fn} is not defined by a FEDFAST_<OP> declaration"
+            ops.setdefault(op, set()).add(defined[fn])
+    assert all(len(m) == 1 for m in ops.values()), ops
+    assert set().union(*ops.values()) == declared, declared - set().union(*ops.values())

@@ -39,7 +39,8 @@ def test_row_scale_triton_matches_the_tensor_ops(R, dtype):
         for segments in (None, seg.to(dtype)):
             for mode in (0, 1, 2):
                 st = torch.zeros(len(_validate._CHECKS), dtype=torch.int32)
-                rs = row_scale_triton(yy, segments, C, -100, mode, R, st)
+                rs, host = row_scale_triton(yy, segments, C, -100, mode, R, st)
+                assert host == 0  # the flags are the device's
                 assert tuple(st[:2].tolist()) == _flags(yy, segments, C, R)
                 assert not st[2:].any()
                 if mode == 0:
@@ -50,7 +51,7 @@ def test_row_scale_triton_matches_the_tensor_ops(R, dtype):
     # all rows ignored: every weight 1/1 (no division by zero)
     if R:
         st = torch.zeros(6, dtype=torch.int32)
-        rs = row_scale_triton(torch.full((R,), -100, dtype=dtype), seg.to(dtype), C, -100, 2, R, st)
+        rs, _ = row_scale_triton(torch.full((R,), -100, dtype=dtype), seg.to(dtype), C, -100, 2, R, st)
         assert torch.equal(rs, torch.ones(R)) and not st.any()
 
 
@@ -62,7 +63,7 @@ def test_row_scale_triton_flags_bad_segments(seg, limit):
 
     seg = torch.tensor(seg)
     st = torch.zeros(6, dtype=torch.int32)
-    rs = row_scale_triton(torch.zeros(6, dtype=torch.long), seg, 3, -100, 2, limit, st)
+    rs, _ = row_scale_triton(torch.zeros(6, dtype=torch.long), seg, 3, -100, 2, limit, st)
     assert tuple(st[:2].tolist()) == _flags(torch.zeros(6, dtype=torch.long), seg, 3, limit)
     assert torch.isfinite(rs).all()  # memory-safe meanwhile: ids clamped as the tensor ops clamp them
 
@@ -117,7 +118,7 @@ def test_gpu_path_has_no_tensor_op_bookkeeping(monkeypatch, validate):
     calls = []
     monkeypatch.setattr(td, "distill_rows_triton", lambda s, *a, **k: (s.new_empty(s.shape[0]), torch.empty_like(s), 0))
     monkeypatch.setattr(td, "scale_rows_triton", lambda g, gl: g)
-    monkeypatch.setattr(trs, "row_scale_triton", lambda y, *a: calls.append(a) or torch.empty(y.shape[0]))
+    monkeypatch.setattr(trs, "row_scale_triton", lambda y, *a: (calls.append(a) or torch.empty(y.shape[0]), 0))
     z, t = torch.randn(500, 10), torch.randn(500, 10)
     y = torch.randint(0, 10, (500,))
     seg = torch.arange(500) // 50

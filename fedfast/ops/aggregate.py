@@ -73,7 +73,7 @@ def update_norms(
     if be in ("triton", "cuda") and acc == torch.float32 and _backend.available("triton", clients.device.type):
         from ..triton.update_norms import update_norms_triton  # one pass over the rows (the CUDA backend's too)
 
-        return update_norms_triton(clients, global_params, idx)
+        return update_norms_triton(clients, idx, global_params)
     P = clients.shape[1]
     step = max(1, chunk_bytes // max(1, P * 4))
     g = global_params.to(acc)

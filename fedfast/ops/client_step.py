@@ -80,7 +80,7 @@ def delta_norms_after(theta: Tensor, delta_from: Tensor, delta_norm: Tensor, act
     if _backend.available("triton", theta.device.type):
         from ..triton.update_norms import update_norms_triton
 
-        d = update_norms_triton(theta, delta_from, torch.arange(theta.shape[0], device=theta.device))
+        d = update_norms_triton(theta, torch.arange(theta.shape[0], device=theta.device), delta_from)
         delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
     else:
         delta_norms_reference(theta, delta_from, delta_norm, active)

@@ -374,16 +374,18 @@ def device_row_scale(
 ):
     """The rows' reduction weights (fp32 [R]; None for ``smode`` 0) and, with ``status``, the deferred target and
     segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
-    launch on a GPU backend (``fedfast.triton.row_scale`` / ``fedfast._C_cuda.row_scale``), as ``(True, weights)``;
-    ``(False, None)`` when the backend has no such kernel (a CUDA extension built before it)."""
+    launch on a GPU backend (``fedfast.triton.row_scale`` / ``fedfast._C_cuda.row_scale``, ``FEDFAST_ROW_SCALE``'s
+    arguments), as ``(True, weights)``; ``(False, None)`` when the backend has no such kernel (a CUDA extension built
+    before it)."""
+    args = (target, segments, C, int(ignore_index), smode, int(limit), status)
     if be == "triton":
         from ..triton.row_scale import row_scale_triton
 
-        return True, row_scale_triton(target, segments, C, int(ignore_index), smode, int(limit), status)
+        return True, row_scale_triton(*args)[0]
     fn = getattr(_backend.cuda_ext(), "row_scale", None)
     if fn is None:
         return False, None
-    return True, fn(target, segments, C, int(ignore_index), smode, int(limit), status)
+    return True, fn(*args)[0]
 
 
 def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_index: int, num_segments):
@@ -407,7 +409,7 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     limit = num_segments if num_segments is not None else R
     if fast:
         smode = (2 if segments is not None else 1) if need_scale else 0
-        rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit))
+        rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit), None)
         if status and mode == "eager":
             if status & 1:
                 raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")

@@ -94,16 +94,17 @@ def _row_scale_kernel(
 
 
 def row_scale_triton(target, segments, C: int, ignore_index: int, mode: int, limit: int, status=None):
-    """Each row's reduction weight (fp32 [R]; None for ``mode`` 0) and, with ``status`` (int32, the deferred
-    validation's flags: [0] target, [1] segments), the checks of the targets and client ids. ``mode``: 0 checks only,
-    1 one mean over the valid rows, 2 one mean per segment (``segments`` sorted client ids < ``limit``)."""
+    """``FEDFAST_ROW_SCALE``'s arguments and result: each row's reduction weight (fp32 [R]; None for ``mode`` 0) and
+    0 (no flags found on the host); with ``status`` (int32, the deferred validation's flags: [0] target, [1]
+    segments) the checks of the targets and client ids on the device. ``mode``: 0 checks only, 1 one mean over the
+    valid rows, 2 one mean per segment (``segments`` sorted client ids < ``limit``)."""
     R = target.shape[0]
     dev = target.device
     if mode == 2 and segments is None:
         mode = 1
     rs = torch.empty(R, dtype=torch.float32, device=dev) if mode else None
     if R == 0 or (mode == 0 and status is None):
-        return rs
+        return rs, 0
     cnt = torch.empty(R, dtype=torch.int32, device=dev) if mode == 2 else target
     _row_scale_kernel[(1,)](
         target,
@@ -121,4 +122,4 @@ def row_scale_triton(target, segments, C: int, ignore_index: int, mode: int, lim
         BLOCK=1024,
         num_warps=8,
     )
-    return rs
+    return rs, 0

@@ -33,9 +33,10 @@ def _norms_kernel(x_ptr, idx_ptr, g_ptr, out_ptr, P, S, BLOCK: tl.constexpr, ITE
 
 
 def update_norms_triton(
-    clients: torch.Tensor, global_params: torch.Tensor, idx: torch.Tensor, BLOCK: int = 1024, ITERS: int = 16
+    clients: torch.Tensor, idx: torch.Tensor, global_params: torch.Tensor, BLOCK: int = 1024, ITERS: int = 16
 ) -> torch.Tensor:
-    """``||X_k - g||`` [n] (fp32) of the rows ``idx`` of ``clients`` [N, P] (fp32/bf16/fp16)."""
+    """``||X_k - g||`` [n] (fp32) of the rows ``idx`` of ``clients`` [N, P] (fp32/bf16/fp16); the arguments in
+    ``FEDFAST_UPDATE_NORMS``'s order."""
     n, P = idx.numel(), clients.shape[1]
     S = triton.cdiv(P, BLOCK * ITERS)
     part = torch.empty(n, S, dtype=torch.float32, device=clients.device)
