@@ -213,7 +213,8 @@ class TensorBoard(Callback):
         ):
             if rec.get(k) is not None:
                 self.w.add_scalar(k, rec[k], rec["round"])
-        self.w.add_scalar("seconds", rec["seconds"], rec["round"])
+        if rec["seconds"] is not None:  # None: a private run's (unaccounted)
+            self.w.add_scalar("seconds", rec["seconds"], rec["round"])
         for k, v in (rec.get("method_metrics") or {}).items():
             self.w.add_scalar(f"method/{k}", v, rec["round"])
 
@@ -254,7 +255,7 @@ class Progress(Callback):
         fields = {
             "acc": f"{100 * acc:.2f}%" if acc is not None else "-",
             "best": f"{100 * rec['best_test_accuracy']:.2f}%" if rec["best_test_accuracy"] is not None else "-",
-            "loss": f"{rec['train_loss']:.4f}",
+            "loss": f"{rec['train_loss']:.4f}" if rec["train_loss"] is not None else "-",
         }
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
@@ -267,7 +268,8 @@ class Progress(Callback):
             f"{self.label + '  ' if self.label else ''}round {rec['round']:4d}/{self.total}  test_acc "
             f"{fields['acc']:>7}  best {fields['best']:>7}  train_loss {fields['loss']}  "
             + (f"test_loss {rec['test_loss']:.4f}  " if rec["test_loss"] is not None else "")
-            + f"{rec['seconds']:.2f}s  eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+            + (f"{rec['seconds']:.2f}s  " if rec["seconds"] is not None else "")
+            + f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}",
             flush=True,
         )
 
@@ -399,8 +401,13 @@ def summarize(
         "mean_last10_test_accuracy": last10,
         "final_forgetting": end.get("forgetting") if end else None,
         **val,
-        **({"dp_epsilon": history[-1].get("dp_epsilon")} if history and "dp_epsilon" in history[-1] else {}),
-        "wall_seconds": sum(h.get("seconds") or 0.0 for h in history),
+        **{k: history[-1][k] for k in ("dp_epsilon", "dp_epsilon_poisson") if history and k in history[-1]},
+        # a private run's round times are not recorded (unaccounted, docs/privacy.md): None then
+        "wall_seconds": (
+            sum(h.get("seconds") or 0.0 for h in history)
+            if any(h.get("seconds") is not None for h in history) or not history
+            else None
+        ),
         "device": device,
         "versions": versions(),
     }

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import methods as _methods, ops
+from . import methods as _methods, ops, privacy
 from ._io import host_to_device
 from .collectives import collectives
 from .cpu_alloc import tune_cpu_allocator
@@ -59,7 +59,6 @@ from .sim.evaluation import EvalSettings, Evaluator, forgetting
 from .sim.facade import EngineView, bind_method
 from .sim.inputs import check_inputs
 from .sim.plan import PlanSettings, RoundPlan
-from .sim.privacy import PrivacySettings, RoundPrivacy
 from .sim.runtime import ModelRuntime, RuntimeSettings, probe_batch
 from .sim.sizing import BudgetSettings, MemoryBudget
 from .sim.state import RunState
@@ -165,6 +164,10 @@ class Simulation:
         self.train, self.test = train.to(self.device), test.to(self.device)
         self.validation = validation.to(self.device) if validation is not None else None
         self.server_splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
+        # a private run's secret (OS entropy): its noise comes from it, never from the run seed, and so do its
+        # cohorts where the mechanism assumes them secret (DP-FedAvg's sampling amplification)
+        secret = privacy.Secret() if c.dp_clip else None
+        dp_settings = privacy.PrivacySettings.of(c)
         # the parts, each given the settings it reads: round plan (the data's placement), runtime, budget, evaluator
         self.plan = RoundPlan(
             PlanSettings.of(c),
@@ -176,6 +179,7 @@ class Simulation:
             world=self.comm.world,
             schedule=schedule,
             data_order=data_order,
+            cohort_secret=secret if privacy.secret_cohorts(dp_settings) else None,
         )
         self.runtime = rt = ModelRuntime(RuntimeSettings.of(c), self.model, self.train, self.device)
         if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found above
@@ -216,8 +220,18 @@ class Simulation:
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
         check_batch_norm(
             rt, self.plan, self._uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last
-        )  # dp_clip > 0: DP-FedAvg's server side
-        self.privacy = RoundPrivacy.of(PrivacySettings.of(c), self.method, self.plan, rt, schedule, self.device)
+        )
+        # the privacy mechanism (fedfast.privacy): DP-FedAvg or DP-FTRL under dp_clip, else NoPrivacy; called alike
+        self.privacy = privacy.mechanism(
+            dp_settings,
+            num_clients=self.plan.num_clients,
+            num_buffers=rt.num_buffers,
+            schedule=schedule,
+            cohorts=self.plan.clients,
+            device=self.device,
+            secret=secret,
+            method_name=self.method.name,
+        )
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
     @property
@@ -279,7 +293,7 @@ class Simulation:
         st = self.state
         ctx, totals, step_rows = self.plan.sample(st.round)
         collect.declare_sums(self.method, ctx)  # round_start: the round's sums it declares
-        clip = self.privacy.begin_round(ctx) if self.privacy else None  # private: the round's clip
+        self.privacy.begin_round(ctx)  # private: the round's clip (refusing what the mechanism does not cover)
         t1 = time.perf_counter()
         with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
             teacher = self._teacher(ctx)
@@ -310,14 +324,15 @@ class Simulation:
                 chunk=self.chunk,
                 method_metrics=method_metrics,
             )
-        if self.privacy:  # the budget spent so far (accounted on the host: no device work), the clip used
-            self.privacy.record(rec, st.round, clip)
+        self.privacy.record(rec, st.round)  # private: the budget spent so far (on the host), the clip used
         self.runtime.load_into_model(st.eval_flat)
         if class_acc is not None:
             st.class_acc.append(class_acc)
-        st.history.append(rec)
         rec["seconds"] = time.perf_counter() - t0
-        _diverged.check_finite(rec, self.state, self.method.name, self.cfg)
+        train_loss = rec["train_loss"]
+        rec = self.privacy.publish(rec)  # private: without what the accounting does not cover
+        st.history.append(rec)
+        _diverged.check_finite(rec, self.state, self.method.name, self.cfg, train_loss=train_loss)
         return rec
 
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
@@ -366,15 +381,12 @@ class Simulation:
                 kind="dict",
                 what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)",
             )
-        # private: clipped updates summed with equal weight over the expected cohort size, no weights
+        # the mechanism's bound step (private: the clipping factors as the weights, the norms from the last steps)
+        w = weights[lo:hi]
         agg = dict(
             rows=hi - lo,
             backend=self.cfg.backend,
-            **(
-                self.privacy.chunk_arguments(extra, self.trainer.update_norms(hi - lo))
-                if self.privacy
-                else dict(weights=weights[lo:hi], **extra)
-            ),
+            **self.privacy.bound(extra, w, self.trainer.update_norms(hi - lo)),
         )
         try:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
@@ -387,10 +399,8 @@ class Simulation:
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
         collect.take(self.method, ctx, self.method.collect(ctx, out, lo, hi), lo, hi)
-        if self.privacy:
-            self.privacy.collect(ctx, out)
-        # private: the chunk's clipped sum / E (the server adds g and the noise once)
-        return out["average"] - self.global_flat if self.privacy else weights[lo:hi].sum() * out["average"]
+        # the chunk's weighted sum (private: its clipped sum / E; the noise is added once, in _server)
+        return self.privacy.chunk_sum(out, w, self.global_flat)
 
     # -- phase 5: server ---------------------------------------------------------------------------------------
     def _server(self, ctx: Round, avg_sum, loss_sum, total_w: float, bufs: RoundBuffers):
@@ -400,6 +410,7 @@ class Simulation:
             ctx.increment,
             loss_sum,
             *(ctx.sums[k] for k in sorted(ctx.sums)),
+            *self.privacy.round_sums(),
             *([bufs.sum] if bufs.sum.numel() else []),
         )
         for st, rows in ((self.method.client_state, ctx.state_out), (self.client_buffers, bufs.rows)):
@@ -410,9 +421,10 @@ class Simulation:
                     "state_dtype",
                 ):
                     store_rows(self.comm, st, ctx.sampled_t, rows)
-        if not (self.privacy or total_w > 0):  # no client this round (Poisson sampling): the global model stays
+        # the mechanism's noise step (not private: the weighted average); None: no client, the global model stays
+        avg = self.privacy.average(self.global_flat, avg_sum, total_w, ctx)
+        if avg is None:
             return
-        avg = self.privacy.average(self.global_flat, avg_sum, ctx) if self.privacy else avg_sum / total_w
         if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg)
@@ -507,13 +519,13 @@ class Simulation:
         own BatchNorm statistics (``bn_stats = "local"``). :meth:`restore` on a Simulation built with the same
         config and data continues bit for bit (CPU)."""
         ck = self.state.checkpoint(self.method.state_dict(), self._shape())
-        ck.update({"privacy": self.privacy.state_dict()} if self.privacy else {})
+        ck.update(self.privacy.checkpoint(self.state.round))
         return {**ck, "client_buffers": self.client_buffers.state_dict()} if self.client_buffers is not None else ck
 
     def restore(self, ck: dict) -> None:
         """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
         RunState.check(ck, self._shape())
-        RoundPrivacy.restore(self.privacy, ck, self.cfg.rounds)
+        self.privacy.restore(ck, self.cfg.rounds)
         restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats)
         self.method.load_state_dict(ck["method"])
         self.state.restore_(ck)  # in place: the method's view holds this state

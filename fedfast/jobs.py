@@ -240,7 +240,8 @@ def _run(cfg, out_dir: str, mode: str, quiet: bool, label: str, attached: bool, 
                 else "-"
             )
             + (f"  forgetting {s['final_forgetting']:.4f}" if s["final_forgetting"] is not None else "")
-            + f"  {s['wall_seconds']:.1f}s  -> {out_dir}",
+            + (f"  {s['wall_seconds']:.1f}s" if s["wall_seconds"] is not None else "")
+            + f"  -> {out_dir}",
             flush=True,
         )
     return hist

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from . import ops
-from .sim.settings import Settings
+from ._settings import Settings
 
 SAM_EPS = 1e-12  # added to ||g|| in the SAM perturbation rho g / (||g|| + eps) (ASD's code: 1e-16, FedSpeed's 1e-7)
 

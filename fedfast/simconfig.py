@@ -103,10 +103,12 @@ class SimConfig:
     profile: bool = False  # split the local-step time (data, forward, teacher, loss, backward, step); syncs
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
-    # user-level differential privacy (DP-FedAvg; fedfast.privacy, docs/privacy.md): each sampled client's update
-    # clipped to L2 norm dp_clip (0: off), summed, Gaussian noise of std dp_noise_multiplier * dp_clip added, divided
-    # by the expected cohort size clients_per_round; uniform weights. dp_epsilon instead of dp_noise_multiplier:
-    # the noise that spends it in `rounds` rounds (both: the run is refused when its rounds would spend more)
+    # user-level differential privacy (fedfast.privacy, docs/privacy.md): each sampled client's update clipped to L2
+    # norm dp_clip (0: off), summed, Gaussian noise of std dp_noise_multiplier * dp_clip added, divided by the
+    # expected cohort size clients_per_round; uniform weights. dp_epsilon instead of dp_noise_multiplier: the noise
+    # that spends it in `rounds` rounds (both: the run is refused when its rounds would spend more)
+    dp_mechanism: str = "dp_fedavg"  # "dp_fedavg" (fresh noise each round, secret sampling's amplification) or
+    #   "dp_ftrl" (Kairouz et al. 2021: tree-aggregated noise, any data-independent cohorts, no amplification)
     dp_clip: float = 0.0
     dp_noise_multiplier: float | None = None
     dp_epsilon: float | None = None
@@ -116,6 +118,9 @@ class SimConfig:
     #   of the update norms, C <- C exp(-dp_clip_lr (b - dp_clip_quantile)), b the noised fraction of unclipped updates
     dp_clip_lr: float = 0.2  # adaptive clipping's geometric step (the paper's eta_C)
     dp_clip_count_noise: float | None = None  # std of the noise on the unclipped count; None: clients_per_round / 20
+    dp_diagnostics: bool = False  # a private run's records also carry what no accountant covers (train loss, cohort
+    #   ids and Poisson cohort sizes, round times, a method's own metrics); off: they are null (docs/privacy.md)
+    dp_ftrl_restart: int | None = None  # DP-FTRL: rounds per tree (the tree restarts after them); None: one tree
 
     def __post_init__(self):
         if not isinstance(self.options, dict):
@@ -225,7 +230,17 @@ class SimConfig:
             k
             for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
             if getattr(self, k) is not None
-        ] + (["dp_clip_lr"] if self.dp_clip_lr != 0.2 else [])
+        ]
+        given += [
+            k
+            for k, v in (
+                ("dp_clip_lr", self.dp_clip_lr != 0.2),
+                ("dp_diagnostics", self.dp_diagnostics is not False),
+                ("dp_mechanism", self.dp_mechanism != "dp_fedavg"),
+                ("dp_ftrl_restart", self.dp_ftrl_restart is not None),
+            )
+            if v
+        ]
         if not (
             isinstance(self.dp_clip, (int, float))
             and not isinstance(self.dp_clip, bool)
@@ -263,7 +278,17 @@ class SimConfig:
             ok = isinstance(v, (int, float)) and 0 <= v < math.inf and (k != "dp_epsilon" or v > 0)
             if v is not None and not ok:
                 raise ValueError(f"{k}: a finite number {'> 0' if k == 'dp_epsilon' else '>= 0'}, got {v!r}")
-        if self.client_sampling not in ("uniform", "poisson"):
+        if not isinstance(self.dp_diagnostics, bool):
+            raise ValueError(f"dp_diagnostics: true or false, got {self.dp_diagnostics!r}")
+        if self.client_sampling not in SAMPLING:
+            raise ValueError(f"client_sampling: one of {SAMPLING}, got {self.client_sampling!r}")
+        if self.dp_mechanism not in privacy.MECHANISMS:
+            raise ValueError(f"dp_mechanism: one of {privacy.MECHANISMS}, got {self.dp_mechanism!r}")
+        if self.dp_mechanism == "dp_ftrl":
+            self._check_ftrl()
+        elif self.dp_ftrl_restart is not None:
+            raise ValueError('dp_ftrl_restart: a DP-FTRL key, given with dp_mechanism = "dp_fedavg"')
+        if self.dp_mechanism == "dp_fedavg" and self.client_sampling not in ("uniform", "poisson"):
             why = (
                 "redraws an empty cohort, which the Poisson analysis does not cover"
                 if self.client_sampling == "bernoulli"
@@ -274,9 +299,10 @@ class SimConfig:
                 f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
                 f"(fixed size) or 'poisson'"
             )
-        privacy.check_accounting(
-            self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed", self.dp_accountant
-        )
+        if self.dp_mechanism == "dp_fedavg":
+            privacy.check_accounting(
+                self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed", self.dp_accountant
+            )
         if cls.uploads:
             raise ValueError(
                 f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
@@ -288,6 +314,21 @@ class SimConfig:
                 "aggregate_weights: a private run sums the clipped updates with equal weight and divides "
                 "by the expected cohort size; size-weighted averaging is refused under dp_clip"
             )
+
+    def _check_ftrl(self) -> None:
+        """DP-FTRL's keys: its restart period, and what it does not take (adaptive clipping's count would need a
+        tree of its own)."""
+        r = self.dp_ftrl_restart
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1):
+            raise ValueError(f"dp_ftrl_restart: rounds per tree, an integer >= 1 (None: one tree), got {r!r}")
+        if self.dp_clip_quantile is not None:
+            raise ValueError(
+                "dp_clip_quantile: adaptive clipping is DP-FedAvg's (its count is released with fresh noise each "
+                'round); dp_mechanism = "dp_ftrl" takes a fixed dp_clip'
+            )
+        privacy.check_delta(self.dp_delta)
+        if self.dp_accountant not in privacy.ACCOUNTANTS:
+            raise ValueError(f"dp_accountant: must be one of {privacy.ACCOUNTANTS}, got {self.dp_accountant!r}")
 
     def _tables(self, cls) -> dict:
         """``options`` as ``{table: {key: value}}``: the running method's own keys may be given flat."""

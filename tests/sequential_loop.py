@@ -112,9 +112,14 @@ def sequential(
 ):
     """The literal loop (see the module docstring); returns the global model's flat parameters. ``client_loss(z, t,
     y, label_counts)``: the loss of a method the loop does not know (FedAvg otherwise). ``out``: receives the final
-    global model's ``state_dict`` (``out["state"]``). ``dp`` (``clip``, ``z``, ``E``, ``gen``: a CPU generator):
-    DP-FedAvg written out: each client's delta clipped to L2 norm ``clip``, summed, ``z * clip * randn(P)`` from
-    ``gen`` added, divided by ``E``, added to the global model."""
+    global model's ``state_dict`` (``out["state"]``). ``dp`` (``clip``, ``z``, ``E``, ``gen``: round -> a CPU
+    generator): DP-FedAvg written out: each client's delta clipped to L2 norm ``clip``, summed, ``z * clip *
+    randn(P)`` from the round's generator added, divided by ``E``, added to the global model; with ``quantile``
+    (adaptive clipping, Andrew et al. Algorithm 1), each client's ``b_k - 1/2`` summed (``b_k = 1`` when its delta
+    was not clipped), a ``sigma_b`` normal from the same generator added, over ``E``, plus 1/2, moves the clip. With
+    ``tree`` (``restart``, ``node(tree, level, start)``): DP-FTRL written from its definition, each round's model the
+    tree's anchor plus the sum of the nodes of the round's binary decomposition (each node: its rounds' clipped
+    sums plus z * clip * its noise) over ``E``."""
     alg, o, asd = _options(cfg)
     glob = copy.deepcopy(model)
     w0 = copy.deepcopy(model).eval()
@@ -282,16 +287,37 @@ def sequential(
             states.append(local.state_dict())
             sizes.append(len(idx))
             flats.append(wk)
-        if dp is not None:  # DP-FedAvg: clipped deltas, summed, the round's noise, over the expected cohort size
-            total, unclipped = torch.zeros(P, device=dev), 0
+        if dp is not None and "tree" in dp:  # DP-FTRL: the model is the tree's anchor + the noised prefix sum / E
+            total = torch.zeros(P, device=dev)
             for f in flats:
                 d = f - gflat
                 total = total + d * min(1.0, dp["clip"] / float(d.norm()))
-                unclipped += int(float(d.norm()) <= dp["clip"])
-            xi = torch.randn(P, generator=dp["gen"]) if dp["z"] > 0 else torch.zeros(P)
+            tr = dp["tree"]  # restart (rounds per tree or None), node(tree, level, start) -> its noise [P]
+            t = rnd % tr["restart"] + 1 if tr["restart"] else rnd + 1
+            tree = rnd // tr["restart"] if tr["restart"] else 0
+            if t == 1:  # a new tree: it starts from the current model
+                tr["anchor"], tr["sums"] = gflat.clone(), []
+            tr["sums"].append(total)
+            prefix, start = torch.zeros(P, device=dev), 0
+            for level in reversed(range(t.bit_length())):  # t's binary decomposition, the largest node first
+                if t >> level & 1:
+                    node = torch.stack(tr["sums"][start : start + (1 << level)]).sum(0)
+                    prefix = prefix + node + dp["z"] * dp["clip"] * tr["node"](tree, level, start).to(dev)
+                    start += 1 << level
+            _load_(glob, tr["anchor"] + prefix / dp["E"])
+            gkd_hist.append(copy.deepcopy(glob.state_dict()))
+            continue
+        if dp is not None:  # DP-FedAvg: clipped deltas, summed, the round's noise, over the expected cohort size
+            total, centred = torch.zeros(P, device=dev), 0.0
+            for f in flats:
+                d = f - gflat
+                total = total + d * min(1.0, dp["clip"] / float(d.norm()))
+                centred += (1.0 if float(d.norm()) <= dp["clip"] else 0.0) - 0.5
+            gen = dp["gen"](rnd) if dp["z"] > 0 else None
+            xi = torch.randn(P, generator=gen) if dp["z"] > 0 else torch.zeros(P)
             _load_(glob, gflat + (total + dp.get("z_update", dp["z"]) * dp["clip"] * xi.to(dev)) / dp["E"])
             if "quantile" in dp:  # adaptive clipping: the noised fraction of unclipped updates moves the clip
-                b = (unclipped + float(torch.randn(1, generator=dp["gen"])[0]) * dp["sigma_b"]) / dp["E"]
+                b = (centred + float(torch.randn(1, generator=gen)[0]) * dp["sigma_b"]) / dp["E"] + 0.5
                 dp["clip"] = dp["clip"] * math.exp(-dp["lr_c"] * (b - dp["quantile"]))
                 dp.setdefault("clips", []).append(dp["clip"])
             gkd_hist.append(copy.deepcopy(glob.state_dict()))

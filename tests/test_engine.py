@@ -175,7 +175,7 @@ def test_only_round_advances_the_round():
         st.eval_flat,
         st.history,
         st.class_acc,
-        {"steps": 1, "clients": 3},
+        {"steps": 1, "clients": [0, 1, 2]},
         0.0,
         {},
         0.0,

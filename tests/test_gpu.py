@@ -871,15 +871,28 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
     sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device="cuda")
     start = copy.deepcopy(sim.model).cpu()
     sim.run()
-    ref = sequential(cfg, start, train, part, cfg.rounds, dp=dict(clip=0.05, z=0.0, E=4.0, gen=torch.Generator()))
-    assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5
-    from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
+    from fedfast.sampling import sample_clients
 
-    p = RoundPrivacy(
-        PrivacySettings.of(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3)),
-        fedfast.SimConfig().method(),
-        100,
-        torch.device("cuda"),
+    seed = sim.privacy.secret.cohort_seed()  # a private run's cohorts come from its secret
+    ref = sequential(
+        cfg,
+        start,
+        train,
+        part,
+        cfg.rounds,
+        sampled_fn=lambda r: sample_clients(seed, r, part.num_clients, 4),
+        dp=dict(clip=0.05, z=0.0, E=4.0, gen=None),
     )
-    noise = p.average(torch.zeros(1_000_000, device="cuda"), torch.zeros(1_000_000, device="cuda"))
+    assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5
+    from types import SimpleNamespace
+
+    from fedfast.privacy import DPFedAvg, PrivacySettings
+
+    p = DPFedAvg(
+        PrivacySettings.of(fedfast.SimConfig(**kw, dp_noise_multiplier=1.3, client_sampling="poisson")),
+        num_clients=100,
+        device="cuda",
+    )
+    g = torch.zeros(1_000_000, device="cuda")
+    noise = p.average(g, torch.zeros_like(g), 0.0, SimpleNamespace(index=0))
     assert abs(float(noise.std()) / (1.3 * 0.05 / 4) - 1) < 5e-3

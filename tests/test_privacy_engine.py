@@ -4,13 +4,15 @@ deviation, epsilon against the accountant called directly, calibration, checkpoi
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import fedfast
 from fedfast import privacy
-from fedfast.sampling import sample_clients_poisson
+from fedfast.privacy.secret import NOISE
+from fedfast.sampling import sample_clients, sample_clients_poisson
 
 from sequential_loop import sequential, setup_data
 
@@ -26,6 +28,18 @@ def _run(algorithm="fedavg", options=None, **kw):
     return cfg, sim, (train, test, part, model)
 
 
+def _from_secret(sim, cfg, K):
+    """The literal loop's cohorts and noise from the run's secret: the samplers of fedfast.sampling keyed by its
+    cohort seed, each round's noise generator keyed by (NOISE, round)."""
+    sec = sim.privacy.secret
+    m = cfg.clients_per_round
+    if cfg.client_sampling == "poisson":
+        sampled = lambda r: sample_clients_poisson(sec.cohort_seed(), r, K, m / K)  # noqa: E731
+    else:
+        sampled = lambda r: sample_clients(sec.cohort_seed(), r, K, m)  # noqa: E731
+    return sampled, (lambda r: sec.generator("cpu", NOISE, r))
+
+
 @pytest.mark.parametrize(
     "algorithm,options,sampling",
     [("fedavg", {}, "uniform"), ("fedavg", {}, "poisson"), ("fedntd", dict(tau=2.0), "uniform")],
@@ -39,10 +53,7 @@ def test_private_rounds_equal_the_literal_loop(algorithm, options, sampling):
     start = copy.deepcopy(sim.model).cpu()
     hist = sim.run()
     K = part.num_clients
-    sampled_fn = (
-        (lambda r: sample_clients_poisson(cfg.seed, r, K, cfg.clients_per_round / K)) if sampling == "poisson" else None
-    )
-    gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+    sampled_fn, gen = _from_secret(sim, cfg, K)
     ref = sequential(
         cfg,
         start,
@@ -55,7 +66,6 @@ def test_private_rounds_equal_the_literal_loop(algorithm, options, sampling):
     err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
     assert err <= 1e-6, err
     # a broken formula would show: without the noise, or without clipping, the loop lands elsewhere
-    gen2 = torch.Generator().manual_seed(cfg.seed + 1_000_003)
     no_clip = sequential(
         cfg,
         copy.deepcopy(start),
@@ -63,7 +73,7 @@ def test_private_rounds_equal_the_literal_loop(algorithm, options, sampling):
         part,
         cfg.rounds,
         sampled_fn=sampled_fn,
-        dp=dict(clip=1e9, z=0.7 * 0.05 / 1e9, E=float(cfg.clients_per_round), gen=gen2),
+        dp=dict(clip=1e9, z=0.7 * 0.05 / 1e9, E=float(cfg.clients_per_round), gen=gen),
     )
     assert float((no_clip - ref).abs().max() / ref.abs().max()) > 1e-2
     for r, rec in enumerate(hist, 1):  # epsilon after each round: the accountant, called directly
@@ -83,35 +93,42 @@ def test_poisson_rounds_without_a_client():
     """q = 1/K: some rounds draw nobody. Without DP the global model stays; with DP it takes the noise alone."""
     train, test, part, model = setup_data("mlp")
     K = part.num_clients
-    rounds = [r for r in range(40) if len(sample_clients_poisson(3, r, K, 1 / K)) == 0]
-    assert rounds, "no empty cohort in 40 rounds"
-    n = rounds[0] + 1
     for dp in ({}, dict(dp_clip=0.05, dp_noise_multiplier=1.0)):
         cfg = fedfast.SimConfig(
-            algorithm="fedavg", **{**BASE, "clients_per_round": 1, "rounds": n}, client_sampling="poisson", **dp
+            algorithm="fedavg", **{**BASE, "clients_per_round": 1, "rounds": 40}, client_sampling="poisson", **dp
         )
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+        seed = sim.privacy.secret.cohort_seed() if dp else cfg.seed
+        rounds = [r for r in range(40) if len(sample_clients_poisson(seed, r, K, 1 / K)) == 0]
+        assert rounds, "no empty cohort in 40 rounds"
+        n = rounds[0] + 1
         for _ in range(n - 1):
             sim.round()
         before = sim.global_flat.clone()
         rec = sim.round()
-        assert rec["clients"] == []
         if not dp:
+            assert rec["clients"] == [] and rec["cohort_size"] == 0
             assert torch.equal(sim.global_flat, before)
-        else:
-            gen = torch.Generator().manual_seed(3 + 1_000_003)
-            for _ in range(n):  # one draw per round, empty or not
-                xi = torch.randn(before.shape, generator=gen)
+        else:  # the cohort (and its size) is secret under Poisson sampling: not in the record
+            assert rec["clients"] is None and rec["cohort_size"] is None
+            xi = torch.randn(before.shape, generator=sim.privacy.secret.generator("cpu", NOISE, n - 1))
             assert torch.allclose(sim.global_flat, before + xi * (1.0 * 0.05 / 1.0), rtol=0, atol=1e-7)
 
 
 def test_noise_standard_deviation_is_z_clip_over_the_expected_cohort():
-    from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
+    from fedfast.privacy import DPFedAvg, PrivacySettings
 
-    cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=8, rounds=1, dp_clip=0.5, dp_noise_multiplier=1.3)
-    p = RoundPrivacy(PrivacySettings.of(cfg), cfg.method(), 100, torch.device("cpu"))
+    cfg = fedfast.SimConfig(
+        algorithm="fedavg",
+        clients_per_round=8,
+        rounds=1,
+        dp_clip=0.5,
+        dp_noise_multiplier=1.3,
+        client_sampling="poisson",
+    )
+    p = DPFedAvg(PrivacySettings.of(cfg), num_clients=100, device="cpu")
     g = torch.zeros(200_000)
-    noise = p.average(g, torch.zeros_like(g))
+    noise = p.average(g, torch.zeros_like(g), 0.0, SimpleNamespace(index=0))
     sd, want = float(noise.std()), 1.3 * 0.5 / 8
     # the sample standard deviation of 2e5 normals: relative standard error 1/sqrt(2n) = 0.16 %; 5 sigma
     assert abs(sd / want - 1) < 5 / math.sqrt(2 * g.numel()), (sd, want)
@@ -207,9 +224,9 @@ def test_a_plugin_summing_over_its_clients_is_refused():
 
 
 def test_adaptive_clipping_equals_the_literal_loop():
-    """dp_clip_quantile 0.5: the updates noised with z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2), the count of unclipped
-    updates with sigma_b, and the clip moved geometrically each round, as the loop does; the records show the clip
-    each round used, and epsilon is the accountant's at z (the count's release is inside it)."""
+    """dp_clip_quantile 0.5: the updates noised with z_update = (z^-2 - (2 sigma_b)^-2)^(-1/2), the centred count of
+    unclipped updates with sigma_b, and the clip moved geometrically each round, as the loop does; the records show
+    the clip each round used, and epsilon is the accountant's at z (the count's release is inside it)."""
     cfg, sim, (train, _, part, model) = _run(
         dp_clip=0.05,
         dp_noise_multiplier=0.7,
@@ -223,19 +240,9 @@ def test_adaptive_clipping_equals_the_literal_loop():
     K, E = part.num_clients, 4.0
     sigma_b = 1.0
     z_update = (0.7**-2 - (2 * sigma_b) ** -2) ** -0.5
-    dp = dict(
-        clip=0.05,
-        z=0.7,
-        z_update=z_update,
-        E=E,
-        gen=torch.Generator().manual_seed(cfg.seed + 1_000_003),
-        quantile=0.5,
-        lr_c=0.2,
-        sigma_b=sigma_b,
-    )
-    ref = sequential(
-        cfg, start, train, part, cfg.rounds, dp=dp, sampled_fn=lambda r: sample_clients_poisson(cfg.seed, r, K, 4 / K)
-    )
+    sampled_fn, gen = _from_secret(sim, cfg, K)
+    dp = dict(clip=0.05, z=0.7, z_update=z_update, E=E, gen=gen, quantile=0.5, lr_c=0.2, sigma_b=sigma_b)
+    ref = sequential(cfg, start, train, part, cfg.rounds, dp=dp, sampled_fn=sampled_fn)
     err = float((sim.global_flat.cpu() - ref).abs().max() / ref.abs().max())
     assert err <= 1e-6, err
     assert [h["dp_clip"] for h in hist] == pytest.approx([0.05] + dp["clips"][:-1], rel=1e-6)
@@ -408,6 +415,7 @@ def test_rows_written_after_the_last_step_are_measured_again(monkeypatch):
     assert seen and all(s is None for s in seen)
     monkeypatch.setattr(trainer_mod.ChunkTrainer, "update_norms", lambda self, n: None)
     _, sim2, _ = _run("fedadc", opts, dp_clip=0.05, dp_noise_multiplier=0.5)
+    sim2.privacy.secret.key = sim.privacy.secret.key  # the same cohorts and noise
     sim2.run()
     assert torch.equal(sim.global_flat, sim2.global_flat)
     monkeypatch.setattr(
@@ -432,3 +440,120 @@ def test_rows_written_after_the_last_step_are_measured_again(monkeypatch):
     seen.clear()
     _run("fedadc", dict(order="heavy_ball"), dp_clip=0.05, dp_noise_multiplier=0.5)[1].run()
     assert seen and all(s is not None for s in seen)
+
+
+# -- issue 58: resumes keep the accounting; calibration; what a private run writes --------------------------------
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(clients_per_round=2),
+        dict(client_sampling="uniform"),
+        dict(dp_delta=1e-6),
+        dict(dp_clip=0.2),
+        dict(dp_accountant="pld"),
+        dict(dp_clip_quantile=0.3),
+        dict(dp_clip_lr=0.5),
+        dict(dp_clip_count_noise=2.0),
+        dict(dp_noise_multiplier=0.8),
+    ],
+)
+def test_a_resume_refuses_another_accounting_setting_by_name(change):
+    """Simulation.restore (the door of a sweep and of Python users) with another sampling, cohort size, delta, clip,
+    accountant, adaptive-clipping setting or noise: refused naming the key (before issue 58: 5 rounds at q 0.5
+    re-accounted at the new q, a new dp_clip ignored without a word)."""
+    kw = dict(
+        dp_clip=0.1,
+        dp_noise_multiplier=1.0,
+        client_sampling="poisson",
+        dp_clip_quantile=0.5,
+        dp_clip_count_noise=1.0,
+        rounds=2,
+    )
+    cfg, sim, (train, test, part, model) = _run(**kw)
+    sim.round()
+    ck = sim.checkpoint()
+    other = fedfast.SimConfig(**{**cfg.__dict__, **change})
+    again = fedfast.Simulation(other, copy.deepcopy(model), train, test, part)
+    key = next(iter(change))
+    with pytest.raises(ValueError, match=f"^{key}: the checkpoint's"):
+        again.restore(ck)
+    same = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    same.restore(ck)  # the same settings: resumes
+
+
+def test_pld_calibration_is_bracketed_by_the_rdp_answer():
+    """dp_epsilon with the PLD accountant (before issue 58: a search from z = 0.001 allocating 38 GiB, every time):
+    the smallest multiplier to 0.1 %, at most the RDP one, and a run calibrates with it."""
+    kw = dict(sampling="poisson", num_clients=400, rate=0.05)
+    z = privacy.calibrate(2.0, 1e-5, 20, **kw, accountant="pld")
+    z_rdp = privacy.calibrate(2.0, 1e-5, 20, **kw)
+    assert z <= z_rdp
+    assert privacy.epsilon(z, 1e-5, 20, **kw, accountant="pld") <= 2.0
+    assert privacy.epsilon(z / 1.001, 1e-5, 20, **kw, accountant="pld") > 2.0
+    cfg, sim, _ = _run(
+        dp_clip=0.1, dp_epsilon=0.5, client_sampling="poisson", dp_accountant="pld", rounds=2, clients_per_round=1
+    )
+    assert 0.45 < sim.run()[-1]["dp_epsilon"] <= 0.5
+
+
+def test_a_tiny_budget_gets_the_smallest_multiplier():
+    """dp_epsilon = 1e-9: the smallest z whose epsilon is at most it (to 0.1 %), not any z past it."""
+    kw = dict(sampling="poisson", num_clients=500, rate=0.02)
+    z = privacy.calibrate(1e-9, 1e-5, 10, **kw)
+    assert privacy.epsilon(z, 1e-5, 10, **kw) <= 1e-9 < privacy.epsilon(z / 1.001, 1e-5, 10, **kw)
+
+
+def test_delta_and_sampling_typos_are_named():
+    """dp_delta at or above 1 / num_clients promises nothing (refused naming dp_delta); a misspelt sampling is named
+    as such, not explained as another sampling's refusal."""
+    with pytest.raises(ValueError, match=r"dp_delta: 0.2 is not below 1 / num_clients = 0.125"):
+        _run(dp_clip=0.1, dp_noise_multiplier=1.0, dp_delta=0.2)
+    with pytest.raises(ValueError, match="dp_delta: 0.05 is not below 1 / num_clients"):
+        privacy.epsilon(1.0, 0.05, 3, sampling="poisson", num_clients=100, rate=0.1)
+    with pytest.raises(ValueError, match=r"client_sampling: one of \('uniform'.*got 'possion'"):
+        fedfast.SimConfig(client_sampling="possion", dp_clip=1.0, dp_noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "uniform"])
+def test_a_private_record_holds_only_what_is_accounted(sampling):
+    """Without dp_diagnostics a private round's record has no training loss, cohort ids, round times or method
+    values; the cohort's size only where it is public (fixed-size sampling); fixed-size sampling's records say what
+    Poisson sampling would report for the same noise. dp_diagnostics = true keeps them; a plain run records the
+    cohort size under Poisson sampling too."""
+    kw = dict(dp_clip=0.1, dp_noise_multiplier=1.0, client_sampling=sampling, rounds=2)
+    rec = _run(**kw)[1].run()[-1]
+    assert rec["train_loss"] is None and rec["clients"] is None and rec["seconds"] is None and rec["timers"] is None
+    assert "method_metrics" not in rec
+    assert rec["cohort_size"] == (None if sampling == "poisson" else 4)
+    if sampling == "uniform":
+        assert 0 < rec["dp_epsilon_poisson"] < rec["dp_epsilon"]
+    diag = _run(**kw, dp_diagnostics=True)[1].run()[-1]
+    assert diag["train_loss"] > 0 and diag["seconds"] > 0 and len(diag["clients"]) == diag["cohort_size"]
+    plain = _run(client_sampling="poisson")[1].run()[-1]
+    assert plain["cohort_size"] == len(plain["clients"])
+
+
+def test_a_private_run_directory_holds_no_unaccounted_value_nor_the_secret(tmp_path):
+    """`fedfast run`: metrics.jsonl, metrics.csv and summary.json of a private Poisson run carry no training loss or
+    times; summary.json the final epsilon; the secret only in checkpoint.pt (the threat model: the checkpoint is the
+    trusted server's state)."""
+    import json
+
+    from fedfast.checkpoint import load
+    from fedfast.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        'dataset = "synthetic"\npartition = "iid"\nnum_clients = 20\nclients_per_round = 4\nrounds = 2\n'
+        'batch_size = 32\nlr = 0.05\nclient_sampling = "poisson"\ndp_clip = 0.5\ndp_noise_multiplier = 1.0\n'
+    )
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["train_loss"] is None and x["seconds"] is None and x["cohort_size"] is None for x in lines)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dp_epsilon"] > 0 and summary["wall_seconds"] is None
+    key = load(str(out / "checkpoint.pt"))["state"]["privacy"]["secret"]["key"]
+    for f in out.iterdir():
+        if f.is_file() and f.name != "checkpoint.pt":
+            assert key.encode() not in f.read_bytes(), f.name

@@ -1,4 +1,4 @@
-"""Each part of the engine is given the settings it reads (fedfast.sim.settings), not the run's whole SimConfig."""
+"""Each part of the engine is given the settings it reads (fedfast._settings), not the run's whole SimConfig."""
 
 import ast
 import dataclasses
@@ -13,9 +13,9 @@ import fedfast
 from fedfast.local_step import OptimizerSettings
 from fedfast.sim.evaluation import EvalSettings, Evaluator
 from fedfast.sim.plan import PlanSettings, RoundPlan
-from fedfast.sim.privacy import PrivacySettings, RoundPrivacy
+from fedfast.privacy import DPFedAvg, PrivacySettings
 from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
-from fedfast.sim.settings import Settings
+from fedfast._settings import Settings
 from fedfast.sim.sizing import BudgetSettings, MemoryBudget
 from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
 
@@ -27,7 +27,7 @@ PARTS = {
     MemoryBudget: BudgetSettings,
     Evaluator: EvalSettings,
     ChunkTrainer: TrainerSettings,
-    RoundPrivacy: PrivacySettings,
+    DPFedAvg: PrivacySettings,
 }
 SIM = pathlib.Path(fedfast.__file__).parent / "sim"
 
@@ -89,10 +89,10 @@ def test_parts_take_their_settings_and_refuse_the_config_by_name():
 
 
 def test_no_part_in_sim_holds_the_whole_config():
-    """Only the EngineView (the method's window, facade.py) hands on the SimConfig, and settings.py reads it;
-    every other module of sim/ neither takes nor keeps a ``cfg`` / ``config``."""
-    for path in sorted(SIM.glob("*.py")):
-        if path.name in ("facade.py", "settings.py"):
+    """Only the EngineView (the method's window, facade.py) hands on the SimConfig; every other module of sim/ and
+    of the privacy package neither takes nor keeps a ``cfg`` / ``config``."""
+    for path in sorted(SIM.glob("*.py")) + sorted((SIM.parent / "privacy").glob("*.py")):
+        if path.name == "facade.py":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

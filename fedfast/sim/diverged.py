@@ -36,11 +36,11 @@ class Diverged(ArithmeticError):
         )
 
 
-def check_finite(rec: dict, state, method: str, optimizer: OptimizerSettings) -> None:
-    """Divergence ends the run: a non-finite train loss, global (or evaluated) model or test loss raises
-    :class:`Diverged`."""
+def check_finite(rec: dict, state, method: str, optimizer: OptimizerSettings, *, train_loss: float) -> None:
+    """Divergence ends the run: a non-finite train loss (``train_loss``: the round's, which a private run's record
+    leaves out), global (or evaluated) model or test loss raises :class:`Diverged`."""
     what = []
-    if not math.isfinite(rec["train_loss"]):
+    if not math.isfinite(train_loss):
         what.append("the training loss")
     ok = torch.stack(
         [

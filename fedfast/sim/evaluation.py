@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..collectives import Distributed, Local
 from ..data.datasets import ArrayDataset
 from .runtime import ModelRuntime
-from .settings import Settings
+from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,6 +98,7 @@ class Evaluator:
             "forgetting": forgetting(class_accs + [class_acc]) if acc is not None else None,
             "class_accuracy": [round(v, 6) for v in class_acc.tolist()] if class_acc is not None else None,
             "clients": totals["clients"],
+            "cohort_size": len(totals["clients"]),
             "timers": timers,
             "client_chunk": chunk,
         }

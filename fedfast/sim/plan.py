@@ -24,7 +24,7 @@ from ..sampling import (
     sample_clients_poisson,
     sample_clients_round_seeded,
 )
-from .settings import Settings
+from .._settings import Settings
 
 
 def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:
@@ -152,8 +152,12 @@ class RoundPlan:
         world: int = 1,
         schedule: Sequence | Callable | None = None,
         data_order: Callable | None = None,
+        cohort_secret=None,
     ):
         self.settings = settings = PlanSettings.given(settings)
+        # a private run's secret (fedfast.privacy.Secret): its cohorts are drawn from it, not from the run seed (the
+        # sampling amplification assumes them secret); read at each draw, so a restored secret takes effect
+        self.cohort_secret = cohort_secret
         self.train, self.method, self.device = train, method, device
         self.rank, self.world, self.schedule, self.user_order = rank, world, schedule, data_order
         self.num_clients = K = partition.num_clients
@@ -208,9 +212,10 @@ class RoundPlan:
         )
 
     def clients(self, rnd: int) -> np.ndarray:
-        """Round ``rnd``'s participants (:func:`round_clients`)."""
+        """Round ``rnd``'s participants (:func:`round_clients`; a private run's from its secret)."""
         c = self.settings
-        return round_clients(c.seed, rnd, self.num_clients, c.clients_per_round, c.client_sampling, self.schedule)
+        seed = c.seed if self.cohort_secret is None else self.cohort_secret.cohort_seed()
+        return round_clients(seed, rnd, self.num_clients, c.clients_per_round, c.client_sampling, self.schedule)
 
     def order(self, rnd: int, k: int, epoch: int, nk: int) -> np.ndarray:
         """Client ``k``'s data order in local pass ``epoch`` of round ``rnd`` (:func:`data_order`)."""

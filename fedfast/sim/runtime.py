@@ -17,7 +17,7 @@ from ..data.datasets import ArrayDataset
 from ..flat import FlatLayout, fedfast_batch_norm, find_classifier, functional_forward, has_running_stats
 from ..ops import _backend
 from .memory import fp32_semantics
-from .settings import Settings
+from .._settings import Settings
 
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave

@@ -17,7 +17,7 @@ from ..methods.base import Method
 from . import budget
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
 from .runtime import ModelRuntime
-from .settings import Settings
+from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from ..methods.hooks import HookError, check_hook_return, describe_value, hook_s
 from .memory import OutOfMemory, _free_bytes, _gib
 from .plan import RoundPlan
 from .runtime import ModelRuntime
-from .settings import Settings
+from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

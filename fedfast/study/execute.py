@@ -240,7 +240,8 @@ def _finished_line(r: _Run) -> str:
         f"{r.label}: final test_acc "
         + (f"{100 * acc:.2f}%" if acc is not None else "-")
         + (f"  val {100 * s['final_val_accuracy']:.2f}%" if s.get("final_val_accuracy") is not None else "")
-        + f"  {s.get('wall_seconds', 0):.1f}s  -> {r.dir}"
+        + (f"  {s['wall_seconds']:.1f}s" if s.get("wall_seconds") is not None else "")
+        + f"  -> {r.dir}"
     )
 
 
