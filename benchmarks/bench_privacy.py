@@ -10,9 +10,12 @@ the machine's speed hits both. What DP adds per round, for n clients of P parame
   accounting        host only (dp-accounting's RDP accountant, epsilon after the round)
 
 against the round's local training (forward + backward + step of every client) and the aggregation's own pass
-(n*P*4 read). ``--adaptive`` adds adaptive clipping (a count in the same norms pass, one host read).
+(n*P*4 read). ``--adaptive`` adds adaptive clipping (a count in the same norms pass, one host read). ``--ftrl`` adds
+a third simulation, DP-FTRL (``dp_mechanism = "dp_ftrl"``): the same clipping, the noise a tree increment (on
+average two Gaussian vectors a round: the new node's P*4 bytes written, the dropped nodes' drawn again), timed in
+the same alternation.
 
-    python benchmarks/bench_privacy.py --clients 1000 --out benchmarks/results/<machine>-privacy.json
+    python benchmarks/bench_privacy.py --clients 1000 --ftrl --out benchmarks/results/<machine>-privacy.json
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=20, help="samples per client")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (after one warm-up)")
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--ftrl", action="store_true", help="also time DP-FTRL (tree-aggregated noise)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     import fedfast
@@ -59,7 +63,10 @@ def main(argv=None):
         dict(dp_clip_quantile=0.5, dp_clip_count_noise=K / 20) if a.adaptive else {}
     )
     sims = {}
-    for name, extra in (("plain", {}), ("dp", dp)):
+    variants = [("plain", {}), ("dp", dict(dp, client_sampling="poisson"))]
+    if a.ftrl:
+        variants.append(("ftrl", dict(dp_clip=1.0, dp_noise_multiplier=1.0, dp_mechanism="dp_ftrl")))
+    for name, extra in variants:
         model = fedfast.models.build("mlp", 10, (1, 28, 28))
         torch.manual_seed(0)
         sims[name] = fedfast.Simulation(fedfast.SimConfig(**base, **extra), model, train, test, part)
@@ -81,6 +88,7 @@ def main(argv=None):
         "seconds_per_round": med,
         "round_seconds": times,
         "overhead_pct": 100 * (med["dp"] / med["plain"] - 1),
+        **({"ftrl_overhead_pct": 100 * (med["ftrl"] / med["plain"] - 1)} if a.ftrl else {}),
         "norms": "each client's last local step (ops.client_step delta_norm), no pass of their own",
         "rows_bytes": K * P * 4,
         "machine": {
@@ -94,6 +102,7 @@ def main(argv=None):
     print(
         f"{K} clients x {n} samples, P = {P}: plain {med['plain'] * 1e3:.1f} ms, DP {med['dp'] * 1e3:.1f} ms per "
         f"round: {res['overhead_pct']:+.1f} %"
+        + (f"; DP-FTRL {med['ftrl'] * 1e3:.1f} ms: {res['ftrl_overhead_pct']:+.1f} %" if a.ftrl else "")
     )
     if a.out:
         tmp = a.out + ".tmp"

@@ -230,7 +230,7 @@ class Simulation:
             cohorts=self.plan.clients,
             device=self.device,
             secret=secret,
-            method_name=self.method.name,
+            method=self.method,
         )
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
@@ -381,12 +381,15 @@ class Simulation:
                 kind="dict",
                 what="a dict of fedfast.ops.aggregate keyword arguments ({} for none)",
             )
-        # the mechanism's bound step (private: the clipping factors as the weights, the norms from the last steps)
+        # the mechanism's bound step (private: the clipping factors as the weights, from the norms of the last steps,
+        # joint with the clients' declared uploads)
         w = weights[lo:hi]
+        ups = self.privacy.upload_rows(self.method, ctx, lo, hi)
+        norms = self.trainer.update_norms(hi - lo)
         agg = dict(
             rows=hi - lo,
             backend=self.cfg.backend,
-            **self.privacy.bound(extra, w, self.trainer.update_norms(hi - lo)),
+            **self.privacy.bound(extra, w, norms, ups, self.trainer.stack.params, self.global_flat),
         )
         try:
             out = ops.aggregate(self.trainer.stack.params, self.global_flat, **agg)
@@ -398,7 +401,9 @@ class Simulation:
             # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
-        collect.take(self.method, ctx, self.method.collect(ctx, out, lo, hi), lo, hi)
+        got = self.method.collect(ctx, out, lo, hi)
+        collect.take(self.method, ctx, got, lo, hi)
+        self.privacy.check_collected(got)  # private: what the method sums must be its declared uploads
         # the chunk's weighted sum (private: its clipped sum / E; the noise is added once, in _server)
         return self.privacy.chunk_sum(out, w, self.global_flat)
 
@@ -425,6 +430,7 @@ class Simulation:
         avg = self.privacy.average(self.global_flat, avg_sum, total_w, ctx)
         if avg is None:
             return
+        collect.release(ctx, self.privacy.released())  # private: the noised upload sums the server rule reads
         if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg)

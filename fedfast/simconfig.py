@@ -303,11 +303,13 @@ class SimConfig:
             privacy.check_accounting(
                 self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed", self.dp_accountant
             )
-        if cls.uploads:
+        if cls.private_refusal:
+            raise ValueError(f"dp_clip: {self.algorithm} is refused in a private run: {cls.private_refusal}")
+        if cls.uploads and cls.upload_spec is _methods.Method.upload_spec:
             raise ValueError(
-                f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update; DP-FedAvg's "
-                f"clipping and noise cover the update only, so {self.algorithm} is refused in a private "
-                f"run"
+                f"dp_clip: {self.algorithm} uploads {cls.uploads} beside the model update and declares no private "
+                f"form of it (Method.upload_spec), so the mechanism's clipping and noise would not cover it: "
+                f"{self.algorithm} is refused in a private run"
             )
         if self.aggregate_weights not in (None, "uniform") or (cls.aggregation_fixed and cls.aggregation != "uniform"):
             raise ValueError(

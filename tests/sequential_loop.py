@@ -446,6 +446,20 @@ def asd_term(z, t, y, prior, a):
     return a["lam"] * (alpha / alpha.sum() * kl).sum() * (tau**2 if a["tau_squared"] else 1.0)
 
 
+def fisher_diagonal(local, train, batches, samples: int) -> torch.Tensor:
+    """FedCurv's upload_local_fisher (Lee-Gihun/FedNTD): the mean over minibatches of the squared minibatch-mean
+    gradients, in ``batches``' order, stopping after the first that brings the sample count above ``samples``."""
+    squares, seen = [], 0
+    for b in batches:
+        x, y = train.batch(b)
+        g = torch.autograd.grad(F.cross_entropy(local(x), y), list(local.parameters()))
+        squares.append(torch.cat([t.reshape(-1) for t in g]) ** 2)
+        seen += len(y)
+        if seen > samples:
+            break
+    return torch.stack(squares).mean(0)
+
+
 class PlainLoop:
     """The literal loop a researcher writes, as a skeleton for the method tests: the round's clients one after
     another, each a ``copy.deepcopy`` of the global ``nn.Module`` trained with ``torch.optim.SGD`` on its own

@@ -224,7 +224,6 @@ def test_dp_fedavg_refuses_what_it_does_not_cover():
         (dict(dp_clip=0.0, dp_denominator=1.0), "dp_clip"),
         (dict(dp_clip=1.0), "dp_denominator"),
         (dict(dp_clip=1.0, dp_denominator=2.0, weights=torch.ones(4)), "weights"),
-        (dict(dp_clip=1.0, dp_denominator=2.0, state_rows=torch.zeros(4, 30)), "state_rows"),
         (dict(dp_clip=1.0, dp_denominator=2.0, dp_noise=torch.zeros(29)), "dp_noise"),
         (dict(dp_noise=torch.zeros(30)), "dp_noise"),
         (dict(dp_clip=1.0, dp_denominator=2.0, dp_norms=torch.ones(3)), "dp_norms"),
@@ -232,6 +231,37 @@ def test_dp_fedavg_refuses_what_it_does_not_cover():
     ):
         with pytest.raises(ValueError, match=key):
             ops.aggregate(X, g, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dp_state_rows_stay_the_clients_own_and_joint_norms_clip(backend):
+    """Under dp_clip per-client state rows (SCAFFOLD's c_k) are updated unclipped, R_k' = (R_k + shift) + a_k (X_k -
+    g), while the average is clipped with the given norms: a joint norm larger than the update's own clips harder,
+    min(1, C / joint) on the update."""
+    torch.manual_seed(2)
+    X, g, R = torch.randn(5, 30), torch.randn(30), torch.randn(5, 30)
+    rows = torch.tensor([0, 2, 3])
+    shift, coef = torch.randn(30), torch.tensor([0.5, -1.0, 2.0])
+    own = (X[rows].double() - g.double()).norm(dim=1)
+    joint = (own**2 + torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64)).sqrt()
+    out = ops.aggregate(
+        X,
+        g,
+        rows=rows,
+        dp_clip=1.0,
+        dp_denominator=2.0,
+        dp_norms=joint.float(),
+        state_rows=R[rows].clone(),
+        state_coef=coef,
+        state_shift=shift,
+        backend=backend,
+    )
+    D = X[rows].double() - g.double()
+    want_rows = (R[rows].double() + shift.double()) + coef.double()[:, None] * D
+    assert rel_err(out["state_rows"], want_rows) <= 1e-6
+    s = torch.clamp(1.0 / joint, max=1.0)
+    assert rel_err(out["average"], g.double() + (s[:, None] * D).sum(0) / 2.0) <= 1e-6
+    assert rel_err(out["average"], _dp_loop(X[rows], g, 1.0, None, 2.0)) > 1e-3  # the update's own norm: another
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

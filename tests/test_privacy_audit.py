@@ -26,15 +26,17 @@ import pytest
 import torch
 
 import fedfast
+from fedfast.methods import UploadSpec
 from fedfast.privacy import DPFedAvg, PrivacySettings, Secret
 
 dpa = pytest.importorskip("dp_accounting")
 
 P, K, M, T = 48, 200, 10, 12  # parameters, clients, clients per round (E), rounds accounted
+UPLOAD = 16  # values a client uploads beside its update, in the upload cases
 DRAWS = 1500  # rounds of noise measured per configuration
 
 
-def _mechanism(sampling, adaptive, accountant="rdp", z=0.9):
+def _mechanism(sampling, adaptive, accountant="rdp", z=0.9, uploads=False):
     cfg = fedfast.SimConfig(
         algorithm="fedavg",
         clients_per_round=M,
@@ -47,7 +49,8 @@ def _mechanism(sampling, adaptive, accountant="rdp", z=0.9):
     )
     with pytest.warns(UserWarning) if sampling == "uniform" else _nothing():
         # a fixed secret: the measured noise is the same in every run of the test
-        return DPFedAvg(PrivacySettings.of(cfg), num_clients=K, device="cpu", secret=Secret(2026))
+        ups = {"s": UploadSpec(cols=UPLOAD)} if uploads else None
+        return DPFedAvg(PrivacySettings.of(cfg), num_clients=K, device="cpu", secret=Secret(2026), uploads=ups)
 
 
 class _nothing:
@@ -58,54 +61,89 @@ class _nothing:
         return False
 
 
+class _Uploader:
+    """A method whose clients upload a D-vector beside their update (the audit's uploads: the last D columns of
+    each client's row in ``U``)."""
+
+    def __init__(self, D):
+        self.D = D
+
+    def upload_rows(self, ctx, lo, hi):
+        return {"s": ctx.uploads[lo:hi]}
+
+
 def _release(mech, g, U, rnd):
     """One round's server side as the engine runs it, on a copy of ``mech`` (its state before the round): the
-    released values (the average's coordinates, and log of the next clip when the clip adapts)."""
+    released values (the average's coordinates, the noised upload sum where the mechanism takes uploads, and log of
+    the next clip when the clip adapts). With uploads, ``U``'s last D columns are each client's upload."""
     m = copy.copy(mech)
-    ctx = SimpleNamespace(sums={}, index=rnd)
+    D = UPLOAD if m.specs else 0
+    ctx = SimpleNamespace(sums={"s": torch.zeros(D)} if D else {}, index=rnd, uploads=U[:, P:])
     m.begin_round(ctx)
     n = U.shape[0]
     w = torch.ones(n)
     if n:
-        out = fedfast.ops.aggregate(g + U, g, rows=n, **m.bound({}, w, None))
+        X = g + U[:, :P]
+        ups = m.upload_rows(_Uploader(D), ctx, 0, n)
+        out = fedfast.ops.aggregate(X, g, rows=n, **m.bound({}, w, None, ups, X, g))
         total = m.chunk_sum(out, w, g)
     else:
         total = torch.zeros_like(g)
     avg = m.average(g, total, float(n), ctx).double()
+    if D:
+        avg = torch.cat([avg, m.released()["s"].double()])
     y = torch.tensor([math.log(m.clip)], dtype=torch.float64) if m.adaptive else torch.zeros(0, dtype=torch.float64)
     return avg, y
 
 
-def _cohort(seed=0):
-    """Ten updates: four short (0.3 C), three just inside the clip (0.999 C), three far past it (5 C)."""
+def _cohort(width=P, seed=0):
+    """Ten clients' rows (the update, then the uploads where ``width > P``): four short (0.3 C), three just inside
+    the clip (0.999 C), three far past it (5 C), in one norm over the whole row."""
     gen = torch.Generator().manual_seed(seed)
-    d = torch.randn(10, P, generator=gen, dtype=torch.float64)
+    d = torch.randn(10, width, generator=gen, dtype=torch.float64)
     d = d / d.norm(dim=1, keepdim=True)
     scale = torch.tensor([0.3] * 4 + [0.999] * 3 + [5.0] * 3, dtype=torch.float64)
     return (d * scale[:, None]).float()
 
 
-def _candidates():
+def _candidates(width=P):
+    """Neighbours: a zero row, short, at the clip, far past it, opposite; with uploads also all in the update or
+    all in the upload."""
     gen = torch.Generator().manual_seed(7)
-    d = torch.randn(P, generator=gen)
+    d = torch.randn(width, generator=gen)
     d = d / d.norm()
-    return [d * 0.0, d * 0.3, d * 0.999, d * 5.0, -d * 0.999, -d * 50.0]
+    out = [d * 0.0, d * 0.3, d * 0.999, d * 5.0, -d * 0.999, -d * 50.0]
+    if width > P:
+        only_update, only_upload = d.clone(), d.clone()
+        only_update[P:], only_upload[:P] = 0, 0
+        out += [only_update / only_update.norm() * 50.0, only_upload / only_upload.norm() * 50.0]
+    return out
+
+
+def _blocks(mech):
+    """The released vector's blocks whose noise is isotropic within: the average's P coordinates, and the upload
+    sum's UPLOAD coordinates (their noise has another scale)."""
+    return [(0, P)] + ([(P, P + UPLOAD)] if mech.specs else [])
 
 
 def _noise_std(mech, g, U):
-    """The pooled std of the average's coordinates and the std of log(next clip) (None: a fixed clip), each with
-    its number of samples (the count's std is one number a round: ``DRAWS`` rounds; the average's, P a round)."""
+    """Each block's pooled coordinate std (with its number of samples) and the std of log(next clip) (None: a
+    fixed clip): the count's is one number a round (``DRAWS`` rounds), a block's many."""
     A, Y = [], []
     for r in range(DRAWS if mech.adaptive else DRAWS // 5):
         a, y = _release(mech, g, U, r)
         A.append(a)
         Y.append(y)
     A, Y = torch.stack(A), torch.stack(Y)
-    sa = float(A.var(0, unbiased=True).mean().sqrt())  # every coordinate's std, pooled (the noise is isotropic)
-    # the noise is isotropic: per-coordinate stds within 20 % of the pooled one
-    assert float((A.std(0, unbiased=True) / sa - 1).abs().max()) < 0.2
+    stds = []
+    for lo, hi in _blocks(mech):
+        B = A[:, lo:hi]
+        sb = float(B.var(0, unbiased=True).mean().sqrt())
+        # the noise is isotropic within the block: per-coordinate stds within 20 % of the pooled one
+        assert float((B.std(0, unbiased=True) / sb - 1).abs().max()) < 0.2
+        stds.append((sb, B.numel()))
     y = (float(Y.std(0, unbiased=True)[0]), Y.shape[0]) if Y.shape[1] else None
-    return (sa, A.numel()), y
+    return stds, y
 
 
 def _shifts(mech, g, U, relation):
@@ -113,7 +151,7 @@ def _shifts(mech, g, U, relation):
     sides): [(|moved average|, |moved log clip|)] over every candidate neighbour."""
     out = []
     rnd = 12345
-    for u in _candidates():
+    for u in _candidates(U.shape[1]):
         if relation == "add_remove":
             pairs = [(U, torch.cat([U, u[None]]))]
         else:  # every client replaced by the candidate, and by its own opposite (short, and far past the clip)
@@ -127,7 +165,8 @@ def _shifts(mech, g, U, relation):
         for A, B in pairs:
             a1, y1 = _release(mech, g, A, rnd)
             a2, y2 = _release(mech, g, B, rnd)
-            out.append((float((a1 - a2).norm()), float((y1 - y2).abs().sum())))
+            moved = [float((a1[lo:hi] - a2[lo:hi]).norm()) for lo, hi in _blocks(mech)]
+            out.append((moved, float((y1 - y2).abs().sum())))
     return out
 
 
@@ -135,14 +174,14 @@ def _audit(mech, relation):
     """``mu(sd)``: max over the neighbours of sqrt(sum_v (moved_v / std_v)^2), each measured std taken ``sd``
     standard errors larger (sd > 0: the smallest shift the measurement allows; < 0: the largest); the standard
     error of a std from n normal samples is std / sqrt(2 n)."""
-    g, U = torch.zeros(P), _cohort()
-    (sa, na), y = _noise_std(mech, g, U)
+    g, U = torch.zeros(P), _cohort(P + (UPLOAD if mech.specs else 0))
+    stds, y = _noise_std(mech, g, U)
     moved = _shifts(mech, g, U, relation)
 
     def mu(sd):
-        a = sa * (1 + sd / math.sqrt(2 * na))
+        a = [s * (1 + sd / math.sqrt(2 * n)) for s, n in stds]
         b = y[0] * (1 + sd / math.sqrt(2 * y[1])) if y is not None else math.inf
-        return max(math.sqrt((da / a) ** 2 + (dy / b) ** 2) for da, dy in moved)
+        return max(math.sqrt(sum((d / s) ** 2 for d, s in zip(da, a)) + (dy / b) ** 2) for da, dy in moved)
 
     return mu
 
@@ -162,23 +201,26 @@ def _recomputed_epsilon(mu, sampling, accountant, delta=1e-5):
 
 
 CASES = [
-    ("poisson", False, "rdp"),
-    ("poisson", True, "rdp"),
-    ("poisson", False, "pld"),
-    ("poisson", True, "pld"),
-    ("uniform", False, "rdp"),
-    ("uniform", True, "rdp"),
+    ("poisson", False, "rdp", False),
+    ("poisson", True, "rdp", False),
+    ("poisson", False, "pld", False),
+    ("poisson", True, "pld", False),
+    ("uniform", False, "rdp", False),
+    ("uniform", True, "rdp", False),
+    ("poisson", True, "rdp", True),
+    ("uniform", False, "rdp", True),
 ]
 
 
-@pytest.mark.parametrize("sampling,adaptive,accountant", CASES)
-def test_reported_epsilon_is_never_below_the_measured_one(sampling, adaptive, accountant):
+@pytest.mark.parametrize("sampling,adaptive,accountant,uploads", CASES)
+def test_reported_epsilon_is_never_below_the_measured_one(sampling, adaptive, accountant, uploads):
     """For each accounted release (fixed and adaptive clip, Poisson and fixed-size sampling, RDP and PLD): the
     epsilon recomputed from the measured noise and shifts is at most the reported one, and the reported one is not
     above the recomputed one either (the accounting is tight). The measured stds are taken 3 standard errors
     larger for the first check and 3 smaller for the second (1500 rounds: 5.5 % for the count's; the secret is
-    fixed, so every run measures the same noise)."""
-    mech = _mechanism(sampling, adaptive, accountant)
+    fixed, so every run measures the same noise). With uploads (a method's values beside its update, clipped
+    jointly: SCAFFOLD's control variates, say) the released upload sum is one more released value."""
+    mech = _mechanism(sampling, adaptive, accountant, uploads=uploads)
     mu = _audit(mech, "add_remove" if sampling == "poisson" else "replace")
     kind = "poisson" if sampling == "poisson" else "fixed"
     reported = mech.epsilon(T)
@@ -249,6 +291,7 @@ def test_cohorts_follow_the_accounted_sampling(sampling):
     )
     with pytest.warns(UserWarning) if sampling == "uniform" else _nothing():
         sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    sim.privacy.secret.key = 12345  # a fixed secret: the same cohorts in every run of the test
     cohorts = [sim.plan.clients(r) for r in range(R)]
     sizes = np.array([len(c) for c in cohorts])
     counts = np.bincount(np.concatenate(cohorts), minlength=Kc)

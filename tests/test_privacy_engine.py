@@ -126,7 +126,7 @@ def test_noise_standard_deviation_is_z_clip_over_the_expected_cohort():
         dp_noise_multiplier=1.3,
         client_sampling="poisson",
     )
-    p = DPFedAvg(PrivacySettings.of(cfg), num_clients=100, device="cpu")
+    p = DPFedAvg(PrivacySettings.of(cfg), num_clients=100, device="cpu", secret=privacy.Secret(1))
     g = torch.zeros(200_000)
     noise = p.average(g, torch.zeros_like(g), 0.0, SimpleNamespace(index=0))
     sd, want = float(noise.std()), 1.3 * 0.5 / 8
@@ -171,9 +171,8 @@ def test_summary_records_the_final_epsilon():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(algorithm="scaffold"), "scaffold uploads its control variates"),
-        (dict(algorithm="feddistill_plus"), "per-label mean logits"),
-        (dict(algorithm="feddisco"), "label distribution"),
+        (dict(algorithm="fedgen"), "fedgen is refused in a private run: its server trains the generator"),
+        (dict(algorithm="feddisco"), "feddisco is refused in a private run: its aggregation weights"),
         (dict(client_sampling="bernoulli"), "client_sampling: 'bernoulli'"),
         (dict(client_sampling="round_seeded"), "client_sampling: 'round_seeded'"),
         (dict(aggregate_weights="size"), "aggregate_weights"),
@@ -221,6 +220,57 @@ def test_a_plugin_summing_over_its_clients_is_refused():
             sim.round()
     finally:
         fedfast.methods.unregister(name)
+
+
+def test_a_plugin_declares_its_upload_and_reads_the_noised_sum():
+    """The upload contract for a plug-in: declared in upload_spec, its rows from upload_rows, clipped jointly with
+    the update; the server reads the noised sum (not the plain one collect added); an increment collect returns
+    without declaring it is refused by name."""
+    from fedfast.methods import Collected, FedAvg, UploadSpec, register
+
+    seen = {}
+
+    class Histogram(FedAvg):
+        def round_start(self, ctx):
+            return {"labels": torch.zeros(5)}
+
+        def upload_spec(self):
+            return {"labels": UploadSpec(cols=5, scale=0.5)}
+
+        def upload_rows(self, ctx, lo, hi):
+            return {"labels": ctx.hist[lo:hi] / 100.0}
+
+        def collect(self, ctx, out, lo, hi):
+            return Collected(sums={"labels": (ctx.hist[lo:hi] / 100.0).sum(0)})
+
+        def server(self, ctx, avg):
+            seen["labels"] = ctx.sums["labels"].clone()
+            seen["plain"] = (ctx.hist / 100.0).sum(0).clone()
+            return super().server(ctx, avg)
+
+    class Undeclared(FedAvg):
+        def collect(self, ctx, out, lo, hi):
+            return Collected(increment=torch.zeros(self.engine.num_params))
+
+    register("hist_dp_test")(Histogram)
+    register("undeclared_dp_test")(Undeclared)
+    try:
+        train, test, part, model = setup_data("mlp")
+        kw = dict(dp_clip=1.0, dp_noise_multiplier=1.0, client_sampling="poisson", **BASE)
+        sim = fedfast.Simulation(
+            fedfast.SimConfig(algorithm="hist_dp_test", **kw), copy.deepcopy(model), train, test, part
+        )
+        sim.round()
+        diff = (seen["labels"] - 0.5 * seen["plain"]).abs()
+        assert float(diff.max()) > 0.01  # noised (std 0.5 * z C = 0.5), not the plain sum
+        sim = fedfast.Simulation(
+            fedfast.SimConfig(algorithm="undeclared_dp_test", **kw), copy.deepcopy(model), train, test, part
+        )
+        with pytest.raises(ValueError, match="collect returns an increment"):
+            sim.run()
+    finally:
+        fedfast.methods.unregister("hist_dp_test")
+        fedfast.methods.unregister("undeclared_dp_test")
 
 
 def test_adaptive_clipping_equals_the_literal_loop():
@@ -272,22 +322,28 @@ def test_adaptive_clip_resumes_from_its_checkpoint():
 
 
 @pytest.mark.filterwarnings("ignore:moon")
+@pytest.mark.filterwarnings("ignore:client_sampling")
 def test_every_method_runs_a_private_round_or_is_refused_by_name():
-    """Issue 49's contract: under dp_clip each registered method either trains a private round (its uploads are its
-    update alone) or is refused naming what it uploads."""
+    """Issue 58's contract: under dp_clip every registered method trains a private round (its uploads, where it has
+    any, clipped with its update: tests/test_privacy_methods.py) or is refused with the reason its upload cannot be
+    bounded; an option that makes an upload unboundable is refused naming the option."""
     train, test, part, model = setup_data("mlp")
     ran, refused = [], []
+    options = {"feddyn": {"alpha_scaling": "minibatches"}}  # its default (mean_size) is refused: below
     for name in sorted(fedfast.methods.BUILTIN):
         cls = fedfast.methods.get(name)
         try:
             cfg = fedfast.SimConfig(
-                algorithm=name, dp_clip=0.5, dp_noise_multiplier=1.0, **{**BASE, "rounds": 1, "clients_per_round": 3}
+                algorithm=name,
+                options=options.get(name, {}),
+                dp_clip=0.5,
+                dp_noise_multiplier=1.0,
+                **{**BASE, "rounds": 1, "clients_per_round": 3},
             )
-        except ValueError as e:  # (and a method with the +asd add-on: the base's uploads decide)
-            assert cls.uploads and cls.uploads in str(e) and "dp_clip" in str(e), (name, e)
+        except ValueError as e:
+            assert cls.private_refusal and cls.private_refusal in str(e) and "dp_clip" in str(e), (name, e)
             refused.append(name)
             continue
-        assert not cls.uploads, name
         tr, splits = cfg.method().hold_out(train, cfg.seed)
         sim = fedfast.Simulation(
             cfg,
@@ -300,8 +356,16 @@ def test_every_method_runs_a_private_round_or_is_refused_by_name():
         rec = sim.round()
         assert rec["dp_epsilon"] > 0 and torch.isfinite(sim.global_flat).all(), name
         ran.append(name)
-    assert {"fedavg", "fedntd", "fedgkd", "fedgkd_vote", "moon"} <= set(ran), ran
-    assert {"scaffold", "feddyn", "fednova", "fedgen"} <= set(refused), refused
+    assert set(refused) == {"fedgen", "feddisco"}, refused
+    assert {"fedavg", "fedntd", "scaffold", "feddyn", "fednova", "fedcurv", "feddistill_plus", "fedspeed"} <= set(ran)
+    with pytest.raises(ValueError, match="feddyn.alpha_scaling: 'mean_size'"):
+        fedfast.Simulation(
+            fedfast.SimConfig(algorithm="feddyn", dp_clip=0.5, dp_noise_multiplier=1.0, **BASE),
+            copy.deepcopy(model),
+            train,
+            test,
+            part,
+        )
 
 
 def test_a_private_run_directory_records_epsilon_and_refuses_a_resume_past_its_budget(tmp_path, capsys):

@@ -289,6 +289,21 @@ class Collected:
 
 
 @dataclass(frozen=True)
+class UploadSpec:
+    """One thing a client uploads beside its model update, declared for a private run (``Method.upload_spec``):
+    ``cols`` values per client (``upload_rows`` gives them, [n, cols]; None: the upload *is* the model update
+    ``X_k - g``, whose noised sum the average already releases, so it costs nothing more), and ``scale``: the server
+    reads ``scale * (the noised sum of the clients' clipped values)`` where it reads the plain sum without privacy
+    (``ctx.increment`` for the target ``"increment"``, else ``ctx.sums[target]``). Each client's update and uploads
+    are clipped together, one L2 norm over their concatenation (DP-SCAFFOLD's joint clipping, Noble et al.,
+    AISTATS 2022), and every sum gets the update's Gaussian noise, so the round stays one Gaussian mechanism of the
+    accounted multiplier. The values' units weigh the upload against the update in that norm."""
+
+    cols: int | None
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """A method's per-client state, declared before anything is allocated (``Method.client_state_spec``): ``rows``
     parameter-sized rows per client (``rows * P`` values), or ``cols`` values instead; ``fill`` a client's initial
@@ -521,7 +536,9 @@ class Method(ClientHooks, ServerHooks):
     (the ASD add-on may replace its KD term), ``sgd_only`` (why the method's client-step terms are defined for
     SGD only: the engine then refuses ``client_optimizer = "adam" / "adamw"`` with that reason), ``sam`` (its
     ``sam_rho`` may be > 0: the engine sizes each client's memory for SAM's perturbed weights), ``uploads``
-    (what each client sends the server beyond its model update: a private run refuses the method, naming it).
+    (what each client sends the server beyond its model update: a private run clips it jointly with the update
+    where the method declares it, ``upload_spec`` / ``upload_rows``, else refuses the method, naming it),
+    ``private_refusal`` (why an upload cannot be bounded at all: a private run refuses the method with it).
     """
 
     name: ClassVar[str] = ""  # registry name (set by @register)
@@ -545,8 +562,9 @@ class Method(ClientHooks, ServerHooks):
     sgd_only: ClassVar[str] = ""  # non-empty: why Adam/AdamW client steps are refused
     sam: ClassVar[bool] = False  # the local steps may be SAM steps (sam_rho > 0): memory is sized for them
     uploads: ClassVar[str] = ""  # what a client sends beyond its model update (control variates, logits,
-    #                                     label counts, ...): DP-FedAvg's clipping and noise cover the update only, so
-    #                                     a private run (dp_clip) refuses the method, naming this
+    #                                     label counts, ...): a private run (dp_clip) clips it with the update when
+    #                                     the method declares it (upload_spec), else refuses the method, naming this
+    private_refusal: ClassVar[str] = ""  # why an upload of the method cannot be bounded: a private run refuses it
 
     def __init__(self, options: dict | None = None, **kw):
         """``options``: ``{table: Options instance or dict}`` (as the config gives them), or keyword options of

@@ -25,6 +25,11 @@ not reproduced: in ``Server._clients_training`` ``Pt = Ut`` then ``Pt -= u_k`` s
 so each client also loses the ``u`` of the round's earlier clients (an order-dependent sum); fedfast subtracts
 only the client's own, as the paper's sum over ``j != k``.
 
+Private runs (``dp_clip``): each client uploads its update and the changes ``u_k' - u_k``, ``v_k' - v_k`` of its
+Fisher terms, clipped together (one norm over the three), and the server's ``U``, ``V`` take their noised sums;
+``(u_k, v_k)`` stay the client's own, which its penalty subtracts from ``U``, ``V`` as before. The Fisher terms'
+units (squared gradients) weigh against the update's in that norm as they come.
+
 State: two parameter-sized rows per client ``[u_k | v_k]`` (``[K, 2P]``) plus ``U``, ``V`` [P]:
 2 x K x P x 4 bytes. For the 100 clients of FedNTD's presets: 1.33 GB with the MNIST CNN (P = 1,663,370),
 1.73 GB with the CIFAR-10 CNN (P = 2,156,490), 1.76 GB on CIFAR-100 (P = 2,202,660), and 3.45 GB for
@@ -41,7 +46,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import Collected, StateSpec, opt
+from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "FedNTD Table 5; Lee-Gihun/FedNTD @be00ee5, config/fedcurv.json"
@@ -112,6 +117,16 @@ class FedCurv(FedAvg):
             u[:n_act].addcmul_(g, g)
         u /= host_to_device(batches, e.device, torch.float32)[:, None]
         return dataclasses.replace(ctx.chunk, u=u)
+
+    def upload_spec(self):
+        """Private runs: U's and V's increments, the clients' changes of u_k and v_k, clipped with their updates."""
+        P = self.engine.num_params
+        return {"U": UploadSpec(cols=P), "V": UploadSpec(cols=P)}
+
+    def upload_rows(self, ctx, lo, hi):
+        P = self.engine.num_params
+        u, old = ctx.chunk.u, ctx.rows[lo:hi]
+        return {"U": u - old[:, :P], "V": u * self.engine.client_params(hi - lo) - old[:, P:]}
 
     def collect(self, ctx, out, lo, hi):
         P = self.engine.num_params

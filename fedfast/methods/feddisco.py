@@ -53,6 +53,11 @@ class FedDisco(FedAvg):
     discrepancy between the client's label distribution and the global one."""
 
     uploads = "its label distribution (the server's discrepancy-aware weights)"
+    private_refusal = (
+        "its aggregation weights are each client's size and label distribution against the global one (every "
+        "client's distribution moves every weight) and are normalised by their data-dependent sum: one client's "
+        "influence on the average has no bound; a private run weighs clients equally"
+    )
     paper = "Ye et al., FedDisco: Federated Learning with Discrepancy-Aware Collaboration, ICML 2023"
     accepts_asd = True
 

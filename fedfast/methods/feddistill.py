@@ -22,6 +22,11 @@ every client and round the worker process simulated. fedfast implements the inte
 logits of the round, the others' means as the target. On a SAM step the tracked logits are the first pass's.
 State: ``A_k`` [C, C] per client in the per-client state store (``client_state``: rows for the clients that
 trained, zeros read for the others; 40 KB a client of CIFAR-100); ``sum_j A_j`` is the store's mean times K.
+
+Private runs (``dp_clip``): the store's rows are the clients' own; the server keeps only a running sum of their
+uploads instead, each client's change ``A_k' - A_k`` clipped together with its update (one norm over both) and
+noised, ``dp_total``, and client k's target is ``(dp_total - A_k) / (K - 1)`` (its own ``A_k`` subtracted on its
+side).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from .. import nn as fnn
 from . import register
-from .base import Collected, StateSpec, opt
+from .base import Collected, StateSpec, UploadSpec, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 
@@ -71,9 +76,27 @@ class FedDistillPlus(FedAvg):
     def setup(self):
         e, o = self.engine, self.opts
         self.kd = fnn.KDLoss(tau=o.tau, kd_weight=o.coef, tau_squared=o.tau_squared, backend=e.backend)
+        if e.config.dp_clip:  # private: the server's noised running sum of the clients' A_j
+            self.dp_total = torch.zeros(e.num_classes**2, device=e.device)
 
     def round_start(self, ctx):
+        if hasattr(self, "dp_total"):
+            self.total = self.dp_total
+            return {"A": torch.zeros_like(self.dp_total)}  # the round's noised sum of the clients' changes
         self.total = self.client_state.mean() * self.engine.num_clients  # sum_j A_j [C * C]
+
+    def upload_spec(self):
+        """Private runs: each client's change of its per-label mean logits, clipped with its update."""
+        return {"A": UploadSpec(cols=self.engine.num_classes**2)}
+
+    def upload_rows(self, ctx, lo, hi):
+        C = self.engine.num_classes
+        return {"A": (ctx.chunk.sum / ctx.chunk.count[:, None]).reshape(hi - lo, C * C) - ctx.rows[lo:hi]}
+
+    def server(self, ctx, avg):
+        if hasattr(self, "dp_total"):
+            self.dp_total = self.dp_total + ctx.sums["A"]
+        return super().server(ctx, avg)
 
     def chunk_start(self, ctx, lo, hi):
         C, n, K = self.engine.num_classes, hi - lo, self.engine.num_clients

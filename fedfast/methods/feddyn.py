@@ -17,6 +17,11 @@ The evaluated (reported) model is ``avg``, as in both codes. ``alpha_k = alpha /
 code, vcl-iisc/fed-adaptive-self-distillation @6cb4b68: ``s_k = n_k / B``, the raw number of minibatches;
 reproduces ASD's Table 2 FedDyn and FedDyn+ASD rows). ``alpha = 0.01`` is the middle of the FedDyn/FedADC grid
 {0.1, 0.01, 0.001}; FedNTD's code uses 0.1.
+
+Private runs (``dp_clip``): the server's ``hbar`` takes the round's noised sum of clipped updates, the one the
+average releases (``hbar += E (avg - w_cld) / N``: post-processing, no upload of its own); ``h_k`` stays the
+client's own, unclipped. ``alpha_scaling = "mean_size"`` is refused there: it scales each client's regulariser by
+the mean data size of all clients, a statistic of every client's data that the mechanism does not release.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import Collected, StateSpec, opt
+from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 
 
@@ -84,6 +89,16 @@ class FedDyn(FedAvg):
         else:
             s = torch.ones_like(sizes)
         self.alpha_k = alpha / s
+
+    def upload_spec(self):
+        """Private runs: hbar's increment is the sum of the updates over N: the average's own noised sum."""
+        if self.coefficient()[1] == "mean_size":
+            raise ValueError(
+                f"{self.table_name()}.alpha_scaling: 'mean_size' scales each client's regulariser by the mean data "
+                f"size of all clients, which a private run does not release; use 'minibatches' (or 'none') under "
+                f"dp_clip"
+            )
+        return {"increment": UploadSpec(cols=None, scale=1.0 / self.engine.num_clients)}
 
     def _h(self, rows):
         """The h_k columns of the state rows (a subclass may keep more per client after them)."""

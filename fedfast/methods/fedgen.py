@@ -120,6 +120,11 @@ class FedGen(FedAvg):
     beta_t KL(h(G(y)) || z) + alpha_t CE(h(G(yhat)), yhat) with their own classifier h."""
 
     uploads = "its classifier head and label counts (the generator's training data)"
+    private_refusal = (
+        "its server trains the generator on each client's own classifier head and label counts, one by one: a "
+        "per-client input, not a sum, so Gaussian noise on a clipped sum cannot bound one client's influence on the "
+        "generator (that would take differentially private training of the generator itself)"
+    )
     needs_classifier = True
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
     accepts_asd = False

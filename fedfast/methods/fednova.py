@@ -20,6 +20,13 @@ variate ``c``. The code defines ``c``'s update, ``c <- (1 - P) c + sum_{i in S} 
 ``P = sum_{i in S} n_i / N`` (N: all clients' data), but never calls it, so ``c`` stays 0 and the correction is
 ``-d_i``: fedfast's default (``ccvr_server = false``) runs the code; ``ccvr_server = true`` applies the update.
 State: ``d_i`` for every client ([K, P] rows) and ``c`` [P], with ``ccvr``.
+
+Private runs (``dp_clip``): what a client uploads is its normalised update ``(w_i - w_t) / a_i`` and its step
+count ``a_i``, clipped together (one norm over ``(update / a_i, dp_tau_scale * a_i)``); the weights are uniform,
+``p_i = 1 / E`` (E the expected cohort), so ``w_{t+1} = w_t + tau_eff sum_i (w_i - w_t) / (a_i E)`` with ``tau_eff``
+the noised clipped sum of the ``a_i`` over E (its noise ``z C / (dp_tau_scale E)``: a larger ``dp_tau_scale`` gives
+the count less noise and more of the clip). ``d_i`` stays the client's own; ``ccvr_server`` (a data-share-weighted
+server variate) is refused there.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 
 from .._io import host_to_device
 from . import register
-from .base import Collected, StateSpec, opt
+from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 
 _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"
@@ -63,6 +70,9 @@ class FedNova(FedAvg):
         ccvr_server: bool = opt(
             False, "update the server variate c (defined but never called in FedNTD's code: c stays 0)"
         )
+        dp_tau_scale: float = opt(
+            0.01, "private runs: the step count a_i enters the joint clipping norm as dp_tau_scale * a_i", check=">0"
+        )
 
     def client_state_spec(self, engine):
         return StateSpec() if self.opts.ccvr else None  # d_i
@@ -80,6 +90,24 @@ class FedNova(FedAvg):
         self.a = np.zeros(self.engine.num_clients)
         self.a[ids] = a
         return p / a
+
+    def upload_spec(self):
+        """Private runs: the normalised update (the update's factor 1 / a_i) and the step count, clipped together."""
+        if self.opts.ccvr_server:
+            raise ValueError(
+                "fednova.ccvr_server: the server variate weighs each client's normalised update by its share of all "
+                "clients' data, which a private run does not release; set ccvr_server = false under dp_clip"
+            )
+        return {"tau": UploadSpec(cols=1, scale=1.0 / self.opts.dp_tau_scale)}
+
+    def round_start(self, ctx):
+        if self.engine.config.dp_clip:  # private: the round's noised sum of the clients' step counts
+            return {"tau": torch.zeros(1, device=self.engine.device)}
+        return None
+
+    def upload_rows(self, ctx, lo, hi):
+        a = host_to_device(self.a[ctx.sampled[lo:hi]], self.engine.device, torch.float32)
+        return {"tau": (a * self.opts.dp_tau_scale)[:, None], "update": 1.0 / a}
 
     def chunk_start(self, ctx, lo, hi):
         if self.opts.ccvr:
@@ -104,6 +132,8 @@ class FedNova(FedAvg):
         return Collected(rows=d, increment=inc)
 
     def server_terms(self, ctx):
+        if self.engine.config.dp_clip:  # avg - w = sum_i s_i (w_i - w) / (a_i E); tau_eff = noised sum of a_i / E
+            return dict(lr=float(ctx.sums["tau"][0]) / self.engine.config.clients_per_round)
         return dict(lr=self.coef)
 
     def server(self, ctx, avg):

@@ -98,6 +98,14 @@ class FedSpeed(FedDyn):
     def coefficient(self):
         return self.opts.lam, self.opts.alpha_scaling
 
+    def upload_spec(self):
+        if self.opts.evaluated == "all_clients":
+            raise ValueError(
+                "fedspeed.evaluated: 'all_clients' reports the mean of every client's latest local model, each "
+                "unclipped and unnoised; a private run reports 'cloud' or 'average'"
+            )
+        return super().upload_spec()
+
     def sam_rho(self, ctx):
         return self.opts.rho
 

@@ -167,6 +167,20 @@ class ServerHooks:
         ranks); None: none."""
         return None
 
+    def upload_spec(self) -> dict | None:
+        """A private run (``dp_clip``): what each client uploads beside its model update, ``{target:
+        fedfast.methods.UploadSpec}``, ``target`` where ``server`` reads its sum: ``"increment"`` or a name of the
+        round's sums; None (the default): nothing. Called once, after :meth:`setup`. A method whose ``uploads`` is
+        set and that does not declare them is refused under ``dp_clip``; raise a ValueError naming the option that
+        makes an upload unboundable."""
+        return None
+
+    def upload_rows(self, ctx: Round, lo: int, hi: int) -> dict:
+        """A private run: the chunk's clients' uploads, ``{target: [hi-lo, cols]}`` for each declared target with
+        ``cols`` (after ``chunk_end``, before the aggregation; the trained models are the stack's rows). The engine
+        clips each client's update and uploads jointly and hands ``server`` their noised sums times ``scale``."""
+        return {}
+
     # -- server --------------------------------------------------------------------------------------------
     def chunk_aggregate(self, ctx: Round, lo: int, hi: int) -> dict:
         """Extra arguments of :func:`fedfast.ops.aggregate` for the chunk's rows (per-client state updates)."""

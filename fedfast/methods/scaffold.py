@@ -11,6 +11,10 @@ and the global model is the participants' weighted average. ``K_eff`` is the num
 code ("adaptive division", ``keff_momentum = true``) counts SGD momentum ``rho`` in it:
 ``K_eff = (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho)``, the total distance a unit gradient moves the
 weights under momentum. With ``momentum = 0`` both are K.
+
+Private runs (``dp_clip``; DP-SCAFFOLD, Noble, Bellet, Dieuleveut, AISTATS 2022): each client uploads its update and
+``c_k' - c_k = -c - (w_k - w_t) / (K_eff lr)``, clipped together (one norm over both), and the server's ``c`` takes
+the noised sum of the clipped ``c_k' - c_k`` over N. ``c_k'`` stays the client's own, unclipped.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import register
-from .base import Collected, StateSpec, opt
+from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 
 
@@ -55,17 +59,27 @@ class Scaffold(FedAvg):
         # the correction c - c_k (after clipping, inside momentum): v = c, C_k = c_k with coefficient -1
         return dict(corr_vec=self.c, corr_rows=ctx.chunk[:n_act], corr_rows_coef=-1.0)
 
-    def chunk_aggregate(self, ctx, lo, hi):
+    def _coef(self, ctx, lo, hi):
+        """a_k = -1 / (K_eff lr) for the chunk's clients: c_k' - c_k = -c + a_k (w_k - w_t)."""
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
         rho = self.engine.config.momentum if self.opts.keff_momentum else 0.0
         k_eff = (K - rho * (1 - rho**K) / (1 - rho)) / (1 - rho) if rho > 0 else K
+        return (-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device)
+
+    def chunk_aggregate(self, ctx, lo, hi):
         # c_k' = c_k - c + (w_t - w_k) / (K_eff lr): the fused update's state rows with shift -c and coefficient
         # a_k = -1 / (K_eff lr) on (w_k - w_t)
-        return dict(
-            state_rows=ctx.rows[lo:hi],
-            state_shift=-self.c,
-            state_coef=(-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device),
-        )
+        return dict(state_rows=ctx.rows[lo:hi], state_shift=-self.c, state_coef=self._coef(ctx, lo, hi))
+
+    def upload_spec(self):
+        """Private runs: c's increment, the sum over N of the clients' c_k' - c_k, clipped with their updates."""
+        e = self.engine
+        return {"increment": UploadSpec(cols=e.num_params, scale=1.0 / e.num_clients)}
+
+    def upload_rows(self, ctx, lo, hi):
+        e = self.engine
+        delta = e.client_params(hi - lo) - e.global_flat
+        return {"increment": torch.addcmul(-self.c, self._coef(ctx, lo, hi)[:, None], delta)}
 
     def collect(self, ctx, out, lo, hi):
         # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments; c_k' the clients' new rows

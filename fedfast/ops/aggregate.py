@@ -87,7 +87,7 @@ def update_norms(
     )
 
 
-def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, norms, backend):
+def _dp_terms(clients, g, idx, weights, clip, noise, denominator, norms, backend):
     """(unnormalised weights [n], average shift [P], the count of updates no longer than the clip) of DP-FedAvg's
     noised mean, or None without ``dp_clip``."""
     if clip is None:
@@ -102,10 +102,6 @@ def _dp_terms(clients, g, idx, weights, state_rows, clip, noise, denominator, no
         raise ValueError(
             "weights: size-weighted aggregation is refused under DP (dp_clip): DP-FedAvg sums the "
             "clipped updates and divides by the expected cohort size"
-        )
-    if state_rows is not None:
-        raise ValueError(
-            "state_rows: per-client state rows are an upload that dp_clip does not clip nor dp_noise cover"
         )
     P = clients.shape[1]
     acc = torch.float64 if clients.dtype == torch.float64 else torch.float32
@@ -164,8 +160,10 @@ def aggregate(
     shift of the average. ``dp_norms`` [n]: the norms ``||X_k - g||`` when the caller has them (the engine: each
     client's last :func:`~fedfast.ops.client_step` adds them up in its pass over the row, ``delta_norm``): no pass
     of their own. ``dp_unclipped`` in the result: how many of the updates were no longer than C (adaptive
-    clipping's count). Weights and per-client state rows (uploads the noise would not cover) are refused with it;
-    the CUDA backend does not take it yet.
+    clipping's count). ``dp_norms`` may be larger than the update's own norm (a joint norm over the update and what
+    the client uploads beside it: the factor ``min(1, C / norm)`` is then the joint one). Weights are refused with it;
+    per-client state rows are updated unclipped (the clients' own state: their column sum ``state_change`` is not
+    clipped, and a private caller must not release it); the CUDA backend does not take it yet.
     """
     if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
         raise TypeError("clients: expected a float [N, P] tensor")
@@ -175,9 +173,7 @@ def aggregate(
         raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
     idx = _rows_index(rows, N, dev)
     n = idx.numel()
-    dp = _dp_terms(
-        clients, global_params, idx, weights, state_rows, dp_clip, dp_noise, dp_denominator, dp_norms, backend
-    )
+    dp = _dp_terms(clients, global_params, idx, weights, dp_clip, dp_noise, dp_denominator, dp_norms, backend)
     if dp is not None:
         w, avg_shift, unclipped = dp
     elif weights is None:

@@ -50,15 +50,18 @@ def mechanism(
     cohorts,
     device,
     secret: Secret | None,
-    method_name: str,
+    method,
 ) -> Mechanism:
     """The run's mechanism: :class:`NoPrivacy` without ``dp_clip``, else DP-FedAvg or DP-FTRL (``dp_mechanism``).
-    ``cohorts``: round -> its client ids (DP-FTRL accounts the planned rounds' cohorts). Refused by name: a model
+    ``cohorts``: round -> its client ids (DP-FTRL accounts the planned rounds' cohorts); ``method``: the run's
+    method (its name in refusals, its declared uploads, ``Method.upload_spec``). Refused by name: a model
     with buffers (``num_buffers``: BatchNorm's running statistics, averaged from the clients' data unclipped) and,
     for DP-FedAvg, a given ``schedule`` (public cohorts; its sampling amplification assumes secret ones)."""
     s = PrivacySettings.given(settings)
     if not s.dp_clip:
         return NoPrivacy()
+    name = getattr(method, "name", "the method")
+    kw = dict(num_clients=num_clients, device=device, secret=secret, method_name=name, uploads=method.upload_spec())
     if num_buffers:
         raise ValueError(
             f"dp_clip: the model's {num_buffers} buffer values (BatchNorm running statistics) are averaged from the "
@@ -66,15 +69,13 @@ def mechanism(
             f"(GroupNorm)"
         )
     if s.dp_mechanism == "dp_ftrl":
-        return DPFTRL(
-            s, num_clients=num_clients, device=device, cohorts=cohorts, secret=secret, method_name=method_name
-        )
+        return DPFTRL(s, cohorts=cohorts, **kw)
     if schedule is not None:
         raise ValueError(
             "schedule: DP-FedAvg's cohorts must be sampled secretly (client_sampling); a given schedule is refused "
             'under dp_mechanism = "dp_fedavg" (dp_mechanism = "dp_ftrl" accounts public cohorts)'
         )
-    return DPFedAvg(s, num_clients=num_clients, device=device, secret=secret, method_name=method_name)
+    return DPFedAvg(s, **kw)
 
 
 __all__ = [

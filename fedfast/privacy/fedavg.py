@@ -29,6 +29,16 @@ sensitivity, which the fixed-size accounting assumes: the accountant's z is righ
 uncentred count (sensitivity 1 under add/remove) with this ``z_update`` would be a mechanism of multiplier
 ``((z_update)^-2 + sigma_b^-2)^(-1/2) < z``: epsilon 8 reported where 17.85 is spent (tests/test_privacy_audit.py
 measures what each release adds and recomputes epsilon from it).
+
+**Uploads beside the update** (``Method.upload_spec``: SCAFFOLD's control variates, FedCurv's Fisher diagonals,
+...): each client's update and uploads are clipped together, ``min(1, C / ||(X_k - g, u_k^1, u_k^2, ...)||)`` on
+every part (DP-SCAFFOLD's joint clipping, Noble et al., AISTATS 2022; the joint norm enters the aggregation as its
+``dp_norms``, so the fused pass clips the update with it), each upload's clipped sum gets Gaussian noise of the
+update's std ``z_update C`` from a stream of its own, and the server rule reads ``scale * noised sum`` where it
+reads the plain sum without privacy. The concatenation has sensitivity C and iid noise of std ``z_update C``: the
+same mechanism the accountant is given. An upload that *is* the update (FedDyn's ``h``) reads the average's own
+noised sum (post-processing). Per-client state rows the aggregation updates (SCAFFOLD's ``c_k``) are the clients'
+own and stay unclipped; their unclipped column sum is never handed to the server rule.
 """
 
 from __future__ import annotations
@@ -38,12 +48,14 @@ import warnings
 
 import torch
 
+from .. import ops
 from . import accounting
 from .mechanism import Mechanism
 from .secret import NOISE, Secret
 from .settings import PrivacySettings
 
 _SERVER_SIDE = {"beta", "scale", "lr", "momentum", "ring", "ring_slot", "ring_count"}
+_CLIENT_STATE = {"state_rows", "state_coef", "state_shift"}  # the clients' own rows (with declared uploads)
 
 # a round's values no accountant covers: left out of a private run's records unless dp_diagnostics (the training
 # loss of the clients' data, the cohort's ids, how long the round took, which grows with the cohort and the data,
@@ -68,9 +80,11 @@ class DPFedAvg(Mechanism):
         device: torch.device | str,
         secret: Secret | None = None,
         method_name: str = "the method",
+        uploads: dict | None = None,
     ):
         self.settings = s = PrivacySettings.given(settings)
         self.method_name = method_name
+        self._uploads(uploads)
         self.secret = secret if secret is not None else Secret()
         self.device = torch.device(device)
         self.num_clients = int(num_clients)
@@ -114,6 +128,26 @@ class DPFedAvg(Mechanism):
         self._count = None  # adaptive clipping: the round's centred count of unclipped updates
         self._round_clip = self.clip  # the clip the current round uses (adaptive clipping moves self.clip after it)
 
+    def _uploads(self, uploads: dict | None) -> None:
+        """The method's declared uploads (``Method.upload_spec``), in a fixed order (each its own noise stream)."""
+        if uploads is not None and not (
+            isinstance(uploads, dict)
+            and all(isinstance(k, str) and k and hasattr(v, "cols") and hasattr(v, "scale") for k, v in uploads.items())
+        ):
+            raise ValueError(
+                f"dp_clip: {self.method_name}'s upload_spec must return {{target: fedfast.methods.UploadSpec}} "
+                f"or None, got {uploads!r}"
+            )
+        self.specs = dict(sorted((uploads or {}).items()))
+        for k, v in self.specs.items():
+            if v.cols is not None and not (isinstance(v.cols, int) and v.cols >= 1):
+                raise ValueError(f"dp_clip: {self.method_name}'s upload {k!r}: cols must be an int >= 1 or None")
+            if not (isinstance(v.scale, (int, float)) and math.isfinite(v.scale)):
+                raise ValueError(f"dp_clip: {self.method_name}'s upload {k!r}: scale must be a finite number")
+        self._acc = {}  # the round's clipped upload sums (targets with rows)
+        self._s = self._rows = self._joint = None  # the chunk's clipping factors, upload rows and joint norms
+        self._released = {}
+
     def _update_multiplier(self, z: float) -> float:
         """The updates' noise multiplier: z, or with adaptive clipping what is left after the count's share."""
         if not self.adaptive or z == 0:
@@ -128,39 +162,155 @@ class DPFedAvg(Mechanism):
 
     # -- a round --------------------------------------------------------------------------------------------
     def begin_round(self, ctx) -> float:
-        """The round's clip. A method's (or plug-in's) per-round sums ``ctx.sums`` are uploads too: refused by
-        name."""
-        if ctx.sums:
+        """The round's clip. A method's (or plug-in's) per-round sums ``ctx.sums`` are uploads too: each must be a
+        declared upload's target (``Method.upload_spec``), else refused by name."""
+        uncovered = sorted(set(ctx.sums) - set(self.specs))
+        if uncovered:
             raise ValueError(
-                f"dp_clip: {self.method_name} sums {sorted(ctx.sums)} over its clients (ctx.sums), "
-                f"uploads that DP-FedAvg's clipping and noise do not cover"
+                f"dp_clip: {self.method_name} sums {uncovered} over its clients (ctx.sums), uploads that the "
+                f"mechanism's clipping and noise do not cover (declare them in the method's upload_spec)"
+            )
+        missing = sorted(k for k in self.specs if k != "increment" and k not in ctx.sums)
+        if missing:
+            raise ValueError(
+                f"dp_clip: {self.method_name}'s upload_spec names {missing}, which are neither 'increment' nor "
+                f"among the round's sums ({sorted(ctx.sums)})"
             )
         if self.adaptive:
             self._count = torch.zeros((), device=self.device)
+        self._shapes = {k: tuple(ctx.sums[k].shape) for k in self.specs if k != "increment"}
+        for k, shape in self._shapes.items():
+            cols = self.specs[k].cols
+            if cols is not None and math.prod(shape) != cols:
+                raise ValueError(
+                    f"dp_clip: {self.method_name}'s upload {k!r} has {cols} values a client, its round sum {shape}"
+                )
+        self._acc = {k: torch.zeros(v.cols, device=self.device) for k, v in self.specs.items() if v.cols}
         self._round_clip = self.clip
         return self.clip
 
-    def bound(self, extra: dict, weights: torch.Tensor, norms: torch.Tensor | None) -> dict:
-        """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only);
-        ``norms``: the clients' update norms from their last local steps (None: the op measures the rows)."""
-        client_side = sorted(set(extra) - _SERVER_SIDE)
+    def upload_rows(self, method, ctx, lo: int, hi: int) -> dict | None:
+        """The chunk's clients' declared uploads (``method.upload_rows``), checked: ``{target: [hi-lo, cols]}``."""
+        want = {k: v.cols for k, v in self.specs.items() if v.cols}
+        if not self.specs:
+            return None
+        got = method.upload_rows(ctx, lo, hi)
+        if not isinstance(got, dict) or set(got) - {"update"} != set(want):
+            raise ValueError(
+                f"dp_clip: {self.method_name}'s upload_rows must return rows for {sorted(want)} (and optionally "
+                f"'update'), got {sorted(got) if isinstance(got, dict) else type(got).__name__}"
+            )
+        f = got.get("update")
+        if f is not None and not (
+            torch.is_tensor(f)
+            and f.is_floating_point()
+            and tuple(f.shape) == (hi - lo,)
+            and bool(((f > 0) & (f <= 1)).all())
+        ):
+            raise ValueError(
+                f"dp_clip: {self.method_name}'s upload_rows['update'] must be each client's factor on its update, a "
+                f"float tensor ({hi - lo},) in (0, 1]"
+            )
+        for k, cols in want.items():
+            r = got[k]
+            if not (torch.is_tensor(r) and r.is_floating_point() and tuple(r.shape) == (hi - lo, cols)):
+                raise ValueError(
+                    f"dp_clip: {self.method_name}'s upload_rows[{k!r}] must be a float tensor {(hi - lo, cols)}, got "
+                    f"{tuple(r.shape) if torch.is_tensor(r) else type(r).__name__}"
+                )
+        return got
+
+    def bound(
+        self,
+        extra: dict,
+        weights: torch.Tensor,
+        norms: torch.Tensor | None,
+        uploads: dict | None = None,
+        clients: torch.Tensor | None = None,
+        g: torch.Tensor | None = None,
+    ) -> dict:
+        """:func:`fedfast.ops.aggregate`'s DP arguments for a chunk, with the method's own (server-side only, and the
+        clients' own state rows where the method declares its uploads); ``norms``: the clients' update norms from
+        their last local steps (None: measured). With ``uploads`` (the chunk's rows, :meth:`upload_rows`) the norms
+        passed on are the joint norms over each client's update and uploads, so the fused pass clips with them."""
+        allowed = _SERVER_SIDE | (_CLIENT_STATE if self.specs else set())
+        client_side = sorted(set(extra) - allowed)
         if client_side:
             raise ValueError(
                 f"dp_clip: {self.method_name}'s chunk_aggregate passes {client_side}, per-client uploads "
-                f"that DP-FedAvg's clipping and noise do not cover (declare them in the method's "
-                f"`uploads`)"
+                f"that the mechanism's clipping and noise do not cover (declare them in the method's "
+                f"upload_spec)"
             )
+        self._rows = self._joint = None
+        if uploads is not None:
+            n = weights.numel()
+            if norms is None:
+                norms = ops.update_norms(clients, g, torch.arange(n, device=clients.device)).float()
+            factor = uploads.get("update")
+            self._rows = {k: v for k, v in uploads.items() if k != "update"}
+            own = norms.float() * factor if factor is not None else norms.float()
+            sq = own**2
+            for r in self._rows.values():
+                sq = sq + r.float().pow(2).sum(1)
+            self._joint = sq.sqrt()
+            self._s = torch.clamp(self.clip / self._joint, max=1.0)
+            # the fused pass scales each update by min(1, C / norm): the norm that makes it s_k * factor_k (<= 1)
+            norms = self._joint if factor is None else self.clip / (self._s * factor)
         return dict(dp_clip=self.clip, dp_denominator=self.expected, dp_norms=norms, **extra)
 
     def chunk_sum(self, out: dict, weights: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """The chunk's clipped sum / E (the noise is added once, in :meth:`average`); with adaptive clipping its
-        centred count, each client +1/2 unclipped and -1/2 clipped."""
-        if self.adaptive:
-            self._count += out["dp_unclipped"] - 0.5 * weights.numel()
+        centred count, each client +1/2 unclipped and -1/2 clipped; with uploads their clipped sums."""
+        if self.adaptive:  # with uploads the joint norms decide (the op saw the norms that carry the factor)
+            unclipped = out["dp_unclipped"] if self._joint is None else (self._joint <= self.clip).sum()
+            self._count += unclipped - 0.5 * weights.numel()
+        for k, r in (self._rows or {}).items():
+            self._acc[k] += self._s @ r.float()
+        self._rows = self._s = self._joint = None
         return out["average"] - g
 
+    def check_collected(self, got) -> None:
+        """A chunk's ``Collected``: an increment or round sum the method adds must be a declared upload's target
+        (the server reads the noised clipped sum there instead)."""
+        if got is None:
+            return
+        if getattr(got, "increment", None) is not None and "increment" not in self.specs:
+            raise ValueError(
+                f"dp_clip: {self.method_name}'s collect returns an increment of the server's state summed over its "
+                f"clients, an upload the mechanism's clipping and noise do not cover (declare it in upload_spec)"
+            )
+
     def round_sums(self) -> list:
-        return [self._count] if self.adaptive else []
+        return ([self._count] if self.adaptive else []) + [self._acc[k] for k in sorted(self._acc)]
+
+    def released(self) -> dict:
+        """The round's noised upload sums times their scale, ``{target: tensor}``: what the server rule reads."""
+        return self._released
+
+    def _noise(self, shape, dtype, ctx, stream: int) -> torch.Tensor:
+        """Upload ``stream``'s (1, 2, ...) Gaussian noise of the round, unit std."""
+        gen = self.secret.generator(self.device, NOISE, int(ctx.index), stream)
+        return torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32).to(dtype)
+
+    def _release_uploads(self, update_sum: torch.Tensor, ctx) -> None:
+        """Each declared upload's released sum: its clipped sum plus noise of std ``z_update C`` (its own stream),
+        times its scale; an upload that is the update: the update's noised sum (``update_sum``) times its scale."""
+        out = {}
+        sd = self.z_update * self.clip
+        for j, (k, spec) in enumerate(self.specs.items(), 1):
+            if spec.cols is None:
+                v = update_sum
+            else:
+                v = self._acc[k]
+                if self.z > 0:
+                    v = v + self._noise(v.shape, v.dtype, ctx, j) * sd
+            shape = self._shapes.get(k, tuple(update_sum.shape))
+            if v.numel() != math.prod(shape):
+                raise ValueError(
+                    f"dp_clip: {self.method_name}'s upload {k!r} has {v.numel()} values a client, its target {shape}"
+                )
+            out[k] = (v * float(spec.scale)).reshape(shape)
+        self._released = out
 
     def average(self, g: torch.Tensor, total: torch.Tensor, total_weight: float, ctx) -> torch.Tensor:
         """``g + total + z_update C xi / E``, ``total`` the round's (all-reduced) sum of the chunks' clipped sums
@@ -171,6 +321,8 @@ class DPFedAvg(Mechanism):
         if self.z > 0:
             xi = torch.randn(g.shape, generator=gen, device=self.device, dtype=torch.float32)
             avg = avg + xi.to(g.dtype) * (self.z_update * self.clip / self.expected)
+        if self.specs:
+            self._release_uploads((avg - g) * self.expected, ctx)
         if self.adaptive:
             nb = (
                 torch.randn(1, generator=gen, device=self.device, dtype=torch.float32)[0] * self.sigma_b

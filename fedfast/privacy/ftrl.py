@@ -112,9 +112,11 @@ class DPFTRL(DPFedAvg):
         cohorts: Callable[[int], np.ndarray],
         secret: Secret | None = None,
         method_name: str = "the method",
+        uploads: dict | None = None,
     ):
         self.settings = s = PrivacySettings.given(settings)
         self.method_name = method_name
+        self._uploads(uploads)
         self.secret = secret if secret is not None else Secret()
         self.device = torch.device(device)
         self.num_clients = int(num_clients)
@@ -179,20 +181,29 @@ class DPFTRL(DPFedAvg):
         return unit * math.sqrt(s2)
 
     # -- the noise step -------------------------------------------------------------------------------------------
-    def _node(self, tree: int, level: int, start: int, shape, dtype) -> torch.Tensor:
-        gen = self.secret.generator(self.device, TREE, tree, level, start)
+    def _node(self, tree: int, level: int, start: int, stream: int, shape, dtype) -> torch.Tensor:
+        ids = (tree, level, start) + ((stream,) if stream else ())  # the update's nodes: stream 0
+        gen = self.secret.generator(self.device, TREE, *ids)
         return torch.randn(shape, generator=gen, device=self.device, dtype=torch.float32).to(dtype)
 
+    def _noise(self, shape, dtype, ctx, stream: int) -> torch.Tensor:
+        """The round's noise increment ``n(t) - n(t - 1)`` of ``stream`` (0: the update; j: the j-th upload, each a
+        tree of its own), unit std per node: the new node's noise in, the dropped nodes' out."""
+        tree, t = tree_position(int(ctx.index), self.restart)
+        (level, start), dropped = increment_nodes(t)
+        noise = self._node(tree, level, start, stream, shape, dtype)
+        for lev, st in dropped:
+            noise = noise - self._node(tree, lev, st, stream, shape, dtype)
+        return noise
+
     def average(self, g: torch.Tensor, total: torch.Tensor, total_weight: float, ctx) -> torch.Tensor:
-        """``g + total + z C (n(t) - n(t - 1)) / E``: the new node's noise in, the dropped nodes' out."""
+        """``g + total + z C (n(t) - n(t - 1)) / E``; with uploads, each upload's sum plus its own tree's increment
+        (the server rule reads the increments of the noised prefix sums: post-processing)."""
         avg = g + total
         if self.z > 0:
-            tree, t = tree_position(int(ctx.index), self.restart)
-            (level, start), dropped = increment_nodes(t)
-            noise = self._node(tree, level, start, g.shape, g.dtype)
-            for lev, st in dropped:
-                noise = noise - self._node(tree, lev, st, g.shape, g.dtype)
-            avg = avg + noise * (self.z * self.clip / self.expected)
+            avg = avg + self._noise(g.shape, g.dtype, ctx, 0) * (self.z * self.clip / self.expected)
+        if self.specs:
+            self._release_uploads((avg - g) * self.expected, ctx)
         return avg
 
     def record(self, rec: dict, rounds: int) -> None:

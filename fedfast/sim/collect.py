@@ -74,3 +74,14 @@ def take(method: Method, ctx: Round, got: Collected | None, lo: int, hi: int) ->
                 f"{where}: Collected.sums[{k!r}] must be a tensor {tuple(ctx.sums[k].shape)}, got {describe_value(v)}"
             )
         ctx.sums[k] += v
+
+
+def release(ctx: Round, released: dict) -> None:
+    """A private run's noised upload sums (``{target: tensor}``, :meth:`fedfast.privacy.Mechanism.released`) in
+    place of the plain ones the chunks accumulated: ``"increment"`` is ``ctx.increment``, any other target the round
+    sum of its name."""
+    for k, v in released.items():
+        if k == "increment":
+            ctx._set(increment=v)
+        else:
+            ctx.sums[k] = v

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fedfast
 from fedfast.methods.fedcurv import fisher_batches
-from sequential_loop import PlainLoop, engine_vs, flat
+from sequential_loop import PlainLoop, engine_vs, fisher_diagonal, flat
 
 
 class CurvLoop(PlainLoop):
@@ -35,15 +35,9 @@ class CurvLoop(PlainLoop):
         return loss
 
     def client_end(self, k, local, nsteps):  # upload_local_fisher: a fresh pass over the shuffled data
-        squares, seen = [], 0
-        for b in self.batches(self.rnd, k, self.cfg.local_epochs):
-            x, y = self.train.batch(b)
-            g = torch.autograd.grad(F.cross_entropy(local(x), y), list(local.parameters()))
-            squares.append(torch.cat([t.reshape(-1) for t in g]) ** 2)
-            seen += len(y)
-            if seen > self.o["samples"]:
-                break
-        self.u[k] = torch.stack(squares).mean(0)
+        self.u[k] = fisher_diagonal(
+            local, self.train, self.batches(self.rnd, k, self.cfg.local_epochs), self.o["samples"]
+        )
         self.v[k] = self.u[k] * flat(local)
 
 
