@@ -40,3 +40,14 @@ def sample_clients_round_seeded(rnd: int, K: int, m: int) -> np.ndarray:
     every method sees the same cohorts, as FedNTD's code samples (Lee-Gihun/FedNTD @be00ee5,
     ``algorithms/BaseServer.py``: ``np.random.seed(round_idx)``, ``np.random.choice(K, m, replace=False)``)."""
     return np.sort(np.random.RandomState(rnd).choice(K, m, replace=False))
+
+
+def sample_clients_shuffled(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
+    """Each client once per epoch: epoch ``e = rnd // (K // m)`` shuffles the ``K`` clients, seeded by ``(seed, e)``,
+    and round ``rnd`` takes the next ``m`` of them (the ``K mod m`` left over sit that epoch out). The participation
+    DP-FTRL assumes in federated training (Kairouz et al. 2021, each client at most once per epoch): with
+    ``dp_ftrl_restart = K // m`` each client joins each tree once."""
+    per_epoch = K // m
+    e, i = divmod(rnd, per_epoch)
+    perm = np.random.default_rng([seed, e, 10**6 + 2]).permutation(K)
+    return np.sort(perm[i * m : (i + 1) * m])

@@ -15,7 +15,7 @@ from . import methods as _methods
 from . import privacy
 from .data.augment import PIPELINES
 
-SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson")
+SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson", "shuffled")
 CONV_IMPLS = ("grouped", "gemm", "triton", "hybrid")
 
 
@@ -76,7 +76,8 @@ class SimConfig:
     #   "bernoulli": each client independently with p = clients_per_round / K (ASD's code; redrawn when empty);
     #   "round_seeded": clients_per_round of K from numpy's RandomState(round), the same for every seed (FedNTD's code);
     #   "poisson": each client independently with q = clients_per_round / K, seeded by (seed, round); a round may
-    #   have no client (then the global model stays, or under DP takes the noise alone)
+    #   have no client (then the global model stays, or under DP takes the noise alone); "shuffled": each client once
+    #   per epoch of K // clients_per_round rounds, a seeded permutation cut into cohorts (DP-FTRL's participation)
     augment: str = "none"  # a pipeline of fedfast.data.augment.PIPELINES, applied to every local batch
     teacher: str | None = None  # "cache" (once per round) or "online" (per step); None: online iff augment
     teacher_cache_dtype: str = "float32"  # or "bfloat16"
@@ -289,12 +290,13 @@ class SimConfig:
         elif self.dp_ftrl_restart is not None:
             raise ValueError('dp_ftrl_restart: a DP-FTRL key, given with dp_mechanism = "dp_fedavg"')
         if self.dp_mechanism == "dp_fedavg" and self.client_sampling not in ("uniform", "poisson"):
-            why = (
-                "redraws an empty cohort, which the Poisson analysis does not cover"
-                if self.client_sampling == "bernoulli"
-                else "draws the cohorts from the round index alone: they are public, and the analysis "
-                "assumes secret sampling"
-            )
+            why = {
+                "bernoulli": "redraws an empty cohort, which the Poisson analysis does not cover",
+                "round_seeded": "draws the cohorts from the round index alone: they are public, and the analysis "
+                "assumes secret sampling",
+                "shuffled": "takes each client once per epoch, which no sampling analysis of DP-FedAvg covers "
+                '(dp_mechanism = "dp_ftrl" accounts it as it is)',
+            }[self.client_sampling]
             raise ValueError(
                 f"client_sampling: {self.client_sampling!r} {why}; a private run samples 'uniform' "
                 f"(fixed size) or 'poisson'"

@@ -1,6 +1,7 @@
 """docs/privacy.md's study record: the sweep of docs/studies/privacy-mnist.toml summarised into
-docs/privacy-results.json (per method and epsilon: final test accuracy of each seed, the epsilon spent, the noise
-multiplier and the last clip) and docs/privacy-accuracy.png (accuracy against epsilon, mean and std over seeds).
+docs/privacy-results.json (per method, mechanism and epsilon: final test accuracy of each seed, the epsilon spent and
+the last clip) and docs/privacy-accuracy.png (accuracy against epsilon, mean and std over seeds; DP-FedAvg solid,
+DP-FTRL dashed).
 
     fedfast sweep --preset docs/studies/privacy-mnist.toml --out runs/privacy-mnist --quiet
     python scripts/privacy_record.py runs/privacy-mnist
@@ -15,7 +16,16 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CELLS = {"eps1": 1.0, "eps4": 4.0, "eps8": 8.0, "inf": float("inf")}
+CELLS = {
+    "eps1": 1.0,
+    "eps4": 4.0,
+    "eps8": 8.0,
+    "ftrl1": 1.0,
+    "ftrl4": 4.0,
+    "ftrl8": 8.0,
+    "inf": float("inf"),
+}
+LINES = {"DP-FedAvg": ("eps1", "eps4", "eps8", "inf"), "DP-FTRL": ("ftrl1", "ftrl4", "ftrl8", "inf")}
 
 
 def collect(study: str) -> dict:
@@ -54,18 +64,22 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=120)
-    xs = list(range(len(CELLS)))
-    for method, cells in res.items():
-        m = [100 * cells[c]["mean"] for c in CELLS]
-        s = [100 * cells[c]["std"] for c in CELLS]
-        ax.errorbar(xs, m, yerr=s, marker="o", capsize=3, label=method)
+    fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=120)
+    xs = list(range(4))
+    for i, (method, cells) in enumerate(res.items()):
+        for mech, row in LINES.items():
+            if not all(c in cells for c in row):
+                continue
+            m = [100 * cells[c]["mean"] for c in row]
+            s = [100 * cells[c]["std"] for c in row]
+            style = dict(color=f"C{i}", linestyle="-" if mech == "DP-FedAvg" else "--")
+            ax.errorbar(xs, m, yerr=s, marker="o", capsize=3, label=f"{method}, {mech}", **style)
     ax.set_xticks(xs, ["1", "4", "8", "inf"])
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("final test accuracy (%)")
-    ax.set_title("MNIST, 6000 clients, Poisson q = 0.1, 60 rounds", fontsize=9)
+    ax.set_title("MNIST, 6000 clients, 600 a round, 60 rounds", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path)
 

@@ -235,3 +235,26 @@ def test_the_brute_force_enumeration_is_itself_right():
     assert sorted(_released_nodes(4, None)) == [(1, 1), (1, 2), (1, 4), (3, 3)]
     assert sorted(_released_nodes(5, 3)) == [(1, 1), (1, 2), (3, 3), (4, 4), (4, 5)]
     assert list(itertools.chain(_released_nodes(1, None))) == [(1, 1)]
+
+
+def test_shuffled_epochs_with_a_tree_each():
+    """client_sampling = "shuffled" with dp_ftrl_restart = K // m: each client joins each tree once, so epsilon is at
+    most dp-accounting's single-epoch tree event composed over the epochs (its bound assumes the worst leaf in every
+    tree), and at least one epoch of it (some client sits at the first leaf of a tree)."""
+    from fedfast.sampling import sample_clients_shuffled
+
+    K, m, epochs, z = 24, 4, 3, 2.0
+    R = K // m
+    cohorts = [sample_clients_shuffled(5, r, K, m) for r in range(epochs * R)]
+    mech = _mechanism(cohorts, epochs * R, z=z, restart=R)
+
+    def lib(n):
+        acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_SPECIAL)
+        acc.compose(dpa.SelfComposedDpEvent(dpa.SingleEpochTreeAggregationDpEvent(z, R), n))
+        return acc.get_epsilon(1e-5)
+
+    assert lib(1) <= mech.epsilon(epochs * R) <= lib(epochs) * (1 + 1e-9)
+    _, sim, _ = _sim(client_sampling="shuffled", dp_noise_multiplier=1.0, dp_ftrl_restart=2, clients_per_round=4)
+    assert sim.run()[-1]["dp_epsilon"] > 0
+    with pytest.raises(ValueError, match="client_sampling: 'shuffled' takes each client once per epoch"):
+        fedfast.SimConfig(algorithm="fedavg", client_sampling="shuffled", dp_clip=1.0, dp_noise_multiplier=1.0)

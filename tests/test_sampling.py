@@ -43,3 +43,22 @@ def test_client_order_is_a_seeded_permutation_per_client_and_epoch():
         client_order(2, 2, 3, 0, 20),
     ]
     assert all(not np.array_equal(o, x) for x in others)
+
+
+def test_shuffled_takes_each_client_once_per_epoch():
+    """client_sampling = "shuffled": K // m rounds per epoch, each a distinct block of one seeded permutation (the
+    K mod m left over sit the epoch out); another epoch, another permutation; the seed decides."""
+    from fedfast.sampling import sample_clients_shuffled
+
+    K, m = 23, 5
+    per = K // m
+    for e in range(3):
+        got = [sample_clients_shuffled(7, e * per + i, K, m) for i in range(per)]
+        allc = np.concatenate(got)
+        assert all(len(c) == m and (np.diff(c) > 0).all() for c in got)
+        assert len(np.unique(allc)) == per * m  # nobody twice in an epoch
+    first = [sample_clients_shuffled(7, i, K, m).tolist() for i in range(per)]
+    second = [sample_clients_shuffled(7, per + i, K, m).tolist() for i in range(per)]
+    assert first != second and first != [sample_clients_shuffled(8, i, K, m).tolist() for i in range(per)]
+    perm = np.random.default_rng([7, 0, 10**6 + 2]).permutation(K)  # the draw written out
+    assert sample_clients_shuffled(7, 1, K, m).tolist() == sorted(perm[5:10].tolist())

@@ -23,6 +23,7 @@ from ..sampling import (
     sample_clients_bernoulli,
     sample_clients_poisson,
     sample_clients_round_seeded,
+    sample_clients_shuffled,
 )
 from .._settings import Settings
 
@@ -45,8 +46,9 @@ def round_clients(
     schedule: Sequence | Callable | None = None,
 ) -> np.ndarray:
     """Round ``rnd``'s (0-based) participants as int64 ids: the seeded sampler named by ``sampling`` ("uniform",
-    "bernoulli", "round_seeded"), or the user's ``schedule`` (a list of per-round id lists, or ``rnd -> ids``),
-    checked: a non-empty 1-d list of distinct ids in [0, num_clients); errors name ``schedule`` and the round."""
+    "bernoulli", "round_seeded", "poisson", "shuffled"), or the user's ``schedule`` (a list of per-round id lists,
+    or ``rnd -> ids``), checked: a non-empty 1-d list of distinct ids in [0, num_clients); errors name ``schedule``
+    and the round."""
     if schedule is None:
         if sampling == "bernoulli":
             return sample_clients_bernoulli(seed, rnd, num_clients, clients_per_round / num_clients)
@@ -54,6 +56,8 @@ def round_clients(
             return sample_clients_poisson(seed, rnd, num_clients, clients_per_round / num_clients)
         if sampling == "round_seeded":
             return sample_clients_round_seeded(rnd, num_clients, clients_per_round)
+        if sampling == "shuffled":
+            return sample_clients_shuffled(seed, rnd, num_clients, clients_per_round)
         return sample_clients(seed, rnd, num_clients, clients_per_round)
     if callable(schedule):
         ids = schedule(rnd)
