@@ -164,10 +164,10 @@ class Simulation:
         self.train, self.test = train.to(self.device), test.to(self.device)
         self.validation = validation.to(self.device) if validation is not None else None
         self.server_splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
-        # a private run's secret (OS entropy): its noise comes from it, never from the run seed, and so do its
-        # cohorts where the mechanism assumes them secret (DP-FedAvg's sampling amplification)
-        secret = privacy.Secret() if c.dp_clip else None
+        # a private run's secret (OS entropy, rank 0's on every rank): its noise comes from it, never from the run
+        # seed, and so do its cohorts where the mechanism assumes them secret (DP-FedAvg's sampling amplification)
         dp_settings = privacy.PrivacySettings.of(c)
+        secret = privacy.run_secret(dp_settings, self.comm.broadcast_, self.device)
         # the parts, each given the settings it reads: round plan (the data's placement), runtime, budget, evaluator
         self.plan = RoundPlan(
             PlanSettings.of(c),

@@ -38,6 +38,31 @@ STORES = {
 }  # 677 parameters
 
 
+# private runs (issue 58): the secret is rank 0's on every rank (the same noise and cohorts); DP-FedAvg with adaptive
+# clipping (its count all-reduced), SCAFFOLD's upload clipped with its update, FedCurv under DP-FTRL
+PRIVATE = dict(dp_clip=0.3, dp_noise_multiplier=0.7)
+PRIVATE_CASES = [
+    ("dp-fedavg", "fedavg", dict(client_sampling="poisson", dp_clip_quantile=0.5, dp_clip_count_noise=1.0)),
+    ("dp-scaffold", "scaffold", dict(client_sampling="poisson")),
+    ("dp-ftrl-fedcurv", "fedcurv", dict(dp_mechanism="dp_ftrl", dp_ftrl_restart=2)),
+]
+
+
+def _private_cfg(algorithm, extra):
+    return fedfast.SimConfig(
+        algorithm=algorithm,
+        clients_per_round=5,
+        rounds=3,
+        local_epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=3,
+        momentum=0.0,
+        **PRIVATE,
+        **extra,
+    )
+
+
 # a model with BatchNorm running statistics (issue 46): the clients' buffers summed across ranks, and under
 # bn_stats = "local" each client's own rows exchanged as per-client state
 BN_CASES = [
@@ -139,6 +164,11 @@ def _worker(rank, world, port, out_dir):
                 dict(g=sim.global_flat, state=st.dense(), on_disk=st.on_disk),
                 os.path.join(out_dir, f"{algorithm}-disk-{rank}.pt"),
             )
+        for name, algorithm, extra in PRIVATE_CASES:
+            train, test, part, model = _setup()
+            sim = fedfast.Simulation(_private_cfg(algorithm, extra), model, train, test, part, process_group="default")
+            sim.run()
+            torch.save(dict(g=sim.global_flat, key=sim.privacy.secret.key), os.path.join(out_dir, f"{name}-{rank}.pt"))
         for name, algorithm, extra in BN_CASES:
             train, test, part, model = _setup(bn=True)
             sim = fedfast.Simulation(_bn_cfg(algorithm, extra), model, train, test, part, process_group="default")
@@ -188,6 +218,14 @@ def test_two_ranks_equal_one_process(tmp_path):
                 f"client-state-{algorithm}.rows",
                 f"client-state-{algorithm}.stamps",
             ]
+    for name, algorithm, extra in PRIVATE_CASES:
+        ranks = [torch.load(tmp_path / f"{name}-{r}.pt") for r in range(2)]
+        assert ranks[0]["key"] == ranks[1]["key"] and torch.equal(ranks[0]["g"], ranks[1]["g"]), name
+        train, test, part, model = _setup()
+        sim = fedfast.Simulation(_private_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)
+        sim.privacy.secret.key = ranks[0]["key"]  # the ranks' secret: the same noise and cohorts in one process
+        sim.run()
+        assert (ranks[0]["g"] - sim.global_flat).abs().max() <= 1e-5 * sim.global_flat.abs().max(), name
     for name, algorithm, extra in BN_CASES:
         train, test, part, model = _setup(bn=True)
         sim = fedfast.Simulation(_bn_cfg(algorithm, extra), copy.deepcopy(model), train, test, part)

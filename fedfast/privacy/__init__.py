@@ -34,6 +34,12 @@ from .settings import PrivacySettings
 MECHANISMS = ("dp_fedavg", "dp_ftrl")
 
 
+def run_secret(settings: PrivacySettings, broadcast, device) -> Secret | None:
+    """A private run's secret (None without ``dp_clip``): fresh OS entropy, process 0's on every process
+    (``broadcast``: the run's collectives' broadcast)."""
+    return Secret().shared(broadcast, device) if PrivacySettings.given(settings).dp_clip else None
+
+
 def secret_cohorts(settings: PrivacySettings) -> bool:
     """Whether the run's cohorts must come from its secret: DP-FedAvg's sampling amplification assumes them
     secret; DP-FTRL's accounting takes the cohorts as they are (public: the run seed's, or a schedule)."""
@@ -97,5 +103,6 @@ __all__ = [
     "mechanism",
     "poisson_epsilon",
     "round_event",
+    "run_secret",
     "secret_cohorts",
 ]

@@ -218,7 +218,7 @@ class DPFedAvg(Mechanism):
                     f"dp_clip: {self.method_name}'s upload_rows[{k!r}] must be a float tensor {(hi - lo, cols)}, got "
                     f"{tuple(r.shape) if torch.is_tensor(r) else type(r).__name__}"
                 )
-        return got
+        return got or None  # nothing but the update itself: the plain bound step
 
     def bound(
         self,

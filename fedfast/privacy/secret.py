@@ -46,6 +46,14 @@ class Secret:
         words = np.random.SeedSequence(self.key, spawn_key=(COHORT,)).generate_state(4, np.uint32)
         return sum(int(w) << (32 * i) for i, w in enumerate(words))
 
+    def shared(self, broadcast, device) -> "Secret":
+        """This secret made every process's: ``broadcast(t)`` puts process 0's int64 tensor ``t`` into every
+        process's (``torch.distributed``: every rank then draws the same noise and cohorts); returns ``self``."""
+        t = torch.tensor([(self.key >> (32 * i)) & 0xFFFFFFFF for i in range(4)], dtype=torch.int64, device=device)
+        broadcast(t)
+        self.key = sum(int(w) << (32 * i) for i, w in enumerate(t.tolist()))
+        return self
+
     def state_dict(self) -> dict:
         # as a hex string: a checkpoint holds plain data, and torch.save keeps Python ints of any size, but a
         # string survives every reader of the format
