@@ -560,11 +560,20 @@ def test_pld_calibration_is_bracketed_by_the_rdp_answer():
     assert 0.45 < sim.run()[-1]["dp_epsilon"] <= 0.5
 
 
-def test_a_tiny_budget_gets_the_smallest_multiplier():
-    """dp_epsilon = 1e-9: the smallest z whose epsilon is at most it (to 0.1 %), not any z past it."""
+def test_a_tiny_budget_gets_the_smallest_multiplier_or_a_named_refusal():
+    """dp_epsilon = 1e-9: the smallest z whose epsilon is at most it (to 0.1 %) where the accountant certifies it
+    (Poisson, 10 rounds of q = 0.02: (0, delta) from z = 6325 on); below the accountant's floor (fixed-size sampling,
+    100 rounds of 10 of 100: RDP's epsilon stays at 0.045 for any z from 1e3 to 4e5) a refusal naming dp_epsilon and
+    the floor, at once (before issue 58: z = 4e5 after 27 s)."""
+    import time
+
     kw = dict(sampling="poisson", num_clients=500, rate=0.02)
     z = privacy.calibrate(1e-9, 1e-5, 10, **kw)
     assert privacy.epsilon(z, 1e-5, 10, **kw) <= 1e-9 < privacy.epsilon(z / 1.001, 1e-5, 10, **kw)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"dp_epsilon: 1e-09 is not reached by any noise multiplier up to 10000 "):
+        privacy.calibrate(1e-9, 1e-5, 100, sampling="fixed", num_clients=100, clients_per_round=10)
+    assert time.perf_counter() - t < 10
 
 
 def test_delta_and_sampling_typos_are_named():
