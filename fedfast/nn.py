@@ -391,7 +391,7 @@ class LinearKDLoss(nn.Module):
     weight's gradient is written once (``W.grad`` is the tensor the chunks accumulate into). Two options the other
     modules take are refused by name here: a teacher that receives gradients (``detach_teacher=False``) and second
     derivatives (``double_backward=True``);
-    use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default an eighth)."""
+    use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default a quarter)."""
 
     def __init__(
         self,

@@ -13,8 +13,9 @@ Host-side checks (shapes, dtypes, scalars) always run and cost nothing. Checks o
 
 ``FEDFAST_VALIDATE`` overrides the default. Inside ``torch.compile``, ``torch.export`` and ``torch.jit.trace`` an
 eager check cannot run on the host at trace time (it would be recorded as a constant: a later call's bad target
-silently dropped): the target and segment checks go into the graph instead (mode ``"graph"``: the
-``fedfast::checked_target`` / ``fedfast::checked_segments`` ops, which raise when the graph runs). Inside a
+silently dropped): the checks go into the graph instead (mode ``"graph"``: the ``fedfast::checked_target`` /
+``fedfast::checked_segments`` / ``fedfast::checked_value`` ops, which raise when the graph runs: targets, segments,
+FedCAD's class weights, ASD's class prior, the teachers' weights). Inside a
 ``torch.func.vmap`` transform values are batched and cannot be read: checks are off there.
 """
 
@@ -35,6 +36,8 @@ _status: dict[torch.device, torch.Tensor] = {}
 
 
 def mode_for(device: torch.device, validate: str | None) -> str:
+    if validate == "graph" and (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+        return "graph"  # an op resolved it already and hands it on (GKD's teacher mixture inside a traced loss)
     m = validate or os.environ.get("FEDFAST_VALIDATE") or ("eager" if device.type == "cpu" else "defer")
     if m not in ("eager", "defer", "off"):
         raise ValueError(f"validate must be 'eager', 'defer' or 'off', got {m!r}")
@@ -98,7 +101,7 @@ def raise_if_invalid(device: torch.device | str | None = None) -> None:
 
 def check(name: str, bad: torch.Tensor, message: str, mode: str) -> None:
     """``bad`` is a 0-dim bool tensor that is True when the argument ``name`` is invalid. (Mode ``"graph"``: the
-    targets' and segments' checks are graph ops, :func:`in_graph`; the others are off in a traced graph.)"""
+    checks are graph ops, :func:`in_graph` for targets and segments, :func:`guard` for the others.)"""
     if mode in ("off", "graph"):
         return
     if mode == "eager":
@@ -108,6 +111,30 @@ def check(name: str, bad: torch.Tensor, message: str, mode: str) -> None:
     st = status(bad.device)
     i = _CHECKS.index(name)
     st[i : i + 1].bitwise_or_(bad.to(torch.int32).reshape(1))
+
+
+@torch.library.custom_op("fedfast::checked_value", mutates_args=())
+def checked_value(x: torch.Tensor, bad: torch.Tensor, name: str, message: str) -> torch.Tensor:
+    """``x`` (a copy), after raising the eager check's ValueError when ``bad`` holds: a value check (a class table's
+    range, a teacher weight's sign) as an op of a traced graph, run each time the graph runs."""
+    if bool(bad):
+        raise ValueError(f"{name}: {message}")
+    return x.clone()
+
+
+@checked_value.register_fake
+def _(x, bad, name, message):
+    return torch.empty_like(x)
+
+
+def guard(x: torch.Tensor, name: str, bad: torch.Tensor, message: str, mode: str) -> torch.Tensor:
+    """``x`` after its value check ``bad`` (a 0-dim bool tensor, True when ``name`` is invalid): :func:`check` in
+    the eager and deferred modes; in a traced graph (mode ``"graph"``) through :func:`checked_value`, so that the
+    graph checks every call's values (use the returned tensor)."""
+    if mode == "graph":
+        return checked_value(x, bad, name, message)
+    check(name, bad, message, mode)
+    return x
 
 
 def require(cond: bool, name: str, message: str, exc=ValueError) -> None:

@@ -72,7 +72,7 @@ def asd_weights(
         _validate.check_segments(segments, R, dev, mode, None)
         segments = segments.contiguous()
     prior = class_table("class_prior", class_prior, C, dev, segments)
-    _check_prior(prior, target, segments, C, ignore_index, mode)
+    prior = _check_prior(prior, target, segments, C, ignore_index, mode)
     be = _backend.resolve_for(backend, dev.type, teacher.dtype)
     op = _asd_weights_rows if _backend.plain_eager(teacher, target, segments) else asd_weights_op
     return op(
@@ -80,14 +80,16 @@ def asd_weights(
     )
 
 
-def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: int, mode: str) -> None:
+def _check_prior(prior: Tensor, target: Tensor, segments, C: int, ignore_index: int, mode: str) -> Tensor:
+    """``prior`` after its value check (in a traced graph, through the checking op: use the returned tensor)."""
     if mode != "off":
         S = prior.shape[0]
         valid = valid_rows(target, C, ignore_index)
         s = torch.zeros_like(target) if (segments is None or S == 1) else segments.long().clamp(0, S - 1)
         py = prior[s.long(), torch.where(valid, target, torch.zeros_like(target)).long()]
         bad = (valid & ~(py > 0)).any() | (prior < 0).any() | ~torch.isfinite(prior).all()
-        _validate.check("class_prior", bad, PRIOR_MESSAGE, mode)
+        prior = _validate.guard(prior, "class_prior", bad, PRIOR_MESSAGE, mode)
+    return prior
 
 
 PRIOR_MESSAGE = "must be finite, >= 0 and > 0 for every class present in target"
@@ -159,7 +161,7 @@ def asd_autograd_row_weights(
         mode = "off"  # a batched label cannot be checked on the host
     _validate.check_target(target, R, C, ignore_index, teacher.device, mode)
     prior = class_table("class_prior", class_prior, C, teacher.device, segments)
-    _check_prior(prior, target, segments, C, ignore_index, mode)
+    prior = _check_prior(prior, target, segments, C, ignore_index, mode)
     ahat = asd_weights_reference(teacher, target, prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index)
     return asd_row_weight(ahat, target, C, segments, ignore_index)
 

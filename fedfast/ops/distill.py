@@ -491,7 +491,8 @@ def _row_tables(class_alpha, rho, row_weight, segments, R: int, C: int, dev, acc
     if class_alpha is not None:
         class_alpha = class_table("class_alpha", class_alpha, C, dev, None)[0].contiguous()
         if mode != "off":
-            _validate.check(
+            class_alpha = _validate.guard(
+                class_alpha,
                 "class_alpha",
                 ((class_alpha < 0) | (class_alpha > 1) | class_alpha.isnan()).any(),
                 "per-class weights must lie in [0, 1]",
@@ -572,6 +573,7 @@ def _distill_autograd(
         if rho is not None:
             raise ValueError("rho: the FedADC+ target takes a single teacher, got M > 1 teachers")
         tw = torch.full((M,), 1.0 / M, device=dev) if teacher_weights is None else teacher_weights
+        tw = mixture_weights(tw, M, dev, teacher.dtype, mode)  # checked as the fused path does (a graph op traced)
         teacher_in, negent = teacher_mixture_reference(
             fix(teacher), tw, target, tau=tau, not_true=(kind == "not_true"), ignore_index=ignore_index
         )

@@ -18,10 +18,11 @@ nothing else holding it autograd takes it as ``W.grad``); ``"none"`` (per-row lo
 chunks again with each row's incoming gradient (twice the forward's logits GEMMs). Without anything to
 differentiate (``torch.no_grad()``, or no input requiring grad) no gradient is formed.
 
-Memory beyond the inputs and the gradients: one chunk's logits, row gradient and teacher logits. Chunks: an eighth
-of the rows by default (``default_chunk_rows``): three eighths of a logits buffer, and GEMMs over 512 rows at
-4096 rows, where the weight gradient's per-chunk update stays compute-bound (chunks of 32 rows made it
-memory-bound: 405 s at 4096 x 4096 x 128,000).
+Memory beyond the inputs and the gradients: one chunk's logits, row gradient and teacher logits. Chunks: a quarter
+of the rows by default (``default_chunk_rows``): a quarter of a logits buffer for the chunk's logits (over which
+the row op writes their gradient), a quarter more for the teacher's logits when it is given as hidden states, and
+GEMMs over 1024 rows at 4096 rows, where the weight gradient's per-chunk update stays compute-bound (chunks of 32
+rows made it memory-bound: 405 s at 4096 x 4096 x 128,000).
 
 Composes with ``torch.compile(fullgraph=True)``, ``torch.export`` and ``torch.jit.trace`` (custom ops
 ``fedfast::linear_distill_total`` / ``_rows`` / ``_rows_backward`` with fake kernels and registered autograd; an
@@ -872,9 +873,12 @@ def linear_distill(
     elif reduction == "segment":
         raise ValueError("reduction: 'segment' needs `segments`")
     y, segments = _validate.in_graph(y.contiguous(), segments, V, ignore_index, num_segments, mode)
-    chunk = default_chunk_rows(R, V) if chunk_rows is None else chunk_rows
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    if chunk_rows is None:  # (the row count may be a traced or symbolic size: not checked as a user's int)
+        chunk = default_chunk_rows(R, V)
+    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
+    else:
+        chunk = chunk_rows
     be = _backend.resolve_for(backend, dev.type, h.dtype)
     nod = lambda x: None if x is None else x.detach()
     t = nod(teacher_logits.reshape(R, V)) if teacher_logits is not None else None

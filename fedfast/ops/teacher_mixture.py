@@ -51,8 +51,8 @@ def mixture_weights(weights, M: int, dev, dtype: torch.dtype, mode: str) -> Tens
         raise ValueError(f"teacher_weights: expected shape ({M},) (one weight per teacher), got {tuple(w.shape)}")
     w = w.to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
     if mode != "off":
-        _validate.check(
-            "teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(), "weights must be finite and >= 0", mode
+        w = _validate.guard(
+            w, "teacher_weights", ((w < 0) | ~torch.isfinite(w)).any(), "weights must be finite and >= 0", mode
         )
     return w
 
