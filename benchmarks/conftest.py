@@ -1,3 +1,6 @@
+"""Shared set-up of the pytest-benchmark microbenchmarks (``make bench``; ``tests/test_bench_smoke.py`` runs each
+once with ``--benchmark-disable`` and ``FEDFAST_BENCH_SMOKE=1``, small shapes, so the command cannot break)."""
+
 import os
 import sys
 

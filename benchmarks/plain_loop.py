@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
@@ -42,6 +43,8 @@ SHAPES = {
     ),
     "resnet8_cifar": dict(model="resnet8", K=200, n=50, m=20, B=10),
 }
+if os.environ.get("FEDFAST_BENCH_SMOKE") == "1":  # the benchmarks' smoke test: the same code at a few clients
+    SHAPES = {k: {**v, "K": 10, "n": min(v["n"], 60), "m": 2, "E": 1} for k, v in SHAPES.items()}
 
 
 def setup(name: str, dropout: float = 0.0):

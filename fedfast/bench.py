@@ -171,6 +171,8 @@ def _impl(name: str, loss: str):
         return fedfast_losses()[loss]
     fn = AUTHORS[loss]
     if name == "authors_compiled":
+        import torch._dynamo
+
         torch._dynamo.reset()
         return torch.compile(fn, dynamic=False)
     return fn

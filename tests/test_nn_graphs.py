@@ -167,3 +167,23 @@ def test_value_checks_run_inside_the_graph(name, how):
         assert torch.isfinite(f(z, *good))
         with pytest.raises((ValueError, RuntimeError), match=f"{name}: "):
             f(z, *bad)
+
+
+def test_backend_choice_is_marked_constant_as_torch_marks_it():
+    """``_backend.resolve`` is marked with fedfast's own copy of ``torch.compiler.assume_constant_result`` (torch's
+    imports ``torch._dynamo``, 2 s of ``import fedfast``): the mark must be the one torch's decorator sets, and
+    ``import fedfast`` must not import dynamo."""
+    import subprocess
+    import sys
+
+    from fedfast.ops import _backend
+
+    def f():
+        return 0
+
+    marked = dict(vars(torch.compiler.assume_constant_result(f)))
+    assert marked and all(getattr(_backend.resolve, k, None) == v for k, v in marked.items()), marked
+    assert all(getattr(_backend.resolve_for, k, None) == v for k, v in marked.items())
+    code = "import sys, fedfast; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out

@@ -137,7 +137,15 @@ def _fallback(name: str, why: str) -> str:
     return "reference"
 
 
-@torch.compiler.assume_constant_result
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo`` (2 s, most of ``import
+    fedfast``): the decorator only marks the function, as this does (``tests/test_nn_graphs.py`` checks the mark is
+    the one torch's decorator sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_result
 def resolve(backend: str | None, device_type: str) -> str:
     """Return the backend that will run, given the request and the tensors' device type. Under ``torch.compile``
     it runs once, eagerly, while the graph is made (it may import an extension, which traced code cannot)."""
@@ -164,7 +172,7 @@ def resolve(backend: str | None, device_type: str) -> str:
     raise ValueError(f"backend={req!r} cannot run on {device_type} tensors" + (f": {why}" if why else ""))
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def resolve_for(backend: str | None, device_type: str, dtype) -> str:
     """:func:`resolve` for a loss op on tensors of ``dtype``: with the backend chosen automatically (no ``backend=``
     and no ``FEDFAST_BACKEND``), a float64 input on a GPU takes ``reference`` (float64 throughout), as the GPU
