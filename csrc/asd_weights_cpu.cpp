@@ -18,10 +18,10 @@ template <typename A>
 __attribute__((always_inline)) inline A entropy_core(int64_t C, A* __restrict X, A* __restrict E) {
   A m;
   const double s = row_exp(C, X, E, &m);
-  if (!(s > 0)) return A(0);
-  for (int64_t j = 0; j < C; ++j) X[j] = E[j] > 0 ? E[j] * (X[j] - m) : A(0);
+  if (s == 0) return A(0);  // NaN s: a NaN or +inf logit, H NaN
+  for (int64_t j = 0; j < C; ++j) X[j] = E[j] != 0 ? E[j] * (X[j] - m) : A(0);
   const double H = std::log(s) - dsum(X, C) / s;
-  return H > 0 ? A(H) : A(0);
+  return H < 0 ? A(0) : A(H);  // rounding below 0 clamped; NaN kept
 }
 FEDFAST_MULTIVERSION float entropy_f32(int64_t C, float* X, float* E) { return entropy_core<float>(C, X, E); }
 inline float entropy_any(int64_t C, float* X, float* E) { return entropy_f32(C, X, E); }
@@ -54,13 +54,13 @@ __attribute__((always_inline)) inline void entropy_block(int64_t C, A* __restric
 #pragma omp simd
     for (int64_t l = 0; l < kLanes; ++l) {
       const int64_t k = j * kLanes + l;
-      X[k] = E[k] > 0 ? E[k] * X[k] : A(0);
+      X[k] = E[k] != 0 ? E[k] * X[k] : A(0);
     }
   lane_sums<kLanes>(C, E, ds);
   lane_sums<kLanes>(C, X, dd);
   for (int64_t l = 0; l < kLanes; ++l) {
-    const double h = ds[l] > 0 ? std::log(ds[l]) - dd[l] / ds[l] : 0.0;
-    H[l] = (none[l] || !(h > 0)) ? A(0) : A(h);
+    const double h = ds[l] != 0 ? std::log(ds[l]) - dd[l] / ds[l] : 0.0;  // NaN over a NaN or +inf logit
+    H[l] = (none[l] || h < 0) ? A(0) : A(h);
   }
 }
 FEDFAST_MULTIVERSION_WIDE void entropy_block_f32(int64_t C, float* X, float* E, float* H) {
@@ -174,7 +174,7 @@ FEDFAST_ASD_ROW_WEIGHT(asd_row_weight_cpu) {
     }
     const double tiny = std::numeric_limits<scalar_t>::min();
     for (int64_t i = 0; i < R; ++i) {
-      const double tot = sums[seg[i]] > tiny ? sums[seg[i]] : tiny;
+      const double tot = sums[seg[i]] < tiny ? tiny : sums[seg[i]];  // a NaN sum (a NaN weight) stays NaN
       a[i] = ys[i] < 0 ? scalar_t(0) : static_cast<scalar_t>(static_cast<double>(a[i]) * counts[seg[i]] / tot);
     }
   });

@@ -57,7 +57,8 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   const A W = PROB ? A(dsum(TT, C)) : A(1);
   // log q_j = (zq_j - mq) - log(sq): never form mq + log(sq) (loses digits for |logits| ~ 1e4)
   const A inv_s1 = A(1 / s1), inv_sq = A(1 / sq), lsq = A(std::log(sq));
-  const A inv_st = st > 0 ? A(1 / st) : A(0), lst = st > 0 ? A(std::log(st)) : A(0);
+  // st is 0 (every class excluded), >= 1, or NaN (a NaN or +inf teacher logit: the row's P, loss and gradient NaN)
+  const A inv_st = st != 0 ? A(1 / st) : A(0), lst = st != 0 ? A(std::log(st)) : A(0);
   A mvd = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
   if (RHO) {
     const A* rho = r.rho;
@@ -96,13 +97,14 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
     }
   }
   const A* __restrict P = PROB ? TT : ET;
-  // 0 * log 0 = 0: select the log (not the product) so the loops stay branch-free selects.
-  for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] > 0 ? ZQ[j] : A(0));  // cross-entropy terms
+  // 0 * log 0 = 0: select the log (not the product) so the loops stay branch-free selects; P != 0, not P > 0, so
+  // that a NaN P stays NaN.
+  for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] != 0 ? ZQ[j] : A(0));  // cross-entropy terms
   if (!PROB)
-    for (int64_t j = 0; j < C; ++j) V[j] = ET[j] * (ET[j] > 0 ? TT[j] : A(0));  // negative-entropy terms
+    for (int64_t j = 0; j < C; ++j) V[j] = ET[j] * (ET[j] != 0 ? TT[j] : A(0));  // negative-entropy terms
   for (int64_t j = 0; j < C; ++j) G[j] = a * E1[j] + kb * (W * EQ[j] - P[j]);
-  U[y] = Py > 0 ? -Py * logqy : A(0);
-  if (!PROB) V[y] = Py > 0 ? Py * logPy : A(0);
+  U[y] = Py != 0 ? -Py * logqy : A(0);
+  if (!PROB) V[y] = Py != 0 ? Py * logPy : A(0);
   G[y] = a * (smy - A(1)) + kb * (W * qy - Py);
   const A cross = A(dsum(U, C)), negent = PROB ? r.negent_in : A(dsum(V, C));
   const A ce = (m1 - Z[y]) + A(std::log(s1));
@@ -194,13 +196,13 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
   FF_LANES { s1[l] = A(d1[l]); sq[l] = A(dq[l]); st[l] = A(dt[l]); W[l] = PROB ? A(dw[l]) : A(1); }
   alignas(64) A inv_s1[kBlock], inv_sq[kBlock], lsq[kBlock], ls1[kBlock], inv_st[kBlock], lst[kBlock];
 #pragma omp simd
-  FF_LANES {  // s1, sq >= 1 (the maximum's term is exp(0)); st is 0 or >= 1
+  FF_LANES {  // s1, sq >= 1 (the maximum's term is exp(0)); st is 0 or >= 1; each is NaN over a NaN or +inf logit
     inv_s1[l] = A(1) / s1[l];
     inv_sq[l] = A(1) / sq[l];
     lsq[l] = flog(sq[l]);
     ls1[l] = flog(s1[l]);
-    inv_st[l] = st[l] > 0 ? A(1) / st[l] : A(0);
-    lst[l] = (!PROB && st[l] > 0) ? flog(st[l] > 0 ? st[l] : A(1)) : A(0);
+    inv_st[l] = st[l] != 0 ? A(1) / st[l] : A(0);
+    lst[l] = (!PROB && st[l] != 0) ? flog(st[l] != 0 ? st[l] : A(1)) : A(0);
   }
   if (RHO) {
     FF_EACH {
@@ -247,14 +249,14 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
       }
     }
     const A P = PROB ? TT[k] : ET[k];
-    U[k] = -P * (P > 0 ? ZQ[k] : A(0));
-    if (!PROB) V[k] = ET[k] * (ET[k] > 0 ? TT[k] : A(0));
+    U[k] = -P * (P != 0 ? ZQ[k] : A(0));
+    if (!PROB) V[k] = ET[k] * (ET[k] != 0 ? TT[k] : A(0));
     G[k] = r.a[l] * E1[k] + (r.b[l] * kb_scale) * (W[l] * EQ[k] - P);
   }
   FF_LANES {
     const int64_t k = y[l] * kBlock + l;
-    U[k] = Py[l] > 0 ? -Py[l] * logqy[l] : A(0);
-    if (!PROB) V[k] = Py[l] > 0 ? Py[l] * logPy[l] : A(0);
+    U[k] = Py[l] != 0 ? -Py[l] * logqy[l] : A(0);
+    if (!PROB) V[k] = Py[l] != 0 ? Py[l] * logPy[l] : A(0);
     G[k] = r.a[l] * (smy[l] - A(1)) + (r.b[l] * kb_scale) * (W[l] * qy[l] - Py[l]);
   }
   lane_sums<kBlock>(C, U, dc);
@@ -347,15 +349,15 @@ __attribute__((always_inline)) inline void mix_block_core(int64_t C, A* __restri
     }
   lane_sums<kBlock>(C, E, ds);
   for (int64_t l = 0; l < kBlock; ++l) {
-    inv[l] = ds[l] > 0 ? A(1 / ds[l]) : A(0);
-    ls[l] = ds[l] > 0 ? A(std::log(ds[l])) : A(0);
+    inv[l] = ds[l] != 0 ? A(1 / ds[l]) : A(0);  // NaN over a NaN or +inf logit: the row's P and negent NaN
+    ls[l] = ds[l] != 0 ? A(std::log(ds[l])) : A(0);
   }
   for (int64_t j = 0; j < C; ++j)
 #pragma omp simd
     for (int64_t l = 0; l < kBlock; ++l) {
       const int64_t k = j * kBlock + l;
       const A p = E[k] * inv[l];
-      X[k] = p > 0 ? p * (X[k] - ls[l]) : A(0);  // p log p, log p = (x - m) - log s
+      X[k] = p != 0 ? p * (X[k] - ls[l]) : A(0);  // p log p, log p = (x - m) - log s
       P[k] += w * p;
     }
   lane_sums<kBlock>(C, X, dd);

@@ -42,7 +42,8 @@ __attribute__((always_inline)) static inline float fexp(float x) {
 static inline double fexp(double x) { return std::exp(x); }
 
 // log(x) for finite x > 0 (normal), branch-free and auto-vectorisable (Cephes logf: x = 2^e m, m in
-// [sqrt(1/2), sqrt(2)), degree-8 polynomial in m - 1; ~1 ulp). Callers select away x = 0 themselves.
+// [sqrt(1/2), sqrt(2)), degree-8 polynomial in m - 1; ~1 ulp); NaN for NaN (a row sum over a NaN or +inf logit).
+// Callers select away x = 0 themselves.
 __attribute__((always_inline)) static inline float flog(float x) {
   const int32_t bits = __builtin_bit_cast(int32_t, x);
   float e = static_cast<float>(((bits >> 23) & 0xff) - 127);
@@ -63,7 +64,8 @@ __attribute__((always_inline)) static inline float flog(float x) {
   y = y * f * z;
   y += -2.12194440e-4f * e;
   y += -0.5f * z;
-  return (f + y) + 0.693359375f * e;
+  const float res = (f + y) + 0.693359375f * e;
+  return x == x ? res : x;
 }
 static inline double flog(double x) { return std::log(x); }
 
@@ -121,11 +123,11 @@ __attribute__((always_inline)) inline A mix_core(int64_t C, A* __restrict X, A* 
                                                  A* __restrict U, A w) {
   A m;
   const double s = row_exp(C, X, E, &m);
-  if (!(s > 0)) return A(0);
+  if (s == 0) return A(0);  // every class excluded; a NaN s (a NaN or +inf logit) makes this row's P and negent NaN
   const A inv = A(1 / s), ls = A(std::log(s));  // log p = (x - m) - log s (no m + log s cancellation)
   for (int64_t j = 0; j < C; ++j) {
     const A p = E[j] * inv;
-    U[j] = p > 0 ? p * ((X[j] - m) - ls) : A(0);
+    U[j] = p != 0 ? p * ((X[j] - m) - ls) : A(0);
     P[j] += w * p;
   }
   return w * A(dsum(U, C));

@@ -21,7 +21,13 @@ asd_kernel(const T* __restrict__ t, const void* __restrict__ target, int target_
   }
   const T* tr = t + row * C;
   float mx = -CUDART_INF_F;
-  for (int64_t j = lane; j < C; j += kWarp) mx = fmaxf(mx, to_f(tr[j]) * inv_tau);
+  bool bad = false;  // a NaN or +inf logit: H and the weight NaN (fmaxf drops NaN)
+  for (int64_t j = lane; j < C; j += kWarp) {
+    const float x = to_f(tr[j]) * inv_tau;
+    mx = fmaxf(mx, x);
+    bad = bad || !(x < CUDART_INF_F);
+  }
+  bad = __any_sync(0xffffffffu, bad);
   mx = safe_max(warp_max(mx));
   float s = 0.f, u = 0.f;
   for (int64_t j = lane; j < C; j += kWarp) {
@@ -33,7 +39,7 @@ asd_kernel(const T* __restrict__ t, const void* __restrict__ target, int target_
   s = warp_sum(s);
   u = warp_sum(u);
   if (lane == 0) {
-    const float H = fmaxf(logf(s) - u / s, 0.f);
+    const float H = bad ? CUDART_NAN_F : fmaxf(logf(s) - u / s, 0.f);
     int64_t sg = (segments != nullptr && S > 1) ? load_index(segments, seg_i64, row) : 0;
     sg = sg < 0 ? 0 : (sg >= S ? S - 1 : sg);
     out[row] = expf(-H) / prior[sg * C + y];

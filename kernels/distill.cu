@@ -36,17 +36,21 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
     l1p = l1p_tab + s * C;
   }
   const float NINF = -CUDART_INF_F;
-  // pass 1: maxima (and W = sum P in prob mode)
+  // pass 1: maxima (and W = sum P in prob mode); bad: a NaN or +inf logit of the student, or of the teacher in a class
+  // the loss reads, which makes the row's loss and gradient NaN (IEEE arithmetic on the formula; fmaxf drops NaN)
   float m1 = NINF, mq = NINF, mt = NINF, W = 0.f;
+  bool bad = false;
   for (int64_t j = lane; j < C; j += kWarp) {
     const float zj = to_f(zr[j]);
     const bool drop = not_true && j == y;
     m1 = fmaxf(m1, zj);
     if (!drop) mq = fmaxf(mq, zj * inv_tau);
     const float tj = to_f(tr[j]);
+    bad = bad || !(zj < CUDART_INF_F) || (!drop && !(tj < CUDART_INF_F));
     if (PROB) W += drop ? 0.f : tj;
     else if (!drop) mt = fmaxf(mt, tj * inv_tau);
   }
+  bad = __any_sync(0xffffffffu, bad);
   m1 = safe_max(warp_max(m1));
   mq = safe_max(warp_max(mq));
   if (PROB) W = warp_sum(W);
@@ -106,14 +110,14 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
       if (!PROB) negent += P * logP;
     }
     const float g = a * (expf(zj - m1) * inv_s1 - (is_y ? 1.f : 0.f)) + kb * (W * q - P);
-    gr[j] = from_f<S>(g);
+    gr[j] = from_f<S>(bad ? CUDART_NAN_F : g);
   }
   cross = warp_sum(cross);
   if (!PROB) negent = warp_sum(negent);
   if (lane == 0) {
     if (PROB) negent = negent_in[row];
     const float ce = (m1 - zy) + logf(s1);
-    loss[row] = a * ce + b * (cross + (soft_ce ? 0.f : negent));
+    loss[row] = bad ? CUDART_NAN_F : a * ce + b * (cross + (soft_ce ? 0.f : negent));
   }
 }
 

@@ -19,11 +19,16 @@ mixture_kernel(const T* __restrict__ t, const float* __restrict__ w, int64_t M, 
   float* Pr = P + row * C;
   for (int64_t j = lane; j < C; j += kWarp) Pr[j] = 0.f;
   float ne = 0.f;
+  bool bad = false;  // a NaN or +inf logit read in the row (any teacher): its P and negent NaN (fmaxf drops NaN)
   for (int64_t m = 0; m < M; ++m) {
     const T* tr = t + (m * R + row) * C;
     float mx = -CUDART_INF_F;
     for (int64_t j = lane; j < C; j += kWarp)
-      if (!(not_true && j == y)) mx = fmaxf(mx, to_f(tr[j]) * inv_tau);
+      if (!(not_true && j == y)) {
+        const float x = to_f(tr[j]) * inv_tau;
+        mx = fmaxf(mx, x);
+        bad = bad || !(x < CUDART_INF_F);
+      }
     mx = warp_max(mx);
     if (mx == -CUDART_INF_F) continue;
     float s = 0.f;
@@ -41,6 +46,10 @@ mixture_kernel(const T* __restrict__ t, const float* __restrict__ w, int64_t M, 
       Pr[j] += wm * p;  // each lane owns its columns: no race
     }
     ne += wm * warp_sum(acc);
+  }
+  if (__any_sync(0xffffffffu, bad)) {
+    for (int64_t j = lane; j < C; j += kWarp) Pr[j] = CUDART_NAN_F;
+    ne = CUDART_NAN_F;
   }
   if (lane == 0) negent[row] = ne;
 }

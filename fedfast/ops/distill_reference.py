@@ -23,6 +23,10 @@ FedGKD-VOTE (Yao et al., Eq. 5): ``teacher_mixture_reference`` turns M teachers 
 ``P = sum_m w_m p_m`` and ``negent = sum_m w_m sum_c p_mc log p_mc``; then
 ``D_i = negent_i - sum_c P_ic log q_ic = sum_m w_m KL(p_m || q)`` and ``W = sum_m w_m``.
 Rows whose target is ``ignore_index`` (or out of range) give ``L_i = 0`` and zero gradient.
+
+Non-finite logits follow IEEE arithmetic on these formulas: a NaN or +inf in a row of the student, or of the teacher
+in a class of ``K_i``, makes ``L_i`` NaN (softmax of such a row is NaN); -inf teacher entries are classes the teacher
+excludes (p = 0, no term), and a teacher row that excludes every class of ``K_i`` adds no KD term (``D_i = 0``).
 """
 
 from __future__ import annotations
@@ -39,8 +43,17 @@ def _valid(target: torch.Tensor, C: int, ignore_index: int) -> torch.Tensor:
 
 
 def _xlogy_safe(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """p * logp with 0 where p == 0 (so -inf logs give 0, never NaN)."""
-    return torch.where(p > 0, p * torch.where(p > 0, logp, torch.zeros_like(logp)), torch.zeros_like(p))
+    """p * logp with 0 where p == 0 (so -inf logs give 0, and no NaN gradient through the unused product); a NaN p
+    (a row with a NaN or +inf logit) stays NaN."""
+    zero = p == 0
+    return torch.where(zero, torch.zeros_like(p), p * torch.where(zero, torch.zeros_like(logp), logp))
+
+
+def _log_softmax_excluding(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """log_softmax over the entries that are not -inf; a row (slice) of -inf only, every class excluded, is -inf
+    throughout (p = 0: no term), where ``torch.log_softmax`` gives NaN. NaN and +inf entries give NaN, as there."""
+    none = (x == float("-inf")).all(dim, keepdim=True)
+    return torch.log_softmax(x, dim=dim).masked_fill(none, float("-inf"))
 
 
 def _seg_rows(table: torch.Tensor, segments: torch.Tensor | None, R: int) -> torch.Tensor:
@@ -73,7 +86,7 @@ def _target(teacher, acc, tau, drop, onehot, rho, segments, teacher_negent):
     """Teacher target ``P`` [R, C] and ``log P`` (None for a given mixture distribution)."""
     if teacher_negent is not None:
         return teacher.to(acc).masked_fill(drop, 0.0), None
-    logp = torch.log_softmax((teacher.to(acc) / tau).masked_fill(drop, float("-inf")), dim=1)
+    logp = _log_softmax_excluding((teacher.to(acc) / tau).masked_fill(drop, float("-inf")), 1)
     p = torch.exp(logp)
     if rho is None:
         return p, logp
@@ -143,7 +156,7 @@ def teacher_mixture_reference(teachers, weights, target, *, tau=1.0, not_true=Fa
     valid = _valid(target, C, ignore_index)
     y = torch.where(valid, target, torch.zeros_like(target)).long()
     drop = (_onehot(y, C) & valid[:, None]) if not_true else torch.zeros(R, C, dtype=torch.bool, device=teachers.device)
-    logp = torch.log_softmax((teachers.to(acc) / tau).masked_fill(drop, float("-inf")), dim=2)
+    logp = _log_softmax_excluding((teachers.to(acc) / tau).masked_fill(drop, float("-inf")), 2)
     p = torch.exp(logp)
     w = weights.to(acc)[:, None, None]
     P = (w * p).sum(0)
@@ -161,7 +174,7 @@ def asd_weights_reference(teacher, target, class_prior, segments=None, *, entrop
     R, C = teacher.shape
     valid = _valid(target, C, ignore_index)
     y = torch.where(valid, target, torch.zeros_like(target)).long()
-    logp = torch.log_softmax(teacher.to(acc) / entropy_tau, dim=1)
+    logp = _log_softmax_excluding(teacher.to(acc) / entropy_tau, 1)
     H = -_xlogy_safe(torch.exp(logp), logp).sum(1)
     prior = _seg_rows(class_prior.to(acc), segments, R).gather(1, y[:, None]).squeeze(1)
     ahat = torch.exp(-H) / torch.where(valid, prior, torch.ones_like(prior))

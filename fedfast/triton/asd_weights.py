@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .distill import _row_targets, launch_config
+from .distill import _nonfinite, _row_targets, launch_config
 
 
 @triton.jit
@@ -36,6 +36,7 @@ def _asd_kernel(
     m = tl.zeros([BLOCK_R], dtype=tl.float32) + float("-inf")
     s = tl.zeros([BLOCK_R], dtype=tl.float32)
     u = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nb = tl.zeros([BLOCK_R], dtype=tl.float32)  # NaN / +inf logits in the row: H (and the weight) NaN
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         m2 = rmask[:, None] & (cols < C)[None, :]
@@ -43,6 +44,7 @@ def _asd_kernel(
             tl.load(t_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=m2, other=float("-inf")).to(tl.float32)
             * inv_tau
         )
+        nb += _nonfinite(x)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         ms_old = tl.where(m == float("-inf"), m_safe, m)
@@ -54,7 +56,7 @@ def _asd_kernel(
         u += tl.sum(tl.where(e > 0, e * (x - m_safe[:, None]), 0.0), axis=1)
         m = m_new
     H = tl.log(tl.where(s > 0, s, 1.0)) - tl.where(s > 0, u / s, 0.0)
-    H = tl.maximum(H, 0.0)
+    H = tl.where(nb > 0, float("nan"), tl.maximum(H, 0.0))
     py = tl.load(prior_ptr + seg * C + y, mask=valid, other=1.0)
     tl.store(out_ptr + rows, tl.where(valid, tl.exp(-H) / py, 0.0), mask=rmask)
 

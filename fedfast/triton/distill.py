@@ -72,7 +72,16 @@ def _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, like, RHO: tl.constexpr):
 
 
 @triton.jit
-def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB: tl.constexpr, RHO: tl.constexpr):
+def _nonfinite(x):
+    """Per row of a tile: how many entries are NaN or +inf (-inf is a valid, excluded class)."""
+    return tl.sum(((x != x) | (x == float("inf"))).to(tl.float32), axis=1)
+
+
+@triton.jit
+def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB: tl.constexpr, RHO: tl.constexpr):
+    # nb counts the row's NaN and +inf logits (student, and teacher in the classes read): the row's loss and gradient
+    # are NaN then, as IEEE arithmetic gives the formula (distill_reference), whatever the GPU's max does with NaN.
+    nb += _nonfinite(z) + _nonfinite(tt)
     m1, s1 = _online(m1, s1, z)
     mq, sq = _online(mq, sq, zq)
     zy += tl.sum(tl.where(is_y, z, 0.0), axis=1)
@@ -89,7 +98,7 @@ def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB: tl
         if RHO:
             mv = mv * scale + tl.sum(tl.where(is_y, 0.0, rho * e), axis=1)
         mt = m_new
-    return m1, s1, mq, sq, mt, st, W, mv, zy, ty
+    return m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb
 
 
 @triton.jit
@@ -116,6 +125,7 @@ def _emit(
     a,
     kb,
     valid,
+    bad,
     cross,
     negent,
     PROB: tl.constexpr,
@@ -145,7 +155,7 @@ def _emit(
     if not PROB:
         negent += tl.sum(tl.where(pos, P * tl.where(pos, logP, 0.0), 0.0), axis=1)
     g = a[:, None] * (sm - tl.where(is_y, 1.0, 0.0)) + kb[:, None] * (W[:, None] * q - P)
-    g = tl.where(valid[:, None], g, 0.0)
+    g = tl.where(valid[:, None], tl.where(bad[:, None], float("nan"), g), 0.0)
     tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=m2)
     return cross, negent
 
@@ -189,24 +199,25 @@ def _distill_kernel(
     y, valid, seg = _row_targets(y_ptr, seg_ptr, rows, rmask, C, S, ignore_index, HAS_SEG)
     zero = tl.zeros([BLOCK_R], dtype=tl.float32)
     ninf = zero + float("-inf")
-    m1, s1, mq, sq, mt, st, W, mv, zy, ty = ninf, zero, ninf, zero, ninf, zero, zero, zero, zero, zero
+    m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = ninf, zero, ninf, zero, ninf, zero, zero, zero, zero, zero, zero
     cols0 = tl.arange(0, BLOCK_C)
     if SINGLE:
         z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols0, C, rmask, y, inv_tau, NOT_TRUE, PROB)
         rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols0, C, m2, tt, RHO)
-        m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(
-            z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB, RHO
+        m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = _stats(
+            z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB, RHO
         )
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
             rho, _ = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
-            m1, s1, mq, sq, mt, st, W, mv, zy, ty = _stats(
-                z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, PROB, RHO
+            m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = _stats(
+                z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB, RHO
             )
     if not PROB:
         W = zero + 1.0
+    bad = nb > 0
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
     mts = tl.where(mt == float("-inf"), 0.0, mt)
     inv_s1 = 1.0 / s1
@@ -262,6 +273,7 @@ def _distill_kernel(
             a,
             kb,
             valid,
+            bad,
             cross,
             negent,
             PROB,
@@ -295,6 +307,7 @@ def _distill_kernel(
                 a,
                 kb,
                 valid,
+                bad,
                 cross,
                 negent,
                 PROB,
@@ -306,7 +319,7 @@ def _distill_kernel(
     D = cross
     if not SOFT_CE:
         D = D + negent
-    loss = tl.where(valid, a * ce + b * D, 0.0)
+    loss = tl.where(valid, tl.where(bad, float("nan"), a * ce + b * D), 0.0)
     tl.store(loss_ptr + rows, loss, mask=rmask)
 
 

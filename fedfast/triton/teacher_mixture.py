@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .distill import _row_targets, launch_config
+from .distill import _nonfinite, _row_targets, launch_config
 
 
 @triton.jit
@@ -37,6 +37,7 @@ def _mixture_kernel(
     y = tl.where(valid, y, -1)  # ignored rows mask no column
     cols0 = tl.arange(0, BLOCK_C)
     negent = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nb = tl.zeros([BLOCK_R], dtype=tl.float32)  # NaN / +inf logits read in the row, over all teachers
     base = t_ptr
     for mi in range(0, M):
         w = tl.load(w_ptr + mi).to(tl.float32)
@@ -53,6 +54,7 @@ def _mixture_kernel(
             )
             if NOT_TRUE:
                 x = tl.where(cols[None, :] == y[:, None], float("-inf"), x)
+            nb += _nonfinite(x)
             m_new = tl.maximum(m, tl.max(x, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
@@ -73,7 +75,14 @@ def _mixture_kernel(
             acc = tl.load(P_ptr + offs, mask=m2, other=0.0)
             tl.store(P_ptr + offs, acc + w * p, mask=m2)
         base += R * C  # next teacher (pointer increments: no 32-bit overflow of M*R*C)
-    tl.store(neg_ptr + rows, negent, mask=rmask)
+    # a row with a NaN or +inf logit: P and negent NaN, as IEEE arithmetic gives the formula (whatever the GPU's max
+    # does with NaN); stores only on such rows
+    bad = nb > 0
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        m2 = (rmask & bad)[:, None] & (cols < C)[None, :]
+        tl.store(P_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], float("nan"), mask=m2)
+    tl.store(neg_ptr + rows, tl.where(bad, float("nan"), negent), mask=rmask)
 
 
 def teacher_mixture_triton(teachers, weights, target, tau, not_true, ignore_index):
