@@ -46,10 +46,10 @@ class _DistillBase(nn.Module):
         double_backward: bool = False,
     ):
         super().__init__()
-        _validate.check_tau("tau", tau)
+        tau = _validate.check_tau("tau", tau)
         if reduction not in ("mean", "sum", "none", "segment"):
             raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
-        self.tau, self.reduction, self.ignore_index = float(tau), reduction, int(ignore_index)
+        self.tau, self.reduction, self.ignore_index = tau, reduction, int(ignore_index)
         self.backend, self.validate = backend, validate
         for name, v in (("detach_teacher", detach_teacher), ("double_backward", double_backward)):
             if not isinstance(v, bool):
@@ -103,7 +103,11 @@ class KDLoss(_DistillBase):
         double_backward: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
-        self.ce_weight, self.kd_weight, self.tau_squared = float(ce_weight), float(kd_weight), bool(tau_squared)
+        self.ce_weight, self.kd_weight, self.tau_squared = (
+            _validate.real("ce_weight", ce_weight),
+            _validate.real("kd_weight", kd_weight),
+            bool(tau_squared),
+        )
 
     def forward(
         self,
@@ -152,7 +156,7 @@ class NTDLoss(_DistillBase):
         double_backward: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
-        self.beta, self.tau_squared = float(beta), bool(tau_squared)
+        self.beta, self.tau_squared = _validate.real("beta", beta), bool(tau_squared)
 
     def forward(
         self,
@@ -195,13 +199,13 @@ class ASDLoss(_DistillBase):
         double_backward: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
-        self.lam, self.not_true, self.tau_squared = float(lam), bool(not_true), bool(tau_squared)
+        self.lam, self.not_true, self.tau_squared = _validate.real("lam", lam), bool(not_true), bool(tau_squared)
         if entropy_tau is None:
             raise ValueError(
                 "entropy_tau: give the temperature of the teacher entropy in the ASD weights (the "
                 "official code: 1.0, the default; None used to mean tau)"
             )
-        self.entropy_tau = float(entropy_tau)
+        self.entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
         _validate.check_tau("entropy_tau", self.entropy_tau)
 
     def forward(
@@ -246,7 +250,7 @@ class GKDLoss(_DistillBase):
         double_backward: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
-        self.gamma, self.tau_squared = float(gamma), bool(tau_squared)
+        self.gamma, self.tau_squared = _validate.real("gamma", gamma), bool(tau_squared)
 
     def forward(
         self,
@@ -339,9 +343,10 @@ class ADCLoss(_DistillBase):
         double_backward: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
+        lam = _validate.real("lam", lam)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam: must lie in [0, 1], got {lam!r}")
-        self.lam, self.tau_squared = float(lam), bool(tau_squared)
+        self.lam, self.tau_squared = _validate.real("lam", lam), bool(tau_squared)
 
     def forward(
         self,
@@ -390,8 +395,10 @@ class LinearKDLoss(nn.Module):
     ``torch.jit.trace``, ``torch.func.grad`` and ``vmap``; no gradient work under ``torch.no_grad()``; the
     weight's gradient is written once (``W.grad`` is the tensor the chunks accumulate into). Two options the other
     modules take are refused by name here: a teacher that receives gradients (``detach_teacher=False``) and second
-    derivatives (``double_backward=True``);
-    use the unfused layer with :class:`KDLoss` for those. ``chunk_rows``: rows per chunk (default a quarter)."""
+    derivatives (``double_backward=True``), and forward-mode AD (``torch.func.jvp``) raises a NotImplementedError
+    naming it; use the unfused layer with :class:`KDLoss` for those. A weight whose dtype differs from its hidden
+    states' (an fp32 head on bf16 states) is cast to theirs, student and teacher alike. ``chunk_rows``: rows per
+    chunk (default a quarter)."""
 
     def __init__(
         self,
@@ -409,7 +416,7 @@ class LinearKDLoss(nn.Module):
         double_backward: bool = False,
     ):
         super().__init__()
-        _validate.check_tau("tau", tau)
+        tau = _validate.check_tau("tau", tau)
         if reduction not in ("mean", "sum", "none", "segment"):
             raise ValueError(f"reduction: must be 'mean', 'sum', 'none' or 'segment', got {reduction!r}")
         if chunk_rows is not None and (
@@ -431,7 +438,11 @@ class LinearKDLoss(nn.Module):
                 "in the forward); for a second derivative use the unfused layer with "
                 "KDLoss(double_backward=True)"
             )
-        self.tau, self.ce_weight, self.kd_weight = float(tau), float(ce_weight), float(kd_weight)
+        self.tau, self.ce_weight, self.kd_weight = (
+            tau,
+            _validate.real("ce_weight", ce_weight),
+            _validate.real("kd_weight", kd_weight),
+        )
         self.tau_squared, self.not_true, self.reduction = bool(tau_squared), bool(not_true), reduction
         self.ignore_index, self.chunk_rows, self.backend, self.validate = (
             int(ignore_index),

@@ -198,7 +198,19 @@ def functorch_active(*ts) -> bool:
     return functorch_wrapped(*ts)
 
 
+def forward_ad_active(*ts) -> bool:
+    """Whether one of these tensors is a forward-mode AD dual tensor (``torch.autograd.forward_ad``) with a
+    tangent at the current level: the fused ops have no forward derivative, so the losses take PyTorch's formulas."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: nothing to check
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in ts)
+
+
 def plain_eager(*ts) -> bool:
     """Not compiling, not tracing, no torch.func transform: a backend kernel can be called directly, without its
     ``torch.library`` custom op (whose Python dispatch costs ~0.1 ms a call)."""
-    return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active(*ts))
+    return not (
+        torch.compiler.is_compiling() or torch.jit.is_tracing() or functorch_active(*ts) or forward_ad_active(*ts)
+    )

@@ -155,9 +155,22 @@ def check_logits(name: str, x: torch.Tensor, ndim: int = 2) -> None:
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
 
 
-def check_tau(name: str, tau: float) -> None:
-    if not (isinstance(tau, (int, float)) and tau > 0 and tau < float("inf")):
-        raise ValueError(f"{name}: must be a finite number > 0, got {tau!r}")
+def real(name: str, v, *, positive: bool = False) -> float:
+    """``v`` as a Python float: any real number (int, float, a NumPy scalar such as ``np.float32(2)``; not a bool or
+    a tensor), finite, and > 0 when ``positive``; else a ValueError naming ``name``."""
+    import numbers
+
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    f = float(v) if ok else float("nan")
+    if not ok or f != f or abs(f) == float("inf") or (positive and not f > 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name}: must be {what}, got {v!r}")
+    return f
+
+
+def check_tau(name: str, tau) -> float:
+    """A temperature: a finite number > 0, returned as a float."""
+    return real(name, tau, positive=True)
 
 
 def check_target(target: torch.Tensor, R: int, C: int, ignore_index: int, device, mode: str) -> None:

@@ -63,7 +63,7 @@ def asd_weights(
 ) -> Tensor:
     """Un-normalised ASD weights ``alphahat`` [R] (0 on ignored rows). ``class_prior`` [C] or [S, C]."""
     _validate.check_logits("teacher", teacher)
-    _validate.check_tau("entropy_tau", entropy_tau)
+    entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
     R, C = teacher.shape
     dev = teacher.device
     mode = _validate.mode_for(dev, validate)
@@ -110,7 +110,7 @@ def asd_row_weights(
     the ``row_weight`` of :func:`fedfast.ops.distill`. On the cpu backend in eager mode one C++ pass computes the
     weights, their per-segment normalisation and the ``class_prior`` check."""
     _validate.check_logits("teacher", teacher)
-    _validate.check_tau("entropy_tau", entropy_tau)
+    entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
     R, C = teacher.shape
     dev = teacher.device
     be = _backend.resolve_for(backend, dev.type, teacher.dtype)

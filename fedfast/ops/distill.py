@@ -521,6 +521,8 @@ def autograd_reason(student, teacher, detach_teacher: bool, double_backward: boo
         return "torch.jit.trace"
     if _backend.functorch_active(student, teacher):
         return "a torch.func transform"
+    if _backend.forward_ad_active(student, teacher):
+        return "forward-mode AD"
     return ""
 
 
@@ -647,17 +649,16 @@ def distill(
     and the backward scales it, so asking for a gradient of that gradient (``create_graph=True``) raises. With
     ``detach_teacher=False`` (mutual or online distillation: the teacher learns too) or ``double_backward=True``
     (gradient penalties, Hessian-vector products) the loss is computed with PyTorch's autograd formulas (the
-    reference formulas, any device, slower); ``torch.jit.trace`` and ``torch.func`` transforms take that path too.
+    reference formulas, any device, slower); ``torch.jit.trace``, ``torch.func`` transforms (``jvp`` too) and
+    dual tensors of ``torch.autograd.forward_ad`` take that path too.
     """
     _validate.check_logits("student", student)
     if kind not in _KINDS:
         raise ValueError(f"kind: must be one of {_KINDS}, got {kind!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: must be one of {_REDUCTIONS}, got {reduction!r}")
-    _validate.check_tau("tau", tau)
-    for nm, v in (("ce_weight", ce_weight), ("kd_weight", kd_weight)):
-        if not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
-            raise ValueError(f"{nm}: must be a finite number, got {v!r}")
+    tau = _validate.check_tau("tau", tau)
+    ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
     R, C = student.shape
     if C < 2:
         raise ValueError(f"student: needs at least 2 classes, got C={C}")
@@ -667,7 +668,7 @@ def distill(
     be = None if why else _backend.resolve_for(backend, dev.type, student.dtype)
     asd = None
     if class_prior is not None:
-        _validate.check_tau("entropy_tau", entropy_tau)
+        entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
         if row_weight is not None:
             raise ValueError("class_prior: ASD computes the KD row weights; pass row_weight or class_prior, not both")
         if (

@@ -113,6 +113,8 @@ def _pass(
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
     out = torch.empty(R, dtype=acc, device=h.device) if rows else torch.zeros((), dtype=acc, device=h.device)
     Wa = W if W.dtype == h.dtype else W.to(h.dtype)
+    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head)
+    tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
     n0 = min(chunk, R)
     # one chunk's logits (and teacher logits) buffer for the whole pass, written by the GEMMs (out=): no fresh
     # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
@@ -197,6 +199,8 @@ def _pass_functional(
     acc = _loss_dtype(h)
     R = h.shape[0]
     Wa = W if W.dtype == h.dtype else W.to(h.dtype)
+    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head)
+    tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
     outs, ghs, gW, gb = [], [], None, None
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
@@ -522,6 +526,14 @@ _rows_op.register_autograd(_rows_backward, setup_context=_rows_setup)
 
 
 # -- eager (and torch.func): autograd Functions without a custom op's dispatch, the gradients taken, not copied -------
+def _refuse_forward_mode():
+    raise NotImplementedError(
+        "linear_distill (LinearKDLoss): forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not "
+        "supported: the fused op forms reverse-mode gradients only. Use reverse mode (backward, torch.func.grad, "
+        "vjp), or the unfused layer: KDLoss on F.linear(hidden, weight, bias), which supports jvp"
+    )
+
+
 class _Total(torch.autograd.Function):
     """Eager ``sum_i scale_i L_i`` with the gradients formed in the forward. The backward scales them in place and
     hands them on with no other reference (``W.grad`` is then that tensor: the weight gradient written once); with
@@ -575,6 +587,10 @@ class _Total(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *inputs):
         return _vmap_loop(_Total.forward, info, in_dims, inputs, 4)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        _refuse_forward_mode()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -661,6 +677,10 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *inputs):
         return _vmap_loop(_Rows.forward, info, in_dims, inputs, 1)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        _refuse_forward_mode()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -860,7 +880,8 @@ def linear_distill(
         detach_teacher,
         double_backward,
     )
-    _validate.check_tau("tau", tau)
+    tau = _validate.check_tau("tau", tau)
+    ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
     h = hidden.reshape(-1, H)
     R = h.shape[0]
     y = target.reshape(-1)

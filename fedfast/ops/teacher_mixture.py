@@ -70,7 +70,7 @@ def teacher_mixture(
 ):
     """Return ``(P [R, C], negent [R])`` (fp32; fp64 for fp64 teachers). See the module docstring."""
     _validate.check_logits("teachers", teachers, ndim=3)
-    _validate.check_tau("tau", tau)
+    tau = _validate.check_tau("tau", tau)
     M, R, C = teachers.shape
     dev = teachers.device
     mode = _validate.mode_for(dev, validate)
