@@ -58,7 +58,7 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   // log q_j = (zq_j - mq) - log(sq): never form mq + log(sq) (loses digits for |logits| ~ 1e4)
   const A inv_s1 = A(1 / s1), inv_sq = A(1 / sq), lsq = A(std::log(sq));
   // st is 0 (every class excluded), >= 1, or NaN (a NaN or +inf teacher logit: the row's P, loss and gradient NaN)
-  const A inv_st = st != 0 ? A(1 / st) : A(0), lst = st != 0 ? A(std::log(st)) : A(0);
+  const A inv_st = st != 0 ? A(1 / st) : A(0);
   A mvd = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
   if (RHO) {
     const A* rho = r.rho;
@@ -69,46 +69,51 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   const A a = r.a, kb = r.b * r.inv_tau;
   // True class y first (its terms are overwritten after the elementwise loops): P_y is the teacher prob,
   // plus the moved mass for FedADC+, and 0 for not-true.
-  A Py, logPy;
-  if (r.not_true) {
-    Py = 0;
-    logPy = 0;
-  } else if (PROB) {
-    Py = TT[y];
-    logPy = 0;
-  } else {
-    const A py = ET[y] * inv_st;
-    Py = RHO ? py + mvd : py;
-    logPy = RHO ? std::log(Py) : (TT[y] - mt) - lst;
-  }
+  A Py;
+  if (r.not_true) Py = 0;
+  else if (PROB) Py = TT[y];
+  else Py = RHO ? ET[y] * inv_st + mvd : ET[y] * inv_st;
   const A logqy = (ZQ[y] - mq) - lsq, qy = EQ[y] * inv_sq, smy = E1[y] * inv_s1;
-  // In place: ZQ <- log q, EQ <- q, E1 <- softmax(z), and (logit teacher) ET <- P, TT <- log P.
-  for (int64_t j = 0; j < C; ++j) ZQ[j] = (ZQ[j] - mq) - lsq;
+  // In place: EQ <- q, E1 <- softmax(z), and (logit teacher) ET <- P.
   for (int64_t j = 0; j < C; ++j) EQ[j] *= inv_sq;
   for (int64_t j = 0; j < C; ++j) E1[j] *= inv_s1;
   if (!PROB) {
     if (RHO) {
-      const A *__restrict rho = r.rho, *__restrict l1p = r.l1p;
+      const A* __restrict rho = r.rho;
       for (int64_t j = 0; j < C; ++j) ET[j] = (A(1) - rho[j]) * (ET[j] * inv_st);
-      for (int64_t j = 0; j < C; ++j) TT[j] = l1p[j] + ((TT[j] - mt) - lst);
     } else {
       for (int64_t j = 0; j < C; ++j) ET[j] *= inv_st;
-      for (int64_t j = 0; j < C; ++j) TT[j] = (TT[j] - mt) - lst;
     }
   }
   const A* __restrict P = PROB ? TT : ET;
   // 0 * log 0 = 0: select the log (not the product) so the loops stay branch-free selects; P != 0, not P > 0, so
   // that a NaN P stays NaN.
-  for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] != 0 ? ZQ[j] : A(0));  // cross-entropy terms
-  if (!PROB)
-    for (int64_t j = 0; j < C; ++j) V[j] = ET[j] * (ET[j] != 0 ? TT[j] : A(0));  // negative-entropy terms
+  A D;  // the row's distillation term
+  if (PROB || r.soft_ce) {  // the soft cross-entropy -sum P log q (plus a given mixture's negent)
+    for (int64_t j = 0; j < C; ++j) ZQ[j] = (ZQ[j] - mq) - lsq;  // log q
+    for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] != 0 ? ZQ[j] : A(0));
+    U[y] = Py != 0 ? -Py * logqy : A(0);
+    D = A(dsum(U, C)) + ((PROB && !r.soft_ce) ? r.negent_in : A(0));
+  } else {  // KL(P || q) = sum_c P_c (log P_c - log q_c), the log ratio formed before the sum:
+    // log p_c - log q_c = (tt_c - mt) - (zq_c - mq) - K, K = log(st / sq) from expm1 sums (see fexpm1)
+    for (int64_t j = 0; j < C; ++j) U[j] = fexpm1(ZQ[j] - mq);
+    for (int64_t j = 0; j < C; ++j) V[j] = fexpm1(TT[j] - mt);
+    const double dq = dsum64(U, C), dt = dsum64(V, C);
+    const A K = A(std::log1p((dt - dq) / (double(C) + dq)));
+    if (RHO) {
+      const A* __restrict l1p = r.l1p;
+      for (int64_t j = 0; j < C; ++j)
+        V[j] = P[j] != 0 ? P[j] * ((l1p[j] + ((TT[j] - mt) - (ZQ[j] - mq))) - K) : A(0);
+      V[y] = Py != 0 ? Py * (A(std::log(Py)) - logqy) : A(0);
+    } else {
+      for (int64_t j = 0; j < C; ++j) V[j] = P[j] != 0 ? P[j] * (((TT[j] - mt) - (ZQ[j] - mq)) - K) : A(0);
+    }
+    D = A(dsum64(V, C));
+  }
   for (int64_t j = 0; j < C; ++j) G[j] = a * E1[j] + kb * (W * EQ[j] - P[j]);
-  U[y] = Py != 0 ? -Py * logqy : A(0);
-  if (!PROB) V[y] = Py != 0 ? Py * logPy : A(0);
   G[y] = a * (smy - A(1)) + kb * (W * qy - Py);
-  const A cross = A(dsum(U, C)), negent = PROB ? r.negent_in : A(dsum(V, C));
   const A ce = (m1 - Z[y]) + A(std::log(s1));
-  return a * ce + r.b * (cross + (r.soft_ce ? A(0) : negent));
+  return a * ce + r.b * D;
 }
 
 template <typename A>
@@ -160,8 +165,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     TT[y[l] * kBlock + l] = PROB ? A(0) : ninf;
   }
   alignas(64) A m1[kBlock], mq[kBlock], mt[kBlock], s1[kBlock], sq[kBlock], st[kBlock], W[kBlock], mvd[kBlock];
-  alignas(64) A cross[kBlock], neg[kBlock];
-  alignas(64) double d1[kBlock], dq[kBlock], dt[kBlock], dw[kBlock], dm[kBlock], dc[kBlock], dn[kBlock];
+  alignas(64) double d1[kBlock], dq[kBlock], dt[kBlock], dw[kBlock], dm[kBlock], dc[kBlock];
   FF_LANES { m1[l] = ninf; mq[l] = ninf; mt[l] = ninf; }
   FF_EACH {
     const int64_t k = j * kBlock + l;
@@ -174,7 +178,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     m1[l] = m1[l] == ninf ? A(0) : m1[l];
     mq[l] = mq[l] == ninf ? A(0) : mq[l];
     mt[l] = mt[l] == ninf ? A(0) : mt[l];
-    d1[l] = 0; dq[l] = 0; dt[l] = 0; dw[l] = 0; dm[l] = 0; dc[l] = 0; dn[l] = 0;
+    d1[l] = 0; dq[l] = 0; dt[l] = 0; dw[l] = 0; dm[l] = 0; dc[l] = 0;
   }
   FF_CHUNKS {
     FF_LANES { s1[l] = 0; sq[l] = 0; st[l] = 0; W[l] = 0; }
@@ -194,7 +198,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     FF_LANES { d1[l] += s1[l]; dq[l] += sq[l]; dt[l] += st[l]; dw[l] += W[l]; }
   }
   FF_LANES { s1[l] = A(d1[l]); sq[l] = A(dq[l]); st[l] = A(dt[l]); W[l] = PROB ? A(dw[l]) : A(1); }
-  alignas(64) A inv_s1[kBlock], inv_sq[kBlock], lsq[kBlock], ls1[kBlock], inv_st[kBlock], lst[kBlock];
+  alignas(64) A inv_s1[kBlock], inv_sq[kBlock], lsq[kBlock], ls1[kBlock], inv_st[kBlock];
 #pragma omp simd
   FF_LANES {  // s1, sq >= 1 (the maximum's term is exp(0)); st is 0 or >= 1; each is NaN over a NaN or +inf logit
     inv_s1[l] = A(1) / s1[l];
@@ -202,7 +206,6 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     lsq[l] = flog(sq[l]);
     ls1[l] = flog(s1[l]);
     inv_st[l] = st[l] != 0 ? A(1) / st[l] : A(0);
-    lst[l] = (!PROB && st[l] != 0) ? flog(st[l] != 0 ? st[l] : A(1)) : A(0);
   }
   if (RHO) {
     FF_EACH {
@@ -215,57 +218,64 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     FF_LANES mvd[l] = A(dm[l]) * inv_st[l];
   }
   // True class per lane (overwritten after the elementwise loops, as in row_core).
-  alignas(64) A Py[kBlock], logPy[kBlock], logqy[kBlock], qy[kBlock], smy[kBlock];
+  alignas(64) A Py[kBlock], logqy[kBlock], qy[kBlock], smy[kBlock], K[kBlock];
   FF_LANES {
     const int64_t k = y[l] * kBlock + l;
-    if (r.not_true) {
-      Py[l] = 0;
-      logPy[l] = 0;
-    } else if (PROB) {
-      Py[l] = TT[k];
-      logPy[l] = 0;
-    } else {
-      const A py = ET[k] * inv_st[l];
-      Py[l] = RHO ? py + mvd[l] : py;
-      logPy[l] = RHO ? std::log(Py[l]) : (TT[k] - mt[l]) - lst[l];
-    }
+    if (r.not_true) Py[l] = 0;
+    else if (PROB) Py[l] = TT[k];
+    else Py[l] = RHO ? ET[k] * inv_st[l] + mvd[l] : ET[k] * inv_st[l];
     logqy[l] = (ZQ[k] - mq[l]) - lsq[l];
     qy[l] = EQ[k] * inv_sq[l];
     smy[l] = E1[k] * inv_s1[l];
   }
   const A kb_scale = r.inv_tau;
+  // KL(P || q) with the log ratio formed before the sum (row_core); the soft cross-entropy otherwise
+  const bool kl = !PROB && !r.soft_ce;
+  if (kl) {
+    alignas(64) double ekq[kBlock], ekt[kBlock];  // sums of expm1: student / tau and teacher / tau
+    FF_LANES { ekq[l] = 0; ekt[l] = 0; }
+    FF_EACH {
+      const int64_t k = j * kBlock + l;
+      U[k] = fexpm1(ZQ[k] - mq[l]);
+      V[k] = fexpm1(TT[k] - mt[l]);
+    }
+    lane_sums64<kBlock>(C, U, ekq);
+    lane_sums64<kBlock>(C, V, ekt);
+    FF_LANES K[l] = A(std::log1p((ekt[l] - ekq[l]) / (double(C) + ekq[l])));
+  }
   FF_EACH {
     const int64_t k = j * kBlock + l;
-    ZQ[k] = (ZQ[k] - mq[l]) - lsq[l];
     EQ[k] *= inv_sq[l];
     E1[k] *= inv_s1[l];
-    if (!PROB) {
-      if (RHO) {
-        ET[k] = (A(1) - r.RH[k]) * (ET[k] * inv_st[l]);
-        TT[k] = r.L1P[k] + ((TT[k] - mt[l]) - lst[l]);
-      } else {
-        ET[k] *= inv_st[l];
-        TT[k] = (TT[k] - mt[l]) - lst[l];
-      }
-    }
+    if (!PROB) ET[k] = RHO ? (A(1) - r.RH[k]) * (ET[k] * inv_st[l]) : ET[k] * inv_st[l];
     const A P = PROB ? TT[k] : ET[k];
-    U[k] = -P * (P != 0 ? ZQ[k] : A(0));
-    if (!PROB) V[k] = ET[k] * (ET[k] != 0 ? TT[k] : A(0));
     G[k] = r.a[l] * E1[k] + (r.b[l] * kb_scale) * (W[l] * EQ[k] - P);
+  }
+  if (kl) {
+    FF_EACH {
+      const int64_t k = j * kBlock + l;
+      const A lr = ((TT[k] - mt[l]) - (ZQ[k] - mq[l])) - K[l];
+      V[k] = ET[k] != 0 ? ET[k] * (RHO ? r.L1P[k] + lr : lr) : A(0);
+    }
+  } else {
+    FF_EACH {
+      const int64_t k = j * kBlock + l;
+      const A P = PROB ? TT[k] : ET[k];
+      U[k] = -P * (P != 0 ? (ZQ[k] - mq[l]) - lsq[l] : A(0));
+    }
   }
   FF_LANES {
     const int64_t k = y[l] * kBlock + l;
-    U[k] = Py[l] != 0 ? -Py[l] * logqy[l] : A(0);
-    if (!PROB) V[k] = Py[l] != 0 ? Py[l] * logPy[l] : A(0);
+    if (!kl) U[k] = Py[l] != 0 ? -Py[l] * logqy[l] : A(0);
+    else if (RHO) V[k] = Py[l] != 0 ? Py[l] * (A(std::log(Py[l])) - logqy[l]) : A(0);
     G[k] = r.a[l] * (smy[l] - A(1)) + (r.b[l] * kb_scale) * (W[l] * qy[l] - Py[l]);
   }
-  lane_sums<kBlock>(C, U, dc);
-  if (!PROB) lane_sums<kBlock>(C, V, dn);
-  FF_LANES { cross[l] = A(dc[l]); neg[l] = A(dn[l]); }
+  if (kl) lane_sums64<kBlock>(C, V, dc);
+  else lane_sums<kBlock>(C, U, dc);
   FF_LANES {
     const A ce = (m1[l] - Z[y[l] * kBlock + l]) + ls1[l];
-    const A ng = PROB ? r.negent_in[l] : neg[l];
-    out[l] = r.a[l] * ce + r.b[l] * (cross[l] + (r.soft_ce ? A(0) : ng));
+    const A D = A(dc[l]) + ((PROB && !r.soft_ce) ? r.negent_in[l] : A(0));
+    out[l] = r.a[l] * ce + r.b[l] * D;
   }
 }
 #undef FF_EACH

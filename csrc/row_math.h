@@ -41,6 +41,32 @@ __attribute__((always_inline)) static inline float fexp(float x) {
 }
 static inline double fexp(double x) { return std::exp(x); }
 
+// expm1(x) for x <= 0, as fexp: where |x| < ln2/2 (n = 0) fexp's polynomial without its 1, to ~1 ulp of the result,
+// where exp(x) - 1 would lose digits to cancellation; exp(x) - 1 elsewhere (no cancellation past ln2/2); -1 for
+// x < -87.3 (incl. -inf), NaN for NaN. The KL's row constant log(st / sq) = log1p((dt - dq) / (C + dq)) is formed
+// from these sums (distill_reference._log_ratio): near-uniform rows at a large temperature keep their digits.
+__attribute__((always_inline)) static inline float fexpm1(float x) {
+  const float lo = -87.3f;
+  float xc = x < lo ? lo : x;
+  xc = xc > 88.0f ? 88.0f : xc;
+  const float magic = 12582912.0f;
+  const float t = xc * 1.44269504088896341f + magic;
+  const float n = t - magic;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float em1 = p * r * r + r;
+  const int32_t bits = (__builtin_bit_cast(int32_t, t) - 0x4B400000 + 127) << 23;
+  const float res = (em1 + 1.0f) * __builtin_bit_cast(float, bits) - 1.0f;
+  return x < lo ? -1.0f : (n == 0.0f ? em1 : res);
+}
+static inline double fexpm1(double x) { return std::expm1(x); }
+
 // log(x) for finite x > 0 (normal), branch-free and auto-vectorisable (Cephes logf: x = 2^e m, m in
 // [sqrt(1/2), sqrt(2)), degree-8 polynomial in m - 1; ~1 ulp); NaN for NaN (a row sum over a NaN or +inf logit).
 // Callers select away x = 0 themselves.
@@ -87,6 +113,16 @@ __attribute__((always_inline)) inline double dsum(const A* __restrict x, int64_t
   return total;
 }
 
+// Row sum in fp64 throughout (each term widened): for sums that cancel, such as the KL's expm1 sums and its terms
+// (dsum's fp32 partials cost 1e-4 of the KL at tau = 1000).
+template <typename A>
+__attribute__((always_inline)) inline double dsum64(const A* __restrict x, int64_t n) {
+  double acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) acc += static_cast<double>(x[j]);
+  return acc;
+}
+
 // E = exp(X - m) with m = max(X) (written to *m; 0 and E = 0 for an all -inf row); returns sum(E) in fp64.
 template <typename A>
 __attribute__((always_inline)) inline double row_exp(int64_t C, const A* __restrict X, A* __restrict E, A* m_out) {
@@ -102,6 +138,14 @@ __attribute__((always_inline)) inline double row_exp(int64_t C, const A* __restr
 // The narrow kernels' row sums: L-wide vector adds in the element type over chunks of kLaneSumChunk classes, each
 // chunk's partial folded into fp64 (as dsum does along a row).
 constexpr int64_t kLaneSumChunk = 32;
+
+// Rows laid out [C][L]: acc[l] += sum_j X[j * L + l], every term widened to fp64 (see dsum64).
+template <int64_t L, typename A>
+__attribute__((always_inline)) inline void lane_sums64(int64_t C, const A* __restrict X, double* __restrict acc) {
+  for (int64_t j = 0; j < C; ++j)
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) acc[l] += static_cast<double>(X[j * L + l]);
+}
 
 // Rows laid out [C][L] (column l of row j at j * L + l): acc[l] += sum_j X[j * L + l].
 template <int64_t L, typename A>

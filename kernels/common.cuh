@@ -32,6 +32,12 @@ __device__ __forceinline__ int64_t load_index(const void* p, int is_i64, int64_t
   return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 // -inf-safe shift: a row max of -inf (all entries -inf) is replaced by 0 so exp(x - m) = 0, not NaN.
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 __device__ __forceinline__ float safe_max(float m) { return m == -CUDART_INF_F ? 0.f : m; }
 
 }  // namespace fedfast_cuda

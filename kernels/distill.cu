@@ -55,8 +55,12 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
   mq = safe_max(warp_max(mq));
   if (PROB) W = warp_sum(W);
   else { mt = safe_max(warp_max(mt)); W = 1.f; }
-  // pass 2: sum-exps (and the FedADC+ moved mass)
+  // pass 2: sum-exps (and the FedADC+ moved mass); for the KL (a logit teacher, not soft_ce) the sums of expm1 too,
+  // for its row constant log(st / sq) = log1p((et - eq) / (C + eq)) (excluded classes count -1): near-uniform rows at
+  // a large tau keep their digits (fedfast/ops/distill_reference.py, _log_ratio)
+  const bool kl = !PROB && !soft_ce;
   float s1 = 0.f, sq = 0.f, st = 0.f, mv = 0.f;
+  double eq = 0.0, et = 0.0;  // fp64: fp32 sums of expm1 cost 1e-4 of the KL at tau = 1000
   for (int64_t j = lane; j < C; j += kWarp) {
     const float zj = to_f(zr[j]);
     const bool drop = not_true && j == y;
@@ -67,14 +71,24 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
       st += e;
       if (RHO && j != y) mv += rho[j] * e;
     }
+    if (kl) {
+      eq += drop ? -1.0 : (double)expm1f(zj * inv_tau - mq);
+      et += drop ? -1.0 : (double)expm1f(to_f(tr[j]) * inv_tau - mt);
+    }
   }
   s1 = warp_sum(s1);
   sq = warp_sum(sq);
   if (!PROB) st = warp_sum(st);
   if (RHO) mv = warp_sum(mv);
+  float K = 0.f;
+  if (kl) {
+    eq = warp_sum(eq);
+    et = warp_sum(et);
+    K = (float)log1p((et - eq) / ((double)C + eq));
+  }
   // log q = (zq - mq) - log(sq): never form mq + log(sq) (digits lost for |logits| ~ 1e4)
   const float inv_s1 = 1.f / s1, inv_sq = 1.f / sq, lsq = logf(sq);
-  const float inv_st = st > 0.f ? 1.f / st : 0.f, lst = st > 0.f ? logf(st) : 0.f;
+  const float inv_st = st > 0.f ? 1.f / st : 0.f;
   const float zy = to_f(zr[y]);
   float Py;
   if (not_true) Py = 0.f;
@@ -85,39 +99,39 @@ distill_rows_kernel(const S* __restrict__ z, const T* __restrict__ t, const void
   if (roww) b *= roww[row];
   if (rscale) { a *= rscale[row]; b *= rscale[row]; }
   const float kb = b * inv_tau;
-  // pass 3: gradient and loss terms
-  float cross = 0.f, negent = 0.f;
+  // pass 3: gradient and loss terms (D: the KL, or the soft cross-entropy)
+  double D = 0.0;  // fp64: the KL's terms cancel
   for (int64_t j = lane; j < C; j += kWarp) {
     const float zj = to_f(zr[j]);
     const bool is_y = j == y;
     const bool drop = not_true && is_y;
     const float logq = drop ? NINF : (zj * inv_tau - mq) - lsq;
     const float q = drop ? 0.f : expf(zj * inv_tau - mq) * inv_sq;
-    float P, logP = 0.f;
-    if (is_y) {
-      P = Py;
-      if (!PROB && P > 0.f) logP = RHO ? logf(P) : (to_f(tr[j]) * inv_tau - mt) - lst;
-    } else if (PROB) {
-      P = to_f(tr[j]);
-    } else {
-      const float logp = (to_f(tr[j]) * inv_tau - mt) - lst;
+    float P;
+    if (is_y) P = Py;
+    else if (PROB) P = to_f(tr[j]);
+    else {
       const float p = expf(to_f(tr[j]) * inv_tau - mt) * inv_st;
       P = RHO ? (1.f - rho[j]) * p : p;
-      logP = RHO ? l1p[j] + logp : logp;
     }
     if (P > 0.f) {
-      cross -= P * logq;
-      if (!PROB) negent += P * logP;
+      if (kl) {  // P (log P - log q), the log ratio formed before the sum
+        float lr;
+        if (RHO && is_y) lr = logf(P) - logq;
+        else lr = ((to_f(tr[j]) * inv_tau - mt) - (zj * inv_tau - mq)) - K + (RHO ? l1p[j] : 0.f);
+        D += (double)(P * lr);
+      } else {
+        D -= (double)(P * logq);
+      }
     }
     const float g = a * (expf(zj - m1) * inv_s1 - (is_y ? 1.f : 0.f)) + kb * (W * q - P);
     gr[j] = from_f<S>(bad ? CUDART_NAN_F : g);
   }
-  cross = warp_sum(cross);
-  if (!PROB) negent = warp_sum(negent);
+  D = warp_sum(D);
   if (lane == 0) {
-    if (PROB) negent = negent_in[row];
+    if (PROB && !soft_ce) D += negent_in[row];
     const float ce = (m1 - zy) + logf(s1);
-    loss[row] = bad ? CUDART_NAN_F : a * ce + b * (cross + (soft_ce ? 0.f : negent));
+    loss[row] = bad ? CUDART_NAN_F : a * ce + b * (float)D;
   }
 }
 

@@ -295,3 +295,36 @@ def test_triton_rows_refuse_the_cpu_kernels_own_arguments_by_name():
         args[i] = value
         with pytest.raises(ValueError, match=f"^{name}: the CPU kernel's argument"):
             distill_rows_triton(*args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["full", "not_true"])
+@pytest.mark.parametrize("R,C", [(64, 10), (32, 200), (4, 3000)])
+def test_large_temperature_as_accurate_as_the_authors_code(backend, kind, R, C):
+    """tau >= 100 (issue 59: the fp32 loss drifted 1.3e-4 from float64 where the authors' fp32 ``F.kl_div`` code
+    drifts 1.5e-5): near-uniform rows, whose two log-sum-exps cancelled. Each backend's fp32 KL term, against float64,
+    is at least as accurate as the authors' fp32 code on the same inputs (median over seeds), and within 1e-4 at
+    tau = 1000 where theirs is ~2e-3. C = 3000 runs the Triton kernel's multi-tile path."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    for tau in (100.0, 1000.0):
+        ours, theirs = [], []
+        for seed in range(4):
+            z, t, y = make_inputs(R, C, ignore=False, seed=seed)
+            nt = kind == "not_true"
+
+            def authors(zz, tt):  # their KL term: kl_div over the kept classes, tau^2, batchmean
+                if nt:  # FedNTD's released code: the true class removed before the softmaxes
+                    keep = torch.ones_like(zz, dtype=torch.bool).scatter_(1, y[:, None], False)
+                    zz, tt = zz[keep].view(R, C - 1), tt[keep].view(R, C - 1)
+                lq, p = F.log_softmax(zz / tau, 1), F.softmax(tt / tau, 1)
+                return tau * tau * F.kl_div(lq, p, reduction="batchmean")
+
+            exact = authors(z.double(), t.double()).item()
+            theirs.append(abs(authors(z, t).item() - exact) / exact)
+            got = ops.distill(z, t, y, tau=tau, ce_weight=0.0, kd_weight=tau * tau, kind=kind, backend=backend)
+            ours.append(abs(got.item() - exact) / exact)
+        assert statistics.median(ours) <= statistics.median(theirs), (tau, ours, theirs)
+        assert max(ours) <= (1e-5 if tau == 100.0 else 1e-4), (tau, ours)

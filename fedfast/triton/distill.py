@@ -78,7 +78,64 @@ def _nonfinite(x):
 
 
 @triton.jit
-def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB: tl.constexpr, RHO: tl.constexpr):
+def _expm1(x):
+    """expm1(x) for x <= 0: the Taylor series to x^7 where x > -1/4 (truncation < 4e-10, below an fp32 ulp of the
+    result), exp(x) - 1 elsewhere (no cancellation there); -1 at -inf, NaN for NaN."""
+    p = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040)))))))
+    return tl.where(x > -0.25, p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) to a few ulp for small u (the classic log(w) * u / (w - 1), w = 1 + u)."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def _expm1_merge(d, m_old, m_new, x, m2, n_old):
+    """Running ``sum expm1(x - m)`` over a row's columns seen so far (``n_old`` of them before this tile), moved to
+    the new maximum: ``d (1 + e) + n_old e`` with ``e = expm1(m_old - m_new)``; then this tile's valid columns."""
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = tl.where(m_old == float("-inf"), -1.0, _expm1(m_old - m_safe)).to(tl.float64)
+    d = d + d * e + n_old * e
+    return d + tl.sum(tl.where(m2, _expm1(x - m_safe[:, None]), 0.0).to(tl.float64), axis=1)
+
+
+@triton.jit
+def _stats(
+    z,
+    zq,
+    tt,
+    is_y,
+    rho,
+    m2,
+    c0,
+    m1,
+    s1,
+    mq,
+    sq,
+    mt,
+    st,
+    W,
+    mv,
+    zy,
+    ty,
+    nb,
+    eq,
+    et,
+    PROB: tl.constexpr,
+    RHO: tl.constexpr,
+    KL: tl.constexpr,
+):
+    # KL: eq, et are the sums of expm1(zq - mq) and expm1(tt - mt), for the KL's row constant log(st / sq) =
+    # log1p((et - eq) / (C + eq)) (distill_reference._log_ratio: near-uniform rows at a large tau keep their digits).
+    if KL:
+        mq_old = mq
+        mq_new = tl.maximum(mq, tl.max(zq, axis=1))
+        eq = _expm1_merge(eq, mq_old, mq_new, zq, m2, c0)
+        mt_new = tl.maximum(mt, tl.max(tt, axis=1))
+        et = _expm1_merge(et, mt, mt_new, tt, m2, c0)
     # nb counts the row's NaN and +inf logits (student, and teacher in the classes read): the row's loss and gradient
     # are NaN then, as IEEE arithmetic gives the formula (distill_reference), whatever the GPU's max does with NaN.
     nb += _nonfinite(z) + _nonfinite(tt)
@@ -98,7 +155,7 @@ def _stats(z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB
         if RHO:
             mv = mv * scale + tl.sum(tl.where(is_y, 0.0, rho * e), axis=1)
         mt = m_new
-    return m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb
+    return m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, eq, et
 
 
 @triton.jit
@@ -126,10 +183,12 @@ def _emit(
     kb,
     valid,
     bad,
+    K,
     cross,
     negent,
     PROB: tl.constexpr,
     RHO: tl.constexpr,
+    KL: tl.constexpr,
 ):
     # log q = (zq - mq) - log(sq), q = exp(zq - mq) / sq: never form mq + log(sq) (digits lost at |z| ~ 1e4)
     m1s = tl.where(m1 == float("-inf"), 0.0, m1)
@@ -151,9 +210,13 @@ def _emit(
             P = p
             logP = logp
     pos = P > 0
-    cross += tl.sum(tl.where(pos, -P * tl.where(pos, logq, 0.0), 0.0), axis=1)
-    if not PROB:
-        negent += tl.sum(tl.where(pos, P * tl.where(pos, logP, 0.0), 0.0), axis=1)
+    if KL:  # KL(P || q) = sum_c P_c (log P_c - log q_c), the log ratio formed before the sum: into `cross`
+        lr = ((tt - mts[:, None]) - (zq - mqs[:, None])) - K[:, None]
+        if RHO:
+            lr = tl.where(is_y, logP - logq, l1p + lr)
+        cross += tl.sum(tl.where(pos, P * tl.where(pos, lr, 0.0), 0.0), axis=1)
+    else:
+        cross += tl.sum(tl.where(pos, -P * tl.where(pos, logq, 0.0), 0.0), axis=1)
     g = a[:, None] * (sm - tl.where(is_y, 1.0, 0.0)) + kb[:, None] * (W[:, None] * q - P)
     g = tl.where(valid[:, None], tl.where(bad[:, None], float("nan"), g), 0.0)
     tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=m2)
@@ -200,20 +263,22 @@ def _distill_kernel(
     zero = tl.zeros([BLOCK_R], dtype=tl.float32)
     ninf = zero + float("-inf")
     m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = ninf, zero, ninf, zero, ninf, zero, zero, zero, zero, zero, zero
+    eq, et = zero.to(tl.float64), zero.to(tl.float64)  # fp64: fp32 sums of expm1 cost 1e-4 of the KL at tau 1000
+    KL: tl.constexpr = (not PROB) and (not SOFT_CE)
     cols0 = tl.arange(0, BLOCK_C)
     if SINGLE:
         z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols0, C, rmask, y, inv_tau, NOT_TRUE, PROB)
         rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols0, C, m2, tt, RHO)
-        m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = _stats(
-            z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB, RHO
+        m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, eq, et = _stats(
+            z, zq, tt, is_y, rho, m2, 0.0, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, eq, et, PROB, RHO, KL
         )
     else:
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
             rho, _ = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
-            m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb = _stats(
-                z, zq, tt, is_y, rho, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, PROB, RHO
+            m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, eq, et = _stats(
+                z, zq, tt, is_y, rho, m2, c0 * 1.0, m1, s1, mq, sq, mt, st, W, mv, zy, ty, nb, eq, et, PROB, RHO, KL
             )
     if not PROB:
         W = zero + 1.0
@@ -225,6 +290,7 @@ def _distill_kernel(
     lsq = tl.log(sq)
     inv_st = tl.where(st > 0, 1.0 / st, 0.0)
     lst = tl.log(tl.where(st > 0, st, 1.0))
+    K = _log1p((et - eq) / (C + eq)).to(tl.float32)  # the KL's row constant log(st / sq) (used when KL)
     # true-class target probability P_y
     if NOT_TRUE:
         Py = zero
@@ -274,10 +340,12 @@ def _distill_kernel(
             kb,
             valid,
             bad,
+            K,
             cross,
             negent,
             PROB,
             RHO,
+            KL,
         )
     else:
         for c0 in range(0, C, BLOCK_C):
@@ -308,17 +376,17 @@ def _distill_kernel(
                 kb,
                 valid,
                 bad,
+                K,
                 cross,
                 negent,
                 PROB,
                 RHO,
+                KL,
             )
-    if PROB:
-        negent = tl.load(neg_ptr + rows, mask=rmask, other=0.0)
     ce = (m1s - zy) + tl.log(s1)
-    D = cross
-    if not SOFT_CE:
-        D = D + negent
+    D = cross  # the KL (KL), or the soft cross-entropy (plus a given mixture's negent)
+    if PROB and not SOFT_CE:
+        D = D + tl.load(neg_ptr + rows, mask=rmask, other=0.0)
     loss = tl.where(valid, tl.where(bad, float("nan"), a * ce + b * D), 0.0)
     tl.store(loss_ptr + rows, loss, mask=rmask)
 
