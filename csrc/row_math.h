@@ -16,9 +16,12 @@
 
 namespace fedfast {
 
-// exp(x) for x <= 0 (all callers subtract the row max first). Cephes-style range reduction
-// x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial; ~1 ulp. exp(x) = 0 for x < -87.3 (incl. -inf).
-__attribute__((always_inline)) static inline float fexp(float x) {
+// exp(x) for x <= 0 (all callers subtract the row max first), as (1 + em1) * 2^n: Cephes-style range reduction
+// x = n ln2 + r, |r| <= ln2/2, em1 = expm1(r) from a degree-6 polynomial; ~1 ulp.
+struct ExpParts {
+  float em1, n, scale;  // expm1(r), n, 2^n
+};
+__attribute__((always_inline)) static inline ExpParts fexp_parts(float x) {
   const float lo = -87.3f;
   float xc = x < lo ? lo : x;  // NaN propagates through the polynomial
   xc = xc > 88.0f ? 88.0f : xc;
@@ -33,37 +36,25 @@ __attribute__((always_inline)) static inline float fexp(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
   // 2^n from the integer in t's low mantissa bits (bit casts, not memcpy: keeps the loop vectorisable)
   const int32_t bits = (__builtin_bit_cast(int32_t, t) - 0x4B400000 + 127) << 23;
-  const float res = e * __builtin_bit_cast(float, bits);
-  return x < lo ? 0.0f : res;
+  return {p * r * r + r, n, __builtin_bit_cast(float, bits)};
+}
+
+// exp(x); 0 for x < -87.3 (incl. -inf).
+__attribute__((always_inline)) static inline float fexp(float x) {
+  const ExpParts e = fexp_parts(x);
+  return x < -87.3f ? 0.0f : (e.em1 + 1.0f) * e.scale;
 }
 static inline double fexp(double x) { return std::exp(x); }
 
-// expm1(x) for x <= 0, as fexp: where |x| < ln2/2 (n = 0) fexp's polynomial without its 1, to ~1 ulp of the result,
-// where exp(x) - 1 would lose digits to cancellation; exp(x) - 1 elsewhere (no cancellation past ln2/2); -1 for
-// x < -87.3 (incl. -inf), NaN for NaN. The KL's row constant log(st / sq) = log1p((dt - dq) / (C + dq)) is formed
-// from these sums (distill_reference._log_ratio): near-uniform rows at a large temperature keep their digits.
+// expm1(x) for x <= 0: where |x| < ln2/2 (n = 0) the polynomial's em1 itself, to ~1 ulp of the result, where
+// exp(x) - 1 would lose digits to cancellation; exp(x) - 1 elsewhere (no cancellation past ln2/2); -1 for x < -87.3
+// (incl. -inf), NaN for NaN. The KL's row constant log(st / sq) = log1p((dt - dq) / (C + dq)) is formed from these
+// sums (distill_reference._log_ratio): near-uniform rows at a large temperature keep their digits.
 __attribute__((always_inline)) static inline float fexpm1(float x) {
-  const float lo = -87.3f;
-  float xc = x < lo ? lo : x;
-  xc = xc > 88.0f ? 88.0f : xc;
-  const float magic = 12582912.0f;
-  const float t = xc * 1.44269504088896341f + magic;
-  const float n = t - magic;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float em1 = p * r * r + r;
-  const int32_t bits = (__builtin_bit_cast(int32_t, t) - 0x4B400000 + 127) << 23;
-  const float res = (em1 + 1.0f) * __builtin_bit_cast(float, bits) - 1.0f;
-  return x < lo ? -1.0f : (n == 0.0f ? em1 : res);
+  const ExpParts e = fexp_parts(x);
+  return x < -87.3f ? -1.0f : (e.n == 0.0f ? e.em1 : (e.em1 + 1.0f) * e.scale - 1.0f);
 }
 static inline double fexpm1(double x) { return std::expm1(x); }
 
