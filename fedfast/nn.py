@@ -397,7 +397,9 @@ class LinearKDLoss(nn.Module):
     modules take are refused by name here: a teacher that receives gradients (``detach_teacher=False``) and second
     derivatives (``double_backward=True``), and forward-mode AD (``torch.func.jvp``) raises a NotImplementedError
     naming it; use the unfused layer with :class:`KDLoss` for those. A weight whose dtype differs from its hidden
-    states' (an fp32 head on bf16 states) is cast to theirs, student and teacher alike. ``chunk_rows``: rows per
+    states' (an fp32 head on bf16 states) is cast to theirs, student and teacher alike. Under ``torch.autocast`` it
+    computes what ``F.linear`` and the loss compute there (logits in the autocast dtype, the loss in fp32, fp32
+    gradients for fp32 parameters). ``chunk_rows``: rows per
     chunk (default a quarter)."""
 
     def __init__(

@@ -82,10 +82,9 @@ def test_half_precision_teacher_with_fp32_head(low):
     y = torch.randint(0, C, (R,), generator=g)
     lin = fnn.LinearKDLoss(tau=2.0)
     got = lin(h, W, y, teacher_hidden=th, teacher_weight=tW, teacher_bias=tb)
-    t = th @ tW.to(low).T + tb.to(low)
+    t = F.linear(th, tW.to(low), tb.to(low))  # what F.linear makes of the head cast to the states' dtype
     want = lin(h, W, y, t)
-    # the same logits up to where the bias is rounded (added in fp32 into the half-precision chunk, or rounded first)
-    assert torch.isfinite(got) and abs(got.item() - want.item()) <= 1e-4 * abs(want.item())
+    assert torch.isfinite(got) and abs(got.item() - want.item()) <= 1e-6 * abs(want.item())
     # the student the same way round: fp32 head on low-precision states
     got_s = lin(h.to(low), W, y, t.float())
     want_s = fnn.KDLoss(tau=2.0)((h.to(low) @ W.to(low).T).float(), t.float(), y)
@@ -128,3 +127,46 @@ def test_linear_kd_refuses_forward_mode_by_name():
     # the unfused layer the message points to does it
     val, tan = torch.func.jvp(lambda hh: fnn.KDLoss()(F.linear(hh, W), t, y), (h,), (torch.ones_like(h),))
     assert math.isfinite(tan.item())
+
+
+@pytest.mark.parametrize("teacher", ["logits", "hidden"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_kd_under_autocast_is_f_linear_under_autocast(teacher, reduction):
+    """``LinearKDLoss`` ignored ``torch.autocast`` (it computed in fp32 where ``F.linear`` + the loss computes bf16
+    logits). Now the same: value and every gradient against the unfused layer under the same autocast, and fp32
+    parameters keep fp32 gradients."""
+    g = torch.Generator().manual_seed(6)
+    V, Ht = 50, 5
+    h, W, b = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g), torch.randn(V, generator=g)
+    th, tW = torch.randn(R, Ht, generator=g), torch.randn(V, Ht, generator=g)
+    t, y = torch.randn(R, V, generator=g), torch.randint(0, V, (R,), generator=g)
+
+    def run(fused):
+        leaves = [x.clone().requires_grad_(True) for x in (h, W, b)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                kw = {"teacher_hidden": th, "teacher_weight": tW} if teacher == "hidden" else {}
+                out = fnn.LinearKDLoss(tau=2.0, reduction=reduction)(
+                    leaves[0], leaves[1], y, t if teacher == "logits" else None, bias=leaves[2], **kw
+                )
+            else:
+                tt = F.linear(th, tW) if teacher == "hidden" else t
+                out = fnn.KDLoss(tau=2.0, reduction=reduction)(F.linear(leaves[0], leaves[1], leaves[2]), tt, y)
+        out.sum().backward()
+        return out.detach(), [x.grad for x in leaves]
+
+    (lf, gf), (lu, gu) = run(True), run(False)
+    assert lf.dtype == torch.float32 and all(gr.dtype == torch.float32 for gr in gf)
+    assert torch.allclose(lf, lu, rtol=1e-5, atol=1e-6), (lf, lu)
+    for a, u in zip(gf, gu):
+        assert torch.allclose(a, u, rtol=1e-2, atol=1e-3 * u.abs().max().item())  # one bf16 rounding apart at most
+    # and it is not the fp32 computation (what the fused layer returned under autocast before)
+    fp32 = fnn.LinearKDLoss(tau=2.0, reduction=reduction)(
+        h,
+        W,
+        y,
+        t if teacher == "logits" else None,
+        bias=b,
+        **({"teacher_hidden": th, "teacher_weight": tW} if teacher == "hidden" else {}),
+    )
+    assert not torch.allclose(lf, fp32.detach(), rtol=1e-6, atol=0)

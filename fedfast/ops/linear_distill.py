@@ -113,8 +113,11 @@ def _pass(
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
     out = torch.empty(R, dtype=acc, device=h.device) if rows else torch.zeros((), dtype=acc, device=h.device)
     Wa = W if W.dtype == h.dtype else W.to(h.dtype)
-    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head)
+    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head); the biases
+    # too, for the products (their gradients are returned in their own dtypes)
     tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
+    tb = tb if tb is None or tb.dtype == th.dtype else tb.to(th.dtype)
+    ba = b if b is None or b.dtype == h.dtype else b.to(h.dtype)
     n0 = min(chunk, R)
     # one chunk's logits (and teacher logits) buffer for the whole pass, written by the GEMMs (out=): no fresh
     # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
@@ -123,15 +126,16 @@ def _pass(
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
-        z = torch.mm(hc, Wa.T, out=zbuf[: r1 - r0])
-        if b is not None:
-            z.add_(b)
+        # the bias inside the product (addmm), as F.linear adds it: one rounding of the logits in a half dtype
+        z = torch.mm(hc, Wa.T, out=zbuf[: r1 - r0]) if b is None else torch.addmm(ba, hc, Wa.T, out=zbuf[: r1 - r0])
         if t is not None:
             tc = t[r0:r1].contiguous()
         else:
-            tc = torch.mm(th[r0:r1], tW.T, out=tbuf[: r1 - r0])
-            if tb is not None:
-                tc.add_(tb)
+            tc = (
+                torch.mm(th[r0:r1], tW.T, out=tbuf[: r1 - r0])
+                if tb is None
+                else torch.addmm(tb, th[r0:r1], tW.T, out=tbuf[: r1 - r0])
+            )
         # the C++ kernel writes the gradient over the chunk's logits (no second [chunk, V] buffer)
         loss_rows, g = _backend_rows(
             backend,
@@ -199,17 +203,20 @@ def _pass_functional(
     acc = _loss_dtype(h)
     R = h.shape[0]
     Wa = W if W.dtype == h.dtype else W.to(h.dtype)
-    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head)
+    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head); the biases
+    # too, for the products (their gradients are returned in their own dtypes)
     tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
+    tb = tb if tb is None or tb.dtype == th.dtype else tb.to(th.dtype)
+    ba = b if b is None or b.dtype == h.dtype else b.to(h.dtype)
     outs, ghs, gW, gb = [], [], None, None
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
-        z = hc @ Wa.T if b is None else hc @ Wa.T + b
+        z = hc @ Wa.T if b is None else torch.addmm(ba, hc, Wa.T)
         if t is not None:
             tc = t[r0:r1]
         else:
-            tc = th[r0:r1] @ tW.T if tb is None else th[r0:r1] @ tW.T + tb
+            tc = th[r0:r1] @ tW.T if tb is None else torch.addmm(tb, th[r0:r1], tW.T)
         loss_rows, g = _backend_rows(
             backend,
             z,
@@ -839,6 +846,18 @@ def _check(
     return lead, H, V
 
 
+def _autocast_dtype(hidden) -> torch.dtype | None:
+    """The autocast dtype where ``torch.autocast`` is on for ``hidden``'s device, else None."""
+    if not isinstance(hidden, Tensor) or not hidden.is_floating_point():
+        return None
+    kind = hidden.device.type
+    try:
+        on = torch.is_autocast_enabled(kind)
+    except (TypeError, RuntimeError):  # a device type autocast does not know
+        return None
+    return torch.get_autocast_dtype(kind) if on else None
+
+
 def linear_distill(
     hidden: Tensor,
     weight: Tensor,
@@ -865,7 +884,43 @@ def linear_distill(
 ) -> Tensor:
     """The fused linear + distillation loss (see the module docstring): a scalar ("mean", "sum"), per-row losses
     shaped as ``target`` ("none") or per-segment means (``"segment"``), differentiable in ``hidden``, ``weight``
-    and ``bias``."""
+    and ``bias``.
+
+    Under ``torch.autocast`` it does what ``F.linear`` followed by the loss does there: the output layers' inputs
+    (hidden states, weight, bias; the teacher's too) are cast to the autocast dtype, so the logits are formed in it,
+    the loss is computed and accumulated in fp32 from them, and the gradients reach the fp32 parameters through the
+    casts (the weight's gradient is summed over the chunks in fp32, then rounded once to the autocast dtype, as
+    ``F.linear``'s is). Teacher logits given as such are read as they are."""
+    cast = _autocast_dtype(hidden)
+    if cast is not None:
+
+        def to(x):
+            return x.to(cast) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != cast else x
+
+        with torch.autocast(hidden.device.type, enabled=False):
+            return linear_distill(
+                to(hidden),
+                to(weight),
+                target,
+                teacher_logits,
+                bias=to(bias),
+                teacher_hidden=to(teacher_hidden),
+                teacher_weight=to(teacher_weight),
+                teacher_bias=to(teacher_bias),
+                tau=tau,
+                ce_weight=ce_weight,
+                kd_weight=kd_weight,
+                kind=kind,
+                reduction=reduction,
+                ignore_index=ignore_index,
+                segments=segments,
+                num_segments=num_segments,
+                chunk_rows=chunk_rows,
+                backend=backend,
+                validate=validate,
+                detach_teacher=detach_teacher,
+                double_backward=double_backward,
+            )
     lead, H, V = _check(
         hidden,
         weight,
