@@ -50,9 +50,17 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   if (mq == ninf) mq = 0;
   if (mt == ninf) mt = 0;  // teacher row all -inf: p = 0 everywhere, D_i = 0
   for (int64_t j = 0; j < C; ++j) E1[j] = fexp(Z[j] - m1);
-  for (int64_t j = 0; j < C; ++j) EQ[j] = fexp(ZQ[j] - mq);
-  if (!PROB)
-    for (int64_t j = 0; j < C; ++j) ET[j] = fexp(TT[j] - mt);
+  // the KL (a logit teacher, not soft_ce) needs the sums of expm1 too, for its row constant (below): U, V
+  const bool kl = !PROB && !r.soft_ce;
+  if (kl) {
+    for (int64_t j = 0; j < C; ++j) EQ[j] = fexp_m1(ZQ[j] - mq, &U[j]);
+    for (int64_t j = 0; j < C; ++j) ET[j] = fexp_m1(TT[j] - mt, &V[j]);
+  } else {
+    for (int64_t j = 0; j < C; ++j) EQ[j] = fexp(ZQ[j] - mq);
+    if (!PROB)
+      for (int64_t j = 0; j < C; ++j) ET[j] = fexp(TT[j] - mt);
+  }
+  const double dq = kl ? dsum64(U, C) : 0.0, dt = kl ? dsum64(V, C) : 0.0;
   const double s1 = dsum(E1, C), sq = dsum(EQ, C), st = PROB ? 0.0 : dsum(ET, C);
   const A W = PROB ? A(dsum(TT, C)) : A(1);
   // log q_j = (zq_j - mq) - log(sq): never form mq + log(sq) (loses digits for |logits| ~ 1e4)
@@ -62,7 +70,7 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   A mvd = 0;  // FedADC+: mass moved to the true class, sum_{c != y} rho_c p_c
   if (RHO) {
     const A* rho = r.rho;
-    for (int64_t j = 0; j < C; ++j) U[j] = rho[j] * ET[j];
+    for (int64_t j = 0; j < C; ++j) U[j] = rho[j] * ET[j];  // (U's expm1 terms are summed already)
     U[y] = 0;
     mvd = A(dsum(U, C)) * inv_st;
   }
@@ -89,16 +97,13 @@ __attribute__((always_inline)) inline A row_core(const RowArgs<A>& r) {
   // 0 * log 0 = 0: select the log (not the product) so the loops stay branch-free selects; P != 0, not P > 0, so
   // that a NaN P stays NaN.
   A D;  // the row's distillation term
-  if (PROB || r.soft_ce) {  // the soft cross-entropy -sum P log q (plus a given mixture's negent)
+  if (!kl) {  // the soft cross-entropy -sum P log q (plus a given mixture's negent)
     for (int64_t j = 0; j < C; ++j) ZQ[j] = (ZQ[j] - mq) - lsq;  // log q
     for (int64_t j = 0; j < C; ++j) U[j] = -P[j] * (P[j] != 0 ? ZQ[j] : A(0));
     U[y] = Py != 0 ? -Py * logqy : A(0);
     D = A(dsum(U, C)) + ((PROB && !r.soft_ce) ? r.negent_in : A(0));
   } else {  // KL(P || q) = sum_c P_c (log P_c - log q_c), the log ratio formed before the sum:
     // log p_c - log q_c = (tt_c - mt) - (zq_c - mq) - K, K = log(st / sq) from expm1 sums (see fexpm1)
-    for (int64_t j = 0; j < C; ++j) U[j] = fexpm1(ZQ[j] - mq);
-    for (int64_t j = 0; j < C; ++j) V[j] = fexpm1(TT[j] - mt);
-    const double dq = dsum64(U, C), dt = dsum64(V, C);
     const A K = A(std::log1p((dt - dq) / (double(C) + dq)));
     if (RHO) {
       const A* __restrict l1p = r.l1p;
@@ -153,7 +158,7 @@ struct BlockArgs {
   for (int64_t j = j0, j1 = C < j0 + kLaneSumChunk ? C : j0 + kLaneSumChunk; j < j1; ++j) _Pragma("omp simd") FF_LANES
 
 // Writes L into out[kBlock] and the gradient rows into G ([C][kBlock]).
-template <typename A, bool PROB, bool RHO>
+template <typename A, bool PROB, bool RHO, bool KL>  // KL: a logit teacher, not soft_ce
 __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* __restrict out) {
   const int64_t C = r.C;
   A *__restrict Z = r.Z, *__restrict ZQ = r.ZQ, *__restrict TT = r.TT, *__restrict E1 = r.E1;
@@ -185,11 +190,11 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     FF_CHUNK {
       const int64_t k = j * kBlock + l;
       E1[k] = fexp(Z[k] - m1[l]);
-      EQ[k] = fexp(ZQ[k] - mq[l]);
+      EQ[k] = KL ? fexp_m1(ZQ[k] - mq[l], &U[k]) : fexp(ZQ[k] - mq[l]);
       s1[l] += E1[k];
       sq[l] += EQ[k];
       if (!PROB) {
-        ET[k] = fexp(TT[k] - mt[l]);
+        ET[k] = KL ? fexp_m1(TT[k] - mt[l], &V[k]) : fexp(TT[k] - mt[l]);
         st[l] += ET[k];
       } else {
         W[l] += TT[k];
@@ -198,6 +203,14 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     FF_LANES { d1[l] += s1[l]; dq[l] += sq[l]; dt[l] += st[l]; dw[l] += W[l]; }
   }
   FF_LANES { s1[l] = A(d1[l]); sq[l] = A(dq[l]); st[l] = A(dt[l]); W[l] = PROB ? A(dw[l]) : A(1); }
+  alignas(64) A K[kBlock];  // the KL's row constant log(st / sq), from the expm1 sums of the exp pass (U, V)
+  if (KL) {
+    alignas(64) double ekq[kBlock], ekt[kBlock];
+    FF_LANES { ekq[l] = 0; ekt[l] = 0; }
+    lane_sums64<kBlock>(C, U, ekq);
+    lane_sums64<kBlock>(C, V, ekt);
+    FF_LANES K[l] = A(std::log1p((ekt[l] - ekq[l]) / (double(C) + ekq[l])));
+  }
   alignas(64) A inv_s1[kBlock], inv_sq[kBlock], lsq[kBlock], ls1[kBlock], inv_st[kBlock];
 #pragma omp simd
   FF_LANES {  // s1, sq >= 1 (the maximum's term is exp(0)); st is 0 or >= 1; each is NaN over a NaN or +inf logit
@@ -218,7 +231,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     FF_LANES mvd[l] = A(dm[l]) * inv_st[l];
   }
   // True class per lane (overwritten after the elementwise loops, as in row_core).
-  alignas(64) A Py[kBlock], logqy[kBlock], qy[kBlock], smy[kBlock], K[kBlock];
+  alignas(64) A Py[kBlock], logqy[kBlock], qy[kBlock], smy[kBlock];
   FF_LANES {
     const int64_t k = y[l] * kBlock + l;
     if (r.not_true) Py[l] = 0;
@@ -230,19 +243,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
   }
   const A kb_scale = r.inv_tau;
   // KL(P || q) with the log ratio formed before the sum (row_core); the soft cross-entropy otherwise
-  const bool kl = !PROB && !r.soft_ce;
-  if (kl) {
-    alignas(64) double ekq[kBlock], ekt[kBlock];  // sums of expm1: student / tau and teacher / tau
-    FF_LANES { ekq[l] = 0; ekt[l] = 0; }
-    FF_EACH {
-      const int64_t k = j * kBlock + l;
-      U[k] = fexpm1(ZQ[k] - mq[l]);
-      V[k] = fexpm1(TT[k] - mt[l]);
-    }
-    lane_sums64<kBlock>(C, U, ekq);
-    lane_sums64<kBlock>(C, V, ekt);
-    FF_LANES K[l] = A(std::log1p((ekt[l] - ekq[l]) / (double(C) + ekq[l])));
-  }
+  const bool kl = KL;
   FF_EACH {
     const int64_t k = j * kBlock + l;
     EQ[k] *= inv_sq[l];
@@ -285,9 +286,9 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
 
 template <typename A>
 __attribute__((always_inline)) inline void block_dispatch(const BlockArgs<A>& r, bool prob, bool rho, A* out) {
-  if (prob) return block_core<A, true, false>(r, out);
-  if (rho) return block_core<A, false, true>(r, out);
-  return block_core<A, false, false>(r, out);
+  if (prob) return block_core<A, true, false, false>(r, out);
+  if (r.soft_ce) return rho ? block_core<A, false, true, false>(r, out) : block_core<A, false, false, false>(r, out);
+  return rho ? block_core<A, false, true, true>(r, out) : block_core<A, false, false, true>(r, out);
 }
 
 FEDFAST_MULTIVERSION_WIDE void block_f32(const BlockArgs<float>& r, bool prob, bool rho, float* out) {

@@ -58,6 +58,18 @@ __attribute__((always_inline)) static inline float fexpm1(float x) {
 }
 static inline double fexpm1(double x) { return std::expm1(x); }
 
+// exp(x) and expm1(x) from one polynomial evaluation (the KL's passes need both).
+__attribute__((always_inline)) static inline float fexp_m1(float x, float* em1_out) {
+  const ExpParts e = fexp_parts(x);
+  const float ex = x < -87.3f ? 0.0f : (e.em1 + 1.0f) * e.scale;
+  *em1_out = x < -87.3f ? -1.0f : (e.n == 0.0f ? e.em1 : ex - 1.0f);
+  return ex;
+}
+static inline double fexp_m1(double x, double* em1_out) {
+  *em1_out = std::expm1(x);
+  return std::exp(x);
+}
+
 // log(x) for finite x > 0 (normal), branch-free and auto-vectorisable (Cephes logf: x = 2^e m, m in
 // [sqrt(1/2), sqrt(2)), degree-8 polynomial in m - 1; ~1 ulp); NaN for NaN (a row sum over a NaN or +inf logit).
 // Callers select away x = 0 themselves.
