@@ -20,6 +20,7 @@ import os
 import warnings
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 _warned: set[str] = set()
@@ -201,11 +202,9 @@ def functorch_active(*ts) -> bool:
 def forward_ad_active(*ts) -> bool:
     """Whether one of these tensors is a forward-mode AD dual tensor (``torch.autograd.forward_ad``) with a
     tangent at the current level: the fused ops have no forward derivative, so the losses take PyTorch's formulas."""
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: nothing to check
+    if getattr(_forward_ad, "_current_level", 0) < 0:  # no dual level open: nothing to check
         return False
-    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in ts)
+    return any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in ts)
 
 
 def plain_eager(*ts) -> bool:

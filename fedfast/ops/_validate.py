@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+import numbers
+
 import torch
 
 try:  # functorch's interpreter stack (which transforms are running): for in_vmap
@@ -158,10 +160,11 @@ def check_logits(name: str, x: torch.Tensor, ndim: int = 2) -> None:
 def real(name: str, v, *, positive: bool = False) -> float:
     """``v`` as a Python float: any real number (int, float, a NumPy scalar such as ``np.float32(2)``; not a bool or
     a tensor), finite, and > 0 when ``positive``; else a ValueError naming ``name``."""
-    import numbers
-
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
-    f = float(v) if ok else float("nan")
+    if type(v) is float or type(v) is int:  # the common case, without the ABC check (a hot path at small shapes)
+        ok, f = True, float(v)
+    else:
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        f = float(v) if ok else float("nan")
     if not ok or f != f or abs(f) == float("inf") or (positive and not f > 0):
         what = "a finite number > 0" if positive else "a finite number"
         raise ValueError(f"{name}: must be {what}, got {v!r}")
