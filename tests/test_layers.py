@@ -415,6 +415,8 @@ def test_run_config_replace_leaves_the_original():
 LOCAL_IMPORTS = {
     ("fedfast/ops/_backend.py", "import numpy"): "probed with triton: the interpreter's numpy check",
     ("fedfast/study/execute.py", "import fcntl"): "POSIX only",
+    ("fedfast/bench.py", "import torch._dynamo"): "2 s of import, for the authors' compiled baseline alone: "
+    "`import fedfast` stays free of dynamo (tests/test_nn_graphs.py)",
 }
 _CORE = {"torch", "numpy", "fedfast"}
 

@@ -198,22 +198,18 @@ def _emit(
     sm = tl.exp(z - m1s[:, None]) * inv_s1[:, None]
     if PROB:
         P = tt
-        logP = tt * 0.0
     else:
         mts = tl.where(mt == float("-inf"), 0.0, mt)
         p = tl.exp(tt - mts[:, None]) * inv_st[:, None]
-        logp = (tt - mts[:, None]) - lst[:, None]
         if RHO:  # FedADC+ target: (1 - rho_c) p_c off the true class, P_y = p_y + moved mass on it
             P = tl.where(is_y, Py[:, None], (1.0 - rho) * p)
-            logP = tl.where(is_y, tl.log(tl.maximum(Py, 1.2e-38))[:, None], l1p + logp)
         else:
             P = p
-            logP = logp
     pos = P > 0
     if KL:  # KL(P || q) = sum_c P_c (log P_c - log q_c), the log ratio formed before the sum: into `cross`
         lr = ((tt - mts[:, None]) - (zq - mqs[:, None])) - K[:, None]
-        if RHO:
-            lr = tl.where(is_y, logP - logq, l1p + lr)
+        if RHO:  # log P = log(1 - rho_c) + log p_c off the true class, log P_y at it
+            lr = tl.where(is_y, tl.log(tl.maximum(Py, 1.2e-38))[:, None] - logq, l1p + lr)
         cross += tl.sum(tl.where(pos, P * tl.where(pos, lr, 0.0), 0.0), axis=1)
     else:
         cross += tl.sum(tl.where(pos, -P * tl.where(pos, logq, 0.0), 0.0), axis=1)
