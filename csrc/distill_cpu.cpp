@@ -243,7 +243,6 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
   }
   const A kb_scale = r.inv_tau;
   // KL(P || q) with the log ratio formed before the sum (row_core); the soft cross-entropy otherwise
-  const bool kl = KL;
   FF_EACH {
     const int64_t k = j * kBlock + l;
     EQ[k] *= inv_sq[l];
@@ -252,7 +251,7 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
     const A P = PROB ? TT[k] : ET[k];
     G[k] = r.a[l] * E1[k] + (r.b[l] * kb_scale) * (W[l] * EQ[k] - P);
   }
-  if (kl) {
+  if (KL) {
     FF_EACH {
       const int64_t k = j * kBlock + l;
       const A lr = ((TT[k] - mt[l]) - (ZQ[k] - mq[l])) - K[l];
@@ -267,11 +266,11 @@ __attribute__((always_inline)) inline void block_core(const BlockArgs<A>& r, A* 
   }
   FF_LANES {
     const int64_t k = y[l] * kBlock + l;
-    if (!kl) U[k] = Py[l] != 0 ? -Py[l] * logqy[l] : A(0);
+    if (!KL) U[k] = Py[l] != 0 ? -Py[l] * logqy[l] : A(0);
     else if (RHO) V[k] = Py[l] != 0 ? Py[l] * (A(std::log(Py[l])) - logqy[l]) : A(0);
     G[k] = r.a[l] * (smy[l] - A(1)) + (r.b[l] * kb_scale) * (W[l] * qy[l] - Py[l]);
   }
-  if (kl) lane_sums64<kBlock>(C, V, dc);
+  if (KL) lane_sums64<kBlock>(C, V, dc);
   else lane_sums<kBlock>(C, U, dc);
   FF_LANES {
     const A ce = (m1[l] - Z[y[l] * kBlock + l]) + ls1[l];

@@ -206,7 +206,6 @@ class ASDLoss(_DistillBase):
                 "official code: 1.0, the default; None used to mean tau)"
             )
         self.entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
-        _validate.check_tau("entropy_tau", self.entropy_tau)
 
     def forward(
         self,
@@ -346,7 +345,7 @@ class ADCLoss(_DistillBase):
         lam = _validate.real("lam", lam)
         if not 0.0 <= lam <= 1.0:
             raise ValueError(f"lam: must lie in [0, 1], got {lam!r}")
-        self.lam, self.tau_squared = _validate.real("lam", lam), bool(tau_squared)
+        self.lam, self.tau_squared = lam, bool(tau_squared)
 
     def forward(
         self,
@@ -399,8 +398,7 @@ class LinearKDLoss(nn.Module):
     naming it; use the unfused layer with :class:`KDLoss` for those. A weight whose dtype differs from its hidden
     states' (an fp32 head on bf16 states) is cast to theirs, student and teacher alike. Under ``torch.autocast`` it
     computes what ``F.linear`` and the loss compute there (logits in the autocast dtype, the loss in fp32, fp32
-    gradients for fp32 parameters). ``chunk_rows``: rows per
-    chunk (default a quarter)."""
+    gradients for fp32 parameters). ``chunk_rows``: rows per chunk (default a quarter)."""
 
     def __init__(
         self,

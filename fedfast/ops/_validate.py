@@ -21,9 +21,8 @@ FedCAD's class weights, ASD's class prior, the teachers' weights). Inside a
 
 from __future__ import annotations
 
-import os
-
 import numbers
+import os
 
 import torch
 

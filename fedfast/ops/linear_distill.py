@@ -56,6 +56,16 @@ def default_chunk_rows(R: int, V: int) -> int:
     return max(1, -(-R // 4))
 
 
+def _heads_in_state_dtype(h, W, b, th, tW, tb):
+    """The output layers in their hidden states' dtype for the products (an fp32 head on bf16 states, the teacher's
+    as the student's): ``(W, b, tW, tb)``; the gradients are returned in the parameters' own dtypes."""
+
+    def like(x, ref):
+        return x if x is None or x.dtype == ref.dtype else x.to(ref.dtype)
+
+    return like(W, h), like(b, h), like(tW, th), like(tb, th)
+
+
 def _pass(
     h,
     W,
@@ -112,12 +122,7 @@ def _pass(
     gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
     out = torch.empty(R, dtype=acc, device=h.device) if rows else torch.zeros((), dtype=acc, device=h.device)
-    Wa = W if W.dtype == h.dtype else W.to(h.dtype)
-    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head); the biases
-    # too, for the products (their gradients are returned in their own dtypes)
-    tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
-    tb = tb if tb is None or tb.dtype == th.dtype else tb.to(th.dtype)
-    ba = b if b is None or b.dtype == h.dtype else b.to(h.dtype)
+    Wa, ba, tW, tb = _heads_in_state_dtype(h, W, b, th, tW, tb)
     n0 = min(chunk, R)
     # one chunk's logits (and teacher logits) buffer for the whole pass, written by the GEMMs (out=): no fresh
     # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
@@ -202,12 +207,7 @@ def _pass_functional(
     """:func:`_pass` out of place, for a backward under ``torch.func`` (whose saved tensors may be batched)."""
     acc = _loss_dtype(h)
     R = h.shape[0]
-    Wa = W if W.dtype == h.dtype else W.to(h.dtype)
-    # the teacher's head in its hidden states' dtype, as the student's (a bf16 teacher with an fp32 head); the biases
-    # too, for the products (their gradients are returned in their own dtypes)
-    tW = tW if tW is None or tW.dtype == th.dtype else tW.to(th.dtype)
-    tb = tb if tb is None or tb.dtype == th.dtype else tb.to(th.dtype)
-    ba = b if b is None or b.dtype == h.dtype else b.to(h.dtype)
+    Wa, ba, tW, tb = _heads_in_state_dtype(h, W, b, th, tW, tb)
     outs, ghs, gW, gb = [], [], None, None
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)

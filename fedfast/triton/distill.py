@@ -130,12 +130,9 @@ def _stats(
 ):
     # KL: eq, et are the sums of expm1(zq - mq) and expm1(tt - mt), for the KL's row constant log(st / sq) =
     # log1p((et - eq) / (C + eq)) (distill_reference._log_ratio: near-uniform rows at a large tau keep their digits).
-    if KL:
-        mq_old = mq
-        mq_new = tl.maximum(mq, tl.max(zq, axis=1))
-        eq = _expm1_merge(eq, mq_old, mq_new, zq, m2, c0)
-        mt_new = tl.maximum(mt, tl.max(tt, axis=1))
-        et = _expm1_merge(et, mt, mt_new, tt, m2, c0)
+    if KL:  # first, with the tile's maxima taken here again: held across the stats below, the old maxima spill (sm_90)
+        eq = _expm1_merge(eq, mq, tl.maximum(mq, tl.max(zq, axis=1)), zq, m2, c0)
+        et = _expm1_merge(et, mt, tl.maximum(mt, tl.max(tt, axis=1)), tt, m2, c0)
     # nb counts the row's NaN and +inf logits (student, and teacher in the classes read): the row's loss and gradient
     # are NaN then, as IEEE arithmetic gives the formula (distill_reference), whatever the GPU's max does with NaN.
     nb += _nonfinite(z) + _nonfinite(tt)
@@ -175,7 +172,6 @@ def _emit(
     lsq,
     inv_sq,
     mt,
-    lst,
     inv_st,
     W,
     Py,
@@ -185,7 +181,6 @@ def _emit(
     bad,
     K,
     cross,
-    negent,
     PROB: tl.constexpr,
     RHO: tl.constexpr,
     KL: tl.constexpr,
@@ -216,7 +211,7 @@ def _emit(
     g = a[:, None] * (sm - tl.where(is_y, 1.0, 0.0)) + kb[:, None] * (W[:, None] * q - P)
     g = tl.where(valid[:, None], tl.where(bad[:, None], float("nan"), g), 0.0)
     tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=m2)
-    return cross, negent
+    return cross
 
 
 @triton.jit
@@ -285,7 +280,6 @@ def _distill_kernel(
     inv_sq = 1.0 / sq
     lsq = tl.log(sq)
     inv_st = tl.where(st > 0, 1.0 / st, 0.0)
-    lst = tl.log(tl.where(st > 0, st, 1.0))
     K = _log1p((et - eq) / (C + eq)).to(tl.float32)  # the KL's row constant log(st / sq) (used when KL)
     # true-class target probability P_y
     if NOT_TRUE:
@@ -310,9 +304,8 @@ def _distill_kernel(
         b = b * sc
     kb = b * inv_tau
     cross = zero
-    negent = zero
     if SINGLE:
-        cross, negent = _emit(
+        cross = _emit(
             g_ptr,
             offs,
             m2,
@@ -328,7 +321,6 @@ def _distill_kernel(
             lsq,
             inv_sq,
             mt,
-            lst,
             inv_st,
             W,
             Py,
@@ -338,7 +330,6 @@ def _distill_kernel(
             bad,
             K,
             cross,
-            negent,
             PROB,
             RHO,
             KL,
@@ -348,7 +339,7 @@ def _distill_kernel(
             cols = c0 + cols0
             z, zq, tt, is_y, m2, offs = _load(z_ptr, t_ptr, rows, cols, C, rmask, y, inv_tau, NOT_TRUE, PROB)
             rho, l1p = _load_rho(rho_ptr, l1p_ptr, seg, cols, C, m2, tt, RHO)
-            cross, negent = _emit(
+            cross = _emit(
                 g_ptr,
                 offs,
                 m2,
@@ -364,7 +355,6 @@ def _distill_kernel(
                 lsq,
                 inv_sq,
                 mt,
-                lst,
                 inv_st,
                 W,
                 Py,
@@ -374,7 +364,6 @@ def _distill_kernel(
                 bad,
                 K,
                 cross,
-                negent,
                 PROB,
                 RHO,
                 KL,
