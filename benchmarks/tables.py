@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-FILES = ["README.md", "docs/benchmarks.md", "docs/engine.md", "docs/study.md"]
+FILES = ["README.md", "docs/benchmarks.md", "docs/engine.md", "docs/study.md", "docs/kernels.md"]
 DOC_ROOT = ROOT  # where FILES are read and rewritten (tests point it at a copy)
 
 SHAPE_LABELS = {
@@ -440,6 +440,50 @@ def linear_table(name: str = "cpu-2core-intel-xeon-linear-kd.json") -> str:
     return "\n".join(lines)
 
 
+LIGER_LABELS = {
+    "fedfast": "fedfast LinearKDLoss (fused kernels)",
+    "fedfast_options": "fedfast LinearKDLoss, options' rows (`jsd_beta`, `return_terms`)",
+    "liger": "Liger LigerFusedLinearJSDLoss, compiled=False",
+    "liger_compiled": "Liger LigerFusedLinearJSDLoss, compiled=True",
+    "unfused": "F.linear + fedfast KDLoss",
+    "torch": "F.linear + F.cross_entropy + the divergence in PyTorch ops",
+}
+
+
+def liger_table(name: str = "cpu-2core-amd-epyc-liger.json") -> str:
+    """``benchmarks/liger_compare.py``: LinearKDLoss against Liger-Kernel's chunked loss and F.linear + the loss."""
+    d, head = _own_json(name, "python benchmarks/liger_compare.py --out ...")
+    if d is None:
+        return head
+    lines = [
+        f"{head} Liger-Kernel {d.get('liger_kernel')}. Forward + backward, median of the timed calls, each case in "
+        f"its own process; peak memory: the growth of the peak resident set over the inputs, in logits buffers "
+        f"(R x V x 4 bytes), and that growth less the outputs (the gradients of the hidden states and the weight).",
+        "",
+        "| R x H x V | beta | implementation | forward + backward | x Liger (compiled=False) | peak growth | "
+        "beyond outputs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        ref = r["cases"].get("liger", {}).get("median_s")
+        first = True
+        for k, c in r["cases"].items():
+            shape = f"{r['R']} x {r['H']} x {r['V']}" if first else ""
+            beta = f"{r['beta']:g}" if first else ""
+            first = False
+            if "median_s" not in c:
+                lines.append(
+                    f"| {shape} | {beta} | {LIGER_LABELS[k]} | not measured: {c.get('error', '?')[:60]} | | | |"
+                )
+                continue
+            rel = f"{ref / c['median_s']:.2f}" if ref else "-"
+            lines.append(
+                f"| {shape} | {beta} | {LIGER_LABELS[k]} | {c['median_s']:.2f} s | {rel} | {c['peak_logits']:.2f} | "
+                f"{c['beyond_outputs_logits']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 PEER_LABELS = {
     "cnn_1000x60": "FedAvg, simple_cnn, 1000 × 60, 50/round, B=10",
     "cnn_100x600": "same, 100 × 600, 10/round, B=50",
@@ -553,6 +597,7 @@ TABLES = {
     "losses-authors": authors_table,
     "losses-authors-xeon": lambda: authors_table("cpu-2core-intel-xeon-authors.json"),
     "linear-kd": linear_table,
+    "liger": liger_table,
     "ops-gpu": gpu_ops_table,
     "peers": peers_table,
     "methods": methods_table,

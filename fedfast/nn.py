@@ -32,6 +32,91 @@ from torch import Tensor, nn
 from . import ops
 from .ops import _validate
 from .ops._rows import class_table
+from .ops.distill_options import DistillTerms, check_options, distill_with_options
+
+_OPTION_DOC = """
+    Liger-Kernel's options (the formula in :mod:`fedfast.ops.distill_options`): ``jsd_beta`` (the divergence: 0 the
+    forward KL of the papers, 1 the reverse KL ``KL(q || p)``, between them the generalised Jensen-Shannon divergence,
+    Liger's ``beta``), ``label_smoothing`` and ``class_weight`` [C] on the hard term (``F.cross_entropy``'s: "mean"
+    divides it by the summed weights of the rows' labels), ``softcap`` / ``teacher_softcap`` (logits capped to
+    ``c * tanh(z / c)``, Gemma 2's), ``teacher_vocab`` ("drop" or "pad": a teacher with more classes than the student,
+    refused without it) and ``return_terms=True``: a :class:`~fedfast.ops.distill_options.DistillTerms`
+    ``(loss, ce, kd)`` with ``loss = ce_weight * ce + kd_weight * kd`` (``kd`` with the ``s``; the terms are values,
+    without gradient). Any of them computes the loss with PyTorch's formulas rather than the fused kernel."""
+
+
+class _Options:
+    """The options above, checked at construction (``class_weight`` a buffer, as ``nn.CrossEntropyLoss``'s)."""
+
+    def _init_options(
+        self, jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab, return_terms
+    ):
+        beta, eps, cap, tcap, tv = check_options(
+            jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab
+        )
+        if not isinstance(return_terms, bool):
+            raise TypeError(f"return_terms: expected True or False, got {return_terms!r}")
+        self.jsd_beta, self.label_smoothing = beta, eps
+        self.softcap, self.teacher_softcap = cap or None, tcap or None
+        self.teacher_vocab, self.return_terms = tv, return_terms
+        self.register_buffer("class_weight", class_weight)
+
+    def _options_on(self) -> bool:
+        return bool(
+            self.jsd_beta
+            or self.label_smoothing
+            or self.class_weight is not None
+            or self.softcap
+            or self.teacher_softcap
+            or self.teacher_vocab
+            or self.return_terms
+        )
+
+    def _option_kwargs(self) -> dict:
+        return dict(
+            jsd_beta=self.jsd_beta,
+            label_smoothing=self.label_smoothing,
+            class_weight=self.class_weight,
+            softcap=self.softcap,
+            teacher_softcap=self.teacher_softcap,
+            teacher_vocab=self.teacher_vocab,
+            return_terms=self.return_terms,
+        )
+
+    def _with_options(self, student, teacher, target, not_true, ce_weight, kd_weight, segments, num_segments):
+        return distill_with_options(
+            student,
+            teacher,
+            target,
+            tau=self.tau,
+            ce_weight=ce_weight,
+            kd_weight=kd_weight,
+            not_true=not_true,
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            segments=segments,
+            num_segments=num_segments,
+            backend=self.backend,
+            validate=self.validate,
+            detach_teacher=self.detach_teacher,
+            **self._option_kwargs(),
+        )
+
+    def _terms(self, out, s: float):
+        """``kd`` with the ``s`` of the loss (``loss = ce_weight * ce + kd_weight * kd``)."""
+        return DistillTerms(out.loss, out.ce, out.kd * s) if self.return_terms else out
+
+    def _options_repr(self) -> list[str]:
+        defaults = (
+            ("jsd_beta", 0.0),
+            ("label_smoothing", 0.0),
+            ("softcap", None),
+            ("teacher_softcap", None),
+            ("teacher_vocab", None),
+            ("return_terms", False),
+        )
+        out = [f"{k}={getattr(self, k)!r}" for k, d in defaults if getattr(self, k) != d]
+        return out + (["class_weight=[...]"] if self.class_weight is not None else [])
 
 
 class _DistillBase(nn.Module):
@@ -80,14 +165,17 @@ class _DistillBase(nn.Module):
             for k, d in (("detach_teacher", True), ("double_backward", False))
             if getattr(self, k) != d
         ]
+        if isinstance(self, _Options):
+            extra += self._options_repr()
         return ", ".join([f"{k}={getattr(self, k)}" for k in keys] + [f"reduction={self.reduction!r}"] + extra)
 
 
-class KDLoss(_DistillBase):
+class KDLoss(_Options, _DistillBase):
     """Hinton KD: ``ce_weight * CE(z, y) + kd_weight * s * KL(softmax(t/tau) || softmax(z/tau))``, ``s = tau^2``
     if ``tau_squared`` else 1 (Hinton et al. 2015; FedNTD Eq. 3 without the (1-beta)). FedGKD with one
     averaged teacher is ``KDLoss(tau=1, kd_weight=gamma/2)``. With ``ce_weight=0`` the target may be omitted:
-    ``KDLoss(tau=T, ce_weight=0, kd_weight=1)(z, t)`` is RepDistiller's ``DistillKL(T)(z, t)`` (every row counts)."""
+    ``KDLoss(tau=T, ce_weight=0, kd_weight=1)(z, t)`` is RepDistiller's ``DistillKL(T)(z, t)`` (every row counts).
+    """
 
     def __init__(
         self,
@@ -101,12 +189,22 @@ class KDLoss(_DistillBase):
         validate=None,
         detach_teacher: bool = True,
         double_backward: bool = False,
+        jsd_beta: float = 0.0,
+        label_smoothing: float = 0.0,
+        class_weight: Tensor | None = None,
+        softcap: float | None = None,
+        teacher_softcap: float | None = None,
+        teacher_vocab: str | None = None,
+        return_terms: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.ce_weight, self.kd_weight, self.tau_squared = (
             _validate.real("ce_weight", ce_weight),
             _validate.real("kd_weight", kd_weight),
             bool(tau_squared),
+        )
+        self._init_options(
+            jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab, return_terms
         )
 
     def forward(
@@ -127,6 +225,13 @@ class KDLoss(_DistillBase):
             if not isinstance(student, Tensor) or student.dim() != 2:
                 _validate.check_logits("student", student)
             target = torch.zeros(student.shape[0], dtype=torch.long, device=student.device)
+        if self._options_on():
+            return self._terms(
+                self._with_options(
+                    student, teacher, target, False, self.ce_weight, self.kd_weight * s, segments, num_segments
+                ),
+                s,
+            )
         return ops.distill(
             student,
             teacher,
@@ -138,10 +243,12 @@ class KDLoss(_DistillBase):
         )
 
 
-class NTDLoss(_DistillBase):
+class NTDLoss(_Options, _DistillBase):
     """FedNTD (Lee et al. 2022, Eq. 10-11): ``CE(z, y) + beta * s * KL(pt || qt)`` where pt, qt are the
     tau-softmaxes over the C-1 not-true classes (column y removed from teacher and student before the
-    softmax), ``s = tau^2`` if ``tau_squared`` (official code HEAD) else 1 (paper). No (1-beta) on CE."""
+    softmax), ``s = tau^2`` if ``tau_squared`` (official code HEAD) else 1 (paper). No (1-beta) on CE.
+    ``beta`` is FedNTD's weight of the KD term; the divergence's mixing weight is ``jsd_beta``.
+    """
 
     def __init__(
         self,
@@ -154,9 +261,19 @@ class NTDLoss(_DistillBase):
         validate=None,
         detach_teacher: bool = True,
         double_backward: bool = False,
+        jsd_beta: float = 0.0,
+        label_smoothing: float = 0.0,
+        class_weight: Tensor | None = None,
+        softcap: float | None = None,
+        teacher_softcap: float | None = None,
+        teacher_vocab: str | None = None,
+        return_terms: bool = False,
     ):
         super().__init__(tau, reduction, ignore_index, backend, validate, detach_teacher, double_backward)
         self.beta, self.tau_squared = _validate.real("beta", beta), bool(tau_squared)
+        self._init_options(
+            jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab, return_terms
+        )
 
     def forward(
         self,
@@ -167,9 +284,17 @@ class NTDLoss(_DistillBase):
         num_segments: int | None = None,
     ) -> Tensor:
         s = self.tau**2 if self.tau_squared else 1.0
+        if self._options_on():
+            return self._terms(
+                self._with_options(student, teacher, target, True, 1.0, self.beta * s, segments, num_segments), s
+            )
         return ops.distill(
             student, teacher, target, kind="not_true", kd_weight=self.beta * s, **self._common(segments, num_segments)
         )
+
+
+KDLoss.__doc__ += _OPTION_DOC + " ``teacher`` may then be [R, Ct] with Ct > C (``teacher_vocab``).\n"
+NTDLoss.__doc__ += _OPTION_DOC + " (NTDLoss's ``ce_weight`` in the identity is 1.)\n"
 
 
 class ASDLoss(_DistillBase):
@@ -379,7 +504,7 @@ class ADCLoss(_DistillBase):
         )
 
 
-class LinearKDLoss(nn.Module):
+class LinearKDLoss(_Options, nn.Module):
     """The output layer fused with KD (or FedNTD's not-true KD), in row chunks, for large vocabularies:
     ``ce_weight * CE(z, y) + kd_weight * s * KL(softmax(t/tau) || softmax(z/tau))`` with ``z = h @ W.T + b``
     (``s = tau^2`` if ``tau_squared``; ``not_true=True``: the KL over the C-1 not-true classes), without the
@@ -414,6 +539,13 @@ class LinearKDLoss(nn.Module):
         validate=None,
         detach_teacher: bool = True,
         double_backward: bool = False,
+        jsd_beta: float = 0.0,
+        label_smoothing: float = 0.0,
+        class_weight: Tensor | None = None,
+        softcap: float | None = None,
+        teacher_softcap: float | None = None,
+        teacher_vocab: str | None = None,
+        return_terms: bool = False,
     ):
         super().__init__()
         tau = _validate.check_tau("tau", tau)
@@ -450,6 +582,9 @@ class LinearKDLoss(nn.Module):
             backend,
             validate,
         )
+        self._init_options(
+            jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab, return_terms
+        )
 
     def forward(
         self,
@@ -466,7 +601,7 @@ class LinearKDLoss(nn.Module):
         num_segments: int | None = None,
     ) -> Tensor:
         s = self.tau**2 if self.tau_squared else 1.0
-        return ops.linear_distill(
+        out = ops.linear_distill(
             hidden,
             weight,
             target,
@@ -486,14 +621,34 @@ class LinearKDLoss(nn.Module):
             chunk_rows=self.chunk_rows,
             backend=self.backend,
             validate=self.validate,
+            **self._option_kwargs(),
         )
+        return self._terms(out, s)
 
     def extra_repr(self) -> str:
-        return (
-            f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
-            f"tau_squared={self.tau_squared}, not_true={self.not_true}, reduction={self.reduction!r}, "
-            f"chunk_rows={self.chunk_rows}"
+        return ", ".join(
+            [
+                f"tau={self.tau}, ce_weight={self.ce_weight}, kd_weight={self.kd_weight}, "
+                f"tau_squared={self.tau_squared}, not_true={self.not_true}, reduction={self.reduction!r}, "
+                f"chunk_rows={self.chunk_rows}"
+            ]
+            + self._options_repr()
         )
 
 
-__all__ = ["KDLoss", "NTDLoss", "ASDLoss", "GKDLoss", "CADLoss", "ADCLoss", "LinearKDLoss", "confidence_from_freq"]
+LinearKDLoss.__doc__ += _OPTION_DOC + (
+    " Here the teacher's head may have more rows than the student's (``teacher_vocab``); the options' chunks are "
+    "computed by closed-form PyTorch rows (:func:`fedfast.ops.distill_options.option_rows_grad`).\n"
+)
+
+__all__ = [
+    "KDLoss",
+    "NTDLoss",
+    "ASDLoss",
+    "GKDLoss",
+    "CADLoss",
+    "ADCLoss",
+    "LinearKDLoss",
+    "DistillTerms",
+    "confidence_from_freq",
+]

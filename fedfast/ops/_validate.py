@@ -32,7 +32,7 @@ try:  # functorch's interpreter stack (which transforms are running): for in_vma
 except ImportError:  # pragma: no cover - a torch without functorch
     _TransformType = _interpreters = None
 
-_CHECKS = ("target", "segments", "class_prior", "class_alpha", "class_freq", "teacher_weights")
+_CHECKS = ("target", "segments", "class_prior", "class_alpha", "class_freq", "teacher_weights", "class_weight")
 _status: dict[torch.device, torch.Tensor] = {}
 
 

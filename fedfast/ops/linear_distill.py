@@ -42,6 +42,14 @@ from torch import Tensor
 
 from . import _backend, _validate
 from .distill import _backend_rows, _loss_dtype, row_scale_torch
+from .distill_options import (
+    DistillTerms,
+    check_class_weight,
+    check_options,
+    check_teacher_vocab,
+    option_rows_grad,
+    option_scales,
+)
 
 _FIRST_ORDER = (
     "linear_distill: the fused backward is first-order (its gradients are computed in the forward); "
@@ -83,6 +91,8 @@ def _pass(
     ignore_index: int,
     chunk: int,
     backend: str,
+    class_weight: Optional[Tensor],
+    ext: list[float],
     need_h: bool,
     need_W: bool,
     need_b: bool,
@@ -113,6 +123,8 @@ def _pass(
             ignore_index,
             chunk,
             backend,
+            class_weight,
+            ext,
             need_h,
             need_W,
             need_b,
@@ -122,12 +134,14 @@ def _pass(
     gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
     out = torch.empty(R, dtype=acc, device=h.device) if rows else torch.zeros((), dtype=acc, device=h.device)
+    # the options' path: the hard and soft terms apart, scaled (rows [2, R], or their sums [2])
+    terms = None if not ext else (h.new_empty((2, R), dtype=acc) if rows else h.new_zeros(2, dtype=acc))
     Wa, ba, tW, tb = _heads_in_state_dtype(h, W, b, th, tW, tb)
     n0 = min(chunk, R)
     # one chunk's logits (and teacher logits) buffer for the whole pass, written by the GEMMs (out=): no fresh
     # allocation, and no page faults, per chunk; on the C++ backend the row op writes dL/dz over the logits
     zbuf = h.new_empty((n0, V))
-    tbuf = th.new_empty((n0, V)) if t is None and R else None
+    tbuf = th.new_empty((n0, tW.shape[0])) if t is None and R else None
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
@@ -142,29 +156,30 @@ def _pass(
                 else torch.addmm(tb, th[r0:r1], tW.T, out=tbuf[: r1 - r0])
             )
         # the C++ kernel writes the gradient over the chunk's logits (no second [chunk, V] buffer)
-        loss_rows, g = _backend_rows(
+        loss_rows, g, parts = _chunk_rows(
             backend,
             z,
             tc,
             target[r0:r1].contiguous(),
-            None,
-            None,
-            None,
-            None,
-            None,
-            scale[r0:r1].contiguous(),
+            scale[..., r0:r1].contiguous(),
             tau,
             ce_weight,
             kd_weight,
-            ignore_index,
             not_true,
-            False,
+            ignore_index,
+            class_weight,
+            ext,
             in_place=backend == "cpu",
+            need_grad=need_h or need_W or need_b,
         )
         if rows:
             out[r0:r1] = loss_rows
+            if terms is not None:
+                terms[:, r0:r1] = parts
         else:
             out = out + loss_rows.sum()
+            if terms is not None:
+                terms = terms + parts.sum(1)
         if need_h:
             if gh.dtype == Wa.dtype == g.dtype:
                 torch.mm(g, Wa, out=gh[r0:r1])
@@ -179,7 +194,69 @@ def _pass(
         gW = gW.to(W.dtype)
     if gb is not None and gb.dtype != b.dtype:
         gb = gb.to(b.dtype)
-    return out, gh, gW, gb
+    return out, gh, gW, gb, terms
+
+
+def _chunk_rows(
+    backend,
+    z,
+    tc,
+    yc,
+    sc,
+    tau,
+    ce_weight,
+    kd_weight,
+    not_true,
+    ignore_index,
+    class_weight,
+    ext,
+    in_place=False,
+    need_grad=True,
+):
+    """One chunk's scaled loss rows ``[n]``, their gradient in the logits ``[n, V]`` and, on the options' path, the
+    scaled hard and soft terms ``[2, n]`` (None on the fused kernels' path)."""
+    if not ext:
+        loss_rows, g = _backend_rows(
+            backend,
+            z,
+            tc,
+            yc,
+            None,
+            None,
+            None,
+            None,
+            None,
+            sc,
+            tau,
+            ce_weight,
+            kd_weight,
+            ignore_index,
+            not_true,
+            False,
+            in_place=in_place,
+        )
+        return loss_rows, g, None
+    beta, eps, cap, tcap, pad = ext
+    hard, soft, g = option_rows_grad(
+        z,
+        tc,
+        yc,
+        sc,
+        tau=tau,
+        ce_weight=ce_weight,
+        kd_weight=kd_weight,
+        not_true=not_true,
+        ignore_index=ignore_index,
+        class_weight=class_weight,
+        jsd_beta=beta,
+        label_smoothing=eps,
+        softcap=cap,
+        teacher_softcap=tcap,
+        teacher_vocab="pad" if pad else "drop",
+        need_grad=need_grad,
+    )
+    parts = torch.stack([hard * sc[0], soft * sc[1]])
+    return ce_weight * parts[0] + kd_weight * parts[1], g, parts
 
 
 def _pass_functional(
@@ -199,6 +276,8 @@ def _pass_functional(
     ignore_index,
     chunk,
     backend,
+    class_weight,
+    ext,
     need_h,
     need_W,
     need_b,
@@ -208,7 +287,7 @@ def _pass_functional(
     acc = _loss_dtype(h)
     R = h.shape[0]
     Wa, ba, tW, tb = _heads_in_state_dtype(h, W, b, th, tW, tb)
-    outs, ghs, gW, gb = [], [], None, None
+    outs, ghs, gW, gb, parts_all = [], [], None, None, []
     for r0 in range(0, R, chunk):
         r1 = min(R, r0 + chunk)
         hc = h[r0:r1]
@@ -217,25 +296,23 @@ def _pass_functional(
             tc = t[r0:r1]
         else:
             tc = th[r0:r1] @ tW.T if tb is None else torch.addmm(tb, th[r0:r1], tW.T)
-        loss_rows, g = _backend_rows(
+        loss_rows, g, parts = _chunk_rows(
             backend,
             z,
             tc,
             target[r0:r1],
-            None,
-            None,
-            None,
-            None,
-            None,
-            scale[r0:r1],
+            scale[..., r0:r1],
             tau,
             ce_weight,
             kd_weight,
-            ignore_index,
             not_true,
-            False,
+            ignore_index,
+            class_weight,
+            ext,
         )
         outs.append(loss_rows if rows else loss_rows.sum())
+        if parts is not None:
+            parts_all.append(parts if rows else parts.sum(1))
         if need_h:
             ghs.append((g.to(Wa.dtype) @ Wa).to(h.dtype))
         if need_W:
@@ -246,7 +323,8 @@ def _pass_functional(
             gb = d if gb is None else gb + d
     out = torch.cat(outs) if rows else torch.stack(outs).sum()
     gh = torch.cat(ghs) if need_h else None
-    return out, gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype)
+    terms = None if not parts_all else (torch.cat(parts_all, 1) if rows else torch.stack(parts_all).sum(0))
+    return out, gh, None if gW is None else gW.to(W.dtype), None if gb is None else gb.to(b.dtype), terms
 
 
 def _vmap_loop(fn, info, in_dims, inputs, n_out: int):
@@ -286,11 +364,13 @@ def _total_op(
     ignore_index: int,
     chunk: int,
     backend: str,
+    class_weight: Optional[Tensor],
+    ext: list[float],
     need_h: bool,
     need_W: bool,
     need_b: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    loss, gh, gW, gb = _pass(
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    loss, gh, gW, gb, terms = _pass(
         h,
         W,
         b,
@@ -307,12 +387,14 @@ def _total_op(
         ignore_index,
         chunk,
         backend,
+        class_weight,
+        ext,
         need_h,
         need_W,
         need_b,
         rows=False,
     )
-    return loss, _empty(gh, h), _empty(gW, W), _empty(gb, h)
+    return loss, _empty(gh, h), _empty(gW, W), _empty(gb, h), _empty(terms, h)
 
 
 @_total_op.register_fake
@@ -333,6 +415,8 @@ def _(
     ignore_index,
     chunk,
     backend,
+    class_weight,
+    ext,
     need_h,
     need_W,
     need_b,
@@ -342,11 +426,12 @@ def _(
         torch.empty_like(h) if need_h else h.new_empty(0),
         torch.empty_like(W) if need_W else W.new_empty(0),
         torch.empty_like(b) if need_b and b is not None else h.new_empty(0),
+        h.new_empty((2,), dtype=_loss_dtype(h)) if ext else h.new_empty(0),
     )
 
 
 def _total_setup(ctx, inputs, output):
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(*output[1:4])
     ctx.need = inputs[-3:]
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zeros shaped as gh and gW for the gradient outputs
@@ -356,10 +441,10 @@ def _total_backward(ctx, grad_loss, *_):
     if torch.is_grad_enabled():
         raise RuntimeError(_FIRST_ORDER)
     if grad_loss is None:
-        return (None,) * 19
+        return (None,) * 21
     gh, gW, gb = ctx.saved_tensors
     out = [g * grad_loss.to(g.dtype) if need else None for g, need in zip((gh, gW, gb), ctx.need)]
-    return (out[0], out[1], out[2]) + (None,) * 16
+    return (out[0], out[1], out[2]) + (None,) * 18
 
 
 _total_op.register_autograd(_total_backward, setup_context=_total_setup)
@@ -383,11 +468,13 @@ def _rows_backward_op(
     ignore_index: int,
     chunk: int,
     backend: str,
+    class_weight: Optional[Tensor],
+    ext: list[float],
     need_h: bool,
     need_W: bool,
     need_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _, gh, gW, gb = _pass(
+    _, gh, gW, gb, _terms = _pass(
         h,
         W,
         b,
@@ -404,6 +491,8 @@ def _rows_backward_op(
         ignore_index,
         chunk,
         backend,
+        class_weight,
+        ext,
         need_h,
         need_W,
         need_b,
@@ -430,6 +519,8 @@ def _(
     ignore_index,
     chunk,
     backend,
+    class_weight,
+    ext,
     need_h,
     need_W,
     need_b,
@@ -459,11 +550,13 @@ def _rows_op(
     ignore_index: int,
     chunk: int,
     backend: str,
+    class_weight: Optional[Tensor],
+    ext: list[float],
     need_h: bool,
     need_W: bool,
     need_b: bool,
-) -> Tensor:
-    return _pass(
+) -> tuple[Tensor, Tensor]:
+    out, _, _, _, terms = _pass(
         h,
         W,
         b,
@@ -480,11 +573,14 @@ def _rows_op(
         ignore_index,
         chunk,
         backend,
+        class_weight,
+        ext,
         False,
         False,
         False,
         rows=True,
-    )[0]
+    )
+    return out, _empty(terms, h)
 
 
 @_rows_op.register_fake
@@ -505,20 +601,24 @@ def _(
     ignore_index,
     chunk,
     backend,
+    class_weight,
+    ext,
     need_h,
     need_W,
     need_b,
 ):
-    return h.new_empty((h.shape[0],), dtype=_loss_dtype(h))
+    acc = _loss_dtype(h)
+    return h.new_empty((h.shape[0],), dtype=acc), (h.new_empty((2, h.shape[0]), dtype=acc) if ext else h.new_empty(0))
 
 
 def _rows_setup(ctx, inputs, output):
     h, W, b, t, th, tW, tb, target, scale = inputs[:9]
     ctx.save_for_backward(h, W, b, t, th, tW, tb, target, scale)
     ctx.args = inputs[9:]
+    ctx.mark_non_differentiable(output[1])
 
 
-def _rows_backward(ctx, grad_rows):
+def _rows_backward(ctx, grad_rows, *_):
     if torch.is_grad_enabled():
         raise RuntimeError(_FIRST_ORDER)
     h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
@@ -526,7 +626,7 @@ def _rows_backward(ctx, grad_rows):
     gh, gW, gb = _rows_backward_op(
         grad_rows.to(scale.dtype) * scale, h, W, b, t, th, tW, tb, target, *args, need_h, need_W, need_b
     )
-    return ((gh if need_h else None), (gW if need_W else None), (gb if need_b else None)) + (None,) * 16
+    return ((gh if need_h else None), (gW if need_W else None), (gb if need_b else None)) + (None,) * 18
 
 
 _rows_op.register_autograd(_rows_backward, setup_context=_rows_setup)
@@ -564,6 +664,8 @@ class _Total(torch.autograd.Function):
         ignore_index,
         chunk,
         backend,
+        class_weight,
+        ext,
         need_h,
         need_W,
         need_b,
@@ -585,6 +687,8 @@ class _Total(torch.autograd.Function):
             ignore_index,
             chunk,
             backend,
+            class_weight,
+            ext,
             need_h,
             need_W,
             need_b,
@@ -593,7 +697,7 @@ class _Total(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
-        return _vmap_loop(_Total.forward, info, in_dims, inputs, 4)
+        return _vmap_loop(_Total.forward, info, in_dims, inputs, 5)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -601,25 +705,25 @@ class _Total(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grads = [g for g in output[1:] if g is not None]
-        ctx.mark_non_differentiable(*grads)
+        grads = [g for g in output[1:4] if g is not None]
+        ctx.mark_non_differentiable(*grads, *([] if output[4] is None else [output[4]]))
         ctx.set_materialize_grads(False)  # else autograd hands the backward zeros shaped as gh and gW: a weight's worth
         ctx.transformed = _backend.functorch_active(*inputs[:2])
         ctx.anchors = [x for x, need in zip(inputs[:3], inputs[-3:]) if need]
         if ctx.transformed:
             ctx.save_for_backward(*grads)
-            ctx.layout = [g is not None for g in output[1:]]
+            ctx.layout = [g is not None for g in output[1:4]]
         else:  # held by ctx alone, so that the backward can give them away
-            ctx.grads = list(output[1:])
+            ctx.grads = list(output[1:4])
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         if grad_loss is None:  # not materialised: the loss itself received no gradient
-            return (None,) * 19
+            return (None,) * 21
         if ctx.transformed:
             saved = iter(ctx.saved_tensors)
             grads = [next(saved) if present else None for present in ctx.layout]
-            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 16
+            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 18
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(
@@ -628,8 +732,8 @@ class _Total(torch.autograd.Function):
         keep = torch._C._autograd._get_current_graph_task_keep_graph() or torch.is_grad_enabled()
         if keep:
             ctx.grads = grads
-            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 16
-        return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + (None,) * 16
+            return _scaled(grads, grad_loss, ctx.anchors) + (None,) * 18
+        return tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads) + (None,) * 18
 
 
 class _Rows(torch.autograd.Function):
@@ -654,11 +758,13 @@ class _Rows(torch.autograd.Function):
         ignore_index,
         chunk,
         backend,
+        class_weight,
+        ext,
         need_h,
         need_W,
         need_b,
     ):
-        return _pass(
+        out, _, _, _, terms = _pass(
             h,
             W,
             b,
@@ -675,15 +781,18 @@ class _Rows(torch.autograd.Function):
             ignore_index,
             chunk,
             backend,
+            class_weight,
+            ext,
             False,
             False,
             False,
             rows=True,
-        )[0]
+        )
+        return out, terms
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
-        return _vmap_loop(_Rows.forward, info, in_dims, inputs, 1)
+        return _vmap_loop(_Rows.forward, info, in_dims, inputs, 2)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -693,16 +802,18 @@ class _Rows(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:9])
         ctx.args = list(inputs[9:])
+        if output[1] is not None:
+            ctx.mark_non_differentiable(output[1])
         ctx.functional = _backend.functorch_active(*inputs[:2])
         if ctx.functional:  # the saved tensors come back wrapped (and batched under vmap): torch ops, out of place
             ctx.args[6] = "reference"
 
     @staticmethod
-    def backward(ctx, grad_rows):
+    def backward(ctx, grad_rows, *_):
         h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
         *args, need_h, need_W, need_b = ctx.args
         with torch.no_grad():
-            _, gh, gW, gb = _pass(
+            _, gh, gW, gb, _terms = _pass(
                 h,
                 W,
                 b,
@@ -722,8 +833,8 @@ class _Rows(torch.autograd.Function):
         # create_graph=True or a torch.func transform: right, and refused once differentiated
         if torch.is_grad_enabled():
             anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b)) if need]
-            return _scaled([gh, gW, gb], None, anchors) + (None,) * 16
-        return (gh, gW, gb) + (None,) * 16
+            return _scaled([gh, gW, gb], None, anchors) + (None,) * 18
+        return (gh, gW, gb) + (None,) * 18
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -773,6 +884,7 @@ def _check(
     reduction,
     detach_teacher,
     double_backward,
+    teacher_vocab=None,
 ):
     """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. Returns (lead, H, V)."""
     if not isinstance(hidden, Tensor) or hidden.dim() < 1 or not hidden.is_floating_point():
@@ -815,22 +927,25 @@ def _check(
             "with teacher_weight (and teacher_bias), not both"
         )
     if teacher_logits is not None:
-        if tuple(teacher_logits.shape) != lead + (V,):
-            raise ValueError(f"teacher_logits: expected {list(lead + (V,))}, got {tuple(teacher_logits.shape)}")
+        if teacher_logits.dim() != len(lead) + 1 or tuple(teacher_logits.shape[:-1]) != lead:
+            raise ValueError(f"teacher_logits: expected {list(lead) + [V]}, got {tuple(teacher_logits.shape)}")
+        check_teacher_vocab(V, teacher_logits.shape[-1], teacher_vocab, "teacher_logits")
     else:
         if (
             teacher_weight is None
             or tuple(teacher_hidden.shape[:-1]) != lead
             or teacher_weight.dim() != 2
-            or teacher_weight.shape != (V, teacher_hidden.shape[-1])
+            or teacher_weight.shape[1] != teacher_hidden.shape[-1]
         ):
             raise ValueError(
                 f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
                 f"{tuple(teacher_hidden.shape)} and "
                 f"{None if teacher_weight is None else tuple(teacher_weight.shape)}"
             )
-        if teacher_bias is not None and tuple(teacher_bias.shape) != (V,):
-            raise ValueError(f"teacher_bias: expected shape ({V},), got {tuple(teacher_bias.shape)}")
+        Vt = teacher_weight.shape[0]
+        check_teacher_vocab(V, Vt, teacher_vocab, "teacher_weight")
+        if teacher_bias is not None and tuple(teacher_bias.shape) != (Vt,):
+            raise ValueError(f"teacher_bias: expected shape ({Vt},), got {tuple(teacher_bias.shape)}")
     dev = hidden.device
     for name, x in (
         ("weight", weight),
@@ -881,7 +996,14 @@ def linear_distill(
     validate: str | None = None,
     detach_teacher: bool = True,
     double_backward: bool = False,
-) -> Tensor:
+    jsd_beta: float = 0.0,
+    label_smoothing: float = 0.0,
+    class_weight: Tensor | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    teacher_vocab: str | None = None,
+    return_terms: bool = False,
+):
     """The fused linear + distillation loss (see the module docstring): a scalar ("mean", "sum"), per-row losses
     shaped as ``target`` ("none") or per-segment means (``"segment"``), differentiable in ``hidden``, ``weight``
     and ``bias``.
@@ -890,7 +1012,15 @@ def linear_distill(
     (hidden states, weight, bias; the teacher's too) are cast to the autocast dtype, so the logits are formed in it,
     the loss is computed and accumulated in fp32 from them, and the gradients reach the fp32 parameters through the
     casts (the weight's gradient is summed over the chunks in fp32, then rounded once to the autocast dtype, as
-    ``F.linear``'s is). Teacher logits given as such are read as they are."""
+    ``F.linear``'s is). Teacher logits given as such are read as they are.
+
+    Liger-Kernel's options (:mod:`fedfast.ops.distill_options` has the formula): ``jsd_beta`` (0 forward KL, 1
+    reverse KL, between the generalised JSD), ``label_smoothing`` and ``class_weight`` [V] on the hard term (as
+    ``F.cross_entropy``'s), ``softcap`` / ``teacher_softcap`` (logits ``c * tanh(z / c)``), a teacher with more
+    classes than the student (``teacher_vocab="drop"`` or ``"pad"``), and ``return_terms=True``: a
+    :class:`DistillTerms` ``(loss, ce, kd)`` with the hard and soft terms reduced as the loss is (``loss = ce_weight
+    * ce + kd_weight * kd``; the terms carry no gradient). Any of them runs the chunks through the closed-form
+    PyTorch rows (:func:`fedfast.ops.distill_options.option_rows_grad`) in place of the fused kernels."""
     cast = _autocast_dtype(hidden)
     if cast is not None:
 
@@ -920,7 +1050,19 @@ def linear_distill(
                 validate=validate,
                 detach_teacher=detach_teacher,
                 double_backward=double_backward,
+                jsd_beta=jsd_beta,
+                label_smoothing=label_smoothing,
+                class_weight=class_weight,
+                softcap=softcap,
+                teacher_softcap=teacher_softcap,
+                teacher_vocab=teacher_vocab,
+                return_terms=return_terms,
             )
+    beta, eps, cap, tcap, teacher_vocab = check_options(
+        jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab
+    )
+    if not isinstance(return_terms, bool):
+        raise TypeError(f"return_terms: expected True or False, got {return_terms!r}")
     lead, H, V = _check(
         hidden,
         weight,
@@ -934,6 +1076,7 @@ def linear_distill(
         reduction,
         detach_teacher,
         double_backward,
+        teacher_vocab,
     )
     tau = _validate.check_tau("tau", tau)
     ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
@@ -957,14 +1100,22 @@ def linear_distill(
         chunk = chunk_rows
     be = _backend.resolve_for(backend, dev.type, h.dtype)
     nod = lambda x: None if x is None else x.detach()
-    t = nod(teacher_logits.reshape(R, V)) if teacher_logits is not None else None
+    t = nod(teacher_logits.reshape(R, -1)) if teacher_logits is not None else None
     th = nod(teacher_hidden.reshape(R, -1)) if teacher_hidden is not None else None
     acc = _loss_dtype(h)
-    scale = (
-        row_scale_torch(y, V, ignore_index, segments, acc)
-        if reduction in ("mean", "segment")
-        else torch.ones(R, dtype=acc, device=dev)
-    )
+    Vt = teacher_logits.shape[-1] if teacher_logits is not None else teacher_weight.shape[0]
+    ext = []
+    if beta or eps or class_weight is not None or cap or tcap or Vt > V or return_terms:
+        ext = [beta, eps, cap, tcap, float(teacher_vocab == "pad")]
+        class_weight = check_class_weight(class_weight, V, dev, mode)
+        limit = num_segments if num_segments is not None else R
+        scale = option_scales(y, V, ignore_index, segments, limit, class_weight, reduction in ("mean", "segment"), acc)
+    else:
+        scale = (
+            row_scale_torch(y, V, ignore_index, segments, acc)
+            if reduction in ("mean", "segment")
+            else torch.ones(R, dtype=acc, device=dev)
+        )
     grad_on = torch.is_grad_enabled()
     traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
     # torch.compile guards on requires_grad; an exported or traced graph is run later with whichever inputs require
@@ -988,17 +1139,24 @@ def linear_distill(
         int(ignore_index),
         int(chunk),
         be,
+        None if class_weight is None else class_weight.detach(),
+        ext,
         *need,
     )
     if reduction in ("mean", "sum"):
-        if traced:  # torch.compile, torch.export, torch.jit.trace: the custom op
-            return _total_op(*args)[0]
-        return _Total.apply(*args)[0]
-    rows = _rows_op(*args) if traced else _Rows.apply(*args)
+        # torch.compile, torch.export, torch.jit.trace: the custom op
+        loss, *_, terms = _total_op(*args) if traced else _Total.apply(*args)
+        return DistillTerms(loss, terms[0], terms[1]) if return_terms else loss
+    rows, terms = _rows_op(*args) if traced else _Rows.apply(*args)
     if reduction == "none":
-        return rows.reshape(lead)
-    S = _validate.segment_count(segments, num_segments)
-    return torch.zeros(S, dtype=rows.dtype, device=dev).index_add(0, segments.long().clamp(0, S - 1), rows)
+        out = (rows, *(terms if return_terms else ()))
+        out = tuple(x.reshape(lead) for x in out)
+    else:
+        S = _validate.segment_count(segments, num_segments)
+        idx = segments.long().clamp(0, S - 1)
+        out = (rows, *(terms if return_terms else ()))
+        out = tuple(torch.zeros(S, dtype=rows.dtype, device=dev).index_add(0, idx, x) for x in out)
+    return DistillTerms(*out) if return_terms else out[0]
 
 
-__all__ = ["linear_distill", "default_chunk_rows"]
+__all__ = ["linear_distill", "default_chunk_rows", "DistillTerms"]
