@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from . import ops
 from .ops import _validate
 from .ops._rows import class_table
+from .ops.distill import _fast_lane
 from .ops.distill_options import DistillTerms, check_options, distill_with_options
 
 _OPTION_DOC = """
@@ -141,6 +142,31 @@ class _DistillBase(nn.Module):
                 raise TypeError(f"{name}: expected True or False, got {v!r}")
         self.detach_teacher, self.double_backward = detach_teacher, double_backward
 
+    def _fast(self, student, teacher, target, segments, ce_weight, kd_weight, kind, prior=None, entropy_tau=1.0):
+        """The common eager call straight to :func:`fedfast.ops.distill`'s fast lane (None: the general path)."""
+        if (
+            segments is None
+            and self.backend is None
+            and self.validate is None
+            and self.detach_teacher is True
+            and self.double_backward is False
+            and (self.reduction == "mean" or self.reduction == "sum")
+        ):
+            return _fast_lane(
+                student,
+                teacher,
+                target,
+                self.tau,
+                ce_weight,
+                kd_weight,
+                kind,
+                self.reduction,
+                self.ignore_index,
+                prior,
+                entropy_tau,
+            )
+        return None
+
     def _common(self, segments, num_segments):
         return dict(
             tau=self.tau,
@@ -232,6 +258,9 @@ class KDLoss(_Options, _DistillBase):
                 ),
                 s,
             )
+        out = self._fast(student, teacher, target, segments, self.ce_weight, self.kd_weight * s, "full")
+        if out is not None:
+            return out
         return ops.distill(
             student,
             teacher,
@@ -288,6 +317,9 @@ class NTDLoss(_Options, _DistillBase):
             return self._terms(
                 self._with_options(student, teacher, target, True, 1.0, self.beta * s, segments, num_segments), s
             )
+        out = self._fast(student, teacher, target, segments, 1.0, self.beta * s, "not_true")
+        if out is not None:
+            return out
         return ops.distill(
             student, teacher, target, kind="not_true", kd_weight=self.beta * s, **self._common(segments, num_segments)
         )
@@ -342,6 +374,10 @@ class ASDLoss(_DistillBase):
         num_segments: int | None = None,
     ) -> Tensor:
         s = self.tau**2 if self.tau_squared else 1.0
+        kind = "not_true" if self.not_true else "full"
+        out = self._fast(student, teacher, target, segments, 1.0, self.lam * s, kind, class_prior, self.entropy_tau)
+        if out is not None:
+            return out
         return ops.distill(
             student,
             teacher,
@@ -389,6 +425,10 @@ class GKDLoss(_DistillBase):
         """``mixture``: instead of ``teachers``, the M teachers' mixture ``(P [R, C], negent [R])`` precomputed by
         :func:`fedfast.ops.teacher_mixture` at this ``tau`` (exact in loss and gradient)."""
         s = self.tau**2 if self.tau_squared else 1.0
+        if teacher_weights is None and mixture is None:
+            out = self._fast(student, teachers, target, segments, 1.0, self.gamma / 2 * s, "full")
+            if out is not None:
+                return out
         return ops.distill(
             student,
             teachers,

@@ -207,6 +207,20 @@ def forward_ad_active(*ts) -> bool:
     return any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in ts)
 
 
+_ENV_KEYS = ("FEDFAST_BACKEND", "FEDFAST_VALIDATE")
+try:  # os.environ's own dict (bytes keys on POSIX): a membership test without the Mapping's per-key encoding
+    _ENV_DATA, _ENV_ENCODED = os.environ._data, tuple(os.environ.encodekey(k) for k in _ENV_KEYS)
+except AttributeError:  # pragma: no cover - another Python
+    _ENV_DATA, _ENV_ENCODED = None, ()
+
+
+def env_overrides() -> bool:
+    """Whether ``FEDFAST_BACKEND`` or ``FEDFAST_VALIDATE`` is set (0.1 us: a hot path's test)."""
+    if _ENV_DATA is not None and _ENV_DATA is os.environ._data:
+        return _ENV_ENCODED[0] in _ENV_DATA or _ENV_ENCODED[1] in _ENV_DATA
+    return any(k in os.environ for k in _ENV_KEYS)
+
+
 def plain_eager(*ts) -> bool:
     """Not compiling, not tracing, no torch.func transform: a backend kernel can be called directly, without its
     ``torch.library`` custom op (whose Python dispatch costs ~0.1 ms a call)."""

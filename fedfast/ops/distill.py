@@ -7,6 +7,8 @@ gradient stored in forward), dispatches to a backend, validates inputs and appli
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -268,6 +270,14 @@ class _DistillRowsFn(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad, out = ctx.saved_tensors
         return _first_order(_scale_stored(grad, grad_loss, ctx.backend), out), None, None
+
+
+# autograd.Function.apply less its Python prologue (functorch's dead-wrapper unwrapping, the setup_context probe):
+# for callers that have checked that no torch.func transform is running and no input is wrapped (plain_eager)
+try:
+    _apply_plain = super(torch.autograd.Function, _DistillRowsFn).apply
+except AttributeError:  # pragma: no cover - a torch whose Function has no C-level apply
+    _apply_plain = _DistillRowsFn.apply
 
 
 def distill_rows(
@@ -603,6 +613,66 @@ def _distill_autograd(
     return _reduce(loss_rows, reduction, segments, num_segments)
 
 
+def _fast_lane(
+    student, teacher, target, tau, ce_weight, kd_weight, kind: str, reduction: str, ignore_index, prior, entropy_tau
+):
+    """The loss of the common eager call, or None when the call needs :func:`distill`'s general path (which then
+    checks and names whatever is unusual): contiguous fp32 CPU logits of one shape, int64 labels, finite float
+    options, ASD's prior (if any) one fp32 [C] table, no ``FEDFAST_BACKEND`` / ``FEDFAST_VALIDATE``, no compile,
+    trace or transform. The same C++ calls as the general path (the labels checked and the reduction weights formed
+    in one pass, then the fused rows with ASD's weights), without its ~0.1 ms of Python at small shapes."""
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or not (type(student) is Tensor and type(teacher) is Tensor and type(target) is Tensor)
+    ):  # (first: what torch.compile or jit.trace traces stops here)
+        return None
+    if not (type(tau) is float and type(ce_weight) is float and type(kd_weight) is float and type(ignore_index) is int):
+        return None
+    if (
+        student.dtype != torch.float32
+        or teacher.dtype != torch.float32
+        or target.dtype != torch.int64
+        or student.device.type != "cpu"
+        or teacher.device.type != "cpu"
+        or target.device.type != "cpu"
+        or student.dim() != 2
+        or teacher.shape != student.shape
+        or target.shape != student.shape[:1]
+        or student.shape[0] == 0
+        or student.shape[1] < 2
+        or not (student.is_contiguous() and teacher.is_contiguous() and target.is_contiguous())
+        or not (tau > 0 and math.isfinite(tau) and math.isfinite(ce_weight) and math.isfinite(kd_weight))
+    ):
+        return None
+    if _backend.env_overrides() or not _backend.plain_eager(student, teacher):
+        return None
+    ext = _backend.cpu_ext()
+    if ext is None:
+        return None
+    R, C = student.shape
+    cpu_only = {}
+    if prior is not None:
+        if not (
+            type(prior) is Tensor
+            and prior.dtype == torch.float32
+            and prior.device.type == "cpu"
+            and prior.shape == (C,)
+            and prior.is_contiguous()
+            and type(entropy_tau) is float
+            and entropy_tau > 0
+            and math.isfinite(entropy_tau)
+        ):
+            return None
+        cpu_only = {"asd": (prior[None], entropy_tau, "eager")}
+    mean = reduction == "mean"
+    rs, status = ext.row_scale(target, None, C, ignore_index, 1 if mean else 0, R, None)
+    if status:
+        raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
+    args = (target, None, None, None, None, None, rs if mean else None, tau, ce_weight, kd_weight, ignore_index)
+    return _apply_plain(student, teacher.detach(), args + (kind == "not_true", False, "cpu", True, cpu_only))
+
+
 def distill(
     student: Tensor,
     teacher: Tensor,
@@ -631,6 +701,9 @@ def distill(
 ) -> Tensor:
     """Fused CE + distillation loss (see :mod:`fedfast.ops.distill_reference` for the formula).
 
+    (The common eager call: one teacher's fp32 logits on the CPU, a mean or a sum, no per-class or per-row tables
+    and no settings in the environment, goes straight to the C++ kernel: :func:`_fast_lane`.)
+
     ``student`` [R, C] logits (grad flows); ``teacher`` [R, C] logits, or [M, R, C] with
     ``teacher_weights`` [M] (default uniform) for a weighted sum of M KL terms (FedGKD-VOTE, reduced to
     one target mixture exactly); ``target`` [R] int. ``kind``: ``"full"`` or ``"not_true"`` (FedNTD).
@@ -652,6 +725,26 @@ def distill(
     reference formulas, any device, slower); ``torch.jit.trace``, ``torch.func`` transforms (``jvp`` too) and
     dual tensors of ``torch.autograd.forward_ad`` take that path too.
     """
+    if (
+        class_alpha is None
+        and row_weight is None
+        and rho is None
+        and teacher_weights is None
+        and segments is None
+        and mixture is None
+        and soft_ce is False
+        and detach_teacher is True
+        and double_backward is False
+        and backend is None
+        and validate is None
+        and (reduction == "mean" or reduction == "sum")
+        and (kind == "full" or kind == "not_true")
+    ):
+        out = _fast_lane(
+            student, teacher, target, tau, ce_weight, kd_weight, kind, reduction, ignore_index, class_prior, entropy_tau
+        )
+        if out is not None:
+            return out
     _validate.check_logits("student", student)
     if kind not in _KINDS:
         raise ValueError(f"kind: must be one of {_KINDS}, got {kind!r}")
