@@ -596,6 +596,7 @@ TABLES = {
     "conv-kernels-gpu": tune_table,
     "losses-authors": authors_table,
     "losses-authors-xeon": lambda: authors_table("cpu-2core-intel-xeon-authors.json"),
+    "losses-authors-1thread": lambda: authors_table("cpu-2core-amd-epyc-authors-1thread.json"),
     "linear-kd": linear_table,
     "liger": liger_table,
     "ops-gpu": gpu_ops_table,
