@@ -4,6 +4,7 @@ taken silently, paths relative to the file they are written in, and a partition'
 and overlapping partitions are refused when they are made."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -206,6 +207,31 @@ def test_nan_data_from_a_plugin_is_an_error_at_load_not_a_divergence(tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and "rows [123]" in err and "NaN" in err and "lr" not in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_builder_with_the_wrong_signature_is_named_with_its_file_and_line(tmp_path, capsys):
+    """Issue 60: a builder taking ``(C, shape, o)`` without ``options`` failed at the first run with
+    "<lambda>() missing 1 required positional argument: 'o'" and no name, file or expected call."""
+    plugin = tmp_path / "badmodel.py"
+    plugin.write_text("from fedfast import models\n\nmodels.register_model('badsig', lambda C, shape, o: None)\n")
+    code = main(["run", "--plugin", str(plugin), "--set", "model=badsig", "--out", str(tmp_path / "r"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "register_model('badsig')" in err and f"{plugin}, line 3" in err, err
+    assert "build(num_classes, input_shape)" in err and "'o'" in err, err
+    try:
+        with pytest.raises(TypeError, match=r"build\(num_classes, input_shape, options\); its signature is \(C, s\)"):
+            models.register_model("badopts", lambda C, s: None, options=TinyOpts)
+        models.register_model("okdefault", lambda C, s=None, *rest: None)  # callable as build(C, shape): taken
+        models.register_model("okcallable", type("B", (), {"__call__": lambda self, C, s: None})())
+    finally:
+        for n in ("badsig", "okdefault", "okcallable"):
+            models.REGISTRY.remove(n) if n in models.REGISTRY else None
+
+
+@dataclasses.dataclass
+class TinyOpts:
+    hidden: int = 8
 
 
 # -- partitions ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ have options of its own (an ``options`` dataclass, the run config's ``[name]`` t
 ``model = "hf:..."`` (Hugging Face) is separate (:mod:`fedfast.models.hf`).
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -38,7 +39,30 @@ def register_model(name: str, build: Callable, *, options: type | None = None, r
     if isinstance(name, str) and name.startswith("hf:"):
         raise ValueError(f"register_model: 'hf:...' names Hugging Face models, got {name!r}")
     check_entry("register_model", name, build, options)
+    _check_signature(name, build, options)
     REGISTRY.add(name, ModelEntry(build, options), replace=replace, call="register_model")
+
+
+def _check_signature(name: str, build: Callable, options) -> None:
+    """A builder that cannot be called as the run calls it is refused when registered, naming it, its file and line
+    and the call it must take (a callable whose signature Python cannot read is taken as it is)."""
+    want = ("num_classes", "input_shape") + (("options",) if options is not None else ())
+    try:
+        sig = inspect.signature(build)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*want)
+    except TypeError as e:
+        fn = build if hasattr(build, "__code__") else getattr(type(build), "__call__", build)
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        where = f"{code.co_filename}, line {code.co_firstlineno}" if code is not None else repr(build)
+        raise TypeError(
+            f"register_model({name!r}): the builder {getattr(build, '__qualname__', type(build).__name__)} ({where}) "
+            f"must take build({', '.join(want)})"
+            + ("" if options is not None else " (with options=SomeDataclass: build(num_classes, input_shape, options))")
+            + f"; its signature is {sig}: {e}"
+        ) from None
 
 
 def build(name: str, num_classes: int = 10, input_shape: tuple | None = None, options=None):
