@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from ._deprecation import show_once
 from . import __version__, methods, presets
 from ._io import read_json
 from .bench import main as bench
@@ -51,7 +52,9 @@ def console() -> None:
     """The ``fedfast`` command (and ``python -m fedfast``): :func:`main`, then exit without the interpreter's
     teardown. Every output is written and closed by then; the teardown only frees memory and unloads torch, and
     took ~0.5 s of every command on the 2-core VM (``import torch`` then a normal exit: 2.5 s, with ``os._exit``:
-    2.0 s)."""
+    2.0 s). Each fedfast deprecation notice is shown once (a plug-in's old forms: Python's default filters would hide
+    them)."""
+    show_once()
     try:
         code = main()
     except SystemExit as e:  # argparse errors and --help

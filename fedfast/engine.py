@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ._deprecation import deprecated
 from . import methods as _methods, ops, privacy
 from ._io import host_to_device
 from .collectives import collectives
@@ -550,11 +551,9 @@ def __getattr__(name: str):
     """``fedfast.engine.Diverged``: moved to :mod:`fedfast.sim.diverged` (``fedfast.Diverged`` is unchanged); the old
     address works for one release, with a DeprecationWarning naming the new one."""
     if name == "Diverged":
-        warnings.warn(
+        deprecated(
             "fedfast.engine.Diverged moved to fedfast.sim.diverged.Diverged (or use fedfast.Diverged); "
-            "the old address goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
+            "the old address goes in the next release"
         )
         return _diverged.Diverged
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

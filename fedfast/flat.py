@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from ._deprecation import deprecated
 from .batched import plan
 from .ops.client_batch_norm_reference import client_batch_norm_reference
 from .store import state as _store_state
@@ -432,10 +432,8 @@ def __getattr__(name: str):
     """``fedfast.flat.ClientState``: moved to :mod:`fedfast.store` (issue 50); the old address works for one release,
     with a DeprecationWarning naming the new one."""
     if name == "ClientState":
-        warnings.warn(
-            "fedfast.flat.ClientState moved to fedfast.store.ClientState; the old address goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
+        deprecated(
+            "fedfast.flat.ClientState moved to fedfast.store.ClientState; the old address goes in the next release"
         )
         return _store_state.ClientState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """fedfast's layers, one way: a module may import its own layer and the layers below, never one above, at module
 level or inside a function (optional third-party packages aside; the package's ``__init__`` facade aside).
 
-    0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io, fedfast._registry, _settings
+    0 kernels     fedfast.ops, fedfast.triton, fedfast._version, fedfast._io, fedfast._registry, _settings, _deprecation
     1 parts       fedfast.flat, store, batched, grouped, cpu_alloc, flops, nn, data, models
     2 methods     fedfast.methods
     3 engine      fedfast.engine, sim (its parts), simconfig, local_step, collectives, sampling, teachers,
@@ -25,7 +25,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "fedfast")
 
 LAYERS = [
-    ("ops", "triton", "_version", "_io", "_registry", "_settings"),
+    ("ops", "triton", "_version", "_io", "_registry", "_settings", "_deprecation"),
     ("flat", "store", "rowfile", "batched", "grouped", "cpu_alloc", "flops", "nn", "data", "models", "privacy"),
     ("methods",),
     ("engine", "checkpoint", "simconfig", "local_step", "collectives", "sampling", "teachers", "sim"),

@@ -409,6 +409,28 @@ def test_a_replaced_dataset_is_recorded_and_marked_in_the_report(tmp_path):
     assert "‡ dataset mnist here is" in (out / "report.md").read_text()
 
 
+def test_deprecation_notices_are_shown_once_from_the_command_line(tmp_path):
+    """Issue 60: a plug-in's old forms warned with a DeprecationWarning that Python's default filters hide outside
+    ``__main__``: the command line now shows each fedfast notice once."""
+    plugin = tmp_path / "oldforms.py"
+    plugin.write_text(
+        "import fedfast.flat, fedfast.engine\n"
+        "for _ in range(3):\n"
+        "    fedfast.flat.ClientState, fedfast.engine.Diverged\n"
+    )
+    env = dict(os.environ, PYTHONWARNINGS="")
+    r = subprocess.run(
+        [sys.executable, "-m", "fedfast", "methods", "--plugin", str(plugin)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.stderr.count("FedfastDeprecationWarning: fedfast.flat.ClientState moved") == 1, r.stderr
+    assert r.stderr.count("FedfastDeprecationWarning: fedfast.engine.Diverged moved") == 1, r.stderr
+    assert f"{plugin}:3" in r.stderr, r.stderr  # the plug-in's line
+
+
 def test_loading_the_same_plugin_twice_is_harmless(tmp_path):
     plugin = _plugin(tmp_path, ROWS_PLUGIN)
     methods.load_plugin(plugin)

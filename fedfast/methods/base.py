@@ -27,7 +27,6 @@ import math
 import re
 import sys
 import types
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._deprecation import deprecated
 from .hooks import ClientHooks, ServerHooks
 
 
@@ -195,11 +195,7 @@ _LEGACY = {
 
 
 def _deprecated(name: str) -> None:
-    warnings.warn(
-        f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    deprecated(f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}", 3)
 
 
 @dataclass(kw_only=True)

@@ -11,9 +11,9 @@ FedNTD, the not-true form, is in :mod:`fedfast.methods.fedntd`.
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass
 
+from .._deprecation import deprecated
 from .. import nn as fnn
 from . import register
 from .base import Method, TeacherSpec, opt
@@ -57,11 +57,9 @@ def __getattr__(name: str):
     addresses work for one release, with a DeprecationWarning naming the new one (the module, which imports this
     one, is loaded by then: ``fedfast.methods`` loads both)."""
     if name in ("FedNTD", "FedLSNTD"):
-        warnings.warn(
+        deprecated(
             f"fedfast.methods.kd.{name} moved to fedfast.methods.fedntd.{name} (or fedfast.methods.{name}); "
-            f"the old address goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
+            f"the old address goes in the next release"
         )
         return getattr(importlib.import_module(".fedntd", __package__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,11 +5,11 @@ never the :class:`fedfast.Simulation` that wires them. ``Method.bind`` receives 
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
 
+from .._deprecation import deprecated
 from ..data.datasets import ArrayDataset
 from ..methods.base import Method, Round, StateSpec
 from ..methods.hooks import HookError, describe_value, hook_site
@@ -179,12 +179,11 @@ class EngineView:
         (``fill`` then [cols]). Deprecated inside ``Method.setup``: declare the state (``Method.client_state_spec``)
         so the memory budget sizes the chunk with it; the engine then allocates it before ``setup``."""
         if self._binding:
-            warnings.warn(
+            deprecated(
                 "new_client_state in Method.setup is deprecated (it goes in the next release): return "
                 "fedfast.methods.StateSpec(rows=..., cols=..., fill=...) from the method's client_state_spec "
                 "instead; the engine allocates self.client_state before setup",
-                DeprecationWarning,
-                stacklevel=3,
+                3,
             )
         return self._budget.client_state(self.num_clients, fill, rows, cols=cols)
 
