@@ -110,7 +110,18 @@ def test_client_data_passes_each_sample_once_in_eval_mode():
             seen.append((ctx.sampled[lo:hi].copy(), parts, models))
             with pytest.raises(ValueError, match="batch: samples per client"):
                 next(e.client_data(ctx, lo, hi, batch=0))
+            if hi - lo > 1:  # issue 60: another chunk's lo reads other clients' rows
+                with pytest.raises(ValueError, match=r"client_data: lo, hi = 1, "):
+                    next(e.client_data(ctx, lo + 1, hi))
 
+        def round_start(self, ctx):
+            # issue 60: outside chunk_end / collect the stack holds leftover models; it was read without a word
+            with pytest.raises(RuntimeError, match="client_data: the chunk's models are the clients' own only inside"):
+                next(self.engine.client_data(ctx, 0, 1))
+            seen_start.append(True)
+            return super().round_start(ctx)
+
+    seen_start = []
     fedfast.methods.register("watch_client_data")(Watch)
     try:
         cfg = fedfast.SimConfig(
@@ -126,6 +137,7 @@ def test_client_data_passes_each_sample_once_in_eval_mode():
         sim.run()
     finally:
         fedfast.methods.unregister("watch_client_data")
+    assert seen_start  # the refusal outside the hooks was exercised
     assert sim.model.training  # the model's mode is as it was
     clients, parts, flats = seen[0]
     F_ = 16

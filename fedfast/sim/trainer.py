@@ -82,6 +82,8 @@ class ChunkTrainer:
         # a private run (dp_clip): each client's ||theta_k - start|| from its last step's own pass over the row
         self.delta_norm = torch.zeros(chunk, device=device) if settings.dp_clip else None
         self._delta_version = None  # the stack's version counter after the chunk's last step
+        # (lo, hi) while a hook that may read the chunk's models runs (chunk_end, collect): client_data's window
+        self.client_window: tuple[int, int] | None = None
         self.prof: dict = {}  # profile=True: seconds per part of the local steps, this round
         self._last = 0.0
 
@@ -210,7 +212,11 @@ class ChunkTrainer:
                 loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
                 self.tick("step")
         self._delta_version = theta_all._version if track and not masked else None
-        new = method.chunk_end(ctx, lo, hi)
+        self.client_window = (lo, hi)
+        try:
+            new = method.chunk_end(ctx, lo, hi)
+        finally:
+            self.client_window = None
         if new is not None:  # the chunk's state after its last step (collect reads it)
             ctx._set(chunk=new)
 
@@ -320,6 +326,18 @@ class ChunkTrainer:
         model's modules are in that mode during each slice's forward only); no running statistics are updated; a
         client whose data is exhausted in a slice runs on its own first samples, marked invalid (and, for BatchNorm
         statistics, kept apart from the other clients'), so every value is finite."""
+        w = self.client_window
+        if w is None or not (isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer))):
+            raise RuntimeError(
+                "client_data: the chunk's models are the clients' own only inside the hooks chunk_end and collect "
+                "(before and after them the stack holds other clients' or the global model); call it there, with "
+                "that hook's lo and hi"
+            )
+        if not (lo == w[0] and lo <= hi <= w[1]):  # the stack's rows 0:hi-lo are the clients lo..hi-1
+            raise ValueError(
+                f"client_data: lo, hi = {lo}, {hi}: the hook's chunk is clients [{w[0]}, {w[1]}) of the round; pass "
+                f"its lo ({w[0]}) and an hi up to {w[1]}"
+            )
         b = self.settings.batch_size if batch is None else batch
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
             raise ValueError(f"batch: samples per client and slice, an integer >= 1, got {batch!r}")
