@@ -402,11 +402,7 @@ class Simulation:
             # the other ranks are in this round's all-reduce: poison the sum, so every rank sees a non-finite
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
-        self.trainer.client_window = (lo, hi)
-        try:
-            got = self.method.collect(ctx, out, lo, hi)
-        finally:
-            self.trainer.client_window = None
+        got = self.trainer.collect(self.method, ctx, out, lo, hi)  # (client_data valid inside)
         collect.take(self.method, ctx, got, lo, hi)
         self.privacy.check_collected(got)  # private: what the method sums must be its declared uploads
         # the chunk's weighted sum (private: its clipped sum / E; the noise is added once, in _server)

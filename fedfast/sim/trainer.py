@@ -308,6 +308,14 @@ class ChunkTrainer:
             )
         raise HookError(f"{where}: must return {must}, got {describe_value(loss)}")
 
+    def collect(self, method, ctx: Round, out, lo: int, hi: int):
+        """``method.collect(ctx, out, lo, hi)``, with :meth:`client_data` open on the chunk while it runs."""
+        self.client_window = (lo, hi)
+        try:
+            return method.collect(ctx, out, lo, hi)
+        finally:
+            self.client_window = None
+
     # -- what a method reads of the chunk ----------------------------------------------------------------------------
     @torch.no_grad()
     def client_data(
