@@ -382,3 +382,19 @@ def test_pad_rule_and_jsd_equal_liger_kernels_chunked_loss(beta):
     torch.testing.assert_close(got.kd, soft, rtol=1e-5, atol=1e-6)
     for a, b in zip(torch.autograd.grad(got.loss, (h, W)), gw):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_out_of_range_label_with_checks_off_is_an_ignored_row_as_in_the_kernels():
+    """validate='off': a label outside [0, C) counts as ignore_index on the options' path too (the fused kernels'
+    rule), never an index error."""
+    g = torch.Generator().manual_seed(8)
+    z, t = torch.randn(6, 5, generator=g, dtype=D, requires_grad=True), torch.randn(6, 5, generator=g, dtype=D)
+    h, W = torch.randn(6, 3, generator=g, dtype=D, requires_grad=True), torch.randn(5, 3, generator=g, dtype=D)
+    bad, ignored = torch.tensor([0, 1, 9, 2, -3, 4]), torch.tensor([0, 1, -100, 2, -100, 4])
+    opts = dict(jsd_beta=0.5, label_smoothing=0.1, class_weight=torch.rand(5, generator=g, dtype=D) + 0.1)
+    for loss in (fnn.KDLoss(validate="off", **opts), fnn.NTDLoss(validate="off", **opts)):
+        torch.testing.assert_close(loss(z, t, bad), loss(z, t, ignored), rtol=1e-14, atol=0)
+    lin = fnn.LinearKDLoss(validate="off", chunk_rows=4, **opts)
+    torch.testing.assert_close(lin(h, W, bad, t), lin(h, W, ignored, t), rtol=1e-14, atol=0)
+    g1, g2 = (torch.autograd.grad(lin(h, W, y, t), h)[0] for y in (bad, ignored))
+    torch.testing.assert_close(g1, g2, rtol=1e-14, atol=0)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _backend, _validate
+from ._rows import valid_rows
 from .distill import _reduce
 
 TEACHER_VOCAB = ("drop", "pad")
@@ -112,11 +113,11 @@ def option_scales(
     mean: bool,
     acc,
 ) -> Tensor:
-    """Each row's reduction weights ``[2, R]`` (hard, soft): for a mean, ``w_y / sum w_y`` ... as the module says
-    (``1 / sum_{rows} w_{y}`` for the hard term and ``1 / n`` for the soft one, within the row's segment); 1 otherwise;
-    0 on ignored rows. Tensor ops, no host sync."""
+    """Each row's reduction weights ``[2, R]`` (hard, soft): for a mean, ``1 / sum w_y`` over the rows of the row's
+    segment for the hard term (the hard rows carry their own ``w_y``) and ``1 / n`` for the soft one; 1 otherwise; 0
+    on rows without a class (``ignore_index``, or out of range where checks are off). Tensor ops, no host sync."""
     R, dev = target.shape[0], target.device
-    valid = (target != ignore_index) & (target >= 0) & (target < V)
+    valid = valid_rows(target, V, ignore_index)
     vf = valid.to(acc)
     if not mean:
         return torch.stack([vf, vf])
@@ -175,10 +176,11 @@ def option_rows(
     teacher_vocab: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(hard [R], soft [R])`` of the module's formula in PyTorch ops (``F.cross_entropy`` for the hard term),
-    differentiable in both logits to any order; 0 on ignored rows. fp32 (float64 for float64 logits)."""
+    differentiable in both logits to any order; 0 on ignored (or out-of-range) rows. fp32 (float64 for float64
+    logits)."""
     acc = torch.float64 if student.dtype == torch.float64 else torch.float32
     R, V = student.shape
-    valid = target != ignore_index
+    valid = valid_rows(target, V, ignore_index)
     y = torch.where(valid, target, 0).long()
     u = _cap(student.to(acc), softcap)
     t = _cap(teacher.to(acc), teacher_softcap)
@@ -225,10 +227,10 @@ def option_rows_grad(
       (log Q_c - log M_c)``, so ``dD/ds = (1 - beta) Q (log Q - log M - KL(Q || M))``; ``s = u / tau``;
     * the cap: ``du/dz = 1 - tanh(z / cap)^2``.
 
-    Rows labelled ``ignore_index`` give 0 and no gradient (a NaN in them stays out)."""
+    Rows labelled ``ignore_index`` (or out of range) give 0 and no gradient (a NaN in them stays out)."""
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32
     n, V = z.shape
-    valid = y != ignore_index
+    valid = valid_rows(y, V, ignore_index)  # (an out-of-range label where checks are off: ignored, as the kernels do)
     yc = torch.where(valid, y, 0).long()[:, None]
     zf = z.to(acc)
     if softcap:
