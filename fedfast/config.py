@@ -391,8 +391,8 @@ def _entry_tables(vals: dict, tables: dict, root: str | None, from_set: set) -> 
 def split_seed(vals: dict) -> int:
     """The seed the partition draws with: ``split_seed`` when given (>= 0); else, for ``split_stream = "authors"``,
     the authors' own (:func:`fedfast.data.authors.default_seed`: FedNTD's code fixes 19940817 for every run;
-    FedDyn's and FedGKD's seed with the run seed), and the run seed for fedfast's streams. config.json records
-    the result."""
+    FedDyn's seeds with the run seed, FedGKD's with ``1000 * run seed`` as its main.py does), and the run seed for
+    fedfast's streams. config.json records the result."""
     if vals.get("split_stream", "fedfast") == "authors":
         seed = default_seed(vals["partition"], vals["seed"], vals.get("dataset"))
         return int(vals["split_seed"]) if vals.get("split_seed", -1) >= 0 else seed

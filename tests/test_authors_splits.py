@@ -186,6 +186,15 @@ def test_the_split_through_a_run_config_and_its_seed(mnist_y):
     assert torch.equal(rows[0], torch.from_numpy(np.concatenate([want[k] for k in range(100)]).astype(np.int64)))
     cfg = build_config(None, ["partition=dirichlet_balanced", "alpha=0.3", "split_stream=authors", "seed=4"])
     assert cfg.values["split_seed"] == 4
+    # FedGKD's README runs --manual_seed 7 --same_seed_process False: its master draws from RandomState(7000)
+    cfg = build_config(
+        None, ["dataset=cifar10", "partition=dirichlet_fedgkd", "alpha=0.3", "split_stream=authors", "seed=7"]
+    )
+    assert cfg.values["split_seed"] == 7000
+    cfg = build_config(
+        None, ["dataset=cifar10", "partition=dirichlet_fedgkd", "split_stream=authors", "seed=7", "split_seed=7"]
+    )
+    assert cfg.values["split_seed"] == 7  # split_seed is the RandomState's seed itself
     cfg = build_config(None, ["partition=shards", "seed=4"])
     assert cfg.values["split_seed"] == 4 and cfg.values["split_stream"] == "fedfast"
     cfg2 = build_config(None, ["partition=shards", "seed=4", "split_seed=9"])
@@ -224,16 +233,31 @@ def test_the_fedntd_presets_mnist_cells_give_every_client_the_authors_samples(mn
         _same(partition(cfg, train), want, mnist_y)
 
 
-def fedgkd_split_as_written(targets, n_clients, alpha, seed, val_ratio=0.1, partition_type="origin", val_out=None):
+def fedgkd_split_as_written(
+    targets,
+    n_clients,
+    alpha,
+    manual_seed,
+    val_ratio=0.1,
+    partition_type="origin",
+    val_out=None,
+    same_seed_process=False,
+    rank=0,
+):
     """FedGKD's pipeline (72e7bac): define_val_dataset's split ("origin": the leading 90 %; "random", a dataset named
     "tiny": arange(N) shuffled by conf.random_state first), DataPartitioner with build_non_iid_by_dirichlet drawing
-    from the same conf.random_state = RandomState(manual_seed) over the training partition's (index, target) rows
-    in enumerate order, then partition_indices' equal windows; returns client id - 1 -> indices (``val_out``, a
-    list, receives the validation partition)."""
+    from the same conf.random_state over the training partition's (index, target) rows in enumerate order, then
+    partition_indices' equal windows; returns client id - 1 -> indices (``val_out``, a list, receives the validation
+    partition). conf.random_state as main.py's init_config makes it: with the README's ``--same_seed_process
+    False``, manual_seed becomes ``1000 * manual_seed + rank`` first, and the partition is drawn on rank 0 (the
+    master; DataPartitioner broadcasts rank 0's indices): README's ``--manual_seed 7`` draws from RandomState(7000).
+    ``same_seed_process=True``: RandomState(manual_seed) itself."""
     import functools
     import math
 
-    random_state = np.random.RandomState(seed)
+    if not same_seed_process:
+        manual_seed = 1000 * manual_seed + rank
+    random_state = np.random.RandomState(manual_seed)
     data_size = len(targets)
     indices = np.array([x for x in range(0, data_size)])
     if partition_type == "random":
@@ -292,7 +316,7 @@ def test_fedgkd_split_gives_every_client_the_authors_samples(K, alpha, seed):
     """CIFAR-10's label counts (a shuffled order), FedGKD's 20 clients at alpha 0.1 and 1 (and 25 clients: a short
     last group): every client's window equal to the code's, the validation tail given to no client."""
     y = np.random.default_rng(seed).permutation(np.repeat(np.arange(10), 5000))
-    want = fedgkd_split_as_written(y, K, alpha, seed)
+    want = fedgkd_split_as_written(y, K, alpha, seed, same_seed_process=True)
     part = authors.fedgkd_dirichlet(y, K, alpha, seed=seed)
     _same(part, want, y)
     assert int(part.rows.max()) < 45000 and (part.sizes == 45000 // K).all()
@@ -316,8 +340,9 @@ def _write_cifar10(root, n_per_batch, seed=0):
 
 
 def test_fedgkd_split_through_a_run_with_votes_held_out_tail(tmp_path):
-    """A run on (small, written) CIFAR-10 files: FedGKD-VOTE's validation split is the tail FedGKD's code holds out,
-    so the authors' split is built with it; the clients hold the code's windows; FedCAD's held-out samples (drawn
+    """A run on (small, written) CIFAR-10 files, run seed 7 as the README's --manual_seed 7 (main.py's seeding):
+    FedGKD-VOTE's validation split is the tail FedGKD's code holds out, so the authors' split is built with it; the
+    clients hold the code's windows; FedCAD's held-out samples (drawn
     from every class) are refused by name, as are the text sets."""
     from fedfast.assemble import build_run
 
@@ -380,7 +405,7 @@ def test_fedgkd_tiny_imagenet_split_shuffles_before_its_validation_split():
     y = np.repeat(np.arange(20), 30)[rng.permutation(600)]
     for K, alpha, seed in ((10, 0.5, 7), (20, 1.0, 3)):
         val = []
-        want = fedgkd_split_as_written(y, K, alpha, seed, partition_type="random", val_out=val)
+        want = fedgkd_split_as_written(y, K, alpha, seed, partition_type="random", val_out=val, same_seed_process=True)
         part = authors.fedgkd_dirichlet(y, K, alpha, seed, shuffled_val=True)
         _same(part, want, y)
         order = part.sample_order

@@ -15,7 +15,8 @@ sample indices as the released code, in the same order:
 * :func:`fedgkd_dirichlet` - FedGKD's split (Yao et al.; github.com/CGCL-codes/FedGKD at 72e7bac,
   ``pcode/create_dataset.py`` and ``pcode/datasets/partition_data.py``): the first 90 % of the training set in
   order (the last 10 % is the validation split), FedDF's ``build_non_iid_by_dirichlet`` drawn from
-  ``np.random.RandomState(manual_seed)`` (the run seed), and then the clients' lists concatenated and cut into
+  ``np.random.RandomState(1000 * manual_seed)`` (the master's seed, as main.py makes it under the README's
+  ``--same_seed_process False``; :func:`default_seed`), and then the clients' lists concatenated and cut into
   equal windows of ``int(N_train / K)`` samples (``DataPartitioner.partition_indices``): client k trains on window
   k, not on the k-th Dirichlet list. On Tiny-ImageNet (``shuffled_val``) the set is first shuffled by the same stream
   before the validation split, in torchvision ``ImageFolder``'s order (fedfast's loader's). The text sets are refused:
@@ -307,6 +308,10 @@ AUTHORS = {
     "iid": None,  # FedDyn's (ASD's presets)
     "dirichlet_fedgkd": None,
 }  # FedGKD's
+# FedGKD's main.py (init_config), run as its README runs it (--same_seed_process False): each process seeds
+# conf.random_state = RandomState(1000 * manual_seed + rank), and the split is drawn on rank 0, the master
+# (DataPartitioner broadcasts rank 0's indices): --manual_seed 7 splits with RandomState(7000)
+FEDGKD_SEED_SCALE = 1000
 # FedGKD's splits as transcribed: CIFAR ("origin" order) and Tiny-ImageNet (shuffled before the validation split;
 # torchvision's ImageFolder order, which fedfast's loader keeps). The text sets (AG News, SST-5) take their validation
 # split from a command line the released code does not include: refused.
@@ -314,8 +319,10 @@ FEDGKD_DATASETS = ("cifar10", "cifar100", "tiny_imagenet")
 
 
 def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> int:
-    """The split seed of the authors' code for ``partition`` (refused by name where fedfast has no authors' version
-    for it, or for ``dataset``)."""
+    """The split seed of the authors' code for ``partition`` with the run seed as their ``--manual_seed`` (refused by
+    name where fedfast has no authors' version for it, or for ``dataset``): FedNTD's fixed 19940817; FedDyn's the run
+    seed; FedGKD's ``1000 * run_seed``, the RandomState its master draws the split from (main.py's init_config
+    under the README's ``--same_seed_process False``: run seed 7 is their ``--manual_seed 7``, RandomState(7000))."""
     if partition == "dirichlet_fedgkd" and dataset is not None and dataset not in FEDGKD_DATASETS:
         raise ValueError(
             f"split_stream: FedGKD's code splits {', '.join(FEDGKD_DATASETS)} as transcribed here; for "
@@ -330,6 +337,8 @@ def default_seed(partition: str, run_seed: int, dataset: str | None = None) -> i
             f'use split_stream = "fedfast"'
         )
     fixed = AUTHORS[partition]
+    if partition == "dirichlet_fedgkd":
+        return FEDGKD_SEED_SCALE * int(run_seed)  # the master's (rank 0's) seed, as main.py makes it
     return int(run_seed) if fixed is None else fixed
 
 
