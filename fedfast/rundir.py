@@ -13,8 +13,13 @@
   On Linux ``flock`` on NFS (v4, and v3 with lockd) is carried out as a POSIX lock held by the server, so
   processes on several machines sharing the filesystem exclude each other too.
 * **Clean-up.** A run that fails before its first round is saved (bad data, a model that does not fit, a
-  refused option) takes back everything it wrote and the directories it made; the marker, the lock file and
-  the folder do not outlive it. A run that saved rounds keeps them (``--resume`` continues it).
+  refused option, a plug-in's hook failing in round 1) takes back everything it wrote and the directories it made;
+  the marker, the lock file and the folder do not outlive it. A run that saved rounds keeps them (``--resume``
+  continues it).
+* **Replacing.** ``--force`` does not delete the old run at once: its files move into ``DIR/.fedfast-replaced/``
+  (a rename in the same filesystem), listed under the marker's ``replaced``, and are deleted when the new run's
+  first round is on disk. A new run that fails before then puts them back, and so does the next :meth:`RunDir.open`
+  after a new run killed before then (SIGKILL, a power cut): the old run is never lost to a run that saved nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import socket
 import time
 
@@ -35,6 +41,7 @@ from .checkpoint import MAGIC
 
 MARKER = ".fedfast-run.json"
 LOCK = ".fedfast.lock"
+REPLACED = ".fedfast-replaced"  # a replaced run's files until the new run's first round is saved
 # names a run writes (a directory without a marker that holds one of them is not cleared, and not written into)
 OUTPUTS = (
     "config.json",
@@ -138,9 +145,23 @@ class RunDir:
         self._new: set[str] = set()  # files this process listed
         self.files: list[str] = []
         self.dirs: list[str] = []
+        self._replaced: dict | None = None  # the old run's {"files", "dirs"} kept in REPLACED (--force)
         self.saved = False  # a round's results are on disk (a checkpoint or a finished run)
         self._wrote = False  # this process wrote the marker
         self._lock_created = False  # this process created the lock file
+
+    @property
+    def saved(self) -> bool:
+        """A round's results are on disk (a checkpoint or a finished run); set True, it drops a replaced run."""
+        return self._saved
+
+    @saved.setter
+    def saved(self, value: bool) -> None:
+        self._saved = bool(value)
+        if value and self._replaced is not None and self._fd is not None:
+            self._replaced = None
+            self._write_marker()  # first: a marker without `replaced` never points to a half-deleted folder
+            shutil.rmtree(self._p(REPLACED), ignore_errors=True)
 
     # -- the marker --------------------------------------------------------------------------------------------
     def _p(self, name: str) -> str:
@@ -157,17 +178,25 @@ class RunDir:
             and all(isinstance(x, str) for x in m["files"] + m.get("dirs", []))
         ):
             raise ValueError(f"{p}: damaged fedfast run marker (expected an object with a list of files)")
-        for x in m["files"] + m.get("dirs", []):  # a marker names files inside the run directory only
+        rep = m.get("replaced")
+        if rep is not None and not (
+            isinstance(rep, dict)
+            and isinstance(rep.get("files"), list)
+            and all(isinstance(x, str) for x in rep["files"] + rep.get("dirs", []))
+        ):
+            raise ValueError(f"{p}: damaged fedfast run marker ('replaced' must list the replaced run's files)")
+        named = m["files"] + m.get("dirs", []) + (rep["files"] + rep.get("dirs", []) if rep else [])
+        for x in named:  # a marker names files inside the run directory only
             if os.path.isabs(x) or ".." in x.replace("\\", "/").split("/"):
                 raise ValueError(f"{p}: lists {x!r}, a path outside the run directory; refusing to use it")
         return m
 
     def _write_marker(self) -> None:
         self._wrote = True
-        write_atomic(
-            self._p(MARKER),
-            dumps({"fedfast": __version__, "files": self.files, "dirs": self.dirs, "updated": _now()}, indent=1),
-        )
+        m = {"fedfast": __version__, "files": self.files, "dirs": self.dirs, "updated": _now()}
+        if self._replaced is not None:
+            m["replaced"] = self._replaced
+        write_atomic(self._p(MARKER), dumps(m, indent=1))
 
     def add(self, *names: str, dirs: tuple = ()) -> None:
         """List files (and folders) in the marker before they are written."""
@@ -265,7 +294,7 @@ class RunDir:
         return {"files": files, "dirs": dirs}
 
     def _check(self, mode: str) -> str:
-        m = self.read_marker()
+        m = self._restore_replaced(self.read_marker())
         legacy = m is None and (m := self._legacy()) is not None
         if m is None:
             theirs = sorted(n for n in OUTPUTS if os.path.lexists(self._p(n)))
@@ -321,16 +350,57 @@ class RunDir:
         return "new"
 
     def _clear(self) -> None:
-        """Remove what the marker lists (the lock and the marker stay: this process holds them)."""
+        """Move what the marker lists into REPLACED (deleted once this run saves its first round, put back if it
+        fails before; the lock and the marker stay: this process holds them); stale temporary files go."""
+        self._replaced = None
+        old = [n for n in self.files if n not in (MARKER, LOCK) and os.path.lexists(self._p(n))]
         for name in self.files:
-            if name in (MARKER, LOCK):
-                continue
-            self._remove(name)
+            if name not in (MARKER, LOCK):
+                self._remove(name, keep=True)
+        self.saved = False  # the old run is set aside: a failure before this run's first round puts it back
+        if old:
+            os.makedirs(self._p(REPLACED), exist_ok=True)
+            shutil.copy2(self._p(MARKER), os.path.join(self._p(REPLACED), MARKER))  # put back as it was
+            self._replaced = {"files": old, "dirs": list(self.dirs)}
+            self._write_marker()  # listed before anything moves: a kill in between is put right at the next open
+            for name in old:
+                dst = os.path.join(self._p(REPLACED), name)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.replace(self._p(name), dst)
         self._rmdir_empty()
         self.files = [MARKER]
         self.dirs = []
-        self.saved = False  # the old run is gone: a failure before this run's first round takes back what it wrote
         self._write_marker()
+
+    def _restore_replaced(self, m: dict | None) -> dict | None:
+        """A run replaced by ``--force`` whose replacement saved no round (it was killed: its ``close`` never ran):
+        the replacement's files removed, the old run's moved back; returns the marker as it is then. A REPLACED
+        folder no marker points to (a kill while it was being deleted) is removed."""
+        rep = (m or {}).get("replaced")
+        if rep is None:
+            if m is not None and os.path.isdir(self._p(REPLACED)):
+                shutil.rmtree(self._p(REPLACED), ignore_errors=True)
+            return m
+        old = set(rep["files"])
+        for name in m["files"]:
+            if name not in old and name not in (MARKER, LOCK):
+                self._remove(name)
+        for name in rep["files"]:
+            src = os.path.join(self._p(REPLACED), name)
+            if os.path.lexists(src):
+                os.makedirs(os.path.dirname(self._p(name)), exist_ok=True)
+                os.replace(src, self._p(name))
+        self._replaced = None
+        kept = os.path.join(self._p(REPLACED), MARKER)
+        if os.path.isfile(kept):  # the old run's marker itself
+            os.replace(kept, self._p(MARKER))
+        else:
+            self.files, self.dirs = [MARKER, *rep["files"]], list(rep.get("dirs", []))
+            self._write_marker()
+        shutil.rmtree(self._p(REPLACED), ignore_errors=True)
+        m = self.read_marker()
+        self.files, self.dirs = list(m["files"]), list(m.get("dirs", []))
+        return m
 
     def close(self, failed: bool = False) -> None:
         """Release the lock. ``failed`` before any round was saved: remove what this process wrote (and the
@@ -341,7 +411,9 @@ class RunDir:
                     self._remove(name)
                 self._rmdir_empty()
                 left = [f for f in self.files if f != MARKER and os.path.lexists(self._p(f))]
-                if left:
+                if self._replaced is not None:  # --force: the old run back in place, its marker as it was
+                    self._restore_replaced({"files": self.files, "dirs": self.dirs, "replaced": self._replaced})
+                elif left:
                     self.files = [MARKER, *left]
                     self._write_marker()
                 else:  # unlinked while still locked (a process that opened the old file sees the inode change)
@@ -368,11 +440,12 @@ class RunDir:
             if os.path.isdir(p) and not os.path.islink(p) and not os.listdir(p):
                 os.rmdir(p)
 
-    def _remove(self, name: str) -> None:
-        """A listed file and the temporary files a killed atomic write of it left."""
+    def _remove(self, name: str, keep: bool = False) -> None:
+        """A listed file and the temporary files a killed atomic write of it left (``keep``: the temporary files
+        only)."""
         p = self._p(name)
         tmps = glob.glob(os.path.join(glob.escape(os.path.dirname(p)), f".{glob.escape(os.path.basename(p))}.tmp-*"))
-        for q in [p, *tmps]:
+        for q in tmps if keep else [p, *tmps]:
             if os.path.isfile(q) or os.path.islink(q):
                 os.remove(q)
 
@@ -392,6 +465,7 @@ def attach(path: str) -> RunDir:
     if m is None:
         raise ValueError(f"{path}: no {MARKER} (the launcher writes it before starting the workers)")
     rd.files, rd.dirs = list(m["files"]), list(m.get("dirs", []))
+    rd._replaced = m.get("replaced")  # kept in the markers rank 0 writes (the launcher drops or restores it)
     return rd
 
 

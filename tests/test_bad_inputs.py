@@ -536,13 +536,65 @@ def test_a_failed_run_leaves_no_directory(capsys, tmp_path):
     assert code == 2 and not (tmp_path / "a").exists()
 
 
+def _tree(d):
+    """Every file under ``d`` (but the lock file, which the OS's flock needs) -> its bytes."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            if f != LOCK:
+                out[os.path.relpath(p, d)] = open(p, "rb").read()
+    return out
+
+
 def test_a_failed_force_run_in_an_existing_directory_leaves_it_as_the_user_had_it(done_run, tmp_path, capsys):
+    """A --force run that fails before its first round (here: its data is missing) leaves the old run as it was,
+    byte for byte, marker included."""
     d = copy_run(done_run, tmp_path / "r")
     (d / "notes.txt").write_text("n")
+    before = _tree(d)
     code, _ = cli(
         capsys, "run", *SMALL, "--set", "dataset=cifar10", "--set", f"data_dir={tmp_path / 'x'}", "--force", "--out", d
     )
-    assert code == 2 and sorted(os.listdir(d)) == ["notes.txt"]
+    assert code == 2 and _tree(d) == before
+
+
+def test_force_keeps_the_old_run_until_the_new_runs_first_round(done_run, tmp_path, capsys):
+    """--force over a complete run with a plug-in whose hook fails in round 1 (after the config checks, after the
+    old files were set aside): the old run is put back byte for byte (it was deleted: DIR left empty). Then a
+    replacement killed before its first round (SIGKILL: no clean-up of its own) is undone by the next open, and a
+    replacement that saves a round leaves no copy of the old run behind."""
+    from fedfast.rundir import REPLACED
+
+    d = copy_run(done_run, tmp_path / "r")
+    before = _tree(d)
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(
+        "from fedfast.methods import FedAvg, register\n\n\n@register('fails_in_round_one')\n"
+        "class Fails(FedAvg):\n    def round_start(self, ctx):\n        raise RuntimeError('my hook failed')\n"
+    )
+    code, err = cli(
+        capsys, "run", "--plugin", plugin, *SMALL, "--set", "algorithm=fails_in_round_one", "--force", "--out", d
+    )
+    assert code == 2 and "my hook failed" in err, err
+    assert _tree(d) == before
+    # a replacement SIGKILLed after writing its config: the old run is back at the next open (here: a plain run,
+    # refused because the directory holds a complete run)
+    script = (
+        "import os, sys\nfrom fedfast.rundir import RunDir\nrd = RunDir(sys.argv[1])\n"
+        "assert rd.open('force') == 'new'\n"
+        "assert os.path.isdir(os.path.join(sys.argv[1], '.fedfast-replaced'))\n"
+        "rd.write('config.json', '{}')\nrd.add('tb/events.out.tfevents.1', dirs=('tb',))\nos._exit(9)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    assert _tree(d) != before  # the old run is set aside, the replacement's config in its place
+    code, err = cli(capsys, "run", *SMALL, "--out", d)
+    assert code == 2 and "holds a complete run" in err, err
+    assert _tree(d) == before and not (d / REPLACED).exists()
+    code, _ = cli(capsys, "run", *SMALL, "--set", "rounds=1", "--force", "--out", d, "--quiet")
+    assert code == 0 and not (d / REPLACED).exists()
+    assert json.load(open(d / "summary.json"))["rounds"] == 1 and REPLACED not in (d / MARKER).read_text()
 
 
 def test_write_atomic_leaves_no_temporary_file_on_failure(tmp_path, monkeypatch):

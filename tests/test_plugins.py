@@ -246,3 +246,16 @@ def test_round_metrics_are_checked(tmp_path):
             sim.round()
     finally:
         methods.unregister("badmetric")
+
+
+def test_a_plugin_method_without_a_docstring_composes_with_asd():
+    """ASD's composed class quotes its base's docstring: a plug-in class with none composed (it raised IndexError,
+    breaking `fedfast sweep`'s grid check for every method once such a plug-in was loaded)."""
+
+    class NoDoc(methods.FedAvg):
+        pass
+
+    NoDoc.__doc__ = None
+    NoDoc.name = "nodoc_for_asd"
+    composed = methods.asd.with_asd(NoDoc)
+    assert composed.name == "nodoc_for_asd+asd" and "The KD term is ASD's" in composed.__doc__

@@ -125,6 +125,12 @@ class _WithASD:
 _COMPOSED: dict[type, type] = {}
 
 
+def _first_line(doc: str | None) -> str:
+    """A docstring's first line ("" for a class without one: a plug-in's may have none)."""
+    lines = (doc or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def with_asd(base: type[Method]) -> type[Method]:
     """The method ``base`` with the ASD add-on (registered name ``base.name + "+asd"``)."""
     if not base.accepts_asd:
@@ -135,7 +141,7 @@ def with_asd(base: type[Method]) -> type[Method]:
             f"{base.__name__}ASD",
             (_WithASD, base),
             {
-                "__doc__": f"{base.name} + ASD: {(base.__doc__ or '').strip().splitlines()[0]} The KD term is ASD's "
+                "__doc__": f"{base.name} + ASD: {_first_line(base.__doc__)} The KD term is ASD's "
                 f"(Yashwanth et al.): lam * sum_i alpha_i KL_i, alpha_i ∝ exp(-H_i) / p_k(y_i).",
                 "name": base.name + "+asd",
                 "table": base.table_name(),
