@@ -13,13 +13,20 @@ elementwise on that layout) and ``[n, B, F]`` for the dense part (Linear = one `
 are at the input and where the model flattens or
 average-pools to a vector.
 
-Supported, as modules or functions: Conv2d (``padding_mode='zeros'``, numeric padding), Linear, ReLU, LeakyReLU,
-Tanh, Sigmoid, GELU, Identity, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Flatten (from dim 1), Dropout,
-GroupNorm, BatchNorm1d/2d (with or without running statistics), ``x + y`` (residual),
-``torch.relu`` / ``F.relu``, ``torch.flatten(x, 1)`` / ``x.flatten(1)`` / ``x.view(x.size(0), -1)``,
-``x.mean((2, 3))`` (global average pooling). Anything else (attention, custom functions):
-:func:`plan` returns ``(None, reason)`` and the engine uses vmap, with a warning saying why. Results equal the
-per-client modules up to floating point summation order (the engine checks this on a probe batch).
+Supported, as modules or functions: Conv2d (``padding_mode='zeros'``, numeric padding, depthwise/grouped), Linear,
+the elementwise activations ReLU, ReLU6, Hardtanh, LeakyReLU, ELU, Tanh, Sigmoid, Hardsigmoid, Hardswish, SiLU,
+Mish, GELU, Identity (modules, and ``torch.relu`` / ``torch.sigmoid`` / ``torch.tanh`` and ``F.relu``, ``F.relu6``,
+``F.hardtanh``, ``F.sigmoid``, ``F.hardsigmoid``, ``F.hardswish``, ``F.silu``, ``F.mish``, ``F.gelu``, ``F.tanh``,
+``F.leaky_relu``, ``F.elu`` with constant options), MaxPool2d, AvgPool2d, AdaptiveAvgPool2d (modules, and
+``F.max_pool2d``, ``F.avg_pool2d``, ``F.adaptive_avg_pool2d`` with constant sizes), Flatten (from dim 1), Dropout,
+GroupNorm, BatchNorm1d/2d (with or without running statistics), ``x + y`` (residual), ``x * y`` of two activations
+(a squeeze-excitation gate, broadcast over the pixels), ``torch.flatten(x, 1)`` / ``x.flatten(1)`` /
+``x.view(x.size(0), -1)``, ``x.mean((2, 3))`` (global average pooling) and torchvision's ``StochasticDepth``
+(``mode`` "row": one draw per client and sample; "batch": one per client and minibatch). That covers torchvision's
+ResNet-18/34/50, VGG-11-BN, MobileNetV2, MobileNetV3 and EfficientNet-B0 as their code builds them. Anything else
+(attention, custom functions): :func:`plan` returns ``(None, reason)``, the reason naming the layer or function,
+and the engine uses vmap, with a warning saying why. Results equal the per-client modules up to floating point
+summation order (the engine checks this on a probe batch).
 """
 
 from __future__ import annotations
@@ -35,8 +42,50 @@ from .ops.client_batch_norm import client_batch_norm
 from .ops.client_conv import client_conv2d
 from .ops.conv_cpu import PointwiseConv2d, conv2d
 
-_ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Identity)
+_ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardsigmoid,
+    nn.Hardswish,
+    nn.SiLU,
+    nn.Mish,
+    nn.GELU,
+    nn.Identity,
+)
 _POOL = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+# elementwise functions (one tensor, the rest constants): the same call on the grouped or dense layout
+_UNARY = {
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    F.relu,
+    F.relu6,
+    F.hardtanh,
+    F.sigmoid,
+    F.tanh,
+    F.hardsigmoid,
+    F.hardswish,
+    F.silu,
+    F.mish,
+    F.gelu,
+    F.leaky_relu,
+    F.elu,
+}
+_UNARY_METHODS = ("relu", "sigmoid", "tanh")
+# per-channel pooling functions (constant sizes): the same call on the grouped layout [B, n*C, H, W]
+_POOL_FN = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+
+
+def _is_stochastic_depth(m: nn.Module) -> bool:
+    """torchvision.ops.StochasticDepth (or a module of that name and layout: ``p``, ``mode``)."""
+    return type(m).__name__ == "StochasticDepth" and hasattr(m, "p") and getattr(m, "mode", None) in ("row", "batch")
+
+
 _MODULES = (
     (nn.Conv2d, nn.Linear, nn.Flatten, nn.Dropout, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d) + _ELEMENTWISE + _POOL
 )
@@ -46,10 +95,13 @@ _MODULES = (
 class Step:
     """One node of the program: ``op`` on the values at ``args`` (indices of earlier steps)."""
 
-    op: str  # "input", "module", "add", "relu", "flatten", "gap", "output"
+    op: str  # "input", "module", "add", "mul", "relu", "unary", "pool", "flatten", "gap", "output"
     args: tuple = ()
     name: str = ""  # module path (parameter prefix)
     module: nn.Module | None = None
+    fn: object = None  # "unary" / "pool": the function, called as fn(h, *const, **kw)
+    const: tuple = ()
+    kw: dict | None = None
 
 
 class Plan(list):
@@ -84,6 +136,8 @@ class Plan(list):
 
 
 def _module_ok(m: nn.Module) -> str:
+    if _is_stochastic_depth(m):
+        return ""
     if not isinstance(m, _MODULES):
         return f"{type(m).__name__} is not a supported layer"
     if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
@@ -102,7 +156,7 @@ class _Tracer(torch.fx.Tracer):
     forward subsamples) a leaf like ``nn.Conv2d``: the program runs it as a convolution, subsampled on the CPU."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return type(m) is PointwiseConv2d or super().is_leaf_module(m, qualname)
+        return type(m) is PointwiseConv2d or _is_stochastic_depth(m) or super().is_leaf_module(m, qualname)
 
 
 def plan(module: nn.Module) -> tuple[Plan | None, str]:
@@ -141,8 +195,32 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 and not node.kwargs
             ):
                 step = Step("add", tuple(a))
-            elif node.target in (torch.relu, F.relu) and a and a[0] is not None:
+            elif (
+                node.target in (operator.mul, torch.mul, operator.imul)
+                and len(node.args) == 2
+                and None not in a
+                and not node.kwargs
+            ):
+                step = Step("mul", tuple(a))  # a gate: sigmoid(fc(pool(x))) * x
+            elif node.target in (torch.relu, F.relu) and a and a[0] is not None and not node.kwargs:
                 step = Step("relu", (a[0],))
+            elif (
+                node.target in _UNARY
+                and a
+                and a[0] is not None
+                and all(x is None for x in a[1:])
+                and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+            ):
+                step = Step("unary", (a[0],), fn=node.target, const=tuple(node.args[1:]), kw=dict(node.kwargs))
+            elif (
+                node.target in _POOL_FN
+                and a
+                and a[0] is not None
+                and all(_const(v) or v is None or isinstance(v, bool) for v in node.args[1:])
+                and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+                and not node.kwargs.get("return_indices", False)
+            ):
+                step = Step("pool", (a[0],), fn=node.target, const=tuple(node.args[1:]), kw=dict(node.kwargs))
             elif (
                 node.target is torch.flatten
                 and a[0] is not None
@@ -164,6 +242,8 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 return None, f"the method {node.target} on a non-tensor"
             if node.target == "relu" and not rest:
                 step = Step("relu", (a0,))
+            elif node.target in _UNARY_METHODS and not rest and not node.kwargs:
+                step = Step("unary", (a0,), fn=getattr(torch, node.target))
             elif node.target == "flatten" and rest in ((1,), (1, -1)):
                 step = Step("flatten", (a0,))
             elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and sizes.get(rest[0]) == a0:
@@ -348,9 +428,32 @@ def _apply_module(
         h = _BatchedLinear.apply(h, w, b)
     elif isinstance(m, nn.Dropout):
         h = F.dropout(h, m.p, training)
+    elif _is_stochastic_depth(m):
+        h = _stochastic_depth(h, float(m.p), m.mode, training, grouped, n, B)
     else:  # elementwise and pooling act per channel: the grouped layout is already right
         h = m(h)
     return h, grouped
+
+
+def _stochastic_depth(h: Tensor, p: float, mode: str, training: bool, grouped: bool, n: int, B: int) -> Tensor:
+    """torchvision's ``stochastic_depth`` for n clients at once: in training, each client's sample ("row") or each
+    client's whole minibatch ("batch") is kept with probability 1 - p and then scaled by 1 / (1 - p), else zeroed
+    (the residual branch dropped); the identity in eval mode or at p = 0. Grouped ``[B, n*C, H, W]``: the noise is
+    ``[B or 1, n, 1, 1, 1]``; dense ``[n, B, F]``: ``[n, B or 1, 1]``."""
+    if not training or p == 0.0:
+        return h
+    keep = 1.0 - p
+    if grouped:
+        shape = (B if mode == "row" else 1, n) + (1,) * (h.dim() - 1)
+        noise = torch.empty(shape, dtype=h.dtype, device=h.device).bernoulli_(keep)
+        if keep > 0:
+            noise.div_(keep)
+        return (h.reshape(B, n, -1, *h.shape[2:]) * noise).reshape(h.shape)
+    shape = (n, B if mode == "row" else 1) + (1,) * (h.dim() - 2)
+    noise = torch.empty(shape, dtype=h.dtype, device=h.device).bernoulli_(keep)
+    if keep > 0:
+        noise.div_(keep)
+    return h * noise
 
 
 def batched_forward(
@@ -400,8 +503,22 @@ def batched_forward(
                 raise ValueError("model: a residual addition of tensors in different layouts")
             vals[i] = (h + h2, grouped)
             continue
+        if s.op == "mul":
+            h2, g2 = vals[s.args[1]]
+            if g2 != grouped:
+                raise ValueError("model: a product of tensors in different layouts")
+            vals[i] = (h * h2, grouped)
+            continue
         if s.op == "relu":
             vals[i] = (torch.relu(h), grouped)
+            continue
+        if s.op == "unary":
+            vals[i] = (s.fn(h, *s.const, **(s.kw or {})), grouped)
+            continue
+        if s.op == "pool":
+            if not grouped:
+                raise ValueError(f"model: {getattr(s.fn, '__name__', s.fn)} of a non-image tensor")
+            vals[i] = (s.fn(h, *s.const, **(s.kw or {})), grouped)
             continue
         if s.op == "flatten":
             vals[i] = (dense(h, grouped), False)
