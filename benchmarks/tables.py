@@ -484,6 +484,34 @@ def liger_table(name: str = "cpu-2core-amd-epyc-liger.json") -> str:
     return "\n".join(lines)
 
 
+def zoo_table(name: str = "cpu-2core-amd-epyc-zoo.json") -> str:
+    """``benchmarks/zoo_executors.py``: torchvision's models, one FedAvg round: traced program, vmap, plain loop."""
+    d, head = _own_json(name, "python benchmarks/zoo_executors.py --clients 8 --out ...")
+    if d is None:
+        return head
+    st = d["settings"]
+    lines = [
+        f"{head} FedAvg, {st['clients']} clients x {st['samples']} samples (3x32x32, 10 classes), one epoch at "
+        f"B = {st['batch']}, SGD momentum 0.9; median of {st['reps']} rounds after a warm-up.",
+        "",
+        "| model | parameters | GFLOP / round | engine (traced program) | engine on vmap | plain loop | "
+        "x vmap | x plain loop |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(c):
+        return f"{c['median_s']:.2f} s ({c['gflops_per_s']:.1f} GFLOP/s)" if "median_s" in c else "failed"
+
+    for model, r in d["models"].items():
+        e, v, p = r["engine"], r["vmap"], r["plain_loop"]
+        ratio = [f"{o['median_s'] / e['median_s']:.2f}" if "median_s" in o and "median_s" in e else "-" for o in (v, p)]
+        lines.append(
+            f"| {model} | {r['params'] / 1e6:.1f} M | {r['round_flops'] / 1e9:.0f} | {cell(e)} | {cell(v)} | "
+            f"{cell(p)} | {ratio[0]} | {ratio[1]} |"
+        )
+    return "\n".join(lines)
+
+
 PEER_LABELS = {
     "cnn_1000x60": "FedAvg, simple_cnn, 1000 × 60, 50/round, B=10",
     "cnn_100x600": "same, 100 × 600, 10/round, B=50",
@@ -599,6 +627,7 @@ TABLES = {
     "losses-authors-1thread": lambda: authors_table("cpu-2core-amd-epyc-authors-1thread.json"),
     "linear-kd": linear_table,
     "liger": liger_table,
+    "zoo": zoo_table,
     "ops-gpu": gpu_ops_table,
     "peers": peers_table,
     "methods": methods_table,

@@ -99,9 +99,7 @@ class Step:
     args: tuple = ()
     name: str = ""  # module path (parameter prefix)
     module: nn.Module | None = None
-    fn: object = None  # "unary" / "pool": the function, called as fn(h, *const, **kw)
-    const: tuple = ()
-    kw: dict | None = None
+    call: tuple | None = None  # "unary" / "pool": (fn, const args, kwargs), called as fn(h, *const, **kwargs)
 
 
 class Plan(list):
@@ -211,7 +209,7 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 and all(x is None for x in a[1:])
                 and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
             ):
-                step = Step("unary", (a[0],), fn=node.target, const=tuple(node.args[1:]), kw=dict(node.kwargs))
+                step = Step("unary", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
             elif (
                 node.target in _POOL_FN
                 and a
@@ -220,7 +218,7 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
                 and not node.kwargs.get("return_indices", False)
             ):
-                step = Step("pool", (a[0],), fn=node.target, const=tuple(node.args[1:]), kw=dict(node.kwargs))
+                step = Step("pool", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
             elif (
                 node.target is torch.flatten
                 and a[0] is not None
@@ -243,7 +241,7 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
             if node.target == "relu" and not rest:
                 step = Step("relu", (a0,))
             elif node.target in _UNARY_METHODS and not rest and not node.kwargs:
-                step = Step("unary", (a0,), fn=getattr(torch, node.target))
+                step = Step("unary", (a0,), call=(getattr(torch, node.target), (), {}))
             elif node.target == "flatten" and rest in ((1,), (1, -1)):
                 step = Step("flatten", (a0,))
             elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and sizes.get(rest[0]) == a0:
@@ -512,13 +510,11 @@ def batched_forward(
         if s.op == "relu":
             vals[i] = (torch.relu(h), grouped)
             continue
-        if s.op == "unary":
-            vals[i] = (s.fn(h, *s.const, **(s.kw or {})), grouped)
-            continue
-        if s.op == "pool":
-            if not grouped:
-                raise ValueError(f"model: {getattr(s.fn, '__name__', s.fn)} of a non-image tensor")
-            vals[i] = (s.fn(h, *s.const, **(s.kw or {})), grouped)
+        if s.op in ("unary", "pool"):
+            fn, const, kw = s.call
+            if s.op == "pool" and not grouped:
+                raise ValueError(f"model: {getattr(fn, '__name__', fn)} of a non-image tensor")
+            vals[i] = (fn(h, *const, **kw), grouped)
             continue
         if s.op == "flatten":
             vals[i] = (dense(h, grouped), False)

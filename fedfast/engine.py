@@ -49,6 +49,7 @@ from .flat import find_classifier
 from .methods.base import Round, TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.buffers import (
+    client_state_dict,
     RoundBuffers,
     check_batch_norm,
     check_teacher_spec,
@@ -194,7 +195,7 @@ class Simulation:
         )
         self.evaluator = Evaluator(EvalSettings.of(c), rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
-        self.client_buffers = local_statistics_store(c.bn_stats, rt, self.budget, self.num_clients)  # FedBN's
+        self.client_buffers = local_statistics_store(c, rt, self.budget, self.num_clients)  # FedBN's
         # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
         # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
         self.engine = EngineView(
@@ -347,7 +348,9 @@ class Simulation:
         t_local = t_agg = 0.0
         avg_sum = torch.zeros_like(self.global_flat)
         loss_sum = torch.zeros((), device=self.device)
-        bufs = RoundBuffers(self.runtime.layout, m, self.device, self.client_buffers, ctx.sampled)
+        bufs = RoundBuffers(
+            self.runtime, m, self.device, self.client_buffers, ctx.sampled, self.cfg.bn_stats, self.cfg.bn_params
+        )
         tr.prof = {}
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
@@ -360,6 +363,7 @@ class Simulation:
                 loss_sum,
                 start=self.global_flat,
                 start_buffers=bufs.start(lo, hi, self.state.global_buffers),
+                start_rows=bufs.start_params(lo, hi),  # bn_params = "local": each client's own BatchNorm weights
                 step_rows=step_rows,
                 gen=self.state.augment,
             )
@@ -367,7 +371,7 @@ class Simulation:
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
             avg_sum += self._aggregate_chunk(ctx, lo, hi, weights)
-            bufs.add(lo, hi, weights, tr.stack.buffers)
+            bufs.add(lo, hi, weights, tr.stack)
             t_agg += time.perf_counter() - t1
         return avg_sum, loss_sum, bufs, t_local, t_agg
 
@@ -533,15 +537,30 @@ class Simulation:
         """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
         RunState.check(ck, self._shape())
         self.privacy.restore(ck, self.cfg.rounds)
-        restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats)
+        restore_local_statistics(self.client_buffers, ck, self.cfg)
         self.method.load_state_dict(ck["method"])
         self.state.restore_(ck)  # in place: the method's view holds this state
         self.runtime.buffers = self.state.global_buffers
         self.runtime.load_into_model(self.state.eval_flat)
 
-    def state_dict(self) -> dict:
-        """The evaluated global model as a ``state_dict`` of ``model`` (copies): ``model.load_state_dict(...)``."""
-        return self.runtime.state_dict(self.state.eval_flat)
+    def state_dict(self, client: int | None = None) -> dict:
+        """The evaluated global model as a ``state_dict`` of ``model`` (copies): ``model.load_state_dict(...)``.
+        ``client=k``: the model client k starts its next round from (the global model with its own BatchNorm weights
+        and statistics where ``bn_params`` / ``bn_stats`` keep them local: FedBN's per-client model, to evaluate on
+        that client's own data); the model passed in is left as it is then."""
+        return (
+            self.runtime.state_dict(self.state.eval_flat)
+            if client is None
+            else client_state_dict(
+                self.runtime,
+                self.cfg,
+                self.client_buffers,
+                self.global_flat,
+                self.state.global_buffers,
+                self.num_clients,
+                client,
+            )
+        )
 
 
 __all__ = ["Simulation"]

@@ -95,6 +95,9 @@ class SimConfig:
     bn_stats: str = "global"  # BatchNorm running statistics: "global" (averaged like the weights; every client starts
     #   from the global model's), or "local" (each client keeps its own between rounds, as FedBN; the global model's
     #   average is still made, for evaluation)
+    bn_params: str = "global"  # BatchNorm's affine weights and biases: "global" (aggregated like every parameter), or
+    #   "local" (each client starts from its own, as FedBN: with bn_stats = "local" this is FedBN in full; the global
+    #   model's are the server rule's result, e.g. FedAvg's participants' average, for its evaluation)
     features_layer: str | None = None  # the model's classifier by name ("fc2"; a module holding it: its last Linear
     #   to run): Step.features is its input. None: the model's features_layer attribute, else the last nn.Linear to
     #   run in a forward, refused when ambiguous (fedfast.flat.find_classifier)
@@ -176,12 +179,19 @@ class SimConfig:
             "executor": ("auto", "vmap"),
             "state_store": ("auto", "memory", "disk"),
             "bn_stats": ("global", "local"),
+            "bn_params": ("global", "local"),
             "client_sampling": SAMPLING,
             "conv": ("auto",) + CONV_IMPLS,
         }
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k}: one of {ok}, got {getattr(self, k)!r}")
+        if self.bn_params == "local" and self.dp_clip:
+            raise ValueError(
+                "bn_params: 'local' keeps each client's BatchNorm weights, which a private run would release through "
+                "the clipped sum at those positions (each client's own weights against the global model's, not a "
+                "local update): not supported with dp_clip > 0"
+            )
         if cls.aggregation_fixed and self.aggregate_weights != cls.aggregation:
             raise ValueError(
                 f"aggregate_weights: {self.algorithm} averages its participants {cls.aggregation}-weighted"

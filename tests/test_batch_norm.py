@@ -310,6 +310,44 @@ class LocalStatsLoop(PlainLoop):
         self.glob.load_state_dict(avg)
 
 
+class FedBNLoop(LocalStatsLoop):
+    """FedBN (Li et al., ICLR 2021) written out: each client keeps its BatchNorm layers whole (weights, biases and
+    running statistics) from its previous round (the initial model's before its first) and takes every other
+    parameter from the global model; the server averages the other parameters. The global model's BatchNorm
+    weights and statistics are the participants' weighted average (for evaluating the global model: FedBN itself
+    evaluates each client with its own)."""
+
+    def round(self, rnd):
+        c = self.cfg
+        self.rnd, self.lr = rnd, c.lr * c.lr_decay**rnd
+        sampled = np.asarray(self.sample(rnd))
+        init = {k: v.clone() for k, v in self.glob.state_dict().items()}
+        bn = {
+            f"{name}.{p}"
+            for name, m in self.glob.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for p in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+        }
+        states = []
+        for k in sampled:
+            local = copy.deepcopy(self.glob)
+            mine = self.own.get(int(k), self.first)
+            local.load_state_dict({n: (mine[n] if n in bn else v) for n, v in init.items()})
+            opt = self.optimizer(local, int(k))
+            for e in range(c.local_epochs):
+                for b in self.batches(rnd, k, e):
+                    x, y = self.train.batch(b)
+                    self.step(local, opt, x, y, int(k))
+            self.own[int(k)] = {n: v.clone() for n, v in local.state_dict().items()}
+            states.append(local.state_dict())
+        w = self.weights(sampled)
+        avg = {}
+        for key in states[0]:
+            s = sum(float(w[i]) * states[i][key].double() for i in range(len(states)))
+            avg[key] = s.round() if not states[0][key].is_floating_point() else s
+        self.glob.load_state_dict(avg)
+
+
 SIZES = [48, 56, 40, 60, 50, 44]  # batch 32: partial batches of 16, 24, 8, 28, 18 and 12 rows
 
 
@@ -457,6 +495,70 @@ def test_local_statistics_equal_the_fedbn_loop_and_resume():
         fedfast.Simulation(cfg, flat_model, train, test, part)
     with pytest.raises(ValueError, match="bn_stats"):
         fedfast.SimConfig(bn_stats="client")
+
+
+def test_fedbn_in_full_equals_the_literal_fedbn_loop_and_each_clients_model():
+    """bn_stats = "local" with bn_params = "local" (FedBN: BatchNorm's weights, biases and statistics local) against a
+    literal FedBN loop (whole run, smooth variant): the global model within 5x the fp32 loop's own distance from the
+    float64 loop; each client's model (``state_dict(client=k)``: the global parameters with its own BatchNorm) as the
+    loop left that client; statistics only (bn_stats alone) is not FedBN (far from this loop); resume is bit-exact;
+    a checkpoint of the other setting, a model without affine BatchNorm and a private run are refused by name."""
+    kw = dict(smooth=True, bn_stats="local", bn_params="local", rounds=3, clients_per_round=3)
+    cfg, model, train, test, part = _resnet_run(**kw)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    err, own, loop = _whole_run(sim, FedBNLoop, cfg, model, train, part)
+    assert err <= max(5 * own, 1e-4), (err, own)
+    trained = {int(k) for h in sim.history for k in h["clients"]}
+    assert trained != set(range(len(SIZES)))
+    bn_names = {
+        f"{name}.{p}"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.BatchNorm2d)
+        for p in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    }
+    for k in range(sim.num_clients):
+        got = sim.state_dict(client=k)
+        want = loop.own[k] if k in trained else model.state_dict()
+        for name in bn_names:  # the client's own BatchNorm layers, as its last round left them
+            w = want[name].double()
+            if not want[name].is_floating_point():
+                assert torch.equal(got[name], want[name]), (k, name)
+                continue
+            assert (got[name].double() - w).abs().max() <= max(5 * own, 1e-4) * w.abs().max() + 1e-7, (k, name)
+        for name, v in sim.state_dict().items():  # every other parameter: the global model's
+            if name not in bn_names:
+                assert torch.equal(got[name], v), name
+    # statistics only: a different method (the affine weights averaged), far from FedBN
+    cfg2 = dataclasses.replace(cfg, bn_params="global")
+    stats_only = fedfast.Simulation(cfg2, copy.deepcopy(model), train, test, part)
+    stats_only.run()
+    ref = loop.glob.state_dict()
+    far = max(
+        float((stats_only.state_dict()[k] - ref[k]).abs().max() / ref[k].abs().max())
+        for k in ref
+        if ref[k].is_floating_point()
+    )
+    assert far > 100 * max(err, 1e-6), (far, err)
+    # resume
+    half = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    half.round()
+    ck = half.checkpoint()
+    again = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part)
+    again.restore(ck)
+    again.run()
+    assert torch.equal(again.global_flat, sim.global_flat)
+    assert torch.equal(again.client_buffers.dense(), sim.client_buffers.dense())
+    with pytest.raises(ValueError, match="bn_params"):
+        fedfast.Simulation(cfg2, copy.deepcopy(model), train, test, part).restore(ck)
+    no_affine = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.Flatten(), nn.Linear(3600, 4))
+    with pytest.raises(ValueError, match="bn_params"):
+        fedfast.Simulation(dataclasses.replace(cfg, bn_stats="global"), no_affine, train, test, part)
+    with pytest.raises(ValueError, match="bn_params"):
+        fedfast.SimConfig(bn_params="local", dp_clip=1.0, dp_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="bn_params"):
+        fedfast.SimConfig(bn_params="all")
+    with pytest.raises(ValueError, match="client"):
+        sim.state_dict(client=len(SIZES))
 
 
 def test_running_statistics_resume_bit_exact_and_probes_leave_the_model_as_given():

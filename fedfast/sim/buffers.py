@@ -1,6 +1,7 @@
 """The model's buffers in a round (BatchNorm's running statistics): where each chunk's clients start, the
-participants' weighted sum and, under ``bn_stats = "local"``, their own rows; the store of the clients' own
-statistics; and the checks a BatchNorm model gets when a run is built (``docs/engine.md``, "BatchNorm")."""
+participants' weighted sum and, under ``bn_stats = "local"`` / ``bn_params = "local"`` (FedBN), their own rows; the
+store of the clients' own statistics and BatchNorm weights; and the checks a BatchNorm model gets when a run is
+built (``docs/engine.md``, "BatchNorm")."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..flat import FlatLayout
 from ..methods.base import Method, TeacherSpec
 from ..methods.hooks import HookError, hook_site
 from .plan import RoundPlan
@@ -19,30 +19,63 @@ from ..store.state import ClientState
 from .sizing import MemoryBudget
 
 
+def bn_param_index(runtime: ModelRuntime) -> torch.Tensor:
+    """[Q] int64: the positions of the BatchNorm layers' weights and biases in the flat parameter vector (layout
+    order), for ``bn_params = "local"``."""
+    names = {
+        f"{mod}.{p}" if mod else p
+        for mod, m in runtime.model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for p, v in (("weight", m.weight), ("bias", m.bias))
+        if v is not None
+    }
+    parts = [torch.arange(s.offset, s.offset + s.numel) for s in runtime.layout.params if s.name in names]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 class RoundBuffers:
-    """A round's model buffers: where each chunk's clients start (the global model's, or under ``bn_stats =
-    "local"`` each client's own, gathered from ``store``), the participants' weighted sum ``sum`` [B] (float64) and,
-    with a store, their new rows ``rows`` [m, B]. ``layout``: the model's :class:`fedfast.flat.FlatLayout`."""
+    """A round's model buffers and FedBN's local columns: where each chunk's clients start (the global model's
+    buffers, or under ``bn_stats = "local"`` each client's own; under ``bn_params = "local"`` each client's own
+    BatchNorm weights at :func:`bn_param_index`'s positions), gathered from ``store`` (rows ``[buffers | BatchNorm
+    weights]``, the parts the settings keep local), the participants' buffer sum ``sum`` [B] (float64) and, with a
+    store, their new rows ``rows`` [m, cols]."""
 
     def __init__(
-        self, layout: FlatLayout, m: int, device: torch.device, store: ClientState | None, sampled: np.ndarray
+        self,
+        runtime: ModelRuntime,
+        m: int,
+        device: torch.device,
+        store: ClientState | None,
+        sampled: np.ndarray,
+        bn_stats: str = "global",
+        bn_params: str = "global",
     ):
+        layout = runtime.layout
         B = layout.B
         self.layout, self.sum = layout, torch.zeros(B, dtype=torch.float64, device=device)
-        self.own = store.gather(sampled) if store is not None and B else None
-        self.rows = torch.empty(m, B, device=device) if self.own is not None else None
+        self.nb = B if bn_stats == "local" else 0  # the store's leading buffer columns
+        self.idx = bn_param_index(runtime).to(device) if bn_params == "local" else None
+        self.own = store.gather(sampled) if store is not None and store.cols else None
+        self.rows = torch.empty(m, store.cols, device=device) if self.own is not None else None
 
     def start(self, lo: int, hi: int, global_buffers: torch.Tensor) -> torch.Tensor:
-        return self.own[lo:hi] if self.own is not None else global_buffers
+        return self.own[lo:hi, : self.nb] if self.own is not None and self.nb else global_buffers
 
-    def add(self, lo: int, hi: int, weights: torch.Tensor, stack_buffers: torch.Tensor) -> None:
-        """The chunk's clients' buffers (stack rows ``0:hi-lo``) into the weighted sum (and the new rows)."""
-        if not self.sum.numel():
-            return
-        rows = stack_buffers[: hi - lo]
-        self.sum += (weights[lo:hi, None].double() * rows.double()).sum(0)
+    def start_params(self, lo: int, hi: int):
+        """``(positions, rows [hi-lo, Q])``: the chunk's clients' own BatchNorm weights, or None."""
+        return None if self.idx is None else (self.idx, self.own[lo:hi, self.nb :])
+
+    def add(self, lo: int, hi: int, weights: torch.Tensor, stack) -> None:
+        """The chunk's clients' buffers (stack rows ``0:hi-lo``) into the weighted sum, and their local columns into
+        the new rows."""
+        n = hi - lo
+        if self.sum.numel():
+            self.sum += (weights[lo:hi, None].double() * stack.buffers[:n].double()).sum(0)
         if self.rows is not None:
-            self.rows[lo:hi] = rows
+            if self.nb:
+                self.rows[lo:hi, : self.nb] = stack.buffers[:n]
+            if self.idx is not None:
+                self.rows[lo:hi, self.nb :] = stack.params[:n].index_select(1, self.idx)
 
     def average(self, total_weight: float) -> torch.Tensor:
         """[B] float32: the participants' weighted average (after the sum is all-reduced), integer buffers
@@ -51,32 +84,81 @@ class RoundBuffers:
         return torch.where(self.layout.integer_mask(b.device), b.round(), b).float()
 
 
-def local_statistics_store(bn_stats: str, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int):
-    """``bn_stats = "local"`` (FedBN's statistics): a per-client store of the model's buffers (rows of
-    ``runtime.num_buffers`` values, float32 whatever ``state_dtype`` says, the initial model's as a client's first
-    row); None for ``"global"``. ValueError naming ``bn_stats`` for a model without running statistics."""
-    if bn_stats != "local":
+def local_statistics_store(cfg, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int):
+    """FedBN's per-client store (None when nothing is local): rows of the model's buffers under ``bn_stats =
+    "local"`` (``runtime.num_buffers`` values, FedBN's statistics), then its BatchNorm weights and biases under
+    ``bn_params = "local"``; float32 whatever ``state_dtype`` says, the initial model's as a client's first row.
+    ValueError naming the setting for a model without running statistics, or without affine BatchNorm layers."""
+    stats, params = cfg.bn_stats == "local", cfg.bn_params == "local"
+    if not (stats or params):
         return None
-    if not runtime.running_stats:
+    if stats and not runtime.running_stats:
         raise ValueError(
             "bn_stats: 'local' keeps each client's BatchNorm running statistics, but the model has no "
             "BatchNorm layer that tracks them (track_running_stats=True)"
         )
-    return budget.client_state(
-        num_clients, runtime.initial_buffers, cols=runtime.num_buffers, name="client-buffers", float32=True
-    )
-
-
-def restore_local_statistics(store: ClientState | None, ck: dict, bn_stats: str) -> None:
-    """The clients' own statistics from checkpoint ``ck`` into ``store``; ValueError when the checkpoint was made
-    under the other ``bn_stats``."""
-    if (store is None) != ("client_buffers" not in ck):
+    idx = bn_param_index(runtime) if params else None
+    if params and not idx.numel():
         raise ValueError(
-            f"checkpoint: {'holds' if 'client_buffers' in ck else 'holds no'} per-client BatchNorm "
-            f"statistics, this run has bn_stats = {bn_stats!r}"
+            "bn_params: 'local' keeps each client's BatchNorm weights and biases, but the model has no BatchNorm "
+            "layer with them (affine=True)"
+        )
+    init = torch.cat(
+        ([runtime.initial_buffers.float()] if stats else [])
+        + ([runtime.initial[idx.to(runtime.initial.device)].float()] if params else [])
+    )
+    return budget.client_state(num_clients, init, cols=init.numel(), name="client-buffers", float32=True)
+
+
+def client_state_dict(
+    runtime: ModelRuntime,
+    cfg,
+    store: ClientState | None,
+    global_flat: torch.Tensor,
+    global_buffers: torch.Tensor,
+    num_clients: int,
+    client: int,
+) -> dict:
+    """``state_dict`` of the model client ``client`` starts its next round from: the global model's parameters
+    (``global_flat``) and buffers, with the client's own BatchNorm statistics (``bn_stats = "local"``) and weights
+    and biases (``bn_params = "local"``) from ``store`` where it keeps them (before its first round: the initial
+    model's). Copies; the model is not touched. ValueError naming ``client`` for an id outside the population."""
+    if isinstance(client, bool) or not isinstance(client, (int, np.integer)) or not 0 <= client < num_clients:
+        raise ValueError(f"client: a client id in [0, {num_clients}), got {client!r}")
+    flat, buffers = global_flat.detach().clone(), global_buffers.detach().clone()
+    if store is not None:
+        row = store.gather(np.array([int(client)]))[0].to(flat.device)
+        nb = runtime.layout.B if cfg.bn_stats == "local" else 0
+        if nb:
+            buffers = row[:nb].to(buffers.dtype)
+        if cfg.bn_params == "local":
+            flat[bn_param_index(runtime).to(flat.device)] = row[nb:].to(flat.dtype)
+    out = dict(runtime.layout.param_views(flat))
+    out.update(runtime.layout.buffer_views(buffers))
+    ref = runtime.model.state_dict()
+    for k, v in ref.items():  # a buffer the layout does not carry stays the model's
+        src = out.get(k, v)
+        out[k] = (src.round() if not v.is_floating_point() else src).to(v.dtype).reshape(v.shape).clone()
+    return {k: out[k] for k in ref}
+
+
+def restore_local_statistics(store: ClientState | None, ck: dict, cfg) -> None:
+    """The clients' own BatchNorm rows from checkpoint ``ck`` into ``store``; ValueError when the checkpoint was made
+    under other ``bn_stats`` / ``bn_params``."""
+    saved = ck.get("client_buffers")
+    cols = None
+    if isinstance(saved, dict) and torch.is_tensor(saved.get("init")):
+        cols = int(saved["init"].numel())
+    elif torch.is_tensor(saved):
+        cols = int(saved.shape[-1])
+    if (store is None) != (saved is None) or (store is not None and cols is not None and cols != store.cols):
+        raise ValueError(
+            f"checkpoint: {'holds' if saved is not None else 'holds no'} per-client BatchNorm rows"
+            f"{f' of {cols} values' if cols is not None else ''}, this run has bn_stats = {cfg.bn_stats!r}, "
+            f"bn_params = {cfg.bn_params!r}" + (f" ({store.cols} values per client)" if store is not None else "")
         )
     if store is not None:
-        store.load_state_dict(ck["client_buffers"])
+        store.load_state_dict(saved)
 
 
 def check_teacher_spec(spec, num_buffers: int, method: Method) -> None:

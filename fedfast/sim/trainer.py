@@ -113,21 +113,25 @@ class ChunkTrainer:
         *,
         start: torch.Tensor,
         start_buffers: torch.Tensor | None = None,
+        start_rows: tuple | None = None,
         step_rows: np.ndarray | None,
         gen: torch.Generator,
     ) -> None:
-        """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the
-        global model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's
-        own); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync). ``step_rows``:
-        ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer rows hold the
-        clients' buffers after it (BatchNorm's running statistics as their local steps left them). A private run's
-        update norms come from each client's last step (:meth:`update_norms`)."""
+        """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the global
+        model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's own;
+        ``start_rows``: ``(positions [Q], rows [hi-lo, Q])``, each client's own values at those parameter positions,
+        FedBN's BatchNorm weights); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync).
+        ``step_rows``: ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer
+        rows hold the clients' buffers after it (BatchNorm's running statistics as their local steps left them). A
+        private run's update norms come from each client's last step (:meth:`update_norms`)."""
         c, method = self.settings, self.method
         self._last = time.perf_counter()
         steps = ctx.steps
         n, B, S = hi - lo, c.batch_size, int(steps[lo])
         theta_all = self.stack.params
         self.stack.broadcast_(start, rows=slice(0, n))
+        if start_rows is not None:
+            self.stack.params[:n].index_copy_(1, start_rows[0], start_rows[1].to(theta_all.dtype))
         if start_buffers is not None and self.runtime.num_buffers:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
         self.optimizer.reset(n)
