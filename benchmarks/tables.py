@@ -500,7 +500,9 @@ def zoo_table(name: str = "cpu-2core-amd-epyc-zoo.json") -> str:
     ]
 
     def cell(c):
-        return f"{c['median_s']:.2f} s ({c['gflops_per_s']:.1f} GFLOP/s)" if "median_s" in c else "failed"
+        if "median_s" in c:
+            return f"{c['median_s']:.2f} s ({c['gflops_per_s']:.1f} GFLOP/s)"
+        return f"fails: {c.get('error', '?').split(': ', 1)[-1][:70]}"
 
     for model, r in d["models"].items():
         e, v, p = r["engine"], r["vmap"], r["plain_loop"]

@@ -12,12 +12,14 @@ import signal as _signal
 import socket
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import methods
+from ._deprecation import FedfastDeprecationWarning, show_once
 from .assemble import build_run
 from .callbacks import summarize
 from .methods import plugin_frame
@@ -54,6 +56,12 @@ def _worker_main(rank: int, world: int, port: int, cfg, out_dir: str, kw: dict):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank)
     )
+    # a spawned process starts with Python's default filters: the command line's notices, once, from rank 0 (every
+    # rank runs the same hooks)
+    if rank == 0:
+        show_once()
+    else:
+        warnings.filterwarnings("ignore", category=FedfastDeprecationWarning)
     for p in cfg.plugins:
         methods.load_plugin(p)
     try:

@@ -431,6 +431,37 @@ def test_deprecation_notices_are_shown_once_from_the_command_line(tmp_path):
     assert f"{plugin}:3" in r.stderr, r.stderr  # the plug-in's line
 
 
+def test_deprecation_notices_of_round_hooks_show_once_from_worker_processes(tmp_path):
+    """A notice raised in a round hook runs in the worker processes of ``--workers`` (spawned: Python's default
+    filters, which hid it): shown once, by rank 0."""
+    plugin = tmp_path / "oldround.py"
+    plugin.write_text(
+        "from fedfast.methods import FedAvg, register\n\n\n@register('old_round_form')\n"
+        "class Old(FedAvg):\n    def round_start(self, ctx):\n        ctx.reduce\n"
+        "        return super().round_start(ctx)\n"
+    )
+    env = dict(os.environ, PYTHONWARNINGS="")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedfast",
+            "run",
+            "--plugin",
+            str(plugin),
+            *("--set", "algorithm=old_round_form", "--set", "dataset=synthetic", "--set", "model=mlp"),
+            *("--set", "num_clients=10", "--set", "clients_per_round=4", "--set", "rounds=2"),
+            *("--workers", "2", "--out", str(tmp_path / "r"), "--quiet"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("FedfastDeprecationWarning: Round.reduce is deprecated") == 1, r.stderr
+
+
 def test_loading_the_same_plugin_twice_is_harmless(tmp_path):
     plugin = _plugin(tmp_path, ROWS_PLUGIN)
     methods.load_plugin(plugin)

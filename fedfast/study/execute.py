@@ -13,6 +13,7 @@ import time
 import torch
 
 from .. import methods
+from .._deprecation import show_once
 from .._io import read_json
 from ..jobs import EXIT_DIVERGED, EXIT_ERROR, EXIT_WORKER_DIED, WorkerDied, exit_now, report_failure, run, run_workers
 from ..rundir import RunLocked, status
@@ -102,6 +103,7 @@ def _job_main(r: _Run, workers: int) -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _pass_on if workers > 1 else signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    show_once()  # a spawned process starts with Python's default filters, which hide a plug-in's notices
     for p in r.cfg.plugins:
         methods.load_plugin(p)
     try:
