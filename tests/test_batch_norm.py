@@ -279,6 +279,10 @@ class LocalStatsLoop(PlainLoop):
         self.own = {}  # client -> the state_dict its last round left (its buffers are read)
         self.first = {k: v.clone() for k, v in self.glob.state_dict().items()}  # a client before its first round
 
+    def kept(self, name: str) -> bool:
+        """Whether the client keeps ``name`` (a state_dict key) from its own previous round."""
+        return name.endswith(("running_mean", "running_var", "num_batches_tracked"))
+
     def round(self, rnd):
         c = self.cfg
         self.rnd, self.lr = rnd, c.lr * c.lr_decay**rnd
@@ -289,12 +293,7 @@ class LocalStatsLoop(PlainLoop):
         for k in sampled:
             local = copy.deepcopy(self.glob)
             mine = self.own.get(int(k), first)
-            local.load_state_dict(
-                {
-                    n: (mine[n] if n.endswith(("running_mean", "running_var", "num_batches_tracked")) else v)
-                    for n, v in init.items()
-                }
-            )
+            local.load_state_dict({n: (mine[n] if self.kept(n) else v) for n, v in init.items()})
             opt = self.optimizer(local, int(k))
             for e in range(c.local_epochs):
                 for b in self.batches(rnd, k, e):
@@ -317,35 +316,14 @@ class FedBNLoop(LocalStatsLoop):
     weights and statistics are the participants' weighted average (for evaluating the global model: FedBN itself
     evaluates each client with its own)."""
 
-    def round(self, rnd):
-        c = self.cfg
-        self.rnd, self.lr = rnd, c.lr * c.lr_decay**rnd
-        sampled = np.asarray(self.sample(rnd))
-        init = {k: v.clone() for k, v in self.glob.state_dict().items()}
+    def kept(self, name: str) -> bool:
         bn = {
-            f"{name}.{p}"
-            for name, m in self.glob.named_modules()
+            f"{mod}.{p}"
+            for mod, m in self.glob.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
             for p in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
         }
-        states = []
-        for k in sampled:
-            local = copy.deepcopy(self.glob)
-            mine = self.own.get(int(k), self.first)
-            local.load_state_dict({n: (mine[n] if n in bn else v) for n, v in init.items()})
-            opt = self.optimizer(local, int(k))
-            for e in range(c.local_epochs):
-                for b in self.batches(rnd, k, e):
-                    x, y = self.train.batch(b)
-                    self.step(local, opt, x, y, int(k))
-            self.own[int(k)] = {n: v.clone() for n, v in local.state_dict().items()}
-            states.append(local.state_dict())
-        w = self.weights(sampled)
-        avg = {}
-        for key in states[0]:
-            s = sum(float(w[i]) * states[i][key].double() for i in range(len(states)))
-            avg[key] = s.round() if not states[0][key].is_floating_point() else s
-        self.glob.load_state_dict(avg)
+        return name in bn
 
 
 SIZES = [48, 56, 40, 60, 50, 44]  # batch 32: partial batches of 16, 24, 8, 28, 18 and 12 rows
