@@ -275,7 +275,18 @@ class ClientStack:
             return self.plan.forward(p, x, self.module.training, features, buffers=b, valid=valid, update=update)
         f = functional_forward(self.module, features, update=update)
         with fedfast_batch_norm(self.module):  # dropout: independent per client
-            return vmap(f, in_dims=(0, 0, 0, None if valid is None else 0), randomness="different")(p, b, x, valid)
+            try:
+                return vmap(f, in_dims=(0, 0, 0, None if valid is None else 0), randomness="different")(p, b, x, valid)
+            except RuntimeError as e:
+                if "inplace randomness on an unbatched tensor" not in str(e):
+                    raise
+                raise ValueError(
+                    "model: torch.func.vmap cannot run a layer of it that draws random numbers in place into a "
+                    "tensor of its own (e.g. torchvision's StochasticDepth: torch.empty(...).bernoulli_()), so each "
+                    "client cannot get its own draw; fedfast.batched runs StochasticDepth (executor = 'auto', and "
+                    "a model whose every layer the traced program covers), or draw with torch.bernoulli on a tensor "
+                    "shaped like the input"
+                ) from None
 
 
 # -- BatchNorm on the vmap path ------------------------------------------------------------------------------

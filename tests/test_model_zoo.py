@@ -206,6 +206,18 @@ def test_efficientnet_with_stochastic_depth_and_dropout_trains_on_the_program():
     assert np.isfinite(rec["train_loss"])
 
 
+def test_stochastic_depth_on_the_vmap_path_is_refused_by_name():
+    """torch.func.vmap cannot give each client its own in-place draw (torchvision's stochastic depth): the first
+    training step raised vmap's RuntimeError from deep inside the round; it is a ValueError naming the layer kind
+    and the executor that runs it."""
+    cfg, _, train, test, part = _run("efficientnet_b0", rounds=1, executor="vmap")
+    torch.manual_seed(0)
+    model = tv.efficientnet_b0(num_classes=5, width_mult=0.25, max_layers=2)
+    sim = fedfast.Simulation(cfg, model, train, test, part)
+    with pytest.raises(ValueError, match="StochasticDepth.*executor = 'auto'"):
+        sim.round()
+
+
 class _PReLUNet(nn.Module):
     def __init__(self):
         super().__init__()
