@@ -195,7 +195,9 @@ class Simulation:
         )
         self.evaluator = Evaluator(EvalSettings.of(c), rt, self.comm, self.test, self.validation)
         self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
-        self.client_buffers = local_statistics_store(c, rt, self.budget, self.num_clients)  # FedBN's
+        self.client_buffers = local_statistics_store(
+            c.bn_stats, c.bn_params, rt, self.budget, self.num_clients
+        )  # FedBN's
         # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
         # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
         self.engine = EngineView(
@@ -537,7 +539,7 @@ class Simulation:
         """Continue from :meth:`checkpoint`; ValueError if it does not fit this simulation."""
         RunState.check(ck, self._shape())
         self.privacy.restore(ck, self.cfg.rounds)
-        restore_local_statistics(self.client_buffers, ck, self.cfg)
+        restore_local_statistics(self.client_buffers, ck, self.cfg.bn_stats, self.cfg.bn_params)
         self.method.load_state_dict(ck["method"])
         self.state.restore_(ck)  # in place: the method's view holds this state
         self.runtime.buffers = self.state.global_buffers
@@ -553,7 +555,8 @@ class Simulation:
             if client is None
             else client_state_dict(
                 self.runtime,
-                self.cfg,
+                self.cfg.bn_stats,
+                self.cfg.bn_params,
                 self.client_buffers,
                 self.global_flat,
                 self.state.global_buffers,

@@ -385,6 +385,8 @@ class RunDir:
         for name in m["files"]:
             if name not in old and name not in (MARKER, LOCK):
                 self._remove(name)
+        self.dirs = [d for d in m.get("dirs", []) if d not in rep.get("dirs", [])]
+        self._rmdir_empty()  # folders only the replacement made, where it left nothing
         for name in rep["files"]:
             src = os.path.join(self._p(REPLACED), name)
             if os.path.lexists(src):

@@ -584,14 +584,15 @@ def test_force_keeps_the_old_run_until_the_new_runs_first_round(done_run, tmp_pa
         "import os, sys\nfrom fedfast.rundir import RunDir\nrd = RunDir(sys.argv[1])\n"
         "assert rd.open('force') == 'new'\n"
         "assert os.path.isdir(os.path.join(sys.argv[1], '.fedfast-replaced'))\n"
-        "rd.write('config.json', '{}')\nrd.add('tb/events.out.tfevents.1', dirs=('tb',))\nos._exit(9)\n"
+        "rd.write('config.json', '{}')\nrd.add('tb/events.out.tfevents.1', dirs=('tb',))\n"
+        "os.makedirs(os.path.join(sys.argv[1], 'tb'))\nos._exit(9)\n"
     )
     r = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 9, r.stderr
     assert _tree(d) != before  # the old run is set aside, the replacement's config in its place
     code, err = cli(capsys, "run", *SMALL, "--out", d)
     assert code == 2 and "holds a complete run" in err, err
-    assert _tree(d) == before and not (d / REPLACED).exists()
+    assert _tree(d) == before and not (d / REPLACED).exists() and not (d / "tb").exists()
     code, _ = cli(capsys, "run", *SMALL, "--set", "rounds=1", "--force", "--out", d, "--quiet")
     assert code == 0 and not (d / REPLACED).exists()
     assert json.load(open(d / "summary.json"))["rounds"] == 1 and REPLACED not in (d / MARKER).read_text()

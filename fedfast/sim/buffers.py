@@ -84,12 +84,14 @@ class RoundBuffers:
         return torch.where(self.layout.integer_mask(b.device), b.round(), b).float()
 
 
-def local_statistics_store(cfg, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int):
+def local_statistics_store(
+    bn_stats: str, bn_params: str, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int
+):
     """FedBN's per-client store (None when nothing is local): rows of the model's buffers under ``bn_stats =
     "local"`` (``runtime.num_buffers`` values, FedBN's statistics), then its BatchNorm weights and biases under
     ``bn_params = "local"``; float32 whatever ``state_dtype`` says, the initial model's as a client's first row.
     ValueError naming the setting for a model without running statistics, or without affine BatchNorm layers."""
-    stats, params = cfg.bn_stats == "local", cfg.bn_params == "local"
+    stats, params = bn_stats == "local", bn_params == "local"
     if not (stats or params):
         return None
     if stats and not runtime.running_stats:
@@ -112,7 +114,8 @@ def local_statistics_store(cfg, runtime: ModelRuntime, budget: MemoryBudget, num
 
 def client_state_dict(
     runtime: ModelRuntime,
-    cfg,
+    bn_stats: str,
+    bn_params: str,
     store: ClientState | None,
     global_flat: torch.Tensor,
     global_buffers: torch.Tensor,
@@ -128,10 +131,10 @@ def client_state_dict(
     flat, buffers = global_flat.detach().clone(), global_buffers.detach().clone()
     if store is not None:
         row = store.gather(np.array([int(client)]))[0].to(flat.device)
-        nb = runtime.layout.B if cfg.bn_stats == "local" else 0
+        nb = runtime.layout.B if bn_stats == "local" else 0
         if nb:
             buffers = row[:nb].to(buffers.dtype)
-        if cfg.bn_params == "local":
+        if bn_params == "local":
             flat[bn_param_index(runtime).to(flat.device)] = row[nb:].to(flat.dtype)
     out = dict(runtime.layout.param_views(flat))
     out.update(runtime.layout.buffer_views(buffers))
@@ -142,7 +145,7 @@ def client_state_dict(
     return {k: out[k] for k in ref}
 
 
-def restore_local_statistics(store: ClientState | None, ck: dict, cfg) -> None:
+def restore_local_statistics(store: ClientState | None, ck: dict, bn_stats: str, bn_params: str) -> None:
     """The clients' own BatchNorm rows from checkpoint ``ck`` into ``store``; ValueError when the checkpoint was made
     under other ``bn_stats`` / ``bn_params``."""
     saved = ck.get("client_buffers")
@@ -154,8 +157,8 @@ def restore_local_statistics(store: ClientState | None, ck: dict, cfg) -> None:
     if (store is None) != (saved is None) or (store is not None and cols is not None and cols != store.cols):
         raise ValueError(
             f"checkpoint: {'holds' if saved is not None else 'holds no'} per-client BatchNorm rows"
-            f"{f' of {cols} values' if cols is not None else ''}, this run has bn_stats = {cfg.bn_stats!r}, "
-            f"bn_params = {cfg.bn_params!r}" + (f" ({store.cols} values per client)" if store is not None else "")
+            f"{f' of {cols} values' if cols is not None else ''}, this run has bn_stats = {bn_stats!r}, "
+            f"bn_params = {bn_params!r}" + (f" ({store.cols} values per client)" if store is not None else "")
         )
     if store is not None:
         store.load_state_dict(saved)
