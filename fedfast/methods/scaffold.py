@@ -82,7 +82,10 @@ class Scaffold(FedAvg):
         return {"increment": torch.addcmul(-self.c, self._coef(ctx, lo, hi)[:, None], delta)}
 
     def collect(self, ctx, out, lo, hi):
-        # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments; c_k' the clients' new rows
+        # c' = c + sum_k (c_k' - c_k) / K, accumulated over the chunks as increments; c_k' the clients' new rows.
+        # Written (c + y) - c rather than y: the chunk's change rounded onto c's fp32 grid (the subtraction is exact
+        # where c + y and c are within a factor of 2, Sterbenz), which is what the fused kernel returned (c + y)
+        # before issue 29 made its terms generic; kept so that SCAFFOLD's runs stayed bit-identical across that change
         return Collected(
             rows=out["state_rows"], increment=(self.c + out["state_change"] * (1.0 / self.engine.num_clients)) - self.c
         )

@@ -7,12 +7,13 @@
 * :func:`aggregate` - fused server update over flat client rows (FedAvg/M, SlowMo, FedADC, FedDyn, SCAFFOLD,
   FedGKD buffer); :func:`client_step` - fused all-client optimizer step (SGD); :func:`client_adam` - the same
   for Adam / AdamW.
+* :func:`update_norms` - DP-FedAvg's ``||X_k - g||`` per client row (its own op file).
 * :func:`raise_if_invalid` - read the deferred (no-sync) validation flags of GPU calls.
 """
 
 from ._backend import BACKENDS, resolve as resolve_backend
 from ._validate import raise_if_invalid
-from .aggregate import NonFiniteUpdate, aggregate, update_norms
+from .aggregate import NonFiniteUpdate, aggregate
 from .asd_weights import asd_row_weight, asd_row_weights, asd_weights
 from .client_adam import client_adam
 from .client_step import client_step, drift_shift_
@@ -25,6 +26,7 @@ from .distill_reference import (
     teacher_mixture_reference,
 )
 from .teacher_mixture import teacher_mixture
+from .update_norms import update_norms
 
 __all__ = [
     "aggregate",
