@@ -410,6 +410,13 @@ class Engine(Protocol):
     seed: int
     train: Any  # the training set (fedfast.data.ArrayDataset, on the device)
     config: Any  # the engine settings (fedfast.SimConfig: lr, momentum, local_epochs, ...)
+    # the settings the built-in methods read, by name
+    batch_size: int  # B, the local minibatch size
+    clients_per_round: int  # the cohort size the run samples (its expected size under Poisson sampling)
+    momentum: float  # the local optimizer's momentum
+    weight_decay: float  # the local optimizer's weight decay
+    aggregate_weights: str  # "size" (by the clients' sample counts) or "uniform"
+    private: bool  # a private run (dp_clip > 0: the server reads the noised sums of the declared uploads)
     label_hist: Tensor  # [K, C] every client's label histogram
     client_sizes: np.ndarray  # [K] every client's number of samples
 

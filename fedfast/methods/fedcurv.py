@@ -111,7 +111,7 @@ class FedCurv(FedAvg):
 
     def chunk_end(self, ctx, lo, hi):
         e = self.engine
-        batches = fisher_batches(ctx.data_batches[lo:hi], self.opts.samples, e.config.batch_size)
+        batches = fisher_batches(ctx.data_batches[lo:hi], self.opts.samples, e.batch_size)
         u = ctx.chunk.grad.zero_()  # reuse the penalty buffer: training is over
         for _, n_act, g in e.local_gradients(ctx, lo, hi, batches, epoch=ctx.epochs):
             u[:n_act].addcmul_(g, g)

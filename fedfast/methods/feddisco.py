@@ -92,7 +92,7 @@ class FedDisco(FedAvg):
     def disco_weights(self, ids: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Normalised FedDisco weights of clients ``ids`` (sizes ``sizes``)."""
         o = self.opts
-        n = sizes / sizes.sum() if self.engine.config.aggregate_weights == "size" else np.full(len(ids), 1 / len(ids))
+        n = sizes / sizes.sum() if self.engine.aggregate_weights == "size" else np.full(len(ids), 1 / len(ids))
         p = self.counts[ids] / self.counts[ids].sum(1, keepdims=True)
         d = discrepancy(p, self.q, o.distance)
         d = d / d.sum() if d.sum() > 0 else np.zeros_like(d)

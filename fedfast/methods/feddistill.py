@@ -76,7 +76,7 @@ class FedDistillPlus(FedAvg):
     def setup(self):
         e, o = self.engine, self.opts
         self.kd = fnn.KDLoss(tau=o.tau, kd_weight=o.coef, tau_squared=o.tau_squared, backend=e.backend)
-        if e.config.dp_clip:  # private: the server's noised running sum of the clients' A_j
+        if e.private:  # private: the server's noised running sum of the clients' A_j
             self.dp_total = torch.zeros(e.num_classes**2, device=e.device)
 
     def round_start(self, ctx):

@@ -85,7 +85,7 @@ class FedDyn(FedAvg):
         if scaling == "mean_size":
             s = sizes / float(e.client_sizes.mean())
         elif scaling == "minibatches":
-            s = sizes / e.config.batch_size
+            s = sizes / e.batch_size
         else:
             s = torch.ones_like(sizes)
         self.alpha_k = alpha / s
@@ -111,7 +111,7 @@ class FedDyn(FedAvg):
     def step_terms(self, ctx, n_act):
         ch = ctx.chunk
         # the linear term's gradient alpha_k (h_k - w_t) is a per-client loss term (clipped with the loss gradient)
-        return dict(loss_rows=ch.dyn[:n_act], weight_decay=ch.alpha[:n_act] + self.engine.config.weight_decay)
+        return dict(loss_rows=ch.dyn[:n_act], weight_decay=ch.alpha[:n_act] + self.engine.weight_decay)
 
     def chunk_aggregate(self, ctx, lo, hi):
         # h_k' = h_k + (w_k - w_t): the fused update's state rows with coefficient 1 and no shift

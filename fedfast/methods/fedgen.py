@@ -182,7 +182,7 @@ class FedGen(FedAvg):
             self.generator = Generator(self.noise_dim, C, self.hidden, Fdim).to(e.device)
         self.gen_opt = torch.optim.Adam(self.generator.parameters(), lr=o.gen_lr, weight_decay=o.gen_weight_decay)
         self.gen_rounds = 0  # generator trainings so far (its lr is gen_lr * gen_lr_decay ** gen_rounds)
-        B = e.config.batch_size
+        B = e.batch_size
         self.gen_batch = o.gen_batch or B
         self.server_batch = o.server_batch or B
 

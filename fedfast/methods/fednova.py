@@ -82,9 +82,9 @@ class FedNova(FedAvg):
         self.c = torch.zeros(e.num_params, device=e.device) if self.opts.ccvr else None
 
     def aggregation_weights(self, ids, sizes, local_steps):
-        cfg = self.engine.config
-        p = sizes / sizes.sum() if cfg.aggregate_weights == "size" else np.full(len(ids), 1.0 / len(ids))
-        a = effective_steps(local_steps, cfg.momentum)
+        e = self.engine
+        p = sizes / sizes.sum() if e.aggregate_weights == "size" else np.full(len(ids), 1.0 / len(ids))
+        a = effective_steps(local_steps, e.momentum)
         self.coef = float((p * a).sum() * (p / a).sum())  # tau_eff * c2
         self.share = float(sizes.sum() / self.engine.client_sizes.sum())  # P, the round's share of all data
         self.a = np.zeros(self.engine.num_clients)
@@ -101,7 +101,7 @@ class FedNova(FedAvg):
         return {"tau": UploadSpec(cols=1, scale=1.0 / self.opts.dp_tau_scale)}
 
     def round_start(self, ctx):
-        if self.engine.config.dp_clip:  # private: the round's noised sum of the clients' step counts
+        if self.engine.private:  # private: the round's noised sum of the clients' step counts
             return {"tau": torch.zeros(1, device=self.engine.device)}
         return None
 
@@ -132,8 +132,8 @@ class FedNova(FedAvg):
         return Collected(rows=d, increment=inc)
 
     def server_terms(self, ctx):
-        if self.engine.config.dp_clip:  # avg - w = sum_i s_i (w_i - w) / (a_i E); tau_eff = noised sum of a_i / E
-            return dict(lr=float(ctx.sums["tau"][0]) / self.engine.config.clients_per_round)
+        if self.engine.private:  # avg - w = sum_i s_i (w_i - w) / (a_i E); tau_eff = noised sum of a_i / E
+            return dict(lr=float(ctx.sums["tau"][0]) / self.engine.clients_per_round)
         return dict(lr=self.coef)
 
     def server(self, ctx, avg):

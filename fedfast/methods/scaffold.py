@@ -62,7 +62,7 @@ class Scaffold(FedAvg):
     def _coef(self, ctx, lo, hi):
         """a_k = -1 / (K_eff lr) for the chunk's clients: c_k' - c_k = -c + a_k (w_k - w_t)."""
         K = torch.tensor(ctx.steps[lo:hi] * ctx.epochs, dtype=torch.float64)
-        rho = self.engine.config.momentum if self.opts.keff_momentum else 0.0
+        rho = self.engine.momentum if self.opts.keff_momentum else 0.0
         k_eff = (K - rho * (1 - rho**K) / (1 - rho)) / (1 - rho) if rho > 0 else K
         return (-1.0 / (k_eff * ctx.lr)).float().to(self.engine.device)
 

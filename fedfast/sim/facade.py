@@ -47,6 +47,12 @@ class EngineView:
         "config",
         "client_sizes",
         "num_buffers",
+        "batch_size",
+        "clients_per_round",
+        "momentum",
+        "weight_decay",
+        "aggregate_weights",
+        "private",
     )
 
     def __init__(
@@ -67,6 +73,9 @@ class EngineView:
         self.num_clients, self.num_params, self.num_classes = plan.num_clients, runtime.num_params, train.num_classes
         self.train, self.client_sizes = train, plan.client_sizes
         self.num_buffers = runtime.num_buffers
+        self.batch_size, self.clients_per_round = config.batch_size, config.clients_per_round
+        self.momentum, self.weight_decay = config.momentum, config.weight_decay
+        self.aggregate_weights, self.private = config.aggregate_weights, bool(config.dp_clip)
 
     def _attach(self, trainer: ChunkTrainer) -> None:
         """The chunk trainer (the stack's rows, the local gradients, the clients' data), once the chunk is sized."""
