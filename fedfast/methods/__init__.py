@@ -18,7 +18,6 @@ import textwrap
 import traceback
 
 from .._io import file_sha256, is_installed
-from .._registry import Registry
 from .base import (
     ClientData,
     Collected,
@@ -36,52 +35,11 @@ from .base import (
     validate_options,
 )
 from .hooks import cross_entropy, weighted_mean_rows
+from .registry import BUILTIN, REGISTRY, REPLACED, names, register, replaced, unregister
 
-REGISTRY = Registry("method", "algorithm")  # name -> Method subclass
-BUILTIN = REGISTRY.builtin  # the methods fedfast ships (sealed below, after their imports)
-REPLACED = REGISTRY.replaced  # name -> {"replaced": class (file), "by": class (file)}: replace=True
 PLUGINS: dict[str, str] = {}  # plug-in files loaded in this process: absolute path -> sha256 of the content
 PLUGIN_CODE: dict[str, tuple] = {}  # plug-in file -> the files of the modules it imported from outside the
 #                                         Python installation (and fedfast): part of a run's fingerprint
-
-
-def register(name: str, *, replace: bool = False):
-    """Class decorator: register a :class:`Method` subclass under ``name`` (lower-case, no ``+``).
-
-    A name another class already holds (a built-in such as ``"fedavg"``, or another plug-in's) is refused with
-    both classes and their files named: a run would otherwise report the new class's numbers under the old name.
-    ``replace=True`` replaces it on purpose; runs of that name then record the replacement in ``config.json``
-    (``replaced_methods``) and ``fedfast report`` marks their rows. Registering the same class from the same
-    file (or a file of the same content) again is harmless (:class:`fedfast._registry.Registry`, which datasets,
-    partitions and models share)."""
-    if not isinstance(name, str) or not name or "+" in name or name != name.lower() or "." in name:
-        raise ValueError(f"name: a lower-case method name without '+' or '.', got {name!r}")
-
-    def deco(cls):
-        if not (isinstance(cls, type) and issubclass(cls, Method)):
-            raise TypeError(f"register({name!r}): expected a fedfast.methods.Method subclass, got {cls!r}")
-        if not dataclasses.is_dataclass(cls.Options):
-            raise TypeError(f"{name}.Options: must be a dataclass")
-        if "_registered_in" not in cls.__dict__:
-            cls._registered_in = sys._getframe(1).f_code.co_filename  # where @register(...) was applied
-        REGISTRY.add(name, cls, replace=replace)
-        cls.name = name
-        if "table" not in cls.__dict__ or not cls.__dict__["table"]:
-            cls.table = name
-        return cls
-
-    return deco
-
-
-def unregister(name: str) -> None:
-    """Remove a plug-in's method (a built-in it replaced comes back); tests and notebooks that redefine one."""
-    REGISTRY.remove(name)
-
-
-def replaced(algorithm: str) -> dict:
-    """``{name: {"replaced": ..., "by": ...}}`` for the registry names ``algorithm`` runs (``base+asd``: the
-    base) that a plug-in replaced (``register(..., replace=True)``)."""
-    return REGISTRY.replacements(algorithm[:-4] if algorithm.endswith("+asd") else algorithm)
 
 
 def get(name: str) -> type[Method]:
@@ -99,13 +57,6 @@ def get(name: str) -> type[Method]:
             f"[preset]; fedfast.methods.load_plugin(FILE) in Python). Registered: {', '.join(names())}"
         )
     return REGISTRY[name]
-
-
-def names(asd: bool = True) -> list[str]:  # noqa: F811 - the keyword shadows the module asd here only
-    out = sorted(REGISTRY)
-    if asd:
-        out += [f"{n}+asd" for n in sorted(REGISTRY) if REGISTRY[n].accepts_asd]
-    return out
 
 
 def tables() -> dict[str, list[str]]:

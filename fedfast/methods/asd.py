@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import names
+from .registry import names
 from .. import nn as fnn
 from .base import Method, TeacherSpec, make_options, opt
 

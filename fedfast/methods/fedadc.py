@@ -38,7 +38,7 @@ import torch
 from .. import nn as fnn
 from .._io import host_to_device
 from ..ops.client_step import drift_shift_
-from . import register
+from .registry import register
 from .base import TeacherSpec, opt
 from .fedavg import FedAvg
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import register
+from .registry import register
 from .base import Method, opt
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import register
+from .registry import register
 from .. import nn as fnn
 from ..data.partition import per_class_sample
 from .base import opt

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .._io import host_to_device
-from . import register
+from .registry import register
 from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import register
+from .registry import register
 from .base import opt
 from .fedavg import FedAvg
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import nn as fnn
-from . import register
+from .registry import register
 from .base import Collected, StateSpec, UploadSpec, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg

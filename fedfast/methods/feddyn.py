@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import register
+from .registry import register
 from .base import Collected, StateSpec, UploadSpec, opt
 from .fedavg import FedAvg
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import register
+from .registry import register
 from .base import STATE_FORMAT, Collected, opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from .. import nn as fnn
 from ..models.head import with_projection_head
-from . import register
+from .registry import register
 from .base import Method, TeacherSpec, opt
 from .hooks import cross_entropy
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import nn as fnn
-from . import register
+from .registry import register
 from .base import opt
 from .kd import FromGlobalModel
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import register
+from .registry import register
 from .base import opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import register
+from .registry import register
 from .base import Collected, StateSpec, opt
 from .fedavg import FedAvg
 from .feddyn import FedDyn

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .._deprecation import deprecated
 from .. import nn as fnn
-from . import register
+from .registry import register
 from .base import Method, TeacherSpec, opt
 from .hooks import cross_entropy
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.head import with_projection_head
-from . import register
+from .registry import register
 from .base import Collected, StateSpec, opt
 from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
