@@ -103,7 +103,7 @@ def test_all_weights_clipped_is_an_error():
     from fedfast.methods.feddisco import FedDisco
 
     m = FedDisco(a=100.0, b=0.0)
-    m.engine = type("E", (), {"config": fedfast.SimConfig()})()
+    m.engine = type("E", (), {"config": fedfast.SimConfig(), "aggregate_weights": "size"})()
     m.counts, m.q = np.array([[5.0, 0.0], [0.0, 5.0]]), np.array([0.5, 0.5])
     with pytest.raises(ValueError, match="feddisco.a"):
         m.disco_weights(np.array([0, 1]), np.array([5.0, 5.0]))
