@@ -22,7 +22,7 @@ from . import methods
 from ._io import read_json
 from .data import DATASETS, PARTITIONS, text_datasets
 from .data.authors import default_seed
-from .methods.base import coerce_option, make_options
+from .methods.options import coerce_option, make_options
 from .models import REGISTRY
 from .simconfig import SimConfig, check_device
 

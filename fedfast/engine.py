@@ -46,7 +46,8 @@ from .cpu_alloc import tune_cpu_allocator
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import find_classifier
-from .methods.base import Round, TeacherSpec
+from .methods.base import TeacherSpec
+from .methods.round import Round
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .sim.buffers import (
     client_state_dict,
@@ -296,7 +297,9 @@ class Simulation:
         timers = {}
         st = self.state
         ctx, totals, step_rows = self.plan.sample(st.round)
-        collect.declare_sums(self.method, ctx)  # round_start: the round's sums it declares
+        # the round's accumulators (the engine's RoundSums: the increment, the new state rows, the sums round_start
+        # declares), read by the method through the record (a new one: nothing writes a Round)
+        ctx = collect.open_round(self.method, ctx, self.method.client_state, torch.zeros_like(self.global_flat))
         self.privacy.begin_round(ctx)  # private: the round's clip (refusing what the mechanism does not cover)
         t1 = time.perf_counter()
         with self._memory("the teacher's logits (eval_batch rows at a time)", "eval_batch"):
@@ -342,8 +345,6 @@ class Simulation:
     # -- phases 3-4: local training and aggregation, chunk by chunk ------------------------------------------
     def _local(self, ctx: Round, teacher, step_rows):
         m = len(ctx.sampled)
-        # the method's state rows gathered (host ids); the increment, e.g. SCAFFOLD's sum of (c_k' - c_k)/N
-        collect.start_round(ctx, self.method.client_state, torch.zeros_like(self.global_flat), self.device)
         weights = host_to_device(ctx.weights, self.device, torch.float32)
         tr = self.trainer
         tr.sync()
@@ -357,7 +358,7 @@ class Simulation:
         for lo in range(0, m, self.chunk):  # usually a single chunk (an empty rank: none)
             hi = min(m, lo + self.chunk)
             t1 = time.perf_counter()
-            tr.train_chunk(
+            chunk = tr.train_chunk(  # the round's record with the chunk's state (the method's chunk_start's)
                 ctx,
                 lo,
                 hi,
@@ -372,7 +373,7 @@ class Simulation:
             tr.sync()
             t_local += time.perf_counter() - t1
             t1 = time.perf_counter()
-            avg_sum += self._aggregate_chunk(ctx, lo, hi, weights)
+            avg_sum += self._aggregate_chunk(chunk, lo, hi, weights)
             bufs.add(lo, hi, weights, tr.stack)
             t_agg += time.perf_counter() - t1
         return avg_sum, loss_sum, bufs, t_local, t_agg
@@ -409,7 +410,7 @@ class Simulation:
             # global model after it and stops at the same round
             return torch.full_like(self.global_flat, float("nan"))
         got = self.trainer.collect(self.method, ctx, out, lo, hi)  # (client_data valid inside)
-        collect.take(self.method, ctx, got, lo, hi)
+        collect.take(self.method, ctx.accumulators, got, lo, hi)
         self.privacy.check_collected(got)  # private: what the method sums must be its declared uploads
         # the chunk's weighted sum (private: its clipped sum / E; the noise is added once, in _server)
         return self.privacy.chunk_sum(out, w, self.global_flat)
@@ -437,7 +438,9 @@ class Simulation:
         avg = self.privacy.average(self.global_flat, avg_sum, total_w, ctx)
         if avg is None:
             return
-        collect.release(ctx, self.privacy.released())  # private: the noised upload sums the server rule reads
+        collect.release(
+            ctx.accumulators, self.privacy.released()
+        )  # private: the noised upload sums the server rule reads
         if bufs.sum.numel():  # the global model's buffers: the participants' weighted average (integers rounded)
             self.state.global_buffers = self.runtime.buffers = bufs.average(total_w)
         new = self.method.server(ctx, avg)

@@ -146,3 +146,73 @@ def test_rows_without_declared_state_and_a_bad_round_start_are_refused(registere
         _sim(registered("hooks_nostate_test", NoState)).round()
     with pytest.raises(HookError, match="round_start.*must return the round's sums"):
         _sim(registered("hooks_badstart_test", BadStart)).round()
+
+
+def test_the_round_record_is_never_written_after_the_plan_builds_it(registered):
+    """Issue 61: the plan builds the Round complete; the engine's accumulators (RoundSums) and each chunk's state come
+    as new records. Every record a hook sees keeps every field it had when first seen, to the end of the run; the
+    chunk's hooks see what chunk_start returned; server reads the sums that collect returned."""
+    import dataclasses
+
+    seen = []  # (record, {field: value}) at first sight
+
+    class Watch(NewForm):
+        def _see(self, ctx):
+            if not any(r is ctx for r, _ in seen):
+                seen.append((ctx, {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}))
+
+        def round_start(self, ctx):
+            self._see(ctx)
+            assert ctx.rows is not None and ctx.seen_hist is not None  # complete before round_start
+            return super().round_start(ctx)
+
+        def chunk_start(self, ctx, lo, hi):
+            self._see(ctx)
+            assert ctx.chunk is None
+            return ("chunk", lo, hi)
+
+        def step_terms(self, ctx, n_act):
+            assert ctx.chunk[0] == "chunk"
+            return {}
+
+        def collect(self, ctx, out, lo, hi):
+            self._see(ctx)
+            assert ctx.chunk == ("chunk", lo, hi)
+            return super().collect(ctx, out, lo, hi)
+
+        def server(self, ctx, avg):
+            self._see(ctx)
+            return super().server(ctx, avg)
+
+    sim = _sim(registered("hooks_watch_test", Watch))
+    sim.run()
+    new = _sim(registered("hooks_new_ref_test", NewForm))
+    new.run()
+    assert torch.equal(sim.global_flat, new.global_flat) and torch.equal(sim.method.sq, new.method.sq)
+    assert len(seen) >= 3 * CFG["rounds"]
+    for rec, fields in seen:
+        for name, value in fields.items():
+            assert getattr(rec, name) is value, name
+    with pytest.raises(AttributeError, match="read-only"):
+        seen[0][0].sampled = None
+
+
+def test_the_old_chunk_write_and_the_old_addresses_warn_and_still_work(registered):
+    class OldChunk(FedAvg):
+        def chunk_start(self, ctx, lo, hi):
+            ctx.chunk = ("mine", lo)
+
+        def step_terms(self, ctx, n_act):
+            assert ctx.chunk[0] == "mine"
+            return {}
+
+    with pytest.warns(DeprecationWarning, match=r"Round.chunk is deprecated.*return the chunk's state"):
+        _sim(registered("hooks_old_chunk_test", OldChunk)).round()
+    import fedfast.methods.base as base
+    from fedfast.methods import options, round
+
+    for name, home in [("Round", round), ("Collected", round), ("opt", options), ("coerce_option", options)]:
+        with pytest.warns(DeprecationWarning, match=rf"fedfast.methods.base.{name} moved to {home.__name__}"):
+            assert getattr(base, name) is getattr(home, name)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        base.Nothing

@@ -219,7 +219,7 @@ def test_unknown_algorithm_suggests_plugin_and_close_names(capsys):
 
 
 def test_check_vocabulary_half_open_intervals():
-    from fedfast.methods.base import parse_check
+    from fedfast.methods.options import parse_check
 
     ok, what = parse_check("[0,1)")
     assert ok(0) and ok(0.5) and not ok(1) and what == "in [0, 1)"

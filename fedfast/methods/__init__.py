@@ -20,20 +20,16 @@ import traceback
 from .._io import file_sha256, is_installed
 from .base import (
     ClientData,
-    Collected,
     Engine,
     Method,
-    NoOptions,
-    Round,
     StateSpec,
     Step,
     TeacherRows,
     TeacherSpec,
     UploadSpec,
-    make_options,
-    opt,
-    validate_options,
 )
+from .options import NoOptions, make_options, opt, validate_options
+from .round import Collected, Round, RoundSums
 from .hooks import cross_entropy, weighted_mean_rows
 from .registry import BUILTIN, REGISTRY, REPLACED, names, register, replaced, unregister
 
@@ -221,6 +217,7 @@ __all__ = [
     "Step",
     "ClientData",
     "Collected",
+    "RoundSums",
     "StateSpec",
     "TeacherSpec",
     "UploadSpec",

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 from .registry import names
 from .. import nn as fnn
-from .base import Method, TeacherSpec, make_options, opt
+from .base import Method, TeacherSpec
+from .options import make_options
+from .options import opt
 
 # the official code's paths that compute H at temperature 1: train_fedavgreg_mdl (FedAvg+ASD, FedNTD+ASD, and
 # FedDisco+ASD, which is that path with disco = 1) and compute_distill_loss (FedSpeed+ASD)

@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import re
-import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -35,255 +32,13 @@ import torch
 from torch import Tensor
 
 from .._deprecation import deprecated
+from . import options as _options
+from . import round as _round
+from .options import NoOptions, make_options, validate_options
 from .hooks import ClientHooks, ServerHooks
 
 
-# -- options ------------------------------------------------------------------------------------------------
-_NUM = r"[-+]?(?:inf|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
-_COMPARE = re.compile(rf"^\s*(>=|<=|>|<)\s*({_NUM})\s*$")
-_INTERVAL = re.compile(rf"^\s*([\[(])\s*({_NUM})\s*,\s*({_NUM})\s*([\])])\s*$")
-CHECK_VOCABULARY = (
-    "'>x', '>=x', '<x', '<=x', or an interval '[a,b]', '(a,b)', '[a,b)', '(a,b]' (x, a, b numbers "
-    "or inf; e.g. '>0', '[0,1)', '(0,inf)')"
-)
-
-
-def parse_check(check: str):
-    """``(predicate, description)`` of a ``check`` string (:data:`CHECK_VOCABULARY`); ValueError otherwise."""
-    m = _COMPARE.match(check) if isinstance(check, str) else None
-    if m:
-        op, x = m.group(1), float(m.group(2))
-        fn = {">": lambda v: v > x, ">=": lambda v: v >= x, "<": lambda v: v < x, "<=": lambda v: v <= x}[op]
-        return fn, f"{op} {m.group(2)}"
-    m = _INTERVAL.match(check) if isinstance(check, str) else None
-    if m:
-        lo_open, a, b, hi_open = m.group(1) == "(", float(m.group(2)), float(m.group(3)), m.group(4) == ")"
-        if not a <= b:
-            raise ValueError(f"check {check!r}: an empty interval")
-
-        def fn(v):
-            return (a < v if lo_open else a <= v) and (v < b if hi_open else v <= b)
-
-        return fn, f"in {m.group(1)}{m.group(2)}, {m.group(3)}{m.group(4)}"
-    raise ValueError(f"check {check!r}: not a check; use {CHECK_VOCABULARY}")
-
-
-def opt(default, doc: str, *, check: str | None = None, choices: tuple | None = None, path: bool = False):
-    """A method option: its default, one line naming where the default comes from (equation, table, code),
-    and an optional constraint: ``check`` (:data:`CHECK_VOCABULARY`: ``">0"``, ``">=1"``, ``"[0,1]"``,
-    ``"(0,1]"``, ``"[0,1)"``, ...) or ``choices``. ``None`` as default means "derived from the other options" (the
-    doc says how). ``path=True``: a file or directory (a dataset's, say), recorded absolute, a relative one
-    resolved against the config or study file it is written in. A bad ``check`` is a ValueError naming the file
-    and line of the ``opt(...)`` call."""
-    if check is not None:
-        try:
-            parse_check(check)
-        except ValueError as e:
-            caller = sys._getframe(1)
-            raise ValueError(f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(check=...): {e}") from None
-    if choices is not None and not isinstance(choices, (tuple, list)):
-        caller = sys._getframe(1)
-        raise ValueError(
-            f"{caller.f_code.co_filename}, line {caller.f_lineno}: opt(choices=...): expected a tuple of "
-            f"allowed values, got {choices!r}"
-        )
-    return field(default=default, metadata={"doc": doc, "check": check, "choices": choices, "path": bool(path)})
-
-
-_TYPES = {"float": float, "int": int, "bool": bool, "str": str}
-
-
-def _option_type(f) -> tuple[type, bool]:
-    """(base type, nullable) of an option field, whether its annotation is a type or a string."""
-    if isinstance(f.type, type):
-        return (f.type if f.type in _TYPES.values() else str), False
-    ann = str(f.type).replace(" ", "").replace("typing.", "")
-    if ann.startswith("Optional[") and ann.endswith("]"):
-        ann = ann[9:-1] + "|None"
-    parts = [p.replace("<class'", "").replace("'>", "") for p in ann.split("|")]
-    base = next((p for p in parts if p != "None" and p != "NoneType"), "str")
-    return _TYPES.get(base, str), "None" in parts or "NoneType" in parts
-
-
-_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def coerce_option(key: str, value, f: dataclasses.Field):
-    """``value`` (from TOML, ``--set`` strings or Python) as the field's type; ValueError naming ``key``."""
-    typ, nullable = _option_type(f)
-    if value is None or (isinstance(value, str) and value.lower() == "none" and typ is not str):
-        if nullable:
-            return None
-        raise ValueError(f"{key}: expected {_KIND.get(typ, 'a ' + typ.__name__)}, got None")
-    try:
-        if typ is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                return value.lower() in ("true", "1")
-            if not isinstance(value, (bool, int, np.bool_)):
-                raise ValueError
-            return bool(value)
-        if typ is int:
-            v = int(value)
-            if isinstance(value, float) and value != v or isinstance(value, bool):
-                raise ValueError
-            return v
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError
-            v = float(value)
-            if not math.isfinite(v):
-                raise ValueError(f"{key}: expected a finite number, got {value!r}")
-            return v
-        if not isinstance(value, str):
-            raise ValueError
-        return value
-    except (TypeError, ValueError) as e:
-        if str(e).startswith(f"{key}: "):
-            raise
-        raise ValueError(f"{key}: expected {_KIND.get(typ, 'a ' + typ.__name__)}, got {value!r}") from None
-
-
-def validate_options(table: str, opts) -> None:
-    """The ``check``/``choices`` constraints of every field; errors name ``table.key``."""
-    for f in dataclasses.fields(opts):
-        v = getattr(opts, f.name)
-        if v is None:
-            continue
-        chk, choices = f.metadata.get("check"), f.metadata.get("choices")
-        if choices is not None and v not in choices:
-            raise ValueError(f"{table}.{f.name}: one of {choices}, got {v!r}")
-        if chk is not None:
-            ok, what = parse_check(chk)
-            if not ok(v):
-                raise ValueError(f"{table}.{f.name}: must be {what}, got {v!r}")
-
-
-def make_options(table: str, cls, values: dict | None = None, *, method: str = ""):
-    """An ``Options`` instance from a dict (TOML table, ``--set`` values or Python); unknown keys are errors
-    naming ``table.key`` and the method."""
-    values = dict(values or {})
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kw = {}
-    for k, v in values.items():
-        if k not in known:
-            raise ValueError(
-                f"{table}.{k}: not an option of {method or table} (its options: {', '.join(known) or 'none'})"
-            )
-        kw[k] = coerce_option(f"{table}.{k}", v, known[k])
-    out = cls(**kw)
-    validate_options(table, out)
-    return out
-
-
-@dataclass
-class NoOptions:
-    """A method without options of its own."""
-
-
-# -- per-round values -----------------------------------------------------------------------------------------
-# the fields a method of the old guide wrote (a DeprecationWarning for one release), and the form that replaces each
-_LEGACY = {
-    "rows": "read ctx.rows; nothing writes it but the engine",
-    "new_rows": "return fedfast.methods.Collected(rows=...) from collect",
-    "incr": "return fedfast.methods.Collected(increment=...) from collect; the server reads ctx.increment",
-    "reduce": "return the round's sums from round_start ({name: zeros}) and Collected(sums={name: ...}) "
-    "from collect; the server reads ctx.sums[name]",
-    "chunk": "return the chunk's state from chunk_start (or a new one from chunk_end)",
-}
-
-
-def _deprecated(name: str) -> None:
-    deprecated(f"Round.{name} is deprecated for methods (it goes in the next release): {_LEGACY[name]}", 3)
-
-
-@dataclass(kw_only=True)
-class Round:
-    """One round's data in stack order (this rank's clients under torch.distributed). Built by keyword by the
-    engine, which alone writes it (``_set``): a method reads it and returns what its hooks compute -
-    ``round_start`` the round's sums, ``chunk_start`` / ``chunk_end`` the chunk's state, ``collect`` a
-    :class:`Collected` - and the engine owns the accumulation. Setting an attribute raises AttributeError naming the
-    new form (the old guide's ``new_rows``, ``incr``, ``reduce`` and ``chunk`` warn instead, for one release)."""
-
-    index: int  # 0-based round number
-    sampled: np.ndarray  # client ids
-    sizes: np.ndarray  # local data sizes
-    steps: np.ndarray  # local steps per epoch (``local_steps`` runs: those steps, in one "epoch")
-    epochs: int  # local epochs (1 in ``local_steps`` runs); steps * epochs: each client's steps
-    lr: float  # this round's client learning rate
-    sampled_t: Tensor  # client ids on the device
-    hist: Tensor  # [m, C] label histograms (ASD prior, FedADC+ confidence, FedLC)
-    positions: Tensor | None = None  # [m] each client's position in the whole round's sorted client list
-    num_total: int = 0  # clients in the whole round (all ranks)
-    rows: Tensor | None = None  # [m, P] the method's per-client state rows (gathered from client_state)
-    state_out: Tensor | None = None  # the engine's: the collected new rows of the round's clients, stored after it
-    increment: Tensor | None = None  # [P] the collected increments, summed over the chunks and ranks (server reads)
-    chunk: object = None  # the method's own per-chunk state: what its chunk_start returned (e.g. a dataclass)
-    weights: np.ndarray | None = None  # [m] this rank's clients' aggregation weights (host)
-    clients: np.ndarray | None = None  # the whole round's clients (all ranks) in stack order; row p of a
-    #                                    per-client sum table is the client at position p (``positions``)
-    sums: dict = field(default_factory=dict)  # the round's sums (round_start declares them, collect adds to them),
-    #                                    summed over the chunks and across ranks before ``server`` reads them
-    data_batches: np.ndarray | None = None  # minibatches in one pass over each client's data (ceil(size / B))
-    seen_hist: Tensor | None = None  # [m, C] labels of the rows each client trains on this round (epochs x hist)
-
-    def __post_init__(self):
-        object.__setattr__(self, "_sealed", True)
-
-    def __setattr__(self, name, value):
-        if getattr(self, "_sealed", False):
-            if name not in _LEGACY:
-                raise AttributeError(
-                    f"Round.{name}: a Round is read-only for methods; a hook returns what it "
-                    f"computes (round_start: the round's sums; chunk_start / chunk_end: the chunk's "
-                    f"state; collect: fedfast.methods.Collected(rows=, increment=, sums=))"
-                )
-            if name != "incr" or value is not self.increment:  # ``ctx.incr += x`` adds in place: nothing to set
-                _deprecated(name)
-                object.__setattr__(
-                    self, {"new_rows": "state_out", "incr": "increment", "reduce": "sums"}.get(name, name), value
-                )
-            return
-        object.__setattr__(self, name, value)
-
-    def _set(self, **values) -> None:
-        """The engine's (and its parts') writes."""
-        for k, v in values.items():
-            object.__setattr__(self, k, v)
-
-    @property
-    def new_rows(self) -> Tensor | None:
-        """Deprecated: the round's new state rows; ``collect`` returns ``Collected(rows=...)`` instead."""
-        _deprecated("new_rows")
-        return self.state_out
-
-    @property
-    def incr(self) -> Tensor | None:
-        """Deprecated: ``ctx.increment`` (read), ``Collected(increment=...)`` (write)."""
-        _deprecated("incr")
-        return self.increment
-
-    @property
-    def reduce(self) -> dict:
-        """Deprecated: ``ctx.sums`` (read), the round's sums from ``round_start`` and ``Collected(sums=...)``."""
-        _deprecated("reduce")
-        return self.sums
-
-
-@dataclass(frozen=True)
-class Collected:
-    """What ``collect`` computed for the chunk's clients ``lo:hi`` (every field optional); the engine accumulates it.
-    ``rows`` [hi-lo, cols]: the clients' new per-client state rows (the engine stores them after the round);
-    ``increment`` [P]: added to the round's increment (``ctx.increment`` in ``server``, summed over the chunks and
-    ranks); ``sums``: ``{name: tensor}`` added to the round's sums that ``round_start`` declared (``ctx.sums`` in
-    ``server``)."""
-
-    rows: Tensor | None = None
-    increment: Tensor | None = None
-    sums: dict | None = None
-
-
+# -- per-round values (Round, Collected: fedfast/methods/round.py) ----------------------------------------------
 @dataclass(frozen=True)
 class UploadSpec:
     """One thing a client uploads beside its model update, declared for a private run (``Method.upload_spec``):
@@ -804,13 +559,29 @@ def unpack_state(p, current, device, where: str):
 __all__ = [
     "Method",
     "Engine",
-    "Round",
     "Step",
     "ClientData",
     "TeacherSpec",
     "TeacherRows",
-    "opt",
-    "make_options",
-    "validate_options",
-    "NoOptions",
 ]
+
+
+_MOVED = {
+    "Round": _round,
+    "Collected": _round,
+    "opt": _options,
+    "coerce_option": _options,
+    "parse_check": _options,
+    "CHECK_VOCABULARY": _options,
+}  # name -> its home since issue 61 (the old address for one release)
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        home = _MOVED[name]
+        deprecated(
+            f"fedfast.methods.base.{name} moved to {home.__name__}.{name} (or fedfast.methods.{name}); the old "
+            f"address goes in the next release"
+        )
+        return getattr(home, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,7 +39,8 @@ from .. import nn as fnn
 from .._io import host_to_device
 from ..ops.client_step import drift_shift_
 from .registry import register
-from .base import TeacherSpec, opt
+from .base import TeacherSpec
+from .options import opt
 from .fedavg import FedAvg
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .registry import register
-from .base import Method, opt
+from .base import Method
+from .options import opt
 
 
 @register("fedavg")

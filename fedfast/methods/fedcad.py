@@ -35,7 +35,7 @@ import torch
 from .registry import register
 from .. import nn as fnn
 from ..data.partition import per_class_sample
-from .base import opt
+from .options import opt
 from .kd import FromGlobalModel
 
 

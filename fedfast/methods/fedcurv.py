@@ -46,7 +46,9 @@ import torch
 
 from .._io import host_to_device
 from .registry import register
-from .base import Collected, StateSpec, UploadSpec, opt
+from .base import StateSpec, UploadSpec
+from .options import opt
+from .round import Collected
 from .fedavg import FedAvg
 
 _CODE = "FedNTD Table 5; Lee-Gihun/FedNTD @be00ee5, config/fedcurv.json"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .registry import register
-from .base import opt
+from .options import opt
 from .fedavg import FedAvg
 
 _CODE = "MediaBrain-SJTU/FedDisco @f3ea299, args.py"

@@ -37,7 +37,9 @@ import torch
 
 from .. import nn as fnn
 from .registry import register
-from .base import Collected, StateSpec, UploadSpec, opt
+from .base import StateSpec, UploadSpec
+from .options import opt
+from .round import Collected
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .registry import register
-from .base import Collected, StateSpec, UploadSpec, opt
+from .base import StateSpec, UploadSpec
+from .options import opt
+from .round import Collected
 from .fedavg import FedAvg
 
 

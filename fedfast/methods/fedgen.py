@@ -50,7 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .registry import register
-from .base import STATE_FORMAT, Collected, opt
+from .base import STATE_FORMAT
+from .options import opt
+from .round import Collected
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 

@@ -38,7 +38,9 @@ import torch
 
 from .._io import host_to_device
 from .registry import register
-from .base import Collected, StateSpec, UploadSpec, opt
+from .base import StateSpec, UploadSpec
+from .options import opt
+from .round import Collected
 from .fedavg import FedAvg
 
 _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"

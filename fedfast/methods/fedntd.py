@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .. import nn as fnn
 from .registry import register
-from .base import opt
+from .options import opt
 from .kd import FromGlobalModel
 
 

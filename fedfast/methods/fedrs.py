@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .registry import register
-from .base import opt
+from .options import opt
 from .hooks import cross_entropy
 from .fedavg import FedAvg
 

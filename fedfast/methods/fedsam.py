@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from .registry import register
-from .base import Collected, StateSpec, opt
+from .base import StateSpec
+from .options import opt
+from .round import Collected
 from .fedavg import FedAvg
 from .feddyn import FedDyn
 

@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import ops
 
 if TYPE_CHECKING:  # the hooks' argument types (fedfast.methods.base imports this module)
-    from .base import Round, Step, TeacherSpec
+    from .base import Step, TeacherSpec
+    from .round import Round
 
 
 class HookError(TypeError):

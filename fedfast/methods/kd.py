@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from .._deprecation import deprecated
 from .. import nn as fnn
 from .registry import register
-from .base import Method, TeacherSpec, opt
+from .base import Method, TeacherSpec
+from .options import opt
 from .hooks import cross_entropy
 
 

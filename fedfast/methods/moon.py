@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from ..models.head import with_projection_head
 from .registry import register
-from .base import Collected, StateSpec, opt
+from .base import StateSpec
+from .options import opt
+from .round import Collected
 from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
 

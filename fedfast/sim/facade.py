@@ -11,7 +11,8 @@ import torch
 
 from .._deprecation import deprecated
 from ..data.datasets import ArrayDataset
-from ..methods.base import Method, Round, StateSpec
+from ..methods.base import Method, StateSpec
+from ..methods.round import Round
 from ..methods.hooks import HookError, describe_value, hook_site
 from ..simconfig import SimConfig
 from ..store.state import ClientState

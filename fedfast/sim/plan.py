@@ -15,7 +15,8 @@ from .._io import host_to_device
 from ..data.augment import augmented_batch
 from ..data.datasets import ArrayDataset
 from ..data.partition import ClientIndices, Partition
-from ..methods.base import Method, Round
+from ..methods.base import Method
+from ..methods.round import Round
 from ..methods.hooks import hook_site
 from ..sampling import (
     client_order,
@@ -256,6 +257,7 @@ class RoundPlan:
             positions = positions[self.rank :: self.world]
         sampled_t = torch.from_numpy(sampled).to(self.device)
         hist = self.histograms(sampled)
+        state = self.method.client_state
         ctx = Round(
             index=rnd,
             sampled=sampled,
@@ -270,24 +272,30 @@ class RoundPlan:
             weights=weights,
             clients=everyone,
             data_batches=batches,
+            rows=None if state is None else state.gather(sampled),  # the method's state rows of the round's clients
         )
-        step_rows = None
-        if c.local_steps:  # each client's rows for its local_steps steps
-            step_rows = self.steps_table(ctx, 0, len(sampled), c.local_steps)
-        if c.local_steps or c.drop_last:  # the labels of the rows each client trains on
-            tables = (
-                [step_rows]
-                if c.local_steps
-                else [self.batch_table(ctx, 0, len(sampled), e, int(steps[0]) * c.batch_size) for e in range(epochs)]
-            )
-            seen = np.zeros((len(sampled), self.num_classes), dtype=np.int64)
-            for t in tables:
-                for j, r in enumerate(t):
-                    seen[j] += np.bincount(self.labels[r[r >= 0]], minlength=self.num_classes)
-            ctx._set(seen_hist=host_to_device(seen.astype(np.float32), self.device))
-        else:
-            ctx._set(seen_hist=hist * epochs)
-        return ctx, totals, step_rows
+        step_rows = self.steps_table(ctx, 0, len(sampled), c.local_steps) if c.local_steps else None
+        return dataclasses.replace(ctx, seen_hist=self.seen_histograms(ctx, step_rows)), totals, step_rows
+
+    def seen_histograms(self, ctx: Round, step_rows: np.ndarray | None) -> torch.Tensor:
+        """[m, C] the labels of the rows each of the round's clients trains on (``step_rows``: ``local_steps``
+        mode's row table): ``epochs`` x its label histogram unless ``local_steps`` or ``drop_last`` leave rows out."""
+        c = self.settings
+        if not (c.local_steps or c.drop_last):
+            return ctx.hist * ctx.epochs
+        tables = (
+            [step_rows]
+            if c.local_steps
+            else [
+                self.batch_table(ctx, 0, len(ctx.sampled), e, int(ctx.steps[0]) * c.batch_size)
+                for e in range(ctx.epochs)
+            ]
+        )
+        seen = np.zeros((len(ctx.sampled), self.num_classes), dtype=np.int64)
+        for t in tables:
+            for j, r in enumerate(t):
+                seen[j] += np.bincount(self.labels[r[r >= 0]], minlength=self.num_classes)
+        return host_to_device(seen.astype(np.float32), self.device)
 
     def aggregation_weights(self, ids: np.ndarray, sizes: np.ndarray, local_steps: np.ndarray) -> np.ndarray:
         """The round's participants' weights in the average: the method's (FedDisco, FedNova) or the engine's."""

@@ -17,7 +17,8 @@ from .. import ops
 from .._io import host_to_device
 from ..flat import ClientStack
 from ..local_step import OptimizerSettings, PlainGradient, SAMGradient, client_optimizer
-from ..methods.base import ClientData, Method, Round, Step
+from ..methods.base import ClientData, Method, Step
+from ..methods.round import Round
 from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
 from .memory import OutOfMemory, _free_bytes, _gib
 from .plan import RoundPlan
@@ -35,6 +36,25 @@ class TrainerSettings(Settings):
     backend: str | None
     dp_clip: float
     profile: bool
+
+
+@dataclasses.dataclass(kw_only=True)
+class _ChunkRun:
+    """What every local step of one chunk (clients ``lo:hi``) reads, and ``masked``, which a step sets (a method's
+    own ``active`` mask in its step terms)."""
+
+    lo: int
+    hi: int
+    teacher: object
+    loss_sum: torch.Tensor
+    start: torch.Tensor
+    gen: torch.Generator
+    step_kw: dict
+    hist: torch.Tensor
+    features: object
+    rule: object
+    track: bool
+    masked: bool = False
 
 
 class ChunkTrainer:
@@ -116,35 +136,67 @@ class ChunkTrainer:
         start_rows: tuple | None = None,
         step_rows: np.ndarray | None,
         gen: torch.Generator,
-    ) -> None:
+    ) -> Round:
         """Local training of the round's clients ``lo:hi`` (stack order) in stack rows ``0:hi-lo``, from the global
         model ``start`` (buffers ``start_buffers``: [B] the global model's, or [hi-lo, B] each client's own;
         ``start_rows``: ``(positions [Q], rows [hi-lo, Q])``, each client's own values at those parameter positions,
         FedBN's BatchNorm weights); adds the active clients' minibatch-mean losses to ``loss_sum`` (no host sync).
         ``step_rows``: ``local_steps`` mode's row table; ``gen``: the augmentation generator. The stack's buffer
         rows hold the clients' buffers after it (BatchNorm's running statistics as their local steps left them). A
-        private run's update norms come from each client's last step (:meth:`update_norms`)."""
+        private run's update norms come from each client's last step (:meth:`update_norms`). Returns the round's
+        record with the chunk's state (what ``chunk_start`` / ``chunk_end`` returned: the chunk's ``ctx.chunk``)."""
         c, method = self.settings, self.method
         self._last = time.perf_counter()
-        steps = ctx.steps
-        n, B, S = hi - lo, c.batch_size, int(steps[lo])
-        theta_all = self.stack.params
+        n, B, S = hi - lo, c.batch_size, int(ctx.steps[lo])
+        self._load_start(n, start, start_buffers, start_rows)
+        self.optimizer.reset(n)
+        ctx = ctx.with_chunk(None)
+        got = method.chunk_start(ctx, lo, hi)  # the method's own per-chunk state, the chunk's hooks' ctx.chunk
+        ctx = ctx if got is None else ctx.with_chunk(got)
+        run = _ChunkRun(
+            lo=lo,
+            hi=hi,
+            teacher=teacher,
+            loss_sum=loss_sum,
+            start=start,
+            gen=gen,
+            step_kw=dict(
+                lr=ctx.lr,
+                weight_decay=c.optimizer.weight_decay,
+                max_norm=c.optimizer.max_grad_norm or None,
+                backend=c.backend,
+            ),
+            hist=ctx.hist[lo:hi],
+            features=self.runtime.features_module() if method.needs_features else None,
+            rule=self._gradient_rule(ctx),
+            track=self.delta_norm is not None,
+        )
+        if run.track:  # a client without a step keeps theta = start
+            self.delta_norm[:n].zero_()
+        for e in range(ctx.epochs):
+            rows = step_rows[lo:hi] if step_rows is not None else self.plan.batch_table(ctx, lo, hi, e, S * B)
+            table = host_to_device(rows, self.device)
+            for s in range(S):
+                self._local_step(ctx, run, rows, table, e, s)
+        self._delta_version = self.stack.params._version if run.track and not run.masked else None
+        self.client_window = (lo, hi)
+        try:
+            new = method.chunk_end(ctx, lo, hi)
+        finally:
+            self.client_window = None
+        return ctx if new is None else ctx.with_chunk(new)  # the chunk's state after its last step (collect reads it)
+
+    def _load_start(self, n: int, start, start_buffers, start_rows) -> None:
+        """Stack rows ``0:n`` set to the clients' starting model (see :meth:`train_chunk`)."""
         self.stack.broadcast_(start, rows=slice(0, n))
         if start_rows is not None:
-            self.stack.params[:n].index_copy_(1, start_rows[0], start_rows[1].to(theta_all.dtype))
+            self.stack.params[:n].index_copy_(1, start_rows[0], start_rows[1].to(self.stack.params.dtype))
         if start_buffers is not None and self.runtime.num_buffers:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
-        self.optimizer.reset(n)
-        step_kw = dict(
-            lr=ctx.lr,
-            weight_decay=c.optimizer.weight_decay,
-            max_norm=c.optimizer.max_grad_norm or None,
-            backend=c.backend,
-        )
-        ctx._set(chunk=None)
-        ctx._set(chunk=method.chunk_start(ctx, lo, hi))  # the method's own per-chunk state, handed back as ctx.chunk
-        hist_c = ctx.hist[lo:hi]
-        features = self.runtime.features_module() if method.needs_features else None
+
+    def _gradient_rule(self, ctx: Round):
+        """The chunk's gradient: plain, or SAM's at the radius ``method.sam_rho(ctx)`` (checked)."""
+        method = self.method
         rho = float(method.sam_rho(ctx))
         if not rho >= 0:
             raise ValueError(f"{method.name}.sam_rho: the SAM radius must be >= 0, got {rho}")
@@ -153,76 +205,68 @@ class ChunkTrainer:
                 f"{method.name}.sam_rho: {rho:g} > 0, but the method does not declare sam = True (the "
                 f"memory budget counts SAM's two extra parameter rows per client only then)"
             )
-        if rho and self.sam is None:
+        if not rho:
+            return PlainGradient()
+        if self.sam is None:
             self.sam = SAMGradient(self.stack.params)
-        rule = self.sam if rho else PlainGradient()
-        if rho:
-            rule.rho = rho
-        track = self.delta_norm is not None
-        masked = False  # a method's own `active` mask may skip a client's last step: then the rows are measured
-        if track:  # a client without a step keeps theta = start
-            self.delta_norm[:n].zero_()
-        for e in range(ctx.epochs):
-            rows = step_rows[lo:hi] if step_rows is not None else self.plan.batch_table(ctx, lo, hi, e, S * B)
-            table = host_to_device(rows, self.device)
-            for s in range(S):
-                n_act = int((steps[lo:hi] > s).sum())
-                x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, gen)
-                # BatchNorm's statistics leave padding rows out: the mask only on steps that have any (host table)
-                bn_valid = valid if (rows[:n_act, s * B : (s + 1) * B] < 0).any() else None
-                self.tick("data")
-                pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
-                t = teacher.rows(ridx.reshape(-1), x, bn_valid) if teacher is not None else None
-                self.tick("teacher")
-                seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
-                batch = dict(
-                    x=x,
-                    y=y,
-                    valid=valid,
-                    seg=seg,
-                    teacher=t,
-                    hist=hist_c[:n_act],
-                    features=features,
-                    epoch=e,
-                    step=s,
-                    bn_valid=bn_valid,
-                )
-                loss = self.step_loss(ctx, pv, perturbed=False, **batch)
-                grad = rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
-                    self.stack,
-                    loss,
-                    pv,
-                    n_act,
-                    lambda p2: self.step_loss(ctx, p2, perturbed=True, **batch),
-                    None if self.gradbuf is None else self.gradbuf[:n_act],
-                )
-                self.tick("backward")
-                terms = method.step_terms(ctx, n_act)
-                if not isinstance(terms, dict):
-                    check_hook_return(
-                        method,
-                        "step_terms",
-                        terms,
-                        kind="dict",
-                        what="a dict of fedfast.ops.client_step keyword arguments ({} for none)",
-                    )
-                kw = {**step_kw, **terms}
-                masked = masked or "active" in terms
-                # private: the clients whose last step this is (the active prefix's tail) get ||theta - start||
-                # from the step's own pass (every active row's, so that the rows stay one prefix)
-                if track and e == ctx.epochs - 1 and n_act and int(steps[lo + n_act - 1]) == s + 1:
-                    kw.update(delta_from=start, delta_norm=self.delta_norm[:n_act])
-                self.optimizer.step(theta_all, grad, n_act, kw)
-                loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
-                self.tick("step")
-        self._delta_version = theta_all._version if track and not masked else None
-        self.client_window = (lo, hi)
-        try:
-            new = method.chunk_end(ctx, lo, hi)
-        finally:
-            self.client_window = None
-        if new is not None:  # the chunk's state after its last step (collect reads it)
-            ctx._set(chunk=new)
+        self.sam.rho = rho
+        return self.sam
+
+    def _local_step(self, ctx: Round, run: _ChunkRun, rows: np.ndarray, table: torch.Tensor, e: int, s: int):
+        """Local step ``s`` of epoch ``e`` of the chunk's active clients (those with more than ``s`` steps): the
+        minibatch from the row ``table`` (``rows``: its host copy), the forward and loss, the gradient (plain or
+        SAM's) and the client optimiser's fused step with the method's terms."""
+        method, B, steps, lo = self.method, self.settings.batch_size, ctx.steps, run.lo
+        n_act = int((steps[lo : run.hi] > s).sum())
+        x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, run.gen)
+        # BatchNorm's statistics leave padding rows out: the mask only on steps that have any (host table)
+        bn_valid = valid if (rows[:n_act, s * B : (s + 1) * B] < 0).any() else None
+        self.tick("data")
+        pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
+        t = run.teacher.rows(ridx.reshape(-1), x, bn_valid) if run.teacher is not None else None
+        self.tick("teacher")
+        seg = torch.arange(n_act, device=self.device).repeat_interleave(B)
+        batch = dict(
+            x=x,
+            y=y,
+            valid=valid,
+            seg=seg,
+            teacher=t,
+            hist=run.hist[:n_act],
+            features=run.features,
+            epoch=e,
+            step=s,
+            bn_valid=bn_valid,
+        )
+        loss = self.step_loss(ctx, pv, perturbed=False, **batch)
+        grad = run.rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
+            self.stack,
+            loss,
+            pv,
+            n_act,
+            lambda p2: self.step_loss(ctx, p2, perturbed=True, **batch),
+            None if self.gradbuf is None else self.gradbuf[:n_act],
+        )
+        self.tick("backward")
+        terms = method.step_terms(ctx, n_act)
+        if not isinstance(terms, dict):
+            check_hook_return(
+                method,
+                "step_terms",
+                terms,
+                kind="dict",
+                what="a dict of fedfast.ops.client_step keyword arguments ({} for none)",
+            )
+        kw = {**run.step_kw, **terms}
+        # a method's own `active` mask may skip a client's last step: then the rows are measured
+        run.masked = run.masked or "active" in terms
+        # private: the clients whose last step this is (the active prefix's tail) get ||theta - start||
+        # from the step's own pass (every active row's, so that the rows stay one prefix)
+        if run.track and e == ctx.epochs - 1 and n_act and int(steps[lo + n_act - 1]) == s + 1:
+            kw.update(delta_from=run.start, delta_norm=self.delta_norm[:n_act])
+        self.optimizer.step(self.stack.params, grad, n_act, kw)
+        run.loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+        self.tick("step")
 
     def update_norms(self, n: int) -> torch.Tensor | None:
         """The chunk's clients' ``||theta_k - start||`` [n] from their last local steps, or None when something
