@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
             moved = 5 * x.numel() * x.element_size()
             for impl in ("torch", "fedfast"):
                 got = _run(impl, x, gy, w, b, n)
-                errs = [float((a_.double() - r).abs().max() / r.abs().max()) for a_, r in zip(got, ref)]
+                errs = [float((a_.double() - r).abs().max() / r.abs().max()) for a_, r in zip(got, ref, strict=True)]
                 s = _time(lambda: _run(impl, x, gy, w, b, n), device, a.repeat)
                 rows.append(
                     dict(

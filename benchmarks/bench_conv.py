@@ -171,7 +171,7 @@ def main(argv=None):
                             continue
                         if ref is None:
                             ref = res
-                        err = max(_rel(u, v) for u, v in zip([res[0], *res[1]], [ref[0], *ref[1]]))
+                        err = max(_rel(u, v) for u, v in zip([res[0], *res[1]], [ref[0], *ref[1]], strict=True))
                         f = flops(geom)
                         rows.append(
                             dict(

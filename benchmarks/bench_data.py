@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from _bench import SMOKE
 
 from fedfast.data import ArrayDataset, augment, dirichlet_balanced

@@ -188,7 +188,7 @@ def test_client_step_sgd_momentum(benchmark, impl, N, model):
         for k in range(N):
             mk = st.load_into((fedavg_cnn() if model == "cnn1.6M" else mlp11m()).to(DEVICE), k)
             gv = st.layout.param_views(grads[k])
-            for p, gk in zip(mk.parameters(), gv.values()):
+            for p, gk in zip(mk.parameters(), gv.values(), strict=True):
                 p.grad = gk.clone()
             models.append((mk, torch.optim.SGD(mk.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)))
 

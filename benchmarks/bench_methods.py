@@ -42,10 +42,10 @@ fedfast.tune_cpu_allocator()
 
 
 def _loops():
+    from test_fedcad import LSDLoop
     from test_fedcurv import CurvLoop
     from test_feddisco import DiscoASDLoop, DiscoLoop
     from test_feddistill import DistillLoop
-    from test_fedcad import LSDLoop
     from test_fedgen import GenLoop
     from test_fedgkd import GKDPlusLoop
     from test_fednova import NovaLoop

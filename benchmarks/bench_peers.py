@@ -35,11 +35,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from _bench import SMOKE, median  # noqa: E402,F401
 import torch.nn.functional as F
+from _bench import SMOKE, median  # noqa: E402,F401
+from plain_loop import SHAPES, plain_loop_round, setup
 
 import fedfast
-from plain_loop import SHAPES, plain_loop_round, setup
 
 fedfast.tune_cpu_allocator()
 _CEILING: list = []

@@ -120,7 +120,9 @@ def scatter_repeat(stores: int = 3, rounds: int = 10) -> list:
     next), each taking ``rounds`` scatters of 1000 new clients' rows of 55,050 fp32 values (220 MB) into its file;
     the median seconds per scatter of each store (the first pays for page-cache memory the machine never used)."""
     import shutil
+
     import numpy as np
+
     from fedfast.store.state import ClientState
 
     rows, out = torch.randn(COHORT, 55_050), []

@@ -57,10 +57,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from plain_loop import plain_loop_round  # noqa: E402
+
 import fedfast  # noqa: E402
 from fedfast import data, flops, models  # noqa: E402
 from fedfast.sampling import sample_clients  # noqa: E402
-from plain_loop import plain_loop_round  # noqa: E402
 
 SHAPES = {
     "pfl_cifar_50": dict(
@@ -379,7 +380,7 @@ def run_shape(
                 im["diff0"] = _rel(im["sim"].global_flat, ref0)
         del lp
     for r in range(1, R + 1):  # interleaved: engine(s), loop, engine(s), loop, ...
-        for key, im in impls.items():
+        for im in impls.values():
             if im["kind"] == "engine":
                 with _using_tiles(im["tiles"]):
                     im["times"].append(_timed(lambda: im["recs"].append(im["sim"].round()), dev))

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import fedfast.nn as fnn
-from fedfast.ops.distill_options import divergence_reference
 from fedfast.bench import _proc_status_bytes, _write, machine
+from fedfast.ops.distill_options import divergence_reference
 
 CASES = ("fedfast", "fedfast_options", "liger", "liger_compiled", "unfused", "torch")
 W_HARD = W_SOFT = 0.5

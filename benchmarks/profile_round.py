@@ -23,8 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import fedfast  # noqa: E402
 from bench_rounds import SHAPES, _data, _model, _sync  # noqa: E402
+
+import fedfast  # noqa: E402
 from fedfast import data  # noqa: E402
 
 GROUPS = [

@@ -25,10 +25,11 @@ from fedfast.sim.memory import tf32_semantics  # noqa: E402
 
 def engine_errors(precs):
     """(engine error, TF32 loop error) from the float64 loop, per precision, on the two models of the GPU tests."""
-    import fedfast
     from sequential_loop import PlainLoop, sequential
     from test_batch_norm import _Data, _max_rel, _resnet_run
     from test_engine_conv import _cnn_setup
+
+    import fedfast
     from fedfast.triton import conv as tconv
 
     shipped = tconv.TF32_PRECISION
@@ -121,8 +122,9 @@ def conv_cost(precs):
 
 
 def round_cost(precs, rounds=3):
-    import fedfast
     from bench_rounds import SHAPES, _data, _model
+
+    import fedfast
     from fedfast import data
     from fedfast.triton import conv as tconv
 

@@ -31,11 +31,12 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import torchvision_layouts as tv  # noqa: E402
+
 import fedfast  # noqa: E402
 from fedfast import batched, data  # noqa: E402
 from fedfast.bench import _write, machine  # noqa: E402
 from fedfast.flops import training_flops  # noqa: E402
-import torchvision_layouts as tv  # noqa: E402
 
 MODELS = ["resnet18", "resnet34", "resnet50", "vgg11_bn", "mobilenet_v2", "mobilenet_v3_small", "efficientnet_b0"]
 

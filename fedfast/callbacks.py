@@ -31,8 +31,8 @@ import torch
 from . import __version__
 from ._io import append_line
 from .checkpoint import save as save_checkpoint
-from .sim.diverged import Diverged
 from .rundir import RunDir, dumps
+from .sim.diverged import Diverged
 
 
 class Callback:

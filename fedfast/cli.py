@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from ._deprecation import show_once
 from . import __version__, methods, presets
+from ._deprecation import show_once
 from ._io import read_json
 from .bench import main as bench
 from .config import build_config

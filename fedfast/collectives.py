@@ -83,7 +83,7 @@ class Distributed:
         pad[: len(ids)] = ids
         got = [torch.empty_like(pad) for _ in range(self.world)]
         self.dist.all_gather(got, pad, group=self.group)
-        return torch.cat([g[:c] for g, c in zip(got, counts)]), sum(counts[: self.rank])
+        return torch.cat([g[:c] for g, c in zip(got, counts, strict=True)]), sum(counts[: self.rank])
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         self.dist.broadcast(t, src, group=self.group)

@@ -62,7 +62,7 @@ def _distill_cases(dev):
 
 def _check_distill(backend, dev):
     worst = 0.0
-    for name, (z, t, y), kw in _distill_cases(dev):
+    for _name, (z, t, y), kw in _distill_cases(dev):
         kw = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in kw.items()}
         zz = z.to(dev).requires_grad_(True)
         loss = ops.distill(zz, t.to(dev), y.to(dev), backend=backend, validate="off", **kw)

@@ -38,8 +38,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from . import methods as _methods
+from . import ops, privacy
 from ._deprecation import deprecated
-from . import methods as _methods, ops, privacy
 from ._io import host_to_device
 from .collectives import collectives
 from .cpu_alloc import tune_cpu_allocator
@@ -47,17 +48,18 @@ from .data.datasets import ArrayDataset
 from .data.partition import Partition
 from .flat import find_classifier
 from .methods.base import TeacherSpec
-from .methods.round import Round
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
+from .methods.round import Round
+from .sim import collect
+from .sim import diverged as _diverged
 from .sim.buffers import (
-    client_state_dict,
     RoundBuffers,
     check_batch_norm,
     check_teacher_spec,
+    client_state_dict,
     local_statistics_store,
     restore_local_statistics,
 )
-from .sim import collect, diverged as _diverged
 from .sim.evaluation import EvalSettings, Evaluator, forgetting
 from .sim.facade import EngineView, bind_method
 from .sim.inputs import check_inputs

@@ -73,7 +73,7 @@ class FlatLayout:
         self.buffers, self.B = _layout(_model_buffers(module))
         # the buffer slots that hold integers (num_batches_tracked): averaged, then rounded to the nearest integer
         self.integer_buffers = [
-            s for s, (_, b) in zip(self.buffers, _model_buffers(module)) if not b.is_floating_point()
+            s for s, (_, b) in zip(self.buffers, _model_buffers(module), strict=True) if not b.is_floating_point()
         ]
 
     @staticmethod
@@ -107,7 +107,7 @@ class FlatLayout:
     def load_buffers(self, module: nn.Module, flat: Tensor) -> None:
         """The module's buffers set to ``flat`` [B] (integers rounded to the nearest)."""
         with torch.no_grad():
-            for (_, b), v in zip(_model_buffers(module), self.buffer_views(flat).values()):
+            for (_, b), v in zip(_model_buffers(module), self.buffer_views(flat).values(), strict=True):
                 b.copy_(v if b.is_floating_point() else v.round())
 
     @staticmethod
@@ -183,7 +183,7 @@ class ClientStack:
         n = next(iter(leaves.values())).shape[0]
         gs = [
             g.reshape(n, -1) if g is not None else torch.zeros(n, lf.numel() // n, device=lf.device)
-            for g, lf in zip(gs, leaves.values())
+            for g, lf in zip(gs, leaves.values(), strict=True)
         ]
         return gs if out is None else torch.cat(gs, 1, out=out)
 
@@ -228,7 +228,9 @@ class ClientStack:
         """Write client ``k``'s parameters and buffers into ``module`` (exact)."""
         self.layout.check_module(module)
         with torch.no_grad():
-            for (name, p), v in zip(module.named_parameters(), self.param_views(slice(k, k + 1)).values()):
+            for (_name, p), v in zip(
+                module.named_parameters(), self.param_views(slice(k, k + 1)).values(), strict=True
+            ):
                 p.copy_(v[0])
         self.layout.load_buffers(module, self.buffers[k])
         return module

@@ -50,9 +50,9 @@ from .callbacks import (
 )
 from .checkpoint import load as load_checkpoint
 from .config import check_plugin_hashes
-from .sim.diverged import Diverged
 from .fingerprint import changes
 from .rundir import RunDir, dumps
+from .sim.diverged import Diverged
 
 # keys that may differ between a checkpoint and the run that resumes it (they do not change what is computed;
 # threads: the sums' order, so a resume with other threads is not bit-exact, and says so)

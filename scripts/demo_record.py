@@ -40,8 +40,8 @@ def _runs(d: str) -> list[dict]:
 
 def record(demo: str, seeds: str | None) -> dict:
     import torch
-
     from bench_rounds import machine
+
     from fedfast.study import report
 
     runs = _runs(demo)

@@ -30,8 +30,9 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def run(name: str, model_kind: str) -> dict:
-    import fedfast
     from sequential_loop import setup_data
+
+    import fedfast
 
     train, test, part, model = setup_data(model_kind)
     cfg = fedfast.SimConfig(

@@ -8,8 +8,8 @@ plainly (independently of fedfast's method classes: options are read from the re
 
 import collections
 import copy
-import math
 import dataclasses
+import math
 import os
 import tempfile
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import fedfast
 from fedfast import data, models
 from fedfast import nn as ffnn
-from fedfast.sampling import client_order, sample_clients
 from fedfast.ops import distill_reference
+from fedfast.sampling import client_order, sample_clients
 
 
 def setup_data(model: str = "mlp"):

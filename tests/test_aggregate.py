@@ -4,13 +4,12 @@ import copy
 
 import pytest
 import torch
+from helpers import rel_err
 from torch import nn
 
 from fedfast import ops
 from fedfast.flat import ClientStack
 from fedfast.ops import _backend
-
-from helpers import rel_err
 
 BACKENDS = (
     ["reference"]
@@ -159,7 +158,7 @@ def test_triton_unrolled_rows_give_the_same_bits(unroll):
     args = (X, rows, g, w / w.sum(), 0.9, 1.0, 1.0, torch.randn(P), R, torch.rand(5), None, None, 0, 0)
     one = aggregate_triton(*args, config=(128, 1, 4))
     many = aggregate_triton(*args, config=(128, unroll, 4))
-    for a, b in zip(one, many):
+    for a, b in zip(one, many, strict=True):
         if a is not None:
             assert (
                 torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

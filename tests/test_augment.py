@@ -30,7 +30,7 @@ def test_flip_and_cutout():
     out = augment(x, torch.Generator().manual_seed(1), crop_padding=0, flip=True)
     flipped = [torch.equal(out[i], x[i].flip(-1)) for i in range(40)]
     same = [torch.equal(out[i], x[i]) for i in range(40)]
-    assert all(a or b for a, b in zip(flipped, same)) and 5 < sum(flipped) < 35
+    assert all(a or b for a, b in zip(flipped, same, strict=True)) and 5 < sum(flipped) < 35
     ones = torch.ones(200, 1, 32, 32)
     cut = augment(ones, torch.Generator().manual_seed(2), crop_padding=0, flip=False, cutout=16)
     zeros = (cut == 0).sum((1, 2, 3))

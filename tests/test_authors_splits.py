@@ -74,10 +74,14 @@ def fedntd_lda_as_written(all_targets, n_clients, alpha):
             idx_k = np.where(all_targets == k)[0]
             np.random.shuffle(idx_k)
             proportions = np.random.dirichlet(np.repeat(alpha, n_clients))
-            proportions = np.array([p * (len(idx_j) < N / n_clients) for p, idx_j in zip(proportions, idx_batch)])
+            proportions = np.array(
+                [p * (len(idx_j) < N / n_clients) for p, idx_j in zip(proportions, idx_batch, strict=True)]
+            )
             proportions = proportions / proportions.sum()
             proportions = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
-            idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, proportions))]
+            idx_batch = [
+                idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, proportions), strict=True)
+            ]
             min_size = min([len(idx_j) for idx_j in idx_batch])
     out = {}
     for i in range(n_clients):
@@ -295,11 +299,17 @@ def fedgkd_split_as_written(
                 idx_class = _targets[np.where(_targets[:, 1] == _class)[0], 0]
                 proportions = random_state.dirichlet(np.repeat(alpha, _n_workers))
                 proportions = np.array(
-                    [p * (len(idx_j) < _targets_size / _n_workers) for p, idx_j in zip(proportions, _idx_batch)]
+                    [
+                        p * (len(idx_j) < _targets_size / _n_workers)
+                        for p, idx_j in zip(proportions, _idx_batch, strict=True)
+                    ]
                 )
                 proportions = proportions / proportions.sum()
                 proportions = (np.cumsum(proportions) * len(idx_class)).astype(int)[:-1]
-                _idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(_idx_batch, np.split(idx_class, proportions))]
+                _idx_batch = [
+                    idx_j + idx.tolist()
+                    for idx_j, idx in zip(_idx_batch, np.split(idx_class, proportions), strict=True)
+                ]
                 min_size = min([len(idx_j) for idx_j in _idx_batch])
         idx_batch += _idx_batch
     indices = functools.reduce(lambda a, b: a + b, idx_batch)

@@ -75,6 +75,7 @@ def test_triton_interpreter_with_a_numpy_it_cannot_run(monkeypatch, triton_v, nu
     it names the two versions and the fix instead of an InterpreterError from inside a kernel."""
     triton = pytest.importorskip("triton")
     import numpy
+
     from fedfast.ops.client_conv import client_conv2d
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fedfast
-from fedfast import data, nn as fnn
+from fedfast import data
+from fedfast import nn as fnn
 from fedfast.cli import main
 from fedfast.rundir import LOCK, MARKER, RunDir
 
@@ -427,6 +428,7 @@ def test_forged_checkpoint_is_refused_without_torchs_advice(done_run, tmp_path, 
     and the message does not repeat torch's advice to load it with weights_only=False."""
     import hashlib
     import io
+
     from fedfast import checkpoint
 
     d = copy_run(done_run, tmp_path / "r")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, buffers_error
 from torch import nn
 
 import fedfast
@@ -18,7 +19,6 @@ from fedfast import data
 from fedfast.flat import ClientStack
 from fedfast.ops.client_batch_norm import client_batch_norm
 from fedfast.ops.client_batch_norm_reference import client_batch_norm_reference
-from sequential_loop import PlainLoop, buffers_error
 
 
 # -- the op -----------------------------------------------------------------------------------------------------
@@ -560,8 +560,8 @@ def test_running_statistics_resume_bit_exact_and_probes_leave_the_model_as_given
     steps = [[int(np.ceil(sizes[k] / cfg.batch_size)) for k in h["clients"]] for h in sim.history]
     w = [sizes[h["clients"]] / sizes[h["clients"]].sum() for h in sim.history]
     want = 0
-    for s, ww in zip(steps, w):  # the weighted average of the clients' counts, rounded, round by round
-        want = round(float(sum(wi * (want + si) for wi, si in zip(ww, s))))
+    for s, ww in zip(steps, w, strict=True):  # the weighted average of the clients' counts, rounded, round by round
+        want = round(float(sum(wi * (want + si) for wi, si in zip(ww, s, strict=True))))
     assert int(sim.state_dict()["bn1.num_batches_tracked"]) == want
 
 

@@ -5,13 +5,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel_err
 from torch import nn
 
 from fedfast import models
 from fedfast.batched import plan
 from fedfast.flat import ClientStack, classifier_of
-
-from helpers import rel_err
 
 CASES = [
     ("fedavg_cnn_mnist", lambda: models.FedAvgCNN(1, 10, 28), (1, 28, 28)),

@@ -117,7 +117,7 @@ def test_linear_baselines_equal_the_fused_loss():
         loss.backward()
         res[impl] = (loss.detach(), hh.grad, WW.grad)
     for impl in ("unfused", "authors"):
-        for a, e in zip(res["fused"], res[impl]):
+        for a, e in zip(res["fused"], res[impl], strict=True):
             assert torch.allclose(a, e, rtol=1e-10, atol=1e-14), impl
 
 

@@ -3,13 +3,12 @@ hand, and the engine's chunk size and out-of-memory message built from them."""
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
-from fedfast.sim import budget
 from fedfast.local_step import OPTIMIZERS, OptimizerSettings
+from fedfast.sim import budget
 from fedfast.sim.memory import CPU_CHUNK_PARAM_BYTES
-
-from sequential_loop import setup_data
 
 
 def test_param_rows_count_every_parameter_sized_buffer():

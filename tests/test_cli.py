@@ -187,7 +187,7 @@ def test_torchrun_two_processes(tmp_path):
     d = [json.loads(s) for s in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
     o = [json.loads(s) for s in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert len(d) == len(o) == 2
-    for a, b in zip(d, o):
+    for a, b in zip(d, o, strict=True):
         assert abs(a["test_loss"] - b["test_loss"]) <= 1e-4 * abs(b["test_loss"])
 
 

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
+from helpers import client_modules as _setup
+from helpers import flat_params as _flat
+from helpers import rel_err
+from helpers import set_grads as _set_grads
 
 from fedfast import ops
 from fedfast.ops import _backend
 from fedfast.ops.client_adam_reference import client_adam_reference
-
-from helpers import client_modules as _setup, flat_params as _flat, rel_err, set_grads as _set_grads
 
 BACKENDS = (
     ["reference"]
@@ -92,7 +94,7 @@ def test_pieces_feddyn_term_and_large_rows_equal_the_reference(backend):
     theta, m, v = theta0.clone(), m0.clone(), v0.clone()
     start, out = torch.randn(P), torch.full((n,), -1.0)
     ops.client_adam(theta, pieces, m, v, step, backend=backend, delta_from=start, delta_norm=out, **kw)
-    for got, want in zip((theta, m, v), ref):
+    for got, want in zip((theta, m, v), ref, strict=True):
         assert rel_err(got, want.float()) <= 1e-6
     assert torch.equal(theta[1], theta0[1]) and torch.equal(m[1], m0[1]) and torch.equal(v[1], v0[1])
     # delta_norm: the active rows' ||theta' - start|| from the step's pass; the inactive row's value kept

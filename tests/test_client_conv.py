@@ -3,11 +3,10 @@ weight and bias gradients), across edge-case geometries and layouts."""
 
 import pytest
 import torch
+from helpers import rel_err
 
 from fedfast.ops import client_conv
 from fedfast.ops.client_conv import client_conv2d, client_conv2d_reference
-
-from helpers import rel_err
 
 # (n, B, Cin, Cout, H, W, kernel, stride, padding, dilation, bias)
 GEOMS = [
@@ -49,7 +48,7 @@ def _check(impl, g, channels_last=False, tol=1e-5):
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     xf = x.float()
     got = _grads(lambda *a: client_conv2d(*a, impl=impl), xf, w.float(), f32(b), s, p, d)
-    for name, a, e in zip(("out", "grad x", "grad w", "grad b"), got, want):
+    for name, a, e in zip(("out", "grad x", "grad w", "grad b"), got, want, strict=True):
         if e is None:
             assert a is None
             continue

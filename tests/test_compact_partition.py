@@ -7,12 +7,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast.data.partition import Partition
 from fedfast.sim.plan import PlanSettings, RoundPlan
-
-from sequential_loop import setup_data
 
 
 def test_a_list_and_its_csr_are_the_same_partition():
@@ -123,7 +122,7 @@ def test_every_clients_histogram_is_made_only_for_a_method_that_reads_it():
 def _split_at_loop(class_idx, cuts, K):
     """The per-client loop the vectorised split replaced: piece k of each class, in class order, to client k."""
     parts = [[] for _ in range(K)]
-    for idx, cut in zip(class_idx, cuts):
+    for idx, cut in zip(class_idx, cuts, strict=True):
         for k, piece in enumerate(np.split(idx, cut)):
             parts[k].extend(piece.tolist())
     return parts

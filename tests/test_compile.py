@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-
-from fedfast import nn as ffnn
-
 from conftest import cpu_backends
 from helpers import rel_err
+
+from fedfast import nn as ffnn
 
 
 @pytest.mark.parametrize("backend", [b for b in cpu_backends() if b != "triton"])

@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
+from helpers import rel_err
 
 from fedfast.ops import conv_cpu
-
-from helpers import rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,7 +138,7 @@ def test_subsample_equals_the_strided_convolution(stride, padding, channels_last
     assert got.shape == want.shape
     assert got.is_contiguous(memory_format=torch.channels_last) == (channels_last and not got.is_contiguous())
     g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
-    for a, e in zip(torch.autograd.grad(got, got_in, g), torch.autograd.grad(want, want_in, g)):
+    for a, e in zip(torch.autograd.grad(got, got_in, g), torch.autograd.grad(want, want_in, g), strict=True):
         assert rel_err(a, e) < 1e-13
     assert rel_err(got, want) < 1e-13
 

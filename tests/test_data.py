@@ -162,9 +162,9 @@ def test_partitioners_assign_each_sample_once_and_are_deterministic(name, kw):
     n = _assigned_once(p, len(y))
     assert n == len(y)  # 6000 is divisible by 100: every scheme assigns every sample
     q = f(y, 100, seed=7, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(p.indices, q.indices))
+    assert all(torch.equal(a, b) for a, b in zip(p.indices, q.indices, strict=True))
     r = f(y, 100, seed=8, **kw)
-    assert any(not torch.equal(a, b) for a, b in zip(p.indices, r.indices))
+    assert any(not torch.equal(a, b) for a, b in zip(p.indices, r.indices, strict=True))
     assert p.histogram.sum() == len(y)
     if name in ("iid", "dirichlet_balanced"):
         assert (p.sizes == 60).all()

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import cpu_backends
+from helpers import make_inputs, rel_err
 
 from fedfast import ops
 from fedfast.ops import distill_reference
-
-from conftest import cpu_backends
-from helpers import make_inputs, rel_err
 
 BACKENDS = cpu_backends()
 # the cpu backend runs rows of C <= 128 sixteen at a time (csrc/distill_cpu.cpp): whole and partial blocks on both

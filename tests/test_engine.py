@@ -8,11 +8,14 @@ import os
 import numpy as np
 import pytest
 import torch
+from sequential_loop import engine_vs_loop
+from sequential_loop import flat as _flat
+from sequential_loop import sequential as _sequential
+from sequential_loop import setup_data as _setup
 
 import fedfast
 from fedfast import data, models
 from fedfast.sampling import client_order, sample_clients
-from sequential_loop import engine_vs_loop, flat as _flat, sequential as _sequential, setup_data as _setup
 
 
 def test_engine_learns_and_reports():
@@ -141,7 +144,7 @@ def test_metrics_per_class_accuracy_and_forgetting():
     hist = sim.run()
     A = torch.tensor([h["class_accuracy"] for h in hist])
     counts = torch.bincount(test.y, minlength=5).float()
-    for h, a in zip(hist, A):  # overall accuracy = class accuracies weighted by the class counts
+    for h, a in zip(hist, A, strict=True):  # overall accuracy = class accuracies weighted by the class counts
         assert abs(float((a * counts).sum() / counts.sum()) - h["test_accuracy"]) <= 1e-5
     assert hist[0]["forgetting"] is None
     expect = float((A[:-1] - A[-1]).max(0).values.mean())  # FedNTD Eq. 5
@@ -156,6 +159,7 @@ def test_only_round_advances_the_round():
     import glob
     import inspect
     import re
+
     from fedfast import engine
 
     train, test, part, model = _setup()

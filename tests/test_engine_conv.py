@@ -4,12 +4,11 @@ import copy
 
 import pytest
 import torch
+from sequential_loop import sequential as _sequential
 from torch import nn
 
 import fedfast
 from fedfast import data
-
-from sequential_loop import sequential as _sequential
 
 
 def _cnn_setup():

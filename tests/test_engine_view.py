@@ -5,12 +5,11 @@ import copy
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast.methods.base import Engine
 from fedfast.sim.facade import EngineView
-
-from sequential_loop import setup_data
 
 
 def _protocol_members() -> set:

@@ -8,14 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from sequential_loop import sequential, setup_data
 from torch import nn
 
 import fedfast
 from fedfast.flat import classifier_of, find_classifier
 from fedfast.methods import FedAvg, opt, register, unregister
 from fedfast.models import with_projection_head
-
-from sequential_loop import sequential, setup_data
 
 
 class HeadFirst(nn.Module):

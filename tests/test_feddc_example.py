@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "feddc.py")

@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 
 from fedfast.cli import main
-from sequential_loop import PlainLoop, engine_vs, flat, plugin_fixture
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "fedexp.py")
 

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, engine_vs, plugin_fixture, setup_data
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs, plugin_fixture, setup_data
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "fedproto.py")
 

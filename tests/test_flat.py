@@ -37,7 +37,7 @@ def test_views_are_zero_copy_and_cover_the_buffer():
     views = stack.param_views()
     assert list(views) == [n for n, _ in m.named_parameters()]
     total = 0
-    for (n, p), v in zip(m.named_parameters(), views.values()):
+    for (_n, p), v in zip(m.named_parameters(), views.values(), strict=True):
         assert v.shape == (5, *p.shape)
         assert v.untyped_storage().data_ptr() == stack.params.untyped_storage().data_ptr()
         total += p.numel()
@@ -58,7 +58,7 @@ def test_broadcast_and_exact_round_trip():
             p.data.zero_()
         m2[1].running_mean.zero_()
         stack.load_into(m2, k)
-        for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True):
             assert torch.equal(a, b)
     # a state_dict written into a row comes back bit-exactly
     other = small_cnn(bn=True)

@@ -5,12 +5,11 @@ Run on a GPU machine with: FEDFAST_GPU_TESTS=1 python -m pytest -m gpu tests/tes
 
 import pytest
 import torch
+from helpers import make_inputs, rel_err
 
 from fedfast import nn as ffnn
 from fedfast import ops
 from fedfast.ops import _backend
-
-from helpers import make_inputs, rel_err
 
 pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ["triton", "cuda"]
@@ -254,7 +253,7 @@ def test_gpu_client_adam(backend, decoupled):
         backend=backend,
         **{k: (cu(x) if torch.is_tensor(x) else x) for k, x in kw.items()},
     )
-    for got, want in zip((th, m, v), ref):
+    for got, want in zip((th, m, v), ref, strict=True):
         assert rel_err(got.cpu(), want) <= 1e-6
 
 
@@ -305,8 +304,9 @@ def test_gpu_local_training_never_syncs(backend, algorithm, extra):
     ``nonzero``...) made while the round's local steps run on the GPU."""
     import copy
 
-    import fedfast
     from sequential_loop import setup_data as _setup
+
+    import fedfast
 
     _need(backend)
     train, test, part, model = _setup()
@@ -335,12 +335,13 @@ def test_gpu_transformer_round_matches_loop_and_never_syncs(backend):
     import copy
 
     pytest.importorskip("transformers")
-    import fedfast
     import text_helpers as th
+    from sequential_loop import sequential
+
+    import fedfast
     from fedfast import data, grouped
     from fedfast.data import text
     from fedfast.models import hf
-    from sequential_loop import sequential
 
     _need(backend)
     texts, y = th.sentences(160, 4, seed=0)
@@ -459,9 +460,9 @@ def test_gpu_plain_loop_baseline_runs_and_equals_the_engine():
 def test_gpu_client_conv_matches_reference(impl, tf32):
     """Every per-client convolution implementation on the GPU against the float64 per-client loop: fp32 to 1e-5;
     with TF32 on (cuDNN's default, which every implementation follows) to 5e-3."""
-    from fedfast.ops.client_conv import client_conv2d
     from test_client_conv import GEOMS, _grads, _inputs
-    from fedfast.ops.client_conv import client_conv2d_reference
+
+    from fedfast.ops.client_conv import client_conv2d, client_conv2d_reference
 
     _need("triton") if impl in ("triton", "hybrid") else _cuda()
     old = torch.backends.cudnn.allow_tf32
@@ -472,7 +473,7 @@ def test_gpu_client_conv_matches_reference(impl, tf32):
             want = _grads(client_conv2d_reference, x, w, b, s, p, d)
             cu = lambda t: None if t is None else t.float().cuda()  # noqa: E731
             got = _grads(lambda *a: client_conv2d(*a, impl=impl), cu(x), cu(w), cu(b), s, p, d)
-            for a, e in zip(got, want):
+            for a, e in zip(got, want, strict=True):
                 if e is not None:
                     assert rel_err(a.double().cpu(), e) <= (5e-3 if tf32 else 1e-5), (impl, i)
     finally:
@@ -485,6 +486,7 @@ def test_gpu_triton_weight_gradient_split(split):
     layer on any GPU with >= 2 SMs) against the float64 reference, every element written (NaN-poisoned)."""
     _need("triton")
     from torch.nn.modules.utils import _pair
+
     from fedfast.ops.client_conv import client_conv2d_reference
     from fedfast.triton import conv
 
@@ -512,10 +514,11 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
     second round's local steps make no host sync."""
     import copy
 
-    import fedfast
-    from fedfast.sim.memory import fp32_semantics
     from sequential_loop import sequential
     from test_engine_conv import _cnn_setup
+
+    import fedfast
+    from fedfast.sim.memory import fp32_semantics
 
     _need("triton") if conv in ("triton", "hybrid") else _cuda()
     train, test, part, model = _cnn_setup()
@@ -534,9 +537,10 @@ def test_gpu_engine_conv_implementations_match_the_loop(conv):
 def test_gpu_runs_that_cannot_fit_are_refused_with_bytes():
     """A chunk larger than the GPU is refused with fedfast.OutOfMemory naming the bytes and the setting, not a CUDA
     allocator traceback; per-client state for more clients than the GPU holds is not allocated up front."""
+    from torch import nn
+
     import fedfast
     from fedfast import data
-    from torch import nn
 
     _cuda()
     train, test = data.synthetic(3, 4000, 10, (3072,), seed=0)
@@ -665,7 +669,7 @@ def test_gpu_client_batch_norm_matches_the_float64_reference(layout):
         (y * gy.to(dev, dt)).sum().backward()
         outs.append([t.detach().double().cpu() for t in (y, xx.grad, ww.grad, bb.grad, rm, rv)])
     m = valid.t().repeat_interleave(C, 1)[:, :, None, None].expand_as(x)  # padding rows: outputs unused
-    for i, (a, e) in enumerate(zip(outs[1], outs[0])):
+    for i, (a, e) in enumerate(zip(outs[1], outs[0], strict=True)):
         if i < 2:
             a, e = a[m], e[m]
         assert rel_err(a, e) <= 1e-5, i
@@ -680,10 +684,11 @@ def test_gpu_batch_norm_resnet_equals_the_loop(executor, tf32):
     _cuda()
     import copy
 
-    import fedfast
-    from fedfast.sim.memory import tf32_semantics
     from sequential_loop import PlainLoop
     from test_batch_norm import _Data, _max_rel, _resnet_run
+
+    import fedfast
+    from fedfast.sim.memory import tf32_semantics
 
     cfg, model, train, test, part = _resnet_run(executor, smooth=True)
     ref = PlainLoop(cfg, copy.deepcopy(model).double(), _Data(train), part)
@@ -711,11 +716,12 @@ def test_gpu_engine_with_tf32_on_is_as_close_as_the_tf32_loop(conv):
     the engine's distance from the float64 loop within 5x the TF32 GPU loop's own."""
     import copy
 
-    import fedfast
-    from fedfast.sim.memory import tf32_semantics
     from sequential_loop import sequential
     from test_batch_norm import _Data
     from test_engine_conv import _cnn_setup
+
+    import fedfast
+    from fedfast.sim.memory import tf32_semantics
 
     _need("triton")
     train, test, part, model = _cnn_setup()
@@ -775,7 +781,7 @@ def test_gpu_linear_kd_loss_matches_the_unfused_float64_loss(backend, reduction)
         )
         gg = torch.autograd.grad((got * cu(wgt)).sum(), (hc, Wc, bc))
     assert got.shape == want.shape and rel_err(got.detach().double().cpu(), want.detach()) <= 1e-5
-    for a, e in zip(gg, gw):
+    for a, e in zip(gg, gw, strict=True):
         assert rel_err(a.double().cpu(), e) <= 1e-5
 
 
@@ -851,8 +857,9 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
     pytest.importorskip("dp_accounting")
     import copy
 
-    import fedfast
     from sequential_loop import sequential, setup_data
+
+    import fedfast
 
     train, test, part, model = setup_data("mlp")
     kw = dict(

@@ -6,12 +6,11 @@ import copy
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast.methods import Collected, FedAvg, StateSpec, register
 from fedfast.methods.hooks import HookError
-
-from sequential_loop import setup_data
 
 CFG = dict(clients_per_round=4, rounds=3, local_epochs=1, batch_size=16, lr=0.05, seed=2)
 
@@ -215,4 +214,4 @@ def test_the_old_chunk_write_and_the_old_addresses_warn_and_still_work(registere
         with pytest.warns(DeprecationWarning, match=rf"fedfast.methods.base.{name} moved to {home.__name__}"):
             assert getattr(base, name) is getattr(home, name)
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
-        base.Nothing
+        _ = base.Nothing

@@ -346,7 +346,7 @@ def test_records_of_more_than_five_fields_are_built_by_keyword():
     import importlib
 
     wide = []
-    for path, rel in _modules():
+    for _path, rel in _modules():
         if rel == "__main__" or rel.startswith("triton"):  # runs the command line; GPU kernels (no dataclasses)
             continue
         mod = importlib.import_module("fedfast" if rel == "__init__" else "fedfast." + rel.removesuffix(".__init__"))

@@ -74,14 +74,14 @@ def test_equals_the_unfused_layer_and_loss(backend, chunk, not_true, reduction):
     want, gw = _grads(ref, h, W, b)
     got, gg = _grads(lambda h_, W_, b_: fused(h_, W_, y, t, bias=b_), h, W, b)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
-    for a, e in zip(gg, gw):
+    for a, e in zip(gg, gw, strict=True):
         assert torch.allclose(a, e, rtol=1e-10, atol=1e-13)
     # the teacher as hidden states and its own head: the same
     got2, gg2 = _grads(
         lambda h_, W_, b_: fused(h_, W_, y, bias=b_, teacher_hidden=th, teacher_weight=tW, teacher_bias=tb), h, W, b
     )
     assert torch.allclose(got2, want, rtol=1e-12, atol=1e-14)
-    assert all(torch.allclose(a, e, rtol=1e-10, atol=1e-13) for a, e in zip(gg2, gw))
+    assert all(torch.allclose(a, e, rtol=1e-10, atol=1e-13) for a, e in zip(gg2, gw, strict=True))
 
 
 def test_float32_without_bias_and_first_order_only():
@@ -90,7 +90,7 @@ def test_float32_without_bias_and_first_order_only():
     want, gw = _grads(lambda h_, W_: fnn.KDLoss(tau=3.0)(h_ @ W_.T, t, y), h, W)
     got, gg = _grads(lambda h_, W_: fnn.LinearKDLoss(tau=3.0, chunk_rows=7)(h_, W_, y, t), h, W)
     assert torch.allclose(got, want, rtol=1e-5) and all(
-        torch.allclose(a, e, rtol=1e-4, atol=1e-6) for a, e in zip(gg, gw)
+        torch.allclose(a, e, rtol=1e-4, atol=1e-6) for a, e in zip(gg, gw, strict=True)
     )
     # create_graph=True gives the right first derivative (for the rows reductions too); only a second one is refused
     hh = h.clone().requires_grad_()
@@ -237,7 +237,7 @@ def test_every_reduction_and_segments_equal_the_unfused_loss(reduction, not_true
         w = torch.linspace(0.5, 2.0, want.numel(), dtype=want.dtype).reshape(want.shape)
         _, gw = _grads(lambda h_, W_, b_: (ref(h_, W_, b_, t, y) * w).sum(), h, W, b)
         _, gg = _grads(lambda h_, W_, b_: (fused(h_, W_, y, t, bias=b_, **kw) * w).sum(), h, W, b)
-        for a, e in zip(gg, gw):
+        for a, e in zip(gg, gw, strict=True):
             assert torch.allclose(a, e, rtol=1e-10, atol=1e-13)
 
 
@@ -257,7 +257,9 @@ def test_a_language_models_hidden_states_with_padding(reduction):
     ref = fnn.KDLoss(tau=1.5, ignore_index=-1, reduction=reduction)
     got, gg = _grads(lambda h_, W_: loss(h_, W_, y, t).sum(), h, W)
     want, gw = _grads(lambda h_, W_: ref(h_.reshape(-1, H) @ W_.T, t.reshape(-1, V), y.reshape(-1)).sum(), h, W)
-    assert torch.allclose(got, want, rtol=1e-12) and all(torch.allclose(a, e, rtol=1e-10) for a, e in zip(gg, gw))
+    assert torch.allclose(got, want, rtol=1e-12) and all(
+        torch.allclose(a, e, rtol=1e-10) for a, e in zip(gg, gw, strict=True)
+    )
     if reduction == "none":
         rows = loss(h, W, y, t)
         assert rows.shape == (B, T) and bool((rows[y == -1] == 0).all())
@@ -384,7 +386,7 @@ def test_composes_with_compile_export_trace_and_func(how, reduction):
         params = {k.split(".")[-1]: v for k, v in fn.named_parameters()}
         gW, gb, gh = torch.autograd.grad(loss, [params["W"], params["b"], hh])
         got = (loss.detach(), gh, gW, gb)
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), (how, a, e)
 
 
@@ -398,7 +400,7 @@ def test_compiled_inductor_fullgraph():
     hh = h.clone().requires_grad_()
     loss = fn(hh, y, th, tW)
     loss.backward()
-    for a, e in zip((loss.detach(), hh.grad, m.W.grad, m.b.grad), want):
+    for a, e in zip((loss.detach(), hh.grad, m.W.grad, m.b.grad), want, strict=True):
         assert torch.allclose(a, e, rtol=1e-5, atol=1e-6)
 
 
@@ -426,7 +428,7 @@ def test_vmap_of_grad_over_models_with_their_own_labels(reduction):
         got = torch.func.vmap(torch.func.grad_and_value(f, argnums=(0, 1)), in_dims=dims)(h, WW, t, y)
         want = torch.func.vmap(torch.func.grad_and_value(u, argnums=(0, 1)), in_dims=dims)(h, WW, t, y)
         assert torch.allclose(got[1], want[1], rtol=1e-12)
-        for a, e in zip(got[0], want[0]):
+        for a, e in zip(got[0], want[0], strict=True):
             assert torch.allclose(a, e, rtol=1e-10, atol=1e-14)
     with pytest.raises(RuntimeError, match="first-order"):
         torch.func.grad(lambda x: torch.func.grad(f)(x, W[0], t[0], y[0]).pow(2).sum())(h[0])

@@ -10,11 +10,11 @@ from fedfast.flat import ClientStack
 from fedfast.local_step import (
     OPTIMIZERS,
     SAM_EPS,
+    SGD,
     Adam,
     OptimizerSettings,
     PlainGradient,
     SAMGradient,
-    SGD,
     client_optimizer,
 )
 
@@ -45,7 +45,7 @@ def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
     for _round in range(2):  # a reset makes every client's optimiser fresh, as a new torch.optim per round
         theta.copy_(start)
         o.reset(n)
-        for g, a in zip(grads, actives):
+        for g, a in zip(grads, actives, strict=True):
             o.step(theta, g[:a], a, dict(lr=cfg.lr, weight_decay=cfg.weight_decay, max_norm=None, backend=None))
     for k in range(n):
         w = nn.Parameter(start[k].clone())
@@ -58,7 +58,7 @@ def test_fused_optimiser_equals_torch_optim_per_client(opt, kw):
                 p, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
             ),
         }[opt]([w])
-        for g, a in zip(grads, actives):
+        for g, a in zip(grads, actives, strict=True):
             if k < a:
                 w.grad = g[k].clone()
                 ref.step()

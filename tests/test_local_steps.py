@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import flat, setup_data
 
 import fedfast
 from fedfast.sampling import client_order, sample_clients
-from sequential_loop import flat, setup_data
 
 
 def _batches(idx, order, B, drop_last):

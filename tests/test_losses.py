@@ -4,12 +4,11 @@ spec's properties (methods-*.md) and reductions/segments."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_backends
+from helpers import make_inputs, rel_err
 
 from fedfast import nn as ffnn
 from fedfast import ops
-
-from conftest import cpu_backends
-from helpers import make_inputs, rel_err
 
 BACKENDS = cpu_backends()
 

@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast import methods, models, presets
-from sequential_loop import setup_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,11 +13,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torchvision_layouts as tv
 from torch import nn
 
 import fedfast
 from fedfast import batched, data
-import torchvision_layouts as tv
 
 SIZES = [40, 36, 44, 30]  # batch 16: partial last batches of 8, 4, 12 and 14 rows
 

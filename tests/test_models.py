@@ -134,7 +134,7 @@ def test_projection_head():
     state = torch.get_rng_state()
     a, b = models.with_projection_head(m, 4, seed=1), models.with_projection_head(m, 4, seed=1)
     assert torch.equal(torch.get_rng_state(), state)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     head = [x for x in a.modules() if isinstance(x, models.ProjectionClassifier)][0]
     assert [tuple(x.weight.shape) for x in head if isinstance(x, torch.nn.Linear)] == [(6, 6), (4, 6), (3, 4)]
     assert sum(p.numel() for p in m.parameters()) == 12 * 6 + 6 + 6 * 3 + 3  # the original is unchanged

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast import methods
 from fedfast.cli import main
 from fedfast.methods import FedAvg, opt, register, unregister
-
-from sequential_loop import setup_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

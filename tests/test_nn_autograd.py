@@ -125,7 +125,7 @@ def test_jit_trace_records_the_right_loss(name, make, extra):
     ga = torch.autograd.grad(a, list(net.parameters()))
     gb = torch.autograd.grad(b, list(net.parameters()))
     assert torch.isfinite(a) and torch.allclose(a, b, rtol=1e-12)
-    assert all(torch.allclose(u, v, rtol=1e-10, atol=1e-14) for u, v in zip(ga, gb))
+    assert all(torch.allclose(u, v, rtol=1e-10, atol=1e-14) for u, v in zip(ga, gb, strict=True))
 
 
 @pytest.mark.parametrize("name,make,extra", _losses(), ids=[x[0] for x in _losses()])

@@ -140,7 +140,7 @@ def test_asd_teacher_gradient_runs_through_the_row_weights(not_true, segmented):
 
     a = torch.autograd.grad(call(z, t), (z, t))
     b = torch.autograd.grad(written_out(z, t), (z, t))
-    for u, v in zip(a, b):
+    for u, v in zip(a, b, strict=True):
         torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-13)
 
 

@@ -158,7 +158,7 @@ def test_linear_kd_under_autocast_is_f_linear_under_autocast(teacher, reduction)
     (lf, gf), (lu, gu) = run(True), run(False)
     assert lf.dtype == torch.float32 and all(gr.dtype == torch.float32 for gr in gf)
     assert torch.allclose(lf, lu, rtol=1e-5, atol=1e-6), (lf, lu)
-    for a, u in zip(gf, gu):
+    for a, u in zip(gf, gu, strict=True):
         assert torch.allclose(a, u, rtol=1e-2, atol=1e-3 * u.abs().max().item())  # one bf16 rounding apart at most
     # and it is not the fp32 computation (what the fused layer returned under autocast before)
     fp32 = fnn.LinearKDLoss(tau=2.0, reduction=reduction)(

@@ -185,7 +185,7 @@ def test_linear_kd_with_options_matches_f_linear_and_the_reference(case, reducti
     go = torch.randn_like(got)
     g1 = torch.autograd.grad((got * go).sum(), (h, W, b))
     g2 = torch.autograd.grad((want * go).sum(), (h, W, b))
-    for a, c in zip(g1, g2):
+    for a, c in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
 
 
@@ -324,7 +324,7 @@ def test_options_compose_with_compile_trace_and_func():
     ge = torch.autograd.grad(e, (h, W))
     c = torch.compile(f, fullgraph=True, backend="aot_eager")(h, W)
     torch.testing.assert_close(c, e)
-    for a, b in zip(torch.autograd.grad(c, (h, W)), ge):
+    for a, b in zip(torch.autograd.grad(c, (h, W)), ge, strict=True):
         torch.testing.assert_close(a, b)
     tr = torch.jit.trace(f, (h, W), check_trace=False)
     torch.testing.assert_close(tr(h, W), e)
@@ -380,7 +380,7 @@ def test_pad_rule_and_jsd_equal_liger_kernels_chunked_loss(beta):
     torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.ce, hard, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.kd, soft, rtol=1e-5, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(got.loss, (h, W)), gw):
+    for a, b in zip(torch.autograd.grad(got.loss, (h, W)), gw, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
+from conftest import cpu_backends
+from helpers import rel_err
 
 import fedfast.nn as fnn
 from fedfast import ops
-
-from conftest import cpu_backends
-from helpers import rel_err
 
 # every backend that runs here on the CPU, and the GPU backends on a CUDA device (test_gpu's marker)
 CASES = [(b, "cpu") for b in cpu_backends()] + [

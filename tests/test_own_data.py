@@ -14,13 +14,12 @@ import sys
 
 import pytest
 import torch
+from sequential_loop import sequential
 
 import fedfast
 from fedfast import data, methods, models
 from fedfast.cli import main
 from fedfast.config import build_config
-
-from sequential_loop import sequential
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "own-data.md")

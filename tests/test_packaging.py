@@ -140,7 +140,7 @@ print(json.dumps(out))
 
 
 def _close(a, b, tol=1e-5):
-    return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)) and len(a) == len(b)
+    return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b, strict=True)) and len(a) == len(b)
 
 
 def test_dist_contents(dist):

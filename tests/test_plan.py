@@ -4,12 +4,11 @@ participants (seeded samplers and user schedules), each client's data order, and
 import numpy as np
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
 from fedfast.sampling import client_order, sample_clients, sample_clients_bernoulli, sample_clients_round_seeded
 from fedfast.sim import plan
-
-from sequential_loop import setup_data
 
 
 def test_max_cohort():

@@ -181,7 +181,7 @@ def _audit(mech, relation):
     def mu(sd):
         a = [s * (1 + sd / math.sqrt(2 * n)) for s, n in stds]
         b = y[0] * (1 + sd / math.sqrt(2 * y[1])) if y is not None else math.inf
-        return max(math.sqrt(sum((d / s) ** 2 for d, s in zip(da, a)) + (dy / b) ** 2) for da, dy in moved)
+        return max(math.sqrt(sum((d / s) ** 2 for d, s in zip(da, a, strict=True)) + (dy / b) ** 2) for da, dy in moved)
 
     return mu
 

@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sequential_loop import sequential, setup_data
 
 import fedfast
 from fedfast import privacy
 from fedfast.privacy.secret import NOISE
 from fedfast.sampling import sample_clients, sample_clients_poisson
-
-from sequential_loop import sequential, setup_data
 
 pytest.importorskip("dp_accounting")
 
@@ -419,9 +418,9 @@ def test_names_issue_50_moved_keep_their_old_addresses_for_a_release():
         with pytest.warns(DeprecationWarning, match=f"fedfast.methods.fedntd.{name}"):
             assert getattr(fedfast.methods.kd, name) is cls
     with pytest.raises(AttributeError):
-        fedfast.flat.NoSuchName
+        _ = fedfast.flat.NoSuchName
     with pytest.raises(AttributeError):
-        fedfast.methods.kd.NoSuchName
+        _ = fedfast.methods.kd.NoSuchName
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from sequential_loop import sequential, setup_data
 
 import fedfast
 from fedfast.privacy import DPFTRL, PrivacySettings, Secret
 from fedfast.privacy.ftrl import TREE, participation
-
-from sequential_loop import sequential, setup_data
 
 dpa = pytest.importorskip("dp_accounting")
 

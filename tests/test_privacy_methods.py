@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, fisher_diagonal, flat, setup_data
 
 import fedfast
-from fedfast.privacy.secret import NOISE
 from fedfast.privacy.ftrl import TREE
+from fedfast.privacy.secret import NOISE
 from fedfast.sampling import sample_clients, sample_clients_poisson
-
-from sequential_loop import PlainLoop, fisher_diagonal, flat, setup_data
 
 pytest.importorskip("dp_accounting")
 

@@ -221,7 +221,7 @@ def test_workers_equal_one_process_and_a_dead_worker_fails_fast(tmp_path):
     assert main(["run", *ntd, "--workers", "2", "--out", str(two), "--quiet"]) == 0
     # equal up to the summation order of the all-reduce (augmentation included: it does not depend on the split;
     # SCAFFOLD's multi-process equality: test_distributed)
-    for a, b in zip(_metrics(one), _metrics(two)):
+    for a, b in zip(_metrics(one), _metrics(two), strict=True):
         assert a["test_accuracy"] == b["test_accuracy"]
         assert abs(a["test_loss"] - b["test_loss"]) <= 1e-5 * a["test_loss"]
         assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"]
@@ -287,7 +287,7 @@ def test_adam_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert main(["run", "--resume", str(b), "--set", "rounds=3", "--quiet"]) == 0
     assert json.load(open(b / "config.json"))["adam_betas"] == [0.8, 0.99]
     assert _metrics(a) == _metrics(b)
-    assert all(torch.equal(x, y) for x, y in zip(_final(a).values(), _final(b).values()))
+    assert all(torch.equal(x, y) for x, y in zip(_final(a).values(), _final(b).values(), strict=True))
 
 
 def test_threads_are_recorded_and_a_resume_keeps_them(tmp_path, capsys):

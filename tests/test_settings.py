@@ -8,18 +8,17 @@ import typing
 
 import pytest
 import torch
+from sequential_loop import setup_data
 
 import fedfast
+from fedfast._settings import Settings
 from fedfast.local_step import OptimizerSettings
+from fedfast.privacy import DPFedAvg, PrivacySettings
 from fedfast.sim.evaluation import EvalSettings, Evaluator
 from fedfast.sim.plan import PlanSettings, RoundPlan
-from fedfast.privacy import DPFedAvg, PrivacySettings
 from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
-from fedfast._settings import Settings
 from fedfast.sim.sizing import BudgetSettings, MemoryBudget
 from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
-
-from sequential_loop import setup_data
 
 PARTS = {
     RoundPlan: PlanSettings,

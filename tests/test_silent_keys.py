@@ -5,9 +5,9 @@ sweep; a run config's algorithm outside ``--methods``."""
 import numpy as np
 import pytest
 import torch
+from test_study_files import cli as study_cli
 
 from fedfast import data
-from test_study_files import cli as study_cli
 
 STUDY = """
 [preset]

@@ -356,7 +356,7 @@ def test_workers_share_one_file_and_resume_to_the_one_process_run(tmp_path):
     assert main(["run", "--resume", str(two), "--set", "rounds=4", "--workers", "2", "--quiet"]) == 0
     got, want = _metrics(two), _metrics(ref)
     assert [r["round"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(got, want):  # two processes sum in another order: equal to rounding
+    for a, b in zip(got, want, strict=True):  # two processes sum in another order: equal to rounding
         assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=0.02)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
     x, y = _final(two), _final(ref)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import fedfast
-
 from fedfast import methods, presets
 from fedfast.cli import main
 from fedfast.config import build_config

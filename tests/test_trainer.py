@@ -9,14 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import flat, setup_data
 
 import fedfast
 from fedfast.methods.hooks import HookError
 from fedfast.sim.plan import PlanSettings, RoundPlan
 from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
 from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
-
-from sequential_loop import flat, setup_data
 
 
 def _parts(loss_fn=None, **kw):
@@ -70,7 +69,7 @@ def test_local_gradients_are_each_clients_minibatch_gradient():
         for j in range(n):
             m = copy.deepcopy(model)
             with torch.no_grad():
-                for p, v in zip(m.parameters(), rt.layout.param_views(trained[j]).values()):
+                for p, v in zip(m.parameters(), rt.layout.param_views(trained[j]).values(), strict=True):
                     p.copy_(v)
             r = torch.from_numpy(table[j, s * cfg.batch_size : (s + 1) * cfg.batch_size])
             x, y = train.batch(r[r >= 0])

@@ -15,12 +15,13 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-import fedfast  # noqa: E402
 import text_helpers as th  # noqa: E402
+from sequential_loop import sequential  # noqa: E402
+
+import fedfast  # noqa: E402
 from fedfast import data, grouped  # noqa: E402
 from fedfast.data import text  # noqa: E402
 from fedfast.models import hf  # noqa: E402
-from sequential_loop import sequential  # noqa: E402
 
 # The key projection's bias adds the same amount to every score of a query, which the softmax cancels: its gradient
 # is zero up to rounding, and Adam (dividing by sqrt(v)) turns that rounding noise into arbitrary updates in both
@@ -79,7 +80,7 @@ def test_grouped_executor_equals_each_clients_own_model(task, make, attn):
         assert (out[k] - ref).abs().max() <= 1e-5 * ref.abs().max()
         lk = torch.nn.functional.cross_entropy(ref, y[k], reduction="sum") / (n * B)
         gref = torch.autograd.grad(lk, list(pk.values()))
-        for name, a, b in zip(params, got, gref):
+        for name, a, b in zip(params, got, gref, strict=True):
             if not name.endswith(UNIDENTIFIABLE):
                 assert (a[k] - b).abs().max() <= 1e-5 * max(float(b.abs().max()), 1e-6), name
 

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from conftest import cpu_backends
 
 from fedfast import nn as ffnn
 from fedfast import ops
-
-from conftest import cpu_backends
 
 BACKENDS = cpu_backends()
 

@@ -30,7 +30,7 @@ def main(out: str) -> None:
         for s in range(SITES):
             labels = rng.choice(CLASSES, size=sizes[s], p=site_mix[s])
             x = centers[labels] + site_shift[s] + rng.normal(0.0, 1.0, size=(sizes[s], FEATURES))
-            for lab, row in zip(labels, x):
+            for lab, row in zip(labels, x, strict=True):
                 w.writerow([f"site{s:02d}", *[f"{v:.4f}" for v in row], int(lab)])
     os.replace(tmp, out)
     print(f"wrote {out}: {ROWS} rows, {SITES} sites, {FEATURES} features, {CLASSES} classes")

@@ -69,10 +69,10 @@ def _append_class(rs, batch: list, idx: np.ndarray, alpha: float, cap: float) ->
     zeroed for the clients already holding >= ``cap``, renormalised; the class's indices ``idx`` (in their order)
     cut at ``(cumsum(p) * len(idx)).astype(int)[:-1]`` and piece j appended to client j's list."""
     p = rs.dirichlet(np.repeat(alpha, len(batch)))
-    p = np.array([pk * (len(b) < cap) for pk, b in zip(p, batch)])
+    p = np.array([pk * (len(b) < cap) for pk, b in zip(p, batch, strict=True)])
     p = p / p.sum()
     cut = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-    return [b + piece.tolist() for b, piece in zip(batch, np.split(idx, cut))]
+    return [b + piece.tolist() for b, piece in zip(batch, np.split(idx, cut), strict=True)]
 
 
 def fedntd_shards(labels, num_clients: int, shards_per_client: int = 2, seed: int = FEDNTD_SPLIT_SEED) -> Partition:

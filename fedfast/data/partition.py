@@ -268,7 +268,7 @@ def _permute_each(rows: np.ndarray, offsets: np.ndarray, rng) -> np.ndarray:
     """Each client's slice of ``rows`` in a random order (``rng.permutation`` per client, in client order: the
     draws of a per-client loop)."""
     out = np.empty_like(rows)
-    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
         out[a:b] = rng.permutation(rows[a:b])
     return out
 
@@ -329,7 +329,10 @@ def _split_at(class_idx: list, cuts: list, K: int) -> tuple[np.ndarray, np.ndarr
     """Each class's sample indices cut at its cut points, the k-th pieces joined (in class order) as client k's
     samples: ``(rows, offsets)``, by one stable sort on the client of each sample (no loop over clients)."""
     owner = np.concatenate(
-        [np.repeat(np.arange(K), np.diff(cut, prepend=0, append=len(idx))) for idx, cut in zip(class_idx, cuts)]
+        [
+            np.repeat(np.arange(K), np.diff(cut, prepend=0, append=len(idx)))
+            for idx, cut in zip(class_idx, cuts, strict=True)
+        ]
     )
     order = np.argsort(owner, kind="stable")
     offsets = np.zeros(K + 1, dtype=np.int64)

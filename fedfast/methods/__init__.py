@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import os
 import inspect
+import os
 import sys
 import textwrap
 import traceback
@@ -28,10 +28,10 @@ from .base import (
     TeacherSpec,
     UploadSpec,
 )
-from .options import NoOptions, make_options, opt, validate_options
-from .round import Collected, Round, RoundSums
 from .hooks import cross_entropy, weighted_mean_rows
+from .options import NoOptions, make_options, opt, validate_options
 from .registry import BUILTIN, REGISTRY, REPLACED, names, register, replaced, unregister
+from .round import Collected, Round, RoundSums
 
 PLUGINS: dict[str, str] = {}  # plug-in files loaded in this process: absolute path -> sha256 of the content
 PLUGIN_CODE: dict[str, tuple] = {}  # plug-in file -> the files of the modules it imported from outside the
@@ -187,7 +187,8 @@ def describe(name: str, full: bool = True) -> str:
     return "\n".join(lines)
 
 
-# the built-in methods register themselves
+# the built-in methods register themselves, in this order (the order `fedfast methods` lists them in)
+# isort: off
 from . import fedavg, kd, fedntd, fedgkd, fedcad, scaffold, feddyn, fedadc, moon, asd  # noqa: E402,F401
 from . import fedcurv, feddisco, feddistill, fedgen, fednova, fedrs, fedsam  # noqa: E402,F401
 from .fedavg import FedAvg, FedAvgM, FedProx  # noqa: E402
@@ -207,6 +208,8 @@ from .feddyn import FedDyn  # noqa: E402
 from .fedadc import FedADC, FedADCPlus  # noqa: E402
 from .moon import MOON  # noqa: E402
 from .asd import ASD, with_asd  # noqa: E402
+
+# isort: on
 
 REGISTRY.seal()
 

@@ -33,11 +33,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .registry import names
 from .. import nn as fnn
 from .base import Method, TeacherSpec
-from .options import make_options
-from .options import opt
+from .options import make_options, opt
+from .registry import names
 
 # the official code's paths that compute H at temperature 1: train_fedavgreg_mdl (FedAvg+ASD, FedNTD+ASD, and
 # FedDisco+ASD, which is that path with disco = 1) and compute_distill_loss (FedSpeed+ASD)

@@ -34,8 +34,8 @@ from torch import Tensor
 from .._deprecation import deprecated
 from . import options as _options
 from . import round as _round
-from .options import NoOptions, make_options, validate_options
 from .hooks import ClientHooks, ServerHooks
+from .options import NoOptions, make_options, validate_options
 
 
 # -- per-round values (Round, Collected: fedfast/methods/round.py) ----------------------------------------------
@@ -548,7 +548,7 @@ def unpack_state(p, current, device, where: str):
     if "__list__" in p or "__tuple__" in p:
         items = p.get("__list__", p.get("__tuple__"))
         cur = current if isinstance(current, (list, tuple)) and len(current) == len(items) else [None] * len(items)
-        out = [unpack_state(x, c, device, f"{where}[{i}]") for i, (x, c) in enumerate(zip(items, cur))]
+        out = [unpack_state(x, c, device, f"{where}[{i}]") for i, (x, c) in enumerate(zip(items, cur, strict=True))]
         return tuple(out) if "__tuple__" in p else out
     if "__dict__" in p:
         cur = current if isinstance(current, dict) else {}

@@ -38,10 +38,10 @@ import torch
 from .. import nn as fnn
 from .._io import host_to_device
 from ..ops.client_step import drift_shift_
-from .registry import register
 from .base import TeacherSpec
-from .options import opt
 from .fedavg import FedAvg
+from .options import opt
+from .registry import register
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import register
 from .base import Method
 from .options import opt
+from .registry import register
 
 
 @register("fedavg")

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import register
 from .. import nn as fnn
 from ..data.partition import per_class_sample
-from .options import opt
 from .kd import FromGlobalModel
+from .options import opt
+from .registry import register
 
 
 @register("fedcad")

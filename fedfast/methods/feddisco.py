@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .registry import register
-from .options import opt
 from .fedavg import FedAvg
+from .options import opt
+from .registry import register
 
 _CODE = "MediaBrain-SJTU/FedDisco @f3ea299, args.py"
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import nn as fnn
-from .registry import register
 from .base import StateSpec, UploadSpec
-from .options import opt
-from .round import Collected
-from .hooks import cross_entropy
 from .fedavg import FedAvg
+from .hooks import cross_entropy
+from .options import opt
+from .registry import register
+from .round import Collected
 
 _CODE = "CGCL-codes/FedGKD @72e7bac, worker_feddistill.py"
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import register
 from .base import StateSpec, UploadSpec
-from .options import opt
-from .round import Collected
 from .fedavg import FedAvg
+from .options import opt
+from .registry import register
+from .round import Collected
 
 
 @dataclass

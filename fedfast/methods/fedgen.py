@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import register
 from .base import STATE_FORMAT
-from .options import opt
-from .round import Collected
-from .hooks import cross_entropy
 from .fedavg import FedAvg
+from .hooks import cross_entropy
+from .options import opt
+from .registry import register
+from .round import Collected
 
 _CODE = "zhuangdizhu/FedGen @dd5807c"
 

@@ -47,10 +47,10 @@ import torch.nn.functional as F
 
 from .. import nn as fnn
 from ..models.head import with_projection_head
-from .registry import register
 from .base import Method, TeacherSpec
-from .options import opt
 from .hooks import cross_entropy
+from .options import opt
+from .registry import register
 
 _CODE = "official code 72e7bac, pcode/workers/worker.py: clip_grad_norm 10 every step"
 

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from .._io import host_to_device
-from .registry import register
 from .base import StateSpec, UploadSpec
-from .options import opt
-from .round import Collected
 from .fedavg import FedAvg
+from .options import opt
+from .registry import register
+from .round import Collected
 
 _CODE = "Lee-Gihun/FedNTD @be00ee5, config/fednova.json and algorithms/fednova"
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import nn as fnn
-from .registry import register
-from .options import opt
 from .kd import FromGlobalModel
+from .options import opt
+from .registry import register
 
 
 @register("fedntd")

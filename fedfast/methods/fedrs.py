@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import register
-from .options import opt
-from .hooks import cross_entropy
 from .fedavg import FedAvg
+from .hooks import cross_entropy
+from .options import opt
+from .registry import register
 
 _CODE = "lxcnju/FedRepo @48288a1, algorithms/fedrs.py"
 

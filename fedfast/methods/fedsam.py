@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import register
 from .base import StateSpec
-from .options import opt
-from .round import Collected
 from .fedavg import FedAvg
 from .feddyn import FedDyn
+from .options import opt
+from .registry import register
+from .round import Collected
 
 _SIM = "woodenchild95/FL-Simulator @617ee01"
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from .._deprecation import deprecated
 from .. import nn as fnn
-from .registry import register
+from .._deprecation import deprecated
 from .base import Method, TeacherSpec
-from .options import opt
 from .hooks import cross_entropy
+from .options import opt
+from .registry import register
 
 
 class FromGlobalModel(Method):

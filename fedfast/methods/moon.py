@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from ..models.head import with_projection_head
-from .registry import register
 from .base import StateSpec
-from .options import opt
-from .round import Collected
-from .hooks import cross_entropy, weighted_mean_rows
 from .fedavg import FedAvg
+from .hooks import cross_entropy, weighted_mean_rows
+from .options import opt
+from .registry import register
+from .round import Collected
 
 
 @register("moon")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .._registry import Registry, check_entry
-from .head import ProjectionClassifier, with_projection_head
 from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, FedGenCNN, LeNet5, SimpleCNN
+from .head import ProjectionClassifier, with_projection_head
 from .mlp import MLP
 from .resnet import CifarResNet8, ResNet, ResNet50, resnet10, resnet18, resnet50
 
@@ -54,7 +54,7 @@ def _check_signature(name: str, build: Callable, options) -> None:
     try:
         sig.bind(*want)
     except TypeError as e:
-        fn = build if hasattr(build, "__code__") else getattr(type(build), "__call__", build)
+        fn = build if hasattr(build, "__code__") else getattr(type(build), "__call__", build)  # noqa: B004 - the method (its file, line)
         code = getattr(inspect.unwrap(fn), "__code__", None)
         where = f"{code.co_filename}, line {code.co_firstlineno}" if code is not None else repr(build)
         raise TypeError(

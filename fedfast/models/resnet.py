@@ -78,7 +78,7 @@ class ResNet(nn.Module):
         nf = lambda c: _norm(norm, c, gn_groups=gn_groups)  # noqa: E731
         self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nf(64), nn.ReLU())
         layers, cin = [], 64
-        for i, (cout, n) in enumerate(zip((64, 128, 256, 512), blocks)):
+        for i, (cout, n) in enumerate(zip((64, 128, 256, 512), blocks, strict=True)):
             for j in range(n):
                 layers.append(BasicBlock(cin, cout, (1 if i == 0 else 2) if j == 0 else 1, nf))
                 cin = cout
@@ -146,7 +146,7 @@ class ResNet50(nn.Module):
         else:
             self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nf(64), nn.ReLU())
         layers, cin = [], 64
-        for i, (width, n) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for i, (width, n) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
             for j in range(n):
                 layers.append(Bottleneck(cin, width, (1 if i == 0 else 2) if j == 0 else 1, nf))
                 cin = width * Bottleneck.expansion

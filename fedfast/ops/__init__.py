@@ -11,20 +11,21 @@
 * :func:`raise_if_invalid` - read the deferred (no-sync) validation flags of GPU calls.
 """
 
-from ._backend import BACKENDS, resolve as resolve_backend
+from ._backend import BACKENDS
+from ._backend import resolve as resolve_backend
 from ._validate import raise_if_invalid
 from .aggregate import NonFiniteUpdate, aggregate
 from .asd_weights import asd_row_weight, asd_row_weights, asd_weights
 from .client_adam import client_adam
 from .client_step import client_step, drift_shift_
 from .distill import distill, row_scale_torch
-from .linear_distill import linear_distill
 from .distill_reference import (
     asd_weights_reference,
     distill_reference,
     distill_rows_reference,
     teacher_mixture_reference,
 )
+from .linear_distill import linear_distill
 from .teacher_mixture import teacher_mixture
 from .update_norms import update_norms
 

@@ -92,7 +92,7 @@ def raise_if_invalid(device: torch.device | str | None = None) -> None:
             continue
         flags = st.tolist()
         st.zero_()
-        bad = [name for name, f in zip(_CHECKS, flags) if f]
+        bad = [name for name, f in zip(_CHECKS, flags, strict=True) if f]
         if bad:
             raise ValueError(
                 f"fedfast: invalid values were passed on {d} in argument(s) {bad} "

@@ -218,7 +218,7 @@ def aggregate(
 
             res = aggregate_triton(*args)
         keys = ("global", "average", "momentum", "state_rows", "state_change", "ring", "ring_mean", "_bad")
-        out = {k: v for k, v in zip(keys, res) if v is not None and (k != "ring_mean" or ring is not None)}
+        out = {k: v for k, v in zip(keys, res, strict=True) if v is not None and (k != "ring_mean" or ring is not None)}
         bad = out.pop("_bad")
     else:
         X = clients.index_select(0, idx)

@@ -8,7 +8,6 @@ gradient stored in forward), dispatches to a backend, validates inputs and appli
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch

@@ -332,7 +332,7 @@ def _vmap_loop(fn, info, in_dims, inputs, n_out: int):
     weight would make each GEMM a batch of them anyway), the results stacked along dim 0."""
     per = []
     for i in range(info.batch_size):
-        args = [x.select(d, i) if d is not None else x for x, d in zip(inputs[:9], in_dims[:9])]
+        args = [x.select(d, i) if d is not None else x for x, d in zip(inputs[:9], in_dims[:9], strict=True)]
         out = fn(*args, *inputs[9:])
         per.append(out if isinstance(out, tuple) else (out,))
     stacked = tuple(None if per[0][k] is None else torch.stack([p[k] for p in per]) for k in range(n_out))
@@ -443,7 +443,7 @@ def _total_backward(ctx, grad_loss, *_):
     if grad_loss is None:
         return (None,) * 21
     gh, gW, gb = ctx.saved_tensors
-    out = [g * grad_loss.to(g.dtype) if need else None for g, need in zip((gh, gW, gb), ctx.need)]
+    out = [g * grad_loss.to(g.dtype) if need else None for g, need in zip((gh, gW, gb), ctx.need, strict=True)]
     return (out[0], out[1], out[2]) + (None,) * 18
 
 
@@ -709,7 +709,7 @@ class _Total(torch.autograd.Function):
         ctx.mark_non_differentiable(*grads, *([] if output[4] is None else [output[4]]))
         ctx.set_materialize_grads(False)  # else autograd hands the backward zeros shaped as gh and gW: a weight's worth
         ctx.transformed = _backend.functorch_active(*inputs[:2])
-        ctx.anchors = [x for x, need in zip(inputs[:3], inputs[-3:]) if need]
+        ctx.anchors = [x for x, need in zip(inputs[:3], inputs[-3:], strict=True) if need]
         if ctx.transformed:
             ctx.save_for_backward(*grads)
             ctx.layout = [g is not None for g in output[1:4]]
@@ -832,7 +832,7 @@ class _Rows(torch.autograd.Function):
             )
         # create_graph=True or a torch.func transform: right, and refused once differentiated
         if torch.is_grad_enabled():
-            anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b)) if need]
+            anchors = [x for x, need in zip((h, W, b), (need_h, need_W, need_b), strict=True) if need]
             return _scaled([gh, gW, gb], None, anchors) + (None,) * 18
         return (gh, gW, gb) + (None,) * 18
 

@@ -30,7 +30,6 @@ from .mechanism import Mechanism, NoPrivacy
 from .secret import Secret
 from .settings import PrivacySettings
 
-
 MECHANISMS = ("dp_fedavg", "dp_ftrl")
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import accounting
-from .fedavg import DPFedAvg, UNACCOUNTED
+from .fedavg import UNACCOUNTED, DPFedAvg
 from .secret import Secret
 from .settings import PrivacySettings
 

@@ -13,9 +13,9 @@ from torch import nn
 
 from ..methods.base import Method, TeacherSpec
 from ..methods.hooks import HookError, hook_site
+from ..store.state import ClientState
 from .plan import RoundPlan
 from .runtime import ModelRuntime
-from ..store.state import ClientState
 from .sizing import MemoryBudget
 
 

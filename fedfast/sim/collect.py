@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..methods.base import Method
-from ..methods.round import Collected, Round, RoundSums
 from ..methods.hooks import HookError, describe_value, hook_site
+from ..methods.round import Collected, Round, RoundSums
 from ..store.state import ClientState
 
 

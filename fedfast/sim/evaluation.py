@@ -8,10 +8,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .._settings import Settings
 from ..collectives import Distributed, Local
 from ..data.datasets import ArrayDataset
 from .runtime import ModelRuntime
-from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,8 +12,8 @@ import torch
 from .._deprecation import deprecated
 from ..data.datasets import ArrayDataset
 from ..methods.base import Method, StateSpec
-from ..methods.round import Round
 from ..methods.hooks import HookError, describe_value, hook_site
+from ..methods.round import Round
 from ..simconfig import SimConfig
 from ..store.state import ClientState
 from .plan import RoundPlan

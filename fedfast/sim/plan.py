@@ -12,12 +12,13 @@ import numpy as np
 import torch
 
 from .._io import host_to_device
+from .._settings import Settings
 from ..data.augment import augmented_batch
 from ..data.datasets import ArrayDataset
 from ..data.partition import ClientIndices, Partition
 from ..methods.base import Method
-from ..methods.round import Round
 from ..methods.hooks import hook_site
+from ..methods.round import Round
 from ..sampling import (
     client_order,
     sample_clients,
@@ -26,7 +27,6 @@ from ..sampling import (
     sample_clients_round_seeded,
     sample_clients_shuffled,
 )
-from .._settings import Settings
 
 
 def max_cohort(clients_per_round: int, num_clients: int, sampling: str) -> int:

@@ -13,11 +13,11 @@ from torch import nn
 from torch.func import functional_call
 
 from .. import batched, grouped
+from .._settings import Settings
 from ..data.datasets import ArrayDataset
 from ..flat import FlatLayout, fedfast_batch_norm, find_classifier, functional_forward, has_running_stats
 from ..ops import _backend
 from .memory import fp32_semantics
-from .._settings import Settings
 
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
@@ -311,7 +311,7 @@ class ModelRuntime:
     def load_into_model(self, flat: torch.Tensor, buffers: torch.Tensor | None = None) -> None:
         """The model's parameters set to ``flat`` [P], its buffers to ``buffers`` [B] (default the global
         model's)."""
-        for p, v in zip(self.model.parameters(), self.layout.param_views(flat).values()):
+        for p, v in zip(self.model.parameters(), self.layout.param_views(flat).values(), strict=True):
             p.copy_(v)
         self.layout.load_buffers(self.model, self.buffers if buffers is None else buffers)
 

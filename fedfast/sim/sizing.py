@@ -11,13 +11,13 @@ import re
 
 import torch
 
-from ..store.state import ClientState
+from .._settings import Settings
 from ..local_step import OPTIMIZERS, OptimizerSettings, SAMGradient
 from ..methods.base import Method
+from ..store.state import ClientState
 from . import budget
 from .memory import OutOfMemory, _free_bytes, _gib, _is_oom
 from .runtime import ModelRuntime
-from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,15 +15,15 @@ import torch
 
 from .. import ops
 from .._io import host_to_device
+from .._settings import Settings
 from ..flat import ClientStack
 from ..local_step import OptimizerSettings, PlainGradient, SAMGradient, client_optimizer
 from ..methods.base import ClientData, Method, Step
-from ..methods.round import Round
 from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
+from ..methods.round import Round
 from .memory import OutOfMemory, _free_bytes, _gib
 from .plan import RoundPlan
 from .runtime import ModelRuntime
-from .._settings import Settings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -336,7 +336,7 @@ class ChunkTrainer:
         """HookError naming the loss hook (or loss_fn), its file and line, what it must return and what it gave."""
         if self.loss_fn is not None:
             fn = inspect.unwrap(
-                getattr(self.loss_fn, "__call__", self.loss_fn)
+                getattr(self.loss_fn, "__call__", self.loss_fn)  # noqa: B004 - the method (its file, line)
                 if not inspect.isfunction(self.loss_fn)
                 else self.loss_fn
             )

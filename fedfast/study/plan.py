@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from .. import methods as _methods
 from ..config import KEYS, build_config
 
-
 STUDY = "study.json"
 GRID_VAL_FRACTION = 0.1  # a gridded sweep's validation split when none is given
 

@@ -14,7 +14,6 @@ from .._io import read_json, write_atomic
 from ..fingerprint import identity
 from .plan import STUDY, _label_value, point_label
 
-
 # metrics a grid point can be selected on: summary key -> (higher is better, in words)
 SELECT = {
     "final_val_accuracy": (True, "final validation accuracy"),
@@ -282,7 +281,7 @@ def report(dirs, fmt: str = "md", select_on: str | None = None, out: str | None 
     studies = load_studies(list(dirs))
     chosen_on = [select_key(select_on or (s.meta.get("select") or None)) for s in studies]
     per, notes = [], []  # each study's rows
-    for st, key in zip(studies, chosen_on):
+    for st, key in zip(studies, chosen_on, strict=True):
         rs = study_rows(st)
         notes.append(_selection_note(st, rs, select(rs, key), key))
         per.append(rs)
@@ -307,7 +306,7 @@ def _selection_note(st: Study, rows: list[dict], picked: dict, key: str) -> list
     out = []
     if key.startswith(("final_val", "best_val", "mean_last10_val")):
         fr = sorted(
-            {r["config"].get("val_fraction") for r in st.runs if r["config"]["algorithm"] in gridded} - {None, 0, 0.0}
+            {r["config"].get("val_fraction") for r in st.runs if r["config"]["algorithm"] in gridded} - {None, 0}
         )
         if not fr:
             return [
@@ -507,7 +506,7 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
     labels = list(dict.fromkeys(k for shown in per for k in shown))
     groups, body = [], [[(lab, False)] for lab in labels]
     daggers = []
-    for st, shown, title in zip(studies, per, titles):
+    for st, shown, title in zip(studies, per, titles, strict=True):
         paper = bool(st.reported)
         dag = " †" if (st.cell or {}).get("reported_note") else ""
         if dag:
@@ -537,13 +536,13 @@ def _merged(studies: list[Study], per_study: list[list[dict]], sel_notes: list[l
     for title, note in daggers:
         notes.append(f"† {title}: {note}")
     notes += _replaced_notes([r for rs in per_study for r in rs])
-    for st, title, sn in zip(studies, titles, sel_notes):
+    for title, sn in zip(titles, sel_notes, strict=True):
         if sn:
             notes.append(f"{title}: " + sn[0])
             notes += sn[1:]
     vers = sorted({_versions_line(r) for st in studies for r in st.runs})
     notes.append("Runs: " + "; ".join(vers) + ".")
-    head_title = "Merged studies: " + ", ".join(f"{t} ({s.dir})" for t, s in zip(titles, studies))
+    head_title = "Merged studies: " + ", ".join(f"{t} ({s.dir})" for t, s in zip(titles, studies, strict=True))
     if fmt == "latex":
         return _latex(groups, body, head_title, notes, grouped=True)
     head = ["method"] + [f"{g[0]} {h}" if h != "ours" else g[0] for g in groups for h in g[1]]
@@ -690,7 +689,7 @@ def _csv(studies: list[Study], per_study: list[list[dict]], keys: list[str]) -> 
         + ["paper_metric", "paper_mean", "paper_std", "delta"]
     )
     w.writerow(head)
-    for st, rows, key in zip(studies, per_study, keys):
+    for st, rows, key in zip(studies, per_study, keys, strict=True):
         many = set(_gridded(rows))
         for r in rows:
             gridded = r["method"] in many

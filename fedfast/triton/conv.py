@@ -372,7 +372,7 @@ def _strides(t: torch.Tensor):
 
 def _idx64(*ts) -> bool:
     """Whether an element offset of any of these tensors can pass 2**31 - 1 (then the kernels index in 64 bits)."""
-    return any(sum((d - 1) * st for d, st in zip(t.shape, t.stride())) >= 2**31 - 1 for t in ts)
+    return any(sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True)) >= 2**31 - 1 for t in ts)
 
 
 def _n_block(c: int, bn: int) -> int:

@@ -3,10 +3,10 @@ the official code (vcl-iisc/fed-adaptive-self-distillation @6cb4b68)."""
 
 import pytest
 import torch
+from sequential_loop import engine_vs_loop
 
 import fedfast
 from fedfast import nn as ffnn
-from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize(

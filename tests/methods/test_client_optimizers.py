@@ -3,10 +3,10 @@ AdamW per client, composed with FedProx, clipping, weight decay, the KD losses a
 whose client-step terms are defined for SGD refuse them by name."""
 
 import pytest
+from sequential_loop import engine_vs_loop
 
 import fedfast
 from fedfast.local_step import Adam
-from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])

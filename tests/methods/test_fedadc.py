@@ -1,9 +1,9 @@
 """FedADC and FedADC+ against the plain sequential loop (both orderings, beta_global, chunking, clipping)."""
 
 import pytest
+from sequential_loop import engine_vs_loop
 
 import fedfast
-from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from sequential_loop import engine_vs_loop, flat, sequential, setup_data
 
 import fedfast
 from fedfast import data
-from sequential_loop import engine_vs_loop, flat, sequential, setup_data
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_schedule_and_data_order_replay_given_cohorts():
         assert [sorted(h["clients"]) for h in hist] == [sorted(c.tolist()) for c in cohorts]
         assert (sim.global_flat - ref).abs().max() <= 1e-5 * ref.abs().max()
     cfg = fedfast.SimConfig(algorithm="fedavg", clients_per_round=3, rounds=2, batch_size=16)
-    for sched, msg in (
+    for sched, _msg in (
         ([[0, 0]], "distinct"),
         ([[9]], "distinct and in"),
         ([[]], "non-empty"),
@@ -105,7 +105,7 @@ def test_partition_from_plain_index_lists():
     with pytest.raises(ValueError, match="partition: holds sample indices beyond"):
         fedfast.Simulation(cfg, model, train, test, data.Partition([[0, 1], [2, 10**6], [3, 4], [5, 6]]))
     with pytest.raises(ValueError, match="labels"):
-        p2.histogram
+        _ = p2.histogram
 
 
 def test_trained_model_is_loaded_into_the_module():

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, engine_vs, fisher_diagonal, flat
 
 import fedfast
 from fedfast.methods.fedcurv import fisher_batches
-from sequential_loop import PlainLoop, engine_vs, fisher_diagonal, flat
 
 
 class CurvLoop(PlainLoop):

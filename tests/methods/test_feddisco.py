@@ -1,14 +1,14 @@
 """FedDisco against a literal per-client loop (its weights written out in numpy), on the batched executor and on
 vmap; the defaults of FedDisco's code and ASD's settings; its options refused by name."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+from sequential_loop import PlainLoop, asd_term, engine_vs
 
 import fedfast
-import copy
-
-from sequential_loop import PlainLoop, asd_term, engine_vs
 
 
 class DiscoLoop(PlainLoop):
@@ -24,7 +24,7 @@ class DiscoLoop(PlainLoop):
         C = p.shape[1]
         q = np.full(C, 1.0 / C) if o["target"] == "uniform" else self.hist.sum(0).double().numpy() / self.sizes.sum()
         if o["distance"] == "kl":  # sum_c p_c log(p_c / q_c), 0 log 0 = 0
-            d = np.array([sum(pc * np.log(pc / qc) for pc, qc in zip(row, q) if pc > 0) for row in p])
+            d = np.array([sum(pc * np.log(pc / qc) for pc, qc in zip(row, q, strict=True) if pc > 0) for row in p])
         elif o["distance"] == "l1":
             d = np.abs(p - q).sum(1)
         elif o["distance"] == "l2":

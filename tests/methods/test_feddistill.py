@@ -3,9 +3,9 @@ others' written out as FedGKD's code intends them), on the batched executor and 
 
 import pytest
 import torch
+from sequential_loop import PlainLoop, engine_vs
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs
 
 
 class DistillLoop(PlainLoop):

@@ -1,9 +1,9 @@
 """FedDyn against the plain sequential loop (cloud model, h_k, both alpha_k scalings)."""
 
 import pytest
+from sequential_loop import engine_vs_loop
 
 import fedfast
-from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, engine_vs, setup_data
 from torch import nn
 
 import fedfast
 from fedfast.methods.fedgen import client_draws, server_draws
-from sequential_loop import PlainLoop, engine_vs, setup_data
 
 
 class Gen(nn.Module):

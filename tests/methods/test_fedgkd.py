@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, setup_data
 
 import fedfast
 from fedfast import data
-from sequential_loop import PlainLoop, engine_vs, engine_vs_loop, setup_data
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, engine_vs, flat
 
 import fedfast
 from fedfast.methods.fednova import effective_steps
-from sequential_loop import PlainLoop, engine_vs, flat
 
 
 class NovaLoop(PlainLoop):

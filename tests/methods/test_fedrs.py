@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, engine_vs
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs
 
 
 class RSLoop(PlainLoop):

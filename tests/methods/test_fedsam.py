@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from sequential_loop import PlainLoop, asd_term, engine_vs, flat
 
 import fedfast
-from sequential_loop import PlainLoop, asd_term, engine_vs, flat
 
 
 class SAMLoop(PlainLoop):
@@ -47,12 +47,12 @@ class SAMLoop(PlainLoop):
             norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
             eps = [rho * p.grad / (norm + 1e-12) for p in params]
             with torch.no_grad():
-                for p, e in zip(params, eps):
+                for p, e in zip(params, eps, strict=True):
                     p.add_(e)  # climb to w + e
             opt.zero_grad()
             self.loss(local, x, y, k).backward()
             with torch.no_grad():
-                for p, e in zip(params, eps):
+                for p, e in zip(params, eps, strict=True):
                     p.sub_(e)  # back to w
         self.extra_grad(local, k)
         self.clip(local)
@@ -228,7 +228,7 @@ class FrozenStatsSAMLoop(SAMLoop):
             del self.loss
         if len(saved) == 2:  # back to the buffers as the first pass left them (after the backward, which reads them)
             with torch.no_grad():
-                for b, v in zip(local.buffers(), saved[1]):
+                for b, v in zip(local.buffers(), saved[1], strict=True):
                     b.copy_(v)
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from sequential_loop import PlainLoop, engine_vs, engine_vs_loop
 
 import fedfast
-from sequential_loop import PlainLoop, engine_vs, engine_vs_loop
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,6 @@
 """MOON against the plain sequential loop (previous local models as per-client state)."""
 
 import pytest
-
 from sequential_loop import engine_vs_loop
 
 
@@ -17,11 +16,11 @@ def test_projection_head_is_the_default_and_optional():
     import copy
 
     import torch
+    from sequential_loop import flat, setup_data
 
     import fedfast
     from fedfast import models
     from fedfast.flat import classifier_of
-    from sequential_loop import flat, setup_data
 
     train, test, part, model = setup_data()
     before = flat(model)

@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch.nn.functional as F
+from sequential_loop import sequential, setup_data
 
 import fedfast
 from fedfast import methods
 from fedfast.cli import main
-from sequential_loop import sequential, setup_data
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "custom_method.py")
 

@@ -1,9 +1,9 @@
 """SCAFFOLD against the plain sequential loop (control variates, K_eff with momentum)."""
 
 import pytest
+from sequential_loop import engine_vs_loop
 
 import fedfast
-from sequential_loop import engine_vs_loop
 
 
 @pytest.mark.parametrize(
