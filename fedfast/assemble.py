@@ -18,8 +18,7 @@ from .config import split_seed
 from .data import DATASETS, PARTITIONS, Partition, text_datasets
 from .engine import Simulation
 from .methods import user_code
-from .models import build as build_model
-from .models import hf
+from .models import build as build_model, hf
 
 _BUILT_CODE: set = set()  # modules of the user's own that a run's build imported in this process
 

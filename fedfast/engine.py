@@ -38,8 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import methods as _methods
-from . import ops, privacy
+from . import methods as _methods, ops, privacy
 from ._deprecation import deprecated
 from ._io import host_to_device
 from .collectives import collectives
@@ -50,8 +49,7 @@ from .flat import find_classifier
 from .methods.base import TeacherSpec
 from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
 from .methods.round import Round
-from .sim import collect
-from .sim import diverged as _diverged
+from .sim import collect, diverged as _diverged
 from .sim.buffers import (
     RoundBuffers,
     check_batch_norm,

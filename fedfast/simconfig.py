@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import methods as _methods
-from . import privacy
+from . import methods as _methods, privacy
 from .data.augment import PIPELINES
 
 SAMPLING = ("uniform", "bernoulli", "round_seeded", "poisson", "shuffled")

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fedfast
-from fedfast import data, models
-from fedfast import nn as ffnn
+from fedfast import data, models, nn as ffnn
 from fedfast.ops import distill_reference
 from fedfast.sampling import client_order, sample_clients
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import fedfast
-from fedfast import data
-from fedfast import nn as fnn
+from fedfast import data, nn as fnn
 from fedfast.cli import main
 from fedfast.rundir import LOCK, MARKER, RunDir
 

@@ -2,10 +2,7 @@
 
 import pytest
 import torch
-from helpers import client_modules as _setup
-from helpers import flat_params as _flat
-from helpers import rel_err
-from helpers import set_grads as _set_grads
+from helpers import client_modules as _setup, flat_params as _flat, rel_err, set_grads as _set_grads
 
 from fedfast import ops
 from fedfast.ops import _backend

@@ -8,10 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from sequential_loop import engine_vs_loop
-from sequential_loop import flat as _flat
-from sequential_loop import sequential as _sequential
-from sequential_loop import setup_data as _setup
+from sequential_loop import engine_vs_loop, flat as _flat, sequential as _sequential, setup_data as _setup
 
 import fedfast
 from fedfast import data, models

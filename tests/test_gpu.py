@@ -7,8 +7,7 @@ import pytest
 import torch
 from helpers import make_inputs, rel_err
 
-from fedfast import nn as ffnn
-from fedfast import ops
+from fedfast import nn as ffnn, ops
 from fedfast.ops import _backend
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from conftest import cpu_backends
 from helpers import make_inputs, rel_err
 
-from fedfast import nn as ffnn
-from fedfast import ops
+from fedfast import nn as ffnn, ops
 
 BACKENDS = cpu_backends()
 

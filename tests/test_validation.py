@@ -4,8 +4,7 @@ import pytest
 import torch
 from conftest import cpu_backends
 
-from fedfast import nn as ffnn
-from fedfast import ops
+from fedfast import nn as ffnn, ops
 
 BACKENDS = cpu_backends()
 

@@ -32,8 +32,7 @@ import torch
 from torch import Tensor
 
 from .._deprecation import deprecated
-from . import options as _options
-from . import round as _round
+from . import options as _options, round as _round
 from .hooks import ClientHooks, ServerHooks
 from .options import NoOptions, make_options, validate_options
 

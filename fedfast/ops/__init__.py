@@ -11,8 +11,7 @@
 * :func:`raise_if_invalid` - read the deferred (no-sync) validation flags of GPU calls.
 """
 
-from ._backend import BACKENDS
-from ._backend import resolve as resolve_backend
+from ._backend import BACKENDS, resolve as resolve_backend
 from ._validate import raise_if_invalid
 from .aggregate import NonFiniteUpdate, aggregate
 from .asd_weights import asd_row_weight, asd_row_weights, asd_weights

@@ -13,10 +13,14 @@ untouched: every output is a new tensor).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from . import _backend
+from ._door import Backends, OpArgs, extension
 from .aggregate_reference import aggregate_reference
 from .update_norms import update_norms
 
@@ -138,107 +142,29 @@ def aggregate(
     per-client state rows are updated unclipped (the clients' own state: their column sum ``state_change`` is not
     clipped, and a private caller must not release it); the CUDA backend does not take it yet.
     """
-    if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
-        raise TypeError("clients: expected a float [N, P] tensor")
-    N, P = clients.shape
-    dev = clients.device
-    if global_params.shape != (P,):
-        raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
+    N, P, dev = _operands(clients, global_params)
     idx = _rows_index(rows, N, dev)
-    n = idx.numel()
     dp = _dp_terms(clients, global_params, idx, weights, dp_clip, dp_noise, dp_denominator, dp_norms, backend)
-    if dp is not None:
-        w, avg_shift, unclipped = dp
-    elif weights is None:
-        w = torch.full((n,), 1.0 / n, device=dev)
-    else:
-        w = torch.as_tensor(weights, device=dev, dtype=torch.float32)
-        if w.shape != (n,):
-            raise ValueError(f"weights: expected shape ({n},) (one per participating client), got {tuple(w.shape)}")
-        total = w.sum()
-        if dev.type == "cpu" and (not torch.isfinite(w).all() or (w < 0).any() or not total > 0):
-            raise ValueError("weights: must be finite, >= 0 and sum to a positive number")
-        w = w / total
-    if dp is None:
-        avg_shift = None
     _vec("momentum", momentum, P)
-    coef = None
-    if state_rows is not None:
-        _state_rows("state_rows", state_rows, n, P)
-        _vec("state_shift", state_shift, P)
-        c = 1.0 if state_coef is None else state_coef
-        coef = torch.as_tensor(c, device=dev, dtype=torch.float32).reshape(-1)
-        if coef.numel() not in (1, n):
-            raise ValueError(
-                f"state_coef: expected a scalar or one value per participating client ({n}), got {coef.numel()} values"
-            )
-        coef = coef.expand(n).contiguous()
-    elif state_coef is not None or state_shift is not None:
-        raise ValueError("state_coef/state_shift: given without state_rows")
-    if ring is not None:
-        if ring.dim() != 2 or ring.shape[1] != P:
-            raise ValueError(f"ring: expected shape [M, {P}], got {tuple(ring.shape)}")
-        M = ring.shape[0]
-        if not (0 <= ring_slot < M and 1 <= ring_count <= M):
-            raise ValueError(f"ring_slot/ring_count: need 0 <= slot < {M} and 1 <= count <= {M}")
-    be = _backend.resolve(backend, dev.type)
-    if dp is not None and be == "cuda":  # not in the CUDA kernel yet: Triton's (or the reference) instead
-        if backend == "cuda":
-            raise ValueError(
-                "backend: DP-FedAvg's aggregation (dp_clip) is not on the CUDA backend yet; use "
-                "backend='triton' (or leave it unset)"
-            )
-        be = "triton" if _backend.available("triton", dev.type) else "reference"
-
-    if be in ("cpu", "triton", "cuda") and clients.dtype != torch.float64:
-        # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
-        args = (
-            clients,
-            idx,
-            global_params,
-            w,
-            float(beta),
-            float(scale),
-            float(lr),
-            momentum,
-            state_rows,
-            coef,
-            state_shift,
-            ring,
-            int(ring_slot),
-            int(ring_count),
-            avg_shift,
-        )
-        if be == "cpu":
-            res = _backend.cpu_ext().aggregate(*args)
-        elif be == "cuda":
-            res = _backend.cuda_ext().aggregate(*args)
-        else:
-            from ..triton.aggregate import aggregate_triton
-
-            res = aggregate_triton(*args)
-        keys = ("global", "average", "momentum", "state_rows", "state_change", "ring", "ring_mean", "_bad")
-        out = {k: v for k, v in zip(keys, res, strict=True) if v is not None and (k != "ring_mean" or ring is not None)}
-        bad = out.pop("_bad")
-    else:
-        X = clients.index_select(0, idx)
-        out = aggregate_reference(
-            X,
-            global_params,
-            w,
-            beta=beta,
-            scale=scale,
-            lr=lr,
-            momentum=momentum,
-            state_rows=state_rows,
-            state_coef=coef,
-            state_shift=state_shift,
-            ring=ring,
-            ring_slot=ring_slot,
-            ring_count=ring_count,
-            avg_shift=avg_shift,
-        )
-        bad = torch.cat([~torch.isfinite(X).all(dim=1), ~torch.isfinite(out["average"]).all().reshape(1)])
+    _check_ring(ring, ring_slot, ring_count, P)
+    args = AggregateArgs(
+        X=clients,
+        rows=idx,
+        g=global_params,
+        w=dp[0] if dp is not None else _weights(weights, idx.numel(), dev),
+        beta=float(beta),
+        scale=float(scale),
+        lr=float(lr),
+        momentum=momentum,
+        state_rows=state_rows,
+        state_coef=_state_coef(state_rows, state_coef, state_shift, idx.numel(), P, dev),
+        state_shift=state_shift,
+        ring=ring,
+        slot=int(ring_slot),
+        count=int(ring_count),
+        avg_shift=dp[1] if dp is not None else None,
+    )
+    out, bad = AGGREGATE(_resolve(backend, dev.type, dp is not None), args)
     if bad.any():
         rows_bad = idx[bad[:-1]].tolist()
         what = f"rows {rows_bad} contain NaN or inf" if rows_bad else "the weighted average overflowed"
@@ -246,5 +172,148 @@ def aggregate(
             f"clients: {what}; the update was refused (global model and server state unchanged)", rows_bad
         )
     if dp is not None:
-        out["dp_unclipped"] = unclipped
+        out["dp_unclipped"] = dp[2]
     return out
+
+
+def _operands(clients, global_params) -> tuple:
+    """``(N, P, device)`` of the client rows; TypeError / ValueError naming ``clients`` or ``global_params``."""
+    if not isinstance(clients, Tensor) or clients.dim() != 2 or not clients.is_floating_point():
+        raise TypeError("clients: expected a float [N, P] tensor")
+    N, P = clients.shape
+    if global_params.shape != (P,):
+        raise ValueError(f"global_params: expected shape ({P},), got {tuple(global_params.shape)}")
+    return N, P, clients.device
+
+
+def _check_ring(ring, slot: int, count: int, P: int) -> None:
+    if ring is not None:
+        if ring.dim() != 2 or ring.shape[1] != P:
+            raise ValueError(f"ring: expected shape [M, {P}], got {tuple(ring.shape)}")
+        M = ring.shape[0]
+        if not (0 <= slot < M and 1 <= count <= M):
+            raise ValueError(f"ring_slot/ring_count: need 0 <= slot < {M} and 1 <= count <= {M}")
+
+
+def _weights(weights, n: int, dev) -> Tensor:
+    """The participants' weights [n] normalised to sum 1 (default uniform); ValueError naming ``weights``."""
+    if weights is None:
+        return torch.full((n,), 1.0 / n, device=dev)
+    w = torch.as_tensor(weights, device=dev, dtype=torch.float32)
+    if w.shape != (n,):
+        raise ValueError(f"weights: expected shape ({n},) (one per participating client), got {tuple(w.shape)}")
+    total = w.sum()
+    if dev.type == "cpu" and (not torch.isfinite(w).all() or (w < 0).any() or not total > 0):
+        raise ValueError("weights: must be finite, >= 0 and sum to a positive number")
+    return w / total
+
+
+def _state_coef(state_rows, state_coef, state_shift, n: int, P: int, dev) -> Tensor | None:
+    """The state rows' coefficients [n] fp32 (default 1), their shapes checked; None without state rows."""
+    if state_rows is None:
+        if state_coef is not None or state_shift is not None:
+            raise ValueError("state_coef/state_shift: given without state_rows")
+        return None
+    _state_rows("state_rows", state_rows, n, P)
+    _vec("state_shift", state_shift, P)
+    coef = torch.as_tensor(1.0 if state_coef is None else state_coef, device=dev, dtype=torch.float32).reshape(-1)
+    if coef.numel() not in (1, n):
+        raise ValueError(
+            f"state_coef: expected a scalar or one value per participating client ({n}), got {coef.numel()} values"
+        )
+    return coef.expand(n).contiguous()
+
+
+def _resolve(backend: str | None, device_type: str, dp: bool) -> str:
+    """The backend that runs: DP-FedAvg's shifted average is not in the CUDA kernel yet, so a private aggregation
+    asked of ``cuda`` is refused, and one that ``cuda`` would run by default takes Triton (or the reference)."""
+    be = _backend.resolve(backend, device_type)
+    if dp and be == "cuda":
+        if backend == "cuda":
+            raise ValueError(
+                "backend: DP-FedAvg's aggregation (dp_clip) is not on the CUDA backend yet; use "
+                "backend='triton' (or leave it unset)"
+            )
+        return "triton" if _backend.available("triton", device_type) else "reference"
+    return be
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AggregateArgs(OpArgs):
+    """:func:`aggregate`'s checked arguments, ``FEDFAST_AGGREGATE``'s order (``csrc/op_signatures.h``): ``rows``
+    the participants' row indices [n], ``w`` their weights [n] (normalised, or DP-FedAvg's clipping factors / E),
+    ``state_coef`` [n] or None, ``avg_shift`` [P] (DP-FedAvg's) or None."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_AGGREGATE"
+    X: Tensor
+    rows: Tensor
+    g: Tensor
+    w: Tensor
+    beta: float
+    scale: float
+    lr: float
+    momentum: Tensor | None
+    state_rows: Tensor | None
+    state_coef: Tensor | None
+    state_shift: Tensor | None
+    ring: Tensor | None
+    slot: int
+    count: int
+    avg_shift: Tensor | None
+
+
+_OUTPUTS = ("global", "average", "momentum", "state_rows", "state_change", "ring", "ring_mean", "_bad")
+
+
+def _compiled(run):
+    """A compiled backend's entry: its list of outputs as the op's dict and the rows' non-finite flags [n + 1];
+    float64 rows take the reference (the kernels compute in fp32)."""
+
+    def entry(a: AggregateArgs):
+        if a.X.dtype == torch.float64:
+            return _agg_reference(a)
+        res = run(a)
+        out = {
+            k: v
+            for k, v in zip(_OUTPUTS, res, strict=True)
+            if v is not None and (k != "ring_mean" or a.ring is not None)
+        }
+        return out, out.pop("_bad")
+
+    return entry
+
+
+def _agg_triton(a: AggregateArgs):
+    from ..triton.aggregate import aggregate_triton
+
+    return aggregate_triton(*a.values())
+
+
+def _agg_reference(a: AggregateArgs):
+    X = a.X.index_select(0, a.rows)
+    out = aggregate_reference(
+        X,
+        a.g,
+        a.w,
+        beta=a.beta,
+        scale=a.scale,
+        lr=a.lr,
+        momentum=a.momentum,
+        state_rows=a.state_rows,
+        state_coef=a.state_coef,
+        state_shift=a.state_shift,
+        ring=a.ring,
+        ring_slot=a.slot,
+        ring_count=a.count,
+        avg_shift=a.avg_shift,
+    )
+    return out, torch.cat([~torch.isfinite(X).all(dim=1), ~torch.isfinite(out["average"]).all().reshape(1)])
+
+
+AGGREGATE = Backends(
+    "aggregate",
+    reference=_agg_reference,
+    cpu=_compiled(extension("cpu", "aggregate")),
+    cuda=_compiled(extension("cuda", "aggregate")),
+    triton=_compiled(_agg_triton),
+)

@@ -8,10 +8,14 @@ says in its own file which of its quantities fills which. Backends: ``cpu`` (C++
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from . import _backend
+from ._door import Backends, OpArgs
 from .client_step_reference import client_step_reference, delta_norms_reference
 
 
@@ -31,6 +35,28 @@ def _vec_scale(name, scale, vec, vec_name, n, dev):
     if vec is None:
         raise ValueError(f"{name}: given without {vec_name}")
     return _per_client(name, scale, n, dev).expand(n).contiguous()
+
+
+def step_rows(theta) -> tuple:
+    """``(n, P, device)`` of a step's parameter rows; TypeError naming ``theta`` unless contiguous fp32 [n, P]."""
+    if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
+        raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
+    return (*theta.shape, theta.device)
+
+
+def check_terms(prox_mu, anchor, max_norm) -> None:
+    """A proximal term has its anchor; a clipping norm is > 0."""
+    if prox_mu and anchor is None:
+        raise ValueError("anchor: a proximal term (prox_mu > 0) needs its anchor")
+    if max_norm is not None and not max_norm > 0:
+        raise ValueError(f"max_norm: must be > 0, got {max_norm}")
+
+
+def check_shapes(**given) -> None:
+    """``name=(tensor or None, shape)``: ValueError naming the first tensor given with another shape."""
+    for name, (t, shp) in given.items():
+        if t is not None and t.shape != shp:
+            raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
 
 
 def grad_pieces(grad, n: int, P: int) -> list | None:
@@ -126,99 +152,139 @@ def client_step(
     own pass on the ``cpu`` and ``triton`` backends (DP-FedAvg's update norms at a client's last step; ``cuda``: one
     pass after it). The formulas: :mod:`fedfast.ops.client_step_reference`.
     """
-    if not (isinstance(theta, Tensor) and theta.dim() == 2 and theta.dtype == torch.float32 and theta.is_contiguous()):
-        raise TypeError("theta: expected a contiguous fp32 [n, P] tensor (it is updated in place)")
-    n, P = theta.shape
-    dev = theta.device
+    n, P, dev = step_rows(theta)
     pieces = grad_pieces(grad, n, P)
-    for name, t, shp in (
-        ("momentum_buf", momentum_buf, (n, P)),
-        ("anchor", anchor, (P,)),
-        ("loss_rows", loss_rows, (n, P)),
-        ("corr_vec", corr_vec, (P,)),
-        ("corr_rows", corr_rows, (n, P)),
-        ("step_vec", step_vec, (P,)),
-        ("active", active, (n,)),
-    ):
-        if t is not None and t.shape != shp:
-            raise ValueError(f"{name}: expected shape {shp}, got {tuple(t.shape)}")
-    if prox_mu and anchor is None:
-        raise ValueError("anchor: a proximal term (prox_mu > 0) needs its anchor")
+    check_shapes(
+        momentum_buf=(momentum_buf, (n, P)),
+        anchor=(anchor, (P,)),
+        loss_rows=(loss_rows, (n, P)),
+        corr_vec=(corr_vec, (P,)),
+        corr_rows=(corr_rows, (n, P)),
+        step_vec=(step_vec, (P,)),
+        active=(active, (n,)),
+    )
+    check_terms(prox_mu, anchor, max_norm)
     if momentum_buf is not None and not (momentum_buf.dtype == torch.float32 and momentum_buf.is_contiguous()):
         raise TypeError("momentum_buf: expected a contiguous fp32 tensor (it is updated in place)")
-    if max_norm is not None and not max_norm > 0:
-        raise ValueError(f"max_norm: must be > 0, got {max_norm}")
-    lr_t = _per_client("lr", lr, n, dev)
-    cs_t = _vec_scale("corr_vec_scale", corr_vec_scale, corr_vec, "corr_vec", n, dev)
-    ss_t = _vec_scale("step_vec_scale", step_vec_scale, step_vec, "step_vec", n, dev)
     if not isinstance(corr_rows_coef, (int, float)):
         raise TypeError(f"corr_rows_coef: expected a Python number, got {type(corr_rows_coef).__name__}")
-    rc = float(corr_rows_coef)
-    wd_t = _per_client("weight_decay", weight_decay, n, dev)
-    delta = delta_args(delta_from, delta_norm, n, P, dev)
-    be = _backend.resolve(backend, dev.type)
-    if be in ("cpu", "cuda"):  # a list: the C++ kernel reads the pieces in place, the CUDA binding concatenates
-        grad = pieces if pieces is not None else [grad]
-    elif pieces is not None and not (be == "triton" and all(g.dtype == torch.float32 for g in pieces)):
-        grad = torch.cat([g.reshape(n, -1) for g in pieces], 1) if pieces else theta.new_zeros(n, 0)
-    # triton: fp32 pieces are read in place through a block table (fedfast/triton/client_step.py)
-
-    # the compiled backends' one argument order (C++ CPU, CUDA, Triton)
-    args = (
-        theta,
-        grad,
-        lr_t,
-        float(momentum),
-        momentum_buf,
-        wd_t,
-        float(prox_mu),
-        anchor,
-        loss_rows,
-        corr_vec,
-        cs_t,
-        corr_rows,
-        rc,
-        step_vec,
-        ss_t,
-        float(max_norm) if max_norm is not None else 0.0,
-        active,
-        delta_from if be != "cuda" else None,
-        delta_norm if be != "cuda" else None,
-    )
-    if be == "triton":
-        from ..triton.client_step import client_step_triton
-
-        client_step_triton(*args)
-        return
-    if be in ("cpu", "cuda"):
-        (_backend.cpu_ext() if be == "cpu" else _backend.cuda_ext()).client_step(*args)
-        if delta and be == "cuda":
-            delta_norms_after(theta, delta_from, delta_norm, active)
-        return
-    new, buf = client_step_reference(
-        theta,
-        grad,
-        lr=lr_t if lr_t.numel() == n else float(lr_t),
-        momentum=momentum,
-        momentum_buf=momentum_buf,
-        weight_decay=wd_t if wd_t.numel() == n else float(wd_t),
-        prox_mu=prox_mu,
+    delta_args(delta_from, delta_norm, n, P, dev)
+    args = ClientStepArgs(
+        theta=theta,
+        grad=pieces if pieces is not None else grad,
+        lr=_per_client("lr", lr, n, dev),
+        momentum=float(momentum),
+        buf=momentum_buf,
+        wd=_per_client("weight_decay", weight_decay, n, dev),
+        prox_mu=float(prox_mu),
         anchor=anchor,
         loss_rows=loss_rows,
         corr_vec=corr_vec,
-        corr_vec_scale=cs_t,
+        corr_vec_scale=_vec_scale("corr_vec_scale", corr_vec_scale, corr_vec, "corr_vec", n, dev),
         corr_rows=corr_rows,
-        corr_rows_coef=rc,
+        corr_rows_coef=float(corr_rows_coef),
         step_vec=step_vec,
-        step_vec_scale=ss_t,
-        max_norm=max_norm,
+        step_vec_scale=_vec_scale("step_vec_scale", step_vec_scale, step_vec, "step_vec", n, dev),
+        max_norm=float(max_norm) if max_norm is not None else 0.0,
         active=active,
+        delta_from=delta_from,
+        delta_norm=delta_norm,
     )
-    if delta:
-        delta_norms_reference(new, delta_from, delta_norm, active)
-    theta.copy_(new)
-    if momentum_buf is not None:
-        momentum_buf.copy_(buf)
+    CLIENT_STEP(_backend.resolve(backend, dev.type), args)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientStepArgs(OpArgs):
+    """:func:`client_step`'s checked arguments, ``FEDFAST_CLIENT_STEP``'s order (``csrc/op_signatures.h``):
+    ``grad`` one [n, P] tensor or the per-parameter pieces (a list), ``lr`` / ``wd`` [1] or [n] fp32, the vector
+    scales [n] or None, ``max_norm`` 0 for none."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_CLIENT_STEP"
+    theta: Tensor
+    grad: Tensor | list
+    lr: Tensor
+    momentum: float
+    buf: Tensor | None
+    wd: Tensor
+    prox_mu: float
+    anchor: Tensor | None
+    loss_rows: Tensor | None
+    corr_vec: Tensor | None
+    corr_vec_scale: Tensor | None
+    corr_rows: Tensor | None
+    corr_rows_coef: float
+    step_vec: Tensor | None
+    step_vec_scale: Tensor | None
+    max_norm: float
+    active: Tensor | None
+    delta_from: Tensor | None
+    delta_norm: Tensor | None
+
+
+def concat_grad(grad, theta: Tensor) -> Tensor:
+    """One [n, P] gradient from the per-parameter pieces (a list), as the backends that do not read pieces need."""
+    if not isinstance(grad, list):
+        return grad
+    n = theta.shape[0]
+    return torch.cat([g.reshape(n, -1) for g in grad], 1) if grad else theta.new_zeros(n, 0)
+
+
+def _step_cpu(a: ClientStepArgs) -> None:
+    """The C++ kernel reads the pieces in place (a list; one [n, P] tensor is a list of one)."""
+    _backend.cpu_ext().client_step(*(a if isinstance(a.grad, list) else a.replace(grad=[a.grad])).values())
+
+
+def _step_cuda(a: ClientStepArgs) -> None:
+    """The CUDA binding concatenates a list itself; its step leaves the update norms to one pass after it."""
+    grad = a.grad if isinstance(a.grad, list) else [a.grad]
+    _backend.cuda_ext().client_step(*a.replace(grad=grad, delta_from=None, delta_norm=None).values())
+    if a.delta_norm is not None:
+        delta_norms_after(a.theta, a.delta_from, a.delta_norm, a.active)
+
+
+def _step_triton(a: ClientStepArgs) -> None:
+    """fp32 pieces are read in place through a block table (fedfast/triton/client_step.py); others concatenated."""
+    from ..triton.client_step import client_step_triton
+
+    if isinstance(a.grad, list) and not all(g.dtype == torch.float32 for g in a.grad):
+        a = a.replace(grad=concat_grad(a.grad, a.theta))
+    client_step_triton(*a.values())
+
+
+def _step_reference(a: ClientStepArgs) -> None:
+    n = a.theta.shape[0]
+    new, buf = client_step_reference(
+        a.theta,
+        concat_grad(a.grad, a.theta),
+        lr=a.lr if a.lr.numel() == n else float(a.lr),
+        momentum=a.momentum,
+        momentum_buf=a.buf,
+        weight_decay=a.wd if a.wd.numel() == n else float(a.wd),
+        prox_mu=a.prox_mu,
+        anchor=a.anchor,
+        loss_rows=a.loss_rows,
+        corr_vec=a.corr_vec,
+        corr_vec_scale=a.corr_vec_scale,
+        corr_rows=a.corr_rows,
+        corr_rows_coef=a.corr_rows_coef,
+        step_vec=a.step_vec,
+        step_vec_scale=a.step_vec_scale,
+        max_norm=a.max_norm or None,
+        active=a.active,
+    )
+    write_rows(a, new)
+    if a.buf is not None:
+        a.buf.copy_(buf)
+
+
+def write_rows(a, new: Tensor) -> None:
+    """A reference step's new rows into ``a.theta`` (the update norms first, where the record asks for them)."""
+    if a.delta_norm is not None:
+        delta_norms_reference(new, a.delta_from, a.delta_norm, a.active)
+    a.theta.copy_(new)
+
+
+CLIENT_STEP = Backends("client_step", reference=_step_reference, cpu=_step_cpu, cuda=_step_cuda, triton=_step_triton)
 
 
 def drift_shift_(theta: Tensor, drift: Tensor, lr, sign: float = -1.0) -> None:
