@@ -74,7 +74,7 @@ LOSS_KW = {"kd": dict(kind="full", tau=4.0, kd_weight=16.0), "ntd": dict(kind="n
 def probe_losses(res, echo, shapes):
     from fedfast import ops
     from fedfast.ops import _backend
-    from fedfast.ops.distill import _backend_rows
+    from fedfast.ops.distill import DistillRowsArgs, _backend_rows
     from fedfast.triton import distill as tdist
 
     backends = [b for b in ("triton", "cuda") if _backend.available(b, "cuda")]
@@ -98,9 +98,11 @@ def probe_losses(res, echo, shapes):
 
                 table, dev_total = kernel_table(step)
                 whole = _bench(step)
-                args = (z, t, y, None, None, None, None, None, None, kw["tau"], 1.0, kw["kd_weight"], -100, nt, False)
-                l1, g1 = _backend_rows(be, *args)
-                fwd = _bench(lambda: _backend_rows(be, *args))
+                args = DistillRowsArgs(
+                    student=z, teacher=t, target=y, tau=kw["tau"], kd_weight=kw["kd_weight"], not_true=nt
+                )
+                l1, g1 = _backend_rows(be, args)
+                fwd = _bench(lambda: _backend_rows(be, args))
                 err = float((l1[:512].double() - ref).abs().max() / ref.abs().max())
                 sc = torch.rand(R, device="cuda")
                 if be == "triton":

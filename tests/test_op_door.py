@@ -16,8 +16,9 @@ from fedfast.ops import _backend
 from fedfast.ops._door import Backends, OpArgs
 
 # the op modules (fedfast.ops.<op> names the op's function: the package exports it under the module's name)
-client_step, client_adam, aggregate, update_norms = (
-    importlib.import_module(f"fedfast.ops.{m}") for m in ("client_step", "client_adam", "aggregate", "update_norms")
+client_step, client_adam, aggregate, update_norms, distill = (
+    importlib.import_module(f"fedfast.ops.{m}")
+    for m in ("client_step", "client_adam", "aggregate", "update_norms", "distill")
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,7 @@ DOORS = [  # (record, table, entry point)
     (client_adam.ClientAdamArgs, client_adam.CLIENT_ADAM, client_adam.client_adam),
     (aggregate.AggregateArgs, aggregate.AGGREGATE, aggregate.aggregate),
     (update_norms.UpdateNormsArgs, update_norms.UPDATE_NORMS, update_norms.update_norms),
+    (distill.DistillRowsArgs, distill.DISTILL_ROWS, distill._backend_rows),
 ]
 
 

@@ -243,8 +243,8 @@ def test_doctor_checks_backends(capsys, monkeypatch):
     d = importlib.import_module("fedfast.ops.distill")
     real = d._backend_rows
 
-    def broken(backend, *a):  # a backend whose loss is off by 1e-3: the doctor must say so
-        loss, grad = real(backend, *a)
+    def broken(backend, *a, **kw):  # a backend whose loss is off by 1e-3: the doctor must say so
+        loss, grad = real(backend, *a, **kw)
         return (loss + 1e-3, grad) if backend == "cpu" else (loss, grad)
 
     monkeypatch.setattr(d, "_backend_rows", broken)

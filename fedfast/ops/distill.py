@@ -7,13 +7,15 @@ gradient stored in forward), dispatches to a backend, validates inputs and appli
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
 
 from . import _backend, _validate
+from ._door import Backends, OpArgs, extension
 from ._rows import class_table, segment_counts, valid_rows
 from .asd_weights import PRIOR_MESSAGE, asd_autograd_row_weights, asd_row_weights
 from .distill_reference import distill_reference, distill_rows_reference, teacher_mixture_reference
@@ -26,81 +28,79 @@ def _loss_dtype(student: Tensor) -> torch.dtype:
     return torch.float64 if student.dtype == torch.float64 else torch.float32
 
 
-def _backend_rows(
-    backend,
-    student,
-    teacher,
-    target,
-    teacher_negent,
-    class_alpha,
-    row_weight,
-    rho,
-    segments,
-    row_scale,
-    tau,
-    ce_weight,
-    kd_weight,
-    ignore_index,
-    not_true,
-    soft_ce,
-    asd=None,
-    mix_weights=None,
-    in_place: bool = False,
-):
-    """(loss rows, d(loss)/d(student)) from a backend; every compiled one takes ``FEDFAST_DISTILL_ROWS``'s arguments
-    in one order (csrc/op_signatures.h). The cpu kernel's own: ``asd`` = ``(class_prior [S, C], entropy_tau,
-    validate mode)``: ASD's row weights computed from the teacher in the same call; ``mix_weights`` [M]: the teacher
-    is M teachers' logits [M, R, C], mixed row by row inside the op (FedGKD-VOTE); ``in_place``: the gradient written
-    over ``student`` (contiguous; a chunked caller's logits)."""
-    if backend == "reference":
-        return distill_rows_reference(
-            student,
-            teacher,
-            target,
-            tau=tau,
-            ce_weight=ce_weight,
-            kd_weight=kd_weight,
-            not_true=not_true,
-            soft_ce=soft_ce,
-            ignore_index=ignore_index,
-            class_alpha=class_alpha,
-            row_weight=row_weight,
-            rho=rho,
-            segments=segments,
-            teacher_negent=teacher_negent,
-            row_scale=row_scale,
-        )
-    prior, entropy_tau, mode = asd if asd is not None else (None, 1.0, "off")
-    args = (
-        student,
-        teacher,
-        target,
-        teacher_negent,
-        mix_weights,
-        class_alpha,
-        row_weight,
-        prior,
-        float(entropy_tau),
-        rho,
-        segments,
-        row_scale,
-        float(tau),
-        float(ce_weight),
-        float(kd_weight),
-        int(ignore_index),
-        bool(not_true),
-        bool(soft_ce),
-        bool(in_place),
-    )
-    if backend == "triton":
-        from ..triton.distill import distill_rows_triton
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillRowsArgs(OpArgs):
+    """The fused rows' arguments, ``FEDFAST_DISTILL_ROWS``' order (``csrc/op_signatures.h``): the student [R, C]
+    and the teacher (logits [R, C]; with ``teacher_negent`` [R] probabilities; with ``mix_weights`` [M] M teachers'
+    logits [M, R, C]), the targets [R] and the optional tables, and the scalars. ``mix_weights``, ``class_prior`` /
+    ``entropy_tau`` (ASD's weights in the same call) and ``in_place`` (the gradient over ``student``) are the CPU
+    kernel's own."""
 
-        loss, grad, status = distill_rows_triton(*args)
-    elif backend in ("cpu", "cuda"):
-        loss, grad, status = (_backend.cpu_ext() if backend == "cpu" else _backend.cuda_ext()).distill_rows(*args)
-    else:
-        raise ValueError(f"unknown backend {backend!r}")
-    if status and mode != "off":
+    SIGNATURE: ClassVar[str] = "FEDFAST_DISTILL_ROWS"
+    student: Tensor
+    teacher: Tensor
+    target: Tensor
+    teacher_negent: Tensor | None = None
+    mix_weights: Tensor | None = None
+    class_alpha: Tensor | None = None
+    row_weight: Tensor | None = None
+    class_prior: Tensor | None = None
+    entropy_tau: float = 1.0
+    rho: Tensor | None = None
+    segments: Tensor | None = None
+    row_scale: Tensor | None = None
+    tau: float = 1.0
+    ce_weight: float = 1.0
+    kd_weight: float = 1.0
+    ignore_index: int = -100
+    not_true: bool = False
+    soft_ce: bool = False
+    in_place: bool = False
+
+
+def _rows_reference(a: DistillRowsArgs):
+    if a.mix_weights is not None or a.class_prior is not None or a.in_place:
+        raise ValueError("backend: mix_weights, class_prior and in_place are the cpu kernel's (the reference has none)")
+    loss, grad = distill_rows_reference(
+        a.student,
+        a.teacher,
+        a.target,
+        tau=a.tau,
+        ce_weight=a.ce_weight,
+        kd_weight=a.kd_weight,
+        not_true=a.not_true,
+        soft_ce=a.soft_ce,
+        ignore_index=a.ignore_index,
+        class_alpha=a.class_alpha,
+        row_weight=a.row_weight,
+        rho=a.rho,
+        segments=a.segments,
+        teacher_negent=a.teacher_negent,
+        row_scale=a.row_scale,
+    )
+    return loss, grad, 0
+
+
+def _rows_triton(a: DistillRowsArgs):
+    from ..triton.distill import distill_rows_triton
+
+    return distill_rows_triton(*a.values())
+
+
+DISTILL_ROWS = Backends(
+    "distill_rows",
+    reference=_rows_reference,
+    cpu=extension("cpu", "distill_rows"),
+    cuda=extension("cuda", "distill_rows"),
+    triton=_rows_triton,
+)
+
+
+def _backend_rows(backend: str, args: DistillRowsArgs, mode: str = "off"):
+    """(loss rows, d(loss)/d(student)) of ``args`` on ``backend``; ASD's prior check (the kernel's status, with
+    ``args.class_prior``) raises unless ``mode`` is "off"."""
+    loss, grad, status = DISTILL_ROWS(backend, args)
+    if status and args.class_prior is not None and mode != "off":
         raise ValueError(f"class_prior: {PRIOR_MESSAGE}")
     return loss, grad
 
@@ -124,25 +124,24 @@ def distill_rows_op(
     soft_ce: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    loss, grad = _backend_rows(
-        backend,
-        student,
-        teacher,
-        target,
-        teacher_negent,
-        class_alpha,
-        row_weight,
-        rho,
-        segments,
-        row_scale,
-        tau,
-        ce_weight,
-        kd_weight,
-        ignore_index,
-        not_true,
-        soft_ce,
+    args = DistillRowsArgs(
+        student=student,
+        teacher=teacher,
+        target=target,
+        teacher_negent=teacher_negent,
+        class_alpha=class_alpha,
+        row_weight=row_weight,
+        rho=rho,
+        segments=segments,
+        row_scale=row_scale,
+        tau=tau,
+        ce_weight=ce_weight,
+        kd_weight=kd_weight,
+        ignore_index=ignore_index,
+        not_true=not_true,
+        soft_ce=soft_ce,
     )
-    return loss, grad
+    return _backend_rows(backend, args)
 
 
 @distill_rows_op.register_fake
@@ -251,14 +250,14 @@ def _scale_stored(grad: Tensor, grad_loss: Tensor, backend: str) -> Tensor:
 class _DistillRowsFn(torch.autograd.Function):
     """Eager fast path: the same backend calls as ``fedfast::distill_rows`` without the Python dispatch cost of
     ``torch.library.custom_op`` (~0.1 ms per call); used when not compiling. One output: the loss rows, or their
-    sum (``total``), so autograd keeps no node for the reduction. The arguments after ``teacher`` travel as one
-    tuple (autograd inspects each positional argument of ``apply``); ``cpu_only``: :func:`_backend_rows`' eager
-    cpu keywords that are set."""
+    sum (``total``), so autograd keeps no node for the reduction. ``rest``: ``(DistillRowsArgs, backend, total,
+    mode)`` as one tuple (autograd inspects each positional argument of ``apply``; the record's student and teacher
+    are ``student`` and ``teacher``)."""
 
     @staticmethod
     def forward(ctx, student, teacher, rest):
-        *args, backend, total, cpu_only = rest
-        loss, grad = _backend_rows(backend, student, teacher, *args, **cpu_only)
+        args, backend, total, mode = rest
+        loss, grad = _backend_rows(backend, args, mode)
         out = loss.sum() if total else loss
         # The output is saved as the anchor of a second derivative (see _first_order): no logits-sized buffer.
         ctx.save_for_backward(grad, out)
@@ -279,51 +278,31 @@ except AttributeError:  # pragma: no cover - a torch whose Function has no C-lev
     _apply_plain = _DistillRowsFn.apply
 
 
-def distill_rows(
-    student,
-    teacher,
-    target,
-    teacher_negent,
-    class_alpha,
-    row_weight,
-    rho,
-    segments,
-    row_scale,
-    tau,
-    ce_weight,
-    kd_weight,
-    ignore_index,
-    not_true,
-    soft_ce,
-    backend,
-    total: bool = False,
-    asd=None,
-    mix_weights=None,
-):
-    """The loss rows [R] (their sum with ``total``), differentiable in ``student``: the custom op while
-    ``torch.compile`` traces, the autograd.Function fast path in eager mode (``asd``, ``mix_weights``: eager cpu
-    only, see :func:`_backend_rows`)."""
-    args = (
-        target,
-        teacher_negent,
-        class_alpha,
-        row_weight,
-        rho,
-        segments,
-        row_scale,
-        float(tau),
-        float(ce_weight),
-        float(kd_weight),
-        int(ignore_index),
-        bool(not_true),
-        bool(soft_ce),
-        backend,
-    )
+def distill_rows(args: DistillRowsArgs, backend: str, total: bool = False, mode: str = "off"):
+    """The loss rows [R] of ``args`` (their sum with ``total``), differentiable in ``args.student``: the custom op
+    while ``torch.compile`` traces, the autograd.Function fast path in eager mode (the record's cpu-only fields:
+    eager cpu only; ``mode``: ASD's prior check, see :func:`_backend_rows`)."""
     if torch.compiler.is_compiling():
-        loss_rows, _ = distill_rows_op(student, teacher, *args)
+        loss_rows, _ = distill_rows_op(
+            args.student,
+            args.teacher,
+            args.target,
+            args.teacher_negent,
+            args.class_alpha,
+            args.row_weight,
+            args.rho,
+            args.segments,
+            args.row_scale,
+            args.tau,
+            args.ce_weight,
+            args.kd_weight,
+            args.ignore_index,
+            args.not_true,
+            args.soft_ce,
+            backend,
+        )
         return loss_rows.sum() if total else loss_rows
-    cpu_only = {k: v for k, v in (("asd", asd), ("mix_weights", mix_weights)) if v is not None}
-    return _DistillRowsFn.apply(student, teacher, args + (bool(total), cpu_only))
+    return _DistillRowsFn.apply(args.student, args.teacher, (args, backend, bool(total), mode))
 
 
 def row_scale_torch(
@@ -535,31 +514,18 @@ def autograd_reason(student, teacher, detach_teacher: bool, double_backward: boo
     return ""
 
 
-def _distill_autograd(
-    why,
-    student,
-    teacher,
-    target,
-    tau,
-    ce_weight,
-    kd_weight,
-    kind,
-    soft_ce,
-    class_alpha,
-    row_weight,
-    rho,
-    teacher_weights,
-    segments,
-    reduction,
-    ignore_index,
-    num_segments,
-    backend,
-    mode,
-    mixture,
-    detach_teacher,
-):
+def _distill_autograd(why: str, c: DistillCall, mode: str):
     """The loss as plain differentiable PyTorch ops (:func:`distill_reference`): any order of derivative, gradients
     into the teacher unless ``detach_teacher``, traceable and transformable; slower than the fused op."""
+    student, target, segments, ignore_index, num_segments = (
+        c.student,
+        c.target,
+        c.segments,
+        c.ignore_index,
+        c.num_segments,
+    )
+    mixture, rho, teacher_weights, tau, kind = c.mixture, c.rho, c.teacher_weights, c.tau, c.kind
+    backend = c.backend
     if backend not in (None, "reference"):
         raise ValueError(
             f"backend: {backend!r} computes the fused first-order gradient; {why} needs PyTorch's "
@@ -567,7 +533,7 @@ def _distill_autograd(
         )
     R, C = student.shape
     dev = student.device
-    teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
+    teacher = _teacher_logits(c.teacher, mixture, rho, teacher_weights, R, C, dev)
     if _backend.functorch_wrapped(target, segments):
         mode = "off"  # a batched (vmapped) label cannot be checked on the host
     _validate.check_target(target, R, C, ignore_index, dev, mode)
@@ -575,7 +541,7 @@ def _distill_autograd(
         _validate.check_segments(segments, R, dev, mode, num_segments)
     target, segments = _validate.in_graph(target, segments, C, ignore_index, num_segments, mode)
     acc = _loss_dtype(student)
-    fix = (lambda t: t.detach()) if detach_teacher else (lambda t: t)
+    fix = (lambda t: t.detach()) if c.detach_teacher else (lambda t: t)
     negent = None
     M = teacher.shape[0]
     if mixture is not None:
@@ -590,17 +556,18 @@ def _distill_autograd(
         )
     else:
         teacher_in = fix(teacher[0])
-    class_alpha, rho, row_weight = _row_tables(class_alpha, rho, row_weight, segments, R, C, dev, acc, mode)
+    class_alpha, rho, row_weight = _row_tables(c.class_alpha, rho, c.row_weight, segments, R, C, dev, acc, mode)
+    reduction = c.reduction
     row_scale = row_scale_torch(target, C, ignore_index, segments, acc) if reduction in ("mean", "segment") else None
     loss_rows = distill_reference(
         student,
         teacher_in,
         target,
         tau=tau,
-        ce_weight=ce_weight,
-        kd_weight=kd_weight,
+        ce_weight=c.ce_weight,
+        kd_weight=c.kd_weight,
         not_true=kind == "not_true",
-        soft_ce=soft_ce,
+        soft_ce=c.soft_ce,
         ignore_index=ignore_index,
         class_alpha=class_alpha,
         row_weight=row_weight,
@@ -650,7 +617,6 @@ def _fast_lane(
     if ext is None:
         return None
     R, C = student.shape
-    cpu_only = {}
     if prior is not None:
         if not (
             type(prior) is Tensor
@@ -663,13 +629,25 @@ def _fast_lane(
             and math.isfinite(entropy_tau)
         ):
             return None
-        cpu_only = {"asd": (prior[None], entropy_tau, "eager")}
     mean = reduction == "mean"
     rs, status = ext.row_scale(target, None, C, ignore_index, 1 if mean else 0, R, None)
     if status:
         raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
-    args = (target, None, None, None, None, None, rs if mean else None, tau, ce_weight, kd_weight, ignore_index)
-    return _apply_plain(student, teacher.detach(), args + (kind == "not_true", False, "cpu", True, cpu_only))
+    teacher = teacher.detach()
+    args = DistillRowsArgs(
+        student=student,
+        teacher=teacher,
+        target=target,
+        class_prior=None if prior is None else prior[None],
+        entropy_tau=entropy_tau if prior is not None else 1.0,
+        row_scale=rs if mean else None,
+        tau=tau,
+        ce_weight=ce_weight,
+        kd_weight=kd_weight,
+        ignore_index=ignore_index,
+        not_true=kind == "not_true",
+    )
+    return _apply_plain(student, teacher, (args, "cpu", True, "eager"))
 
 
 def distill(
@@ -744,113 +722,166 @@ def distill(
         )
         if out is not None:
             return out
-    _validate.check_logits("student", student)
-    if kind not in _KINDS:
-        raise ValueError(f"kind: must be one of {_KINDS}, got {kind!r}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction: must be one of {_REDUCTIONS}, got {reduction!r}")
-    tau = _validate.check_tau("tau", tau)
-    ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
-    R, C = student.shape
+    c = DistillCall(
+        student=student,
+        teacher=teacher,
+        target=target,
+        tau=tau,
+        ce_weight=ce_weight,
+        kd_weight=kd_weight,
+        kind=kind,
+        soft_ce=soft_ce,
+        class_alpha=class_alpha,
+        row_weight=row_weight,
+        rho=rho,
+        teacher_weights=teacher_weights,
+        segments=segments,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        num_segments=num_segments,
+        backend=backend,
+        mixture=mixture,
+        detach_teacher=detach_teacher,
+    )
+    return _distill(c, validate, double_backward, class_prior, entropy_tau)
+
+
+def _distill(c: DistillCall, validate, double_backward: bool, class_prior, entropy_tau) -> Tensor:
+    """:func:`distill`'s general path: the arguments checked, then PyTorch's formulas or the fused rows."""
+    _validate.check_logits("student", c.student)
+    if c.kind not in _KINDS:
+        raise ValueError(f"kind: must be one of {_KINDS}, got {c.kind!r}")
+    if c.reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: must be one of {_REDUCTIONS}, got {c.reduction!r}")
+    c = dataclasses.replace(
+        c,
+        tau=_validate.check_tau("tau", c.tau),
+        ce_weight=_validate.real("ce_weight", c.ce_weight),
+        kd_weight=_validate.real("kd_weight", c.kd_weight),
+    )
+    R, C = c.student.shape
     if C < 2:
         raise ValueError(f"student: needs at least 2 classes, got C={C}")
-    dev = student.device
+    dev = c.student.device
     mode = _validate.mode_for(dev, validate)
-    why = autograd_reason(student, teacher if mixture is None else mixture[0], detach_teacher, double_backward)
-    be = None if why else _backend.resolve_for(backend, dev.type, student.dtype)
+    teacher = c.teacher if c.mixture is None else c.mixture[0]
+    why = autograd_reason(c.student, teacher, c.detach_teacher, double_backward)
+    be = None if why else _backend.resolve_for(c.backend, dev.type, c.student.dtype)
     asd = None
     if class_prior is not None:
-        entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
-        if row_weight is not None:
-            raise ValueError("class_prior: ASD computes the KD row weights; pass row_weight or class_prior, not both")
-        if (
-            mixture is not None
-            or teacher_weights is not None
-            or not isinstance(teacher, Tensor)
-            or (teacher.dim() == 3 and teacher.shape[0] != 1)
-        ):
-            raise ValueError("class_prior: ASD's weights need a single teacher's logits [R, C]")
-        t2 = teacher if teacher.dim() == 2 else teacher[0]
-        if t2.shape != student.shape:
-            raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
-        if why:  # PyTorch's formulas: differentiable in the teacher (detach_teacher=False), transformable (vmap)
-            row_weight = asd_autograd_row_weights(
-                t2 if not detach_teacher else t2.detach(),
-                target,
-                class_prior,
-                segments,
-                entropy_tau,
-                ignore_index,
-                mode,
-            )
-        elif be == "cpu" and mode != "defer" and _backend.plain_eager(student, t2):
-            asd = (class_table("class_prior", class_prior, C, dev, segments), float(entropy_tau), mode)
-        else:
-            row_weight = asd_row_weights(
-                t2,
-                target,
-                class_prior,
-                segments,
-                entropy_tau=entropy_tau,
-                ignore_index=ignore_index,
-                backend=None if why else backend,
-                validate=validate,
-            )
-    if why:
-        return _distill_autograd(
-            why,
-            student,
-            teacher,
-            target,
-            tau,
-            ce_weight,
-            kd_weight,
-            kind,
-            soft_ce,
-            class_alpha,
-            row_weight,
-            rho,
-            teacher_weights,
-            segments,
-            reduction,
-            ignore_index,
-            num_segments,
-            backend,
+        c, asd = _asd_terms(c, why, be, mode, class_prior, entropy_tau, validate)
+    return _distill_autograd(why, c, mode) if why else _fused(c, be, mode, asd)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillCall:
+    """:func:`distill`'s arguments after its first checks (``tau``, the weights and ``kind`` / ``reduction`` valid),
+    as its two paths read them: the fused rows (:func:`_fused`) and PyTorch's formulas (:func:`_distill_autograd`)."""
+
+    student: Tensor
+    teacher: Tensor | None
+    target: Tensor
+    tau: float
+    ce_weight: float
+    kd_weight: float
+    kind: str
+    soft_ce: bool
+    class_alpha: object
+    row_weight: Tensor | None
+    rho: object
+    teacher_weights: object
+    segments: Tensor | None
+    reduction: str
+    ignore_index: int
+    num_segments: int | None
+    backend: str | None
+    mixture: object
+    detach_teacher: bool
+
+
+def _asd_terms(c: DistillCall, why: str, be, mode: str, class_prior, entropy_tau, validate):
+    """ASD's KD row weights from the teacher and ``class_prior``: ``(c with row_weight, None)``, or, on the eager cpu
+    path, ``(c, (prior table, entropy_tau, mode))`` for the C++ rows to compute them in the same call."""
+    R, C = c.student.shape
+    entropy_tau = _validate.check_tau("entropy_tau", entropy_tau)
+    teacher = c.teacher
+    if c.row_weight is not None:
+        raise ValueError("class_prior: ASD computes the KD row weights; pass row_weight or class_prior, not both")
+    if (
+        c.mixture is not None
+        or c.teacher_weights is not None
+        or not isinstance(teacher, Tensor)
+        or (teacher.dim() == 3 and teacher.shape[0] != 1)
+    ):
+        raise ValueError("class_prior: ASD's weights need a single teacher's logits [R, C]")
+    t2 = teacher if teacher.dim() == 2 else teacher[0]
+    if t2.shape != c.student.shape:
+        raise ValueError(f"teacher: expected [{R}, {C}] to match student, got {tuple(teacher.shape)}")
+    if why:  # PyTorch's formulas: differentiable in the teacher (detach_teacher=False), transformable (vmap)
+        w = asd_autograd_row_weights(
+            t2 if not c.detach_teacher else t2.detach(),
+            c.target,
+            class_prior,
+            c.segments,
+            entropy_tau,
+            c.ignore_index,
             mode,
-            mixture,
-            detach_teacher,
         )
-    teacher = _teacher_logits(teacher, mixture, rho, teacher_weights, R, C, dev)
-    target, segments, row_scale = _rows(student, target, segments, be, mode, reduction, ignore_index, num_segments)
+        return dataclasses.replace(c, row_weight=w), None
+    if be == "cpu" and mode != "defer" and _backend.plain_eager(c.student, t2):
+        return c, (class_table("class_prior", class_prior, C, c.student.device, c.segments), float(entropy_tau), mode)
+    w = asd_row_weights(
+        t2,
+        c.target,
+        class_prior,
+        c.segments,
+        entropy_tau=entropy_tau,
+        ignore_index=c.ignore_index,
+        backend=c.backend,
+        validate=validate,
+    )
+    return dataclasses.replace(c, row_weight=w), None
+
+
+def _fused(c: DistillCall, be: str, mode: str, asd):
+    """The loss through the fused first-order rows on backend ``be`` (``asd``: the cpu kernel's ASD terms)."""
+    student = c.student
+    R, C = student.shape
+    dev = student.device
+    teacher = _teacher_logits(c.teacher, c.mixture, c.rho, c.teacher_weights, R, C, dev)
+    target, segments, row_scale = _rows(
+        student, c.target, c.segments, be, mode, c.reduction, c.ignore_index, c.num_segments
+    )
     teacher_in, negent, mix_weights = _teacher_input(
-        student, teacher, target, mixture, rho, teacher_weights, tau, kind, ignore_index, be, mode
+        student, teacher, target, c.mixture, c.rho, c.teacher_weights, c.tau, c.kind, c.ignore_index, be, mode
     )
     class_alpha, rho, row_weight = _row_tables(
-        class_alpha, rho, row_weight, segments, R, C, dev, _loss_dtype(student), mode
+        c.class_alpha, c.rho, c.row_weight, segments, R, C, dev, _loss_dtype(student), mode
     )
-    s = student if student.stride(-1) == 1 else student.contiguous()
+    reduction = c.reduction
     total = reduction in ("mean", "sum") or (reduction == "segment" and segments is None)
-    loss = distill_rows(
-        s,
-        teacher_in,
-        target,
-        negent,
-        class_alpha,
-        row_weight,
-        rho,
-        segments,
-        row_scale,
-        tau,
-        ce_weight,
-        kd_weight,
-        ignore_index,
-        kind == "not_true",
-        soft_ce,
-        be,
-        total=total,
-        asd=asd,
+    prior, entropy_tau, asd_mode = asd if asd is not None else (None, 1.0, "off")
+    args = DistillRowsArgs(
+        student=student if student.stride(-1) == 1 else student.contiguous(),
+        teacher=teacher_in,
+        target=target,
+        teacher_negent=negent,
         mix_weights=mix_weights,
+        class_alpha=class_alpha,
+        row_weight=row_weight,
+        class_prior=prior,
+        entropy_tau=float(entropy_tau),
+        rho=rho,
+        segments=segments,
+        row_scale=row_scale,
+        tau=float(c.tau),
+        ce_weight=float(c.ce_weight),
+        kd_weight=float(c.kd_weight),
+        ignore_index=int(c.ignore_index),
+        not_true=c.kind == "not_true",
+        soft_ce=bool(c.soft_ce),
     )
+    loss = distill_rows(args, be, total=total, mode=asd_mode)
     if total:  # "mean": rows carry 1/n (or 1/n_segment) already
         return loss.reshape(1) if reduction == "segment" else loss
-    return _reduce(loss, reduction, segments, num_segments)
+    return _reduce(loss, reduction, segments, c.num_segments)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _validate
-from .distill import _backend_rows, _loss_dtype, row_scale_torch
+from .distill import DistillRowsArgs, _backend_rows, _loss_dtype, row_scale_torch
 from .distill_options import (
     DistillTerms,
     check_class_weight,
@@ -216,25 +216,19 @@ def _chunk_rows(
     """One chunk's scaled loss rows ``[n]``, their gradient in the logits ``[n, V]`` and, on the options' path, the
     scaled hard and soft terms ``[2, n]`` (None on the fused kernels' path)."""
     if not ext:
-        loss_rows, g = _backend_rows(
-            backend,
-            z,
-            tc,
-            yc,
-            None,
-            None,
-            None,
-            None,
-            None,
-            sc,
-            tau,
-            ce_weight,
-            kd_weight,
-            ignore_index,
-            not_true,
-            False,
-            in_place=in_place,
+        args = DistillRowsArgs(
+            student=z,
+            teacher=tc,
+            target=yc,
+            row_scale=sc,
+            tau=float(tau),
+            ce_weight=float(ce_weight),
+            kd_weight=float(kd_weight),
+            ignore_index=int(ignore_index),
+            not_true=bool(not_true),
+            in_place=bool(in_place),
         )
+        loss_rows, g = _backend_rows(backend, args)
         return loss_rows, g, None
     beta, eps, cap, tcap, pad = ext
     hard, soft, g = option_rows_grad(
