@@ -32,41 +32,30 @@ options are its own table (``SimConfig(algorithm="fedntd", options={"fedntd": {"
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from . import methods as _methods, ops, privacy
+from . import ops
 from ._deprecation import deprecated
 from ._io import host_to_device
-from .collectives import collectives
-from .cpu_alloc import tune_cpu_allocator
 from .data.datasets import ArrayDataset
 from .data.partition import Partition
-from .flat import find_classifier
 from .methods.base import TeacherSpec
-from .methods.hooks import HookError, check_hook_return, hook_site, round_metrics
+from .methods.hooks import check_hook_return, round_metrics
 from .methods.round import Round
 from .sim import collect, diverged as _diverged
 from .sim.buffers import (
     RoundBuffers,
-    check_batch_norm,
     check_teacher_spec,
     client_state_dict,
-    local_statistics_store,
     restore_local_statistics,
 )
-from .sim.evaluation import EvalSettings, Evaluator, forgetting
-from .sim.facade import EngineView, bind_method
-from .sim.inputs import check_inputs
-from .sim.plan import PlanSettings, RoundPlan
-from .sim.runtime import ModelRuntime, RuntimeSettings, probe_batch
-from .sim.sizing import BudgetSettings, MemoryBudget
+from .sim.build import build_simulation
+from .sim.evaluation import forgetting
 from .sim.state import RunState
-from .sim.trainer import ChunkTrainer, TrainerSettings
-from .simconfig import SimConfig, check_device
+from .simconfig import SimConfig
 from .store.shared import store_rows
 from .teachers import OnlineTeacher, cached_teacher
 
@@ -116,127 +105,32 @@ class Simulation:
         method=None,
         state_dir: str | None = None,
     ):
-        c = self.cfg = self.config = config
-        if not isinstance(config, SimConfig):
-            raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-        # the method: loss, client-step terms, server rule, state; ``method``: an instance built from this config
-        # already (fedfast.assemble builds one per run), else a new one
-        if method is not None and (
-            type(method) is not _methods.get(c.algorithm) or method.options() != c.method_options()
-        ):
-            raise ValueError(
-                f"method: a {type(method).__name__} with other options than config's "
-                f"{c.algorithm!r}; build it with config.method()"
-            )
-        self.method = method if method is not None else c.method()
-        # the classifier (Step.features is its input): found on the user's model before prepare_model (MOON's
-        # projection head replaces it), then again on the model the clients train
-        eager = self.method.needs_features or self.method.needs_classifier or c.features_layer is not None
-        given = model
-        if eager and isinstance(train, ArrayDataset):
-            self.method.classifier_name = find_classifier(model, probe_batch(model, train), c.features_layer)
-        model = self.method.prepare_model(model, c.seed)
-        if not isinstance(model, nn.Module):
-            raise HookError(
-                f"{hook_site(self.method, 'prepare_model')}: must return an nn.Module, got {type(model).__name__}"
-            )
-        for msg in self.method.check_settings(c, model):  # settings the method is known to fail under (caveats)
-            warnings.warn(f"{c.algorithm}: {msg}", RuntimeWarning, stacklevel=2)
-        datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
-        check_inputs(
+        b = build_simulation(
+            config,
             model,
-            datasets,
+            train,
+            test,
             partition,
-            loss_fn,
-            schedule,
-            data_order,
-            client_sampling=c.client_sampling,
-            augment=c.augment,
-        )
-        self.loss_fn, self.loss_needs_teacher = loss_fn, bool(loss_needs_teacher)
-        # one process, or torch.distributed (the sampled clients split between the ranks): the run's collectives
-        self.comm = collectives(process_group)
-        if device is not None:
-            check_device(str(device))
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if c.tune_cpu_allocator and self.device.type == "cpu":
-            tune_cpu_allocator()
-        self.model = model.to(self.device)
-        self.train, self.test = train.to(self.device), test.to(self.device)
-        self.validation = validation.to(self.device) if validation is not None else None
-        self.server_splits = {k: v.to(self.device) for k, v in (("val", val), ("aux", aux)) if v is not None}
-        # a private run's secret (OS entropy, rank 0's on every rank): its noise comes from it, never from the run
-        # seed, and so do its cohorts where the mechanism assumes them secret (DP-FedAvg's sampling amplification)
-        dp_settings = privacy.PrivacySettings.of(c)
-        secret = privacy.run_secret(dp_settings, self.comm.broadcast_, self.device)
-        # the parts, each given the settings it reads: round plan (the data's placement), runtime, budget, evaluator
-        self.plan = RoundPlan(
-            PlanSettings.of(c),
-            self.train,
-            partition,
-            self.method,
-            device=self.device,
-            rank=self.comm.rank,
-            world=self.comm.world,
+            device=device,
+            val=val,
+            process_group=process_group,
+            loss_fn=loss_fn,
+            loss_needs_teacher=loss_needs_teacher,
+            aux=aux,
             schedule=schedule,
             data_order=data_order,
-            cohort_secret=secret if privacy.secret_cohorts(dp_settings) else None,
-        )
-        self.runtime = rt = ModelRuntime(RuntimeSettings.of(c), self.model, self.train, self.device)
-        if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found above
-            found = getattr(self.method, "classifier_name", None)
-            if found is not None and model is given:
-                rt.classifier_name = found
-            else:
-                rt.find_classifier(found)
-        self.budget = MemoryBudget(
-            BudgetSettings.of(c), self.method, rt, self.device, state_dir, self.plan.max_cohort()
-        )
-        self.evaluator = Evaluator(EvalSettings.of(c), rt, self.comm, self.test, self.validation)
-        self.state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
-        self.client_buffers = local_statistics_store(
-            c.bn_stats, c.bn_params, rt, self.budget, self.num_clients
-        )  # FedBN's
-        # all a method may touch of the engine: the parts; the method declares its per-client state to it, the
-        # chunk is sized with that, the trainer made, the state allocated, then the method bound (setup)
-        self.engine = EngineView(
-            c,
-            runtime=rt,
-            plan=self.plan,
-            budget=self.budget,
-            state=self.state,
-            train=self.train,
-            server_splits=self.server_splits,
-            device=self.device,
-        )
-        per_rank = -(-self.plan.max_cohort() // self.comm.world)
-        self.chunk, self.trainer = bind_method(
-            self.method,
-            self.engine,
-            self.budget,
-            lambda: max(1, min(per_rank, c.client_chunk or self.budget.auto_chunk())),
-            lambda n: self._trainer(n, loss_fn),
-        )
-        self.state.eval_flat = self._evaluated(rt.initial)
-        self._uses_teacher = self.loss_needs_teacher if loss_fn is not None else self.method.uses_teacher()
-        if self._uses_teacher and c.teacher == "cache" and c.augment != "none":
-            raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-        check_batch_norm(
-            rt, self.plan, self._uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last
-        )
-        # the privacy mechanism (fedfast.privacy): DP-FedAvg or DP-FTRL under dp_clip, else NoPrivacy; called alike
-        self.privacy = privacy.mechanism(
-            dp_settings,
-            num_clients=self.plan.num_clients,
-            num_buffers=rt.num_buffers,
-            schedule=schedule,
-            cohorts=self.plan.clients,
-            device=self.device,
-            secret=secret,
-            method=self.method,
-        )
+            validation=validation,
+            method=method,
+            state_dir=state_dir,
+        )  # the parts, in their construction order (fedfast/sim/build.py)
+        self.cfg = self.config = config
+        self.loss_fn, self.loss_needs_teacher, self._uses_teacher = loss_fn, bool(loss_needs_teacher), b.uses_teacher
+        self.method, self.model, self.comm, self.device = b.method, b.model, b.comm, b.device
+        self.train, self.test, self.validation, self.server_splits = b.train, b.test, b.validation, b.server_splits
+        self.plan, self.runtime, self.budget, self.evaluator = b.plan, b.runtime, b.budget, b.evaluator
+        self.state, self.client_buffers, self.engine = b.state, b.client_buffers, b.engine
+        self.chunk, self.trainer, self.privacy = b.chunk, b.trainer, b.privacy
+        self.state.eval_flat = self._evaluated(self.runtime.initial)
 
     # -- the run's facts and state, read-only ----------------------------------------------------------------
     @property
@@ -471,22 +365,6 @@ class Simulation:
             what=f"the model to evaluate, a float tensor [P] = {P} on {self.device}",
         )
         return out
-
-    def _trainer(self, n: int, loss_fn) -> ChunkTrainer:
-        """The chunk trainer of ``n`` clients, its buffers allocated under the memory guard."""
-        with self.budget.guard(
-            f"allocating the parameter buffers of a chunk of {n} clients", "client_chunk", next_round=1, chunk=n
-        ):
-            return ChunkTrainer(
-                TrainerSettings.of(self.cfg),
-                self.method,
-                self.runtime,
-                self.plan,
-                chunk=n,
-                device=self.device,
-                loss_fn=loss_fn,
-                row_bytes=self.budget.client_bytes()[0],
-            )
 
     def _memory(self, what: str, key: str):
         """An allocation failure inside the block becomes :class:`OutOfMemory` naming ``what`` and ``key``."""

@@ -16,6 +16,7 @@ the config, as a method's options):
 """
 
 import csv
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -143,7 +144,7 @@ def tabular_mlp(num_classes, shape, o):
     if shape is None or len(shape) != 1:
         raise ValueError(f"model: tabular_mlp takes feature rows [N, F], got samples of shape {shape}")
     dims = [shape[0]] + [o.hidden] * o.layers
-    body = [m for a, b in zip(dims, dims[1:], strict=True) for m in (nn.Linear(a, b), nn.ReLU())]
+    body = [m for a, b in itertools.pairwise(dims) for m in (nn.Linear(a, b), nn.ReLU())]
     return nn.Sequential(*body, nn.Linear(dims[-1], num_classes))
 
 
