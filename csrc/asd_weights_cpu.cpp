@@ -83,49 +83,46 @@ FEDFAST_ASD_WEIGHTS(asd_weights_cpu) {
   TORCH_CHECK(prior.dim() == 2 && prior.size(1) == C, "class_prior must be [S, C]");
   const int64_t S = prior.size(0);
   auto out = at::empty({R}, teacher.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, teacher.scalar_type(), "asd_weights_cpu", [&] {
-    using T = scalar_t;
-    auto run = [&](auto zero) {
-      using A = decltype(zero);
-      const T* tp = teacher.data_ptr<T>();
-      const A* pp = prior.data_ptr<A>();
-      A* op = out.data_ptr<A>();
-      const A inv_tau = A(1) / A(entropy_tau);
-      if (C <= 128) {
-        const int64_t nb = (R + kLanes - 1) / kLanes;
-        at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / (C * kLanes)), [&](int64_t b, int64_t e) {
-          std::vector<A> X(C * kLanes), E(C * kLanes);
-          alignas(64) A H[kLanes];
-          int64_t ys[kLanes];
-          for (int64_t blk = b; blk < e; ++blk) {
-            for (int64_t l = 0; l < kLanes; ++l) {
-              const int64_t i = blk * kLanes + l;
-              ys[l] = i < R ? row_target(target, i, C, ignore_index) : -1;
-              const T* ti = tp + (ys[l] >= 0 ? i : 0) * C;
-              for (int64_t j = 0; j < C; ++j) X[j * kLanes + l] = ys[l] >= 0 ? static_cast<A>(ti[j]) * inv_tau : A(0);
-            }
-            entropy_block_any(C, X.data(), E.data(), H);
-            for (int64_t l = 0; l < kLanes && blk * kLanes + l < R; ++l) {
-              const int64_t i = blk * kLanes + l;
-              op[i] = ys[l] < 0 ? A(0) : std::exp(-H[l]) / pp[row_segment(segments, i, S) * C + ys[l]];
-            }
+  dispatch_logits(teacher, [&](auto t0, auto a0) {
+    using T = decltype(t0);
+    using A = decltype(a0);
+    const T* tp = teacher.data_ptr<T>();
+    const A* pp = prior.data_ptr<A>();
+    A* op = out.data_ptr<A>();
+    const A inv_tau = A(1) / A(entropy_tau);
+    if (C <= 128) {
+      const int64_t nb = (R + kLanes - 1) / kLanes;
+      at::parallel_for(0, nb, std::max<int64_t>(1, 16384 / (C * kLanes)), [&](int64_t b, int64_t e) {
+        std::vector<A> X(C * kLanes), E(C * kLanes);
+        alignas(64) A H[kLanes];
+        int64_t ys[kLanes];
+        for (int64_t blk = b; blk < e; ++blk) {
+          for (int64_t l = 0; l < kLanes; ++l) {
+            const int64_t i = blk * kLanes + l;
+            ys[l] = i < R ? row_target(target, i, C, ignore_index) : -1;
+            const T* ti = tp + (ys[l] >= 0 ? i : 0) * C;
+            for (int64_t j = 0; j < C; ++j) X[j * kLanes + l] = ys[l] >= 0 ? static_cast<A>(ti[j]) * inv_tau : A(0);
           }
-        });
-        return;
-      }
-      at::parallel_for(0, R, std::max<int64_t>(1, 16384 / C), [&](int64_t b, int64_t e) {
-        std::vector<A> buf(2 * C);
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t y = row_target(target, i, C, ignore_index);
-          if (y < 0) { op[i] = 0; continue; }
-          const T* ti = tp + i * C;
-          for (int64_t j = 0; j < C; ++j) buf[j] = static_cast<A>(ti[j]) * inv_tau;
-          const A H = entropy_any(C, buf.data(), buf.data() + C);
-          op[i] = std::exp(-H) / pp[row_segment(segments, i, S) * C + y];
+          entropy_block_any(C, X.data(), E.data(), H);
+          for (int64_t l = 0; l < kLanes && blk * kLanes + l < R; ++l) {
+            const int64_t i = blk * kLanes + l;
+            op[i] = ys[l] < 0 ? A(0) : std::exp(-H[l]) / pp[row_segment(segments, i, S) * C + ys[l]];
+          }
         }
       });
-    };
-    if (f64) run(double(0)); else run(float(0));
+      return;
+    }
+    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / C), [&](int64_t b, int64_t e) {
+      std::vector<A> buf(2 * C);
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t y = row_target(target, i, C, ignore_index);
+        if (y < 0) { op[i] = 0; continue; }
+        const T* ti = tp + i * C;
+        for (int64_t j = 0; j < C; ++j) buf[j] = static_cast<A>(ti[j]) * inv_tau;
+        const A H = entropy_any(C, buf.data(), buf.data() + C);
+        op[i] = std::exp(-H) / pp[row_segment(segments, i, S) * C + y];
+      }
+    });
   });
   return out;
 }

@@ -603,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
     using S = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, teacher.scalar_type(), "distill_rows_cpu_t", [&] {
       using T = scalar_t;
-      auto run = [&](auto zero) {
+      with_acc(f64, [&](auto zero) {
         using A = decltype(zero);
         auto ptr = [](const at::Tensor& x) -> const A* { return x.defined() ? x.data_ptr<A>() : nullptr; };
         Terms<A> t;
@@ -623,8 +623,7 @@ std::tuple<at::Tensor, at::Tensor> distill_run(
           t.mix.w = ptr(mw);
         }
         distill_impl<S, T, A>(student, teacher, t, loss, grad);
-      };
-      if (f64) run(double(0)); else run(float(0));
+      });
     });
   });
   return {loss, grad};

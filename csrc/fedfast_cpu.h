@@ -141,6 +141,24 @@ inline int64_t row_segment(const c10::optional<at::Tensor>& segments, int64_t i,
   return v < 0 ? 0 : (v >= S ? S - 1 : v);
 }
 
+// A row kernel's accumulation type: body(A()) with A = double for fp64 inputs (f64), else float (fp32, bf16 and fp16
+// inputs all accumulate in fp32).
+template <class F>
+inline void with_acc(bool f64, F&& body) {
+  if (f64) body(double(0)); else body(float(0));
+}
+
+// A row kernel over one logits tensor: body(T(), A()) with T its scalar type (fp32, fp64, bf16 or fp16) and A the
+// accumulation type (with_acc). asd_weights_cpu.cpp and teacher_mixture_cpu.cpp dispatch through it (another dtype:
+// "fedfast row kernel" not implemented for it; fedfast/ops checks the dtypes before any call).
+template <class F>
+inline void dispatch_logits(const at::Tensor& logits, F&& body) {
+  const bool f64 = logits.scalar_type() == at::kDouble;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "fedfast row kernel", [&] {
+    with_acc(f64, [&](auto zero) { body(scalar_t(0), zero); });
+  });
+}
+
 // Per-row clip factors min(1, max_norm / (||g_k|| + 1e-6)) (torch.nn.utils.clip_grad_norm_), all 1 without
 // clipping. value(k, block, tmp) returns a pointer to row k's loss-side gradient over the block (the gradient
 // itself, or the block summed into tmp [block floats]). Partial sums per (row, block) in fp32, the row's in fp64.

@@ -32,34 +32,31 @@ FEDFAST_TEACHER_MIXTURE(teacher_mixture_cpu) {
   auto P = at::empty({R, C}, teachers.options().dtype(acc));
   auto neg = at::empty({R}, teachers.options().dtype(acc));
   const at::Tensor w = weights.to(acc).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, teachers.scalar_type(), "teacher_mixture_cpu", [&] {
-    using T = scalar_t;
-    auto run = [&](auto zero) {
-      using A = decltype(zero);
-      const T* tp = teachers.data_ptr<T>();
-      const A* wp = w.data_ptr<A>();
-      A* Pp = P.data_ptr<A>();
-      A* np = neg.data_ptr<A>();
-      const A inv_tau = A(1) / A(tau);
-      at::parallel_for(0, R, std::max<int64_t>(1, 16384 / (C * M)), [&](int64_t b, int64_t e) {
-        std::vector<A> buf(3 * C);
-        A *X = buf.data(), *E = X + C, *U = E + C;
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t y = row_target(target, i, C, ignore_index);
-          A* Pi = Pp + i * C;
-          for (int64_t j = 0; j < C; ++j) Pi[j] = 0;
-          A ne = 0;
-          for (int64_t m = 0; m < M; ++m) {
-            const T* ti = tp + (m * R + i) * C;
-            for (int64_t j = 0; j < C; ++j) X[j] = static_cast<A>(ti[j]) * inv_tau;
-            if (not_true && y >= 0) X[y] = neg_inf<A>();
-            ne += mix_any(C, X, E, Pi, U, wp[m]);
-          }
-          np[i] = ne;
+  dispatch_logits(teachers, [&](auto t0, auto a0) {
+    using T = decltype(t0);
+    using A = decltype(a0);
+    const T* tp = teachers.data_ptr<T>();
+    const A* wp = w.data_ptr<A>();
+    A* Pp = P.data_ptr<A>();
+    A* np = neg.data_ptr<A>();
+    const A inv_tau = A(1) / A(tau);
+    at::parallel_for(0, R, std::max<int64_t>(1, 16384 / (C * M)), [&](int64_t b, int64_t e) {
+      std::vector<A> buf(3 * C);
+      A *X = buf.data(), *E = X + C, *U = E + C;
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t y = row_target(target, i, C, ignore_index);
+        A* Pi = Pp + i * C;
+        for (int64_t j = 0; j < C; ++j) Pi[j] = 0;
+        A ne = 0;
+        for (int64_t m = 0; m < M; ++m) {
+          const T* ti = tp + (m * R + i) * C;
+          for (int64_t j = 0; j < C; ++j) X[j] = static_cast<A>(ti[j]) * inv_tau;
+          if (not_true && y >= 0) X[y] = neg_inf<A>();
+          ne += mix_any(C, X, E, Pi, U, wp[m]);
         }
-      });
-    };
-    if (f64) run(double(0)); else run(float(0));
+        np[i] = ne;
+      }
+    });
   });
   return {P, neg};
 }

@@ -393,6 +393,31 @@ def _prec(tf32: bool) -> str:
     return TF32_PRECISION
 
 
+def _launch(kernel_size, stride, padding, dilation, fold: bool, i64: bool, tf32: bool, tiles) -> dict:
+    """The launch keywords the three convolution kernels share: the geometry (kernel size, stride, padding,
+    dilation), the index mode (``FOLD``, ``IDX64``), the dot precision and the tiles ``(BM, BN, BK, warps,
+    stages)``."""
+    BM, BN, BK, nw, ns = tiles
+    return dict(
+        KH=kernel_size[0],
+        KW=kernel_size[1],
+        SH=stride[0],
+        SW=stride[1],
+        PH=padding[0],
+        PW=padding[1],
+        DH=dilation[0],
+        DW=dilation[1],
+        FOLD=fold,
+        IDX64=i64,
+        PREC=_prec(tf32),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        num_warps=nw,
+        num_stages=ns,
+    )
+
+
 def conv_forward(x, w, b, stride, padding, dilation, out, tf32: bool = False, cfg=None):
     """``out[B, n*Cout, OH, OW] = conv(x, w_k) + b_k`` for every client k (``out`` preallocated, any strides)."""
     B, _, H, W = x.shape
@@ -416,23 +441,8 @@ def conv_forward(x, w, b, stride, padding, dilation, out, tf32: bool = False, cf
         OW,
         *_strides(x),
         *_strides(out),
-        KH=KH,
-        KW=KW,
-        SH=stride[0],
-        SW=stride[1],
-        PH=padding[0],
-        PW=padding[1],
-        DH=dilation[0],
-        DW=dilation[1],
         HAS_BIAS=b is not None,
-        FOLD=fold,
-        IDX64=i64,
-        PREC=_prec(tf32),
-        BM=BM,
-        BN=BN,
-        BK=BK,
-        num_warps=nw,
-        num_stages=ns,
+        **_launch((KH, KW), stride, padding, dilation, fold, i64, tf32, (BM, BN, BK, nw, ns)),
     )
     return out
 
@@ -459,22 +469,7 @@ def conv_input_grad(g, w, stride, padding, dilation, dx, tf32: bool = False, cfg
         OW,
         *_strides(g),
         *_strides(dx),
-        KH=KH,
-        KW=KW,
-        SH=stride[0],
-        SW=stride[1],
-        PH=padding[0],
-        PW=padding[1],
-        DH=dilation[0],
-        DW=dilation[1],
-        FOLD=fold,
-        IDX64=i64,
-        PREC=_prec(tf32),
-        BM=BM,
-        BN=BN,
-        BK=BK,
-        num_warps=nw,
-        num_stages=ns,
+        **_launch((KH, KW), stride, padding, dilation, fold, i64, tf32, (BM, BN, BK, nw, ns)),
     )
     return dx
 
@@ -535,22 +530,7 @@ def conv_weight_grad(g, x, stride, padding, dilation, dw, tf32: bool = False, cf
         n,
         split,
         kchunk,
-        KH=KH,
-        KW=KW,
-        SH=stride[0],
-        SW=stride[1],
-        PH=padding[0],
-        PW=padding[1],
-        DH=dilation[0],
-        DW=dilation[1],
-        FOLD=fold,
-        IDX64=i64,
-        PREC=_prec(tf32),
-        BM=BM,
-        BN=BN,
-        BK=BK,
-        num_warps=nw,
-        num_stages=ns,
+        **_launch((KH, KW), stride, padding, dilation, fold, i64, tf32, (BM, BN, BK, nw, ns)),
     )
     if split > 1:
         torch.sum(dst, 0, out=dw)
