@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import ops
+from . import ops, simconfig as _simconfig
 from ._deprecation import deprecated
 from ._io import host_to_device
 from .data.datasets import ArrayDataset
@@ -451,12 +451,15 @@ __all__ = ["Simulation"]
 
 
 def __getattr__(name: str):
-    """``fedfast.engine.Diverged``: moved to :mod:`fedfast.sim.diverged` (``fedfast.Diverged`` is unchanged); the old
-    address works for one release, with a DeprecationWarning naming the new one."""
-    if name == "Diverged":
-        deprecated(
-            "fedfast.engine.Diverged moved to fedfast.sim.diverged.Diverged (or use fedfast.Diverged); "
-            "the old address goes in the next release"
-        )
-        return _diverged.Diverged
+    """Names that moved from here (``fedfast.engine.Diverged``: to :mod:`fedfast.sim.diverged`, ``fedfast.Diverged``
+    unchanged; ``check_device``: :mod:`fedfast.simconfig`); the old address works for one release, with a
+    DeprecationWarning naming the new one."""
+    moved = {
+        "Diverged": (_diverged.Diverged, "fedfast.sim.diverged.Diverged (or use fedfast.Diverged)"),
+        "check_device": (_simconfig.check_device, "fedfast.simconfig.check_device"),
+    }
+    if name in moved:
+        value, home = moved[name]
+        deprecated(f"fedfast.engine.{name} moved to {home}; the old address goes in the next release")
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

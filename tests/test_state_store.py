@@ -17,7 +17,7 @@ import torch
 import fedfast
 from fedfast import checkpoint
 from fedfast.cli import main
-from fedfast.rowfile import RowFile
+from fedfast.store.rowfile import RowFile
 from fedfast.store.state import ClientState
 
 K, P = 40, 6
@@ -79,10 +79,10 @@ def test_a_file_store_is_copy_on_write_and_reuses_rows_after_the_next_checkpoint
     assert st.used == 11
     held = set(st.state_dict()["slots"].tolist())
     for _ in range(4):  # never a row the checkpoint holds: they wait; two other sets alternate
-        slots = st._allocate(ids)
+        slots = st.allocate(ids)
         assert not held & set(slots.tolist())
-        st._write(slots, torch.randn(5, P, generator=g))
-        st._assign(ids, slots)
+        st.write(slots, torch.randn(5, P, generator=g))
+        st.assign(ids, slots)
     assert st.used == 16
     st.state_dict()  # a newer checkpoint: the first one's rows are free
     for _ in range(4):
@@ -149,7 +149,7 @@ def test_auto_moves_to_the_file_past_its_limit_with_the_rows_so_far(tmp_path):
     for r in range(6):
         ids = torch.arange(2 * r, 2 * r + 2)
         rows = torch.randn(2, P, generator=g)
-        assert st._spills(ids) == (r == 4)  # 1 + 8 rows fit 10; 1 + 10 do not
+        assert st.spills(ids) == (r == 4)  # 1 + 8 rows fit 10; 1 + 10 do not
         st.scatter_(ids, rows)
         ref[ids] = rows
         assert st.on_disk == (r >= 4) and torch.equal(st.dense(), ref)
@@ -265,13 +265,13 @@ ARGS = [
 KILL_IN_SCATTER = """
 import os, signal, sys
 from fedfast.store.state import ClientState
-real = ClientState._write
+real = ClientState.write
 def write(self, slots, rows):
     if self.seq == 3:  # round 4: half the rows into the file, then the process dies
         real(self, slots[:2], rows[:2])
         os.kill(os.getpid(), signal.SIGKILL)
     real(self, slots, rows)
-ClientState._write = write
+ClientState.write = write
 from fedfast.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -361,3 +361,23 @@ def test_workers_share_one_file_and_resume_to_the_one_process_run(tmp_path):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
     x, y = _final(two), _final(ref)
     assert all(torch.allclose(x[k], y[k], atol=1e-5) for k in x)
+
+
+def test_the_store_protocol_is_public_and_the_old_rowfile_address_warns():
+    """Issue 61: fedfast.store.shared reaches the store through its public protocol only (no private name of
+    ClientState), and fedfast.rowfile still resolves for one release, warning."""
+    import ast
+    import inspect
+
+    import fedfast.rowfile as old
+    from fedfast.store import rowfile as home, shared
+
+    tree = ast.parse(inspect.getsource(shared))
+    private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")]
+    assert private == [], private
+    for verb in ("allocate", "write", "assign", "spills", "spill", "attach", "follow"):
+        assert verb in ClientState.__dict__ and ClientState.__dict__[verb].__doc__, verb
+    with pytest.warns(DeprecationWarning, match=r"fedfast.rowfile.RowFile moved to fedfast.store.rowfile.RowFile"):
+        assert old.RowFile is home.RowFile
+    with pytest.raises(AttributeError):
+        _ = old.NoSuchName

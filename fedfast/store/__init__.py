@@ -5,7 +5,7 @@ clients' BatchNorm statistics) for up to all K clients, held for the clients wri
   checkpoints;
 * :mod:`.place`: where the rows live, one interface (:class:`~fedfast.store.place.RowPlace`) and one class per
   place: :mod:`.memory` (device or host memory), :mod:`.pinned` (pinned host memory, for GPU runs whose state
-  outgrows the GPU), :mod:`.file` (a memory-mapped file, :mod:`fedfast.rowfile`, for state larger than memory);
+  outgrows the GPU), :mod:`.file` (a memory-mapped file, :mod:`fedfast.store.rowfile`, for state larger than memory);
 * :mod:`.shared`: the round's rows into a store across the processes of a ``torch.distributed`` group.
 """
 

@@ -1,4 +1,4 @@
-"""Rows in a memory-mapped file (:class:`FileRows`, over :class:`fedfast.rowfile.RowFile`): per-client state
+"""Rows in a memory-mapped file (:class:`FileRows`, over :class:`fedfast.store.rowfile.RowFile`): per-client state
 larger than memory (``state_store = "disk"``, or ``"auto"`` past ``state_memory``)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..rowfile import RowFile
 from .place import RowPlace
+from .rowfile import RowFile
 
 
 class FileRows(RowPlace):

@@ -25,7 +25,7 @@ def store_rows(comm, st: ClientState, ids: torch.Tensor, rows: torch.Tensor) -> 
     host_ids = all_ids.cpu().numpy()
     if not st.on_disk:
         # in memory: every process keeps the whole table
-        if not comm.any_(comm.rank == 0 and st._spills(host_ids), ids.device):
+        if not comm.any_(comm.rank == 0 and st.spills(host_ids), ids.device):
             all_ids, all_rows = comm.gather_rows(ids, rows)
             st.scatter_(all_ids, all_rows, spill=False)
             return
@@ -35,12 +35,12 @@ def store_rows(comm, st: ClientState, ids: torch.Tensor, rows: torch.Tensor) -> 
                 f"{st.store!r}) in a directory they all see; pass Simulation(..., state_dir=...)"
             )
         if comm.rank == 0:
-            st._spill()
+            st.spill()
         comm.barrier()
         if comm.rank != 0:
-            st._attach()
+            st.attach()
     slots = (
-        torch.from_numpy(st._allocate(host_ids, spill=False))
+        torch.from_numpy(st.allocate(host_ids, spill=False))
         if comm.rank == 0
         else torch.empty(len(host_ids), dtype=torch.int64)
     )
@@ -48,7 +48,7 @@ def store_rows(comm, st: ClientState, ids: torch.Tensor, rows: torch.Tensor) -> 
     comm.broadcast_(slots, 0)
     slots = slots.cpu().numpy()
     if comm.rank != 0:
-        st._follow(slots)
-    st._write(slots[start : start + len(ids)], rows)
+        st.follow(slots)
+    st.write(slots[start : start + len(ids)], rows)
     comm.barrier()
-    st._assign(host_ids, slots, track=comm.rank == 0)
+    st.assign(host_ids, slots, track=comm.rank == 0)

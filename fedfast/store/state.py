@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..rowfile import paths_of
 from .file import FileRows
 from .memory import MemoryRows
 from .pinned import PinnedRows
 from .place import RowPlace
+from .rowfile import paths_of
 
 
 class ClientState:
@@ -28,7 +28,7 @@ class ClientState:
     addressed by client id (a tensor, array or list; a device tensor is read to the host once per call).
 
     ``store``: where the table lives. ``"memory"`` (the default): device or host memory. ``"disk"``: a
-    memory-mapped file (:mod:`fedfast.rowfile`, ``<directory>/<name>.rows`` and ``.stamps``) from the first write
+    memory-mapped file (:mod:`fedfast.store.rowfile`, ``<directory>/<name>.rows`` and ``.stamps``) from the first write
     on. ``"auto"``: memory while the table fits ``memory_budget`` bytes, then the file (the rows written so far
     are copied there once). Without ``directory`` the file is in a temporary directory removed with the store,
     and :meth:`state_dict` holds the rows (as in memory). With ``directory`` (a run's directory) the file outlives
@@ -40,9 +40,17 @@ class ClientState:
     a hint that caps growth, not a limit).
 
     The place is one of :class:`~fedfast.store.memory.MemoryRows`, :class:`~fedfast.store.pinned.PinnedRows` and
-    :class:`~fedfast.store.file.FileRows` (``place``). Several processes share a file through
-    :func:`fedfast.store.shared.store_rows`, which runs a scatter's steps (``_allocate``, ``_write``,
-    ``_assign``) apart."""
+    :class:`~fedfast.store.file.FileRows` (``place``).
+
+    **The multi-process protocol.** A scatter is three verbs, which one process runs in a row (:meth:`scatter_`)
+    and the processes of a ``torch.distributed`` group sharing one file run apart
+    (:func:`fedfast.store.shared.store_rows`): :meth:`allocate` (rows for the clients to be written: rank 0 alone,
+    which owns the free and pending lists and the checkpoints' stamps, and broadcasts the rows), :meth:`write`
+    (each process its own clients' rows into those rows; then a barrier) and :meth:`assign` (every process maps
+    the clients to their rows, ``track`` on rank 0 only). Around them: :meth:`spills` (whether this write moves an
+    ``"auto"`` table to the file: rank 0's decision, made for all), :meth:`spill` (rank 0 moves it; a barrier),
+    :meth:`attach` (the other ranks map rank 0's file) and :meth:`follow` (map the file as far as the rows rank 0
+    allocated). Any other order, or a verb on another rank than the one named, may lose rows."""
 
     def __init__(
         self,
@@ -100,7 +108,7 @@ class ClientState:
 
     @property
     def file(self):
-        """The :class:`fedfast.rowfile.RowFile` once the table moved to a file, else None."""
+        """The :class:`fedfast.store.rowfile.RowFile` once the table moved to a file, else None."""
         return self.place.file if self.place.on_disk else None
 
     @property
@@ -178,9 +186,9 @@ class ClientState:
             raise ValueError(f"rows: expected shape ({len(a)}, {self.cols}), got {tuple(rows.shape)}")
         if len(np.unique(a)) != len(a):
             raise ValueError("ids: a client written twice in one scatter")
-        slots = self._allocate(a, spill=spill)
-        self._write(slots, rows)
-        self._assign(a, slots)
+        slots = self.allocate(a, spill=spill)
+        self.write(slots, rows)
+        self.assign(a, slots)
 
     def mean(self) -> Tensor:
         """Mean over all K clients in fp32 (FedDyn's server correction, FedDistill+'s logit sum): the written rows'
@@ -199,8 +207,8 @@ class ClientState:
         """Every client's row, ``[K, cols]`` fp32 on the storage device (K rows: small populations and tests)."""
         return self.table.index_select(0, self._slots(self.slot_of)).float()
 
-    # -- the steps of a scatter (several processes sharing one file run them apart: fedfast.store.shared) -------
-    def _spills(self, ids) -> bool:
+    # -- the multi-process protocol: a scatter's three verbs and the file's moves (see the class docstring) -----
+    def spills(self, ids) -> bool:
         """Whether writing clients ``ids`` moves an ``"auto"`` table from memory to the file (or a ``"disk"`` one
         makes its file)."""
         if self.on_disk or self.store == "memory":
@@ -213,12 +221,12 @@ class ClientState:
     def _new_rows(self, a: np.ndarray) -> int:
         return len(a) if self.cow else int(np.count_nonzero(self.slot_of[a] == 0))
 
-    def _allocate(self, ids, *, spill: bool = True) -> np.ndarray:
+    def allocate(self, ids, *, spill: bool = True) -> np.ndarray:
         """Rows for clients ``ids`` to be written: a new client's next free row; a client with a row keeps it,
         or, copy-on-write, gets a free or new one. Grows the table (``spill=False``: never into the file)."""
         a = self._ids(ids)
-        if spill and self._spills(a):
-            self._spill()
+        if spill and self.spills(a):
+            self.spill()
         slots = self.slot_of[a].copy()
         fresh = np.ones(len(a), dtype=bool) if self.cow else slots == 0
         n = int(fresh.sum())
@@ -230,14 +238,14 @@ class ClientState:
         self.used = need
         return slots
 
-    def _write(self, slots: np.ndarray, rows: Tensor) -> None:
+    def write(self, slots: np.ndarray, rows: Tensor) -> None:
         """Rows ``[n, cols]`` (fp32) into table rows ``slots``, stamped with this write's number."""
         self.table.index_copy_(0, self._slots(slots), rows.to(self.place.device, self.dtype))
         self.place.stamp(slots, self.seq + 1)
         self.place.release()
 
-    def _assign(self, ids, slots: np.ndarray, *, track: bool = True) -> None:
-        """Clients ``ids`` read rows ``slots`` from now on (after :meth:`_write`); ``track=False``: a process that
+    def assign(self, ids, slots: np.ndarray, *, track: bool = True) -> None:
+        """Clients ``ids`` read rows ``slots`` from now on (after :meth:`write`); ``track=False``: a process that
         does not allocate (another process's rows of a shared file) keeps no free list."""
         a = self._ids(ids)
         old = self.slot_of[a]
@@ -252,7 +260,7 @@ class ClientState:
             self.pending = np.concatenate([self.pending, gone[held]])
             self.free = np.concatenate([self.free, gone[~held]])
 
-    def _spill(self) -> None:
+    def spill(self) -> None:
         """Move the table to the file (``<directory>/<name>``, or a temporary directory): the rows written so far
         are copied once; later growth extends the file."""
         if self.on_disk:
@@ -260,7 +268,7 @@ class ClientState:
         self.place = FileRows.spill(self.directory, self.name, self.table, self.used, self.seq)
         self.commit_seq = -1  # no checkpoint refers to the file yet: a superseded row is free at once
 
-    def _attach(self, uid: str | None = None) -> None:
+    def attach(self, uid: str | None = None) -> None:
         """Map the file another process made (the table moves there; ``uid``: the file it must be)."""
         if not self.on_disk:
             if self.directory is None:
@@ -270,7 +278,7 @@ class ClientState:
                 )
             self.place = FileRows.open(self.directory, self.name, self.cols, self.dtype, uid)
 
-    def _follow(self, slots: np.ndarray) -> None:
+    def follow(self, slots: np.ndarray) -> None:
         """Map the file as far as rows ``slots`` (grown by the process that allocated them)."""
         if len(slots):
             self.place.follow(int(slots.max()) + 1)
@@ -343,9 +351,9 @@ class ClientState:
         self._reset(state["init"])
         for s in range(0, len(a), 4096):  # through the store's own growth, in memory as it was checkpointed (a
             part = a[s : s + 4096]  # move to the file is the next scatter's: all processes of a group decide it)
-            slots = self._allocate(part, spill=False)
-            self._write(slots, rows[s : s + 4096].float())
-            self._assign(part, slots)
+            slots = self.allocate(part, spill=False)
+            self.write(slots, rows[s : s + 4096].float())
+            self.assign(part, slots)
         self.commit_seq = self.seq
 
     def _reset(self, init: Tensor) -> None:
