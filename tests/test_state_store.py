@@ -381,3 +381,41 @@ def test_the_store_protocol_is_public_and_the_old_rowfile_address_warns():
         assert old.RowFile is home.RowFile
     with pytest.raises(AttributeError):
         _ = old.NoSuchName
+
+
+def test_the_row_map_alone():
+    """Issue 61: the row map apart from the store. In memory a client keeps its row; copy-on-write every write takes
+    a fresh row, the superseded one waits (pending) while the latest checkpoint may hold it, and is reused only
+    after the next checkpoint; a checkpoint's map restores with every other row free."""
+    from fedfast.store.rowmap import RowMap
+
+    grown = []
+    m = RowMap(6)
+    a = np.array([4, 1])
+    s1 = m.allocate(a, False, lambda used, need: grown.append((used, need)))
+    m.assign(a, s1, cow=False)
+    assert list(s1) == [1, 2] and grown == [(1, 3)] and m.written == 2 and m.seq == 1
+    s2 = m.allocate(np.array([1, 5]), False, lambda *_: None)
+    assert list(s2) == [2, 3]  # client 1 keeps row 2, client 5 gets a new one
+    stamps = np.zeros(16, dtype=np.int64)
+    c = RowMap(6)
+    c.uncommitted()
+    for rnd in range(1, 3):
+        s = c.allocate(a, True, lambda *_: None)
+        stamps[s] = rnd
+        c.assign(a, s, cow=True, stamps=stamps)
+    assert list(c.free) == [1, 2] and len(c.pending) == 0  # no checkpoint: free at once
+    c.commit()
+    s = c.allocate(a, True, lambda *_: None)  # reuses the free rows
+    assert sorted(s) == [1, 2]
+    stamps[s] = 3
+    c.assign(a, s, cow=True, stamps=stamps)
+    assert sorted(c.pending) == [3, 4] and len(c.free) == 0  # the checkpoint holds rows 3 and 4
+    s = c.allocate(a, True, lambda *_: None)
+    assert sorted(s) == [5, 6]  # never a held row
+    c.commit()
+    assert sorted(c.free) == [3, 4]
+    ids, slots = c.referenced()
+    r = RowMap(6)
+    r.restore(ids, slots, c.used, c.seq)
+    assert list(r.slot_of) == list(c.slot_of) and sorted(r.free) == [3, 4, 5, 6] and r.written == 2

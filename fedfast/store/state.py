@@ -1,5 +1,6 @@
-"""The per-client state store (:class:`ClientState`): which row holds which client, copy-on-write and checkpoints,
-over a place (:mod:`fedfast.store.place`) that holds the rows."""
+"""The per-client state store (:class:`ClientState`): gathers, scatters, the mean, copy-on-write and checkpoints,
+over a row map (:class:`fedfast.store.rowmap.RowMap`: which row holds which client) and a place
+(:mod:`fedfast.store.place`: where the rows live)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .memory import MemoryRows
 from .pinned import PinnedRows
 from .place import RowPlace
 from .rowfile import paths_of
+from .rowmap import RowMap
 
 
 class ClientState:
@@ -92,13 +94,7 @@ class ClientState:
             self.place = MemoryRows(self.cols, dtype, torch.device("cpu") if host else self.device, **grow)
         self.row_bytes = self.place.row_bytes
         self.table[0] = init.expand(self.cols).to(self.place.device, dtype)
-        self.slot_of = np.zeros(self.num_clients, dtype=np.int64)  # 0: never written (reads the initial row)
-        self._written = 0
-        self.used = 1  # rows [0, used) of the table are allocated
-        self.seq = 0  # writes so far (a row's stamp: the write that filled it)
-        self.commit_seq = 0  # the write count at the latest state_dict / load_state_dict
-        self.free = np.empty(0, dtype=np.int64)  # rows to reuse (copy-on-write files)
-        self.pending = np.empty(0, dtype=np.int64)  # superseded rows the latest checkpoint may hold
+        self.map = RowMap(self.num_clients)  # which row holds which client, the rows in use, free and pending
 
     # -- what the store is -------------------------------------------------------------------------------------
     @property
@@ -128,7 +124,32 @@ class ClientState:
     @property
     def written(self) -> int:
         """Clients with a row of their own."""
-        return self._written
+        return self.map.written
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        """[K] each client's row (0: never written); the map's (:class:`~fedfast.store.rowmap.RowMap`)."""
+        return self.map.slot_of
+
+    @property
+    def used(self) -> int:
+        """Rows ``[0, used)`` of the table are allocated."""
+        return self.map.used
+
+    @property
+    def seq(self) -> int:
+        """Writes so far (a row's stamp: the write that filled it)."""
+        return self.map.seq
+
+    @property
+    def free(self) -> np.ndarray:
+        """Rows to reuse (copy-on-write files)."""
+        return self.map.free
+
+    @property
+    def pending(self) -> np.ndarray:
+        """Superseded rows the latest checkpoint may hold (free after the next one)."""
+        return self.map.pending
 
     @property
     def on_disk(self) -> bool:
@@ -143,7 +164,7 @@ class ClientState:
     def nbytes(self) -> int:
         """Bytes held in memory: the table's rows in use (a host table reserves the run's rows, and pages never
         written take no memory; a device or pinned table: as allocated; a file: none) and the client -> row map."""
-        return self.place.nbytes(self.used) + self.slot_of.nbytes + self.free.nbytes + self.pending.nbytes
+        return self.place.nbytes(self.used) + self.map.nbytes
 
     @property
     def file_bytes(self) -> int:
@@ -215,11 +236,8 @@ class ClientState:
             return False
         if self.store == "disk":
             return True
-        need = self.used + self._new_rows(self._ids(ids))
+        need = self.used + self.map.new_rows(self._ids(ids), self.cow)
         return self.memory_budget is not None and need * self.row_bytes > self.memory_budget
-
-    def _new_rows(self, a: np.ndarray) -> int:
-        return len(a) if self.cow else int(np.count_nonzero(self.slot_of[a] == 0))
 
     def allocate(self, ids, *, spill: bool = True) -> np.ndarray:
         """Rows for clients ``ids`` to be written: a new client's next free row; a client with a row keeps it,
@@ -227,16 +245,7 @@ class ClientState:
         a = self._ids(ids)
         if spill and self.spills(a):
             self.spill()
-        slots = self.slot_of[a].copy()
-        fresh = np.ones(len(a), dtype=bool) if self.cow else slots == 0
-        n = int(fresh.sum())
-        reuse = self.free[:n]
-        self.free = self.free[n:]
-        need = self.used + n - len(reuse)
-        self.place.grow(self.used, need)
-        slots[fresh] = np.concatenate([reuse, np.arange(self.used, need, dtype=np.int64)])
-        self.used = need
-        return slots
+        return self.map.allocate(a, self.cow, self.place.grow)
 
     def write(self, slots: np.ndarray, rows: Tensor) -> None:
         """Rows ``[n, cols]`` (fp32) into table rows ``slots``, stamped with this write's number."""
@@ -247,18 +256,7 @@ class ClientState:
     def assign(self, ids, slots: np.ndarray, *, track: bool = True) -> None:
         """Clients ``ids`` read rows ``slots`` from now on (after :meth:`write`); ``track=False``: a process that
         does not allocate (another process's rows of a shared file) keeps no free list."""
-        a = self._ids(ids)
-        old = self.slot_of[a]
-        self.slot_of[a] = slots
-        self.seq += 1
-        self._written += int(np.count_nonzero(old == 0))
-        if len(slots):
-            self.used = max(self.used, int(slots.max()) + 1)
-        if track and self.cow:
-            gone = old[(old != 0) & (old != slots)]
-            held = self.place.stamps[gone] <= self.commit_seq  # filled before the latest checkpoint: it may hold it
-            self.pending = np.concatenate([self.pending, gone[held]])
-            self.free = np.concatenate([self.free, gone[~held]])
+        self.map.assign(self._ids(ids), slots, cow=self.cow, stamps=self.place.stamps, track=track)
 
     def spill(self) -> None:
         """Move the table to the file (``<directory>/<name>``, or a temporary directory): the rows written so far
@@ -266,7 +264,7 @@ class ClientState:
         if self.on_disk:
             return
         self.place = FileRows.spill(self.directory, self.name, self.table, self.used, self.seq)
-        self.commit_seq = -1  # no checkpoint refers to the file yet: a superseded row is free at once
+        self.map.uncommitted()  # no checkpoint refers to the file yet: a superseded row is free at once
 
     def attach(self, uid: str | None = None) -> None:
         """Map the file another process made (the table moves there; ``uid``: the file it must be)."""
@@ -284,18 +282,12 @@ class ClientState:
             self.place.follow(int(slots.max()) + 1)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def _referenced(self) -> tuple[np.ndarray, np.ndarray]:
-        """The written clients and their rows, in row order (a checkpoint restores the same table)."""
-        ids = np.flatnonzero(self.slot_of)
-        ids = ids[np.argsort(self.slot_of[ids], kind="stable")]
-        return ids, self.slot_of[ids]
-
     def state_dict(self) -> dict:
         """Plain data for a checkpoint. In memory (or a temporary file): the written clients' ids and rows
         (storage dtype) and the initial row. A file in ``directory``: flushed, and referred to by name and id
         with each written client's row and stamp (the rows stay in the file; rows superseded before this call
         are reused from now on, so only the newest checkpoint is resumable)."""
-        ids, slots = self._referenced()
+        ids, slots = self.map.referenced()
         if not self.cow:
             rows = self.table.index_select(0, self._slots(slots)).cpu()
             return {
@@ -317,9 +309,7 @@ class ClientState:
             "cols": self.cols,
             "dtype": str(self.dtype).replace("torch.", ""),
         }
-        self.free = np.concatenate([self.free, self.pending])
-        self.pending = np.empty(0, dtype=np.int64)
-        self.commit_seq = self.seq
+        self.map.commit()
         return out
 
     def load_state_dict(self, state) -> None:
@@ -354,14 +344,12 @@ class ClientState:
             slots = self.allocate(part, spill=False)
             self.write(slots, rows[s : s + 4096].float())
             self.assign(part, slots)
-        self.commit_seq = self.seq
+        self.map.commit()  # in memory: nothing pending
 
     def _reset(self, init: Tensor) -> None:
         self.place.reset()
         self.table[0] = init.to(self.place.device, self.dtype)
-        self.slot_of[:] = 0
-        self.used, self.seq, self.commit_seq, self._written = 1, 0, 0, 0
-        self.free = self.pending = np.empty(0, dtype=np.int64)
+        self.map.reset()
 
     def _load_file(self, state: dict) -> None:
         if (
@@ -395,11 +383,4 @@ class ClientState:
                 f"can be resumed"
             )
         self.place = place
-        self.slot_of[:] = 0
-        self.slot_of[ids] = slots
-        self.used, self.seq, self._written = used, int(state["seq"]), len(ids)
-        self.commit_seq = self.seq
-        taken = np.zeros(used, dtype=bool)
-        taken[0] = True
-        taken[slots] = True
-        self.free, self.pending = np.flatnonzero(~taken).astype(np.int64), np.empty(0, dtype=np.int64)
+        self.map.restore(ids, slots, used, int(state["seq"]))
