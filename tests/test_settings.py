@@ -18,12 +18,14 @@ from fedfast.sim.evaluation import EvalSettings, Evaluator
 from fedfast.sim.plan import PlanSettings, RoundPlan
 from fedfast.sim.runtime import ModelRuntime, RuntimeSettings
 from fedfast.sim.sizing import BudgetSettings, MemoryBudget
+from fedfast.sim.stores import StateStores, StoreSettings
 from fedfast.sim.trainer import ChunkTrainer, TrainerSettings
 
 PARTS = {
     RoundPlan: PlanSettings,
     ModelRuntime: RuntimeSettings,
     MemoryBudget: BudgetSettings,
+    StateStores: StoreSettings,
     Evaluator: EvalSettings,
     ChunkTrainer: TrainerSettings,
     DPFedAvg: PrivacySettings,

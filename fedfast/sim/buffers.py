@@ -16,7 +16,7 @@ from ..methods.hooks import HookError, hook_site
 from ..store.state import ClientState
 from .plan import RoundPlan
 from .runtime import ModelRuntime
-from .sizing import MemoryBudget
+from .stores import StateStores
 
 
 def bn_param_index(runtime: ModelRuntime) -> torch.Tensor:
@@ -84,9 +84,7 @@ class RoundBuffers:
         return torch.where(self.layout.integer_mask(b.device), b.round(), b).float()
 
 
-def local_statistics_store(
-    bn_stats: str, bn_params: str, runtime: ModelRuntime, budget: MemoryBudget, num_clients: int
-):
+def local_statistics_store(bn_stats: str, bn_params: str, runtime: ModelRuntime, stores: StateStores, num_clients: int):
     """FedBN's per-client store (None when nothing is local): rows of the model's buffers under ``bn_stats =
     "local"`` (``runtime.num_buffers`` values, FedBN's statistics), then its BatchNorm weights and biases under
     ``bn_params = "local"``; float32 whatever ``state_dtype`` says, the initial model's as a client's first row.
@@ -109,7 +107,7 @@ def local_statistics_store(
         ([runtime.initial_buffers.float()] if stats else [])
         + ([runtime.initial[idx.to(runtime.initial.device)].float()] if params else [])
     )
-    return budget.client_state(num_clients, init, cols=init.numel(), name="client-buffers", float32=True)
+    return stores.client_state(num_clients, init, cols=init.numel(), name="client-buffers", float32=True)
 
 
 def client_state_dict(

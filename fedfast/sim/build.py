@@ -32,6 +32,7 @@ from .plan import PlanSettings, RoundPlan
 from .runtime import ModelRuntime, RuntimeSettings, probe_batch
 from .sizing import BudgetSettings, MemoryBudget
 from .state import RunState
+from .stores import StateStores, StoreSettings
 from .trainer import ChunkTrainer, TrainerSettings
 
 
@@ -102,8 +103,8 @@ def run_device(config: SimConfig, device, model: nn.Module) -> torch.device:
 def bound(config: SimConfig, method: Method, view: EngineView, parts: tuple, comm, loss_fn) -> tuple:
     """``(chunk, trainer)``: the method bound to its view (:func:`~fedfast.sim.facade.bind_method`), the chunk sized
     by ``client_chunk`` or the budget (at most this rank's share of the largest cohort), its trainer made under the
-    memory guard. ``parts``: ``(runtime, plan, budget)``."""
-    rt, plan, budget = parts
+    memory guard. ``parts``: ``(runtime, plan, budget, stores)``."""
+    rt, plan, budget, stores = parts
     per_rank = -(-plan.max_cohort() // comm.world)
 
     def make_trainer(n: int) -> ChunkTrainer:
@@ -122,7 +123,7 @@ def bound(config: SimConfig, method: Method, view: EngineView, parts: tuple, com
             )
 
     size = lambda: max(1, min(per_rank, config.client_chunk or budget.auto_chunk()))  # noqa: E731
-    return bind_method(method, view, budget, size, make_trainer)
+    return bind_method(method, view, budget, stores, size, make_trainer)
 
 
 def build_simulation(
@@ -183,17 +184,27 @@ def build_simulation(
     if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found before
         found = getattr(method, "classifier_name", None)
         rt.classifier_name = found if found is not None and prepared is model else rt.find_classifier(found)
-    budget = MemoryBudget(BudgetSettings.of(c), method, rt, device, state_dir, plan.max_cohort())
+    budget = MemoryBudget(BudgetSettings.of(c), method, rt, device)
+    # the per-client state stores (the method's, FedBN's), built from their own settings; the budget sizes the chunk
+    stores = StateStores(
+        StoreSettings.of(c),
+        device,
+        params=rt.num_params,
+        guard=budget.guard,
+        owner=method.name,
+        state_dir=state_dir,
+        max_cohort=plan.max_cohort(),
+    )
     validation = validation.to(device) if validation is not None else None
     server_splits = {k: v.to(device) for k, v in (("val", val), ("aux", aux)) if v is not None}
     state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
-    client_buffers = local_statistics_store(c.bn_stats, c.bn_params, rt, budget, plan.num_clients)  # FedBN's
+    client_buffers = local_statistics_store(c.bn_stats, c.bn_params, rt, stores, plan.num_clients)  # FedBN's
     # all a method may touch of the engine: the parts; the method declares its per-client state to it, the chunk is
     # sized with that, the trainer made, the state allocated, then the method bound (setup)
     view = EngineView(
-        c, runtime=rt, plan=plan, budget=budget, state=state, train=train, server_splits=server_splits, device=device
+        c, runtime=rt, plan=plan, stores=stores, state=state, train=train, server_splits=server_splits, device=device
     )
-    chunk, trainer = bound(c, method, view, (rt, plan, budget), comm, loss_fn)
+    chunk, trainer = bound(c, method, view, (rt, plan, budget, stores), comm, loss_fn)
     uses_teacher = bool(loss_needs_teacher) if loss_fn is not None else method.uses_teacher()
     if uses_teacher and c.teacher == "cache" and c.augment != "none":
         raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")

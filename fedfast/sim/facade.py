@@ -20,6 +20,7 @@ from .plan import RoundPlan
 from .runtime import ModelRuntime
 from .sizing import MemoryBudget
 from .state import RunState
+from .stores import StateStores
 from .trainer import ChunkTrainer
 
 
@@ -33,7 +34,7 @@ class EngineView:
     __slots__ = (
         "_runtime",
         "_plan",
-        "_budget",
+        "_stores",
         "_state",
         "_splits",
         "_trainer",
@@ -62,13 +63,13 @@ class EngineView:
         *,
         runtime: ModelRuntime,
         plan: RoundPlan,
-        budget: MemoryBudget,
+        stores: StateStores,
         state: RunState,
         train: ArrayDataset,
         server_splits: dict,
         device: torch.device,
     ):
-        self._runtime, self._plan, self._budget, self._state = runtime, plan, budget, state
+        self._runtime, self._plan, self._stores, self._state = runtime, plan, stores, state
         self._splits, self._trainer, self._binding = server_splits, None, False
         self.device, self.backend, self.seed, self.config = device, config.backend, config.seed, config
         self.num_clients, self.num_params, self.num_classes = plan.num_clients, runtime.num_params, train.num_classes
@@ -195,7 +196,7 @@ class EngineView:
                 "instead; the engine allocates self.client_state before setup",
                 3,
             )
-        return self._budget.client_state(self.num_clients, fill, rows, cols=cols)
+        return self._stores.client_state(self.num_clients, fill, rows, cols=cols)
 
     def head_params(self, params) -> tuple:
         return self._runtime.head_params(params)
@@ -239,15 +240,16 @@ def bind_method(
     method: Method,
     view: EngineView,
     budget: MemoryBudget,
+    stores: StateStores,
     size_chunk: Callable[[], int],
     make_trainer: Callable[[int], ChunkTrainer],
 ) -> tuple[int, ChunkTrainer]:
     """Wire ``method`` to its engine in the order that needs no back-reference: the method declares its per-client
     state to the view of the parts so far (``Method.client_state_spec``), the budget sizes the chunk with it
-    (``size_chunk()``), the chunk trainer is made (``make_trainer(chunk)``) and attached to the view, the store is
-    allocated (``method.client_state``), then ``Method.bind`` runs ``setup``. A plug-in that still allocates its
-    state in ``setup`` (deprecated; warned there) has the chunk sized again, and a smaller one made if the state
-    needs it. Returns ``(chunk, trainer)``."""
+    (``size_chunk()``), the chunk trainer is made (``make_trainer(chunk)``) and attached to the view, ``stores``
+    allocates the store (``method.client_state``), then ``Method.bind`` runs ``setup``. A plug-in that still
+    allocates its state in ``setup`` (deprecated; warned there) has the chunk sized again, and a smaller one made if
+    the state needs it. Returns ``(chunk, trainer)``."""
     spec = method.client_state_spec(view)
     if spec is not None and not isinstance(spec, StateSpec):
         raise HookError(
@@ -259,7 +261,7 @@ def bind_method(
     trainer = make_trainer(chunk)
     view._attach(trainer)
     if spec is not None:
-        method.client_state = budget.client_state(
+        method.client_state = stores.client_state(
             view.num_clients, spec.fill, spec.rows, cols=spec.cols, float32=spec.float32
         )
     view._binding = True
