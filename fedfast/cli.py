@@ -67,7 +67,7 @@ def console() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line: every subcommand with its arguments."""
+    """The command line: every subcommand with its arguments (in the order ``--help`` lists them)."""
     ap = argparse.ArgumentParser(prog="fedfast", description="fedfast: batched federated KD simulation")
     ap.add_argument(
         "--version",
@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
         version=f"fedfast {__version__} (torch {torch.__version__}, python {sys.version.split()[0]})",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_run_parser, _listing_parsers, _sweep_parser, _output_parsers, _tool_parsers):
+        add(sub)
+    ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
+    return ap
+
+
+def _run_parser(sub) -> None:
+    """``fedfast run``."""
     r = sub.add_parser("run", help="run a simulation into a run directory")
     r.add_argument("config", nargs="?", help="TOML config file, or a run's config.json (runs it again)")
     r.add_argument(
@@ -112,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
         "(STUDY.toml/CELL); --set algorithm=... picks the row "
         "(default: its first)",
     )
+
+
+def _listing_parsers(sub) -> None:
+    """``fedfast methods`` and ``fedfast presets``."""
     mt = sub.add_parser("methods", help="list the methods with their options, defaults and papers")
     mt.add_argument("name", nargs="?", help="show one method in full (e.g. fedntd, fedavg+asd)")
     mt.add_argument("--plugin", action="append", default=[], metavar="FILE.py")
@@ -121,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         help="show one preset in full; a study file (STUDY.toml) lists its cells, STUDY.toml/CELL shows one",
     )
+
+
+def _sweep_parser(sub) -> None:
+    """``fedfast sweep``."""
     sw = sub.add_parser(
         "sweep",
         help="run methods x grid points x seeds into a study directory (skips complete runs, resumes interrupted ones)",
@@ -149,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="I/N",
         help="run only the I-th of N disjoint parts of the study (0 <= I < N; a job array's task)",
     )
+
+
+def _output_parsers(sub) -> None:
+    """``fedfast report`` and ``fedfast plot``."""
     rp = sub.add_parser(
         "report",
         help="the study's table (mean ± std over seeds, the paper's numbers); several "
@@ -168,6 +188,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("dirs", nargs="+", help="study or run directories")
     pl.add_argument("-o", "--out", required=True, help="PNG file to write")
     pl.add_argument("--title", default=None)
+
+
+def _tool_parsers(sub) -> None:
+    """``fedfast bench`` and ``fedfast doctor``."""
     bn = sub.add_parser(
         "bench", help="the fused losses against their authors' code (time, peak memory)", add_help=False
     )
@@ -182,8 +206,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also check the Triton kernels in Triton's interpreter (CPU-only machines)",
     )
-    ap.epilog = "Under torchrun (WORLD_SIZE > 1) each process trains its share of every round's clients."
-    return ap
 
 
 def main(argv=None) -> int:

@@ -236,21 +236,7 @@ class SimConfig:
     def _check_dp(self, cls) -> None:
         """The private-run keys: each used only with dp_clip, and a run whose uploads, sampling or weights DP-FedAvg's
         analysis does not cover refused by name."""
-        given = [
-            k
-            for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
-            if getattr(self, k) is not None
-        ]
-        given += [
-            k
-            for k, v in (
-                ("dp_clip_lr", self.dp_clip_lr != 0.2),
-                ("dp_diagnostics", self.dp_diagnostics is not False),
-                ("dp_mechanism", self.dp_mechanism != "dp_fedavg"),
-                ("dp_ftrl_restart", self.dp_ftrl_restart is not None),
-            )
-            if v
-        ]
+        given = self._dp_keys_given()
         if not (
             isinstance(self.dp_clip, (int, float))
             and not isinstance(self.dp_clip, bool)
@@ -261,6 +247,32 @@ class SimConfig:
             if given:
                 raise ValueError(f"{given[0]}: a private-run key, given without dp_clip (the clipping norm)")
             return
+        self._check_adaptive_clip()
+        self._check_dp_noise()
+        self._check_dp_sampling()
+        self._check_dp_method(cls)
+
+    def _dp_keys_given(self) -> list:
+        """The private-run keys set away from their defaults."""
+        out = [
+            k
+            for k in ("dp_noise_multiplier", "dp_epsilon", "dp_clip_quantile", "dp_clip_count_noise")
+            if getattr(self, k) is not None
+        ]
+        out += [
+            k
+            for k, v in (
+                ("dp_clip_lr", self.dp_clip_lr != 0.2),
+                ("dp_diagnostics", self.dp_diagnostics is not False),
+                ("dp_mechanism", self.dp_mechanism != "dp_fedavg"),
+                ("dp_ftrl_restart", self.dp_ftrl_restart is not None),
+            )
+            if v
+        ]
+        return out
+
+    def _check_adaptive_clip(self) -> None:
+        """Adaptive clipping's keys (dp_clip_quantile, dp_clip_lr, dp_clip_count_noise): in range, and only with it."""
         if self.dp_clip_quantile is not None:
             if not (isinstance(self.dp_clip_quantile, (int, float)) and 0 < self.dp_clip_quantile < 1):
                 raise ValueError(
@@ -278,6 +290,9 @@ class SimConfig:
             for k in ("dp_clip_count_noise",) + (("dp_clip_lr",) if self.dp_clip_lr != 0.2 else ()):
                 if getattr(self, k) is not None:
                     raise ValueError(f"{k}: an adaptive-clipping key, given without dp_clip_quantile")
+
+    def _check_dp_noise(self) -> None:
+        """The noise: a multiplier or an epsilon to calibrate it to, each a finite number; dp_diagnostics a bool."""
         if self.dp_noise_multiplier is None and self.dp_epsilon is None:
             raise ValueError(
                 "dp_clip: a private run needs dp_noise_multiplier (0: clipping only, epsilon infinite) or "
@@ -290,6 +305,9 @@ class SimConfig:
                 raise ValueError(f"{k}: a finite number {'> 0' if k == 'dp_epsilon' else '>= 0'}, got {v!r}")
         if not isinstance(self.dp_diagnostics, bool):
             raise ValueError(f"dp_diagnostics: true or false, got {self.dp_diagnostics!r}")
+
+    def _check_dp_sampling(self) -> None:
+        """The sampling and the mechanism: ones the accounting covers."""
         if self.client_sampling not in SAMPLING:
             raise ValueError(f"client_sampling: one of {SAMPLING}, got {self.client_sampling!r}")
         if self.dp_mechanism not in privacy.MECHANISMS:
@@ -314,6 +332,9 @@ class SimConfig:
             privacy.check_accounting(
                 self.dp_delta, "poisson" if self.client_sampling == "poisson" else "fixed", self.dp_accountant
             )
+
+    def _check_dp_method(self, cls) -> None:
+        """The method: one whose uploads and weights the mechanism covers."""
         if cls.private_refusal:
             raise ValueError(f"dp_clip: {self.algorithm} is refused in a private run: {cls.private_refusal}")
         if cls.uploads and cls.upload_spec is _methods.Method.upload_spec:
