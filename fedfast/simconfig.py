@@ -131,6 +131,13 @@ class SimConfig:
         cls = _methods.get(self.algorithm)  # ValueError naming "algorithm" for unknown names
         self.options = self._tables(cls)
         method = self.method()  # validates every option (messages name table.key); the run builds its own
+        self._check_training(cls)
+        self._check_dp(cls)
+        self._check_choices(cls, method)
+        self._check_sizes()
+
+    def _check_training(self, cls) -> None:
+        """The counts, the seed and the client optimiser's settings (``max_grad_norm``: the method's default)."""
         for k in ("clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every"):
             if not isinstance(getattr(self, k), (int, np.integer)) or int(getattr(self, k)) < 1:
                 raise ValueError(f"{k}: must be an integer >= 1, got {getattr(self, k)!r}")
@@ -168,7 +175,10 @@ class SimConfig:
             self.max_grad_norm = float(cls.max_grad_norm)
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
-        self._check_dp(cls)
+
+    def _check_choices(self, cls, method) -> None:
+        """The keys that name one of several choices (``aggregate_weights`` and ``teacher``: their defaults), and
+        the combinations a method or a private run refuses."""
         if self.aggregate_weights is None:
             self.aggregate_weights = "uniform" if self.dp_clip else cls.aggregation
         choices = {
@@ -203,6 +213,9 @@ class SimConfig:
             raise ValueError(f"teacher: 'cache' or 'online', got {self.teacher!r}")
         if self.teacher == "cache" and self.augment != "none" and method.uses_teacher():
             raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+
+    def _check_sizes(self) -> None:
+        """``local_steps``, the chunk, the classifier's name and the memory limits."""
         if self.local_steps is not None:
             if (
                 isinstance(self.local_steps, bool)

@@ -564,7 +564,6 @@ KNOWN_LONG = {
     ("fedfast/ops/distill_options.py", "option_rows_grad"),
     ("fedfast/sim/build.py", "build_simulation"),
     ("fedfast/batched.py", "plan"),
-    ("fedfast/simconfig.py", "__post_init__"),
     ("fedfast/study/__init__.py", "sweep"),
     ("fedfast/presets/__init__.py", "load_file"),
     ("fedfast/triton/distill.py", "distill_rows_triton"),
