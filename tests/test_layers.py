@@ -565,7 +565,6 @@ KNOWN_LONG = {
     ("fedfast/sim/build.py", "build_simulation"),
     ("fedfast/batched.py", "plan"),
     ("fedfast/study/__init__.py", "sweep"),
-    ("fedfast/presets/__init__.py", "load_file"),
     ("fedfast/triton/distill.py", "distill_rows_triton"),
     ("fedfast/triton/client_step.py", "client_step_triton"),
 }

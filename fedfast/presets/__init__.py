@@ -147,34 +147,8 @@ def load_file(path: str) -> list[Preset]:
             f"unknown table or key of a study file (known: {', '.join(_TOP)}; a study's "
             f"run keys go in [protocol] or a cell)",
         )
-    meta = _table(path, "preset", d.get("preset", {}))
-    bad = [k for k in meta if k not in _META]
-    if bad:
-        raise _fail(path, f"preset.{bad[0]}", f"unknown key (known: {', '.join(_META)})")
-    metric = meta.get("metric", "final")
-    if metric not in ("final", "best"):
-        raise _fail(
-            path, "preset.metric", f'"final" or "best" (which accuracy the reported numbers are), got {metric!r}'
-        )
-    seeds = meta.get("seeds", [0, 1, 2])
-    if not isinstance(seeds, list) or not seeds or not all(type(s) is int and s >= 0 for s in seeds):
-        raise _fail(path, "preset.seeds", f"expected a non-empty list of integers >= 0, got {seeds!r}")
-    for k in ("paper", "table", "notes", "select"):
-        if not isinstance(meta.get(k, ""), str):
-            raise _fail(path, f"preset.{k}", f"expected a string, got {meta[k]!r}")
-    for k in ("methods", "plugins"):
-        v = meta.get(k, [])
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise _fail(path, f"preset.{k}", f"expected a list of strings, got {v!r}")
-    plugins = []
-    for p in meta.get("plugins", []):
-        full = os.path.join(os.path.dirname(path), p)
-        if not os.path.isfile(full):
-            raise _fail(path, "preset.plugins", f"{p}: no such file beside the study file ({full})")
-        plugins.append(os.path.abspath(full))
-    if plugins:
-        for p in plugins:
-            methods.load_plugin(p)
+    meta, metric, seeds = _study_meta(path, d)
+    plugins = _study_plugins(path, meta)
     protocol = _table(path, "protocol", d.get("protocol", {}))
     options = {
         m: dict(_table(path, f"options.{m}", o)) for m, o in _table(path, "options", d.get("options", {})).items()
@@ -186,23 +160,7 @@ def load_file(path: str) -> list[Preset]:
     out = []
     for cell, c in cells.items():
         c = dict(_table(path, f"cells.{cell}", c))
-        reported = {}
-        for m, v in _table(path, f"cells.{cell}.reported", c.pop("reported", {})).items():
-            if not (
-                isinstance(v, list)
-                and 1 <= len(v) <= 2
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-            ):
-                raise _fail(path, f"cells.{cell}.reported.{m}", f"expected [mean] or [mean, std] in %, got {v!r}")
-            reported[m] = [float(x) for x in v]
-        missing = {k: str(v) for k, v in _table(path, f"cells.{cell}.missing", c.pop("missing", {})).items()}
-        note = " ".join(str(c.pop("reported_note", "")).split())
-        opts = {m: dict(o) for m, o in options.items()}
-        for m, o in _table(path, f"cells.{cell}.options", c.pop("options", {})).items():
-            merged = dict(opts.get(m, {}))  # this cell's options of a method, over the file's
-            for k, v in _table(path, f"cells.{cell}.options.{m}", o).items():
-                merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
-            opts[m] = merged
+        reported, missing, note, opts = _cell_tables(path, cell, c, options)
         keys = {**protocol, **c}
         out.append(
             Preset(
@@ -227,6 +185,67 @@ def load_file(path: str) -> list[Preset]:
             )
         )
     return out
+
+
+def _study_meta(path: str, d: dict) -> tuple:
+    """``(meta, metric, seeds)``: a study file's ``[preset]`` table, checked key by key."""
+    meta = _table(path, "preset", d.get("preset", {}))
+    bad = [k for k in meta if k not in _META]
+    if bad:
+        raise _fail(path, f"preset.{bad[0]}", f"unknown key (known: {', '.join(_META)})")
+    metric = meta.get("metric", "final")
+    if metric not in ("final", "best"):
+        raise _fail(
+            path, "preset.metric", f'"final" or "best" (which accuracy the reported numbers are), got {metric!r}'
+        )
+    seeds = meta.get("seeds", [0, 1, 2])
+    if not isinstance(seeds, list) or not seeds or not all(type(s) is int and s >= 0 for s in seeds):
+        raise _fail(path, "preset.seeds", f"expected a non-empty list of integers >= 0, got {seeds!r}")
+    for k in ("paper", "table", "notes", "select"):
+        if not isinstance(meta.get(k, ""), str):
+            raise _fail(path, f"preset.{k}", f"expected a string, got {meta[k]!r}")
+    for k in ("methods", "plugins"):
+        v = meta.get(k, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise _fail(path, f"preset.{k}", f"expected a list of strings, got {v!r}")
+    return meta, metric, seeds
+
+
+def _study_plugins(path: str, meta: dict) -> list:
+    """The plug-in method files ``[preset] plugins`` names (beside the study file), imported; their paths."""
+    plugins = []
+    for p in meta.get("plugins", []):
+        full = os.path.join(os.path.dirname(path), p)
+        if not os.path.isfile(full):
+            raise _fail(path, "preset.plugins", f"{p}: no such file beside the study file ({full})")
+        plugins.append(os.path.abspath(full))
+    if plugins:
+        for p in plugins:
+            methods.load_plugin(p)
+    return plugins
+
+
+def _cell_tables(path: str, cell: str, c: dict, options: dict) -> tuple:
+    """``(reported, missing, note, options)`` of cell ``cell`` (its dict ``c``, these keys popped from it): the
+    paper's numbers, the methods it lacks and why, its note, and the methods' options, the cell's over the file's."""
+    reported = {}
+    for m, v in _table(path, f"cells.{cell}.reported", c.pop("reported", {})).items():
+        if not (
+            isinstance(v, list)
+            and 1 <= len(v) <= 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        ):
+            raise _fail(path, f"cells.{cell}.reported.{m}", f"expected [mean] or [mean, std] in %, got {v!r}")
+        reported[m] = [float(x) for x in v]
+    missing = {k: str(v) for k, v in _table(path, f"cells.{cell}.missing", c.pop("missing", {})).items()}
+    note = " ".join(str(c.pop("reported_note", "")).split())
+    opts = {m: dict(o) for m, o in options.items()}
+    for m, o in _table(path, f"cells.{cell}.options", c.pop("options", {})).items():
+        merged = dict(opts.get(m, {}))  # this cell's options of a method, over the file's
+        for k, v in _table(path, f"cells.{cell}.options.{m}", o).items():
+            merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
+        opts[m] = merged
+    return reported, missing, note, opts
 
 
 def is_study_file(path: str) -> bool:
