@@ -564,7 +564,6 @@ KNOWN_LONG = {
     ("fedfast/ops/distill_options.py", "option_rows_grad"),
     ("fedfast/sim/build.py", "build_simulation"),
     ("fedfast/batched.py", "plan"),
-    ("fedfast/study/__init__.py", "sweep"),
     ("fedfast/triton/distill.py", "distill_rows_triton"),
     ("fedfast/triton/client_step.py", "client_step_triton"),
 }

@@ -139,48 +139,12 @@ def sweep(
     multi = len(cells) > 1
     plan, specs, grid_added = [], [], False
     for c in cells:
-        sub = os.path.join(out, c.cell) if multi else out
-        ms = list(methods) or (c.methods if c is not None else [])
-        if not ms:
-            raise ValueError("--methods: which methods to run (a preset's or study file's rows are the default)")
-        ss = list(seeds) if seeds else (c.seeds if c is not None else [0])
-        if c is not None:
-            check_grid(c.grid, c.methods, f"{c.source}: [grid]")  # the study's own grid against its own rows
-        g = {
-            k: [_token(v) for v in vals]
-            for k, vals in (c.grid if c is not None else {}).items()
-            if k not in cli_grid and _applies(k, ms)
-        }  # the file's grid over methods this sweep runs
-        skipped = sorted(set(c.grid if c is not None else {}) - set(g) - set(cli_grid))
-        if skipped and not quiet:
-            print(
-                f"grid: {', '.join(skipped)} of {c.source} vary no method of --methods {','.join(ms)}: not swept",
-                flush=True,
-            )
-        g.update(cli_grid)
-        ov = list(overrides)
-        base_keys = c.keys if c is not None else {}
-        if g and not _given("val_fraction", ov, file_keys, base_keys):
-            ov.append(f"val_fraction={GRID_VAL_FRACTION}")  # grid points are selected on a validation split
-            grid_added = True
-        plugs = tuple(plugins) + tuple(p for p in (c.plugins if c is not None else ()) if p not in plugins)
-        spec = {
-            "preset": c.name if c is not None else None,
-            "study": c.source if c is not None and not c.packaged else None,
-            "cell": c.card() if c is not None else None,
-            "protocol": _protocol(c),
-            "config": os.path.abspath(config) if config else None,
-            "methods": ms,
-            "seeds": ss,
-            "overrides": overrides,
-            "plugins": [os.path.abspath(x) for x in plugs],
-            "grid": g,
-            "select": c.select if c is not None else "",
-        }
-        if spec["select"]:
-            select_key(spec["select"], f"{c.source}: preset.select")
+        sub, spec, runs, added = _cell_plan(
+            c, out, multi, methods, seeds, cli_grid, overrides, file_keys, config, plugins, quiet
+        )
         specs.append((sub, spec))
-        plan += _plan(sub, c, ms, ss, g, ov, config, file_keys, plugs)
+        plan += runs
+        grid_added = grid_added or added
     _record(out, cells, specs, multi)
     total = len(plan)
     for i, r in enumerate(plan):
@@ -199,6 +163,52 @@ def sweep(
     if jobs > 1:
         return _run_jobs(plan, jobs, workers, quiet, out)
     return _run_serial(plan, workers, quiet)
+
+
+def _cell_plan(c, out, multi, methods, seeds, cli_grid, overrides, file_keys, config, plugins, quiet) -> tuple:
+    """``(part directory, its study.json spec, its runs, whether the validation split was added for a grid)`` of
+    one cell ``c`` of a sweep (None: a plain config) over ``methods`` x the grid x ``seeds``."""
+    sub = os.path.join(out, c.cell) if multi else out
+    ms = list(methods) or (c.methods if c is not None else [])
+    if not ms:
+        raise ValueError("--methods: which methods to run (a preset's or study file's rows are the default)")
+    ss = list(seeds) if seeds else (c.seeds if c is not None else [0])
+    if c is not None:
+        check_grid(c.grid, c.methods, f"{c.source}: [grid]")  # the study's own grid against its own rows
+    g = {
+        k: [_token(v) for v in vals]
+        for k, vals in (c.grid if c is not None else {}).items()
+        if k not in cli_grid and _applies(k, ms)
+    }  # the file's grid over methods this sweep runs
+    skipped = sorted(set(c.grid if c is not None else {}) - set(g) - set(cli_grid))
+    if skipped and not quiet:
+        print(
+            f"grid: {', '.join(skipped)} of {c.source} vary no method of --methods {','.join(ms)}: not swept",
+            flush=True,
+        )
+    g.update(cli_grid)
+    ov, added = list(overrides), False
+    base_keys = c.keys if c is not None else {}
+    if g and not _given("val_fraction", ov, file_keys, base_keys):
+        ov.append(f"val_fraction={GRID_VAL_FRACTION}")  # grid points are selected on a validation split
+        added = True
+    plugs = tuple(plugins) + tuple(p for p in (c.plugins if c is not None else ()) if p not in plugins)
+    spec = {
+        "preset": c.name if c is not None else None,
+        "study": c.source if c is not None and not c.packaged else None,
+        "cell": c.card() if c is not None else None,
+        "protocol": _protocol(c),
+        "config": os.path.abspath(config) if config else None,
+        "methods": ms,
+        "seeds": ss,
+        "overrides": overrides,
+        "plugins": [os.path.abspath(x) for x in plugs],
+        "grid": g,
+        "select": c.select if c is not None else "",
+    }
+    if spec["select"]:
+        select_key(spec["select"], f"{c.source}: preset.select")
+    return sub, spec, _plan(sub, c, ms, ss, g, ov, config, file_keys, plugs), added
 
 
 def _record(out: str, cells, specs, multi: bool) -> None:
