@@ -1,7 +1,7 @@
 """What a method may touch of the engine: :class:`EngineView` implements the :class:`fedfast.methods.Engine`
-protocol, and nothing else, by delegating to the parts of a run - the model runtime, the round plan, the memory
-budget, the run state, the server-held splits and (once the chunk is sized) the chunk trainer. It holds those parts,
-never the :class:`fedfast.Simulation` that wires them. ``Method.bind`` receives it."""
+protocol, and nothing else, by delegating to the parts of a run - the model runtime, the round plan, the per-client
+state stores, the run state, the server-held splits and (once the chunk is sized) the chunk trainer. It holds those
+parts, never the :class:`fedfast.Simulation` that wires them. ``Method.bind`` receives it."""
 
 from __future__ import annotations
 
