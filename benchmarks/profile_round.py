@@ -3,7 +3,10 @@
 For each shape and convolution implementation, one warm-up round, then ``--rounds`` profiled rounds; writes the
 operators sorted by device time (self time, with call counts) and the share of the round in each group
 (convolutions, matrix products, the fused fedfast ops, copies, elementwise/other), and the host's view: the
-wall time of a round against the device time its kernels took (a host-bound round has device idle time).
+wall time of a round against the device time its kernels took (a host-bound round has device idle time). The
+wall time is also measured without the profiler (``wall_plain``, median of ``--rounds`` rounds), which the
+profiler's own host cost does not inflate; ``--cprofile N`` adds the host's Python side of one more round
+(``cProfile``, the N functions with the most time of their own, C calls such as kernel launches included).
 
     python benchmarks/profile_round.py --device cuda --shapes pfl_cifar_50,pfl_cifar_1000 --conv grouped,triton \
         --out $OUT/profile.txt
@@ -13,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -110,7 +116,20 @@ def _launches(prof, dev) -> int:
     return sum(1 for e in evs if compute(e) and not any(compute(k) for k in e.cpu_children))
 
 
-def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
+def _host_profile(sim, dev, top: int) -> str:
+    """cProfile over one round: the ``top`` functions by own time (a kernel launch is its Python binding's time)."""
+    pr = cProfile.Profile()
+    _sync(dev)
+    pr.enable()
+    sim.round()
+    _sync(dev)
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def profile_shape(name: str, dev, conv: str, rounds: int, cprofile: int = 0) -> str:
     s = SHAPES[name]
     train, _ = _data(s["dataset"], s["K"] * s["n"])
     part = data.iid(train.y, s["K"], seed=0)
@@ -135,6 +154,13 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, train.subset(slice(0, 100)), part, device=dev)
     sim.round()
     _sync(dev)
+    plain = []
+    for _ in range(rounds):  # without the profiler: its own host cost inflates the profiled rounds' wall time
+        t = time.perf_counter()
+        sim.round()
+        _sync(dev)
+        plain.append(time.perf_counter() - t)
+    wall_plain = sorted(plain)[len(plain) // 2]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         t = time.perf_counter()  # inside: the profiler's start and its post-processing at exit are not the round's
@@ -156,11 +182,15 @@ def profile_shape(name: str, dev, conv: str, rounds: int) -> str:
         f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
         f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
         f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "
-        f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step"
+        f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step; "
+        f"without the profiler {wall_plain * 1e3:.2f} ms/round, {wall_plain / steps * 1e6:.0f} us per step"
     ]
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
         lines.append(f"   {g:32} {v * 1e3:9.3f} ms  {100 * v / total:5.1f} %")
     lines.append(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+    if cprofile:
+        lines.append(f"-- host (cProfile), one round of {name}, conv={sim.runtime.conv}:")
+        lines.append(_host_profile(sim, dev, cprofile))
     return "\n".join(lines)
 
 
@@ -170,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="pfl_cifar_50,pfl_cifar_1000")
     ap.add_argument("--conv", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cprofile", type=int, default=0, help="also the top N host functions of one round (cProfile)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -178,7 +209,7 @@ def main(argv=None) -> int:
     out = []
     for name in a.shapes.split(","):
         for conv in a.conv.split(","):
-            txt = profile_shape(name, dev, conv, a.rounds)
+            txt = profile_shape(name, dev, conv, a.rounds, a.cprofile)
             print(txt.split("\n", 1)[0], flush=True)
             print("\n".join(txt.split("\n")[1:8]), flush=True)
             out.append(txt)
