@@ -320,7 +320,10 @@ def run_shape(
 
     impls = {}
     variants = [(conv, None) for conv in engine_convs] + ([("triton", tiles)] if tiles else [])
-    for conv, vt in variants:
+    for variant, vt in variants:
+        conv, _, flag = variant.partition("+")  # "triton+graphs": that convolution with cuda_graphs=True
+        if flag not in ("", "graphs"):
+            raise ValueError(f"--engine-conv: CONV or CONV+graphs, got {variant!r}")
         cfg = fedfast.SimConfig(
             algorithm=s["algorithm"],
             options=opts,
@@ -334,13 +337,15 @@ def run_shape(
             seed=0,
             eval_every=10**6,
             conv=conv,
+            cuda_graphs=flag == "graphs",
         )
         base = _mem_begin(dev)
         sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, test, part, device=dev)
         with _using_tiles(vt):
             recs = [sim.round()]  # warm-up (round 0): Triton compilation, cuDNN plans, allocator
         peak = _mem_peak(dev, base)
-        label = f"engine[{sim.runtime.conv}{'+tiles' if vt else ''}]" if len(variants) > 1 else "engine"
+        label = f"engine[{sim.runtime.conv}{'+tiles' if vt else ''}{'+graphs' if flag else ''}]"
+        label = label if len(variants) > 1 else "engine"
         impls[label] = dict(
             kind="engine",
             conv=sim.runtime.conv,
@@ -352,6 +357,7 @@ def run_shape(
             teacher_flops=teacher_rows * fwd,
             executor="batched" if sim.trainer.stack.plan is not None else "vmap",
             client_chunk=sim.chunk,
+            graphs=bool(flag),
         )
     if loop:
         base = _mem_begin(dev)
@@ -407,6 +413,13 @@ def run_shape(
                 client_chunk=im["client_chunk"],
                 timers={k: round(v, 5) for k, v in im["recs"][-1]["timers"].items()},
             )
+            out["cuda_graphs"] = im["graphs"]
+            if im["graphs"]:  # the same convolution's eager engine, trained in the same rounds from the same start
+                g = sim.trainer.graph
+                out["graph_steps"] = dict(captures=g.captures, replays=g.replays, eager=g.eager)
+                twin = impls.get(f"engine[{im['conv']}]")
+                if twin is not None:
+                    out["rel_diff_vs_eager_engine"] = _rel(sim.global_flat, twin["sim"].global_flat)
             if ref is not None:
                 out["max_rel_diff_vs_loop"] = _rel(sim.global_flat, ref)
                 out["rel_diff_vs_loop_first_round"] = im["diff0"]

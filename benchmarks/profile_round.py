@@ -3,7 +3,9 @@
 For each shape and convolution implementation, one warm-up round, then ``--rounds`` profiled rounds; writes the
 operators sorted by device time (self time, with call counts) and the share of the round in each group
 (convolutions, matrix products, the fused fedfast ops, copies, elementwise/other), and the host's view: the
-wall time of a round against the device time its kernels took (a host-bound round has device idle time). The
+wall time of a round against the device time its kernels took (a host-bound round has device idle time): the
+kernels' summed time and the time the device had any kernel running (``busy``), from the device events alone (an
+operator's self device time repeats its kernels', which summed both, up to twice the device time). The
 wall time is also measured without the profiler (``wall_plain``, median of ``--rounds`` rounds), which the
 profiler's own host cost does not inflate; ``--cprofile N`` adds the host's Python side of one more round
 (``cProfile``, the N functions with the most time of their own, C calls such as kernel launches included).
@@ -116,6 +118,26 @@ def _launches(prof, dev) -> int:
     return sum(1 for e in evs if compute(e) and not any(compute(k) for k in e.cpu_children))
 
 
+def _kernel_time(prof, rounds: int) -> tuple:
+    """(the kernels' summed time, the time the device had any kernel running, {group: summed time}) per round, in
+    seconds, from the profiler's device events (kernels, copies, memsets) alone."""
+    from torch.autograd import DeviceType
+
+    ks = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    groups: dict = {}
+    for e in ks:
+        g = _group(e.name)
+        groups[g] = groups.get(g, 0.0) + e.time_range.elapsed_us() / rounds / 1e6
+    busy, end = 0.0, None
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in ks):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    total = sum(e.time_range.elapsed_us() for e in ks)
+    return total / rounds / 1e6, busy / rounds / 1e6, groups
+
+
 def _host_profile(sim, dev, top: int) -> str:
     """cProfile over one round: the ``top`` functions by own time (a kernel launch is its Python binding's time)."""
     pr = cProfile.Profile()
@@ -148,7 +170,8 @@ def profile_shape(name: str, dev, conv: str, rounds: int, cprofile: int = 0) -> 
         weight_decay=s.get("weight_decay", 0.0),
         seed=0,
         eval_every=10**6,
-        conv=conv,
+        conv=conv.partition("+")[0],
+        cuda_graphs=conv.endswith("+graphs"),  # "triton+graphs": that convolution, each chunk's step one CUDA graph
     )
     train = train.to(dev)
     sim = fedfast.Simulation(cfg, copy.deepcopy(model).to(dev), train, train.subset(slice(0, 100)), part, device=dev)
@@ -169,18 +192,23 @@ def profile_shape(name: str, dev, conv: str, rounds: int, cprofile: int = 0) -> 
         _sync(dev)
         wall = (time.perf_counter() - t) / rounds
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    total = sum(getattr(e, key) for e in evs) / rounds / 1e6
-    groups: dict = {}
-    for e in evs:
-        g = _group(e.key)
-        groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
+    if dev.type == "cuda":  # the kernels themselves (an operator's self device time repeats its kernels')
+        total, busy, groups = _kernel_time(prof, rounds)
+    else:
+        evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+        total = busy = sum(getattr(e, key) for e in evs) / rounds / 1e6
+        groups = {}
+        for e in evs:
+            g = _group(e.key)
+            groups[g] = groups.get(g, 0.0) + getattr(e, key) / rounds / 1e6
     steps = s["E"] * -(-s["n"] // s["B"]) * -(-s["m"] // sim.chunk)  # local steps per round (chunks run in turn)
     launches = _launches(prof, dev) / rounds
     lines = [
-        f"== {name}, conv={sim.runtime.conv}, {dev.type}: wall {wall * 1e3:.2f} ms/round, "
+        f"== {name}, conv={sim.runtime.conv}{' +graphs' if cfg.cuda_graphs else ''}, {dev.type}: "
+        f"wall {wall * 1e3:.2f} ms/round, "
         f"{'device' if dev.type == 'cuda' else 'cpu self'} time {total * 1e3:.2f} ms/round "
-        f"({100 * total / wall:.0f} % of the wall time), chunk {sim.chunk}; "
+        f"({100 * total / wall:.0f} % of the wall time; busy {busy * 1e3:.2f} ms, "
+        f"{100 * busy / wall_plain:.0f} % of the wall time without the profiler), chunk {sim.chunk}; "
         f"{launches:.0f} {'kernels' if dev.type == 'cuda' else 'compute ops'} per round, "
         f"{launches / steps:.1f} per local step ({steps} steps), wall {wall / steps * 1e6:.0f} us per step; "
         f"without the profiler {wall_plain * 1e3:.2f} ms/round, {wall_plain / steps * 1e6:.0f} us per step"

@@ -105,6 +105,8 @@ def host_to_device(a, device: torch.device, dtype: torch.dtype | None = None) ->
     t = torch.as_tensor(a, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a replay would read the pinned block after it was reused
+        raise RuntimeError("host_to_device: a host-to-device copy inside a CUDA graph capture (fedfast.sim.step_graph)")
     return t.pin_memory().to(device, non_blocking=True)
 
 

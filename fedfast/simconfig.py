@@ -104,6 +104,9 @@ class SimConfig:
     #   "gemm" (im2col + batched GEMMs), "triton" (implicit GEMMs, CUDA) or "hybrid" (the implicit-GEMM forward,
     #   cuDNN's grouped gradients; CUDA); "auto": by device (fedfast.sim.runtime.CONV_AUTO)
     profile: bool = False  # split the local-step time (data, forward, teacher, loss, backward, step); syncs
+    cuda_graphs: bool = False  # CUDA: each chunk's local step captured once as a CUDA graph and replayed (the host
+    #   queues one graph per step, not its kernels: fedfast.sim.step_graph); methods whose loss and step_terms are
+    #   marked fedfast.methods.graph_safe; not with profile, SAM, a loss_fn or a teacher run on every step
     tune_cpu_allocator: bool = False  # CPU: keep freed memory for reuse (fedfast.cpu_alloc; process-wide)
     backend: str | None = None
     # user-level differential privacy (fedfast.privacy, docs/privacy.md): each sampled client's update clipped to L2
@@ -176,6 +179,23 @@ class SimConfig:
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm: must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
 
+    def _check_cuda_graphs(self, cls) -> None:
+        """``cuda_graphs``: a bool; refused with the options a graph cannot replay (fedfast.sim.step_graph)."""
+        if not isinstance(self.cuda_graphs, (bool, np.bool_)):
+            raise TypeError(f"cuda_graphs: True or False, got {self.cuda_graphs!r}")
+        if not self.cuda_graphs:
+            return
+        if self.profile:
+            raise ValueError("cuda_graphs: profile=True times each part of a step with host syncs; a graph has none")
+        unsafe = _methods.hooks.graph_unsafe_hooks(cls)
+        if unsafe:
+            raise ValueError(
+                f"cuda_graphs: {self.algorithm}'s {' and '.join(unsafe)} not marked fedfast.methods.graph_safe (a "
+                f"replayed step would keep the values its first capture read); run it with cuda_graphs=False"
+            )
+        if cls.sam:
+            raise ValueError(f"cuda_graphs: {self.algorithm} takes SAM steps (two passes), not captured as a graph")
+
     def _check_choices(self, cls, method) -> None:
         """The keys that name one of several choices (``aggregate_weights`` and ``teacher``: their defaults), and
         the combinations a method or a private run refuses."""
@@ -207,6 +227,7 @@ class SimConfig:
             )
         if self.augment not in PIPELINES:
             raise ValueError(f"augment: one of {sorted(PIPELINES)}, got {self.augment!r}")
+        self._check_cuda_graphs(cls)
         if self.teacher is None:
             self.teacher = "online" if self.augment != "none" else "cache"
         if self.teacher not in ("cache", "online"):

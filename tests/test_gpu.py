@@ -902,3 +902,85 @@ def test_gpu_private_rounds_match_the_literal_loop(backend):
     g = torch.zeros(1_000_000, device="cuda")
     noise = p.average(g, torch.zeros_like(g), 0.0, SimpleNamespace(index=0))
     assert abs(float(noise.std()) / (1.3 * 0.05 / 4) - 1) < 5e-3
+
+
+def _graph_counts(sim):
+    g = sim.trainer.graph
+    return dict(captures=g.captures, replays=g.replays, eager=g.eager)
+
+
+@pytest.mark.parametrize("case", ["fedntd-triton", "fedntd-hybrid", "fedprox-grouped", "fedavg-batchnorm"])
+def test_gpu_cuda_graph_steps_equal_eager_steps(case):
+    """cuda_graphs=True (each chunk's step captured once, replayed: fedfast.sim.step_graph) trains what the eager
+    steps train, and what the CPU loop trains: a replay that kept its capture's minibatch, teacher rows or terms
+    would be far off. Three local epochs of two steps: per chunk one warm-up, one capture, four replays."""
+    import copy
+
+    from sequential_loop import sequential
+    from test_engine_conv import _cnn_setup
+    from torch import nn
+
+    import fedfast
+    from fedfast.sim.memory import fp32_semantics
+
+    method, conv = case.split("-")
+    _need("triton") if conv in ("triton", "hybrid") else _cuda()
+    train, test, part, model = _cnn_setup()
+    if conv == "batchnorm":
+        conv = "auto"
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(150, 3),
+        )
+    opts = {"fedprox": {"mu": 0.5}} if method == "fedprox" else {}
+    kw = dict(algorithm=method, options=opts, clients_per_round=3, rounds=2, local_epochs=3, batch_size=8, lr=0.05)
+    kw.update(momentum=0.9, seed=1, conv=conv, client_chunk=2)  # two chunks: a capture per chunk and round
+    ref = sequential(fedfast.SimConfig(**kw), copy.deepcopy(model), train, part, 2)
+    got = {}
+    with fp32_semantics():
+        for graphs in (False, True):
+            cfg = fedfast.SimConfig(**kw, cuda_graphs=graphs)
+            sim = fedfast.Simulation(cfg, copy.deepcopy(model).cuda(), train.to("cuda"), test.to("cuda"), part)
+            sim.run()
+            got[graphs] = sim.global_flat.cpu()
+    assert _graph_counts(sim) == dict(captures=4, replays=4 * 5, eager=4)  # 2 rounds x 2 chunks x 6 steps
+    assert float((got[True] - got[False]).abs().max() / got[False].abs().max()) <= 1e-6
+    assert float((got[True] - ref).abs().max() / ref.abs().max()) <= 1e-4
+
+
+def test_gpu_cuda_graph_private_run_equals_the_loop():
+    """A private run with cuda_graphs: the clients' last step (which also measures the update norms) runs eagerly
+    (its key differs from the capture's), every other step replays; the clipped mean equals the loop's."""
+    import copy
+
+    from sequential_loop import sequential, setup_data
+
+    import fedfast
+    from fedfast.sampling import sample_clients
+
+    _need("triton")
+    train, test, part, model = setup_data("mlp")
+    kw = dict(algorithm="fedavg", clients_per_round=4, rounds=2, local_epochs=3, batch_size=16, lr=0.05, seed=3)
+    kw.update(max_grad_norm=0.0, dp_clip=0.05, dp_noise_multiplier=0.0, backend="triton", cuda_graphs=True)
+    cfg = fedfast.SimConfig(**kw)
+    sim = fedfast.Simulation(cfg, copy.deepcopy(model), train, test, part, device="cuda")
+    start = copy.deepcopy(sim.model).cpu()
+    sim.run()
+    seed = sim.privacy.secret.cohort_seed()
+    ref = sequential(
+        cfg,
+        start,
+        train,
+        part,
+        cfg.rounds,
+        sampled_fn=lambda r: sample_clients(seed, r, part.num_clients, 4),
+        dp=dict(clip=0.05, z=0.0, E=4.0, gen=None),
+    )
+    counts = _graph_counts(sim)
+    assert counts["replays"] > 0, counts
+    assert rel_err(sim.global_flat.cpu(), ref) <= 1e-5

@@ -28,7 +28,7 @@ from .base import (
     TeacherSpec,
     UploadSpec,
 )
-from .hooks import cross_entropy, weighted_mean_rows
+from .hooks import cross_entropy, graph_safe, weighted_mean_rows
 from .options import NoOptions, make_options, opt, validate_options
 from .registry import BUILTIN, REGISTRY, REPLACED, names, register, replaced, unregister
 from .round import Collected, Round, RoundSums
@@ -231,6 +231,7 @@ __all__ = [
     "NoOptions",
     "cross_entropy",
     "weighted_mean_rows",
+    "graph_safe",
     "REGISTRY",
     "register",
     "get",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Method
+from .hooks import graph_safe
 from .options import opt
 from .registry import register
 
@@ -39,6 +40,7 @@ class FedProx(FedAvg):
     class Options:
         mu: float = opt(0.1, "proximal coefficient (FedNTD Table 5: best of {0.1, 0.5, 1.0})", check=">=0")
 
+    @graph_safe  # the anchor is the round's global model, held by the engine at one address
     def step_terms(self, ctx, n_act):
         return dict(prox_mu=self.opts.mu, anchor=self.engine.global_flat) if self.opts.mu else {}
 

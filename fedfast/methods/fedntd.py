@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import nn as fnn
+from .hooks import graph_safe
 from .kd import FromGlobalModel
 from .options import opt
 from .registry import register
@@ -45,6 +46,7 @@ class FedNTD(FromGlobalModel):
         o = self.opts
         self.kd = fnn.NTDLoss(tau=o.tau, beta=o.beta, tau_squared=o.tau_squared, backend=self.engine.backend)
 
+    @graph_safe
     def loss(self, ctx, b):
         return self.kd(b.logits, b.teacher.logits, b.target, segments=b.segments, num_segments=b.num_clients)
 

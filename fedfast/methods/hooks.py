@@ -117,6 +117,23 @@ def weighted_mean_rows(rows: Tensor, valid: Tensor) -> Tensor:
     return (rows * w).sum()
 
 
+def graph_safe(hook):
+    """Mark a ``loss`` or ``step_terms`` hook as safe to replay as a CUDA graph (``SimConfig(cuda_graphs=True)``,
+    :mod:`fedfast.sim.step_graph`): within a chunk, its result depends on the chunk only - it reads no
+    ``b.epoch`` / ``b.step`` and no host state that changes between steps, and returns no tensor made fresh each
+    step (a term tensor is made in ``chunk_start`` or held by the method); ``step_terms`` also does not depend on
+    the step's loss. A subclass that overrides a marked hook marks its own."""
+    hook.graph_safe = True
+    return hook
+
+
+def graph_unsafe_hooks(method) -> list[str]:
+    """The hooks among ``loss`` and ``step_terms`` that ``method`` (a method or its class) runs without the
+    :func:`graph_safe` mark."""
+    cls = method if isinstance(method, type) else type(method)
+    return [h for h in ("loss", "step_terms") if not getattr(getattr(cls, h), "graph_safe", False)]
+
+
 class ClientHooks:
     """The client side of a method (the engine calls these during local training)."""
 
@@ -131,6 +148,7 @@ class ClientHooks:
         return None
 
     # -- client loss ---------------------------------------------------------------------------------------
+    @graph_safe
     def loss(self, ctx: Round, b: Step) -> Tensor:
         """The client loss of all active clients: the sum over clients of each client's minibatch mean."""
         return cross_entropy(b, self.engine.backend)
@@ -142,6 +160,7 @@ class ClientHooks:
         engine hands it back to the chunk's other hooks as ``ctx.chunk``."""
         return None
 
+    @graph_safe
     def step_terms(self, ctx: Round, n_act: int) -> dict:
         """Extra keyword arguments of :func:`fedfast.ops.client_step` for the active prefix ``0:n_act``."""
         return {}

@@ -21,9 +21,11 @@ from ..local_step import OptimizerSettings, PlainGradient, SAMGradient, client_o
 from ..methods.base import ClientData, Method, Step
 from ..methods.hooks import HookError, check_hook_return, describe_value, hook_site
 from ..methods.round import Round
+from ..teachers import CachedMixture, CachedTeacher
 from .memory import OutOfMemory, _free_bytes, _gib
 from .plan import RoundPlan
 from .runtime import ModelRuntime
+from .step_graph import StepGraph, step_key
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,7 @@ class TrainerSettings(Settings):
     backend: str | None
     dp_clip: float
     profile: bool
+    cuda_graphs: bool
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,6 +57,7 @@ class _ChunkRun:
     features: object
     rule: object
     track: bool
+    graph: bool = False  # the chunk's steps go through the trainer's StepGraph (cuda_graphs)
     masked: bool = False
 
 
@@ -106,6 +110,11 @@ class ChunkTrainer:
         self.client_window: tuple[int, int] | None = None
         self.prof: dict = {}  # profile=True: seconds per part of the local steps, this round
         self._last = 0.0
+        if settings.cuda_graphs and loss_fn is not None:
+            raise ValueError(
+                "cuda_graphs: a loss_fn's code is not known to be graph-safe; run it with cuda_graphs=False"
+            )
+        self.graph = StepGraph(device) if settings.cuda_graphs else None  # cuda_graphs: the chunk's captured step
 
     # -- timers --------------------------------------------------------------------------------------------------
     def sync(self):
@@ -170,6 +179,7 @@ class ChunkTrainer:
             features=self.runtime.features_module() if method.needs_features else None,
             rule=self._gradient_rule(ctx),
             track=self.delta_norm is not None,
+            graph=self._graph_chunk(teacher),
         )
         if run.track:  # a client without a step keeps theta = start
             self.delta_norm[:n].zero_()
@@ -194,6 +204,18 @@ class ChunkTrainer:
         if start_buffers is not None and self.runtime.num_buffers:
             self.stack.buffers[:n].copy_(start_buffers.expand(n, -1))
 
+    def _graph_chunk(self, teacher) -> bool:
+        """``cuda_graphs``: a new capture for this chunk (True), after the checks a graph needs at run time."""
+        if self.graph is None:
+            return False
+        if teacher is not None and not isinstance(teacher, (CachedTeacher, CachedMixture)):
+            raise ValueError(
+                f"cuda_graphs: {self.method.name}'s teacher runs on every step's rows ({type(teacher).__name__}), "
+                f"not captured as a graph; run it with cuda_graphs=False"
+            )
+        self.graph.reset()
+        return True
+
     def _gradient_rule(self, ctx: Round):
         """The chunk's gradient: plain, or SAM's at the radius ``method.sam_rho(ctx)`` (checked)."""
         method = self.method
@@ -214,14 +236,30 @@ class ChunkTrainer:
 
     def _local_step(self, ctx: Round, run: _ChunkRun, rows: np.ndarray, table: torch.Tensor, e: int, s: int):
         """Local step ``s`` of epoch ``e`` of the chunk's active clients (those with more than ``s`` steps): the
-        minibatch from the row ``table`` (``rows``: its host copy), the forward and loss, the gradient (plain or
-        SAM's) and the client optimiser's fused step with the method's terms."""
-        method, B, steps, lo = self.method, self.settings.batch_size, ctx.steps, run.lo
+        minibatch from the row ``table`` (``rows``: its host copy), then :meth:`_step_body` - eagerly, or through
+        the chunk's CUDA graph (``cuda_graphs``: a step without padding rows whose host values match the capture's)."""
+        B, steps, lo = self.settings.batch_size, ctx.steps, run.lo
         n_act = int((steps[lo : run.hi] > s).sum())
         x, y, valid, ridx = self.plan.minibatch(ctx, table, lo, n_act, e, s, run.gen)
         # BatchNorm's statistics leave padding rows out: the mask only on steps that have any (host table)
         bn_valid = valid if (rows[:n_act, s * B : (s + 1) * B] < 0).any() else None
         self.tick("data")
+        if not (run.graph and bn_valid is None):
+            self._step_body(ctx, run, x, y, valid, ridx, bn_valid, n_act, e, s, None)
+            return
+        kw = self._step_kw(ctx, run, n_act, e, s)  # graph-safe hooks: the terms do not depend on the step's loss
+
+        def body(x, y, valid, ridx):
+            self._step_body(ctx, run, x, y, valid, ridx, None, n_act, e, s, kw)
+
+        if not self.graph.step(step_key(n_act, kw), dict(x=x, y=y, valid=valid, ridx=ridx), body):
+            body(x, y, valid, ridx)  # the chunk's warm-up, or a step the capture does not fit
+
+    def _step_body(self, ctx: Round, run: _ChunkRun, x, y, valid, ridx, bn_valid, n_act: int, e: int, s: int, kw):
+        """The device work of one local step: the forward and loss, the gradient (plain or SAM's) and the client
+        optimiser's fused step with the method's terms (``kw``: computed before, in a graph's step; None: asked of
+        the method after the backward)."""
+        B = self.settings.batch_size
         pv = self.stack.leaf_views(slice(0, n_act))  # autograd leaves sharing the stack's storage
         t = run.teacher.rows(ridx.reshape(-1), x, bn_valid) if run.teacher is not None else None
         self.tick("teacher")
@@ -239,15 +277,29 @@ class ChunkTrainer:
             bn_valid=bn_valid,
         )
         loss = self.step_loss(ctx, pv, perturbed=False, **batch)
+        if run.graph:  # one flat gradient: the pieces' block table would be a host copy inside the graph
+            out = torch.empty(n_act, self.stack.P, device=self.device, dtype=self.stack.params.dtype)
+        else:
+            out = None if self.gradbuf is None else self.gradbuf[:n_act]
         grad = run.rule.gradient(  # plain, or SAM's (the gradient at w + rho g / ||g||, applied at w)
             self.stack,
             loss,
             pv,
             n_act,
             lambda p2: self.step_loss(ctx, p2, perturbed=True, **batch),
-            None if self.gradbuf is None else self.gradbuf[:n_act],
+            out,
         )
         self.tick("backward")
+        if kw is None:
+            kw = self._step_kw(ctx, run, n_act, e, s)
+        self.optimizer.step(self.stack.params, grad, n_act, kw)
+        run.loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
+        self.tick("step")
+
+    def _step_kw(self, ctx: Round, run: _ChunkRun, n_act: int, e: int, s: int) -> dict:
+        """The client step's keyword arguments: the chunk's, the method's ``step_terms`` (checked) and, on a private
+        run's last step of its clients, the update norms' outputs."""
+        method, steps, lo = self.method, ctx.steps, run.lo
         terms = method.step_terms(ctx, n_act)
         if not isinstance(terms, dict):
             check_hook_return(
@@ -264,9 +316,7 @@ class ChunkTrainer:
         # from the step's own pass (every active row's, so that the rows stay one prefix)
         if run.track and e == ctx.epochs - 1 and n_act and int(steps[lo + n_act - 1]) == s + 1:
             kw.update(delta_from=run.start, delta_norm=self.delta_norm[:n_act])
-        self.optimizer.step(self.stack.params, grad, n_act, kw)
-        run.loss_sum += loss.detach()  # sum of the active clients' minibatch means (no host sync)
-        self.tick("step")
+        return kw
 
     def update_norms(self, n: int) -> torch.Tensor | None:
         """The chunk's clients' ``||theta_k - start||`` [n] from their last local steps, or None when something
