@@ -59,12 +59,12 @@ class StepGraph:
         if device.type != "cuda" and not emulate:
             raise ValueError(f"cuda_graphs: a CUDA graph needs a CUDA device, got {device}")
         self.device, self.emulate = device, emulate
-        self.pool = None if emulate else torch.cuda.graph_pool_handle()
         self.captures = self.replays = self.eager = 0
         self.reset()
 
     def reset(self) -> None:
-        """A new chunk: the next step is its warm-up, the one after it is captured."""
+        """A new chunk: the next step is its warm-up, the one after it is captured (the last chunk's graph and its
+        memory pool freed here)."""
         self.graph, self.key, self.inputs, self.warm = None, None, None, False
 
     def step(self, key: tuple, inputs: dict, body) -> bool:
@@ -95,7 +95,9 @@ class StepGraph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            g.capture_begin(pool=self.pool)
+            # each capture its own memory pool: a pool handle shared with a graph since destroyed is refused by
+            # the caching allocator (seen on an H200, torch 2.11: "it->second->use_count > 0" at the next capture)
+            g.capture_begin()
             try:
                 body(**self.inputs)
             finally:
