@@ -109,7 +109,8 @@ def rounds_full(runs: list[tuple[str, dict]], device: str) -> str:
             label = f"{SHAPE_LABELS.get(rec['shape'], rec['shape'])} | {_ms(floor_seconds(rec, r['ceilings']))}"
             for key, im in rec["impls"].items():
                 tiles = " + tiles" if im.get("triton_tiles") else ""
-                name = "plain loop" if key == "loop" else f"fedfast (conv {im['conv']}{tiles})"
+                graphs = ", CUDA graphs" if im.get("cuda_graphs") else ""
+                name = "plain loop" if key == "loop" else f"fedfast (conv {im['conv']}{tiles}{graphs})"
                 ratio = "1" if key == "loop" else (f"{im['speedup_vs_loop']:.2f}" if "speedup_vs_loop" in im else "-")
                 diff = "-"
                 if "max_rel_diff_vs_loop" in im:
@@ -140,29 +141,34 @@ def rounds_short(runs: list[tuple[str, dict]], device: str) -> str:
     used = [r for r in dict.fromkeys(id(newest[s][0]) for s in order)]
     used = [next(r for _, r in runs if id(r) == i) for i in used]
     m = used[0]["machine"]
-    where = m["gpu"] if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
+    gpus = list(dict.fromkeys(r["machine"].get("gpu", "?") for r in used)) if device == "cuda" else []
+    where = " and ".join(gpus) if device == "cuda" else f"{m.get('cores', '?')}-core {m.get('cpu', 'CPU')}"
     shas = list(dict.fromkeys(r["machine"]["commit"][:12] for r in used))
     commits = ", ".join(f"`{c}`" for c in shas)
+    per_gpu = len(gpus) > 1  # rows from runs on different GPUs: each row names its own
     lines = [
         f"`benchmarks/bench_rounds.py` on {where} (torch {m['torch']}, commit{'s' if len(shas) > 1 else ''} "
-        f"{commits}; per shape its newest run; the loop and fedfast in one process, same clients, data order and "
-        f"initial weights; details and every implementation in "
+        f"{commits}; per shape its newest run{', on the GPU its row names' if per_gpu else ''}; the loop and fedfast "
+        f"in one process, same clients, data order and initial weights; details and every implementation in "
         f"[docs/benchmarks.md](docs/benchmarks.md#the-round-benchmark)):",
         "",
-        "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |",
-        "|---|---|---|---|---|",
+        "| workload | plain loop s/round | fedfast s/round | x loop | fedfast TFLOP/s |"
+        + (" GPU |" if per_gpu else ""),
+        "|---|---|---|---|---|" + ("---|" if per_gpu else ""),
     ]
     for shape in order:
         r, rec = newest[shape]
         loop = rec["impls"].get("loop")
         engines = {k: v for k, v in rec["impls"].items() if k != "loop" and not v.get("triton_tiles")}
         key, best = min(engines.items(), key=lambda kv: kv[1]["seconds_per_round"])
-        conv = f" ({best['conv']} conv)" if len(engines) > 1 else ""
+        graphs = ", CUDA graphs" if best.get("cuda_graphs") else ""
+        conv = f" ({best['conv']} conv{graphs})" if len(engines) > 1 else ""
         lines.append(
             f"| {SHAPE_LABELS.get(rec['shape'], rec['shape'])} | "
             f"{_ms(loop['seconds_per_round']) if loop else '-'} | "
             f"{_ms(best['seconds_per_round'])}{conv} | "
             f"{best.get('speedup_vs_loop', float('nan')):.2f} | {best['tflops']:.3f} |"
+            + (f" {r['machine'].get('gpu', '?')} |" if per_gpu else "")
         )
     return "\n".join(lines)
 
