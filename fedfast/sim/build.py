@@ -126,6 +126,57 @@ def bound(config: SimConfig, method: Method, view: EngineView, parts: tuple, com
     return bind_method(method, view, budget, stores, size, make_trainer)
 
 
+def checked_keys(config: SimConfig) -> dict:
+    """The config keys :func:`~fedfast.sim.inputs.check_inputs` checks the inputs against."""
+    return dict(client_sampling=config.client_sampling, augment=config.augment)
+
+
+def round_plan(config: SimConfig, train, partition, method, device, comm, order: tuple, private: tuple) -> RoundPlan:
+    """The round plan of this rank. ``order``: ``(schedule, data_order)``; ``private``: ``(privacy settings, the
+    run's secret)`` - a private run's secret (OS entropy, rank 0's on every rank) draws its noise, never the run
+    seed, and its cohorts too where the mechanism assumes them secret (DP-FedAvg's sampling amplification)."""
+    dp_settings, secret = private
+    return RoundPlan(
+        PlanSettings.of(config),
+        train,
+        partition,
+        method,
+        device=device,
+        rank=comm.rank,
+        world=comm.world,
+        schedule=order[0],
+        data_order=order[1],
+        cohort_secret=secret if privacy.secret_cohorts(dp_settings) else None,
+    )
+
+
+def sized_stores(config: SimConfig, method: Method, rt: ModelRuntime, plan: RoundPlan, device, state_dir) -> tuple:
+    """``(budget, stores)``: the memory budget (it sizes the chunk) and the per-client state stores (the method's,
+    FedBN's), built from their own settings."""
+    budget = MemoryBudget(BudgetSettings.of(config), method, rt, device)
+    stores = StateStores(
+        StoreSettings.of(config),
+        device,
+        params=rt.num_params,
+        guard=budget.guard,
+        owner=method.name,
+        state_dir=state_dir,
+        max_cohort=plan.max_cohort(),
+    )
+    return budget, stores
+
+
+def teacher_use(config: SimConfig, method: Method, rt: ModelRuntime, plan: RoundPlan, loss_fn, needs: bool) -> bool:
+    """Whether the local steps read a teacher (the method's word, or ``loss_needs_teacher`` with a ``loss_fn``),
+    checked against the augmentation (cached logits would ignore it) and the model's BatchNorm layers."""
+    uses_teacher = bool(needs) if loss_fn is not None else method.uses_teacher()
+    if uses_teacher and config.teacher == "cache" and config.augment != "none":
+        raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
+    c = config
+    check_batch_norm(rt, plan, uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last)
+    return uses_teacher
+
+
 def build_simulation(
     config: SimConfig,
     model: nn.Module,
@@ -149,52 +200,19 @@ def build_simulation(
     c = config
     method, prepared, eager = method_and_model(c, model, method, train)
     datasets = (("train", train), ("test", test), ("val", val), ("aux", aux), ("validation", validation))
-    check_inputs(
-        prepared,
-        datasets,
-        partition,
-        loss_fn,
-        schedule,
-        data_order,
-        client_sampling=c.client_sampling,
-        augment=c.augment,
-    )
+    check_inputs(prepared, datasets, partition, loss_fn, schedule, data_order, **checked_keys(c))
     comm = collectives(process_group)  # one process, or torch.distributed (the clients split between the ranks)
     device = run_device(c, device, prepared)
     trained = prepared.to(device)
     train, test = train.to(device), test.to(device)
-    # a private run's secret (OS entropy, rank 0's on every rank): its noise comes from it, never from the run
-    # seed, and so do its cohorts where the mechanism assumes them secret (DP-FedAvg's sampling amplification)
-    dp_settings = privacy.PrivacySettings.of(c)
+    dp_settings = privacy.PrivacySettings.of(c)  # a private run's secret: its noise, maybe its cohorts (round_plan)
     secret = privacy.run_secret(dp_settings, comm.broadcast_, device)
-    cohort_secret = secret if privacy.secret_cohorts(dp_settings) else None
-    plan = RoundPlan(
-        PlanSettings.of(c),
-        train,
-        partition,
-        method,
-        device=device,
-        rank=comm.rank,
-        world=comm.world,
-        schedule=schedule,
-        data_order=data_order,
-        cohort_secret=cohort_secret,
-    )
+    plan = round_plan(c, train, partition, method, device, comm, (schedule, data_order), (dp_settings, secret))
     rt = ModelRuntime(RuntimeSettings.of(c), trained, train, device)
     if eager:  # on the model prepare_model made (MOON's head: the new classifier); the same model: found before
         found = getattr(method, "classifier_name", None)
         rt.classifier_name = found if found is not None and prepared is model else rt.find_classifier(found)
-    budget = MemoryBudget(BudgetSettings.of(c), method, rt, device)
-    # the per-client state stores (the method's, FedBN's), built from their own settings; the budget sizes the chunk
-    stores = StateStores(
-        StoreSettings.of(c),
-        device,
-        params=rt.num_params,
-        guard=budget.guard,
-        owner=method.name,
-        state_dir=state_dir,
-        max_cohort=plan.max_cohort(),
-    )
+    budget, stores = sized_stores(c, method, rt, plan, device, state_dir)
     validation = validation.to(device) if validation is not None else None
     server_splits = {k: v.to(device) for k, v in (("val", val), ("aux", aux)) if v is not None}
     state = RunState.start(rt.initial, rt.initial, c.seed, rt.initial_buffers)
@@ -205,21 +223,10 @@ def build_simulation(
         c, runtime=rt, plan=plan, stores=stores, state=state, train=train, server_splits=server_splits, device=device
     )
     chunk, trainer = bound(c, method, view, (rt, plan, budget, stores), comm, loss_fn)
-    uses_teacher = bool(loss_needs_teacher) if loss_fn is not None else method.uses_teacher()
-    if uses_teacher and c.teacher == "cache" and c.augment != "none":
-        raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
-    check_batch_norm(rt, plan, uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last)
+    uses_teacher = teacher_use(c, method, rt, plan, loss_fn, loss_needs_teacher)
     # the privacy mechanism (fedfast.privacy): DP-FedAvg or DP-FTRL under dp_clip, else NoPrivacy; called alike
-    mechanism = privacy.mechanism(
-        dp_settings,
-        num_clients=plan.num_clients,
-        num_buffers=rt.num_buffers,
-        schedule=schedule,
-        cohorts=plan.clients,
-        device=device,
-        secret=secret,
-        method=method,
-    )
+    kw = dict(schedule=schedule, cohorts=plan.clients, device=device, secret=secret, method=method)
+    mechanism = privacy.mechanism(dp_settings, num_clients=plan.num_clients, num_buffers=rt.num_buffers, **kw)
     return Parts(
         method=method,
         model=trained,
