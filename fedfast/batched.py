@@ -157,6 +157,76 @@ class _Tracer(torch.fx.Tracer):
         return type(m) is PointwiseConv2d or _is_stochastic_depth(m) or super().is_leaf_module(m, qualname)
 
 
+def _function_step(node, a: list) -> Step | str:
+    """The program step of a ``call_function`` node (``a``: its arguments' step indices, None for constants), or
+    why it is not supported."""
+    if (
+        node.target in (operator.add, torch.add, operator.iadd)
+        and len(node.args) == 2
+        and None not in a
+        and not node.kwargs
+    ):
+        step = Step("add", tuple(a))
+    elif (
+        node.target in (operator.mul, torch.mul, operator.imul)
+        and len(node.args) == 2
+        and None not in a
+        and not node.kwargs
+    ):
+        step = Step("mul", tuple(a))  # a gate: sigmoid(fc(pool(x))) * x
+    elif node.target in (torch.relu, F.relu) and a and a[0] is not None and not node.kwargs:
+        step = Step("relu", (a[0],))
+    elif (
+        node.target in _UNARY
+        and a
+        and a[0] is not None
+        and all(x is None for x in a[1:])
+        and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+    ):
+        step = Step("unary", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
+    elif (
+        node.target in _POOL_FN
+        and a
+        and a[0] is not None
+        and all(_const(v) or v is None or isinstance(v, bool) for v in node.args[1:])
+        and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
+        and not node.kwargs.get("return_indices", False)
+    ):
+        step = Step("pool", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
+    elif (
+        node.target is torch.flatten
+        and a[0] is not None
+        and tuple(node.args[1:]) in ((1,), (1, -1))
+        and not node.kwargs
+    ):
+        step = Step("flatten", (a[0],))
+    else:
+        return f"the function {getattr(node.target, '__name__', node.target)} is not supported"
+    return step
+
+
+def _method_step(node, a0: int, rest: tuple, sizes: dict) -> Step | str:
+    """The program step of a ``call_method`` node on step ``a0`` with the other arguments ``rest`` (``sizes``: the
+    ``x.size(0)`` nodes seen), or why it is not supported."""
+    if node.target == "relu" and not rest:
+        step = Step("relu", (a0,))
+    elif node.target in _UNARY_METHODS and not rest and not node.kwargs:
+        step = Step("unary", (a0,), call=(getattr(torch, node.target), (), {}))
+    elif node.target == "flatten" and rest in ((1,), (1, -1)):
+        step = Step("flatten", (a0,))
+    elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and sizes.get(rest[0]) == a0:
+        step = Step("flatten", (a0,))
+    elif (
+        node.target == "mean"
+        and (rest in (((2, 3),), ((-2, -1),), ((-1, -2),), ((3, 2),)) or node.kwargs.get("dim") in ((2, 3), (-2, -1)))
+        and not node.kwargs.get("keepdim", False)
+    ):
+        step = Step("gap", (a0,))
+    else:
+        return f"the method {node.target}{rest} is not supported"
+    return step
+
+
 def plan(module: nn.Module) -> tuple[Plan | None, str]:
     """``(program, "")`` if the executor supports ``module``, else ``(None, why not)``."""
     try:
@@ -185,49 +255,9 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
             idx[node] = len(prog)
             prog.append(Step("module", (ref(node.args[0]),), node.target, m))
         elif node.op == "call_function":
-            a = [ref(x) for x in node.args]
-            if (
-                node.target in (operator.add, torch.add, operator.iadd)
-                and len(node.args) == 2
-                and None not in a
-                and not node.kwargs
-            ):
-                step = Step("add", tuple(a))
-            elif (
-                node.target in (operator.mul, torch.mul, operator.imul)
-                and len(node.args) == 2
-                and None not in a
-                and not node.kwargs
-            ):
-                step = Step("mul", tuple(a))  # a gate: sigmoid(fc(pool(x))) * x
-            elif node.target in (torch.relu, F.relu) and a and a[0] is not None and not node.kwargs:
-                step = Step("relu", (a[0],))
-            elif (
-                node.target in _UNARY
-                and a
-                and a[0] is not None
-                and all(x is None for x in a[1:])
-                and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
-            ):
-                step = Step("unary", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
-            elif (
-                node.target in _POOL_FN
-                and a
-                and a[0] is not None
-                and all(_const(v) or v is None or isinstance(v, bool) for v in node.args[1:])
-                and not any(isinstance(v, torch.fx.Node) for v in node.kwargs.values())
-                and not node.kwargs.get("return_indices", False)
-            ):
-                step = Step("pool", (a[0],), call=(node.target, tuple(node.args[1:]), dict(node.kwargs)))
-            elif (
-                node.target is torch.flatten
-                and a[0] is not None
-                and tuple(node.args[1:]) in ((1,), (1, -1))
-                and not node.kwargs
-            ):
-                step = Step("flatten", (a[0],))
-            else:
-                return None, f"the function {getattr(node.target, '__name__', node.target)} is not supported"
+            step = _function_step(node, [ref(x) for x in node.args])
+            if isinstance(step, str):
+                return None, step
             idx[node] = len(prog)
             prog.append(step)
         elif node.op == "call_method":
@@ -238,25 +268,9 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
                 continue
             if a0 is None:
                 return None, f"the method {node.target} on a non-tensor"
-            if node.target == "relu" and not rest:
-                step = Step("relu", (a0,))
-            elif node.target in _UNARY_METHODS and not rest and not node.kwargs:
-                step = Step("unary", (a0,), call=(getattr(torch, node.target), (), {}))
-            elif node.target == "flatten" and rest in ((1,), (1, -1)):
-                step = Step("flatten", (a0,))
-            elif node.target in ("view", "reshape") and len(rest) == 2 and rest[1] == -1 and sizes.get(rest[0]) == a0:
-                step = Step("flatten", (a0,))
-            elif (
-                node.target == "mean"
-                and (
-                    rest in (((2, 3),), ((-2, -1),), ((-1, -2),), ((3, 2),))
-                    or node.kwargs.get("dim") in ((2, 3), (-2, -1))
-                )
-                and not node.kwargs.get("keepdim", False)
-            ):
-                step = Step("gap", (a0,))
-            else:
-                return None, f"the method {node.target}{rest} is not supported"
+            step = _method_step(node, a0, rest, sizes)
+            if isinstance(step, str):
+                return None, step
             idx[node] = len(prog)
             prog.append(step)
         elif node.op == "output":
