@@ -561,7 +561,6 @@ KNOWN_LONG = {
     ("fedfast/ops/linear_distill.py", "linear_distill"),
     ("fedfast/ops/linear_distill.py", "_pass"),
     ("fedfast/ops/linear_distill.py", "_check"),
-    ("fedfast/ops/distill_options.py", "option_rows_grad"),
     ("fedfast/triton/distill.py", "distill_rows_triton"),
     ("fedfast/triton/client_step.py", "client_step_triton"),
 }

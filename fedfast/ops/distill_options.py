@@ -200,6 +200,66 @@ def option_rows(
     return torch.where(valid, hard, zero), torch.where(valid, soft, zero)
 
 
+def _hard_rows(u: Tensor, yc: Tensor, eps: float, w: Tensor | None) -> tuple:
+    """``(log p, p, w_y, hard [n])`` of the capped logits ``u``: the (class-weighted, label-smoothed) cross-entropy
+    rows, unscaled and not yet masked."""
+    V = u.shape[1]
+    logp = torch.log_softmax(u, 1)
+    p = logp.exp()
+    wy = 1.0 if w is None else w[yc[:, 0]]
+    hard = -(1 - eps) * wy * logp.gather(1, yc)[:, 0]
+    if eps:
+        hard = hard - (eps / V) * ((logp * w).sum(1) if w is not None else logp.sum(1))
+    return logp, p, wy, hard
+
+
+def _soft_rows(u, logp, p, tf, yc, *, tau: float, not_true: bool, teacher_vocab, beta: float, need_grad: bool):
+    """``(soft [n], dD/ds or None, its factor, the not-true columns or None, whether the student was padded to the
+    teacher's vocabulary, the columns C)``: the divergence rows between the student's ``u / tau`` and the teacher's
+    ``tf / tau`` (forward KL, reverse KL or JSD(beta)); chunk-sized temporaries freed as soon as they are spent
+    (peak: about six)."""
+    n, V = u.shape
+    acc = u.dtype
+    Vt = tf.shape[1]
+    pad = Vt > V and teacher_vocab == "pad"
+    r = tf[:, :V] if Vt > V and not pad else tf
+    s = u if tau == 1.0 else u / tau
+    if tau != 1.0:
+        r = r / tau
+    if pad:
+        s = torch.cat([s, s.new_zeros(n, Vt - V)], dim=1)
+    C = s.shape[1]
+    idx = _not_true_index(yc[:, 0], C) if not_true else None
+    if idx is not None:
+        s, r = s.gather(1, idx), r.gather(1, idx)
+    logQ = logp if s is u else torch.log_softmax(s, 1)  # tau 1, every class: the hard term's log-softmax
+    del s
+    logP = torch.log_softmax(r, 1)
+    del r, tf
+    Q, P = (p if logQ is logp else logQ.exp()), logP.exp()
+    if beta != 1.0:
+        # a teacher probability of 0 (logit -inf) adds 0 to P log(P / .): log P clamped to the dtype's floor
+        logP.clamp_min_(torch.finfo(acc).min)
+    if beta == 0.0:
+        soft = _rowdot(P, logP) - _rowdot(P, logQ)
+        gs = torch.sub(Q, P, out=logP) if need_grad else None
+        return soft, gs, 1.0, idx, pad, C
+    if beta == 1.0:
+        d = logQ - logP
+        soft = _rowdot(Q, d)
+        gs = d.sub_(soft[:, None]).mul_(Q) if need_grad else None
+        return soft, gs, 1.0, idx, pad, C
+    # log M from M = (1 - beta) Q + beta P (one lerp; floored at the smallest normal, where both terms vanish)
+    logM = torch.lerp(Q, P, beta).clamp_min_(torch.finfo(acc).tiny).log_()
+    kl_p = _rowdot(P, logP) - _rowdot(P, logM)
+    del logP, P
+    d = torch.sub(logQ, logM, out=logM)
+    kl_q = _rowdot(Q, d)
+    soft = beta * kl_p + (1 - beta) * kl_q
+    gs = d.sub_(kl_q[:, None]).mul_(Q) if need_grad else None
+    return soft, gs, 1 - beta, idx, pad, C
+
+
 def option_rows_grad(
     z: Tensor,
     t: Tensor,
@@ -238,57 +298,14 @@ def option_rows_grad(
         u = softcap * th
     else:
         u = zf
-    tf = _cap(t.to(acc), teacher_softcap)
-    # the hard term
-    logp = torch.log_softmax(u, 1)
-    p = logp.exp()
     eps = label_smoothing
     w = None if class_weight is None else class_weight.to(acc)
-    wy = 1.0 if w is None else w[yc[:, 0]]
-    hard = -(1 - eps) * wy * logp.gather(1, yc)[:, 0]
-    if eps:
-        hard = hard - (eps / V) * ((logp * w).sum(1) if w is not None else logp.sum(1))
-    # the soft term on s = u / tau; chunk-sized temporaries freed as soon as they are spent (peak: about six)
-    Vt = tf.shape[1]
-    pad = Vt > V and teacher_vocab == "pad"
-    r = tf[:, :V] if Vt > V and not pad else tf
-    s = u if tau == 1.0 else u / tau
-    if tau != 1.0:
-        r = r / tau
-    if pad:
-        s = torch.cat([s, s.new_zeros(n, Vt - V)], dim=1)
-    C = s.shape[1]
-    idx = _not_true_index(yc[:, 0], C) if not_true else None
-    if idx is not None:
-        s, r = s.gather(1, idx), r.gather(1, idx)
-    logQ = logp if s is u else torch.log_softmax(s, 1)  # tau 1, every class: the hard term's log-softmax
-    del s
-    logP = torch.log_softmax(r, 1)
-    del r, tf
-    Q, P = (p if logQ is logp else logQ.exp()), logP.exp()
-    beta = jsd_beta
-    if beta != 1.0:
-        # a teacher probability of 0 (logit -inf) adds 0 to P log(P / .): log P clamped to the dtype's floor
-        logP.clamp_min_(torch.finfo(acc).min)
-    if beta == 0.0:
-        soft = _rowdot(P, logP) - _rowdot(P, logQ)
-        gs = torch.sub(Q, P, out=logP) if need_grad else None
-        gscale = 1.0
-    elif beta == 1.0:
-        d = logQ - logP
-        soft = _rowdot(Q, d)
-        gs = d.sub_(soft[:, None]).mul_(Q) if need_grad else None
-        gscale = 1.0
-    else:
-        # log M from M = (1 - beta) Q + beta P (one lerp; floored at the smallest normal, where both terms vanish)
-        logM = torch.lerp(Q, P, beta).clamp_min_(torch.finfo(acc).tiny).log_()
-        kl_p = _rowdot(P, logP) - _rowdot(P, logM)
-        d = torch.sub(logQ, logM, out=logM)
-        kl_q = _rowdot(Q, d)
-        soft = beta * kl_p + (1 - beta) * kl_q
-        gs = d.sub_(kl_q[:, None]).mul_(Q) if need_grad else None
-        gscale = 1 - beta
-    del logP, P
+    logp, p, wy, hard = _hard_rows(u, yc, eps, w)
+    tf = _cap(t.to(acc), teacher_softcap)
+    soft, gs, gscale, idx, pad, C = _soft_rows(
+        u, logp, p, tf, yc, tau=tau, not_true=not_true, teacher_vocab=teacher_vocab, beta=jsd_beta, need_grad=need_grad
+    )
+    del tf
     zero = hard.new_zeros(())
     hard, soft = torch.where(valid, hard, zero), torch.where(valid, soft, zero)
     if not need_grad:
@@ -308,7 +325,7 @@ def option_rows_grad(
     else:  # q = w_y onehot(y): w_y (p - onehot)
         a = sh * (wy[:, None] if w is not None else 1.0)
         g = gs.addcmul_(p, a).scatter_add_(1, yc, -a.expand(n, 1))
-    del p, logp, Q, logQ
+    del p, logp
     if softcap:
         g = g.mul_((th * th).neg_().add_(1.0))
     g = g.masked_fill_(~valid[:, None], 0.0)
