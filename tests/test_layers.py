@@ -562,7 +562,6 @@ KNOWN_LONG = {
     ("fedfast/ops/linear_distill.py", "_pass"),
     ("fedfast/ops/linear_distill.py", "_check"),
     ("fedfast/triton/distill.py", "distill_rows_triton"),
-    ("fedfast/triton/client_step.py", "client_step_triton"),
 }
 
 

@@ -256,6 +256,17 @@ def delta_finish(part, delta_norm, active) -> None:
     delta_norm.copy_(d if active is None else torch.where(active.to(torch.bool), d, delta_norm))
 
 
+def grad_operand(theta, grad, BLOCK: int) -> tuple:
+    """``(the kernel's gradient operand, the pieces' block table or None, what must stay referenced until the
+    launches are queued, the column blocks)``: one ``[n, P]`` tensor as it is, or the per-parameter pieces read in
+    place through their block table (``theta`` as the operand's placeholder; 0 blocks when no piece has columns)."""
+    if isinstance(grad, (list, tuple)):
+        grad = [g.contiguous() for g in grad if g.numel()]
+        pieces = piece_table(grad, BLOCK) if grad else None
+        return theta, pieces, grad, (pieces[2] if pieces else 0)
+    return grad.contiguous(), None, None, triton.cdiv(theta.shape[1], BLOCK)
+
+
 def client_step_triton(
     theta,
     grad,
@@ -284,18 +295,11 @@ def client_step_triton(
     n, P = theta.shape
     BLOCK = 1024
     f32 = lambda t: t.float().contiguous() if t is not None else theta  # noqa: E731
-    if isinstance(grad, (list, tuple)):
-        grad = [g.contiguous() for g in grad if g.numel()]
-        pieces = piece_table(grad, BLOCK) if grad else None
-        keep = grad  # the pieces stay referenced until both launches are queued
-        grad, NB = theta, (pieces[2] if pieces else 0)
-        if not NB:
-            if delta_norm is not None:  # no columns: every distance is 0
-                delta_finish(theta.new_zeros(theta.shape[0], 0), delta_norm, active)
-            return
-    else:
-        grad, pieces, keep = grad.contiguous(), None, None
-        NB = triton.cdiv(P, BLOCK)
+    grad, pieces, keep, NB = grad_operand(theta, grad, BLOCK)
+    if not NB:
+        if delta_norm is not None:  # no columns: every distance is 0
+            delta_finish(theta.new_zeros(theta.shape[0], 0), delta_norm, active)
+        return
     clip = clip_factors(theta, grad, f32(anchor), f32(loss_rows), prox_mu, max_norm, BLOCK, pieces)
     tab, npc = (theta, 0) if pieces is None else pieces[:2]
     dfrom, part = delta_parts(theta, delta_from, NB)
