@@ -561,7 +561,6 @@ KNOWN_LONG = {
     ("fedfast/ops/linear_distill.py", "linear_distill"),
     ("fedfast/ops/linear_distill.py", "_pass"),
     ("fedfast/ops/linear_distill.py", "_check"),
-    ("fedfast/triton/distill.py", "distill_rows_triton"),
 }
 
 

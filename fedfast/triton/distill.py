@@ -393,6 +393,28 @@ def launch_config(C: int, elem_budget: int = 512, max_block_c: int = 2048, elems
     return block_r, block_c, single, num_warps
 
 
+def _refuse_cpu_arguments(student, mix_weights, class_prior, in_place) -> None:
+    """The CPU kernel's arguments (the teacher mixture's weights, ASD's class prior, the in-place gradient) and a
+    float64 student: refused by name (fedfast.ops.distill mixes the teachers and makes ASD's weights first on a
+    GPU)."""
+    given = [
+        k
+        for k, v in (
+            ("mix_weights", mix_weights is not None),
+            ("class_prior", class_prior is not None),
+            ("in_place", bool(in_place)),
+        )
+        if v
+    ]
+    if given:
+        raise ValueError(
+            f"{given[0]}: the CPU kernel's argument; the triton backend takes the teacher mixed and ASD's "
+            f"row weights made (fedfast.ops.distill does both)"
+        )
+    if student.dtype == torch.float64:
+        raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
+
+
 def distill_rows_triton(
     student,
     teacher,
@@ -419,23 +441,8 @@ def distill_rows_triton(
     dL/dz [R, C], 0). ``mix_weights``, ``class_prior`` and ``in_place`` are the CPU kernel's: on a GPU
     fedfast.ops.distill mixes the teachers and computes ASD's weights in ops of their own first, so they are refused
     here. ``config``: (BLOCK_R, BLOCK_C, num_warps) instead of :func:`launch_config`'s (benchmarks/gpu_probe.py)."""
-    given = [
-        k
-        for k, v in (
-            ("mix_weights", mix_weights is not None),
-            ("class_prior", class_prior is not None),
-            ("in_place", bool(in_place)),
-        )
-        if v
-    ]
-    if given:
-        raise ValueError(
-            f"{given[0]}: the CPU kernel's argument; the triton backend takes the teacher mixed and ASD's "
-            f"row weights made (fedfast.ops.distill does both)"
-        )
+    _refuse_cpu_arguments(student, mix_weights, class_prior, in_place)
     R, C = student.shape
-    if student.dtype == torch.float64:
-        raise TypeError("student: the triton backend computes in fp32; use backend='reference' or 'cpu' for fp64")
     student, teacher, target = student.contiguous(), teacher.contiguous(), target.contiguous()
     loss = torch.empty(R, dtype=torch.float32, device=student.device)
     grad = torch.empty_like(student)
