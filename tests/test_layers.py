@@ -560,7 +560,6 @@ def test_methods_do_not_write_the_round(tmp_path):
 KNOWN_LONG = {
     ("fedfast/ops/linear_distill.py", "linear_distill"),
     ("fedfast/ops/linear_distill.py", "_pass"),
-    ("fedfast/ops/linear_distill.py", "_check"),
 }
 
 

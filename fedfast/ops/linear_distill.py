@@ -881,6 +881,26 @@ def _check(
     teacher_vocab=None,
 ):
     """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. Returns (lead, H, V)."""
+    lead, H, V = _check_student(hidden, weight, target, bias)
+    _check_options(kind, reduction, detach_teacher, double_backward)
+    _check_teacher(lead, V, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_vocab)
+    dev = hidden.device
+    for name, x in (
+        ("weight", weight),
+        ("bias", bias),
+        ("teacher_logits", teacher_logits),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+        ("teacher_bias", teacher_bias),
+        ("target", target),
+    ):
+        if x is not None and x.device != dev:
+            raise ValueError(f"{name}: on {x.device}, hidden is on {dev}")
+    return lead, H, V
+
+
+def _check_student(hidden, weight, target, bias) -> tuple:
+    """The student's hidden states [..., H], head [V, H] (+ bias [V]) and labels [...]: ``(lead, H, V)``."""
     if not isinstance(hidden, Tensor) or hidden.dim() < 1 or not hidden.is_floating_point():
         raise ValueError(
             f"hidden: expected a floating [..., H] tensor, got "
@@ -903,6 +923,11 @@ def _check(
         )
     if bias is not None and tuple(bias.shape) != (V,):
         raise ValueError(f"bias: expected shape ({V},), got {tuple(bias.shape)}")
+    return lead, H, V
+
+
+def _check_options(kind, reduction, detach_teacher, double_backward) -> None:
+    """The loss's kind and reduction; a fixed teacher and first-order gradients (what this op computes)."""
     if kind not in ("full", "not_true"):
         raise ValueError(f"kind: must be 'full' or 'not_true', got {kind!r}")
     if reduction not in _REDUCTIONS:
@@ -915,6 +940,11 @@ def _check(
         )
     if double_backward is not False:
         raise ValueError("double_backward: " + _FIRST_ORDER.split(": ", 1)[1])
+
+
+def _check_teacher(lead, V, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_vocab) -> None:
+    """The teacher: its logits [..., Vt], or its hidden states [..., Ht] with its head [Vt, Ht] (+ bias [Vt]),
+    one of the two; ``Vt`` against ``V`` as ``teacher_vocab`` allows."""
     if (teacher_logits is None) == (teacher_hidden is None):
         raise ValueError(
             "teacher_logits / teacher_hidden: give the teacher's logits [..., V], or its hidden states "
@@ -924,35 +954,22 @@ def _check(
         if teacher_logits.dim() != len(lead) + 1 or tuple(teacher_logits.shape[:-1]) != lead:
             raise ValueError(f"teacher_logits: expected {list(lead) + [V]}, got {tuple(teacher_logits.shape)}")
         check_teacher_vocab(V, teacher_logits.shape[-1], teacher_vocab, "teacher_logits")
-    else:
-        if (
-            teacher_weight is None
-            or tuple(teacher_hidden.shape[:-1]) != lead
-            or teacher_weight.dim() != 2
-            or teacher_weight.shape[1] != teacher_hidden.shape[-1]
-        ):
-            raise ValueError(
-                f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
-                f"{tuple(teacher_hidden.shape)} and "
-                f"{None if teacher_weight is None else tuple(teacher_weight.shape)}"
-            )
-        Vt = teacher_weight.shape[0]
-        check_teacher_vocab(V, Vt, teacher_vocab, "teacher_weight")
-        if teacher_bias is not None and tuple(teacher_bias.shape) != (Vt,):
-            raise ValueError(f"teacher_bias: expected shape ({Vt},), got {tuple(teacher_bias.shape)}")
-    dev = hidden.device
-    for name, x in (
-        ("weight", weight),
-        ("bias", bias),
-        ("teacher_logits", teacher_logits),
-        ("teacher_hidden", teacher_hidden),
-        ("teacher_weight", teacher_weight),
-        ("teacher_bias", teacher_bias),
-        ("target", target),
+        return
+    if (
+        teacher_weight is None
+        or tuple(teacher_hidden.shape[:-1]) != lead
+        or teacher_weight.dim() != 2
+        or teacher_weight.shape[1] != teacher_hidden.shape[-1]
     ):
-        if x is not None and x.device != dev:
-            raise ValueError(f"{name}: on {x.device}, hidden is on {dev}")
-    return lead, H, V
+        raise ValueError(
+            f"teacher_hidden / teacher_weight: expected {list(lead) + ['Ht']} and [{V}, Ht], got "
+            f"{tuple(teacher_hidden.shape)} and "
+            f"{None if teacher_weight is None else tuple(teacher_weight.shape)}"
+        )
+    Vt = teacher_weight.shape[0]
+    check_teacher_vocab(V, Vt, teacher_vocab, "teacher_weight")
+    if teacher_bias is not None and tuple(teacher_bias.shape) != (Vt,):
+        raise ValueError(f"teacher_bias: expected shape ({Vt},), got {tuple(teacher_bias.shape)}")
 
 
 def _autocast_dtype(hidden) -> torch.dtype | None:
