@@ -35,6 +35,7 @@ and second derivatives (``double_backward=True``): use the unfused layer with :c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -97,39 +98,13 @@ def _pass(
     need_W: bool,
     need_b: bool,
     rows: bool,
-    functional: bool = False,
 ):
     """One pass over the row chunks: ``(loss, gh, gW, gb)`` with ``loss`` the scaled rows' sum (or the rows [R],
     ``rows``) and the gradients of ``sum_i scale_i L_i`` (None where not needed). ``gh`` is written chunk by chunk,
     ``gW`` accumulated in place (fp32; the weight's dtype after, one conversion for a half-precision weight);
-    ``functional``: out of place (tensors a torch.func transform wraps)."""
+    :func:`_pass_functional` is the same pass out of place (tensors a torch.func transform wraps)."""
     R, V = h.shape[0], W.shape[0]
     acc = _loss_dtype(h)
-    if functional:
-        return _pass_functional(
-            h,
-            W,
-            b,
-            t,
-            th,
-            tW,
-            tb,
-            target,
-            scale,
-            tau,
-            ce_weight,
-            kd_weight,
-            not_true,
-            ignore_index,
-            chunk,
-            backend,
-            class_weight,
-            ext,
-            need_h,
-            need_W,
-            need_b,
-            rows,
-        )
     gh = torch.empty_like(h) if need_h else None
     gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
     gb = torch.zeros(V, dtype=acc, device=W.device) if need_b else None
@@ -147,14 +122,7 @@ def _pass(
         hc = h[r0:r1]
         # the bias inside the product (addmm), as F.linear adds it: one rounding of the logits in a half dtype
         z = torch.mm(hc, Wa.T, out=zbuf[: r1 - r0]) if b is None else torch.addmm(ba, hc, Wa.T, out=zbuf[: r1 - r0])
-        if t is not None:
-            tc = t[r0:r1].contiguous()
-        else:
-            tc = (
-                torch.mm(th[r0:r1], tW.T, out=tbuf[: r1 - r0])
-                if tb is None
-                else torch.addmm(tb, th[r0:r1], tW.T, out=tbuf[: r1 - r0])
-            )
+        tc = _teacher_chunk(t, th, tW, tb, tbuf, r0, r1)
         # the C++ kernel writes the gradient over the chunk's logits (no second [chunk, V] buffer)
         loss_rows, g, parts = _chunk_rows(
             backend,
@@ -180,21 +148,36 @@ def _pass(
             out = out + loss_rows.sum()
             if terms is not None:
                 terms = terms + parts.sum(1)
-        if need_h:
-            if gh.dtype == Wa.dtype == g.dtype:
-                torch.mm(g, Wa, out=gh[r0:r1])
-            else:
-                gh[r0:r1] = (g.to(Wa.dtype) @ Wa).to(h.dtype)
-        if need_W:
-            gW.addmm_(g.to(acc).T, hc.to(acc))  # in place: no weight-sized temporary per chunk
-        if need_b:
-            gb += g.to(acc).sum(0)
+        _add_grads(g, hc, Wa, (gh, gW, gb), r0, r1, acc)
         del g, z, tc
     if gW is not None and gW.dtype != W.dtype:
         gW = gW.to(W.dtype)
     if gb is not None and gb.dtype != b.dtype:
         gb = gb.to(b.dtype)
     return out, gh, gW, gb, terms
+
+
+def _teacher_chunk(t, th, tW, tb, tbuf, r0: int, r1: int) -> Tensor:
+    """Rows ``r0:r1`` of the teacher's logits: given (``t``), or formed by its head into ``tbuf``."""
+    if t is not None:
+        return t[r0:r1].contiguous()
+    out = tbuf[: r1 - r0]
+    return torch.mm(th[r0:r1], tW.T, out=out) if tb is None else torch.addmm(tb, th[r0:r1], tW.T, out=out)
+
+
+def _add_grads(g: Tensor, hc: Tensor, Wa: Tensor, grads: tuple, r0: int, r1: int, acc) -> None:
+    """One chunk's share of the gradients ``(gh, gW, gb)`` (None where not needed) from its logits' gradient ``g``:
+    gh's rows written, gW and gb accumulated in place (no weight-sized temporary per chunk)."""
+    gh, gW, gb = grads
+    if gh is not None:
+        if gh.dtype == Wa.dtype == g.dtype:
+            torch.mm(g, Wa, out=gh[r0:r1])
+        else:
+            gh[r0:r1] = (g.to(Wa.dtype) @ Wa).to(gh.dtype)
+    if gW is not None:
+        gW.addmm_(g.to(acc).T, hc.to(acc))
+    if gb is not None:
+        gb += g.to(acc).sum(0)
 
 
 def _chunk_rows(
@@ -806,8 +789,8 @@ class _Rows(torch.autograd.Function):
     def backward(ctx, grad_rows, *_):
         h, W, b, t, th, tW, tb, target, scale = ctx.saved_tensors
         *args, need_h, need_W, need_b = ctx.args
-        with torch.no_grad():
-            _, gh, gW, gb, _terms = _pass(
+        with torch.no_grad():  # out of place where a torch.func transform wraps the saved tensors
+            _, gh, gW, gb, _terms = (_pass_functional if ctx.functional else _pass)(
                 h,
                 W,
                 b,
@@ -822,7 +805,6 @@ class _Rows(torch.autograd.Function):
                 need_W,
                 need_b,
                 rows=False,
-                functional=ctx.functional,
             )
         # create_graph=True or a torch.func transform: right, and refused once differentiated
         if torch.is_grad_enabled():
@@ -865,24 +847,14 @@ def _scaled(grads, s, anchors) -> tuple:
     return tuple(out)
 
 
-def _check(
-    hidden,
-    weight,
-    target,
-    teacher_logits,
-    bias,
-    teacher_hidden,
-    teacher_weight,
-    teacher_bias,
-    kind,
-    reduction,
-    detach_teacher,
-    double_backward,
-    teacher_vocab=None,
-):
-    """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. Returns (lead, H, V)."""
+def _check(student: tuple, teacher: tuple, options: tuple) -> tuple:
+    """Shapes, dtypes, devices and options: ValueError / TypeError naming the argument. ``student``: ``(hidden,
+    weight, target, bias)``; ``teacher``: ``(teacher_logits, teacher_hidden, teacher_weight, teacher_bias,
+    teacher_vocab)``; ``options``: ``(kind, reduction, detach_teacher, double_backward)``. Returns (lead, H, V)."""
+    hidden, weight, target, bias = student
+    teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_vocab = teacher
     lead, H, V = _check_student(hidden, weight, target, bias)
-    _check_options(kind, reduction, detach_teacher, double_backward)
+    _check_options(*options)
     _check_teacher(lead, V, teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_vocab)
     dev = hidden.device
     for name, x in (
@@ -1033,141 +1005,106 @@ def linear_distill(
     * ce + kd_weight * kd``; the terms carry no gradient). Any of them runs the chunks through the closed-form
     PyTorch rows (:func:`fedfast.ops.distill_options.option_rows_grad`) in place of the fused kernels."""
     cast = _autocast_dtype(hidden)
-    if cast is not None:
+    if cast is not None:  # F.linear's casts under autocast; the rest of the op runs with autocast off
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = (
+            _cast(x, cast) for x in (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
+        )
+    off = torch.autocast(hidden.device.type, enabled=False) if cast is not None else contextlib.nullcontext()
+    with off:
+        beta, eps, cap, tcap, teacher_vocab = check_options(
+            jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab
+        )
+        if not isinstance(return_terms, bool):
+            raise TypeError(f"return_terms: expected True or False, got {return_terms!r}")
+        lead, H, V = _check(
+            (hidden, weight, target, bias),
+            (teacher_logits, teacher_hidden, teacher_weight, teacher_bias, teacher_vocab),
+            (kind, reduction, detach_teacher, double_backward),
+        )
+        tau = _validate.check_tau("tau", tau)
+        ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
+        h = hidden.reshape(-1, H)
+        R, dev = h.shape[0], hidden.device
+        mode = _validate.mode_for(dev, validate)
+        y, segments = _checked_rows(target.reshape(-1), segments, R, V, ignore_index, num_segments, reduction, mode)
+        chunk = _chunk_size(chunk_rows, R, V)
+        be = _backend.resolve_for(backend, dev.type, h.dtype)
+        nod = lambda x: None if x is None else x.detach()  # noqa: E731
+        t = nod(teacher_logits.reshape(R, -1)) if teacher_logits is not None else None
+        th = nod(teacher_hidden.reshape(R, -1)) if teacher_hidden is not None else None
+        Vt = teacher_logits.shape[-1] if teacher_logits is not None else teacher_weight.shape[0]
+        ext = []
+        if beta or eps or class_weight is not None or cap or tcap or Vt > V or return_terms:
+            ext = [beta, eps, cap, tcap, float(teacher_vocab == "pad")]
+            class_weight = check_class_weight(class_weight, V, dev, mode)
+        scale = _row_scales(y, V, ignore_index, segments, num_segments, class_weight, reduction, _loss_dtype(h), ext)
+        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
+        need = _needed_grads(hidden, weight, bias)
+        head = (h, weight, bias, t, th, nod(teacher_weight), nod(teacher_bias), y, scale)
+        opts = (float(tau), float(ce_weight), float(kd_weight), kind == "not_true", int(ignore_index), int(chunk), be)
+        args = (*head, *opts, None if class_weight is None else class_weight.detach(), ext, *need)
+        if reduction in ("mean", "sum"):
+            # torch.compile, torch.export, torch.jit.trace: the custom op
+            loss, *_, terms = _total_op(*args) if traced else _Total.apply(*args)
+            return DistillTerms(loss, terms[0], terms[1]) if return_terms else loss
+        rows, terms = _rows_op(*args) if traced else _Rows.apply(*args)
+        out = (rows, *(terms if return_terms else ()))
+        out = _reduced(out, lead, reduction, segments, num_segments)
+        return DistillTerms(*out) if return_terms else out[0]
 
-        def to(x):
-            return x.to(cast) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != cast else x
 
-        with torch.autocast(hidden.device.type, enabled=False):
-            return linear_distill(
-                to(hidden),
-                to(weight),
-                target,
-                teacher_logits,
-                bias=to(bias),
-                teacher_hidden=to(teacher_hidden),
-                teacher_weight=to(teacher_weight),
-                teacher_bias=to(teacher_bias),
-                tau=tau,
-                ce_weight=ce_weight,
-                kd_weight=kd_weight,
-                kind=kind,
-                reduction=reduction,
-                ignore_index=ignore_index,
-                segments=segments,
-                num_segments=num_segments,
-                chunk_rows=chunk_rows,
-                backend=backend,
-                validate=validate,
-                detach_teacher=detach_teacher,
-                double_backward=double_backward,
-                jsd_beta=jsd_beta,
-                label_smoothing=label_smoothing,
-                class_weight=class_weight,
-                softcap=softcap,
-                teacher_softcap=teacher_softcap,
-                teacher_vocab=teacher_vocab,
-                return_terms=return_terms,
-            )
-    beta, eps, cap, tcap, teacher_vocab = check_options(
-        jsd_beta, label_smoothing, class_weight, softcap, teacher_softcap, teacher_vocab
-    )
-    if not isinstance(return_terms, bool):
-        raise TypeError(f"return_terms: expected True or False, got {return_terms!r}")
-    lead, H, V = _check(
-        hidden,
-        weight,
-        target,
-        teacher_logits,
-        bias,
-        teacher_hidden,
-        teacher_weight,
-        teacher_bias,
-        kind,
-        reduction,
-        detach_teacher,
-        double_backward,
-        teacher_vocab,
-    )
-    tau = _validate.check_tau("tau", tau)
-    ce_weight, kd_weight = _validate.real("ce_weight", ce_weight), _validate.real("kd_weight", kd_weight)
-    h = hidden.reshape(-1, H)
-    R = h.shape[0]
-    y = target.reshape(-1)
-    dev = hidden.device
-    mode = _validate.mode_for(dev, validate)
+def _row_scales(y, V: int, ignore_index: int, segments, num_segments, class_weight, reduction: str, acc, ext):
+    """The rows' weights in the reduction: ``[R]`` (1 / the valid rows per segment for "mean" / "segment", else 1),
+    or on the options' path (``ext``) the hard and soft terms' ``[2, R]`` (:func:`option_scales`: class weights)."""
+    R, mean = y.shape[0], reduction in ("mean", "segment")
+    if ext:
+        limit = num_segments if num_segments is not None else R
+        return option_scales(y, V, ignore_index, segments, limit, class_weight, mean, acc)
+    return row_scale_torch(y, V, ignore_index, segments, acc) if mean else torch.ones(R, dtype=acc, device=y.device)
+
+
+def _needed_grads(hidden, weight, bias) -> list:
+    """Which of hidden, weight, bias get a gradient. torch.compile guards on requires_grad; an exported or traced
+    graph is run later with whichever inputs require grad then, so it forms every gradient (unless grad mode was off
+    when it was made)."""
+    grad_on = torch.is_grad_enabled()
+    fixed = torch.jit.is_tracing() or torch.compiler.is_exporting()
+    return [grad_on and x is not None and (fixed or x.requires_grad) for x in (hidden, weight, bias)]
+
+
+def _cast(x, dtype):
+    """``x`` in ``dtype`` where it is a floating tensor of another dtype (autocast's cast of F.linear's inputs)."""
+    return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+
+def _checked_rows(y, segments, R: int, V: int, ignore_index: int, num_segments, reduction: str, mode) -> tuple:
+    """``(labels [R], segments [R] or None)``, checked (``mode``: now, deferred into the graph, or off)."""
+    dev = y.device
     _validate.check_target(y, R, V, ignore_index, dev, mode)
     if segments is not None:
         segments = segments.reshape(-1)
         _validate.check_segments(segments, R, dev, mode, num_segments)
     elif reduction == "segment":
         raise ValueError("reduction: 'segment' needs `segments`")
-    y, segments = _validate.in_graph(y.contiguous(), segments, V, ignore_index, num_segments, mode)
+    return _validate.in_graph(y.contiguous(), segments, V, ignore_index, num_segments, mode)
+
+
+def _chunk_size(chunk_rows, R, V: int) -> int:
+    """Rows per chunk: ``chunk_rows`` (checked), or :func:`default_chunk_rows`."""
     if chunk_rows is None:  # (the row count may be a traced or symbolic size: not checked as a user's int)
-        chunk = default_chunk_rows(R, V)
-    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        return default_chunk_rows(R, V)
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: a positive int or None, got {chunk_rows!r}")
-    else:
-        chunk = chunk_rows
-    be = _backend.resolve_for(backend, dev.type, h.dtype)
-    nod = lambda x: None if x is None else x.detach()
-    t = nod(teacher_logits.reshape(R, -1)) if teacher_logits is not None else None
-    th = nod(teacher_hidden.reshape(R, -1)) if teacher_hidden is not None else None
-    acc = _loss_dtype(h)
-    Vt = teacher_logits.shape[-1] if teacher_logits is not None else teacher_weight.shape[0]
-    ext = []
-    if beta or eps or class_weight is not None or cap or tcap or Vt > V or return_terms:
-        ext = [beta, eps, cap, tcap, float(teacher_vocab == "pad")]
-        class_weight = check_class_weight(class_weight, V, dev, mode)
-        limit = num_segments if num_segments is not None else R
-        scale = option_scales(y, V, ignore_index, segments, limit, class_weight, reduction in ("mean", "segment"), acc)
-    else:
-        scale = (
-            row_scale_torch(y, V, ignore_index, segments, acc)
-            if reduction in ("mean", "segment")
-            else torch.ones(R, dtype=acc, device=dev)
-        )
-    grad_on = torch.is_grad_enabled()
-    traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
-    # torch.compile guards on requires_grad; an exported or traced graph is run later with whichever inputs require
-    # grad then, so it forms every gradient (unless grad mode was off when it was made)
-    fixed = torch.jit.is_tracing() or torch.compiler.is_exporting()
-    need = [grad_on and x is not None and (fixed or x.requires_grad) for x in (hidden, weight, bias)]
-    args = (
-        h,
-        weight,
-        bias,
-        t,
-        th,
-        nod(teacher_weight),
-        nod(teacher_bias),
-        y,
-        scale,
-        float(tau),
-        float(ce_weight),
-        float(kd_weight),
-        kind == "not_true",
-        int(ignore_index),
-        int(chunk),
-        be,
-        None if class_weight is None else class_weight.detach(),
-        ext,
-        *need,
-    )
-    if reduction in ("mean", "sum"):
-        # torch.compile, torch.export, torch.jit.trace: the custom op
-        loss, *_, terms = _total_op(*args) if traced else _Total.apply(*args)
-        return DistillTerms(loss, terms[0], terms[1]) if return_terms else loss
-    rows, terms = _rows_op(*args) if traced else _Rows.apply(*args)
+    return chunk_rows
+
+
+def _reduced(out: tuple, lead: tuple, reduction: str, segments, num_segments) -> tuple:
+    """Per-row results [R] as ``reduction`` returns them: shaped as the target ("none"), or per segment."""
     if reduction == "none":
-        out = (rows, *(terms if return_terms else ()))
-        out = tuple(x.reshape(lead) for x in out)
-    else:
-        S = _validate.segment_count(segments, num_segments)
-        idx = segments.long().clamp(0, S - 1)
-        out = (rows, *(terms if return_terms else ()))
-        out = tuple(torch.zeros(S, dtype=rows.dtype, device=dev).index_add(0, idx, x) for x in out)
-    return DistillTerms(*out) if return_terms else out[0]
+        return tuple(x.reshape(lead) for x in out)
+    S = _validate.segment_count(segments, num_segments)
+    idx = segments.long().clamp(0, S - 1)
+    return tuple(torch.zeros(S, dtype=x.dtype, device=x.device).index_add(0, idx, x) for x in out)
 
 
 __all__ = ["linear_distill", "default_chunk_rows", "DistillTerms"]
