@@ -16,9 +16,9 @@ from fedfast.ops import _backend
 from fedfast.ops._door import Backends, OpArgs
 
 # the op modules (fedfast.ops.<op> names the op's function: the package exports it under the module's name)
-client_step, client_adam, aggregate, update_norms, distill = (
+client_step, client_adam, aggregate, update_norms, distill, teacher_mixture, asd_weights = (
     importlib.import_module(f"fedfast.ops.{m}")
-    for m in ("client_step", "client_adam", "aggregate", "update_norms", "distill")
+    for m in ("client_step", "client_adam", "aggregate", "update_norms", "distill", "teacher_mixture", "asd_weights")
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +30,9 @@ DOORS = [  # (record, table, entry point)
     (aggregate.AggregateArgs, aggregate.AGGREGATE, aggregate.aggregate),
     (update_norms.UpdateNormsArgs, update_norms.UPDATE_NORMS, update_norms.update_norms),
     (distill.DistillRowsArgs, distill.DISTILL_ROWS, distill._backend_rows),
+    (teacher_mixture.TeacherMixtureArgs, teacher_mixture.TEACHER_MIXTURE, teacher_mixture._mixture_rows),
+    (asd_weights.AsdWeightsArgs, asd_weights.ASD_WEIGHTS, asd_weights._asd_weights_rows),
+    (distill.ScaleRowsArgs, distill.SCALE_ROWS, distill.scale_rows),
 ]
 
 

@@ -9,10 +9,14 @@ Eq. 20). The KD row weight handed to the fused loss is ``n_seg(i) * alpha_i`` so
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from . import _backend, _validate
+from ._door import Backends, OpArgs, extension
 from ._rows import class_table, segment_counts, valid_rows
 from .distill_reference import asd_weights_reference
 
@@ -26,18 +30,43 @@ def _asd_weights_rows(
     ignore_index: int,
     backend: str,
 ) -> Tensor:
-    if backend == "reference":
-        return asd_weights_reference(
-            teacher, target, class_prior, segments, entropy_tau=entropy_tau, ignore_index=ignore_index
-        )
-    args = (teacher, target, class_prior, segments, float(entropy_tau), int(ignore_index))
-    if backend == "cpu":
-        return _backend.cpu_ext().asd_weights(*args)
-    if backend == "cuda":
-        return _backend.cuda_ext().asd_weights(*args)
+    """The op's door: its record and one table call (the custom op's body too)."""
+    args = AsdWeightsArgs(teacher, target, class_prior, segments, float(entropy_tau), int(ignore_index))
+    return ASD_WEIGHTS(backend, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsdWeightsArgs(OpArgs):
+    """:func:`asd_weights`' arguments, ``FEDFAST_ASD_WEIGHTS``' order (``csrc/op_signatures.h``)."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_ASD_WEIGHTS"
+    teacher: Tensor
+    target: Tensor
+    class_prior: Tensor
+    segments: Tensor | None
+    entropy_tau: float
+    ignore_index: int
+
+
+def _weights_reference(a: AsdWeightsArgs) -> Tensor:
+    return asd_weights_reference(
+        a.teacher, a.target, a.class_prior, a.segments, entropy_tau=a.entropy_tau, ignore_index=a.ignore_index
+    )
+
+
+def _weights_triton(a: AsdWeightsArgs) -> Tensor:
     from ..triton.asd_weights import asd_weights_triton
 
-    return asd_weights_triton(*args)
+    return asd_weights_triton(*a.values())
+
+
+ASD_WEIGHTS = Backends(
+    "asd_weights",
+    reference=_weights_reference,
+    cpu=extension("cpu", "asd_weights"),
+    triton=_weights_triton,
+    cuda=extension("cuda", "asd_weights"),
+)
 
 
 # The op for torch.compile; eager calls go to the backend directly (a custom op's Python dispatch costs ~0.1 ms).

@@ -169,15 +169,34 @@ def _(
 def scale_rows(grad: Tensor, grad_loss: Tensor, backend: str) -> Tensor:
     """Backward of the row op: ``grad_loss[:, None] * grad`` in fp32 (fp64 for fp64), stored in ``grad.dtype``.
     Bytes: 2*R*C*g + 4R."""
-    if backend == "triton":
-        from ..triton.distill import scale_rows_triton
+    return SCALE_ROWS(backend, ScaleRowsArgs(grad, grad_loss))
 
-        return scale_rows_triton(grad, grad_loss)
-    if backend == "cuda":
-        return _backend.cuda_ext().scale_rows(grad, grad_loss)
-    if grad.dtype in (torch.float32, torch.float64):
-        return grad * grad_loss.to(grad.dtype)[:, None]
-    return (grad.float() * grad_loss.float()[:, None]).to(grad.dtype)
+
+@dataclasses.dataclass(frozen=True)
+class ScaleRowsArgs(OpArgs):
+    """:func:`scale_rows`' arguments, ``FEDFAST_SCALE_ROWS``' order (``csrc/op_signatures.h``)."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_SCALE_ROWS"
+    grad: Tensor
+    grad_loss: Tensor
+
+
+def _scale_torch(a: ScaleRowsArgs) -> Tensor:
+    """PyTorch (the reference's and the cpu backend's: one elementwise product)."""
+    if a.grad.dtype in (torch.float32, torch.float64):
+        return a.grad * a.grad_loss.to(a.grad.dtype)[:, None]
+    return (a.grad.float() * a.grad_loss.float()[:, None]).to(a.grad.dtype)
+
+
+def _scale_triton(a: ScaleRowsArgs) -> Tensor:
+    from ..triton.distill import scale_rows_triton
+
+    return scale_rows_triton(*a.values())
+
+
+SCALE_ROWS = Backends(
+    "scale_rows", reference=_scale_torch, cpu=_scale_torch, triton=_scale_triton, cuda=extension("cuda", "scale_rows")
+)
 
 
 @torch.library.custom_op("fedfast::scale_rows", mutates_args=())

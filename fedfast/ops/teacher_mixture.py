@@ -8,28 +8,57 @@ In the engine it is computed once per round per cached teacher table.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from . import _backend, _validate
+from ._door import Backends, OpArgs, extension
 from .distill_reference import teacher_mixture_reference
 
 
 def _mixture_rows(
     teachers: Tensor, weights: Tensor, target: Tensor, tau: float, not_true: bool, ignore_index: int, backend: str
 ) -> tuple[Tensor, Tensor]:
-    if backend == "reference":
-        return teacher_mixture_reference(
-            teachers, weights, target, tau=tau, not_true=not_true, ignore_index=ignore_index
-        )
-    args = (teachers, weights, target, float(tau), bool(not_true), int(ignore_index))
-    if backend == "cpu":
-        return tuple(_backend.cpu_ext().teacher_mixture(*args))
-    if backend == "cuda":
-        return tuple(_backend.cuda_ext().teacher_mixture(*args))
+    """The op's door: its record and one table call (the custom op's body too)."""
+    args = TeacherMixtureArgs(teachers, weights, target, float(tau), bool(not_true), int(ignore_index))
+    return tuple(TEACHER_MIXTURE(backend, args))
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherMixtureArgs(OpArgs):
+    """:func:`teacher_mixture`'s arguments, ``FEDFAST_TEACHER_MIXTURE``'s order (``csrc/op_signatures.h``)."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_TEACHER_MIXTURE"
+    teachers: Tensor
+    weights: Tensor
+    target: Tensor
+    tau: float
+    not_true: bool
+    ignore_index: int
+
+
+def _mixture_reference(a: TeacherMixtureArgs) -> tuple[Tensor, Tensor]:
+    return teacher_mixture_reference(
+        a.teachers, a.weights, a.target, tau=a.tau, not_true=a.not_true, ignore_index=a.ignore_index
+    )
+
+
+def _mixture_triton(a: TeacherMixtureArgs) -> tuple[Tensor, Tensor]:
     from ..triton.teacher_mixture import teacher_mixture_triton
 
-    return teacher_mixture_triton(*args)
+    return teacher_mixture_triton(*a.values())
+
+
+TEACHER_MIXTURE = Backends(
+    "teacher_mixture",
+    reference=_mixture_reference,
+    cpu=extension("cpu", "teacher_mixture"),
+    triton=_mixture_triton,
+    cuda=extension("cuda", "teacher_mixture"),
+)
 
 
 # The op for torch.compile; eager calls go to the backend directly (a custom op's Python dispatch costs ~0.1 ms).
