@@ -33,6 +33,7 @@ DOORS = [  # (record, table, entry point)
     (teacher_mixture.TeacherMixtureArgs, teacher_mixture.TEACHER_MIXTURE, teacher_mixture._mixture_rows),
     (asd_weights.AsdWeightsArgs, asd_weights.ASD_WEIGHTS, asd_weights._asd_weights_rows),
     (distill.ScaleRowsArgs, distill.SCALE_ROWS, distill.scale_rows),
+    (distill.RowScaleArgs, distill.ROW_SCALE, distill.row_scale_rows),
 ]
 
 
@@ -166,3 +167,27 @@ def test_the_record_reaches_every_backend_in_the_signatures_order(monkeypatch):
     a = got["args"]
     assert len(a) == 19 and a[0] is theta and isinstance(a[1], list) and a[1][0] is g and a[3] == 0.5
     assert a[-1] is norms
+
+
+def test_the_row_scale_reference_is_the_cpu_pass():
+    """ROW_SCALE's reference (PyTorch) gives what the C++ pass gives: the weights of each mode and the flags (bit 0
+    a target, bit 1 the segments), on valid and invalid rows; with a status tensor the flags go there."""
+    if not _backend.available("cpu", "cpu"):
+        pytest.skip("the C++ extension is not built")
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (40,), generator=g)
+    y[3] = -100
+    seg = torch.sort(torch.randint(0, 6, (40,), generator=g)).values
+    cases = [(y, None), (y, seg), (torch.where(y == 2, 7, y), seg), (y, seg.flip(0)), (y, seg + 4)]
+    for target, segments in cases:
+        for mode in (0, 1, 2):
+            a = distill.RowScaleArgs(target, segments, 5, -100, mode, 8, None)
+            want, got = distill.ROW_SCALE("cpu", a), distill.ROW_SCALE("reference", a)
+            assert got[1] == want[1], (mode, got[1], want[1])
+            if want[0] is None or want[1]:
+                assert got[0] is None or want[1], mode
+                continue
+            assert torch.allclose(got[0], want[0], rtol=0, atol=0), mode
+    st = torch.zeros(7, dtype=torch.int32)
+    distill.ROW_SCALE("reference", distill.RowScaleArgs(torch.where(y == 2, 7, y), seg.flip(0), 5, -100, 1, 8, st))
+    assert st[:2].tolist() == [1, 1]

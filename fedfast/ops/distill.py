@@ -381,18 +381,70 @@ def device_row_scale(
 ):
     """The rows' reduction weights (fp32 [R]; None for ``smode`` 0) and, with ``status``, the deferred target and
     segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
-    launch on a GPU backend (``fedfast.triton.row_scale`` / ``fedfast._C_cuda.row_scale``, ``FEDFAST_ROW_SCALE``'s
-    arguments), as ``(True, weights)``; ``(False, None)`` when the backend has no such kernel (a CUDA extension built
-    before it)."""
-    args = (target, segments, C, int(ignore_index), smode, int(limit), status)
-    if be == "triton":
-        from ..triton.row_scale import row_scale_triton
+    launch on a GPU backend (:data:`ROW_SCALE`), as ``(True, weights)``; ``(False, None)`` when the backend has no
+    such kernel (a CUDA extension built before it)."""
+    got = row_scale_rows(be, RowScaleArgs(target, segments, int(C), int(ignore_index), smode, int(limit), status))
+    return (False, None) if got is None else (True, got[0])
 
-        return True, row_scale_triton(*args)[0]
+
+def row_scale_rows(be: str, args: RowScaleArgs):
+    """The row-scale op's door: ``(weights or None, the flags found on the host)`` on backend ``be``, or None where
+    that backend has no such kernel."""
+    return ROW_SCALE(be, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScaleArgs(OpArgs):
+    """The rows' bookkeeping op's arguments, ``FEDFAST_ROW_SCALE``'s order (``csrc/op_signatures.h``): ``mode`` 0
+    checks only, 1 one mean over the valid rows, 2 one mean per segment; ``status`` a GPU's deferred flags."""
+
+    SIGNATURE: ClassVar[str] = "FEDFAST_ROW_SCALE"
+    target: Tensor
+    segments: Tensor | None
+    C: int
+    ignore_index: int
+    mode: int
+    limit: int
+    status: Tensor | None
+
+
+def _row_scale_reference(a: RowScaleArgs):
+    """PyTorch: the weights (:func:`row_scale_torch`) and the checks - ORed into ``status`` on the device when it is
+    given (no host sync), else returned as the C++ pass returns them (bit 0 a target, bit 1 the segments)."""
+    mode = 1 if a.mode == 2 and a.segments is None else a.mode
+    y = a.target
+    bad_t = ((y != a.ignore_index) & ((y < 0) | (y >= a.C))).any()
+    bad_s = torch.zeros((), dtype=torch.bool, device=y.device)
+    if a.segments is not None and a.segments.numel():
+        sg = a.segments
+        bad_s = ((sg < 0) | (sg >= a.limit)).any() | (sg[1:] < sg[:-1]).any()
+    rs = None if mode == 0 else row_scale_torch(y, a.C, a.ignore_index, a.segments if mode == 2 else None)
+    if a.status is not None:
+        a.status[0:1].bitwise_or_(bad_t.to(torch.int32).reshape(1))
+        a.status[1:2].bitwise_or_(bad_s.to(torch.int32).reshape(1))
+        return rs, 0
+    return rs, int(bad_t) | (int(bad_s) << 1)
+
+
+def _row_scale_triton(a: RowScaleArgs):
+    from ..triton.row_scale import row_scale_triton
+
+    return row_scale_triton(*a.values())
+
+
+def _row_scale_cuda(a: RowScaleArgs):
+    """The CUDA extension's kernel; None for an extension built before it (the caller falls back)."""
     fn = getattr(_backend.cuda_ext(), "row_scale", None)
-    if fn is None:
-        return False, None
-    return True, fn(*args)[0]
+    return None if fn is None else fn(*a.values())
+
+
+ROW_SCALE = Backends(
+    "row_scale",
+    reference=_row_scale_reference,
+    cpu=extension("cpu", "row_scale"),
+    triton=_row_scale_triton,
+    cuda=_row_scale_cuda,
+)
 
 
 def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_index: int, num_segments):
@@ -416,7 +468,7 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     limit = num_segments if num_segments is not None else R
     if fast:
         smode = (2 if segments is not None else 1) if need_scale else 0
-        rs, status = _backend.cpu_ext().row_scale(target, segments, C, int(ignore_index), smode, int(limit), None)
+        rs, status = row_scale_rows(be, RowScaleArgs(target, segments, C, int(ignore_index), smode, int(limit), None))
         if status and mode == "eager":
             if status & 1:
                 raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
