@@ -181,7 +181,7 @@ def test_the_row_scale_reference_is_the_cpu_pass():
     cases = [(y, None), (y, seg), (torch.where(y == 2, 7, y), seg), (y, seg.flip(0)), (y, seg + 4)]
     for target, segments in cases:
         for mode in (0, 1, 2):
-            a = distill.RowScaleArgs(target, segments, 5, -100, mode, 8, None)
+            a = distill.row_scale_args(target, segments, 5, -100, mode, 8, None)
             want, got = distill.ROW_SCALE("cpu", a), distill.ROW_SCALE("reference", a)
             assert got[1] == want[1], (mode, got[1], want[1])
             if want[0] is None or want[1]:
@@ -189,5 +189,5 @@ def test_the_row_scale_reference_is_the_cpu_pass():
                 continue
             assert torch.allclose(got[0], want[0], rtol=0, atol=0), mode
     st = torch.zeros(7, dtype=torch.int32)
-    distill.ROW_SCALE("reference", distill.RowScaleArgs(torch.where(y == 2, 7, y), seg.flip(0), 5, -100, 1, 8, st))
+    distill.ROW_SCALE("reference", distill.row_scale_args(torch.where(y == 2, 7, y), seg.flip(0), 5, -100, 1, 8, st))
     assert st[:2].tolist() == [1, 1]

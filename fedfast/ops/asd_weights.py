@@ -31,11 +31,18 @@ def _asd_weights_rows(
     backend: str,
 ) -> Tensor:
     """The op's door: its record and one table call (the custom op's body too)."""
-    args = AsdWeightsArgs(teacher, target, class_prior, segments, float(entropy_tau), int(ignore_index))
+    args = AsdWeightsArgs(
+        teacher=teacher,
+        target=target,
+        class_prior=class_prior,
+        segments=segments,
+        entropy_tau=float(entropy_tau),
+        ignore_index=int(ignore_index),
+    )
     return ASD_WEIGHTS(backend, args)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AsdWeightsArgs(OpArgs):
     """:func:`asd_weights`' arguments, ``FEDFAST_ASD_WEIGHTS``' order (``csrc/op_signatures.h``)."""
 

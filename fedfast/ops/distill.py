@@ -383,8 +383,22 @@ def device_row_scale(
     segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
     launch on a GPU backend (:data:`ROW_SCALE`), as ``(True, weights)``; ``(False, None)`` when the backend has no
     such kernel (a CUDA extension built before it)."""
-    got = row_scale_rows(be, RowScaleArgs(target, segments, int(C), int(ignore_index), smode, int(limit), status))
+    args = row_scale_args(target, segments, C, ignore_index, smode, limit, status)
+    got = row_scale_rows(be, args)
     return (False, None) if got is None else (True, got[0])
+
+
+def row_scale_args(target, segments, C: int, ignore_index: int, mode: int, limit: int, status) -> RowScaleArgs:
+    """The row-scale op's record (its fields by keyword; the scalars as the kernels take them)."""
+    return RowScaleArgs(
+        target=target,
+        segments=segments,
+        C=int(C),
+        ignore_index=int(ignore_index),
+        mode=int(mode),
+        limit=int(limit),
+        status=status,
+    )
 
 
 def row_scale_rows(be: str, args: RowScaleArgs):
@@ -393,7 +407,7 @@ def row_scale_rows(be: str, args: RowScaleArgs):
     return ROW_SCALE(be, args)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RowScaleArgs(OpArgs):
     """The rows' bookkeeping op's arguments, ``FEDFAST_ROW_SCALE``'s order (``csrc/op_signatures.h``): ``mode`` 0
     checks only, 1 one mean over the valid rows, 2 one mean per segment; ``status`` a GPU's deferred flags."""
@@ -468,7 +482,7 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     limit = num_segments if num_segments is not None else R
     if fast:
         smode = (2 if segments is not None else 1) if need_scale else 0
-        rs, status = row_scale_rows(be, RowScaleArgs(target, segments, C, int(ignore_index), smode, int(limit), None))
+        rs, status = row_scale_rows(be, row_scale_args(target, segments, C, ignore_index, smode, limit, None))
         if status and mode == "eager":
             if status & 1:
                 raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")

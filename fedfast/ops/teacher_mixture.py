@@ -23,11 +23,18 @@ def _mixture_rows(
     teachers: Tensor, weights: Tensor, target: Tensor, tau: float, not_true: bool, ignore_index: int, backend: str
 ) -> tuple[Tensor, Tensor]:
     """The op's door: its record and one table call (the custom op's body too)."""
-    args = TeacherMixtureArgs(teachers, weights, target, float(tau), bool(not_true), int(ignore_index))
+    args = TeacherMixtureArgs(
+        teachers=teachers,
+        weights=weights,
+        target=target,
+        tau=float(tau),
+        not_true=bool(not_true),
+        ignore_index=int(ignore_index),
+    )
     return tuple(TEACHER_MIXTURE(backend, args))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TeacherMixtureArgs(OpArgs):
     """:func:`teacher_mixture`'s arguments, ``FEDFAST_TEACHER_MIXTURE``'s order (``csrc/op_signatures.h``)."""
 
