@@ -33,7 +33,7 @@ DOORS = [  # (record, table, entry point)
     (teacher_mixture.TeacherMixtureArgs, teacher_mixture.TEACHER_MIXTURE, teacher_mixture._mixture_rows),
     (asd_weights.AsdWeightsArgs, asd_weights.ASD_WEIGHTS, asd_weights._asd_weights_rows),
     (distill.ScaleRowsArgs, distill.SCALE_ROWS, distill.scale_rows),
-    (distill.RowScaleArgs, distill.ROW_SCALE, distill.row_scale_rows),
+    (distill.RowScaleArgs, distill.ROW_SCALE, distill.device_row_scale),
 ]
 
 

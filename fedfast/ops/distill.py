@@ -381,10 +381,9 @@ def device_row_scale(
 ):
     """The rows' reduction weights (fp32 [R]; None for ``smode`` 0) and, with ``status``, the deferred target and
     segment checks (``status``: the deferred flags, [0] target and [1] segments as in ``_validate._CHECKS``), in one
-    launch on a GPU backend (:data:`ROW_SCALE`), as ``(True, weights)``; ``(False, None)`` when the backend has no
+    launch on a GPU backend (the op's table), as ``(True, weights)``; ``(False, None)`` when the backend has no
     such kernel (a CUDA extension built before it)."""
-    args = row_scale_args(target, segments, C, ignore_index, smode, limit, status)
-    got = row_scale_rows(be, args)
+    got = ROW_SCALE(be, row_scale_args(target, segments, C, ignore_index, smode, limit, status))
     return (False, None) if got is None else (True, got[0])
 
 
@@ -399,12 +398,6 @@ def row_scale_args(target, segments, C: int, ignore_index: int, mode: int, limit
         limit=int(limit),
         status=status,
     )
-
-
-def row_scale_rows(be: str, args: RowScaleArgs):
-    """The row-scale op's door: ``(weights or None, the flags found on the host)`` on backend ``be``, or None where
-    that backend has no such kernel."""
-    return ROW_SCALE(be, args)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -482,7 +475,7 @@ def _rows(student, target, segments, be: str, mode: str, reduction: str, ignore_
     limit = num_segments if num_segments is not None else R
     if fast:
         smode = (2 if segments is not None else 1) if need_scale else 0
-        rs, status = row_scale_rows(be, row_scale_args(target, segments, C, ignore_index, smode, limit, None))
+        rs, status = ROW_SCALE(be, row_scale_args(target, segments, C, ignore_index, smode, limit, None))
         if status and mode == "eager":
             if status & 1:
                 raise ValueError(f"target: class indices must lie in [0, {C}) or equal ignore_index={ignore_index}")
