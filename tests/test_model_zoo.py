@@ -4,8 +4,9 @@ excitation gates with Hardsigmoid) and EfficientNet-B0 (SiLU, Sigmoid gates, sto
 torchvision's own layout (``torchvision_layouts``; torchvision does not import on the CPU build of torch), each run
 by the engine's traced program (no vmap fallback) and compared with the literal per-client loop over whole runs
 (every parameter and running statistic against a float64 loop, within a few times the fp32 loop's own distance).
-Stochastic depth's draws are checked by what they must be (each client's sample kept and scaled, or dropped), and a
-layer or function the executor does not cover still falls back to vmap with a warning naming it."""
+Stochastic depth's draws are checked by what they must be (each client's sample kept and scaled, or dropped). A
+layer or function without a batched form runs per client inside the program (tests/test_torchvision_builders.py,
+which also runs torchvision's own builders)."""
 
 import copy
 import warnings
@@ -216,33 +217,3 @@ def test_stochastic_depth_on_the_vmap_path_is_refused_by_name():
     sim = fedfast.Simulation(cfg, model, train, test, part)
     with pytest.raises(ValueError, match="StochasticDepth.*executor = 'auto'"):
         sim.round()
-
-
-class _PReLUNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.act = nn.PReLU()
-        self.fc = nn.Linear(4 * 30 * 30, 5)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(self.act(self.conv(x)), 1))
-
-
-class _SoftmaxGate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.fc = nn.Linear(4 * 30 * 30, 5)
-
-    def forward(self, x):
-        h = self.conv(x)
-        return self.fc(torch.flatten(torch.softmax(h, 1) * h, 1))
-
-
-@pytest.mark.parametrize("model,named", [(_PReLUNet, "PReLU is not a supported layer"), (_SoftmaxGate, "softmax")])
-def test_an_uncovered_op_falls_back_naming_it(model, named):
-    cfg, _, train, test, part = _run("resnet18", rounds=1)
-    with pytest.warns(RuntimeWarning, match=named):
-        sim = fedfast.Simulation(cfg, model(), train, test, part)
-    assert sim.runtime.plan is None

@@ -74,6 +74,22 @@ class RuntimeSettings(Settings):
     features_layer: str | None
 
 
+def _gradients_differ(kind: str, names: list, g_ref, g_got) -> str:
+    """ "" if the executor's parameter gradients equal the model's (to 1e-4 of the largest), else which differs."""
+    zero = torch.zeros(())
+    scale = max((float(g.abs().max()) for g in g_ref if g is not None), default=0.0)
+    for name, a, b in zip(names, g_ref, g_got, strict=True):
+        a = zero if a is None else a
+        b = zero if b is None else b
+        err = float((a - b).abs().max())
+        if not err <= 1e-4 * max(scale, 1e-12):
+            return (
+                f"its {kind}'s gradient of {name!r} differs from the model's ({err:.1e} of {scale:.1e}; a part run "
+                f"under torch.no_grad() or detached inside the forward is traced as if it trained)"
+            )
+    return ""
+
+
 class ModelRuntime:
     """``model`` (on ``device``) checked on two training samples and flattened: ``layout`` (flat parameters [P],
     buffers [B]: floating-point buffers and BatchNorm's ``num_batches_tracked``), ``plan`` (the batched executor,
@@ -157,26 +173,31 @@ class ModelRuntime:
 
     def _probe_executor(self, prog, kind: str) -> str:
         """ "" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
-        perturbed copy) on a probe batch of up to 4 training rows, else why not."""
+        perturbed copy) on a probe batch of up to 4 training rows, its outputs and its parameters' gradients, else
+        why not. The gradients catch what a trace cannot see: a ``torch.no_grad()`` block inside the forward (fx
+        records its operations as any others; the program would train the frozen part)."""
         x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
         gen = torch.Generator(device="cpu").manual_seed(0)
         pv = {}
         for k, v in self.model.named_parameters():
             noise = torch.randn(v.shape, generator=gen).to(v.device, v.dtype)
-            pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise])
+            pv[k] = torch.stack([v.detach(), v.detach() + 0.05 * v.detach().abs().mean() * noise]).requires_grad_()
         bv = {k: v[None].expand(2, *v.shape) for k, v in self.layout.buffer_views(self.initial_buffers).items()}
-        with self.eval_mode(), fp32_semantics():  # TF32 (cuDNN's default) would differ by ~1e-3 on both sides
+        with self.eval_mode(), fp32_semantics(), torch.enable_grad():  # TF32 would differ by ~1e-3 on both sides
             try:
                 ref = torch.stack(
                     [functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float() for i in range(2)]
                 )
                 got = prog.forward(pv, torch.stack([x, x]), False, buffers=bv).float()
+                w = torch.randn(ref.shape, generator=gen).to(ref.device)
+                g_ref = torch.autograd.grad((ref * w).sum(), list(pv.values()), allow_unused=True)
+                g_got = torch.autograd.grad((got * w).sum(), list(pv.values()), allow_unused=True)
             except (RuntimeError, ValueError, TypeError) as e:
-                return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
         err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
         if not err <= 1e-4:
             return f"its {kind} differs from the model's forward (relative error {err:.1e})"
-        return ""
+        return _gradients_differ(kind, list(pv), g_ref, g_got)
 
     def find_classifier(self, hint: str | None) -> str:
         """The classifier's name (:func:`fedfast.flat.find_classifier`; ``hint``: a name, e.g. ``features_layer``),
