@@ -501,8 +501,7 @@ def _apply_module(m: nn.Module, name: str, h: Tensor, grouped: bool, run: "_Run"
     elif isinstance(m, nn.Dropout):
         h = F.dropout(h, m.p, training)
     elif _is_stochastic_depth(m):
-        h = _stochastic_depth(client_major(h, grouped, n, B), float(m.p), m.mode, training, False, n, B)
-        grouped = False
+        h = _stochastic_depth(h, float(m.p), m.mode, training, grouped, n, B)  # client-major: the dense branch
     elif isinstance(m, _POOL):  # per channel: the grouped layout is already right
         h, grouped = m(run.grouped(h, grouped)), True
     else:  # elementwise: any layout
