@@ -126,6 +126,7 @@ class Plan(list):
     conv = "grouped"
     channels_last: bool | None = None
     per_client: list = []  # the nodes that run per client (vmap of the node alone), each with the model's line
+    aliases: tuple = ()  # (name, the name it shares its tensor with): tied weights, one flat row under the first name
 
     def forward(
         self,
@@ -140,6 +141,10 @@ class Plan(list):
     ):
         """:func:`batched_forward` of this program (the executors' common call, as
         :meth:`fedfast.grouped.GroupedPlan.forward`)."""
+        if self.aliases:  # a tied weight: every name that reads it gets the one leaf, whose gradient sums the uses
+            params = {**params, **{a: params[c] for a, c in self.aliases if c in params}}
+            if buffers is not None:
+                buffers = {**buffers, **{a: buffers[c] for a, c in self.aliases if c in buffers}}
         cl = self.channels_last
         if cl is None:
             cl = x.device.type == "cpu" or self.conv == "triton"
@@ -149,6 +154,8 @@ class Plan(list):
 def _module_ok(m: nn.Module) -> str:
     if _is_stochastic_depth(m):
         return ""
+    if torch.nn.utils.parametrize.is_parametrized(m) or m._forward_pre_hooks or m._forward_hooks:
+        return f"{type(m).__name__} has parametrizations or forward hooks (weight_norm, spectral_norm)"
     if not isinstance(m, _MODULES):
         return f"{type(m).__name__} is not a supported layer"
     if isinstance(m, nn.Conv2d) and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
@@ -392,7 +399,22 @@ def plan(module: nn.Module) -> tuple[Plan | None, str]:
         s.op == "flatten" or (s.op == "module" and isinstance(s.module, nn.Flatten)) for s in first
     )
     prog.per_client = [s.call.where for s in prog if s.op == "call" and not s.call.shared]
+    prog.aliases = tied_names(module)
     return prog, ""
+
+
+def tied_names(module: nn.Module) -> tuple:
+    """``((name, first name), ...)``: each parameter or buffer reachable under more than one name (tied weights),
+    with the name ``named_parameters()`` / ``named_buffers()`` keep for it."""
+    out = []
+    for items in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        first: dict = {}
+        for name, t in items:
+            if id(t) in first:
+                out.append((name, first[id(t)]))
+            else:
+                first[id(t)] = name
+    return tuple(out)
 
 
 def _pool_before_relu(prog: Plan) -> None:

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 from .._registry import Registry, check_entry
 from .cnn import ASDCifarCNN, ASDTinyImageNetCNN, FedADCCNN, FedAvgCNN, FedGenCNN, LeNet5, SimpleCNN
 from .head import ProjectionClassifier, with_projection_head
@@ -38,6 +40,12 @@ def register_model(name: str, build: Callable, *, options: type | None = None, r
     ``build(num_classes, input_shape, options)``. A taken name is refused unless ``replace=True``."""
     if isinstance(name, str) and name.startswith("hf:"):
         raise ValueError(f"register_model: 'hf:...' names Hugging Face models, got {name!r}")
+    if isinstance(build, nn.Module):
+        raise TypeError(
+            f"register_model({name!r}): build must be a function that makes the model, build(num_classes, "
+            f"input_shape), got an nn.Module instance ({type(build).__name__}); a run builds its own model (sized to "
+            f"the dataset, one per run of a sweep): pass its class or a function returning a new one"
+        )
     check_entry("register_model", name, build, options)
     _check_signature(name, build, options)
     REGISTRY.add(name, ModelEntry(build, options), replace=replace, call="register_model")

@@ -5,6 +5,8 @@ built (``docs/engine.md``, "BatchNorm")."""
 
 from __future__ import annotations
 
+import collections
+import copy
 import warnings
 
 import numpy as np
@@ -14,6 +16,7 @@ from torch import nn
 from ..methods.base import Method, TeacherSpec
 from ..methods.hooks import HookError, hook_site
 from ..store.state import ClientState
+from .own_model import cross_sample
 from .plan import RoundPlan
 from .runtime import ModelRuntime
 from .stores import StateStores
@@ -140,7 +143,9 @@ def client_state_dict(
     for k, v in ref.items():  # a buffer the layout does not carry stays the model's
         src = out.get(k, v)
         out[k] = (src.round() if not v.is_floating_point() else src).to(v.dtype).reshape(v.shape).clone()
-    return {k: out[k] for k in ref}
+    sd = collections.OrderedDict((k, out[k]) for k in ref)
+    sd._metadata = copy.deepcopy(getattr(ref, "_metadata", {}))  # module versions: load_state_dict reads them
+    return sd
 
 
 def restore_local_statistics(store: ClientState | None, ck: dict, bn_stats: str, bn_params: str) -> None:
@@ -174,6 +179,31 @@ def check_teacher_spec(spec, num_buffers: int, method: Method) -> None:
         raise HookError(
             f"{hook_site(method, 'teacher')}: TeacherSpec.buffers must be [M, B] = [{len(spec.models)}, "
             f"{num_buffers}] (each teacher's buffers), got {tuple(spec.buffers.shape)}"
+        )
+
+
+def check_cross_sample(runtime: ModelRuntime, plan: RoundPlan, *, batch_size: int, drop_last: bool) -> None:
+    """A model whose training output for a sample depends on the other rows of its minibatch or on its size (other
+    than through BatchNorm: :func:`fedfast.sim.own_model.cross_sample`, probed on a full minibatch against the rows
+    of the run's first partial one) is refused, naming the layer, where a client's last minibatch is partial: the
+    engine pads it and such a model would see the padding. With full minibatches only (``drop_last``, or every
+    client's data a multiple of the batch) the batched forward equals a loop's."""
+    sizes = plan.client_sizes
+    rest = sizes % batch_size
+    short = np.flatnonzero(rest != 0) if not drop_last else []
+    if not len(short):
+        return
+    kinds = np.unique(rest[short])  # the partial minibatches' sizes: up to 8 of them, spread, the smallest first
+    kinds = kinds[np.unique(np.linspace(0, len(kinds) - 1, min(8, len(kinds))).round().astype(int))]
+    x, _ = runtime.train.batch(torch.arange(batch_size, device=runtime.device) % len(runtime.train))
+    why, rows = cross_sample(runtime.model, x, kinds)
+    if why:
+        k = int(short[rest[short] == rows][0])
+        raise ValueError(
+            f"model: {why} makes a sample's training output depend on the other rows of its minibatch or on the "
+            f"minibatch's size (only BatchNorm may: the engine leaves the padding out of its statistics); client {k}'s "
+            f"last minibatch is partial ({rows} of batch_size {batch_size}) and the engine pads it to the full size, "
+            f"which this model would see: set drop_last = true, or make each sample's output depend on it alone"
         )
 
 

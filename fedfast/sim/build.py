@@ -24,10 +24,11 @@ from ..flat import find_classifier
 from ..methods.base import Method
 from ..methods.hooks import HookError, hook_site
 from ..simconfig import SimConfig, check_device
-from .buffers import check_batch_norm, local_statistics_store
+from .buffers import check_batch_norm, check_cross_sample, local_statistics_store
 from .evaluation import EvalSettings, Evaluator
 from .facade import EngineView, bind_method
 from .inputs import check_inputs
+from .own_model import check_module
 from .plan import PlanSettings, RoundPlan
 from .runtime import ModelRuntime, RuntimeSettings, probe_batch
 from .sizing import BudgetSettings, MemoryBudget
@@ -69,6 +70,7 @@ def method_and_model(config: SimConfig, model: nn.Module, method, train) -> tupl
         raise TypeError(f"config: expected a fedfast.SimConfig, got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    check_module(model)
     if method is not None and (
         type(method) is not _methods.get(config.algorithm) or method.options() != config.method_options()
     ):
@@ -174,6 +176,7 @@ def teacher_use(config: SimConfig, method: Method, rt: ModelRuntime, plan: Round
         raise ValueError("teacher: cached teacher logits would ignore the augmentation; use teacher='online'")
     c = config
     check_batch_norm(rt, plan, uses_teacher, teacher=c.teacher, batch_size=c.batch_size, drop_last=c.drop_last)
+    check_cross_sample(rt, plan, batch_size=c.batch_size, drop_last=c.drop_last)
     return uses_teacher
 
 

@@ -4,7 +4,9 @@ functional forward of one flat model, predictions in large batches, eval mode, a
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import dataclasses
 import warnings
 
@@ -18,6 +20,7 @@ from ..data.datasets import ArrayDataset
 from ..flat import FlatLayout, fedfast_batch_norm, find_classifier, functional_forward, has_running_stats
 from ..ops import _backend
 from .memory import fp32_semantics
+from .own_model import HostReads, buffers_kept, forward_effects, model_line
 
 # conv = "auto" by device type. CPU: oneDNN's grouped convolution (benchmarks/bench_conv.py on the 2-core VM, NHWC:
 # 1.35-7.9x faster than im2col + GEMM on layers of 16+ input channels; im2col on the thin first layers alone gave
@@ -48,19 +51,6 @@ def probe_batch(model: nn.Module, train: ArrayDataset) -> torch.Tensor:
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     x, _ = train.batch(torch.arange(min(2, len(train)), device=train.x.device))
     return x.to(dev)
-
-
-@contextlib.contextmanager
-def buffers_kept(model: nn.Module):
-    """The model's buffers as they were before the block (a probe forward in training mode updates BatchNorm's
-    running statistics and ``num_batches_tracked``; the run starts from the model as given)."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +102,14 @@ class ModelRuntime:
                 )
         with buffers_kept(model):
             self.check_model()
+        x4, _ = train.batch(torch.arange(min(4, len(train)), device=device))
+        effect = forward_effects(model, x4)
+        if effect:
+            raise ValueError(
+                f"model: its training forward changes {effect}; fedfast's executors update only BatchNorm's running "
+                f"statistics per client (over each client's own rows, padding left out), so this buffer would not "
+                f"follow each client as a loop's model does: compute it outside the model, or keep it constant"
+            )
         self.layout = FlatLayout(model)
         self.num_params = self.layout.P
         self.num_buffers = self.layout.B
@@ -150,6 +148,7 @@ class ModelRuntime:
         the model's own forward on a probe batch of two clients with different weights; None (vmap, with one
         warning saying why and what it costs) when neither can be used."""
         if self.settings.executor == "vmap":
+            self._probe_vmap([])
             return None
         whys = []
         for kind, make in (("traced program", batched.plan), ("grouped copy", grouped.plan)):
@@ -161,6 +160,7 @@ class ModelRuntime:
             if not why:
                 return prog
             whys.append(why)
+        self._probe_vmap(whys)
         warnings.warn(
             f"model: runs through torch.func.vmap(functional_call), not fedfast's batched executors, "
             f"because {whys[0]}, and {whys[1]}; that path measured 1.7x slower per round on a 2-core CPU "
@@ -171,12 +171,40 @@ class ModelRuntime:
         )
         return None
 
+    def _probe_vmap(self, whys: list) -> None:
+        """ValueError naming the model's line when ``torch.func.vmap`` cannot run the model for two clients either
+        (an LSTM, ``.item()``, a Python branch on a tensor's value): no executor is left (``whys``: why the
+        batched ones were not used)."""
+        x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
+        flat = self.layout.flatten_params(self.model)
+        pv = {k: v.detach()[None].expand(2, *v.shape) for k, v in self.layout.param_views(flat).items()}
+        bv = {k: v[None].expand(2, *v.shape) for k, v in self.layout.buffer_views(self.initial_buffers).items()}
+        f = functional_forward(self.model)
+        try:
+            with self.eval_mode(), fedfast_batch_norm(self.model):
+                torch.func.vmap(f, randomness="different")(pv, bv, torch.stack([x, x]))
+        except Exception as e:  # noqa: BLE001 - the model's own error, named with its line
+            line = model_line(e)
+            raise ValueError(
+                f"model: fedfast cannot run it for many clients at once: torch.func.vmap fails "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                + (f" at {line}" if line else "")
+                + "".join(f"; {w}" for w in whys)
+                + " (a forward must not read a tensor's value on the host - .item(), NumPy, an `if` on a tensor - "
+                "and each of its layers must have a batching rule: docs/own-model.md)"
+            ) from None
+
     def _probe_executor(self, prog, kind: str) -> str:
         """ "" if ``prog`` reproduces ``functional_call`` of the model for two clients (the model's weights and a
         perturbed copy) on a probe batch of up to 4 training rows, its outputs and its parameters' gradients, else
         why not. The gradients catch what a trace cannot see: a ``torch.no_grad()`` block inside the forward (fx
         records its operations as any others; the program would train the frozen part)."""
-        x, _ = self.train.batch(torch.arange(min(4, len(self.train)), device=self.device))
+        n_rows = len(self.train)
+        x0, _ = self.train.batch(torch.arange(min(4, n_rows), device=self.device))
+        x1, _ = self.train.batch((torch.arange(len(x0), device=self.device) + len(x0)) % n_rows)
+        if n_rows < 2 * len(x0):  # too few rows for two batches: client 1's its own transform of them
+            x1 = x0.flip(0) * 0.5 + 0.25 if x0.is_floating_point() else x0.flip(0)
+        xs = torch.stack([x0, x1])  # each client its own rows: an executor that mixes the clients' rows fails
         gen = torch.Generator(device="cpu").manual_seed(0)
         pv = {}
         for k, v in self.model.named_parameters():
@@ -186,15 +214,18 @@ class ModelRuntime:
         with self.eval_mode(), fp32_semantics(), torch.enable_grad():  # TF32 would differ by ~1e-3 on both sides
             try:
                 ref = torch.stack(
-                    [functional_call(self.model, {k: v[i] for k, v in pv.items()}, (x,)).float() for i in range(2)]
+                    [functional_call(self.model, {k: v[i] for k, v in pv.items()}, (xs[i],)).float() for i in range(2)]
                 )
-                got = prog.forward(pv, torch.stack([x, x]), False, buffers=bv).float()
+                with HostReads() as reads:
+                    got = prog.forward(pv, xs, False, buffers=bv).float()
                 w = torch.randn(ref.shape, generator=gen).to(ref.device)
                 g_ref = torch.autograd.grad((ref * w).sum(), list(pv.values()), allow_unused=True)
                 g_got = torch.autograd.grad((got * w).sum(), list(pv.values()), allow_unused=True)
-            except (RuntimeError, ValueError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure of a candidate executor: the next one, saying why
                 return f"its {kind} does not run ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
-        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        if reads.weights:  # a value of the weights read on the host: one read for all the clients together
+            return f"its forward reads a tensor's value on the host ({reads.weights}): the {kind} would read it once"
+        err = float(((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).detach())
         if not err <= 1e-4:
             return f"its {kind} differs from the model's forward (relative error {err:.1e})"
         return _gradients_differ(kind, list(pv), g_ref, g_got)
@@ -340,4 +371,7 @@ class ModelRuntime:
         """``flat`` (with the global model's buffers) as a ``state_dict`` of the model (copies; the model holds
         them after)."""
         self.load_into_model(flat)
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        sd = self.model.state_dict()
+        out = collections.OrderedDict((k, v.detach().clone()) for k, v in sd.items())
+        out._metadata = copy.deepcopy(getattr(sd, "_metadata", {}))  # module versions: load_state_dict reads them
+        return out
