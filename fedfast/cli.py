@@ -27,6 +27,7 @@ from .config import build_config
 from .doctor import main as doctor
 from .jobs import EXIT_DIVERGED, EXIT_WORKER_DIED, WorkerDied, plugin_where, run, run_workers
 from .plot import accuracy_curves
+from .rundir import recover
 from .runner import Interrupted, RunDiverged
 from .study import parse_shard, report, sweep
 
@@ -323,6 +324,7 @@ def _resumed_config(args, methods):
     cfg_path = os.path.join(args.resume, "config.json")
     if not os.path.isdir(args.resume):
         raise ValueError(f"--resume: {args.resume}: no such run directory")
+    recover(args.resume)  # a --force replacement killed before its first round: the old run back first
     try:
         base = read_json(cfg_path, "config")
     except FileNotFoundError:

@@ -485,3 +485,24 @@ def status(path: str) -> str | None:
 
 def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def recover(path: str) -> None:
+    """A run directory whose ``--force`` replacement was killed before it saved a round: its old run put back
+    (what the next :meth:`RunDir.open` does), so that ``--resume`` and ``report`` see the run and not the folder
+    it was set aside in. Nothing happens where there is no such run, or while a live run holds the lock."""
+    try:
+        m = read_json(os.path.join(str(path), MARKER), "fedfast run marker")
+    except (OSError, ValueError):
+        return
+    if not (isinstance(m, dict) and m.get("replaced") is not None):
+        return
+    rd = RunDir(path)
+    try:
+        rd._lock()
+    except RunLocked:
+        return  # the replacement is alive: its files are its own
+    try:
+        rd._restore_replaced(rd.read_marker())
+    finally:
+        rd.close()

@@ -973,3 +973,29 @@ def test_workers_diverge_together(tmp_path):
     )
     assert p.returncode == 4 and "diverged" in p.stderr and "SIGABRT" not in p.stderr, p.stderr
     assert json.loads((out / "summary.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.parametrize("then", ["report", "resume"])
+def test_report_and_resume_after_a_killed_force_see_the_old_run(done_run, tmp_path, capsys, then):
+    """A --force replacement SIGKILLed before it wrote its config (only the marker and the set-aside folder left):
+    ``report`` listed ``DIR/.fedfast-replaced`` as a run of its own and the first ``--resume`` said the directory
+    was not a run (no config.json); both now put the old run back first (issue 70)."""
+    from fedfast.rundir import REPLACED
+
+    d = copy_run(done_run, tmp_path / "r")
+    before = _tree(d)
+    script = (
+        "import os, sys\nfrom fedfast.rundir import RunDir\nrd = RunDir(sys.argv[1])\n"
+        "assert rd.open('force') == 'new'\nos._exit(9)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9 and (d / REPLACED).is_dir() and not (d / "config.json").exists(), r.stderr
+    if then == "report":
+        code, out = cli(capsys, "report", tmp_path)
+        assert code == 0 and "`r`: complete" in out and REPLACED not in out, out
+    else:
+        code, out = cli(capsys, "run", "--resume", d)  # the old run is complete: its final line again
+        assert code == 0 and "final test_acc" in out and "no config.json" not in out, out
+    assert not (d / REPLACED).exists()
+    if then == "report":
+        assert _tree(d) == before

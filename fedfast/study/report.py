@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .. import presets
 from .._io import read_json, write_atomic
 from ..fingerprint import identity
+from ..rundir import REPLACED, recover
 from .plan import STUDY, _label_value, point_label
 
 # metrics a grid point can be selected on: summary key -> (higher is better, in words)
@@ -52,9 +53,15 @@ def select_key(name: str | None, what: str = "--select") -> str:
 
 
 def run_dirs(root: str) -> list[str]:
-    """Run directories (holding a summary.json) at or below ``root``, sorted."""
+    """Run directories (holding a summary.json) at or below ``root``, sorted. A run whose ``--force`` replacement
+    was killed before its first round is put back first (:func:`fedfast.rundir.recover`); the folder it was set
+    aside in is never a run of its own."""
     out = []
-    for d, _, files in os.walk(root):
+    for d, sub, files in os.walk(root):
+        if REPLACED in sub:
+            recover(d)
+            files = os.listdir(d)
+            sub[:] = [s for s in sub if s != REPLACED]
         if "summary.json" in files and "config.json" in files:
             out.append(d)
     return sorted(out)
