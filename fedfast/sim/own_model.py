@@ -194,21 +194,25 @@ def forward_effects(model: nn.Module, x: torch.Tensor) -> str:
     """ "" if a training forward of the model changes no buffer but BatchNorm's running statistics, else the first
     buffer it changes (its name, dtype and layer), named."""
     mods = dict(model.named_modules())
-    before = {n: b.detach().clone() for n, b in model.named_buffers()}
-    with buffers_kept(model), torch.no_grad():
-        was = model.training
-        model.train(True)
-        try:
+    before = {n: b.detach().clone() for n, b in model.named_buffers()}  # compared after, and put back
+    was = model.training
+    try:
+        with torch.no_grad():
+            model.train(True)
             model(x)
-        finally:
-            model.train(was)
         for n, b in model.named_buffers():
             owner, _, leaf = n.rpartition(".")
             if isinstance(mods.get(owner), _BN) and leaf in _BN_BUFFERS:
                 continue
             if n in before and not (before[n].shape == b.shape and torch.equal(before[n], b)):
                 return f"buffer {n!r} ({b.dtype}) of {module_where(mods[owner]) if owner else module_where(model)}"
-    return ""
+        return ""
+    finally:
+        model.train(was)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in before and before[n].shape == b.shape:
+                    b.copy_(before[n])
 
 
 _READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
